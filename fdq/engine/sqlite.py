@@ -1,0 +1,1555 @@
+"""The embedded engine: FoundationDB's Python API on one SQLite file.
+
+A stand-in for the subset of the ``fdb`` binding FDQ uses, with FDB's semantics, so code
+that passes here does not break on a cluster (see ``shared/fdb-semantics.md``):
+
+* keys are bytes in memcmp order (``kv``: ``BLOB PRIMARY KEY ... WITHOUT ROWID``);
+* a transaction reads at a read version from a SQLite read snapshot it holds until it
+  commits, resets or is dropped (at most 5 s, then ``transaction_too_old``); writes are
+  buffered (read-your-writes) and applied at commit under SQLite's write lock;
+* optimistic concurrency as FDB's resolver: non-snapshot reads record read conflict
+  ranges, writes record write conflict ranges, and ``txlog`` keeps every commit's write
+  ranges for 5 s of versions; a commit fails with ``not_committed`` (1020) if a commit
+  after its read version wrote into one of its read ranges;
+* versions advance ~1,000,000 per second of the machine's monotonic clock, strictly
+  increase per commit and start at an arbitrary value; versionstamps are FDB's 10 bytes;
+* FDB's limits (key, value, transaction size, watches), deferred as FDB defers them;
+* watches fire after a commit changes the key, in any process on the machine;
+* fault injection: retryable errors before commit, ``commit_unknown_result`` after a real
+  commit, version jumps of 100,000,000 as an FDB recovery.
+"""
+from __future__ import annotations
+
+import bisect
+import os
+import random
+import sqlite3
+import struct
+import threading
+import time
+import weakref
+
+import msgpack
+
+from ..errors import EngineError, is_retryable
+from .futures import Future, Key, Value, VersionstampFuture
+
+# The engine's own clock: captured at import, so a process that skews ``time.time`` or
+# patches ``time.monotonic`` (clock-skew tests) does not move database versions.
+# CLOCK_MONOTONIC is one clock for every process of the machine.
+_clock = time.monotonic
+_sleep = time.sleep
+
+VERSIONS_PER_SECOND = 1_000_000
+MVCC_WINDOW_VERSIONS = 5_000_000
+MVCC_WINDOW_S = 5.0
+RECOVERY_JUMP_VERSIONS = 100_000_000
+
+KEY_SIZE_LIMIT = 10_000
+SYSTEM_KEY_SIZE_LIMIT = 30_000
+VALUE_SIZE_LIMIT = 100_000
+TRANSACTION_SIZE_LIMIT = 10_000_000
+DEFAULT_MAX_WATCHES = 10_000
+ENTRY_OVERHEAD_BYTES = 24  # FDB adds a few dozen bytes of struct overhead per entry
+
+WATCH_POLL_S = 0.001  # cross-process watch latency: about this, plus scheduling
+LOCK_WAIT_S = 10.0
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS kv (key BLOB PRIMARY KEY, value BLOB NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS txlog (version INTEGER PRIMARY KEY, clock REAL NOT NULL,
+                                  ranges BLOB NOT NULL);
+"""
+
+_SYNC_MODES = {"OFF", "NORMAL", "FULL", "EXTRA"}
+_leaked_after_fork = []  # connections inherited over fork(): never touched, never closed
+
+
+def _key(k) -> bytes:
+    """Coerce a key or value to bytes as FDB does: bytes or as_foundationdb_key()."""
+    if type(k) is bytes:
+        return k
+    f = getattr(k, "as_foundationdb_key", None)
+    if f is not None:
+        return f()
+    if isinstance(k, (bytearray, memoryview)):
+        return bytes(k)
+    raise TypeError(f"Key must be of type bytes, not {type(k).__name__}")
+
+
+def _value(v) -> bytes:
+    if type(v) is bytes:
+        return v
+    f = getattr(v, "as_foundationdb_value", None)
+    if f is not None:
+        return f()
+    if isinstance(v, (bytearray, memoryview)):
+        return bytes(v)
+    raise TypeError(f"Value must be of type bytes, not {type(v).__name__}")
+
+
+def strinc(key: bytes) -> bytes:
+    """The first key after every key starting with ``key`` (FDB's strinc)."""
+    key = key.rstrip(b"\xff")
+    if not key:
+        raise ValueError("Key must contain at least one byte not equal to 0xFF")
+    return key[:-1] + bytes([key[-1] + 1])
+
+
+class KeySelector:
+    """As ``fdb.KeySelector``: the last key < key (<= if or_equal), then offset keys on."""
+
+    __slots__ = ("key", "or_equal", "offset")
+
+    def __init__(self, key, or_equal, offset):
+        self.key = key
+        self.or_equal = or_equal
+        self.offset = offset
+
+    def __add__(self, offset):
+        return KeySelector(self.key, self.or_equal, self.offset + offset)
+
+    def __sub__(self, offset):
+        return KeySelector(self.key, self.or_equal, self.offset - offset)
+
+    @classmethod
+    def last_less_than(cls, key):
+        return cls(key, False, 0)
+
+    @classmethod
+    def last_less_or_equal(cls, key):
+        return cls(key, True, 0)
+
+    @classmethod
+    def first_greater_than(cls, key):
+        return cls(key, True, 1)
+
+    @classmethod
+    def first_greater_or_equal(cls, key):
+        return cls(key, False, 1)
+
+    def __repr__(self):
+        return f"KeySelector({self.key!r}, {self.or_equal!r}, {self.offset!r})"
+
+
+class KeyValue:
+    """As ``fdb.KeyValue``: ``.key``, ``.value`` (plain bytes), ``k, v = kv``."""
+
+    __slots__ = ("key", "value")
+
+    def __init__(self, key, value):
+        self.key = key
+        self.value = value
+
+    def __iter__(self):
+        yield self.key
+        yield self.value
+
+    def __repr__(self):
+        return f"{self.key!r}: {self.value!r}"
+
+
+class StreamingMode:
+    want_all = -2
+    iterator = -1
+    exact = 0
+    small = 1
+    medium = 2
+    large = 3
+    serial = 4
+
+
+# ---------------------------------------------------------------------------------
+# Atomic operations (Atomic.h), on bytes: existing value (None = absent) and param.
+
+
+def _le_int(b: bytes, n: int) -> int:
+    return int.from_bytes(b[:n].ljust(n, b"\x00"), "little")
+
+
+def _op_add(old, p):
+    if not old:
+        return p
+    n = len(p)
+    return ((_le_int(old, n) + int.from_bytes(p, "little")) % (1 << (8 * n))).to_bytes(n, "little") if n else b""
+
+
+def _bitwise(fn, empty_as_zero=False):
+    def op(old, p):
+        if old is None or (not old and not empty_as_zero):
+            return p
+        n = len(p)
+        a = old[:n].ljust(n, b"\x00")
+        return bytes(fn(x, y) for x, y in zip(a, p))
+    return op
+
+
+def _op_max(old, p):
+    if not old:
+        return p
+    n = len(p)
+    a = old[:n].ljust(n, b"\x00")
+    return a if int.from_bytes(a, "little") > int.from_bytes(p, "little") else p
+
+
+def _op_min(old, p):
+    if old is None:
+        return p
+    n = len(p)
+    a = old[:n].ljust(n, b"\x00")
+    return a if int.from_bytes(a, "little") < int.from_bytes(p, "little") else p
+
+
+def _op_byte_max(old, p):
+    return p if old is None else max(old, p)
+
+
+def _op_byte_min(old, p):
+    return p if old is None else min(old, p)
+
+
+def _op_append(old, p):
+    if not old:
+        return p
+    return old + p if len(old) + len(p) <= VALUE_SIZE_LIMIT else old
+
+
+def _op_compare_and_clear(old, p):
+    return None if old is None or old == p else old
+
+
+_ATOMIC = {
+    "add": _op_add,
+    "bit_and": _bitwise(lambda x, y: x & y, empty_as_zero=True),
+    "bit_or": _bitwise(lambda x, y: x | y),
+    "bit_xor": _bitwise(lambda x, y: x ^ y),
+    "max": _op_max,
+    "min": _op_min,
+    "byte_max": _op_byte_max,
+    "byte_min": _op_byte_min,
+    "append_if_fits": _op_append,
+    "compare_and_clear": _op_compare_and_clear,
+}
+
+
+def _apply_ops(base, ops):
+    for name, param in ops:
+        base = _ATOMIC[name](base, param)
+    return base
+
+
+# ---------------------------------------------------------------------------------
+# Range sets: sorted, non-overlapping [begin, end) lists.
+
+
+def _merge_ranges(ranges):
+    out = []
+    for b, e in sorted(ranges):
+        if out and b <= out[-1][1]:
+            if e > out[-1][1]:
+                out[-1][1] = e
+        else:
+            out.append([b, e])
+    return out
+
+
+def _overlaps(merged_begins, merged_ends, b, e) -> bool:
+    j = bisect.bisect_right(merged_ends, b)
+    return j < len(merged_begins) and merged_begins[j] < e
+
+
+# ---------------------------------------------------------------------------------
+# Per-process store: the SQLite connections of one Database.
+
+
+class _Store:
+    def __init__(self, path: str, synchronous: str):
+        self.path = path
+        self.synchronous = synchronous
+        self.pid = os.getpid()
+        self.write_lock = threading.Lock()
+        self.pool_lock = threading.Lock()
+        self.pool = []
+        self.writer = self._open()
+        self.commits_since_prune = 0
+
+    def _open(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
+                               timeout=LOCK_WAIT_S)
+        conn.execute(f"PRAGMA synchronous={self.synchronous}")
+        return conn
+
+    def acquire_reader(self) -> sqlite3.Connection:
+        with self.pool_lock:
+            if self.pool:
+                return self.pool.pop()
+        return self._open()
+
+    def release_reader(self, conn: sqlite3.Connection):
+        try:
+            conn.execute("COMMIT")
+        except sqlite3.Error:
+            conn.close()
+            return
+        with self.pool_lock:
+            if len(self.pool) < 16:
+                self.pool.append(conn)
+                return
+        conn.close()
+
+    def begin_immediate(self):
+        """Take SQLite's write lock. Spins with short sleeps (SQLite's own busy
+        handler sleeps 1 ms, 2 ms, 5 ms, ... which caps a 2-process write rate)."""
+        deadline = None
+        delay = 0.00005
+        while True:
+            try:
+                self.writer.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) and "busy" not in str(e):
+                    raise
+            now = _clock()
+            if deadline is None:
+                deadline = now + LOCK_WAIT_S
+            elif now > deadline:
+                raise EngineError(1038, "database is locked by another process for over "
+                                        f"{LOCK_WAIT_S:.0f} s")
+            _sleep(delay)
+            delay = min(delay * 2, 0.002)
+
+
+def _version_at(last: int, last_clock: float, now: float) -> int:
+    elapsed = now - last_clock
+    return last + int(elapsed * VERSIONS_PER_SECOND) if elapsed > 0 else last
+
+
+# ---------------------------------------------------------------------------------
+# Watches
+
+
+class _WatchManager:
+    """Watches registered after commit; one thread per Database and process polls
+    ``PRAGMA data_version`` (changes on any other connection's commit) and re-reads the
+    watched keys. Commits in this process wake it at once."""
+
+    def __init__(self, db: "Database"):
+        self.db_ref = weakref.ref(db)
+        self.path = db._path
+        self.cond = threading.Condition()
+        self.watches = {}  # key -> list of (baseline, future)
+        self.count = 0
+        self.thread = None
+        self.kick = False
+
+    def register(self, key: bytes, baseline, future: Future):
+        with self.cond:
+            self.watches.setdefault(key, []).append((baseline, future))
+            self.count += 1
+            future._on_cancel = self._cancelled
+            self.kick = True
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="fdq-watches", daemon=True)
+                self.thread.start()
+            self.cond.notify()
+
+    def _cancelled(self, future):
+        with self.cond:
+            for key, lst in list(self.watches.items()):
+                for item in lst:
+                    if item[1] is future:
+                        lst.remove(item)
+                        self.count -= 1
+                        if not lst:
+                            del self.watches[key]
+                        return
+
+    def notify_commit(self):
+        if self.count:
+            with self.cond:
+                self.kick = True
+                self.cond.notify()
+
+    def _run(self):
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        last_dv = None
+        try:
+            while True:
+                with self.cond:
+                    if not self.watches:
+                        self.thread = None
+                        return
+                    if not self.kick:
+                        self.cond.wait(WATCH_POLL_S)
+                    kicked, self.kick = self.kick, False
+                    keys = list(self.watches)
+                dv = conn.execute("PRAGMA data_version").fetchone()[0]
+                if dv == last_dv and not kicked:
+                    continue
+                last_dv = dv
+                current = {}
+                for i in range(0, len(keys), 500):
+                    chunk = keys[i:i + 500]
+                    q = "SELECT key, value FROM kv WHERE key IN (%s)" % ",".join("?" * len(chunk))
+                    current.update(conn.execute(q, chunk).fetchall())
+                fired = []
+                with self.cond:
+                    for key in keys:
+                        lst = self.watches.get(key)
+                        if not lst:
+                            continue
+                        now = current.get(key)
+                        keep = [(b, f) for b, f in lst if b == now and not f.is_ready()]
+                        fired += [f for b, f in lst if b != now]
+                        self.count -= len(lst) - len(keep)
+                        if keep:
+                            self.watches[key] = keep
+                        else:
+                            del self.watches[key]
+                for f in fired:
+                    f._resolve(None)
+        finally:
+            conn.close()
+
+
+# ---------------------------------------------------------------------------------
+# Options
+
+
+class _TransactionOptions:
+    def __init__(self, tr: "Transaction"):
+        self._tr = tr
+
+    def set_timeout(self, ms):
+        self._tr._timeout_ms = int(ms)
+
+    def set_retry_limit(self, n):
+        self._tr._retry_limit = int(n)
+
+    def set_max_retry_delay(self, ms):
+        self._tr._max_retry_delay_ms = int(ms)
+
+    def set_size_limit(self, n):
+        n = int(n)
+        if not 32 <= n <= TRANSACTION_SIZE_LIMIT:
+            raise EngineError(2006, f"size_limit must be 32..{TRANSACTION_SIZE_LIMIT}")
+        self._tr._size_limit = n
+
+    def set_read_your_writes_disable(self):
+        self._tr._ryw_disabled = True
+
+    def set_snapshot_ryw_disable(self):
+        self._tr._snapshot_ryw -= 1
+
+    def set_snapshot_ryw_enable(self):
+        self._tr._snapshot_ryw += 1
+
+    def set_access_system_keys(self):
+        self._tr._system_keys = True
+
+    def set_read_system_keys(self):
+        self._tr._system_keys = True
+
+    def set_next_write_no_write_conflict_range(self):
+        self._tr._next_write_no_conflict = True
+
+    def set_bypass_unreadable(self):
+        self._tr._bypass_unreadable = True
+
+    def set_automatic_idempotency(self):
+        pass  # commit_unknown_result is injected only by fault injection here
+
+    def _noop(self, *args):
+        pass
+
+    # Options that change scheduling or tracing on a cluster and nothing here.
+    set_priority_batch = set_priority_system_immediate = set_causal_read_risky = _noop
+    set_causal_write_risky = set_lock_aware = set_read_lock_aware = _noop
+    set_debug_transaction_identifier = set_log_transaction = set_tag = set_auto_throttle_tag = _noop
+    set_read_priority_low = set_read_priority_normal = set_read_priority_high = _noop
+    set_use_grv_cache = set_report_conflicting_keys = set_transaction_logging_max_field_length = _noop
+
+
+class _DatabaseOptions:
+    def __init__(self, db: "Database"):
+        self._db = db
+
+    def set_transaction_timeout(self, ms):
+        self._db._defaults["timeout_ms"] = int(ms)
+
+    def set_transaction_retry_limit(self, n):
+        self._db._defaults["retry_limit"] = int(n)
+
+    def set_transaction_max_retry_delay(self, ms):
+        self._db._defaults["max_retry_delay_ms"] = int(ms)
+
+    def set_transaction_size_limit(self, n):
+        self._db._defaults["size_limit"] = int(n)
+
+    def set_max_watches(self, n):
+        n = int(n)
+        if not 0 <= n <= 1_000_000:
+            raise EngineError(2006, "max_watches must be 0..1,000,000")
+        self._db._max_watches = n
+
+    def _noop(self, *args):
+        pass
+
+    set_location_cache_size = set_datacenter_id = set_machine_id = _noop
+    set_transaction_causal_read_risky = set_transaction_logging_max_field_length = _noop
+    set_snapshot_ryw_enable = set_snapshot_ryw_disable = _noop
+
+
+# ---------------------------------------------------------------------------------
+# Database
+
+
+class Database:
+    """An embedded database: FDB's ``Database`` API over one SQLite file.
+
+    Open it with ``fdq.connect("sqlite:///path.db")``. Safe to share between threads and
+    between processes (each opens the file; a forked child reopens its connections).
+    """
+
+    def __init__(self, path: str, *, synchronous: str = "NORMAL",
+                 fault_injection: float = 0.0, seed: int | None = None):
+        synchronous = synchronous.upper()
+        if synchronous not in _SYNC_MODES:
+            raise ValueError(f"synchronous must be one of {sorted(_SYNC_MODES)}")
+        if not 0.0 <= fault_injection <= 1.0:
+            raise ValueError("fault_injection must be a probability in [0, 1]")
+        self._path = path
+        self._synchronous = synchronous
+        self._fault_p = fault_injection
+        self._seed = seed
+        self._rng = random.Random(seed)
+        self._rng_lock = threading.Lock()
+        self._defaults = {}
+        self._max_watches = DEFAULT_MAX_WATCHES
+        self.options = _DatabaseOptions(self)
+        self._init_lock = threading.Lock()
+        self._store = None
+        self._watches = None
+        self._init_file()
+
+    def _init_file(self):
+        conn = sqlite3.connect(self._path, isolation_level=None, timeout=LOCK_WAIT_S)
+        try:
+            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode.lower() != "wal":
+                raise sqlite3.OperationalError(f"cannot enable WAL (journal_mode={mode})")
+            conn.executescript(_SCHEMA)
+            conn.execute("BEGIN IMMEDIATE")
+            if conn.execute("SELECT 1 FROM txlog LIMIT 1").fetchone() is None:
+                # Versions start at an arbitrary value: code must not take them for time.
+                start = random.SystemRandom().randrange(10**9, 10**13)
+                conn.execute("INSERT INTO txlog VALUES (?, ?, ?)", (start, _clock(), b""))
+            conn.execute("COMMIT")
+        finally:
+            conn.close()
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    def _get_store(self) -> _Store:
+        store = self._store
+        if store is None or store.pid != os.getpid():
+            with self._init_lock:
+                store = self._store
+                if store is None or store.pid != os.getpid():
+                    if store is not None:  # forked: never use or close the parent's
+                        _leaked_after_fork.append(store)
+                        self._watches = None
+                    store = self._store = _Store(self._path, self._synchronous)
+        return store
+
+    def _watch_manager(self) -> _WatchManager:
+        self._get_store()
+        if self._watches is None:
+            with self._init_lock:
+                if self._watches is None:
+                    self._watches = _WatchManager(self)
+        return self._watches
+
+    def _fault(self, p_scale: float = 1.0) -> bool:
+        if not self._fault_p:
+            return False
+        with self._rng_lock:
+            return self._rng.random() < self._fault_p * p_scale
+
+    def create_transaction(self) -> "Transaction":
+        return Transaction(self)
+
+    # Auto-transaction conveniences, as FDB's Database.
+    def _auto(self, fn):
+        tr = self.create_transaction()
+        while True:
+            try:
+                result = fn(tr)
+                tr.commit().wait()
+                return result
+            except EngineError as e:
+                tr.on_error(e).wait()
+
+    def get(self, key):
+        return self._auto(lambda tr: tr.get(key).value)
+
+    __getitem__ = None  # set below (slices need a function)
+
+    def set(self, key, value):
+        self._auto(lambda tr: tr.set(key, value))
+
+    __setitem__ = set
+
+    def clear(self, key):
+        self._auto(lambda tr: tr.clear(key))
+
+    __delitem__ = None
+
+    def get_range(self, begin, end, limit=0, reverse=False, streaming_mode=StreamingMode.want_all):
+        return self._auto(lambda tr: list(tr.get_range(begin, end, limit, reverse)))
+
+    def get_range_startswith(self, prefix, *args, **kwargs):
+        return self._auto(lambda tr: list(tr.get_range_startswith(prefix, *args, **kwargs)))
+
+    def get_key(self, selector):
+        return self._auto(lambda tr: tr.get_key(selector).value)
+
+    def clear_range(self, begin, end):
+        self._auto(lambda tr: tr.clear_range(begin, end))
+
+    def clear_range_startswith(self, prefix):
+        self._auto(lambda tr: tr.clear_range_startswith(prefix))
+
+    def watch(self, key):
+        holder = []
+
+        def body(tr):
+            holder[:] = [tr.watch(key)]
+        self._auto(body)
+        return holder[0]
+
+    def __repr__(self):
+        return f"<fdq embedded Database {self._path!r}>"
+
+
+def _db_getitem(self, key):
+    if isinstance(key, slice):
+        return self.get_range(key.start, key.stop, reverse=key.step == -1)
+    return self.get(key)
+
+
+def _db_delitem(self, key):
+    if isinstance(key, slice):
+        return self.clear_range(key.start, key.stop)
+    return self.clear(key)
+
+
+Database.__getitem__ = _db_getitem
+Database.__delitem__ = _db_delitem
+
+for _name in _ATOMIC:
+    def _make(name):
+        def op(self, key, param):
+            self._auto(lambda tr: getattr(tr, name)(key, param))
+        op.__name__ = name
+        return op
+    setattr(Database, _name, _make(_name))
+    if not _name.startswith(("bit_", "byte_")) and _name not in ("append_if_fits", "compare_and_clear"):
+        setattr(Database, "bit_" + _name, getattr(Database, _name))
+
+
+# ---------------------------------------------------------------------------------
+# Transactions
+
+_SET, _CLEAR, _ATOMIC_OPS, _VSVALUE = 0, 1, 2, 3
+
+
+class _Range:
+    """As ``fdb.impl.FDBRange``: re-iterable, lazy after the first batch; records its
+    read conflict range batch by batch (FDB's rule: a read that returned everything
+    covers [begin, end); one stopped early covers up to its last key)."""
+
+    def __init__(self, tr, begin, end, limit, reverse, snapshot):
+        self._tr = tr
+        self._begin = begin
+        self._end = end
+        self._limit = limit
+        self._reverse = reverse
+        self._snapshot = snapshot
+        self._rows = []
+        self._done = False
+        self._gen = tr._merged_range(begin, end, reverse)
+        self._conflict = None
+        if not snapshot and begin < end:
+            self._conflict = [begin, begin] if not reverse else [end, end]
+            tr._read_ranges.append(self._conflict)
+        self._fill(limit if 0 < limit < 1000 else 100)
+
+    def _fill(self, n):
+        rows = self._rows
+        limit = self._limit
+        got = 0
+        for kv in self._gen:
+            rows.append(kv)
+            got += 1
+            if limit and len(rows) >= limit:
+                self._gen = None
+                self._done = True
+                break
+            if got >= n:
+                break
+        else:
+            self._gen = None
+            self._done = True
+            if self._conflict is not None:  # returned everything: the whole range
+                self._conflict[0], self._conflict[1] = self._begin, self._end
+                return
+        if self._conflict is not None and rows:
+            if not self._reverse:
+                self._conflict[1] = rows[-1].key + b"\x00"
+            else:
+                self._conflict[0] = rows[-1].key
+                self._conflict[1] = self._end
+
+    def __iter__(self):
+        i = 0
+        batch = 256
+        while True:
+            while i < len(self._rows):
+                yield self._rows[i]
+                i += 1
+            if self._done:
+                return
+            self._tr._check_use()
+            self._fill(batch)
+            batch = min(batch * 2, 8192)
+
+    def to_list(self):
+        return list(self)
+
+    def __getitem__(self, i):  # convenience; FDB's FDBRange has none
+        return self.to_list()[i]
+
+
+class _ReadView:
+    """Reads shared by Transaction and its snapshot view."""
+
+    _snap = False
+
+    def get(self, key) -> Value:
+        tr = self._tr
+        try:
+            key = _key(key)
+            tr._check_read(key)
+            v = tr._get(key, self._snap)
+        except EngineError as e:
+            return Value(None, e)
+        return Value(v)
+
+    def get_key(self, selector) -> Key:
+        tr = self._tr
+        try:
+            if not isinstance(selector, KeySelector) and not hasattr(selector, "or_equal"):
+                raise TypeError("get_key takes a KeySelector")
+            tr._check_use()
+            return Key(tr._resolve(selector, self._snap))
+        except EngineError as e:
+            return Key(None, e)
+
+    def get_range(self, begin, end, limit=0, reverse=False, streaming_mode=StreamingMode.iterator):
+        tr = self._tr
+        tr._check_use()
+        limit = int(limit or 0)
+        if limit < 0:
+            raise EngineError(2006, "limit must be >= 0")
+        b = tr._range_bound(begin, b"", self._snap)
+        e = tr._range_bound(end, tr._max_key(), self._snap)
+        tr._check_read_range(b, e)
+        return _Range(tr, b, e, limit, bool(reverse), self._snap)
+
+    def get_range_startswith(self, prefix, *args, **kwargs):
+        prefix = _key(prefix)
+        return self.get_range(prefix, strinc(prefix), *args, **kwargs)
+
+    def get_read_version(self) -> Future:
+        tr = self._tr
+        try:
+            tr._check_use()
+            tr._ensure_snapshot()
+            return Future.ready(tr._rv)
+        except EngineError as e:
+            return Future.ready(None, e)
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            return self.get_range(key.start, key.stop, reverse=(key.step == -1))
+        return self.get(key)
+
+    def get_estimated_range_size_bytes(self, begin, end) -> Future:
+        tr = self._tr
+        conn = tr._conn_for_metadata()
+        b, e = _key(begin), _key(end)
+        row = conn.execute("SELECT count(*), coalesce(sum(length(key) + length(value)), 0) "
+                           "FROM kv WHERE key >= ? AND key < ?", (b, e)).fetchone()
+        return Future.ready(int(row[1]))
+
+    def get_range_split_points(self, begin, end, chunk_size) -> Future:
+        if begin is None or end is None:
+            raise Exception("begin and end must be keys")
+        chunk_size = int(chunk_size)
+        if chunk_size <= 0:
+            raise Exception("chunk_size must be positive")
+        tr = self._tr
+        b, e = _key(begin), _key(end)
+        conn = tr._conn_for_metadata()
+        points = [b]
+        # Average row size from a sample, then step by whole chunks of rows in C.
+        sample = conn.execute("SELECT avg(length(key) + length(value)) FROM "
+                              "(SELECT key, value FROM kv WHERE key >= ? AND key < ? LIMIT 1000)",
+                              (b, e)).fetchone()[0]
+        if sample:
+            step = max(1, int(chunk_size // max(sample, 1)))
+            cur = b
+            while True:
+                row = conn.execute("SELECT key FROM kv WHERE key > ? AND key < ? ORDER BY key "
+                                   "LIMIT 1 OFFSET ?", (cur, e, step - 1)).fetchone()
+                if row is None:
+                    break
+                cur = row[0]
+                points.append(cur)
+        if points[-1] != e:
+            points.append(e)
+        return Future.ready(points)
+
+
+class _Snapshot(_ReadView):
+    """``tr.snapshot``: the same reads, recording no read conflicts."""
+
+    _snap = True
+
+    def __init__(self, tr):
+        self._tr = tr
+
+    @property
+    def db(self):
+        return self._tr.db
+
+    @property
+    def options(self):
+        return self._tr.options
+
+
+class Transaction(_ReadView):
+    """As ``fdb.Transaction``. Created by ``db.create_transaction()``."""
+
+    def __init__(self, db: Database):
+        self.db = db
+        self._tr = self
+        self.options = _TransactionOptions(self)
+        self.snapshot = _Snapshot(self)
+        self._conn = None
+        self._timeout_ms = db._defaults.get("timeout_ms", 0)
+        self._retry_limit = db._defaults.get("retry_limit", -1)
+        self._max_retry_delay_ms = db._defaults.get("max_retry_delay_ms", 1000)
+        self._created = _clock()
+        self._retries = 0
+        self._backoff = 0.01
+        self._reset_state()
+
+    def _reset_state(self):
+        self._release()
+        self._rv = None
+        self._rv_clock = None
+        self._writes = {}
+        self._sorted_keys = None
+        self._clears = []        # merged [begin, end) cleared ranges
+        self._clear_begins = []
+        self._read_ranges = []
+        self._write_ranges = []
+        self._vs_keys = []       # (key with placeholder, offset, value)
+        self._unreadable = []    # [begin, end) unreadable until commit (versionstamped keys)
+        self._mutation_bytes = 0
+        self._mutations = 0
+        self._deferred = None
+        self._pending_watches = []
+        self._vs_future = VersionstampFuture()
+        self._committed_version = None
+        self._state = "open"    # open | committing | committed | cancelled
+        self._size_limit = self.db._defaults.get("size_limit", TRANSACTION_SIZE_LIMIT)
+        self._ryw_disabled = False
+        self._snapshot_ryw = 0
+        self._system_keys = False
+        self._next_write_no_conflict = False
+        self._bypass_unreadable = False
+
+    def __del__(self):
+        try:
+            self._release()
+            for _key_, _base, f in getattr(self, "_pending_watches", ()):
+                f._resolve(None, EngineError(1025))
+        except Exception:
+            pass
+
+    # -- snapshot management -------------------------------------------------------
+
+    def _release(self):
+        conn = getattr(self, "_conn", None)
+        if conn is not None:
+            self._conn = None
+            store = self.db._store
+            if store is not None and store.pid == os.getpid():
+                store.release_reader(conn)
+
+    def _ensure_snapshot(self):
+        if self._conn is None:
+            if self._rv is not None:
+                # The snapshot was released (too old): FDB fails such reads.
+                raise EngineError(1007)
+            store = self.db._get_store()
+            conn = store.acquire_reader()
+            now = _clock()  # before the snapshot: a commit after it gets a higher version
+            conn.execute("BEGIN")
+            row = conn.execute("SELECT version, clock FROM txlog ORDER BY version DESC LIMIT 1").fetchone()
+            self._conn = conn
+            self._rv = _version_at(row[0], row[1], now)
+            self._rv_clock = now
+        elif _clock() - self._rv_clock > MVCC_WINDOW_S:
+            self._release()
+            raise EngineError(1007)
+        return self._conn
+
+    def _conn_for_metadata(self):
+        self._check_use()
+        return self._ensure_snapshot()
+
+    # -- checks --------------------------------------------------------------------
+
+    def _check_use(self):
+        if self._state != "open":
+            if self._state == "cancelled":
+                raise EngineError(1025)
+            raise EngineError(2017)
+        if self._timeout_ms and (_clock() - self._created) * 1000 > self._timeout_ms:
+            self._state = "cancelled"
+            raise EngineError(1031)
+        if self._deferred is not None:
+            raise self._deferred
+
+    def _max_key(self):
+        return b"\xff\xff" if self._system_keys else b"\xff"
+
+    def _check_read(self, key):
+        self._check_use()
+        if key >= self._max_key() and key != b"\xff/metadataVersion":
+            raise EngineError(2004)
+        if self._unreadable and not self._bypass_unreadable:
+            for b, e in self._unreadable:
+                if b <= key < e:
+                    raise EngineError(1036)
+
+    def _check_read_range(self, b, e):
+        if self._unreadable and not self._bypass_unreadable:
+            for ub, ue in self._unreadable:
+                if ub < e and b < ue:
+                    raise EngineError(1036)
+
+    def _range_bound(self, k, default, snap):
+        if k is None:
+            return default
+        if isinstance(k, KeySelector) or hasattr(k, "or_equal"):
+            return self._resolve(k, snap)
+        k = _key(k)
+        if k > self._max_key():
+            raise EngineError(2004)
+        return k
+
+    def _defer(self, code, message):
+        if self._deferred is None:
+            self._deferred = EngineError(code, message)
+
+    def _check_write_key(self, key):
+        limit = SYSTEM_KEY_SIZE_LIMIT if key.startswith(b"\xff") else KEY_SIZE_LIMIT
+        if len(key) > limit:
+            self._defer(2102, f"Key length {len(key):,} exceeds limit ({limit:,} bytes)")
+            return False
+        if key >= b"\xff" and not self._system_keys:
+            self._defer(2004, "Key outside legal range (keys >= b'\\xff' need access_system_keys)")
+            return False
+        return True
+
+    def _check_value(self, value):
+        if len(value) > VALUE_SIZE_LIMIT:
+            self._defer(2103, f"Value length {len(value):,} exceeds limit ({VALUE_SIZE_LIMIT:,} bytes)")
+            return False
+        return True
+
+    # -- reads ---------------------------------------------------------------------
+
+    def _db_get(self, key):
+        row = self._ensure_snapshot().execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
+        return None if row is None else row[0]
+
+    def _in_clears(self, key):
+        i = bisect.bisect_right(self._clear_begins, key) - 1
+        if i >= 0 and key < self._clears[i][1]:
+            return self._clears[i]
+        return None
+
+    def _entry_value(self, key, entry, db_value=...):
+        kind, data = entry
+        if kind == _SET:
+            return data
+        if kind == _CLEAR:
+            return None
+        if kind == _VSVALUE:
+            if self._bypass_unreadable:
+                return None
+            raise EngineError(1036)
+        if db_value is ...:
+            db_value = self._db_get(key)
+        return _apply_ops(db_value, data)
+
+    def _get(self, key, snap):
+        ryw = not self._ryw_disabled and not (snap and self._snapshot_ryw < 0)
+        entry = self._writes.get(key) if ryw else None
+        if entry is not None:
+            if entry[0] == _ATOMIC_OPS and not snap:
+                self._read_ranges.append([key, key + b"\x00"])
+            return self._entry_value(key, entry)
+        if not snap:
+            self._read_ranges.append([key, key + b"\x00"])
+        if ryw and self._clears and self._in_clears(key):
+            return None
+        return self._db_get(key)
+
+    def _db_iter(self, b, e, reverse, skip_clears):
+        """Rows of the snapshot in [b, e), skipping this transaction's cleared ranges."""
+        conn = self._ensure_snapshot()
+        batch = 64
+        lo, hi = b, e
+        q = ("SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key %s LIMIT ?"
+             % ("DESC" if reverse else "ASC"))
+        while lo < hi:
+            rows = conn.execute(q, (lo, hi, batch)).fetchall()
+            for k, v in rows:
+                if skip_clears and self._clears:
+                    c = self._in_clears(k)
+                    if c is not None:  # seek past the cleared range
+                        if reverse:
+                            hi = c[0]
+                        else:
+                            lo = c[1]
+                        break
+                yield k, v
+            else:
+                if len(rows) < batch:
+                    return
+                if reverse:
+                    hi = rows[-1][0]
+                else:
+                    lo = rows[-1][0] + b"\x00"
+                batch = min(batch * 4, 4096)
+                continue
+            if self._conn is None:
+                return
+
+    def _merged_range(self, b, e, reverse):
+        ryw = not self._ryw_disabled
+        writes = self._writes if ryw else {}
+        if writes:
+            if self._sorted_keys is None:
+                self._sorted_keys = sorted(writes)
+            sk = self._sorted_keys
+            i, j = bisect.bisect_left(sk, b), bisect.bisect_left(sk, e)
+            wkeys = sk[i:j]
+            if reverse:
+                wkeys.reverse()
+        else:
+            wkeys = []
+        dbit = self._db_iter(b, e, reverse, ryw and bool(self._clears))
+        wi = 0
+        nw = len(wkeys)
+        for k, v in dbit:
+            while wi < nw and (wkeys[wi] < k if not reverse else wkeys[wi] > k):
+                wk = wkeys[wi]
+                wi += 1
+                wv = self._entry_value(wk, writes[wk])
+                if wv is not None:
+                    yield KeyValue(wk, wv)
+            if wi < nw and wkeys[wi] == k:
+                wi += 1
+                wv = self._entry_value(k, writes[k], v)
+                if wv is not None:
+                    yield KeyValue(k, wv)
+            else:
+                yield KeyValue(k, v)
+        while wi < nw:
+            wk = wkeys[wi]
+            wi += 1
+            wv = self._entry_value(wk, writes[wk])
+            if wv is not None:
+                yield KeyValue(wk, wv)
+
+    def _resolve(self, sel, snap) -> bytes:
+        """Resolve a key selector (FDB's rule), adding the span it read as a conflict."""
+        key = _key(sel.key)
+        offset = sel.offset
+        top = self._max_key()
+        if offset >= 1:
+            start = key + b"\x00" if sel.or_equal else key
+            start = min(start, top)
+            rows = list(self._merged_range(start, top, False)) if start < top else []
+            # Bounded: selectors used by FDQ have small offsets.
+            result = rows[offset - 1].key if len(rows) >= offset else top
+            if not snap:
+                self._read_ranges.append([min(key, result), max(start, result + b"\x00") if result != top else top])
+        else:
+            stop = key + b"\x00" if sel.or_equal else key
+            stop = min(stop, top)
+            n = 1 - offset
+            rows = []
+            for kv in self._merged_range(b"", stop, True):
+                rows.append(kv)
+                if len(rows) >= n:
+                    break
+            result = rows[n - 1].key if len(rows) >= n else b""
+            if not snap:
+                self._read_ranges.append([result, max(stop, result + b"\x00")])
+        return result
+
+    # -- writes --------------------------------------------------------------------
+
+    def _note_write(self, key, end=None):
+        if self._next_write_no_conflict:
+            self._next_write_no_conflict = False
+            return
+        self._write_ranges.append((key, end if end is not None else key + b"\x00"))
+
+    def _put(self, key, entry):
+        if key not in self._writes:
+            self._sorted_keys = None
+        self._writes[key] = entry
+
+    def set(self, key, value):
+        self._check_writable()
+        key, value = _key(key), _value(value)
+        if self._check_write_key(key) & self._check_value(value):
+            self._put(key, (_SET, value))
+            self._note_write(key)
+            self._mutation_bytes += len(key) + len(value) + ENTRY_OVERHEAD_BYTES
+            self._mutations += 1
+            if self._pending_watches:
+                self._touch_watches(key)
+
+    def __setitem__(self, key, value):
+        self.set(key, value)
+
+    def clear(self, key):
+        self._check_writable()
+        key = _key(key)
+        if len(key) > KEY_SIZE_LIMIT and not key.startswith(b"\xff"):
+            return  # clearing an oversized key is a no-op, as FDB
+        if not self._check_write_key(key):
+            return
+        self._put(key, (_CLEAR, None))
+        self._note_write(key)
+        self._mutation_bytes += len(key) + ENTRY_OVERHEAD_BYTES
+        self._mutations += 1
+        if self._pending_watches:
+            self._touch_watches(key)
+
+    def clear_range(self, begin, end):
+        self._check_writable()
+        b = b"" if begin is None else _key(begin)
+        e = self._max_key() if end is None else _key(end)
+        if b > e:
+            self._defer(2005, "clear_range: begin key is larger than end key")
+            return
+        if e > self._max_key():
+            self._defer(2004, "clear_range end outside legal range")
+            return
+        if b == e:
+            return
+        if self._writes:
+            for k in [k for k in self._writes if b <= k < e]:
+                del self._writes[k]
+            self._sorted_keys = None
+        self._clears = _merge_ranges(self._clears + [[b, e]])
+        self._clear_begins = [c[0] for c in self._clears]
+        self._note_write(b, e)
+        self._mutation_bytes += len(b) + len(e) + ENTRY_OVERHEAD_BYTES
+        self._mutations += 1
+        if self._pending_watches:
+            for wk, _b, _f in self._pending_watches:
+                if b <= wk < e:
+                    self._touch_watches(wk)
+
+    def clear_range_startswith(self, prefix):
+        prefix = _key(prefix)
+        self.clear_range(prefix, strinc(prefix))
+
+    def __delitem__(self, key):
+        if isinstance(key, slice):
+            self.clear_range(key.start, key.stop)
+        else:
+            self.clear(key)
+
+    def _atomic(self, name, key, param):
+        self._check_writable()
+        key, param = _key(key), _value(param)
+        if not (self._check_write_key(key) & self._check_value(param)):
+            return
+        entry = self._writes.get(key)
+        if entry is not None and entry[0] == _ATOMIC_OPS:
+            entry[1].append((name, param))
+        elif (entry is not None and entry[0] in (_SET, _CLEAR)) or (
+                entry is None and self._clears and self._in_clears(key)):
+            # The base value is known in the transaction: the result is a plain set.
+            r = _ATOMIC[name](entry[1] if entry is not None else None, param)
+            self._put(key, (_SET, r) if r is not None else (_CLEAR, None))
+        else:
+            self._put(key, (_ATOMIC_OPS, [(name, param)]))
+        self._note_write(key)
+        self._mutation_bytes += len(key) + len(param) + ENTRY_OVERHEAD_BYTES
+        self._mutations += 1
+        if self._pending_watches:
+            self._touch_watches(key)
+
+    def add(self, key, param):
+        self._atomic("add", key, param)
+
+    def bit_and(self, key, param):
+        self._atomic("bit_and", key, param)
+
+    def bit_or(self, key, param):
+        self._atomic("bit_or", key, param)
+
+    def bit_xor(self, key, param):
+        self._atomic("bit_xor", key, param)
+
+    def max(self, key, param):
+        self._atomic("max", key, param)
+
+    def min(self, key, param):
+        self._atomic("min", key, param)
+
+    def byte_max(self, key, param):
+        self._atomic("byte_max", key, param)
+
+    def byte_min(self, key, param):
+        self._atomic("byte_min", key, param)
+
+    def append_if_fits(self, key, param):
+        self._atomic("append_if_fits", key, param)
+
+    def compare_and_clear(self, key, param):
+        self._atomic("compare_and_clear", key, param)
+
+    bit_add, bit_max, bit_min = add, max, min
+
+    def _placeholder_offset(self, data: bytes, what: str):
+        if len(data) < 4:
+            self._defer(2000, f"versionstamped {what} is shorter than its 4-byte offset")
+            return None
+        offset = struct.unpack("<I", data[-4:])[0]
+        if offset + 10 > len(data) - 4:
+            self._defer(2000, f"versionstamp offset {offset} is outside the {what}")
+            return None
+        return offset
+
+    def set_versionstamped_key(self, key, value):
+        self._check_writable()
+        key, value = _key(key), _value(value)
+        offset = self._placeholder_offset(key, "key")
+        if offset is None or not self._check_value(value):
+            return
+        body = key[:-4]
+        if not self._check_write_key(body):
+            return
+        self._vs_keys.append((body, offset, value))
+        # Unreadable until commit: every key the stamp could produce.
+        lo = body[:offset] + (self._rv or 0).to_bytes(8, "big") + b"\x00\x00" + body[offset + 10:]
+        hi = body[:offset] + b"\xff" * 10 + body[offset + 10:] + b"\x00"
+        self._unreadable.append((lo, hi))
+        self._mutation_bytes += len(key) + len(value) + ENTRY_OVERHEAD_BYTES
+        self._mutations += 1
+
+    def set_versionstamped_value(self, key, value):
+        self._check_writable()
+        key, value = _key(key), _value(value)
+        offset = self._placeholder_offset(value, "value")
+        if offset is None:
+            return
+        if key == b"\xff/metadataVersion":
+            pass
+        elif not self._check_write_key(key):
+            return
+        body = value[:-4]
+        if not self._check_value(body):
+            return
+        self._put(key, (_VSVALUE, (body, offset)))
+        self._note_write(key)
+        self._mutation_bytes += len(key) + len(value) + ENTRY_OVERHEAD_BYTES
+        self._mutations += 1
+
+    def add_read_conflict_range(self, begin, end):
+        self._check_use()
+        b, e = _key(begin), _key(end)
+        if b > e:
+            raise EngineError(2005)
+        if b < e:
+            self._read_ranges.append([b, e])
+
+    def add_read_conflict_key(self, key):
+        key = _key(key)
+        self.add_read_conflict_range(key, key + b"\x00")
+
+    def add_write_conflict_range(self, begin, end):
+        self._check_writable()
+        b, e = _key(begin), _key(end)
+        if b > e:
+            raise EngineError(2005)
+        if b < e:
+            self._write_ranges.append((b, e))
+
+    def add_write_conflict_key(self, key):
+        key = _key(key)
+        self.add_write_conflict_range(key, key + b"\x00")
+
+    def _check_writable(self):
+        if self._state != "open":
+            raise EngineError(1025 if self._state == "cancelled" else 2017)
+
+    def get_approximate_size(self) -> Future:
+        return Future.ready(self._approximate_size())
+
+    def _approximate_size(self) -> int:
+        conflicts = sum(len(b) + len(e) + ENTRY_OVERHEAD_BYTES for b, e in self._read_ranges)
+        conflicts += sum(len(b) + len(e) + ENTRY_OVERHEAD_BYTES for b, e in self._write_ranges)
+        return self._mutation_bytes + conflicts
+
+    # -- watches -------------------------------------------------------------------
+
+    def watch(self, key) -> Future:
+        f = Future()
+        try:
+            self._check_use()
+            key = _key(key)
+            if self._ryw_disabled:
+                raise EngineError(1034)
+            mgr = self.db._watch_manager()
+            if mgr.count + len(self._pending_watches) >= self.db._max_watches:
+                raise EngineError(1032, f"Too many watches currently set (limit "
+                                        f"{self.db._max_watches:,} per database)")
+            baseline = self._get(key, False)
+        except EngineError as e:
+            f._resolve(None, e)
+            return f
+        self._pending_watches.append((key, baseline, f))
+        return f
+
+    def _touch_watches(self, key):
+        entry = self._writes.get(key)
+        for wk, base, f in self._pending_watches:
+            if wk == key and not f.is_ready():
+                if entry is None or entry[0] != _SET or entry[1] != base:
+                    f._resolve(None)
+
+    # -- commit --------------------------------------------------------------------
+
+    def commit(self) -> Future:
+        try:
+            self._commit()
+        except EngineError as e:
+            return Future.ready(None, e)
+        return Future.ready(None)
+
+    def _commit(self):
+        self._check_use()
+        self._state = "committing"
+        read_only = not self._writes and not self._clears and not self._vs_keys and not self._write_ranges
+        if read_only:
+            self._release()
+            self._committed_version = -1
+            self._vs_future._resolve(None, EngineError(2021))
+            for key, base, f in self._pending_watches:
+                self._register_watch(key, base, f)
+            self._pending_watches = []
+            self._state = "committed"
+            return
+        try:
+            size = self._approximate_size()
+            if size > self._size_limit:
+                raise EngineError(2101, f"Transaction exceeds byte limit ({self._size_limit:,} bytes; "
+                                        f"this one is ~{size:,})")
+            db = self.db
+            if db._fault():
+                raise EngineError(db._rng.choice((1020, 1020, 1007, 1037)))
+            store = db._get_store()
+            has_reads = bool(self._read_ranges)
+            if has_reads and self._rv is None:
+                self._ensure_snapshot()
+            rv = self._rv
+            self._release()
+            jump = db._fault(0.05)
+            with store.write_lock:
+                store.begin_immediate()
+                try:
+                    version = self._apply(store, rv, has_reads, jump)
+                    store.writer.execute("COMMIT")
+                except BaseException:
+                    if store.writer.in_transaction:
+                        store.writer.execute("ROLLBACK")
+                    raise
+        except EngineError as e:
+            self._fail(e)
+            raise
+        except sqlite3.Error as e:
+            err = EngineError(4100, f"SQLite: {e}")
+            self._fail(err)
+            raise err from e
+        self._committed_version = version
+        self._vs_future._resolve(version.to_bytes(8, "big") + b"\x00\x00")
+        self._state = "committed"
+        watches, self._pending_watches = self._pending_watches, []
+        mgr = db._watches
+        if mgr is not None:
+            mgr.notify_commit()
+        for key, base, f in watches:
+            if not f.is_ready():
+                self._register_watch(key, base, f)
+        if db._fault():
+            raise EngineError(1021)  # after a real commit: the caller cannot know
+
+    def _fail(self, err):
+        self._state = "failed"
+        self._release()
+        self._vs_future._resolve(None, EngineError(2020) if err.code != 2021 else err)
+        for key, base, f in self._pending_watches:
+            f._resolve(None, err)
+        self._pending_watches = []
+
+    def _register_watch(self, key, baseline, f):
+        if f.is_ready():
+            return
+        self.db._watch_manager().register(key, baseline, f)
+
+    def _apply(self, store, rv, has_reads, jump) -> int:
+        w = store.writer
+        last, last_clock = w.execute("SELECT version, clock FROM txlog ORDER BY version DESC LIMIT 1").fetchone()
+        now = _clock()
+        version = max(last + 1, _version_at(last, last_clock, now) + 1)
+        if jump:
+            version += RECOVERY_JUMP_VERSIONS
+        if has_reads:
+            if rv < version - MVCC_WINDOW_VERSIONS:
+                raise EngineError(1007)
+            self._check_conflicts(w, rv)
+        stamp = version.to_bytes(8, "big") + b"\x00\x00"
+        for b, e in self._clears:
+            w.execute("DELETE FROM kv WHERE key >= ? AND key < ?", (b, e))
+        sets, dels = [], []
+        for key, (kind, data) in self._writes.items():
+            if kind == _SET:
+                sets.append((key, data))
+            elif kind == _CLEAR:
+                dels.append((key,))
+            elif kind == _ATOMIC_OPS:
+                row = w.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
+                r = _apply_ops(None if row is None else row[0], data)
+                if r is None:
+                    dels.append((key,))
+                else:
+                    sets.append((key, r))
+            else:  # versionstamped value
+                body, off = data
+                if key == b"\xff/metadataVersion":
+                    continue
+                sets.append((key, body[:off] + stamp + body[off + 10:]))
+        write_ranges = list(self._write_ranges)
+        for body, off, value in self._vs_keys:
+            k = body[:off] + stamp + body[off + 10:]
+            sets.append((k, value))
+            write_ranges.append((k, k + b"\x00"))
+        if dels:
+            w.executemany("DELETE FROM kv WHERE key = ?", dels)
+        if sets:
+            w.executemany("INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)", sets)
+        flat = []
+        for b, e in (_merge_ranges(write_ranges) if len(write_ranges) > 1 else write_ranges):
+            flat += (b, e)
+        w.execute("INSERT INTO txlog VALUES (?, ?, ?)", (version, now, msgpack.packb(flat)))
+        store.commits_since_prune += 1
+        if store.commits_since_prune >= 256:
+            store.commits_since_prune = 0
+            w.execute("DELETE FROM txlog WHERE version < ?", (version - MVCC_WINDOW_VERSIONS - 1,))
+        return version
+
+    def _check_conflicts(self, w, rv):
+        rows = w.execute("SELECT ranges FROM txlog WHERE version > ?", (rv,)).fetchall()
+        if not rows:
+            return
+        merged = _merge_ranges(self._read_ranges)
+        begins = [r[0] for r in merged]
+        ends = [r[1] for r in merged]
+        for (blob,) in rows:
+            flat = msgpack.unpackb(blob)
+            for i in range(0, len(flat), 2):
+                if _overlaps(begins, ends, flat[i], flat[i + 1]):
+                    raise EngineError(1020)
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def get_committed_version(self) -> int:
+        if self._committed_version is None:
+            raise EngineError(2021 if self._state == "open" else 2020)
+        return self._committed_version
+
+    def get_versionstamp(self) -> VersionstampFuture:
+        return self._vs_future
+
+    def reset(self):
+        for _k, _b, f in self._pending_watches:
+            f._resolve(None, EngineError(1025))
+        self._reset_state()
+        self._created = _clock()
+        self._retries = 0
+        self._backoff = 0.01
+
+    def cancel(self):
+        for _k, _b, f in self._pending_watches:
+            f._resolve(None, EngineError(1025))
+        self._pending_watches = []
+        self._release()
+        self._state = "cancelled"
+
+    def on_error(self, error) -> Future:
+        """As FDB: back off and reset for a retryable error, else re-raise it."""
+        code = error if isinstance(error, int) else getattr(error, "code", None)
+        if code is None:
+            raise TypeError("on_error takes an FDB error or its code")
+        err = error if isinstance(error, EngineError) else EngineError(code)
+        if self._state == "cancelled":
+            return Future.ready(None, EngineError(1025))
+        if self._timeout_ms and (_clock() - self._created) * 1000 > self._timeout_ms:
+            self.cancel()
+            return Future.ready(None, EngineError(1031))
+        if not is_retryable(err) or (0 <= self._retry_limit <= self._retries):
+            self.cancel()
+            return Future.ready(None, err)
+        max_delay = self._max_retry_delay_ms / 1000.0
+        if code in (1007, 1009):
+            delay = min(0.01, max_delay)
+        else:
+            delay = min(self._backoff, max_delay) * random.random()
+            self._backoff = min(self._backoff * 2, max_delay)
+        keep = (self._timeout_ms, self._retry_limit, self._max_retry_delay_ms, self._created,
+                self._retries + 1, self._backoff)
+        self._reset_state()
+        (self._timeout_ms, self._retry_limit, self._max_retry_delay_ms, self._created,
+         self._retries, self._backoff) = keep
+        if delay > 0:
+            _sleep(delay)
+        return Future.ready(None)

@@ -1,0 +1,116 @@
+"""Every exception FDQ raises. Callers catch ``FDQError`` (or a subclass) and never
+need to import ``sqlite3`` or ``fdb``."""
+
+
+class FDQError(Exception):
+    """Base of every error FDQ raises."""
+
+
+class ConfigError(FDQError):
+    """An option, URL or configuration value is invalid."""
+
+
+class ConnectError(ConfigError):
+    """The database named by a URL cannot be opened."""
+
+
+class FormatError(FDQError):
+    """The database holds a key layout this version of FDQ cannot use."""
+
+
+class InvalidName(FDQError):
+    """A topic or subscription name breaks the naming rule."""
+
+
+class TopicNotFound(FDQError):
+    """The topic does not exist."""
+
+
+class TopicExists(FDQError):
+    """A topic of that name already exists with another configuration."""
+
+
+class SubscriptionNotFound(FDQError):
+    """The subscription does not exist."""
+
+
+class MessageTooLarge(FDQError):
+    """A message body is larger than the topic allows."""
+
+
+class InvalidMessage(FDQError):
+    """A message or its envelope is malformed (wrong body type, bad delay, ...)."""
+
+
+class InvalidHeader(FDQError):
+    """A message header has a bad name, value or size."""
+
+
+class BacklogFull(FDQError):
+    """The topic's max_backlog would be exceeded; nothing was written."""
+
+
+class LeaseLost(FDQError):
+    """The message's lease or the shard's ownership moved to another consumer."""
+
+
+# FDB error codes the embedded engine raises, with FDB's names and descriptions.
+ERROR_NAMES = {
+    1004: ("timed_out", "Operation timed out"),
+    1007: ("transaction_too_old", "Transaction is too old to perform reads or be committed"),
+    1009: ("future_version", "Request for future version"),
+    1020: ("not_committed", "Transaction not committed due to conflict with another transaction"),
+    1021: ("commit_unknown_result", "Transaction may or may not have committed"),
+    1022: ("commit_unknown_result_fatal", "Idempotency id for transaction may have expired"),
+    1025: ("transaction_cancelled", "Operation aborted because the transaction was cancelled"),
+    1031: ("transaction_timed_out", "Operation aborted because the transaction timed out"),
+    1032: ("too_many_watches", "Too many watches currently set (limit 10,000 per database)"),
+    1034: ("watches_disabled", "Watches cannot be set if read your writes is disabled"),
+    1036: ("accessed_unreadable", "Read or wrote an unreadable key"),
+    1037: ("process_behind", "Storage process does not have recent mutations"),
+    1038: ("database_locked", "Database is locked"),
+    1101: ("operation_cancelled", "Asynchronous operation cancelled"),
+    2000: ("client_invalid_operation", "Invalid API call"),
+    2004: ("key_outside_legal_range", "Key outside legal range"),
+    2005: ("inverted_range", "Range begin key larger than end key"),
+    2006: ("invalid_option_value", "Option set with an invalid value"),
+    2017: ("used_during_commit", "Operation issued while a commit was outstanding"),
+    2020: ("no_commit_version", "Transaction is read-only and therefore does not have a commit version"),
+    2021: ("no_commit_version", "Transaction is read-only and therefore does not have a commit version"),
+    2101: ("transaction_too_large", "Transaction exceeds byte limit (10,000,000 bytes)"),
+    2102: ("key_too_large", "Key length exceeds limit (10,000 bytes)"),
+    2103: ("value_too_large", "Value length exceeds limit (100,000 bytes)"),
+    4100: ("internal_error", "An internal error occurred"),
+}
+
+# Predicates, as fdb.predicates (fdb_error_predicate in bindings/c/fdb_c.cpp).
+RETRYABLE_NOT_COMMITTED = frozenset({1007, 1009, 1020, 1037, 1038, 1213})
+MAYBE_COMMITTED = frozenset({1021, 1039})
+RETRYABLE = RETRYABLE_NOT_COMMITTED | MAYBE_COMMITTED
+
+
+class EngineError(FDQError):
+    """A database error, with FoundationDB's numeric ``code`` and ``name``.
+
+    The embedded engine raises it directly; on FoundationDB, ``fdb.FDBError`` is
+    translated to it where it leaves FDQ (``fdq.transactional``)."""
+
+    def __init__(self, code: int, description: str | None = None):
+        self.code = int(code)
+        name, default = ERROR_NAMES.get(self.code, ("unknown_error", "Unknown error"))
+        self.name = name
+        self.description = description or default
+        super().__init__(f"{self.description} ({self.name}, code {self.code})")
+
+    def __reduce__(self):
+        return (type(self), (self.code, self.description))
+
+
+def is_retryable(err) -> bool:
+    """As ``fdb.predicates.is_retryable``: takes anything with a ``code``."""
+    return getattr(err, "code", None) in RETRYABLE
+
+
+def is_maybe_committed(err) -> bool:
+    """As ``fdb.predicates.is_maybe_committed``."""
+    return getattr(err, "code", None) in MAYBE_COMMITTED
