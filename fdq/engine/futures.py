@@ -23,11 +23,9 @@ class Future:
         self._lock = threading.Lock()
         self._on_cancel = None
 
-    @classmethod
-    def ready(cls, result=None, error=None):
-        f = cls()
-        f._resolve(result, error)
-        return f
+    @staticmethod
+    def ready(result=None, error=None) -> "Future":
+        return _Ready(result, error)
 
     def _resolve(self, result=None, error=None) -> bool:
         with self._lock:
@@ -78,6 +76,36 @@ class Future:
             if f.is_ready():
                 return i
         raise AssertionError("unreachable")
+
+
+class _Ready(Future):
+    """A future born resolved (commit results, read versions): no Event to build."""
+
+    __slots__ = ()
+
+    def __init__(self, result=None, error=None):
+        self._result, self._error = result, error
+        self._callbacks = self._lock = self._on_cancel = self._event = None
+
+    def _resolve(self, result=None, error=None):
+        return False
+
+    def is_ready(self):
+        return True
+
+    def block_until_ready(self):
+        pass
+
+    def on_ready(self, callback):
+        callback(self)
+
+    def cancel(self):
+        pass
+
+    def wait(self, timeout=None):
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 class _BytesFuture:

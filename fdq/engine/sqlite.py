@@ -319,6 +319,19 @@ class _Store:
             delay = min(delay * 2, 0.002)
 
 
+_LAST_VERSION = "SELECT version, clock FROM txlog ORDER BY version DESC LIMIT 1"
+_UPSERT = "INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)"
+
+
+def _pack_ranges(ranges) -> bytes:
+    if len(ranges) > 1:
+        ranges = _merge_ranges(ranges)
+    flat = []
+    for b, e in ranges:
+        flat += (b, e)
+    return msgpack.packb(flat)
+
+
 def _version_at(last: int, last_clock: float, now: float) -> int:
     elapsed = now - last_clock
     return last + int(elapsed * VERSIONS_PER_SECOND) if elapsed > 0 else last
@@ -847,8 +860,6 @@ class Transaction(_ReadView):
     def __init__(self, db: Database):
         self.db = db
         self._tr = self
-        self.options = _TransactionOptions(self)
-        self.snapshot = _Snapshot(self)
         self._conn = None
         self._timeout_ms = db._defaults.get("timeout_ms", 0)
         self._retry_limit = db._defaults.get("retry_limit", -1)
@@ -874,7 +885,8 @@ class Transaction(_ReadView):
         self._mutations = 0
         self._deferred = None
         self._pending_watches = []
-        self._vs_future = VersionstampFuture()
+        self._vs_future = None
+        self._vs_result = None   # (stamp, error) once the commit has ended
         self._committed_version = None
         self._state = "open"    # open | committing | committed | cancelled
         self._size_limit = self.db._defaults.get("size_limit", TRANSACTION_SIZE_LIMIT)
@@ -883,6 +895,14 @@ class Transaction(_ReadView):
         self._system_keys = False
         self._next_write_no_conflict = False
         self._bypass_unreadable = False
+
+    @property
+    def options(self) -> _TransactionOptions:
+        return _TransactionOptions(self)
+
+    @property
+    def snapshot(self) -> "_Snapshot":
+        return _Snapshot(self)
 
     def __del__(self):
         try:
@@ -911,7 +931,7 @@ class Transaction(_ReadView):
             conn = store.acquire_reader()
             now = _clock()  # before the snapshot: a commit after it gets a higher version
             conn.execute("BEGIN")
-            row = conn.execute("SELECT version, clock FROM txlog ORDER BY version DESC LIMIT 1").fetchone()
+            row = conn.execute(_LAST_VERSION).fetchone()
             self._conn = conn
             self._rv = _version_at(row[0], row[1], now)
             self._rv_clock = now
@@ -1373,7 +1393,7 @@ class Transaction(_ReadView):
         if read_only:
             self._release()
             self._committed_version = -1
-            self._vs_future._resolve(None, EngineError(2021))
+            self._end_versionstamp(None, EngineError(2021))
             for key, base, f in self._pending_watches:
                 self._register_watch(key, base, f)
             self._pending_watches = []
@@ -1411,7 +1431,7 @@ class Transaction(_ReadView):
             self._fail(err)
             raise err from e
         self._committed_version = version
-        self._vs_future._resolve(version.to_bytes(8, "big") + b"\x00\x00")
+        self._end_versionstamp(version.to_bytes(8, "big") + b"\x00\x00", None)
         self._state = "committed"
         watches, self._pending_watches = self._pending_watches, []
         mgr = db._watches
@@ -1426,7 +1446,7 @@ class Transaction(_ReadView):
     def _fail(self, err):
         self._state = "failed"
         self._release()
-        self._vs_future._resolve(None, EngineError(2020) if err.code != 2021 else err)
+        self._end_versionstamp(None, EngineError(2020))
         for key, base, f in self._pending_watches:
             f._resolve(None, err)
         self._pending_watches = []
@@ -1438,16 +1458,23 @@ class Transaction(_ReadView):
 
     def _apply(self, store, rv, has_reads, jump) -> int:
         w = store.writer
-        last, last_clock = w.execute("SELECT version, clock FROM txlog ORDER BY version DESC LIMIT 1").fetchone()
         now = _clock()
-        version = max(last + 1, _version_at(last, last_clock, now) + 1)
-        if jump:
-            version += RECOVERY_JUMP_VERSIONS
+        bump = RECOVERY_JUMP_VERSIONS if jump else 0
+        last, last_clock = w.execute(_LAST_VERSION).fetchone()
+        version = max(last + 1, _version_at(last, last_clock, now) + 1) + bump
+        stamp = version.to_bytes(8, "big") + b"\x00\x00"
+        write_ranges = self._write_ranges
+        vs_sets = []
+        if self._vs_keys:
+            for body, off, value in self._vs_keys:
+                k = body[:off] + stamp + body[off + 10:]
+                vs_sets.append((k, value))
+            write_ranges = write_ranges + [(k, k + b"\x00") for k, _v in vs_sets]
+        w.execute("INSERT INTO txlog VALUES (?, ?, ?)", (version, now, _pack_ranges(write_ranges)))
         if has_reads:
             if rv < version - MVCC_WINDOW_VERSIONS:
                 raise EngineError(1007)
-            self._check_conflicts(w, rv)
-        stamp = version.to_bytes(8, "big") + b"\x00\x00"
+            self._check_conflicts(w, rv, version)
         for b, e in self._clears:
             w.execute("DELETE FROM kv WHERE key >= ? AND key < ?", (b, e))
         sets, dels = [], []
@@ -1468,27 +1495,22 @@ class Transaction(_ReadView):
                 if key == b"\xff/metadataVersion":
                     continue
                 sets.append((key, body[:off] + stamp + body[off + 10:]))
-        write_ranges = list(self._write_ranges)
-        for body, off, value in self._vs_keys:
-            k = body[:off] + stamp + body[off + 10:]
-            sets.append((k, value))
-            write_ranges.append((k, k + b"\x00"))
+        sets.extend(vs_sets)
         if dels:
             w.executemany("DELETE FROM kv WHERE key = ?", dels)
-        if sets:
-            w.executemany("INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)", sets)
-        flat = []
-        for b, e in (_merge_ranges(write_ranges) if len(write_ranges) > 1 else write_ranges):
-            flat += (b, e)
-        w.execute("INSERT INTO txlog VALUES (?, ?, ?)", (version, now, msgpack.packb(flat)))
+        if len(sets) == 1:
+            w.execute(_UPSERT, sets[0])
+        elif sets:
+            w.executemany(_UPSERT, sets)
         store.commits_since_prune += 1
         if store.commits_since_prune >= 256:
             store.commits_since_prune = 0
             w.execute("DELETE FROM txlog WHERE version < ?", (version - MVCC_WINDOW_VERSIONS - 1,))
         return version
 
-    def _check_conflicts(self, w, rv):
-        rows = w.execute("SELECT ranges FROM txlog WHERE version > ?", (rv,)).fetchall()
+    def _check_conflicts(self, w, rv, version):
+        rows = w.execute("SELECT ranges FROM txlog WHERE version > ? AND version < ?",
+                         (rv, version)).fetchall()
         if not rows:
             return
         merged = _merge_ranges(self._read_ranges)
@@ -1508,7 +1530,16 @@ class Transaction(_ReadView):
         return self._committed_version
 
     def get_versionstamp(self) -> VersionstampFuture:
+        if self._vs_future is None:
+            self._vs_future = VersionstampFuture()
+            if self._vs_result is not None:
+                self._vs_future._resolve(*self._vs_result)
         return self._vs_future
+
+    def _end_versionstamp(self, stamp, error):
+        self._vs_result = (stamp, error)
+        if self._vs_future is not None:
+            self._vs_future._resolve(stamp, error)
 
     def reset(self):
         for _k, _b, f in self._pending_watches:
