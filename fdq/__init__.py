@@ -4,10 +4,15 @@ from .errors import (BacklogFull, ConfigError, ConnectError, EngineError, FDQErr
                      FormatError, InvalidHeader, InvalidMessage, InvalidName, LeaseLost,
                      MessageTooLarge, SubscriptionNotFound, TopicExists, TopicNotFound)
 
+from .config import ConsumerConfig, ProducerConfig, TopicConfig
+from .consumer import Consumer, Message, tail
+from .producer import Envelope, Producer, PushResult
+
 __version__ = "0.1.0"
 
 __all__ = [
-    "connect", "transactional",
+    "connect", "transactional", "Producer", "Envelope", "PushResult", "Consumer", "Message",
+    "tail", "ConsumerConfig", "ProducerConfig", "TopicConfig",
     "FDQError", "ConfigError", "ConnectError", "EngineError", "FormatError", "InvalidName",
     "TopicNotFound", "TopicExists", "SubscriptionNotFound", "MessageTooLarge",
     "InvalidMessage", "InvalidHeader", "BacklogFull", "LeaseLost",

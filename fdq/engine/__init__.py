@@ -21,7 +21,7 @@ from . import sqlite
 from .futures import Value
 from .sqlite import KeySelector, KeyValue, StreamingMode, strinc
 
-__all__ = ["connect", "transactional", "default_url", "KeySelector", "KeyValue",
+__all__ = ["connect", "transactional", "retry_or_raise", "error_types", "is_transaction", "default_url", "KeySelector", "KeyValue",
            "StreamingMode", "strinc", "API_VERSION"]
 
 # 7.3 is FoundationDB's current production line; 730 brings 4-byte versionstamp
@@ -157,6 +157,15 @@ def _translate(e):
     return EngineError(e.code, getattr(e, "description", None))
 
 
+def retry_or_raise(tr, e):
+    """The body of a hand-written retry loop: ``tr.on_error(e)`` (backoff and reset) or
+    raise the final error as an EngineError."""
+    try:
+        tr.on_error(e.code).wait()
+    except _ERROR_TYPES as final:
+        raise _translate(final) from (None if final is e else e)
+
+
 def transactional(func=None, *, parameter: str = "tr"):
     """As ``fdb.transactional``: called with a database, run ``func`` in a new
     transaction, commit, and retry through ``tr.on_error``; called with a transaction
@@ -184,10 +193,7 @@ def transactional(func=None, *, parameter: str = "tr"):
                     tr.commit().wait()
                     return result
                 except _ERROR_TYPES as e:
-                    try:
-                        tr.on_error(e.code).wait()
-                    except _ERROR_TYPES as final:
-                        raise _translate(final) from (None if final is e else e)
+                    retry_or_raise(tr, e)
         return wrapper
 
     return decorate(func) if func is not None else decorate

@@ -232,6 +232,17 @@ _ATOMIC = {
 }
 
 
+def _sql_atomic(base, packed_ops):
+    """SQL function: apply a transaction's atomic ops to the stored value at commit
+    (one upsert statement for every atomic key). An empty result marks a clear."""
+    r = _apply_ops(base, msgpack.unpackb(packed_ops))
+    return b"\x00CLEAR" if r is None else r
+
+
+_ATOMIC_UPSERT = ("INSERT INTO kv (key, value) VALUES (?1, fdq_atomic(NULL, ?2)) "
+                  "ON CONFLICT(key) DO UPDATE SET value = fdq_atomic(value, ?2)")
+
+
 def _apply_ops(base, ops):
     for name, param in ops:
         base = _ATOMIC[name](base, param)
@@ -277,6 +288,7 @@ class _Store:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
                                timeout=LOCK_WAIT_S)
         conn.execute(f"PRAGMA synchronous={self.synchronous}")
+        conn.create_function("fdq_atomic", 2, _sql_atomic, deterministic=True)
         return conn
 
     def acquire_reader(self) -> sqlite3.Connection:
@@ -1477,19 +1489,17 @@ class Transaction(_ReadView):
             self._check_conflicts(w, rv, version)
         for b, e in self._clears:
             w.execute("DELETE FROM kv WHERE key >= ? AND key < ?", (b, e))
-        sets, dels = [], []
+        sets, dels, atomics = [], [], []
+        may_clear = []
         for key, (kind, data) in self._writes.items():
             if kind == _SET:
                 sets.append((key, data))
             elif kind == _CLEAR:
                 dels.append((key,))
             elif kind == _ATOMIC_OPS:
-                row = w.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
-                r = _apply_ops(None if row is None else row[0], data)
-                if r is None:
-                    dels.append((key,))
-                else:
-                    sets.append((key, r))
+                atomics.append((key, msgpack.packb(data)))
+                if any(op == "compare_and_clear" for op, _ in data):
+                    may_clear.append((key,))
             else:  # versionstamped value
                 body, off = data
                 if key == b"\xff/metadataVersion":
@@ -1502,6 +1512,10 @@ class Transaction(_ReadView):
             w.execute(_UPSERT, sets[0])
         elif sets:
             w.executemany(_UPSERT, sets)
+        if atomics:
+            w.executemany(_ATOMIC_UPSERT, atomics)
+            if may_clear:
+                w.executemany("DELETE FROM kv WHERE key = ? AND value = x'00434c454152'", may_clear)
         store.commits_since_prune += 1
         if store.commits_since_prune >= 256:
             store.commits_since_prune = 0

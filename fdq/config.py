@@ -1,0 +1,155 @@
+"""Configuration: names, topic configs, consumer configs. Frozen, keyword-only
+dataclasses, validated in one place; defaults live here once."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+from .errors import ConfigError, InvalidName
+
+NAME_RE = re.compile(r"^[.a-zA-Z0-9_-]{1,64}(#ephemeral)?$")
+DEFAULT_SUBSCRIPTION = "default"
+
+
+def check_name(name, what: str = "topic") -> str:
+    """Topic and subscription names follow NSQ's rule: ``^[.a-zA-Z0-9_-]{1,64}(#ephemeral)?$``."""
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise InvalidName(f"invalid {what} name {name!r}: use 1-64 characters of "
+                          "[.a-zA-Z0-9_-], optionally ending in #ephemeral")
+    return name
+
+
+def _positive(name, value, *, allow_none=False, integer=False, zero=False):
+    if value is None and allow_none:
+        return
+    ok_type = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, ok_type) or value < 0 or (value == 0 and not zero):
+        kind = "an integer" if integer else "a number"
+        raise ConfigError(f"{name} must be {kind} > {'= ' if zero else ''}0, not {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TopicConfig:
+    """A topic's stored configuration (``config/topics/<topic>``).
+
+    ``shards``: fixed virtual shards, shared by the topic's subscriptions.
+    ``max_backlog``: optional cap on a subscription's backlog; pushes beyond it fail with
+    ``BacklogFull``. Checked against a snapshot of the counters, so concurrent producers
+    may overshoot it by at most their in-flight batches.
+    ``dedupe_window_s``: how long a user ``msg_id`` is remembered.
+    ``retention_s`` / ``retention_bytes``: what ``trim`` keeps of the "all" log.
+    ``max_message_bytes``: the largest body (split into chunks above 90,000 bytes).
+    """
+
+    shards: int = 16
+    hash: str = "blake2b-64"
+    extend: bool = False
+    paused: bool = False
+    max_backlog: int | None = None
+    dedupe_window_s: float = 120.0
+    retention_s: float | None = None
+    retention_bytes: int | None = None
+    max_message_bytes: int = 1 << 20
+    subs: tuple = (DEFAULT_SUBSCRIPTION,)
+    resharding_to: int | None = None   # set while a shard-count change is in progress
+
+    def __post_init__(self):
+        _positive("shards", self.shards, integer=True)
+        if self.shards > 4096:
+            raise ConfigError(f"shards must be at most 4096, not {self.shards}")
+        if self.hash != "blake2b-64":
+            raise ConfigError(f"unknown shard hash {self.hash!r} (known: blake2b-64)")
+        _positive("max_backlog", self.max_backlog, allow_none=True, integer=True)
+        _positive("dedupe_window_s", self.dedupe_window_s, zero=True)
+        _positive("retention_s", self.retention_s, allow_none=True)
+        _positive("retention_bytes", self.retention_bytes, allow_none=True, integer=True)
+        _positive("max_message_bytes", self.max_message_bytes, integer=True)
+        if self.max_message_bytes > 8 << 20:
+            raise ConfigError("max_message_bytes must be at most 8 MiB (a transaction is 10 MB)")
+
+    @property
+    def routing(self) -> bool:
+        """Whether pushes go to the subscriptions' queues now (not paused, not resharding)."""
+        return not self.paused and self.resharding_to is None
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["subs"] = list(self.subs)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TopicConfig":
+        d = dict(d)
+        d["subs"] = tuple(d.get("subs", (DEFAULT_SUBSCRIPTION,)))
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsumerConfig:
+    """How one consumer behaves (per consumer, never stored with the subscription).
+
+    ``ack_wait_s``: lease length; an unacked message is redelivered after it.
+    ``max_deliver``: deliveries before a message goes to the dead-letter queue.
+    ``backoff_s``: nak delays by attempt (the last repeats); () = redeliver at once.
+    ``heartbeat_interval_s`` / ``zombie_timeout_s``: liveness; a consumer whose heartbeat
+    counter stays unchanged for the timeout (on the observer's monotonic clock) is a zombie.
+    ``max_concurrency``: handlers running at once, never two of one shard (so never two of
+    one shard key) at once.
+    ``poll_interval_s``: the longest a consumer sleeps without a watch firing.
+    """
+
+    ack_wait_s: float = 30.0
+    max_deliver: int = 5
+    backoff_s: tuple = ()
+    heartbeat_interval_s: float = 1.0
+    zombie_timeout_s: float | None = None
+    max_concurrency: int = 1
+    poll_interval_s: float = 0.5
+    lease_check_interval_s: float = 0.25
+
+    def __post_init__(self):
+        _positive("ack_wait_s", self.ack_wait_s)
+        _positive("max_deliver", self.max_deliver, integer=True)
+        if not isinstance(self.backoff_s, (tuple, list)):
+            raise ConfigError(f"backoff_s must be a sequence of seconds, not {self.backoff_s!r}")
+        for b in self.backoff_s:
+            _positive("backoff_s entries", b, zero=True)
+        object.__setattr__(self, "backoff_s", tuple(self.backoff_s))
+        _positive("heartbeat_interval_s", self.heartbeat_interval_s)
+        _positive("zombie_timeout_s", self.zombie_timeout_s, allow_none=True)
+        if self.zombie_timeout_s is not None and self.zombie_timeout_s <= self.heartbeat_interval_s:
+            raise ConfigError(f"zombie_timeout_s ({self.zombie_timeout_s}) must exceed "
+                              f"heartbeat_interval_s ({self.heartbeat_interval_s})")
+        _positive("max_concurrency", self.max_concurrency, integer=True)
+        _positive("poll_interval_s", self.poll_interval_s)
+        _positive("lease_check_interval_s", self.lease_check_interval_s)
+
+    @property
+    def zombie_after_s(self) -> float:
+        """The zombie timeout: default 3 heartbeats."""
+        return self.zombie_timeout_s if self.zombie_timeout_s is not None else 3 * self.heartbeat_interval_s
+
+    def backoff_for(self, attempts: int) -> float:
+        if not self.backoff_s:
+            return 0.0
+        return self.backoff_s[min(max(attempts - 1, 0), len(self.backoff_s) - 1)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProducerConfig:
+    """``linger_ms``: how long a group commit waits for more concurrent pushes (0: take
+    what is queued while the previous commit runs). ``max_batch``: messages per commit."""
+
+    linger_ms: float = 0.0
+    max_batch: int = 1000
+    auto_create: bool = True
+
+    def __post_init__(self):
+        _positive("linger_ms", self.linger_ms, zero=True)
+        _positive("max_batch", self.max_batch, integer=True)
+
+
+__all__ = ["TopicConfig", "ConsumerConfig", "ProducerConfig", "check_name", "NAME_RE",
+           "DEFAULT_SUBSCRIPTION", "field"]

@@ -1,0 +1,581 @@
+"""Consumers: own an even share of a subscription's shards and deliver their messages.
+
+``Consumer`` is pull style (``fetch`` returns leased messages); ``tail`` runs a handler in
+the background in one of three modes:
+
+* at-most-once (``acking=False``): a batch is removed in one transaction, then handled;
+* at-least-once (default): each message is leased for ``ack_wait_s``; handler return →
+  ack, exception → nak with backoff; ``ack()``, ``nak(delay)``, ``term(reason)``,
+  ``in_progress()``; redelivered after its lease expires; dead-lettered after
+  ``max_deliver`` attempts. A batch's settlements commit in one transaction;
+* exactly-once (``transactional=True``): the handler gets ``(tr, message)`` and runs
+  inside the dequeue transaction; its writes through ``tr`` commit with the dequeue or
+  not at all. Effects outside the transaction (HTTP calls, files) may repeat on retry.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from . import delivery, membership
+from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig, TopicConfig, check_name
+from .engine import error_types, retry_or_raise
+from .errors import ConfigError, EngineError, FDQError, LeaseLost, SubscriptionNotFound, TopicNotFound
+from .keyspace import Keyspace, message_id
+from .topic import create_topic, read_topic_config
+
+log = logging.getLogger("fdq.consumer")
+_monotonic = time.monotonic  # liveness and lease expiry: this host's monotonic clock only
+
+AT_MOST_ONCE, AT_LEAST_ONCE, EXACTLY_ONCE = "at_most_once", "at_least_once", "exactly_once"
+
+
+@dataclass
+class Message:
+    """A delivered message. In at-least-once mode settle it with ``ack()``, ``nak()``,
+    ``term()``; ``in_progress()`` extends its lease. A handler that returns acks it."""
+
+    id: str
+    topic: str
+    subscription: str
+    shard_key: str | None
+    insertion_time: int            # epoch ms, the producer's clock
+    headers: MappingProxyType
+    body: bytes
+    attempts: int
+    shard: int = 0
+    tag: str = ""
+    msg_id: str | None = None
+    replay_of: str | None = None
+    _consumer: "Consumer" = field(default=None, repr=False, compare=False)
+    _taken: object = field(default=None, repr=False, compare=False)
+    _settled: str | None = field(default=None, repr=False, compare=False)
+    _deferred: list | None = field(default=None, repr=False, compare=False)
+
+    def _settle(self, action, arg=None):
+        if self._taken is None or self._taken.lease_id is None:
+            raise FDQError(f"message {self.id} is not leased: {action} needs at-least-once delivery")
+        if self._settled is not None and action != "touch":
+            raise FDQError(f"message {self.id} is already settled ({self._settled})")
+        if action != "touch":
+            self._settled = action
+        if self._deferred is not None and action != "touch":
+            self._deferred.append((self, action, arg))   # committed with the batch
+            return
+        self._consumer.settle([(self, action, arg)])
+
+    def ack(self):
+        """Done: remove it for good."""
+        self._settle("ack")
+
+    def nak(self, delay: float | None = None):
+        """Redeliver it, after ``delay`` seconds (default: the consumer's backoff)."""
+        if delay is None and self._consumer is not None:
+            delay = self._consumer.config.backoff_for(self.attempts)
+        self._settle("nak", delay)
+
+    def term(self, reason: str = "terminated by consumer"):
+        """Never redeliver: move it to the subscription's dead-letter queue with ``reason``."""
+        self._settle("term", str(reason))
+
+    def in_progress(self):
+        """Still working on it: restart its lease."""
+        self._settle("touch")
+
+
+def _to_message(taken: delivery.Taken, topic: str, sub: str, consumer) -> Message:
+    rec = taken.record
+    return Message(message_id(taken.vs), topic, sub, rec.shard_key, rec.ts_ms,
+                   MappingProxyType(rec.headers or {}), taken.body, rec.attempts,
+                   taken.shard.n, taken.shard.tag, rec.msg_id, rec.replay_of, consumer, taken)
+
+
+def _run(db, fn, *args, watch_key=None, **kwargs):
+    """Run a transactional function in our own retry loop; if it returns an empty
+    result and ``watch_key`` is given, also set a watch in the same transaction (its
+    baseline is the read version, so nothing pushed afterwards is missed)."""
+    tr = db.create_transaction()
+    while True:
+        try:
+            result = fn(tr, *args, **kwargs)
+            watch = tr.watch(watch_key) if watch_key is not None and not result else None
+            tr.commit().wait()
+            return result, watch
+        except error_types() as e:
+            retry_or_raise(tr, e)
+
+
+class Consumer:
+    """A member of a subscription that owns an even share of its shards.
+
+    Pull style::
+
+        c = fdq.Consumer(db, "orders")
+        for m in c.fetch(100, timeout=1.0):
+            handle(m.body); m.ack()
+        c.close()
+    """
+
+    mode = AT_LEAST_ONCE
+
+    def __init__(self, db, topic: str, *, subscription: str = DEFAULT_SUBSCRIPTION,
+                 consumer_id: str | None = None, config: ConsumerConfig | None = None,
+                 keyspace: Keyspace | None = None, create: bool = True,
+                 extend_support: bool = False, desired_tag: str | None = None,
+                 on_error=None, batch_size: int = 100):
+        self.db = db
+        self.topic = check_name(topic)
+        self.subscription = check_name(subscription, "subscription")
+        self.config = config or ConsumerConfig()
+        if not isinstance(self.config, ConsumerConfig):
+            raise ConfigError(f"config must be a fdq.ConsumerConfig, not {type(self.config).__name__}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size must be an integer >= 1, not {batch_size!r}")
+        self.batch_size = batch_size
+        self.keyspace = keyspace or Keyspace()
+        self.id = consumer_id or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
+        self.on_error = on_error
+        self._ts = self.keyspace.topic(self.topic)
+        self._topic_config = self._load_topic(create)
+        if extend_support and not self._topic_config.extend:
+            raise ConfigError(f"topic {self.topic!r} has no extend support: connect without extend_support")
+        if self._topic_config.extend and not extend_support:
+            raise ConfigError(f"topic {self.topic!r} has extend support: consumers must set extend_support=True")
+        self.extend_support = extend_support
+        self.desired_tag = desired_tag if self._topic_config.extend else None
+        self._owned = {}             # (tag, n) -> epoch
+        self._owned_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._watches = {}           # (tag, n) -> watch future on the shard's "routed" counter
+        self._leases = {}            # ((tag, n), vs) -> [lease_id, touches, since, ack_wait_s]
+        self._leases_lock = threading.Lock()
+        self._peers = {}             # consumer id -> (heartbeat, since)
+        self._rr = 0
+        self._last_hb = 0.0
+        self._last_lease_check = 0.0
+        self._stalled_since = None
+        self._closed = False
+        self._join()
+        self._thread = threading.Thread(target=self._membership_loop, name=f"fdq-member-{self.id}",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- membership --------------------------------------------------------------------
+
+    def _load_topic(self, create: bool) -> TopicConfig:
+        try:
+            config = read_topic_config(self.db, self._ts)
+        except TopicNotFound:
+            if not create:
+                raise
+            config = create_topic(self.db, self.keyspace, self.topic, TopicConfig())
+        if self.subscription not in config.subs:
+            raise SubscriptionNotFound(f"subscription {self.subscription!r} of topic {self.topic!r} "
+                                       f"does not exist (subscriptions: {', '.join(config.subs)})")
+        return config
+
+    def _record(self) -> dict:
+        return {"id": self.id, "host": socket.gethostname(), "pid": os.getpid(), "mode": self.mode,
+                "tag": self.desired_tag, "extend": self.extend_support, "batch_size": self.batch_size}
+
+    def _join(self):
+        plan = membership.join(self.db, self._ts, self.subscription, self.id, self._record(),
+                               self._topic_config)
+        self._refresh_owned()
+        return plan
+
+    def _refresh_owned(self):
+        owners = membership.read_owners(self.db, self._ts, self.subscription)
+        mine = {s: e for s, (o, e) in owners.items() if o == self.id}
+        with self._owned_lock:
+            lost = set(self._owned) - set(mine)
+            self._owned = mine
+        for s in lost:
+            w = self._watches.pop(s, None)
+            if w is not None:
+                w.cancel()
+        if mine != {}:
+            self._wake.set()
+
+    @property
+    def owned_shards(self) -> list:
+        with self._owned_lock:
+            return sorted(self._owned)
+
+    def _membership_loop(self):
+        cfg = self.config
+        tick = min(cfg.heartbeat_interval_s, cfg.lease_check_interval_s) / 2
+        while not self._stop.wait(tick):
+            try:
+                now = _monotonic()
+                if now - self._last_hb >= cfg.heartbeat_interval_s:
+                    self._last_hb = now
+                    if not membership.heartbeat(self.db, self._ts, self.subscription, self.id):
+                        log.warning("consumer %s was declared a zombie: joining again", self.id)
+                        self._join()
+                    self._observe_peers(now)
+                    self._topic_config = read_topic_config(self.db, self._ts, snapshot=True)
+                    self._refresh_owned()
+                if now - self._last_lease_check >= cfg.lease_check_interval_s:
+                    self._last_lease_check = now
+                    self._check_leases(now)
+                self._stalled_since = None
+            except Exception as e:  # keep heartbeating through transient trouble
+                self._report(e)
+                if self._stalled_since is None:
+                    self._stalled_since = _monotonic()
+
+    def _observe_peers(self, now: float):
+        members = membership.read_members(self.db, self._ts, self.subscription)
+        for cid in list(self._peers):
+            if cid not in members:
+                del self._peers[cid]
+        for cid, m in members.items():
+            if cid == self.id:
+                continue
+            seen = self._peers.get(cid)
+            if seen is None or seen[0] != m["hb"]:
+                self._peers[cid] = (m["hb"], now)
+            elif now - seen[1] >= self.config.zombie_after_s:
+                if membership.declare_zombie(self.db, self._ts, self.subscription, cid, seen[0],
+                                             self._topic_config):
+                    log.info("consumer %s: %s is a zombie (heartbeat %d unchanged for %.1fs)",
+                             self.id, cid, seen[0], now - seen[1])
+                self._peers.pop(cid, None)
+                self._refresh_owned()
+
+    def _check_leases(self, now: float):
+        with self._owned_lock:
+            owned = dict(self._owned)
+        for shard_id, epoch in owned.items():
+            shard = self._ts.shard(self.subscription, *shard_id)
+            current = delivery.scan_leases(self.db, shard)
+            live_keys = set()
+            for vs, lease_id, touches, ack_wait_ms in current:
+                key = (shard_id, vs)
+                live_keys.add(key)
+                with self._leases_lock:
+                    seen = self._leases.get(key)
+                    if seen is None or seen[0] != lease_id or seen[1] != touches:
+                        self._leases[key] = [lease_id, touches, now, ack_wait_ms / 1000]
+                        continue
+                if now - seen[2] < seen[3]:
+                    continue
+                attempts_backoff = self.config.backoff_for(1)
+                try:
+                    outcome = delivery.expire_lease(self.db, self._ts, shard, self.id, epoch, vs, lease_id,
+                                                    touches, self.config.max_deliver, attempts_backoff)
+                except LeaseLost:
+                    self._refresh_owned()
+                    return
+                with self._leases_lock:
+                    self._leases.pop(key, None)
+                if outcome != "changed":
+                    self._wake.set()
+            with self._leases_lock:
+                for key in [k for k in self._leases if k[0] == shard_id and k not in live_keys]:
+                    del self._leases[key]
+
+    def _report(self, e: BaseException):
+        if self.on_error is not None:
+            try:
+                self.on_error(e)
+            except Exception:
+                log.exception("on_error callback failed")
+        else:
+            log.warning("consumer %s: %s: %s", self.id, type(e).__name__, e)
+
+    @property
+    def stalled_s(self) -> float:
+        """Seconds this consumer has been unable to reach the database (0 if fine)."""
+        return 0.0 if self._stalled_since is None else _monotonic() - self._stalled_since
+
+    # -- leasing ---------------------------------------------------------------------
+
+    def _next_shards(self):
+        with self._owned_lock:
+            shards = sorted(self._owned.items())
+        if shards:
+            self._rr = (self._rr + 1) % len(shards)
+            shards = shards[self._rr:] + shards[:self._rr]
+        return shards
+
+    def _lease_from(self, shard_id, epoch, limit) -> list:
+        shard = self._ts.shard(self.subscription, *shard_id)
+        _run(self.db, delivery.promote_due, shard, limit)
+        lease_id = os.urandom(8)
+        ack_wait_ms = int(self.config.ack_wait_s * 1000)
+        taken, watch = _run(self.db, delivery.lease_batch, self._ts, shard, self.id, epoch, limit,
+                            lease_id, ack_wait_ms, watch_key=self._watch_key(shard_id))
+        self._keep_watch(shard_id, watch)
+        now = _monotonic()
+        with self._leases_lock:
+            for t in taken:
+                self._leases[(shard_id, t.vs)] = [lease_id, 0, now, self.config.ack_wait_s]
+        return [_to_message(t, self.topic, self.subscription, self) for t in taken]
+
+    def _watch_key(self, shard_id):
+        w = self._watches.get(shard_id)
+        if w is not None and not w.is_ready():
+            return None     # one watch per shard is enough
+        return self._ts.shard(self.subscription, *shard_id).stat("routed")
+
+    def _keep_watch(self, shard_id, watch):
+        if watch is None:
+            return
+        self._watches[shard_id] = watch
+        watch.on_ready(lambda _f: self._wake.set())
+
+    def _idle(self, timeout: float):
+        if self._wake.wait(timeout):
+            self._wake.clear()
+
+    def fetch(self, max_messages: int = 100, timeout: float = 1.0) -> list:
+        """Lease up to ``max_messages`` messages, waiting up to ``timeout`` seconds for
+        the first. Settle each with ack/nak/term; unsettled ones are redelivered after
+        ``ack_wait_s``."""
+        if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
+            raise ConfigError(f"max_messages must be an integer >= 1, not {max_messages!r}")
+        deadline = _monotonic() + max(0.0, timeout)
+        while True:
+            out = []
+            for shard_id, epoch in self._next_shards():
+                try:
+                    out += self._lease_from(shard_id, epoch, max_messages - len(out))
+                except LeaseLost:
+                    self._refresh_owned()
+                if len(out) >= max_messages:
+                    break
+            left = deadline - _monotonic()
+            if out or left <= 0 or self._stop.is_set():
+                return out
+            self._idle(min(left, self.config.poll_interval_s))
+
+    def settle(self, items: list):
+        """Commit settlements [(message, action, arg)] in one transaction. Raises
+        LeaseLost naming the messages whose lease moved on (they will be redelivered)."""
+        if not items:
+            return
+        rows = [(m._taken.shard, m._taken.vs, m._taken.lease_id, action, arg) for m, action, arg in items]
+        lost = delivery.settle(self.db, self._ts, rows, self.config.max_deliver)
+        now = _monotonic()
+        with self._leases_lock:
+            for m, action, _arg in items:
+                key = ((m.tag, m.shard), m._taken.vs)
+                if action == "touch":
+                    seen = self._leases.get(key)
+                    if seen is not None:
+                        seen[1] += 1
+                        seen[2] = now
+                else:
+                    self._leases.pop(key, None)
+        if any(a != "ack" for _m, a, _x in items):
+            self._wake.set()
+        if lost:
+            ids = ", ".join(message_id(vs) for _s, vs, _l, _a, _x in lost)
+            raise LeaseLost(f"lease lost (expired and redelivered, or settled elsewhere): {ids}")
+
+    def ack_many(self, messages):
+        self.settle([(m, "ack", None) for m in messages])
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def close(self):
+        """Leave the subscription: shards go to the other consumers now; leases this
+        consumer still holds are returned to their queues at once."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+        self._return_leases()
+        for w in self._watches.values():
+            w.cancel()
+        try:
+            membership.leave(self.db, self._ts, self.subscription, self.id, self._topic_config)
+        except FDQError as e:
+            self._report(e)
+
+    def _return_leases(self):
+        """Nak (delay 0) what this consumer leased and did not settle."""
+        with self._leases_lock:
+            mine = [(k, v) for k, v in self._leases.items()]
+        rows = []
+        for (shard_id, vs), (lease_id, _t, _s, _w) in mine:
+            rows.append((self._ts.shard(self.subscription, *shard_id), vs, lease_id, "nak", 0))
+        if rows:
+            try:
+                delivery.settle(self.db, self._ts, rows, 1 << 30)
+            except FDQError as e:
+                self._report(e)
+
+    shutdown = close
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class TailConsumer(Consumer):
+    """A consumer that runs ``handler`` on its shards' messages in the background."""
+
+    def __init__(self, db, topic, handler, *, mode: str, **kwargs):
+        if not callable(handler):
+            raise ConfigError("handler must be callable")
+        self.handler = handler
+        self.mode = mode
+        super().__init__(db, topic, **kwargs)
+        self._pool = (ThreadPoolExecutor(self.config.max_concurrency, thread_name_prefix=f"fdq-{self.id}")
+                      if self.config.max_concurrency > 1 else None)
+        self._worker = threading.Thread(target=self._work_loop, name=f"fdq-tail-{self.id}", daemon=True)
+        self._worker.start()
+
+    @property
+    def is_acking(self) -> bool:
+        return self.mode == AT_LEAST_ONCE
+
+    def _work_loop(self):
+        while not self._stop.is_set():
+            shards = self._next_shards()
+            try:
+                if self._pool is not None and len(shards) > 1:
+                    done = sum(self._pool.map(lambda s: self._process(*s), shards))
+                else:
+                    done = sum(self._process(*s) for s in shards)
+            except Exception as e:
+                self._report(e)
+                done = 0
+                self._stop.wait(0.05)
+            if not done:
+                self._idle(self.config.poll_interval_s)
+
+    def _process(self, shard_id, epoch) -> int:
+        if self._stop.is_set():
+            return 0
+        try:
+            if self.mode == EXACTLY_ONCE:
+                return self._process_exactly_once(shard_id, epoch)
+            if self.mode == AT_MOST_ONCE:
+                return self._process_at_most_once(shard_id, epoch)
+            return self._process_at_least_once(shard_id, epoch)
+        except LeaseLost:
+            self._refresh_owned()
+            return 0
+
+    def _process_at_most_once(self, shard_id, epoch) -> int:
+        shard = self._ts.shard(self.subscription, *shard_id)
+        _run(self.db, delivery.promote_due, shard, self.batch_size)
+        taken, watch = _run(self.db, delivery.take_batch, self._ts, shard, self.id, epoch, self.batch_size,
+                            watch_key=self._watch_key(shard_id))
+        self._keep_watch(shard_id, watch)
+        for t in taken:
+            try:
+                self.handler(_to_message(t, self.topic, self.subscription, self))
+            except Exception as e:  # at most once: the message is gone either way
+                self._report(e)
+        return len(taken)
+
+    def _process_at_least_once(self, shard_id, epoch) -> int:
+        msgs = self._lease_from(shard_id, epoch, self.batch_size)
+        pending = []
+        for m in msgs:
+            m._deferred = pending
+            try:
+                self.handler(m)
+                if m._settled is None:
+                    m.ack()
+            except Exception as e:
+                if m._settled is None:
+                    m.nak()
+                self._report(e)
+            m._deferred = None
+            if self._stop.is_set():
+                break
+        try:
+            self.settle(pending)
+        except LeaseLost as e:
+            self._report(e)
+        return len(msgs)
+
+    def _process_exactly_once(self, shard_id, epoch) -> int:
+        shard = self._ts.shard(self.subscription, *shard_id)
+        _run(self.db, delivery.promote_due, shard, self.batch_size)
+        limit = self.batch_size
+        tr = self.db.create_transaction()
+        while True:
+            current = None
+            try:
+                taken = delivery.take_batch(tr, self._ts, shard, self.id, epoch, limit, finish=True)
+                for t in taken:
+                    current = t
+                    self.handler(tr, _to_message(t, self.topic, self.subscription, self))
+                current = None
+                watch = tr.watch(self._watch_key(shard_id)) if not taken and self._watch_key(shard_id) else None
+                tr.commit().wait()
+                self._keep_watch(shard_id, watch)
+                return len(taken)
+            except error_types() as e:
+                if e.code in (1007, 2101) and limit > 1:
+                    limit = max(1, limit // 2)     # too slow or too big: halve the batch
+                    tr.reset()
+                    continue
+                if e.code in (1007, 2101) and current is not None:
+                    tr.reset()
+                    self._fail_head(shard, epoch, current, f"handler cannot finish within one transaction "
+                                                            f"({EngineError(e.code).name})", dead=True)
+                    return 1
+                retry_or_raise(tr, e)
+            except LeaseLost:
+                raise
+            except Exception as e:
+                tr.reset()
+                self._report(e)
+                if current is not None:
+                    if limit > 1:
+                        limit = 1   # isolate the failing message
+                        continue
+                    self._fail_head(shard, epoch, current, f"handler raised {type(e).__name__}: {e}")
+                return 1
+
+    def _fail_head(self, shard, epoch, taken, reason, dead=False):
+        max_deliver = 1 if dead else self.config.max_deliver
+        delivery.fail_in_place(self.db, self._ts, shard, self.id, epoch, taken.vs, max_deliver, reason)
+
+    def close(self):
+        if self._closed:
+            return
+        self._stop.set()
+        self._wake.set()
+        self._worker.join(timeout=max(30.0, self.config.ack_wait_s))
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        super().close()
+
+
+def tail(db, topic: str, handler, acking: bool | None = None, transactional: bool = False,
+         batch_size: int = 100, consumer_id: str | None = None,
+         subscription: str = DEFAULT_SUBSCRIPTION, config: ConsumerConfig | None = None, **kwargs):
+    """Consume ``topic`` in the background until ``shutdown()``.
+
+    ``transactional=True``: exactly-once, ``handler(tr, message)``. Otherwise
+    ``acking=False`` is at-most-once and ``acking=None``/``True`` at-least-once,
+    ``handler(message)``. Combining ``transactional=True`` with ``acking`` is an error.
+    """
+    if transactional and acking is not None:
+        raise ConfigError("transactional=True is exactly-once delivery: it cannot be combined with acking=")
+    mode = EXACTLY_ONCE if transactional else (AT_MOST_ONCE if acking is False else AT_LEAST_ONCE)
+    return TailConsumer(db, topic, handler, mode=mode, batch_size=batch_size, consumer_id=consumer_id,
+                        subscription=subscription, config=config, **kwargs)
+
+
+__all__ = ["Consumer", "TailConsumer", "Message", "tail", "AT_MOST_ONCE", "AT_LEAST_ONCE", "EXACTLY_ONCE"]

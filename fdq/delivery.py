@@ -1,0 +1,298 @@
+"""Delivery: the transactional functions that move messages through a shard's queues.
+
+    ready --take (at most once / exactly once)--> gone
+    ready --lease--> leased --ack--> gone
+                            --nak / expire--> ready (same key: first in line) or delayed
+                            --term / max_deliver--> dead-letter queue
+
+Consumers read the ready queue with snapshot range reads plus a read conflict on each
+key they take, so pushes into the same shard never abort them; every consuming
+transaction reads the shard record first (the owner-epoch fence).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import fdb.tuple as fdbtuple
+
+from .engine import transactional
+from .keyspace import ShardSpace, TopicSpace, Versionstamp, counter, decode_counter
+from .keyspace.codec import Record, decode_dead, decode_lease, encode_dead, encode_lease
+from .membership import ensure_owner
+
+VERSIONS_PER_S = 1_000_000
+ONE, MINUS_ONE = counter(1), counter(-1)
+
+
+@dataclass
+class Taken:
+    """A message taken from a shard: its key's versionstamp, decoded record, full body."""
+
+    shard: ShardSpace
+    vs: Versionstamp
+    record: Record
+    body: bytes
+    raw: bytes          # the encoded record as stored
+    lease_id: bytes | None = None
+
+
+def _body(reader, shard: ShardSpace, vs, record: Record) -> bytes:
+    if not record.nchunks:
+        return record.body
+    r = shard.chunks[vs].range()
+    return b"".join(kv.value for kv in reader.get_range(r.start, r.stop))
+
+
+def _clear_chunks(tr, shard: ShardSpace, vs, record: Record):
+    if record.nchunks:
+        r = shard.chunks[vs].range()
+        tr.clear_range(r.start, r.stop)
+
+
+def _add(tr, counters: dict):
+    for key, n in counters.items():
+        if n:
+            tr.add(key, counter(n))
+
+
+@transactional
+def promote_due(tr, shard: ShardSpace, limit: int) -> int | None:
+    """Move delayed messages that are due (due version <= read version) to the head of
+    the ready queue. Returns the next due version still waiting, if any."""
+    rv = tr.get_read_version().wait()
+    r = shard.delayed.range()
+    moved = 0
+    for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit + 1):
+        due, vs = shard.delayed.unpack(kv.key)
+        if due > rv or moved >= limit:
+            return due
+        tr.add_read_conflict_key(kv.key)
+        tr.clear(kv.key)
+        tr[shard.ready_key(vs)] = kv.value
+        moved += 1
+    if moved:
+        tr.add(shard.stat("delayed"), counter(-moved))
+    return None
+
+
+def _read_ready(tr, shard: ShardSpace, limit: int):
+    r = shard.ready.range()
+    out = []
+    for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit):
+        tr.add_read_conflict_key(kv.key)   # conflict only on what we take
+        vs = shard.ready.unpack(kv.key)[0]
+        rec = Record.decode(kv.value)
+        out.append(Taken(shard, vs, rec, _body(tr.snapshot, shard, vs, rec), kv.value))
+    return out
+
+
+@transactional
+def take_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, limit: int,
+               *, finish: bool = True) -> list:
+    """Remove up to ``limit`` ready messages (at-most-once and exactly-once delivery).
+    ``finish``: count them done (exactly-once counts in the caller's transaction)."""
+    ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
+    taken = _read_ready(tr, shard, limit)
+    for t in taken:
+        tr.clear(shard.ready_key(t.vs))
+        _clear_chunks(tr, shard, t.vs, t.record)
+    if taken:
+        k = len(taken)
+        _add(tr, {shard.stat("emitted"): k, shard.stat("done"): k if finish else 0,
+                  shard.stat("acked"): k if finish else 0,
+                  ts.stat("emitted"): k, ts.stat("acked"): k if finish else 0})
+    return taken
+
+
+@transactional
+def lease_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, limit: int,
+                lease_id: bytes, ack_wait_ms: int) -> list:
+    """Lease up to ``limit`` ready messages (at-least-once): each moves to ``leased``
+    with ``attempts + 1``, the lease id and its ack wait."""
+    ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
+    taken = _read_ready(tr, shard, limit)
+    for t in taken:
+        t.record.attempts += 1
+        t.lease_id = lease_id
+        tr.clear(shard.ready_key(t.vs))
+        tr[shard.leased_key(t.vs)] = encode_lease(t.record.encode(), lease_id, consumer_id, ack_wait_ms)
+    if taken:
+        k = len(taken)
+        _add(tr, {shard.stat("emitted"): k, shard.stat("in_flight"): k, ts.stat("emitted"): k})
+    return taken
+
+
+def _check_lease(tr, shard: ShardSpace, vs, lease_id: bytes):
+    """The lease record if ``lease_id`` still holds it (non-snapshot: conflicts with an
+    expiry or another settle), else None."""
+    raw = tr[shard.leased_key(vs)]
+    if raw == None:  # noqa: E711
+        return None
+    lease = decode_lease(raw)
+    return lease if lease[1] == lease_id else None
+
+
+def _dead_letter(tr, ts: TopicSpace, shard: ShardSpace, vs, record_raw: bytes, reason: str,
+                 consumer_id: str | None):
+    tr[ts.dlq(shard.sub).pack((vs,))] = encode_dead(record_raw, reason, consumer_id)
+    # Chunks of large bodies stay in the subscription's chunk area with the DLQ entry.
+    _add(tr, {shard.stat("done"): 1, shard.stat("dead"): 1, ts.sub_stat(shard.sub, "dead"): 1})
+
+
+def _requeue(tr, shard: ShardSpace, vs, record_raw: bytes, delay_versions: int):
+    if delay_versions > 0:
+        due = tr.get_read_version().wait() + delay_versions
+        tr[shard.delayed_key(due, vs)] = record_raw
+        tr.add(shard.stat("delayed"), ONE)
+    else:
+        tr[shard.ready_key(vs)] = record_raw   # its original key: first in line again
+    tr.add(shard.stat("requeued"), ONE)
+
+
+@transactional
+def settle(tr, ts: TopicSpace, items: list, max_deliver: int) -> list:
+    """Apply settlements [(shard, vs, lease_id, action, arg)] in one transaction:
+    ``ack``; ``nak`` (arg: delay s; to the DLQ after max_deliver attempts); ``term``
+    (arg: reason); ``touch``. Returns the items whose lease was lost."""
+    lost = []
+    for shard, vs, lease_id, action, arg in items:
+        lease = _check_lease(tr, shard, vs, lease_id)
+        if lease is None:
+            lost.append((shard, vs, lease_id, action, arg))
+            continue
+        record_raw, _lid, cid, ack_wait_ms, touches = lease
+        key = shard.leased_key(vs)
+        if action == "touch":
+            tr[key] = encode_lease(record_raw, lease_id, cid, ack_wait_ms, touches + 1)
+            continue
+        del tr[key]
+        tr.add(shard.stat("in_flight"), MINUS_ONE)
+        if action == "ack":
+            _clear_chunks(tr, shard, vs, Record.decode(record_raw))
+            _add(tr, {shard.stat("done"): 1, shard.stat("acked"): 1, ts.stat("acked"): 1})
+        elif action == "term":
+            _dead_letter(tr, ts, shard, vs, record_raw, f"terminated: {arg}", cid)
+        elif action == "nak":
+            if Record.decode(record_raw).attempts >= max_deliver:
+                _dead_letter(tr, ts, shard, vs, record_raw,
+                             f"max_deliver ({max_deliver}) reached: last attempt nak'd", cid)
+            else:
+                _requeue(tr, shard, vs, record_raw, int((arg or 0) * VERSIONS_PER_S))
+        else:
+            raise ValueError(f"unknown settlement {action!r}")
+    return lost
+
+
+@transactional
+def scan_leases(tr, shard: ShardSpace, limit: int = 10_000) -> list:
+    """[(vs, lease_id, touches, ack_wait_ms)] of the shard's leases (snapshot)."""
+    r = shard.leased.range()
+    out = []
+    for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit):
+        _rec, lease_id, _cid, ack_wait_ms, touches = decode_lease(kv.value)
+        out.append((shard.leased.unpack(kv.key)[0], lease_id, touches, ack_wait_ms))
+    return out
+
+
+@transactional
+def expire_lease(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, vs,
+                 lease_id: bytes, touches: int, max_deliver: int, backoff_s: float) -> str:
+    """Redeliver a lease its owner observed unchanged for its ack wait: back to ready
+    (or delayed by ``backoff_s``), or to the DLQ after ``max_deliver`` attempts.
+    Fenced by shard ownership. Returns what happened."""
+    ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
+    lease = _check_lease(tr, shard, vs, lease_id)
+    if lease is None or lease[4] != touches:
+        return "changed"
+    record_raw, _lid, cid, _w, _t = lease
+    del tr[shard.leased_key(vs)]
+    tr.add(shard.stat("in_flight"), MINUS_ONE)
+    if Record.decode(record_raw).attempts >= max_deliver:
+        _dead_letter(tr, ts, shard, vs, record_raw,
+                     f"max_deliver ({max_deliver}) reached: lease expired", cid)
+        return "dead"
+    _requeue(tr, shard, vs, record_raw, int(backoff_s * VERSIONS_PER_S))
+    return "requeued"
+
+
+@transactional
+def fail_in_place(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, vs,
+                  max_deliver: int, reason: str) -> str:
+    """Exactly-once: a handler failed on the message at the head of the queue. Count
+    the attempt on its ready record; after ``max_deliver`` attempts, dead-letter it."""
+    ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
+    key = shard.ready_key(vs)
+    raw = tr[key]
+    if raw == None:  # noqa: E711
+        return "gone"
+    rec = Record.decode(raw)
+    rec.attempts += 1
+    if rec.attempts >= max_deliver:
+        del tr[key]
+        _dead_letter(tr, ts, shard, vs, rec.encode(), reason, consumer_id)
+        return "dead"
+    tr[key] = rec.encode()
+    return "retry"
+
+
+# -- dead-letter queue ---------------------------------------------------------------
+
+@transactional
+def dlq_list(tr, ts: TopicSpace, sub: str, limit: int = 100, after: bytes | None = None) -> list:
+    """[(vs, Record, reason, consumer_id)] of the DLQ, oldest first."""
+    space = ts.dlq(sub)
+    r = space.range()
+    begin = after + b"\x00" if after else r.start
+    out = []
+    for kv in tr.snapshot.get_range(begin, r.stop, limit=limit):
+        raw, reason, cid = decode_dead(kv.value)
+        out.append((space.unpack(kv.key)[0], Record.decode(raw), reason, cid, kv.key))
+    return out
+
+
+@transactional
+def dlq_redrive_chunk(tr, ts: TopicSpace, sub: str, config, limit: int) -> int:
+    """Move up to ``limit`` dead letters back to their shard's ready queue (attempts
+    reset). Resumable: each chunk removes what it moved."""
+    from .keyspace.codec import shard_of
+    space = ts.dlq(sub)
+    r = space.range()
+    moved = 0
+    for kv in tr.get_range(r.start, r.stop, limit=limit):
+        vs = space.unpack(kv.key)[0]
+        raw, _reason, _cid = decode_dead(kv.value)
+        rec = Record.decode(raw)
+        rec.attempts = 0
+        n = shard_of(rec.shard_key, config.shards) if rec.shard_key is not None else \
+            int.from_bytes(vs.to_bytes()[-4:], "big") % config.shards
+        from .headers import dispatch_tag
+        shard = ts.shard(sub, dispatch_tag(rec.headers), n)
+        tr[shard.ready_key(vs)] = rec.encode()
+        del tr[kv.key]
+        _add(tr, {shard.stat("routed"): 1, ts.sub_stat(sub, "dead"): -1})
+        moved += 1
+    return moved
+
+
+@transactional
+def dlq_purge_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
+    space = ts.dlq(sub)
+    r = space.range()
+    n = 0
+    last = None
+    for kv in tr.get_range(r.start, r.stop, limit=limit):
+        last = kv.key
+        n += 1
+    if last is not None:
+        tr.clear_range(r.start, last + b"\x00")
+        tr.add(ts.sub_stat(sub, "dead"), counter(-n))
+    return n
+
+
+def dlq_size(reader, ts: TopicSpace, sub: str) -> int:
+    return decode_counter(reader[ts.sub_stat(sub, "dead")])
+
+
+__all__ = ["Taken", "take_batch", "lease_batch", "settle", "scan_leases", "expire_lease",
+           "promote_due", "fail_in_place", "dlq_list", "dlq_redrive_chunk", "dlq_purge_chunk",
+           "dlq_size", "fdbtuple"]

@@ -1,0 +1,208 @@
+"""The key layout: the only code that knows where FDQ keeps what (design §2).
+
+Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
+
+    meta/format                                           layout version
+    config/topics/<topic>                                 topic config (read by every push)
+    config/topics/<topic>/consumers/<sub>/<id>            consumer record
+    config/topics/<topic>/consumers/<sub>/<id>/hb         heartbeat counter (atomic add)
+    config/topics/<topic>/shards/<sub>/<tag>/<n>          shard record: owner, epoch
+    config/topics/<topic>/assignment/<sub>                bumped when ownership changes
+    topic/<topic>/all/log/<bucket>/<vs>                   the "all" log (bucket = shard n)
+    topic/<topic>/all/time/<minute_ms>/<vs>               sparse time -> position index
+    topic/<topic>/all/stats/<name>                        inserted, routed, emitted, acked
+    topic/<topic>/all/chunks/<vs>/<i>                     body chunks of large messages
+    topic/<topic>/all/pending/<vs>                        pushed while paused, not yet routed
+    topic/<topic>/subs/<sub>/shards/<tag>/<n>/ready/<vs>             ready queue
+    topic/<topic>/subs/<sub>/shards/<tag>/<n>/delayed/<due>/<vs>     due = a database version
+    topic/<topic>/subs/<sub>/shards/<tag>/<n>/leased/<vs>            lease records
+    topic/<topic>/subs/<sub>/shards/<tag>/<n>/stats/<name>           per-shard counters
+    topic/<topic>/subs/<sub>/chunks/<vs>/<i>              body chunks of queued messages
+    topic/<topic>/subs/<sub>/dlq/<vs>                     dead letters, with the reason
+    topic/<topic>/subs/<sub>/stats/<name>                 per-subscription counters
+    topic/<topic>/marks/<txid>, marks_by_version/<vs>     push markers (1021-safe retries)
+    topic/<topic>/dedupe/<msg_id>, dedupe_by_version/<vs> user msg_id dedupe window
+
+``<vs>`` is a tuple-layer Versionstamp: the commit's 10-byte stamp plus the message's
+index in its transaction, so keys sort by commit order and are gap-free for readers.
+"""
+from __future__ import annotations
+
+import struct
+
+import fdb.tuple as fdbtuple
+from fdb.subspace_impl import Subspace
+from fdb.tuple import Versionstamp
+
+from ..errors import FormatError
+from ..engine import transactional
+
+FORMAT_VERSION = 1
+
+__all__ = ["Keyspace", "TopicSpace", "ShardSpace", "Versionstamp", "FORMAT_VERSION", "vs_key",
+           "counter", "decode_counter", "ensure_format", "message_id", "parse_message_id"]
+
+_I64 = struct.Struct("<q")
+
+
+def counter(n: int) -> bytes:
+    """An int64 little-endian operand for ``tr.add``."""
+    return _I64.pack(n)
+
+
+def decode_counter(raw) -> int:
+    """A counter's value; absent reads as 0."""
+    if raw is None or raw == None:  # noqa: E711 - FDB's absent Value equals None
+        return 0
+    b = bytes(raw)
+    return int.from_bytes(b[:8].ljust(8, b"\x00"), "little", signed=True) if b else 0
+
+
+def message_id(vs: Versionstamp) -> str:
+    """A message's printable id: 24 hex digits of its 12-byte versionstamp."""
+    return vs.to_bytes().hex()
+
+
+def parse_message_id(mid: str) -> Versionstamp:
+    try:
+        raw = bytes.fromhex(mid)
+    except (ValueError, TypeError):
+        raw = b""
+    if len(raw) != 12:
+        raise ValueError(f"invalid message id {mid!r}: expected 24 hex digits")
+    return Versionstamp.from_bytes(raw)
+
+
+class ShardSpace:
+    """The keys of one shard ``(tag, n)`` of one subscription."""
+
+    __slots__ = ("topic", "sub", "tag", "n", "space", "ready", "delayed", "leased", "stats",
+                 "record", "chunks")
+
+    def __init__(self, ts: "TopicSpace", sub: str, tag: str, n: int):
+        self.topic, self.sub, self.tag, self.n = ts.name, sub, tag, n
+        self.space = ts.subs[sub]["shards"][tag][n]
+        self.ready = self.space["ready"]
+        self.delayed = self.space["delayed"]
+        self.leased = self.space["leased"]
+        self.stats = self.space["stats"]
+        self.record = ts.config_space["shards"][sub][tag][n].key()
+        self.chunks = ts.subs[sub]["chunks"]
+
+    def ready_key(self, vs: Versionstamp) -> bytes:
+        return self.ready.pack((vs,))
+
+    def leased_key(self, vs: Versionstamp) -> bytes:
+        return self.leased.pack((vs,))
+
+    def delayed_key(self, due: int, vs: Versionstamp) -> bytes:
+        return self.delayed.pack((due, vs))
+
+    def stat(self, name: str) -> bytes:
+        return self.stats.pack((name,))
+
+    def __repr__(self):
+        return f"<shard {self.topic}/{self.sub}/{self.tag!r}/{self.n}>"
+
+
+class TopicSpace:
+    """The keys of one topic."""
+
+    def __init__(self, ks: "Keyspace", name: str):
+        self.name = name
+        self.config_key = ks.topics_config.pack((name,))
+        self.config_space = ks.topics_config[name]
+        self.consumers = self.config_space["consumers"]
+        self.shard_records = self.config_space["shards"]
+        self.assignment = self.config_space["assignment"]
+        self.space = ks.root["topic"][name]
+        self.all = self.space["all"]
+        self.log = self.all["log"]
+        self.time_index = self.all["time"]
+        self.stats = self.all["stats"]
+        self.all_chunks = self.all["chunks"]
+        self.pending = self.all["pending"]
+        self.subs = self.space["subs"]
+        self.marks = self.space["marks"]
+        self.marks_by_version = self.space["marks_by_version"]
+        self.dedupe = self.space["dedupe"]
+        self.dedupe_by_version = self.space["dedupe_by_version"]
+        self._shards = {}
+
+    def shard(self, sub: str, tag: str, n: int) -> ShardSpace:
+        key = (sub, tag, n)
+        s = self._shards.get(key)
+        if s is None:
+            s = self._shards[key] = ShardSpace(self, sub, tag, n)
+        return s
+
+    def stat(self, name: str) -> bytes:
+        return self.stats.pack((name,))
+
+    def sub_stat(self, sub: str, name: str) -> bytes:
+        return self.subs[sub]["stats"].pack((name,))
+
+    def dlq(self, sub: str) -> Subspace:
+        return self.subs[sub]["dlq"]
+
+    def consumer_key(self, sub: str, cid: str) -> bytes:
+        return self.consumers.pack((sub, cid))
+
+    def heartbeat_key(self, sub: str, cid: str) -> bytes:
+        return self.consumers.pack((sub, cid, "hb"))
+
+    def assignment_key(self, sub: str) -> bytes:
+        return self.assignment.pack((sub,))
+
+    def log_key(self, bucket: int, vs: Versionstamp) -> bytes:
+        return self.log.pack((bucket, vs))
+
+
+class Keyspace:
+    """The whole layout under ``root`` (a tuple, default ``("fdq",)``)."""
+
+    def __init__(self, root: tuple = ("fdq",)):
+        self.root = Subspace(tuple(root))
+        self.format_key = self.root.pack(("meta", "format"))
+        self.topics_config = self.root["config"]["topics"]
+        self._topics = {}
+
+    def topic(self, name: str) -> TopicSpace:
+        t = self._topics.get(name)
+        if t is None:
+            t = self._topics[name] = TopicSpace(self, name)
+        return t
+
+    def topic_names_range(self):
+        return self.topics_config.range()
+
+    def unpack_topic_config_key(self, key: bytes):
+        """The topic name if ``key`` is a topic's config key, else None."""
+        t = self.topics_config.unpack(key)
+        return t[0] if len(t) == 1 else None
+
+
+_VS_PLACEHOLDER = b"\x33" + b"\xff" * 10
+
+
+def vs_key(prefix: bytes, user_version: int, suffix: bytes = b"") -> bytes:
+    """``prefix`` + an incomplete tuple-layer Versionstamp + ``suffix``, with the 4-byte
+    offset ``set_versionstamped_key`` wants: what ``pack_with_versionstamp`` builds, without
+    re-encoding the prefix for every message."""
+    return (prefix + _VS_PLACEHOLDER + user_version.to_bytes(2, "big") + suffix
+            + struct.pack("<I", len(prefix) + 1))
+
+
+@transactional
+def ensure_format(tr, ks: Keyspace) -> int:
+    """Write ``meta/format`` on first use; refuse a newer layout than this FDQ knows."""
+    raw = tr[ks.format_key]
+    if raw == None:  # noqa: E711
+        tr[ks.format_key] = fdbtuple.pack((FORMAT_VERSION,))
+        return FORMAT_VERSION
+    version = fdbtuple.unpack(bytes(raw))[0]
+    if version > FORMAT_VERSION:
+        raise FormatError(f"database key layout is format {version}; this FDQ understands up "
+                          f"to {FORMAT_VERSION}: upgrade FDQ")
+    # Older formats would migrate here; format 1 is the first.
+    return version

@@ -1,0 +1,80 @@
+"""Value codecs: messages, leases, dead letters, topic configs (msgpack).
+
+A message record is a msgpack array ``[ts_ms, shard_key, msg_id, headers, body, attempts,
+nchunks, replay_of]``; trailing defaults are dropped so a plain message costs a few bytes
+over its body. Bodies over ``CHUNK_BYTES`` are split: the record keeps the chunk count and
+the chunks live beside it (``.../chunks/<vs>/<i>``).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import msgpack
+
+CHUNK_BYTES = 90_000  # under FDB's 100,000-byte value limit, with room for the record
+_DEFAULTS = (None, None, None, None, b"", 0, 0, None)
+
+
+@dataclass
+class Record:
+    ts_ms: int
+    shard_key: str | None = None
+    msg_id: str | None = None
+    headers: dict | None = None
+    body: bytes = b""
+    attempts: int = 0
+    nchunks: int = 0
+    replay_of: str | None = None
+
+    def encode(self) -> bytes:
+        fields = [self.ts_ms, self.shard_key, self.msg_id, self.headers, self.body,
+                  self.attempts, self.nchunks, self.replay_of]
+        while len(fields) > 1 and fields[-1] == _DEFAULTS[len(fields) - 1]:
+            fields.pop()
+        return msgpack.packb(fields, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, raw) -> "Record":
+        fields = msgpack.unpackb(bytes(raw), raw=False, use_list=True)
+        return cls(*fields)
+
+
+def encode_lease(record: bytes, lease_id: bytes, consumer_id: str, ack_wait_ms: int,
+                 touches: int = 0) -> bytes:
+    return msgpack.packb([record, lease_id, consumer_id, ack_wait_ms, touches], use_bin_type=True)
+
+
+def decode_lease(raw):
+    """-> (record bytes, lease_id, consumer_id, ack_wait_ms, touches)"""
+    return tuple(msgpack.unpackb(bytes(raw), raw=False))
+
+
+def encode_dead(record: bytes, reason: str, consumer_id: str | None) -> bytes:
+    return msgpack.packb([record, reason, consumer_id], use_bin_type=True)
+
+
+def decode_dead(raw):
+    """-> (record bytes, reason, consumer_id)"""
+    return tuple(msgpack.unpackb(bytes(raw), raw=False))
+
+
+def pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(raw):
+    return msgpack.unpackb(bytes(raw), raw=False)
+
+
+def shard_of(shard_key: str, shards: int) -> int:
+    """blake2b-64 of the UTF-8 shard key, mod the shard count (design §3)."""
+    digest = hashlib.blake2b(shard_key.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % shards
+
+
+def split_body(body: bytes):
+    """-> (inline body, [chunks]) with chunks only for bodies over CHUNK_BYTES."""
+    if len(body) <= CHUNK_BYTES:
+        return body, []
+    return b"", [body[i:i + CHUNK_BYTES] for i in range(0, len(body), CHUNK_BYTES)]

@@ -1,0 +1,155 @@
+"""Consumer membership and shard ownership: join, heartbeat, leave, zombies, assignment.
+
+A subscription's live consumers are the consumer records present under
+``config/topics/<t>/consumers/<sub>/``. Every change of that set (join, leave, zombie)
+re-divides the shards in the same transaction, moving as few as possible, and bumps each
+moved shard's owner epoch: a consumer that lost a shard can no longer commit from it,
+because every consuming transaction reads the shard record (see ``ensure_owner``).
+
+Liveness never compares clocks of two hosts: an observer remembers when, on its own
+monotonic clock, it last saw each peer's heartbeat counter change; a counter unchanged
+for the zombie timeout makes the peer a zombie. Database versions are not used, so
+version jumps (FDB recoveries) cannot make a live consumer look dead.
+"""
+from __future__ import annotations
+
+from .engine import transactional
+from .errors import LeaseLost
+from .keyspace import TopicSpace, counter, decode_counter
+from .keyspace.codec import pack, unpack
+
+
+def shard_ids(config, tags=("",)):
+    return [(tag, n) for tag in tags for n in range(config.shards)]
+
+
+@transactional
+def read_members(tr, ts: TopicSpace, sub: str, *, snapshot: bool = True) -> dict:
+    """{consumer_id: {"record": dict, "hb": int}} of the subscription."""
+    reader = tr.snapshot if snapshot else tr
+    r = ts.consumers[sub].range()
+    members = {}
+    for kv in reader.get_range(r.start, r.stop):
+        t = ts.consumers[sub].unpack(kv.key)
+        if len(t) == 1:
+            members.setdefault(t[0], {"hb": 0})["record"] = unpack(kv.value)
+        elif len(t) == 2 and t[1] == "hb":
+            members.setdefault(t[0], {})["hb"] = decode_counter(kv.value)
+    return {cid: m for cid, m in members.items() if "record" in m}
+
+
+@transactional
+def read_owners(tr, ts: TopicSpace, sub: str, *, snapshot: bool = True) -> dict:
+    """{(tag, n): (owner or None, epoch)} of every shard record of the subscription."""
+    reader = tr.snapshot if snapshot else tr
+    r = ts.shard_records[sub].range()
+    out = {}
+    for kv in reader.get_range(r.start, r.stop):
+        tag, n = ts.shard_records[sub].unpack(kv.key)
+        owner, epoch = unpack(kv.value)
+        out[(tag, n)] = (owner, epoch)
+    return out
+
+
+def plan_assignment(shards: list, owners: dict, live: list) -> dict:
+    """New owners for ``shards`` given current ``owners`` {(tag, n): owner} and the
+    sorted ``live`` consumer ids: an even share each, moving as few shards as possible.
+    Deterministic, so members racing to rebalance compute the same plan."""
+    if not live:
+        return {s: None for s in shards}
+    held = {c: [] for c in live}
+    orphans = []
+    for s in shards:
+        o = owners.get(s)
+        (held[o] if o in held else orphans).append(s)
+    base, extra = divmod(len(shards), len(live))
+    # The consumers holding most keep the extra shards: fewer moves.
+    order = sorted(live, key=lambda c: (-len(held[c]), c))
+    quota = {c: base + (1 if i < extra else 0) for i, c in enumerate(order)}
+    for c in live:
+        while len(held[c]) > quota[c]:
+            orphans.append(held[c].pop())
+    orphans.sort()
+    for c in sorted(live, key=lambda c: (len(held[c]) - quota[c], c)):
+        while len(held[c]) < quota[c] and orphans:
+            held[c].append(orphans.pop(0))
+    plan = {}
+    for c, ss in held.items():
+        for s in ss:
+            plan[s] = c
+    return plan
+
+
+@transactional
+def assign_shards(tr, ts: TopicSpace, sub: str, config, live: list | None = None) -> dict:
+    """Re-divide the subscription's shards among its live consumers (the records present
+    unless ``live`` is given). Moved shards get a new owner epoch. Returns the plan."""
+    if live is None:
+        live = sorted(read_members(tr, ts, sub, snapshot=False))
+    current = read_owners(tr, ts, sub, snapshot=False)
+    shards = shard_ids(config)
+    plan = plan_assignment(shards, {s: o for s, (o, _e) in current.items()}, sorted(live))
+    moved = False
+    for s in shards:
+        owner, epoch = current.get(s, (None, 0))
+        if plan[s] != owner or s not in current:
+            tr[ts.shard_records[sub].pack(s)] = pack([plan[s], epoch + 1])
+            moved = True
+    for s in current:  # shards beyond the shard count (after a reshard): unowned
+        if s not in plan and current[s][0] is not None:
+            tr[ts.shard_records[sub].pack(s)] = pack([None, current[s][1] + 1])
+            moved = True
+    if moved:
+        tr.add(ts.assignment_key(sub), counter(1))
+    return plan
+
+
+@transactional
+def join(tr, ts: TopicSpace, sub: str, consumer_id: str, record: dict, config) -> dict:
+    """Register a consumer and give it its share of shards."""
+    tr[ts.consumer_key(sub, consumer_id)] = pack(record)
+    tr.add(ts.heartbeat_key(sub, consumer_id), counter(1))
+    return assign_shards(tr, ts, sub, config)
+
+
+@transactional
+def leave(tr, ts: TopicSpace, sub: str, consumer_id: str, config):
+    """Unregister a consumer and hand its shards to the others now."""
+    del tr[ts.consumer_key(sub, consumer_id)]
+    del tr[ts.heartbeat_key(sub, consumer_id)]
+    assign_shards(tr, ts, sub, config)
+
+
+@transactional
+def heartbeat(tr, ts: TopicSpace, sub: str, consumer_id: str) -> bool:
+    """Bump the heartbeat counter; False if the record is gone (declared a zombie)."""
+    if tr.snapshot[ts.consumer_key(sub, consumer_id)] == None:  # noqa: E711
+        return False
+    tr.add(ts.heartbeat_key(sub, consumer_id), counter(1))
+    return True
+
+
+@transactional
+def declare_zombie(tr, ts: TopicSpace, sub: str, consumer_id: str, observed_hb: int, config) -> bool:
+    """Remove a consumer whose heartbeat stayed at ``observed_hb``, and re-divide its
+    shards. A heartbeat committed meanwhile makes this conflict or return False."""
+    if tr[ts.consumer_key(sub, consumer_id)] == None:  # noqa: E711
+        return False
+    if decode_counter(tr[ts.heartbeat_key(sub, consumer_id)]) != observed_hb:
+        return False
+    del tr[ts.consumer_key(sub, consumer_id)]
+    del tr[ts.heartbeat_key(sub, consumer_id)]
+    assign_shards(tr, ts, sub, config)
+    return True
+
+
+def ensure_owner(tr, ts: TopicSpace, sub: str, shard_id, consumer_id: str, epoch: int):
+    """The fence: a non-snapshot read of the shard record, so a transaction of a
+    consumer that lost the shard conflicts or fails here."""
+    raw = tr[ts.shard_records[sub].pack(shard_id)]
+    if raw == None:  # noqa: E711
+        raise LeaseLost(f"shard {shard_id} of {ts.name}/{sub} has no owner record")
+    owner, current = unpack(raw)
+    if owner != consumer_id or current != epoch:
+        raise LeaseLost(f"shard {shard_id} of {ts.name}/{sub} is owned by {owner!r} "
+                        f"(epoch {current}), not {consumer_id!r} (epoch {epoch})")

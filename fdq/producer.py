@@ -1,0 +1,398 @@
+"""Producers: push messages into a topic.
+
+A push is one transaction that reads the topic's config key and otherwise writes blind:
+the message into the "all" log and into every subscription's shard queue, counters by
+atomic add. So producers never conflict with each other or with consumers; a config
+change (pause, reshard, new subscription) makes in-flight pushes retry with it.
+
+Retries are exact: each push transaction writes a marker holding its versionstamp; a
+retry after ``commit_unknown_result`` finds it and returns the first commit's ids.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import random
+import struct
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from concurrent.futures import Future as _ConcurrentFuture
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import fdb.tuple as fdbtuple
+from fdb.tuple import Versionstamp
+
+from .config import DEFAULT_SUBSCRIPTION, ProducerConfig, TopicConfig, check_name
+from .engine import error_types, retry_or_raise, transactional
+from .errors import (BacklogFull, ConfigError, FDQError, InvalidHeader, InvalidMessage,
+                     MessageTooLarge, TopicNotFound, is_maybe_committed)
+from .headers import dispatch_tag, validate_headers
+from .keyspace import Keyspace, TopicSpace, counter, decode_counter, message_id, vs_key
+from .keyspace.codec import Record, pack, shard_of, split_body, unpack
+from .topic import load_config, write_topic_config
+
+VERSIONS_PER_S = 1_000_000
+MARKER_TTL_S = 600.0          # push markers outlive any commit_unknown_result retry
+_OFFSET0 = struct.pack("<I", 0)
+_PLACEHOLDER = b"\x00" * 10
+
+
+def to_ms(t) -> int | None:
+    """Epoch milliseconds from an int/float (ms) or a datetime (naive = UTC)."""
+    if t is None:
+        return None
+    if isinstance(t, datetime.datetime):
+        if t.tzinfo is None:
+            t = t.replace(tzinfo=datetime.timezone.utc)
+        return int(t.timestamp() * 1000)
+    if isinstance(t, bool) or not isinstance(t, (int, float)):
+        raise ConfigError(f"time must be epoch milliseconds or a datetime, not {t!r}")
+    return int(t)
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What a producer pushes. ``headers`` is a read-only mapping (extend topics only)."""
+
+    body: bytes
+    shard_key: str | None = None
+    delay: float | None = None
+    msg_id: str | None = None
+    headers: Mapping | None = None
+
+    def __post_init__(self):
+        if isinstance(self.body, (bytearray, memoryview)):
+            object.__setattr__(self, "body", bytes(self.body))
+        if not isinstance(self.body, bytes):
+            raise InvalidMessage(f"message body must be bytes, not {type(self.body).__name__}"
+                                 + (" (encode the str first)" if isinstance(self.body, str) else ""))
+        if self.shard_key is not None and not isinstance(self.shard_key, str):
+            raise InvalidMessage(f"shard_key must be a str, not {type(self.shard_key).__name__}")
+        if self.msg_id is not None and (not isinstance(self.msg_id, str) or not 0 < len(self.msg_id) <= 256):
+            raise InvalidMessage(f"msg_id must be a non-empty str of at most 256 characters, not {self.msg_id!r}")
+        if isinstance(self.delay, datetime.timedelta):
+            object.__setattr__(self, "delay", self.delay.total_seconds())
+        if self.delay is not None and (isinstance(self.delay, bool) or not isinstance(self.delay, (int, float))
+                                       or self.delay < 0 or self.delay != self.delay):
+            raise InvalidMessage(f"delay must be seconds >= 0, not {self.delay!r}")
+        if self.headers is not None:
+            object.__setattr__(self, "headers", MappingProxyType(validate_headers(self.headers)))
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """The outcome of one push: ``id`` is the message's id (the first one's, for a
+    deduplicated ``msg_id``). ``trace_id`` / ``position`` echo ``##trace_id``."""
+
+    id: str
+    topic: str
+    shard: int
+    duplicate: bool = False
+    trace_id: str | None = None
+    position: str | None = None
+
+
+@dataclass
+class _Item:
+    topic: str
+    env: Envelope
+    event: threading.Event = field(default_factory=threading.Event)
+    result: PushResult | None = None
+    error: BaseException | None = None
+    promoted: bool = False
+
+
+def _spread_start() -> int:
+    return random.randrange(1 << 30)
+
+
+@transactional
+def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_create: bool,
+               now_ms: int, time_index: dict, check_marker: bool = True):
+    """Push ``items`` [(topic, Envelope)] in this transaction. Returns ``(results,
+    stamp)``: results [(topic, user_version, shard, dup_of)] and the commit's stamp: 10
+    bytes if this push had already committed (a retry after commit_unknown_result), else
+    the ``get_versionstamp()`` future, ready once the transaction commits.
+
+    ``check_marker=False`` skips the marker read on a first attempt (a fresh ``txid``
+    cannot have committed yet). ``dup_of`` is a message id (an earlier push) or an int
+    (the user version of an earlier message of this batch)."""
+    first = ks.topic(items[0][0])
+    marker_key = first.marks.pack((txid,))
+    if check_marker:
+        marker = tr[marker_key]
+        if marker != None:  # noqa: E711 - committed before: return what it returned
+            raw = bytes(marker)
+            return unpack(raw[10:]), raw[:10]
+    rv = None
+    configs = {}
+    results = []
+    batch_ids = {}
+    counters = defaultdict(int)
+    for uv, (topic, env) in enumerate(items):
+        ts = ks.topic(topic)
+        config = configs.get(topic)
+        if config is None:
+            config = configs[topic] = _config_for_push(tr, ks, ts, auto_create)
+        if len(env.body) > config.max_message_bytes:
+            raise MessageTooLarge(f"message body of {len(env.body):,} bytes exceeds topic {topic!r}'s "
+                                  f"max_message_bytes ({config.max_message_bytes:,})")
+        if env.headers and not config.extend:
+            raise InvalidHeader(f"topic {topic!r} has no extend support: headers are refused "
+                                "(create it with extend=True or upgrade it)")
+        n = shard_of(env.shard_key, config.shards) if env.shard_key is not None else (spread + uv) % config.shards
+        if env.msg_id is not None:
+            if (topic, env.msg_id) in batch_ids:
+                results.append((topic, uv, n, batch_ids[(topic, env.msg_id)]))
+                continue
+            if rv is None:
+                rv = tr.get_read_version().wait()
+            dkey = ts.dedupe.pack((env.msg_id,))
+            seen = tr[dkey]
+            if seen != None:  # noqa: E711
+                first_vs = Versionstamp.from_bytes(bytes(seen))
+                if int.from_bytes(first_vs.tr_version[:8], "big") >= rv - int(config.dedupe_window_s * VERSIONS_PER_S):
+                    results.append((topic, uv, n, message_id(first_vs)))
+                    continue
+            batch_ids[(topic, env.msg_id)] = uv
+            tr.set_versionstamped_value(dkey, _PLACEHOLDER + uv.to_bytes(2, "big") + _OFFSET0)
+            tr.set_versionstamped_key(vs_key(ts.dedupe_by_version.key(), uv), env.msg_id.encode())
+        inline, chunks = split_body(env.body)
+        headers = dict(env.headers) if env.headers else None
+        record = Record(now_ms, env.shard_key, env.msg_id, headers, inline, 0, len(chunks)).encode()
+        tr.set_versionstamped_key(vs_key(ts.log.pack((n,)), uv), record)
+        for i, chunk in enumerate(chunks):
+            tr.set_versionstamped_key(vs_key(ts.all_chunks.key(), uv, fdbtuple.pack((i,))), chunk)
+        minute = now_ms // 60000 * 60000
+        if time_index.get(topic) != minute:
+            time_index[topic] = minute   # a lost entry only makes a replay scan longer
+            tr.set_versionstamped_key(vs_key(ts.time_index.pack((minute,)), uv), b"")
+        counters[ts.stat("inserted")] += 1
+        if config.routing:
+            due = None
+            if env.delay:
+                if rv is None:
+                    rv = tr.get_read_version().wait()
+                due = rv + int(env.delay * VERSIONS_PER_S)
+            route_message(tr, ts, config, dispatch_tag(headers), n, uv, record, chunks, due, counters)
+        else:
+            tr.set_versionstamped_key(vs_key(ts.pending.key(), uv), pack([n, env.delay]))
+        results.append((topic, uv, n, None))
+    for key, amount in counters.items():
+        tr.add(key, counter(amount))
+    for topic, config in configs.items():
+        if config.max_backlog is not None:
+            _check_backlog(tr, ks.topic(topic), config)
+    tr.set_versionstamped_value(marker_key, _PLACEHOLDER + pack(results) + _OFFSET0)
+    tr.set_versionstamped_key(vs_key(first.marks_by_version.key(), 0), txid)
+    return results, tr.get_versionstamp()
+
+
+def route_message(tr, ts: TopicSpace, config: TopicConfig, tag: str, n: int, uv: int,
+                  record: bytes, chunks: list, due: int | None, counters):
+    """Write one message (user version ``uv`` of this transaction's versionstamp) into
+    every subscription's shard queue: ready, or delayed until database version ``due``."""
+    for sub in config.subs:
+        shard = ts.shard(sub, tag, n)
+        if due is None:
+            tr.set_versionstamped_key(vs_key(shard.ready.key(), uv), record)
+        else:
+            tr.set_versionstamped_key(vs_key(shard.delayed.pack((due,)), uv), record)
+            counters[shard.stat("delayed")] += 1
+        for i, chunk in enumerate(chunks):
+            tr.set_versionstamped_key(vs_key(shard.chunks.key(), uv, fdbtuple.pack((i,))), chunk)
+        counters[shard.stat("routed")] += 1   # consumers watch this key
+    counters[ts.stat("routed")] += 1
+
+
+_config_cache = {}
+
+
+def _decode_config(raw) -> TopicConfig | None:
+    if raw == None:  # noqa: E711
+        return None
+    raw = bytes(raw)
+    config = _config_cache.get(raw)
+    if config is None:
+        if len(_config_cache) > 1024:
+            _config_cache.clear()
+        config = _config_cache[raw] = load_config(raw)
+    return config
+
+
+def _config_for_push(tr, ks, ts, auto_create) -> TopicConfig:
+    config = _decode_config(tr[ts.config_key])
+    if config is None:
+        if not auto_create:
+            raise TopicNotFound(f"topic {ts.name!r} does not exist")
+        check_name(ts.name)
+        config = TopicConfig()
+        write_topic_config(tr, ts, config)
+    return config
+
+
+def _check_backlog(tr, ts, config):
+    """Snapshot reads of the shard counters: pushes never conflict over the backlog, so
+    concurrent producers may overshoot max_backlog by their in-flight batches."""
+    from .stats import shard_counters
+    for sub in config.subs:
+        backlog = sum(c["backlog"] for c in shard_counters(tr.snapshot, ts, sub, config).values())
+        if backlog > config.max_backlog:
+            raise BacklogFull(f"topic {ts.name!r} subscription {sub!r} would have a backlog of "
+                              f"{backlog:,} (max_backlog {config.max_backlog:,}): push refused")
+
+
+class _GroupCommit:
+    """Leader/follower group commit: the first caller commits what is queued; callers
+    arriving meanwhile wait and are committed together by the next leader. One thread
+    pays one transaction per push; eight threads share transactions."""
+
+    def __init__(self, flush, max_batch: int, linger_s: float):
+        self._flush = flush
+        self._max_batch = max_batch
+        self._linger_s = linger_s
+        self._lock = threading.Lock()
+        self._queue = []
+        self._leading = False
+
+    def submit(self, item: _Item):
+        with self._lock:
+            self._queue.append(item)
+            lead = not self._leading
+            if lead:
+                self._leading = True
+        if not lead:
+            item.event.wait()
+            if not item.promoted:
+                return
+        if self._linger_s:
+            time.sleep(self._linger_s)
+        with self._lock:
+            batch = self._queue[:self._max_batch]
+            del self._queue[:self._max_batch]
+        try:
+            self._flush(batch)
+        finally:
+            with self._lock:
+                if self._queue:
+                    nxt = self._queue[0]
+                    nxt.promoted = True
+                    nxt.event.set()
+                else:
+                    self._leading = False
+
+
+class Producer:
+    """Pushes messages. Thread-safe; concurrent ``push`` calls share transactions.
+
+    Example::
+
+        p = fdq.Producer(db)
+        r = p.push("orders", b"body", shard_key="cust-42")
+        p.push_many("orders", [fdq.Envelope(b"a", shard_key="x"), fdq.Envelope(b"b")])
+    """
+
+    def __init__(self, db, *, config: ProducerConfig | None = None, keyspace: Keyspace | None = None):
+        self.db = db
+        self.config = config or ProducerConfig()
+        self.keyspace = keyspace or Keyspace()
+        self._time_index = {}
+        # Marker ids: a random session plus a sequence, so a producer's markers are
+        # neighbours in the key space (one B-tree page, not a random one per push).
+        self._session = os.urandom(8)
+        self._seq = 0
+        self._seq_lock = threading.Lock()
+        self._group = _GroupCommit(self._flush, self.config.max_batch, self.config.linger_ms / 1000)
+
+    def push(self, topic: str, body: bytes, *, shard_key: str | None = None, msg_id: str | None = None,
+             delay: float | None = None, headers: Mapping | None = None) -> PushResult:
+        """Push one message; returns after it is committed."""
+        item = _Item(check_name(topic), Envelope(body, shard_key, delay, msg_id, headers))
+        self._group.submit(item)
+        if item.error is not None:
+            raise item.error
+        return item.result
+
+    def push_async(self, topic: str, body: bytes, **kwargs) -> _ConcurrentFuture:
+        """As ``push``, in a background thread; returns a ``concurrent.futures.Future``."""
+        f = _ConcurrentFuture()
+
+        def run():
+            try:
+                f.set_result(self.push(topic, body, **kwargs))
+            except BaseException as e:  # delivered to the caller through the future
+                f.set_exception(e)
+        threading.Thread(target=run, daemon=True).start()
+        return f
+
+    def push_many(self, topic: str, envelopes) -> list:
+        """Push several messages in one transaction (all or none)."""
+        check_name(topic)
+        envs = [e if isinstance(e, Envelope) else Envelope(e) for e in envelopes]
+        if not envs:
+            return []
+        return self._commit([(topic, e) for e in envs])
+
+    def _flush(self, batch: list):
+        try:
+            results = self._commit([(it.topic, it.env) for it in batch])
+        except FDQError as e:
+            if len(batch) == 1:
+                batch[0].error = e
+            else:  # one bad push must not fail the others: commit them one by one
+                for it in batch:
+                    try:
+                        it.result = self._commit([(it.topic, it.env)])[0]
+                    except FDQError as e1:
+                        it.error = e1
+        except BaseException as e:
+            for it in batch:
+                it.error = e
+        else:
+            for it, r in zip(batch, results):
+                it.result = r
+        for it in batch:
+            it.event.set()
+
+    def _commit(self, items: list) -> list:
+        now_ms = int(time.time() * 1000)
+        with self._seq_lock:
+            self._seq += 1
+            txid = self._session + self._seq.to_bytes(8, "big")
+        spread = _spread_start()
+        tr = self.db.create_transaction()
+        maybe_committed = False
+        while True:
+            try:
+                results, stamp = push_batch(tr, self.keyspace, items, txid, spread, self.config.auto_create,
+                                            now_ms, self._time_index, maybe_committed)
+                tr.commit().wait()
+                break
+            except error_types() as e:
+                maybe_committed = maybe_committed or is_maybe_committed(e)
+                retry_or_raise(tr, e)
+        stamp = stamp if type(stamp) is bytes else bytes(stamp.wait())
+        out = []
+        for (topic, uv, n, dup_of), (_t, env) in zip(results, items):
+            if isinstance(dup_of, int):
+                dup_of = message_id(Versionstamp(stamp, dup_of))
+            mid = dup_of or message_id(Versionstamp(stamp, uv))
+            trace = env.headers.get("##trace_id") if env.headers else None
+            out.append(PushResult(mid, topic, n, dup_of is not None,
+                                  str(trace) if trace is not None else None,
+                                  mid if trace is not None else None))
+        return out
+
+    def replay(self, topic: str, start, end=None, *, progress=None) -> int:
+        """Re-deliver the "all" log's messages with insertion time in ``[start, end)`` to
+        the topic's subscriptions, in order, as new messages (new ids; the record keeps
+        the original id in ``replay_of``). Returns how many were replayed."""
+        from .supervisor import replay_window
+        return replay_window(self.db, self.keyspace, topic, to_ms(start), to_ms(end), progress=progress)
+
+
+__all__ = ["Producer", "Envelope", "PushResult", "push_batch", "route_message", "to_ms"]

@@ -1,0 +1,70 @@
+"""Topic configuration: the transactional functions that read, create and change the
+``config/topics/<topic>`` key every push reads."""
+from __future__ import annotations
+
+import dataclasses
+
+from .config import TopicConfig, check_name
+from .engine import transactional
+from .errors import TopicExists, TopicNotFound
+from .keyspace import Keyspace, TopicSpace, ensure_format
+from .keyspace.codec import pack, unpack
+
+
+def load_config(raw) -> TopicConfig | None:
+    if raw == None:  # noqa: E711 - FDB's absent Value equals None
+        return None
+    return TopicConfig.from_dict(unpack(raw))
+
+
+@transactional
+def read_topic_config(tr, ts: TopicSpace, *, snapshot: bool = False) -> TopicConfig:
+    """The topic's config; a non-snapshot read makes the caller retry if it changes."""
+    reader = tr.snapshot if snapshot else tr
+    config = load_config(reader[ts.config_key])
+    if config is None:
+        raise TopicNotFound(f"topic {ts.name!r} does not exist")
+    return config
+
+
+@transactional
+def create_topic(tr, ks: Keyspace, name: str, config: TopicConfig, *, exist_ok: bool = True) -> TopicConfig:
+    """Create a topic; re-running with the same config is a no-op."""
+    check_name(name)
+    ensure_format(tr, ks)
+    ts = ks.topic(name)
+    existing = load_config(tr[ts.config_key])
+    if existing is not None:
+        if not exist_ok or (existing.shards != config.shards and config.shards != TopicConfig().shards):
+            raise TopicExists(f"topic {name!r} already exists with {existing.shards} shards")
+        return existing
+    write_topic_config(tr, ts, config)
+    return config
+
+
+@transactional
+def write_topic_config(tr, ts: TopicSpace, config: TopicConfig):
+    tr[ts.config_key] = pack(config.as_dict())
+
+
+@transactional
+def update_topic_config(tr, ts: TopicSpace, **changes) -> TopicConfig:
+    """Change fields of a topic's config (pushes in flight retry with the new one)."""
+    config = dataclasses.replace(read_topic_config(tr, ts), **changes)
+    write_topic_config(tr, ts, config)
+    return config
+
+
+@transactional
+def list_topics(tr, ks: Keyspace) -> list:
+    """(name, config) of every topic, by name."""
+    out = []
+    for kv in tr.snapshot.get_range(*_range(ks.topics_config.range())):
+        name = ks.unpack_topic_config_key(kv.key)
+        if name is not None:
+            out.append((name, load_config(kv.value)))
+    return out
+
+
+def _range(r):
+    return r.start, r.stop
