@@ -7,12 +7,13 @@ from .errors import (BacklogFull, ConfigError, ConnectError, EngineError, FDQErr
 from .config import ConsumerConfig, ProducerConfig, TopicConfig
 from .consumer import Consumer, Message, tail
 from .producer import Envelope, Producer, PushResult
+from .supervisor import Supervisor
 
 __version__ = "0.1.0"
 
 __all__ = [
     "connect", "transactional", "Producer", "Envelope", "PushResult", "Consumer", "Message",
-    "tail", "ConsumerConfig", "ProducerConfig", "TopicConfig",
+    "tail", "Supervisor", "ConsumerConfig", "ProducerConfig", "TopicConfig",
     "FDQError", "ConfigError", "ConnectError", "EngineError", "FormatError", "InvalidName",
     "TopicNotFound", "TopicExists", "SubscriptionNotFound", "MessageTooLarge",
     "InvalidMessage", "InvalidHeader", "BacklogFull", "LeaseLost",

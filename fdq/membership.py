@@ -112,11 +112,16 @@ def join(tr, ts: TopicSpace, sub: str, consumer_id: str, record: dict, config) -
     return assign_shards(tr, ts, sub, config)
 
 
+def _remove_member(tr, ts, sub, consumer_id):
+    r = ts.consumers[sub][consumer_id].range()
+    tr.clear_range(r.start, r.stop)
+    del tr[ts.consumer_key(sub, consumer_id)]
+
+
 @transactional
 def leave(tr, ts: TopicSpace, sub: str, consumer_id: str, config):
     """Unregister a consumer and hand its shards to the others now."""
-    del tr[ts.consumer_key(sub, consumer_id)]
-    del tr[ts.heartbeat_key(sub, consumer_id)]
+    _remove_member(tr, ts, sub, consumer_id)
     assign_shards(tr, ts, sub, config)
 
 
@@ -126,6 +131,8 @@ def heartbeat(tr, ts: TopicSpace, sub: str, consumer_id: str) -> bool:
     if tr.snapshot[ts.consumer_key(sub, consumer_id)] == None:  # noqa: E711
         return False
     tr.add(ts.heartbeat_key(sub, consumer_id), counter(1))
+    # For display only (stats' heartbeat age): the read version, ~1e6 per second.
+    tr.max(ts.consumers.pack((sub, consumer_id, "hbv")), tr.get_read_version().wait().to_bytes(8, "little"))
     return True
 
 
@@ -137,8 +144,7 @@ def declare_zombie(tr, ts: TopicSpace, sub: str, consumer_id: str, observed_hb: 
         return False
     if decode_counter(tr[ts.heartbeat_key(sub, consumer_id)]) != observed_hb:
         return False
-    del tr[ts.consumer_key(sub, consumer_id)]
-    del tr[ts.heartbeat_key(sub, consumer_id)]
+    _remove_member(tr, ts, sub, consumer_id)
     assign_shards(tr, ts, sub, config)
     return True
 

@@ -163,7 +163,8 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             tr.set_versionstamped_key(vs_key(ts.dedupe_by_version.key(), uv), env.msg_id.encode())
         inline, chunks = split_body(env.body)
         headers = dict(env.headers) if env.headers else None
-        record = Record(now_ms, env.shard_key, env.msg_id, headers, inline, 0, len(chunks)).encode()
+        record = Record(now_ms, env.shard_key, env.msg_id, headers, inline, 0, len(chunks),
+                        getattr(env, "replay_of", None)).encode()
         tr.set_versionstamped_key(vs_key(ts.log.pack((n,)), uv), record)
         for i, chunk in enumerate(chunks):
             tr.set_versionstamped_key(vs_key(ts.all_chunks.key(), uv, fdbtuple.pack((i,))), chunk)
