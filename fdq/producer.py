@@ -165,7 +165,7 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
         headers = dict(env.headers) if env.headers else None
         record = Record(now_ms, env.shard_key, env.msg_id, headers, inline, 0, len(chunks),
                         getattr(env, "replay_of", None)).encode()
-        tr.set_versionstamped_key(vs_key(ts.log.pack((n,)), uv), record)
+        tr.set_versionstamped_key(vs_key(ts.log_prefix(n), uv), record)
         for i, chunk in enumerate(chunks):
             tr.set_versionstamped_key(vs_key(ts.all_chunks.key(), uv, fdbtuple.pack((i,))), chunk)
         minute = now_ms // 60000 * 60000
@@ -200,7 +200,7 @@ def route_message(tr, ts: TopicSpace, config: TopicConfig, tag: str, n: int, uv:
     for sub in config.subs:
         shard = ts.shard(sub, tag, n)
         if due is None:
-            tr.set_versionstamped_key(vs_key(shard.ready.key(), uv), record)
+            tr.set_versionstamped_key(vs_key(shard.ready_prefix, uv), record)
         else:
             tr.set_versionstamped_key(vs_key(shard.delayed.pack((due,)), uv), record)
             counters[shard.stat("delayed")] += 1
@@ -270,21 +270,31 @@ class _GroupCommit:
             item.event.wait()
             if not item.promoted:
                 return
-        if self._linger_s:
-            time.sleep(self._linger_s)
-        with self._lock:
-            batch = self._queue[:self._max_batch]
-            del self._queue[:self._max_batch]
-        try:
-            self._flush(batch)
-        finally:
+        # Lead a few rounds: handing leadership to a sleeping thread costs a wake-up.
+        for _round in range(16):
+            if self._linger_s:
+                time.sleep(self._linger_s)
             with self._lock:
-                if self._queue:
-                    nxt = self._queue[0]
-                    nxt.promoted = True
-                    nxt.event.set()
-                else:
+                batch = self._queue[:self._max_batch]
+                del self._queue[:self._max_batch]
+                if not batch:
                     self._leading = False
+                    return
+            try:
+                self._flush(batch)
+            except BaseException:
+                self._handoff()
+                raise
+        self._handoff()
+
+    def _handoff(self):
+        with self._lock:
+            if self._queue:
+                nxt = self._queue[0]
+                nxt.promoted = True
+                nxt.event.set()
+            else:
+                self._leading = False
 
 
 class Producer:

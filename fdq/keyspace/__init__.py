@@ -77,7 +77,7 @@ class ShardSpace:
     """The keys of one shard ``(tag, n)`` of one subscription."""
 
     __slots__ = ("topic", "sub", "tag", "n", "space", "ready", "delayed", "leased", "stats",
-                 "record", "chunks")
+                 "record", "chunks", "_stat_keys", "ready_prefix")
 
     def __init__(self, ts: "TopicSpace", sub: str, tag: str, n: int):
         self.topic, self.sub, self.tag, self.n = ts.name, sub, tag, n
@@ -88,6 +88,8 @@ class ShardSpace:
         self.stats = self.space["stats"]
         self.record = ts.config_space["shards"][sub][tag][n].key()
         self.chunks = ts.subs[sub]["chunks"]
+        self.ready_prefix = self.ready.key()
+        self._stat_keys = {}
 
     def ready_key(self, vs: Versionstamp) -> bytes:
         return self.ready.pack((vs,))
@@ -99,7 +101,10 @@ class ShardSpace:
         return self.delayed.pack((due, vs))
 
     def stat(self, name: str) -> bytes:
-        return self.stats.pack((name,))
+        key = self._stat_keys.get(name)
+        if key is None:
+            key = self._stat_keys[name] = self.stats.pack((name,))
+        return key
 
     def __repr__(self):
         return f"<shard {self.topic}/{self.sub}/{self.tag!r}/{self.n}>"
@@ -128,6 +133,14 @@ class TopicSpace:
         self.dedupe = self.space["dedupe"]
         self.dedupe_by_version = self.space["dedupe_by_version"]
         self._shards = {}
+        self._stat_keys = {}
+        self.log_prefixes = {}
+
+    def log_prefix(self, bucket: int) -> bytes:
+        p = self.log_prefixes.get(bucket)
+        if p is None:
+            p = self.log_prefixes[bucket] = self.log.pack((bucket,))
+        return p
 
     def shard(self, sub: str, tag: str, n: int) -> ShardSpace:
         key = (sub, tag, n)
@@ -137,7 +150,10 @@ class TopicSpace:
         return s
 
     def stat(self, name: str) -> bytes:
-        return self.stats.pack((name,))
+        key = self._stat_keys.get(name)
+        if key is None:
+            key = self._stat_keys[name] = self.stats.pack((name,))
+        return key
 
     def sub_stat(self, sub: str, name: str) -> bytes:
         return self.subs[sub]["stats"].pack((name,))
