@@ -268,10 +268,9 @@ class Consumer:
                         continue
                 if now - seen[2] < seen[3]:
                     continue
-                attempts_backoff = self.config.backoff_for(1)
                 try:
                     outcome = delivery.expire_lease(self.db, self._ts, shard, self.id, epoch, vs, lease_id,
-                                                    touches, self.config.max_deliver, attempts_backoff)
+                                                    touches, self.config.max_deliver, self.config.backoff_s)
                 except LeaseLost:
                     self._refresh_owned()
                     return
@@ -309,7 +308,6 @@ class Consumer:
 
     def _lease_from(self, shard_id, epoch, limit) -> list:
         shard = self._ts.shard(self.subscription, *shard_id)
-        _run(self.db, delivery.promote_due, shard, limit)
         lease_id = os.urandom(8)
         ack_wait_ms = int(self.config.ack_wait_s * 1000)
         taken, watch = _run(self.db, delivery.lease_batch, self._ts, shard, self.id, epoch, limit,
@@ -474,7 +472,6 @@ class TailConsumer(Consumer):
 
     def _process_at_most_once(self, shard_id, epoch) -> int:
         shard = self._ts.shard(self.subscription, *shard_id)
-        _run(self.db, delivery.promote_due, shard, self.batch_size)
         taken, watch = _run(self.db, delivery.take_batch, self._ts, shard, self.id, epoch, self.batch_size,
                             watch_key=self._watch_key(shard_id))
         self._keep_watch(shard_id, watch)
@@ -509,7 +506,6 @@ class TailConsumer(Consumer):
 
     def _process_exactly_once(self, shard_id, epoch) -> int:
         shard = self._ts.shard(self.subscription, *shard_id)
-        _run(self.db, delivery.promote_due, shard, self.batch_size)
         limit = self.batch_size
         tr = self.db.create_transaction()
         while True:

@@ -75,7 +75,16 @@ def promote_due(tr, shard: ShardSpace, limit: int) -> int | None:
     return None
 
 
+def _consumable(tr, ts: TopicSpace) -> bool:
+    """Paused or resharding topics deliver nothing. A non-snapshot read: a pause that
+    commits meanwhile makes this transaction conflict."""
+    from .topic import load_config
+    config = load_config(tr[ts.config_key])
+    return config is not None and config.routing
+
+
 def _read_ready(tr, shard: ShardSpace, limit: int):
+    promote_due(tr, shard, limit)
     r = shard.ready.range()
     out = []
     for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit):
@@ -92,6 +101,8 @@ def take_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: i
     """Remove up to ``limit`` ready messages (at-most-once and exactly-once delivery).
     ``finish``: count them done (exactly-once counts in the caller's transaction)."""
     ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
+    if not _consumable(tr, ts):
+        return []
     taken = _read_ready(tr, shard, limit)
     for t in taken:
         tr.clear(shard.ready_key(t.vs))
@@ -110,6 +121,8 @@ def lease_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: 
     """Lease up to ``limit`` ready messages (at-least-once): each moves to ``leased``
     with ``attempts + 1``, the lease id and its ack wait."""
     ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
+    if not _consumable(tr, ts):
+        return []
     taken = _read_ready(tr, shard, limit)
     for t in taken:
         t.record.attempts += 1
@@ -196,10 +209,10 @@ def scan_leases(tr, shard: ShardSpace, limit: int = 10_000) -> list:
 
 @transactional
 def expire_lease(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, vs,
-                 lease_id: bytes, touches: int, max_deliver: int, backoff_s: float) -> str:
+                 lease_id: bytes, touches: int, max_deliver: int, backoff_s: tuple = ()) -> str:
     """Redeliver a lease its owner observed unchanged for its ack wait: back to ready
-    (or delayed by ``backoff_s``), or to the DLQ after ``max_deliver`` attempts.
-    Fenced by shard ownership. Returns what happened."""
+    (or delayed by the ``backoff_s`` entry for its attempts), or to the DLQ after
+    ``max_deliver`` attempts. Fenced by shard ownership. Returns what happened."""
     ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
     lease = _check_lease(tr, shard, vs, lease_id)
     if lease is None or lease[4] != touches:
@@ -207,11 +220,13 @@ def expire_lease(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch:
     record_raw, _lid, cid, _w, _t = lease
     del tr[shard.leased_key(vs)]
     tr.add(shard.stat("in_flight"), MINUS_ONE)
-    if Record.decode(record_raw).attempts >= max_deliver:
+    attempts = Record.decode(record_raw).attempts
+    if attempts >= max_deliver:
         _dead_letter(tr, ts, shard, vs, record_raw,
                      f"max_deliver ({max_deliver}) reached: lease expired", cid)
         return "dead"
-    _requeue(tr, shard, vs, record_raw, int(backoff_s * VERSIONS_PER_S))
+    delay = backoff_s[min(attempts, len(backoff_s)) - 1] if backoff_s and attempts else 0
+    _requeue(tr, shard, vs, record_raw, int(delay * VERSIONS_PER_S))
     return "requeued"
 
 
