@@ -62,11 +62,14 @@ def default_url() -> str:
     return "sqlite://" + os.path.abspath(os.path.join(home, "fdq.db"))
 
 
-def connect(url: str | None = None):
+def connect(url: str | None = None, *, check_format: bool = True):
     """Open the database named by ``url`` (default: :func:`default_url`).
 
     Returns FDB's ``Database`` for ``fdb://`` and the embedded engine's for
-    ``sqlite://``. Raises :class:`fdq.errors.ConnectError` naming the URL and the cause.
+    ``sqlite://``. Checks FDQ's layout version (``meta/format`` under the
+    default root; written on first use) unless ``check_format=False``. Raises
+    :class:`fdq.errors.ConnectError` naming the URL and the cause, and
+    :class:`fdq.errors.FormatError` for a database of a newer layout.
     """
     if url is None:
         url = default_url()
@@ -76,11 +79,16 @@ def connect(url: str | None = None):
         raise ConnectError(f"database URL must be a string, not {type(url).__name__}")
     parts = urllib.parse.urlsplit(url)
     if parts.scheme == "sqlite":
-        return _connect_sqlite(url, parts)
-    if parts.scheme == "fdb":
-        return _connect_fdb(url, parts)
-    raise ConnectError(f"{url!r}: unknown scheme {parts.scheme!r} "
-                       "(use sqlite:///path/to/file.db or fdb:///path/to/fdb.cluster)")
+        db = _connect_sqlite(url, parts)
+    elif parts.scheme == "fdb":
+        db = _connect_fdb(url, parts)
+    else:
+        raise ConnectError(f"{url!r}: unknown scheme {parts.scheme!r} "
+                           "(use sqlite:///path/to/file.db or fdb:///path/to/fdb.cluster)")
+    if check_format:
+        from ..keyspace import Keyspace, ensure_format
+        ensure_format(db, Keyspace(), write=False)
+    return db
 
 
 def _connect_sqlite(url, parts):

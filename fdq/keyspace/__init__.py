@@ -210,10 +210,13 @@ def vs_key(prefix: bytes, user_version: int, suffix: bytes = b"") -> bytes:
 
 
 @transactional
-def ensure_format(tr, ks: Keyspace) -> int:
-    """Write ``meta/format`` on first use; refuse a newer layout than this FDQ knows."""
+def ensure_format(tr, ks: Keyspace, *, write: bool = True) -> int | None:
+    """Refuse a newer layout than this FDQ knows; write ``meta/format`` on first use
+    (``write=False``, as on connect: check only, an empty database stays empty)."""
     raw = tr[ks.format_key]
     if raw == None:  # noqa: E711
+        if not write:
+            return None
         tr[ks.format_key] = fdbtuple.pack((FORMAT_VERSION,))
         return FORMAT_VERSION
     version = fdbtuple.unpack(bytes(raw))[0]
