@@ -2,9 +2,10 @@
 
 Run::
 
-    python bench/engine.py            # full run, about 60-90 s
-    python bench/engine.py --quick    # about 15 s, smaller counts
+    python bench/engine.py            # full run, about 45 s (bounded under 90 s)
+    python bench/engine.py --quick    # about 11 s, smaller counts
     python bench/engine.py --json     # a machine-readable dict instead of the table
+    python bench/engine.py --markdown # the table in markdown, for bench/RESULTS.md
     python bench/engine.py --profile single   # cProfile of one engine path (single,
                                               # batch, range, snapshot), top functions
 

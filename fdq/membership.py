@@ -24,6 +24,33 @@ def shard_ids(config, tags=("",)):
 
 
 @transactional
+def read_tags(tr, ts: TopicSpace, *, snapshot: bool = True) -> list:
+    """Every dispatch tag messages were pushed with, plus "" (untagged), sorted."""
+    reader = tr.snapshot if snapshot else tr
+    r = ts.tags.range()
+    return [""] + sorted(ts.tags.unpack(kv.key)[0] for kv in reader.get_range(r.start, r.stop))
+
+
+def ownership_pools(config, tags: list, members: dict) -> list:
+    """Tag dispatch as an ownership rule: [(shards, consumer ids)] pools to divide.
+    Tag-T shards belong to consumers that want T while any is live, else to the
+    untagged consumers; untagged shards only ever to untagged consumers."""
+    want = {}
+    for cid, m in members.items():
+        want.setdefault(m["record"].get("tag") or "", []).append(cid)
+    untagged = sorted(want.get("", []))
+    pools = [(shard_ids(config, [""]), untagged)]
+    for tag in tags:
+        if tag == "":
+            continue
+        if want.get(tag):
+            pools.append((shard_ids(config, [tag]), sorted(want[tag])))
+        else:
+            pools[0] = (pools[0][0] + shard_ids(config, [tag]), untagged)
+    return pools
+
+
+@transactional
 def read_members(tr, ts: TopicSpace, sub: str, *, snapshot: bool = True) -> dict:
     """{consumer_id: {"record": dict, "hb": int}} of the subscription."""
     reader = tr.snapshot if snapshot else tr
@@ -81,14 +108,18 @@ def plan_assignment(shards: list, owners: dict, live: list) -> dict:
 
 
 @transactional
-def assign_shards(tr, ts: TopicSpace, sub: str, config, live: list | None = None) -> dict:
-    """Re-divide the subscription's shards among its live consumers (the records present
-    unless ``live`` is given). Moved shards get a new owner epoch. Returns the plan."""
-    if live is None:
-        live = sorted(read_members(tr, ts, sub, snapshot=False))
+def assign_shards(tr, ts: TopicSpace, sub: str, config) -> dict:
+    """Re-divide the subscription's shards among its live consumers (the records
+    present), by tag pool (see ``ownership_pools``). Moved shards get a new owner
+    epoch. Returns the plan {(tag, n): owner}."""
+    members = read_members(tr, ts, sub, snapshot=False)
+    tags = read_tags(tr, ts, snapshot=False)
     current = read_owners(tr, ts, sub, snapshot=False)
-    shards = shard_ids(config)
-    plan = plan_assignment(shards, {s: o for s, (o, _e) in current.items()}, sorted(live))
+    owners = {s: o for s, (o, _e) in current.items()}
+    plan = {}
+    for pool_shards, pool_members in ownership_pools(config, tags, members):
+        plan.update(plan_assignment(pool_shards, owners, pool_members))
+    shards = list(plan)
     moved = False
     for s in shards:
         owner, epoch = current.get(s, (None, 0))

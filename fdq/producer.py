@@ -179,8 +179,13 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
                 if rv is None:
                     rv = tr.get_read_version().wait()
                 due = rv + int(env.delay * VERSIONS_PER_S)
-            route_message(tr, ts, config, dispatch_tag(headers), n, uv, record, chunks, due, counters)
+            tag = dispatch_tag(headers)
+            if tag:
+                tr[ts.tags.pack((tag,))] = b""   # blind: lets consumers find the tag's shards
+            route_message(tr, ts, config, tag, n, uv, record, chunks, due, counters)
         else:
+            if dispatch_tag(headers):
+                tr[ts.tags.pack((dispatch_tag(headers),))] = b""
             tr.set_versionstamped_key(vs_key(ts.pending.key(), uv), pack([n, env.delay]))
         results.append((topic, uv, n, None))
     for key, amount in counters.items():

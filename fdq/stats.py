@@ -15,8 +15,12 @@ from .keyspace import TopicSpace, decode_counter
 SHARD_COUNTERS = ("routed", "done", "emitted", "in_flight", "delayed", "dead", "acked", "requeued")
 
 
-def shard_counters(reader, ts: TopicSpace, sub: str, config, tags=("",)) -> dict:
-    """{(tag, n): {counter: value, ..., "backlog": routed - done}} for a subscription."""
+def shard_counters(reader, ts: TopicSpace, sub: str, config, tags=None) -> dict:
+    """{(tag, n): {counter: value, ..., "backlog": routed - done}} for a subscription
+    (every dispatch tag's shards unless ``tags`` is given)."""
+    if tags is None:
+        r = ts.tags.range()
+        tags = [""] + [ts.tags.unpack(kv.key)[0] for kv in reader.get_range(r.start, r.stop)]
     futures = {}
     for tag in tags:
         for n in range(config.shards):

@@ -106,7 +106,7 @@ def reshard_chunk(tr, ts: TopicSpace, sub: str, old_n: int, area: str, new_shard
     ``old_n`` whose new shard differs. Keys keep their versionstamp, so each new shard's
     queue stays in push order per shard key."""
     moved = 0
-    for tag in ("",):
+    for tag in membership.read_tags(tr, ts):
         src = ts.shard(sub, tag, old_n)
         space = getattr(src, area)
         r = space.range()
@@ -117,7 +117,7 @@ def reshard_chunk(tr, ts: TopicSpace, sub: str, old_n: int, area: str, new_shard
             new_n = _shard_for(Record.decode(raw), vs, new_shards)
             moved += 1
             if new_n == old_n:
-                continue
+                continue   # counted: a chunk of stay-puts still ends the loop
             dst = ts.shard(sub, tag, new_n)
             tr[getattr(dst, area).pack(parts)] = kv.value
             del tr[kv.key]
@@ -228,6 +228,12 @@ class Supervisor:
     def topics(self) -> list:
         """[(name, TopicConfig)] by name."""
         return list_topics(self.db, self.keyspace)
+
+    def upgrade_extend(self, name: str) -> TopicConfig:
+        """Give a topic extend support (headers, tag dispatch). One-way; messages
+        already stored stay readable (a plain record is an extend record without
+        headers). Consumers must then connect with ``extend_support=True``."""
+        return update_topic_config(self.db, self._ts(name), extend=True)
 
     def pause(self, name: str) -> TopicConfig:
         """Stop routing and consumption: pushes still land in the "all" log."""

@@ -21,6 +21,7 @@ that passes here does not break on a cluster (see ``shared/fdb-semantics.md``):
 from __future__ import annotations
 
 import bisect
+import fcntl
 import os
 import random
 import sqlite3
@@ -281,12 +282,20 @@ class _Store:
         self.write_lock = threading.Lock()
         self.pool_lock = threading.Lock()
         self.pool = []
-        self.writer = self._open()
+        self.writer = self._open(timeout=0)   # begin_immediate does its own waiting
         self.commits_since_prune = 0
+        # The version clock lock (flock on a side file, so it also orders threads of
+        # one process): a writer holds it exclusively from reading the clock for its
+        # commit version until COMMIT; a reader holds it shared while it reads the clock
+        # for its read version and opens its snapshot. So a commit that a snapshot does
+        # not see always gets a version above that snapshot's read version.
+        self.clock_path = path + "-fdqclock"
+        self.writer_fd = os.open(self.clock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.fd_pool = []
 
-    def _open(self) -> sqlite3.Connection:
+    def _open(self, timeout: float = LOCK_WAIT_S) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
-                               timeout=LOCK_WAIT_S)
+                               timeout=timeout)
         conn.execute(f"PRAGMA synchronous={self.synchronous}")
         conn.create_function("fdq_atomic", 2, _sql_atomic, deterministic=True)
         return conn
@@ -308,6 +317,25 @@ class _Store:
                 self.pool.append(conn)
                 return
         conn.close()
+
+    def begin_snapshot(self, conn: sqlite3.Connection):
+        """Open a read snapshot on ``conn``; -> (last commit version, its clock, now)."""
+        with self.pool_lock:
+            fd = self.fd_pool.pop() if self.fd_pool else None
+        if fd is None:
+            fd = os.open(self.clock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                now = _clock()
+                conn.execute("BEGIN")
+                version, clock = conn.execute(_LAST_VERSION).fetchone()
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            with self.pool_lock:
+                self.fd_pool.append(fd)
+        return version, clock, now
 
     def begin_immediate(self):
         """Take SQLite's write lock. Spins with short sleeps (SQLite's own busy
@@ -941,11 +969,9 @@ class Transaction(_ReadView):
                 raise EngineError(1007)
             store = self.db._get_store()
             conn = store.acquire_reader()
-            now = _clock()  # before the snapshot: a commit after it gets a higher version
-            conn.execute("BEGIN")
-            row = conn.execute(_LAST_VERSION).fetchone()
+            last, last_clock, now = store.begin_snapshot(conn)
             self._conn = conn
-            self._rv = _version_at(row[0], row[1], now)
+            self._rv = _version_at(last, last_clock, now)
             self._rv_clock = now
         elif _clock() - self._rv_clock > MVCC_WINDOW_S:
             self._release()
@@ -1428,6 +1454,7 @@ class Transaction(_ReadView):
             jump = db._fault(0.05)
             with store.write_lock:
                 store.begin_immediate()
+                fcntl.flock(store.writer_fd, fcntl.LOCK_EX)
                 try:
                     version = self._apply(store, rv, has_reads, jump)
                     store.writer.execute("COMMIT")
@@ -1435,6 +1462,8 @@ class Transaction(_ReadView):
                     if store.writer.in_transaction:
                         store.writer.execute("ROLLBACK")
                     raise
+                finally:
+                    fcntl.flock(store.writer_fd, fcntl.LOCK_UN)
         except EngineError as e:
             self._fail(e)
             raise

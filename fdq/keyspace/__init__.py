@@ -20,6 +20,7 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     topic/<topic>/subs/<sub>/chunks/<vs>/<i>              body chunks of queued messages
     topic/<topic>/subs/<sub>/dlq/<vs>                     dead letters, with the reason
     topic/<topic>/subs/<sub>/stats/<name>                 per-subscription counters
+    topic/<topic>/tags/<tag>                              dispatch tags seen (blind set by push)
     topic/<topic>/marks/<txid>, marks_by_version/<vs>     push markers (1021-safe retries)
     topic/<topic>/dedupe/<msg_id>, dedupe_by_version/<vs> user msg_id dedupe window
 
@@ -128,6 +129,7 @@ class TopicSpace:
         self.all_chunks = self.all["chunks"]
         self.pending = self.all["pending"]
         self.subs = self.space["subs"]
+        self.tags = self.space["tags"]
         self.marks = self.space["marks"]
         self.marks_by_version = self.space["marks_by_version"]
         self.dedupe = self.space["dedupe"]
