@@ -1,0 +1,117 @@
+"""End-to-end smoke tests: the engine's conflict rule, one push/consume round trip per
+delivery mode, and the README's demonstration (separate OS processes, one consumer
+killed with SIGKILL, exactly-once counts checked)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import fdq
+from fdq.errors import EngineError
+
+
+def wait_for(cond, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def test_read_then_write_conflict(db):
+    a, b = db.create_transaction(), db.create_transaction()
+    a[b"k"].present()          # both read k at their read version
+    b[b"k"].present()
+    a[b"k"] = b"a"
+    b[b"k"] = b"b"
+    a.commit().wait()
+    with pytest.raises(EngineError) as e:
+        b.commit().wait()
+    assert e.value.code == 1020
+    assert db[b"k"] == b"a"
+
+
+def test_exactly_once_round_trip(db):
+    p = fdq.Producer(db)
+    ids = [r.id for r in p.push_many("orders", [fdq.Envelope(f"m{i}".encode(), shard_key=f"k{i % 7}")
+                                                for i in range(200)])]
+    assert len(set(ids)) == 200
+    seen = []
+    lock = threading.Lock()
+
+    def handler(tr, m):
+        tr[b"seen/" + m.id.encode()] = m.body
+        with lock:
+            seen.append(m.id)
+    c = fdq.tail(db, "orders", handler, transactional=True)
+    try:
+        wait_for(lambda: fdq.Supervisor(db).stats("orders")["subscriptions"]["default"]["backlog"] == 0,
+                 what="backlog drained")
+    finally:
+        c.shutdown()
+    stored = {kv.key[5:].decode() for kv in db.get_range(b"seen/", b"seen0")}
+    assert stored == set(ids)
+
+
+def test_at_least_once_ack_and_nak(db):
+    p = fdq.Producer(db)
+    p.push("jobs", b"fails-once", shard_key="a")
+    p.push("jobs", b"ok", shard_key="b")
+    attempts = {}
+    done = threading.Event()
+
+    def handler(m):
+        attempts[m.body] = m.attempts
+        if m.body == b"fails-once" and m.attempts == 1:
+            raise RuntimeError("transient")
+        if len(attempts) == 2 and attempts[b"fails-once"] == 2:
+            done.set()
+    c = fdq.tail(db, "jobs", handler, config=fdq.ConsumerConfig(ack_wait_s=30))
+    try:
+        assert done.wait(30), attempts
+        wait_for(lambda: fdq.Supervisor(db).stats("jobs")["subscriptions"]["default"]["backlog"] == 0)
+    finally:
+        c.shutdown()
+    st = fdq.Supervisor(db).stats("jobs")
+    assert st["counters"]["acked"] == 2 and st["subscriptions"]["default"]["dlq"] == 0
+
+
+def test_pause_keeps_pushes_in_the_log_and_play_routes_them(db):
+    s = fdq.Supervisor(db)
+    s.create_topic("t", shards=4)
+    s.pause("t")
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"x%d" % i) for i in range(10)])
+    c = s.stats("t")["counters"]
+    assert (c["inserted"], c["routed"]) == (10, 0)
+    assert s.play("t") == 10
+    c = s.stats("t")["counters"]
+    assert (c["inserted"], c["routed"]) == (10, 10)
+    assert s.stats("t")["subscriptions"]["default"]["backlog"] == 10
+
+
+def test_bad_input_is_refused_with_a_named_error(db):
+    p = fdq.Producer(db)
+    with pytest.raises(fdq.InvalidName, match="bad name!"):
+        p.push("bad name!", b"x")
+    with pytest.raises(fdq.InvalidMessage, match="bytes"):
+        p.push("t", "not bytes")
+    with pytest.raises(fdq.TopicNotFound, match="nope"):
+        fdq.Supervisor(db).stats("nope")
+    with pytest.raises(fdq.ConnectError, match="unknown scheme"):
+        fdq.connect("mysql://localhost/x")
+
+
+@pytest.mark.slow
+def test_demo_survives_a_kill_9_with_exactly_once_counts(tmp_path):
+    env = dict(os.environ, FDQ_URL=f"sqlite://{tmp_path / 'demo.db'}")
+    out = subprocess.run([sys.executable, "-m", "fdq.demo", "--messages", "600"], env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "OK: every message processed exactly once" in out.stdout
+    assert "kill -9 consumer-0" in out.stdout
