@@ -188,6 +188,9 @@ def bench_raw(path, batches, seconds):
     upsert = "INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)"
     counters = [fdb.tuple.pack(("fdq", "topic", "t", "all", "stats", n)) for n in ("inserted", "routed")]
     counters.append(fdb.tuple.pack(("fdq", "topic", "t", "subs", "default", "stats", "routed")))
+    log_prefixes = [fdb.tuple.pack(("fdq", "topic", "t", "all", "log", n)) for n in range(SHARDS)]
+    ready_prefixes = [fdb.tuple.pack(("fdq", "topic", "t", "subs", "default", "shards", "", n, "ready"))
+                      for n in range(SHARDS)]
     seq = 0
     lat = []
     t0 = perf_counter()
@@ -195,13 +198,14 @@ def bench_raw(path, batches, seconds):
     for b in range(batches):
         s = perf_counter()
         rows = []
+        stamp = (b + 1).to_bytes(10, "big")
+        now_ms = int(time.time() * 1000)
         for i in range(100):
             seq += 1
-            vs = seq.to_bytes(10, "big") + i.to_bytes(2, "big")
-            rec = msgpack.packb([int(time.time() * 1000), None, None, None, BODY], use_bin_type=True)
-            rows.append((fdb.tuple.pack(("fdq", "topic", "t", "all", "log", seq % SHARDS, vs)), rec))
-            rows.append((fdb.tuple.pack(("fdq", "topic", "t", "subs", "default", "shards", "", seq % SHARDS,
-                                         "ready", vs)), rec))
+            vs = b"\x33" + stamp + i.to_bytes(2, "big")   # a tuple-packed Versionstamp
+            rec = msgpack.packb([now_ms, None, None, None, BODY], use_bin_type=True)
+            rows.append((log_prefixes[seq % SHARDS] + vs, rec))
+            rows.append((ready_prefixes[seq % SHARDS] + vs, rec))
         conn.execute("BEGIN IMMEDIATE")
         conn.executemany(upsert, rows)
         for k in counters:   # a counter's read-modify-write (FDB's atomic add)
