@@ -444,7 +444,9 @@ class Consumer:
             except FDQError as e:
                 self._report(e)
 
-    shutdown = close
+    def shutdown(self):
+        """Same as ``close()`` (a method, so subclasses' ``close`` is the one called)."""
+        self.close()
 
     def __enter__(self):
         return self
