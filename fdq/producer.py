@@ -106,6 +106,12 @@ class _Item:
     promoted: bool = False
 
 
+# Messages without a shard key: a transaction puts runs of STICKY_RUN of them on one
+# shard, starting at a random shard (Kafka's sticky partitioner, KIP-480). Even over
+# time, and a batch touches a few shards' key ranges instead of every one of them.
+STICKY_RUN = 100
+
+
 def _spread_start() -> int:
     return random.randrange(1 << 30)
 
@@ -144,7 +150,8 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
         if env.headers and not config.extend:
             raise InvalidHeader(f"topic {topic!r} has no extend support: headers are refused "
                                 "(create it with extend=True or upgrade it)")
-        n = shard_of(env.shard_key, config.shards) if env.shard_key is not None else (spread + uv) % config.shards
+        n = shard_of(env.shard_key, config.shards) if env.shard_key is not None else \
+            (spread + uv // STICKY_RUN) % config.shards
         if env.msg_id is not None:
             if (topic, env.msg_id) in batch_ids:
                 results.append((topic, uv, n, batch_ids[(topic, env.msg_id)]))

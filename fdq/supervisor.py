@@ -101,33 +101,37 @@ def reshard_begin(tr, ts: TopicSpace, shards: int) -> TopicConfig:
 
 
 @transactional
-def reshard_chunk(tr, ts: TopicSpace, sub: str, old_n: int, area: str, new_shards: int, limit: int) -> int:
-    """Move up to ``limit`` entries of one queue area (ready, delayed, leased) of shard
-    ``old_n`` whose new shard differs. Keys keep their versionstamp, so each new shard's
-    queue stays in push order per shard key."""
-    moved = 0
-    for tag in membership.read_tags(tr, ts):
-        src = ts.shard(sub, tag, old_n)
-        space = getattr(src, area)
-        r = space.range()
-        for kv in tr.get_range(r.start, r.stop, limit=limit):
-            parts = space.unpack(kv.key)
-            vs = parts[-1]
-            raw = decode_lease(kv.value)[0] if area == "leased" else kv.value
-            new_n = _shard_for(Record.decode(raw), vs, new_shards)
-            moved += 1
-            if new_n == old_n:
-                continue   # counted: a chunk of stay-puts still ends the loop
-            dst = ts.shard(sub, tag, new_n)
-            tr[getattr(dst, area).pack(parts)] = kv.value
-            del tr[kv.key]
-            tr.add(src.stat("routed"), counter(-1))
-            tr.add(dst.stat("routed"), counter(1))
-            if area != "ready":
-                name = "in_flight" if area == "leased" else "delayed"
-                tr.add(src.stat(name), counter(-1))
-                tr.add(dst.stat(name), counter(1))
-    return moved
+def reshard_chunk(tr, ts: TopicSpace, sub: str, tag: str, old_n: int, area: str, new_shards: int,
+                  limit: int, begin: bytes | None = None) -> tuple:
+    """Move, of up to ``limit`` entries of one queue area (ready, delayed, leased) of
+    shard ``(tag, old_n)`` from key ``begin`` on, those whose new shard differs. Keys
+    keep their versionstamp, so each new shard's queue stays in push order per shard
+    key. -> (moved, next begin key or None when the area is done)."""
+    src = ts.shard(sub, tag, old_n)
+    space = getattr(src, area)
+    r = space.range()
+    moved = read = 0
+    last = None
+    for kv in tr.get_range(begin or r.start, r.stop, limit=limit):
+        read += 1
+        last = kv.key
+        parts = space.unpack(kv.key)
+        vs = parts[-1]
+        raw = decode_lease(kv.value)[0] if area == "leased" else kv.value
+        new_n = _shard_for(Record.decode(raw), vs, new_shards)
+        if new_n == old_n:
+            continue
+        dst = ts.shard(sub, tag, new_n)
+        tr[getattr(dst, area).pack(parts)] = kv.value
+        del tr[kv.key]
+        moved += 1
+        tr.add(src.stat("routed"), counter(-1))
+        tr.add(dst.stat("routed"), counter(1))
+        if area != "ready":
+            name = "in_flight" if area == "leased" else "delayed"
+            tr.add(src.stat(name), counter(-1))
+            tr.add(dst.stat(name), counter(1))
+    return moved, (last + b"\x00" if read == limit else None)
 
 
 @transactional
@@ -266,15 +270,19 @@ class Supervisor:
         TopicConfig(shards=shards)   # validates
         config = reshard_begin(self.db, ts, shards)
         old = max(config.shards, shards)
+        tags = membership.read_tags(self.db, ts)
         for sub in config.subs:
-            for n in range(old):
-                for area in ("ready", "delayed", "leased"):
-                    while True:
-                        moved = reshard_chunk(self.db, ts, sub, n, area, shards, CHUNK)
-                        if progress:
-                            progress(moved)
-                        if moved < CHUNK:
-                            break
+            for tag in tags:
+                for n in range(old):
+                    for area in ("ready", "delayed", "leased"):
+                        begin = None
+                        while True:
+                            moved, begin = reshard_chunk(self.db, ts, sub, tag, n, area, shards,
+                                                         CHUNK, begin)
+                            if progress:
+                                progress(moved)
+                            if begin is None:
+                                break
         config = reshard_finish(self.db, ts)
         if not config.paused:
             self.play(name)

@@ -137,3 +137,23 @@ def test_tail_shutdown_finishes_the_in_flight_batch(db):
     assert 0 < len(handled) < 40
     assert st["acked"] == len(handled) == len(set(handled))
     assert st["in_flight"] == 0 and st["backlog"] == 40 - len(handled)
+
+
+def test_reshard_terminates_when_a_chunk_is_all_stay_puts(db, monkeypatch):
+    """A shard whose first CHUNK entries all keep their shard must not be re-read
+    forever: resharding walks each queue with a cursor."""
+    from fdq import supervisor
+    monkeypatch.setattr(supervisor, "CHUNK", 5)
+    s = fdq.Supervisor(db)
+    s.create_topic("r", shards=2)
+    keys = [f"k{i}" for i in range(200)]
+    stay = [k for k in keys if fdq.keyspace.codec.shard_of(k, 2) == 0 and fdq.keyspace.codec.shard_of(k, 4) == 0]
+    move = [k for k in keys if fdq.keyspace.codec.shard_of(k, 2) == 0 and fdq.keyspace.codec.shard_of(k, 4) == 2]
+    envs = [fdq.Envelope(b"s", shard_key=k) for k in stay[:12]] + [fdq.Envelope(b"m", shard_key=k) for k in move[:12]]
+    fdq.Producer(db).push_many("r", envs)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (s.rebalance("r", shards=4), done.set()), daemon=True)
+    t.start()
+    assert done.wait(60), "rebalance did not terminate"
+    shards = {c["shard"]: c["backlog"] for c in s.stats("r")["subscriptions"]["default"]["shards"]}
+    assert shards == {0: 12, 1: 0, 2: 12, 3: 0}
