@@ -104,6 +104,7 @@ class _Item:
     result: PushResult | None = None
     error: BaseException | None = None
     promoted: bool = False
+    future: _ConcurrentFuture | None = None
 
 
 # Messages without a shard key: a transaction puts runs of STICKY_RUN of them on one
@@ -262,7 +263,8 @@ def _check_backlog(tr, ts, config):
 class _GroupCommit:
     """Leader/follower group commit: the first caller commits what is queued; callers
     arriving meanwhile wait and are committed together by the next leader. One thread
-    pays one transaction per push; eight threads share transactions."""
+    pays one transaction per push; eight threads share transactions. Asynchronous
+    pushes (no caller waiting) are led by one background flusher thread."""
 
     def __init__(self, flush, max_batch: int, linger_s: float):
         self._flush = flush
@@ -271,8 +273,11 @@ class _GroupCommit:
         self._lock = threading.Lock()
         self._queue = []
         self._leading = False
+        self._flusher = None
+        self._flusher_go = threading.Event()
 
     def submit(self, item: _Item):
+        """Queue ``item`` and return once it is committed (or failed)."""
         with self._lock:
             self._queue.append(item)
             lead = not self._leading
@@ -282,6 +287,34 @@ class _GroupCommit:
             item.event.wait()
             if not item.promoted:
                 return
+        self._lead()
+
+    def submit_async(self, item: _Item):
+        """Queue ``item`` without waiting; its ``future`` resolves after the commit."""
+        with self._lock:
+            self._queue.append(item)
+            if self._leading:
+                return
+            self._leading = True
+        self._wake_flusher()
+
+    def _wake_flusher(self):
+        if self._flusher is None or not self._flusher.is_alive():
+            self._flusher = threading.Thread(target=self._flusher_loop, name="fdq-producer-flush",
+                                             daemon=True)
+            self._flusher.start()
+        self._flusher_go.set()
+
+    def _flusher_loop(self):
+        while True:
+            self._flusher_go.wait()
+            self._flusher_go.clear()
+            try:
+                self._lead()
+            except BaseException:   # delivered to the items' futures by the flush
+                pass
+
+    def _lead(self):
         # Lead a few rounds: handing leadership to a sleeping thread costs a wake-up.
         for _round in range(16):
             if self._linger_s:
@@ -301,12 +334,15 @@ class _GroupCommit:
 
     def _handoff(self):
         with self._lock:
-            if self._queue:
-                nxt = self._queue[0]
-                nxt.promoted = True
-                nxt.event.set()
-            else:
+            if not self._queue:
                 self._leading = False
+                return
+            nxt = self._queue[0]
+            if nxt.future is not None:       # nobody waits on it: the flusher leads
+                self._wake_flusher()
+                return
+            nxt.promoted = True
+            nxt.event.set()
 
 
 class Producer:
@@ -340,17 +376,16 @@ class Producer:
             raise item.error
         return item.result
 
-    def push_async(self, topic: str, body: bytes, **kwargs) -> _ConcurrentFuture:
-        """As ``push``, in a background thread; returns a ``concurrent.futures.Future``."""
-        f = _ConcurrentFuture()
-
-        def run():
-            try:
-                f.set_result(self.push(topic, body, **kwargs))
-            except BaseException as e:  # delivered to the caller through the future
-                f.set_exception(e)
-        threading.Thread(target=run, daemon=True).start()
-        return f
+    def push_async(self, topic: str, body: bytes, *, shard_key: str | None = None,
+                   msg_id: str | None = None, delay: float | None = None,
+                   headers: Mapping | None = None) -> _ConcurrentFuture:
+        """As ``push`` without waiting: returns a ``concurrent.futures.Future`` of the
+        ``PushResult``, resolved after the commit. Pending pushes share transactions
+        (committed by one background thread per producer)."""
+        item = _Item(check_name(topic), Envelope(body, shard_key, delay, msg_id, headers),
+                     future=_ConcurrentFuture())
+        self._group.submit_async(item)
+        return item.future
 
     def push_many(self, topic: str, envelopes) -> list:
         """Push several messages in one transaction (all or none)."""
@@ -379,6 +414,11 @@ class Producer:
             for it, r in zip(batch, results):
                 it.result = r
         for it in batch:
+            if it.future is not None:
+                if it.error is not None:
+                    it.future.set_exception(it.error)
+                else:
+                    it.future.set_result(it.result)
             it.event.set()
 
     def _commit(self, items: list) -> list:

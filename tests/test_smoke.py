@@ -157,3 +157,21 @@ def test_reshard_terminates_when_a_chunk_is_all_stay_puts(db, monkeypatch):
     assert done.wait(60), "rebalance did not terminate"
     shards = {c["shard"]: c["backlog"] for c in s.stats("r")["subscriptions"]["default"]["shards"]}
     assert shards == {0: 12, 1: 0, 2: 12, 3: 0}
+
+
+def test_push_async_futures_share_transactions_and_report_errors(db):
+    p = fdq.Producer(db)
+    commits = []
+    real_commit = p._commit
+    p._commit = lambda items: (commits.append(len(items)), real_commit(items))[1]
+    before = threading.active_count()
+    futures = [p.push_async("a", b"%d" % i, shard_key=f"k{i % 5}") for i in range(500)]
+    bad = p.push_async("a", b"x" * (2 << 20))          # over max_message_bytes (1 MiB)
+    ids = [f.result(timeout=60).id for f in futures]
+    with pytest.raises(fdq.MessageTooLarge):
+        bad.result(timeout=60)
+    assert threading.active_count() <= before + 1      # one flusher, not a thread per push
+    assert len(set(ids)) == 500
+    assert len(commits) < 250, commits                 # batched, not one transaction each
+    st = fdq.Supervisor(db).stats("a")
+    assert st["counters"]["inserted"] == 500
