@@ -717,6 +717,8 @@ for _name in _ATOMIC:
 # Transactions
 
 _SET, _CLEAR, _ATOMIC_OPS, _VSVALUE = 0, 1, 2, 3
+# States in which every use of a transaction fails with one error until reset().
+_CLOSED_STATE_ERRORS = {"cancelled": 1025, "timed_out": 1031}
 
 
 class _Range:
@@ -901,13 +903,19 @@ class Transaction(_ReadView):
         self.db = db
         self._tr = self
         self._conn = None
-        self._timeout_ms = db._defaults.get("timeout_ms", 0)
-        self._retry_limit = db._defaults.get("retry_limit", -1)
-        self._max_retry_delay_ms = db._defaults.get("max_retry_delay_ms", 1000)
+        self._reset_options()
+        self._reset_state()
+
+    def _reset_options(self):
+        """The options that survive on_error, back to the database's defaults (as FDB's
+        reset(), which clears every option)."""
+        defaults = self.db._defaults
+        self._timeout_ms = defaults.get("timeout_ms", 0)
+        self._retry_limit = defaults.get("retry_limit", -1)
+        self._max_retry_delay_ms = defaults.get("max_retry_delay_ms", 1000)
         self._created = _clock()
         self._retries = 0
         self._backoff = 0.01
-        self._reset_state()
 
     def _reset_state(self):
         self._release()
@@ -986,11 +994,11 @@ class Transaction(_ReadView):
 
     def _check_use(self):
         if self._state != "open":
-            if self._state == "cancelled":
-                raise EngineError(1025)
-            raise EngineError(2017)
+            raise EngineError(_CLOSED_STATE_ERRORS.get(self._state, 2017))
         if self._timeout_ms and (_clock() - self._created) * 1000 > self._timeout_ms:
-            self._state = "cancelled"
+            # As FDB: every later use (on_error included) fails with 1031 until reset().
+            self._release()
+            self._state = "timed_out"
             raise EngineError(1031)
         if self._deferred is not None:
             raise self._deferred
@@ -1378,7 +1386,7 @@ class Transaction(_ReadView):
 
     def _check_writable(self):
         if self._state != "open":
-            raise EngineError(1025 if self._state == "cancelled" else 2017)
+            raise EngineError(_CLOSED_STATE_ERRORS.get(self._state, 2017))
 
     def get_approximate_size(self) -> Future:
         return Future.ready(self._approximate_size())
@@ -1588,9 +1596,7 @@ class Transaction(_ReadView):
         for _k, _b, f in self._pending_watches:
             f._resolve(None, EngineError(1025))
         self._reset_state()
-        self._created = _clock()
-        self._retries = 0
-        self._backoff = 0.01
+        self._reset_options()
 
     def cancel(self):
         for _k, _b, f in self._pending_watches:
@@ -1605,10 +1611,11 @@ class Transaction(_ReadView):
         if code is None:
             raise TypeError("on_error takes an FDB error or its code")
         err = error if isinstance(error, EngineError) else EngineError(code)
-        if self._state == "cancelled":
-            return Future.ready(None, EngineError(1025))
+        if self._state in _CLOSED_STATE_ERRORS:
+            return Future.ready(None, EngineError(_CLOSED_STATE_ERRORS[self._state]))
         if self._timeout_ms and (_clock() - self._created) * 1000 > self._timeout_ms:
             self.cancel()
+            self._state = "timed_out"
             return Future.ready(None, EngineError(1031))
         if not is_retryable(err) or (0 <= self._retry_limit <= self._retries):
             self.cancel()
