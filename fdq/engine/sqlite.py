@@ -784,9 +784,6 @@ class _Range:
     def to_list(self):
         return list(self)
 
-    def __getitem__(self, i):  # convenience; FDB's FDBRange has none
-        return self.to_list()[i]
-
 
 class _ReadView:
     """Reads shared by Transaction and its snapshot view."""

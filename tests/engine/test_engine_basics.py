@@ -55,6 +55,15 @@ def test_ranges_forward_reverse_limit(eng):
     k, v = next(iter(r))
     assert (k, v) == (srt[0], b"v0") and type(v) is bytes
     assert len(r.to_list()) == len(srt)
+    # as FDB's FDBRange and KeyValue: no len, no indexing, no equality by value
+    with pytest.raises(TypeError):
+        len(r)
+    with pytest.raises(TypeError):
+        r[0]
+    kv = next(iter(r))
+    with pytest.raises(TypeError):
+        kv[0]
+    assert kv != next(iter(tr.get_range(eng.p, eng.end())))
     # a large range comes back complete and in order across batches
     tr2 = eng.db.create_transaction()
     for i in range(3000):

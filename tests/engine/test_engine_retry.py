@@ -89,6 +89,16 @@ def test_transactional_reraises_non_retryable_errors_at_once(eng):
         def gen(tr):
             yield tr[eng.k(b"x")]
 
+    # a call that returns a generator is refused too, with a database or a transaction
+    @fdq.transactional
+    def returns_gen(tr):
+        return (kv for kv in tr.get_range(eng.p, eng.end()))
+
+    with pytest.raises(ValueError):
+        returns_gen(eng.db)
+    with pytest.raises(ValueError):
+        returns_gen(eng.db.create_transaction())
+
 
 def test_transactional_returns_a_usable_versionstamp_future(eng):
     @fdq.transactional
