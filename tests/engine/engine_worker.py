@@ -38,6 +38,23 @@ def cmd_add(db, a):
     return {"errors": errors}
 
 
+def cmd_rmw(db, a):
+    """``n`` read-modify-write increments (no atomic ops) on random keys of ``keys``."""
+    p = bytes.fromhex(a["prefix"])
+    rng = random.Random(a["seed"])
+    errors = {}
+
+    def bump(tr, key):
+        v = tr[key]
+        n = 0 if v == None else struct.unpack("<q", bytes(v))[0]  # noqa: E711
+        tr[key] = struct.pack("<q", n + 1)
+
+    for _ in range(a["n"]):
+        key = p + b"%02d" % rng.randrange(a["keys"])
+        _loop(db, lambda tr: bump(tr, key), errors)
+    return {"errors": errors}
+
+
 def cmd_bank(db, a):
     """Random transfers between accounts, each made idempotent by a marker key written
     with its effects (ids chosen outside the retry loop). Every attempt also reads all
