@@ -235,9 +235,10 @@ _ATOMIC = {
 
 def _sql_atomic(base, packed_ops):
     """SQL function: apply a transaction's atomic ops to the stored value at commit
-    (one upsert statement for every atomic key). An empty result marks a clear."""
+    (one upsert statement for every atomic key). A cleared result is the INTEGER 0, which
+    no stored value can be (values are BLOBs), and is deleted right after."""
     r = _apply_ops(base, msgpack.unpackb(packed_ops))
-    return b"\x00CLEAR" if r is None else r
+    return 0 if r is None else r
 
 
 _ATOMIC_UPSERT = ("INSERT INTO kv (key, value) VALUES (?1, fdq_atomic(NULL, ?2)) "
@@ -1549,7 +1550,7 @@ class Transaction(_ReadView):
         if atomics:
             w.executemany(_ATOMIC_UPSERT, atomics)
             if may_clear:
-                w.executemany("DELETE FROM kv WHERE key = ? AND value = x'00434c454152'", may_clear)
+                w.executemany("DELETE FROM kv WHERE key = ? AND typeof(value) = 'integer'", may_clear)
         store.commits_since_prune += 1
         if store.commits_since_prune >= 256:
             store.commits_since_prune = 0

@@ -51,6 +51,8 @@ CASES = [
     ("compare_and_clear", ABSENT, b"x", ABSENT),
     ("compare_and_clear", b"x", b"x", ABSENT),
     ("compare_and_clear", b"x", b"y", b"x"),
+    ("compare_and_clear", b"\x00CLEAR", b"y", b"\x00CLEAR"),   # any stored bytes survive a mismatch
+    ("append_if_fits", b"\x00CLE", b"AR", b"\x00CLEAR"),
 ]
 
 
@@ -107,6 +109,21 @@ def test_atomic_ops_chain_in_one_transaction(eng):
     tr.min(k, (100).to_bytes(8, "little"))
     tr.commit().wait()
     assert _read(eng, k) == (16).to_bytes(8, "little")
+
+
+def test_compare_and_clear_then_other_ops_in_one_transaction(eng):
+    k = eng.k(b"c")
+    eng.db[k] = b"\x00CLE"
+    tr = eng.db.create_transaction()
+    tr.compare_and_clear(k, b"nope")
+    tr.append_if_fits(k, b"AR")
+    tr.commit().wait()
+    assert _read(eng, k) == b"\x00CLEAR"
+    tr = eng.db.create_transaction()
+    tr.compare_and_clear(k, b"\x00CLEAR")
+    tr.add(k, b"\x01")
+    tr.commit().wait()
+    assert _read(eng, k) == b"\x01"
 
 
 def test_atomic_param_over_value_limit_is_deferred(eng):
