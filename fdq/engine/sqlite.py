@@ -1579,6 +1579,11 @@ class Transaction(_ReadView):
         return self._committed_version
 
     def get_versionstamp(self) -> VersionstampFuture:
+        if self._state != "open":
+            # As FDB: ask before commit(); afterwards it is used_during_commit until reset().
+            f = VersionstampFuture()
+            f._resolve(None, EngineError(_CLOSED_STATE_ERRORS.get(self._state, 2017)))
+            return f
         if self._vs_future is None:
             self._vs_future = VersionstampFuture()
             if self._vs_result is not None:

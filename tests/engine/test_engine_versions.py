@@ -45,6 +45,9 @@ def test_versions_increase_and_stamps_are_fdb_form(eng):
     ro.commit().wait()
     assert ro.get_committed_version() == -1
     assert code_of(lambda: rvs.wait()) == 2021
+    # the stamp must be asked for before commit(): afterwards it is used_during_commit
+    assert code_of(lambda: tr.get_versionstamp().wait()) == 2017
+    assert bytes(vs.wait()) == stamp  # the future asked for in time stays valid
 
 
 def test_versions_advance_about_a_million_per_second(eng):
