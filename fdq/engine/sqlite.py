@@ -925,7 +925,8 @@ class Transaction(_ReadView):
         self._clear_begins = []
         self._read_ranges = []
         self._write_ranges = []
-        self._vs_keys = []       # (key with placeholder, offset, value)
+        self._vs_keys = []       # (key with placeholder, offset, value, clears before it)
+        self._clear_log = []     # every clear / clear_range in order (only read for _vs_keys)
         self._unreadable = []    # [begin, end) unreadable until commit (versionstamped keys)
         self._mutation_bytes = 0
         self._mutations = 0
@@ -1218,6 +1219,8 @@ class Transaction(_ReadView):
         if not self._check_write_key(key):
             return
         self._put(key, (_CLEAR, None))
+        if self._vs_keys:
+            self._clear_log.append((key, key + b"\x00"))
         self._note_write(key)
         self._mutation_bytes += len(key) + ENTRY_OVERHEAD_BYTES
         self._mutations += 1
@@ -1240,6 +1243,8 @@ class Transaction(_ReadView):
             for k in [k for k in self._writes if b <= k < e]:
                 del self._writes[k]
             self._sorted_keys = None
+        if self._vs_keys:
+            self._clear_log.append((b, e))
         self._clears = _merge_ranges(self._clears + [[b, e]])
         self._clear_begins = [c[0] for c in self._clears]
         self._note_write(b, e)
@@ -1332,7 +1337,7 @@ class Transaction(_ReadView):
         body = key[:-4]
         if not self._check_write_key(body):
             return
-        self._vs_keys.append((body, offset, value))
+        self._vs_keys.append((body, offset, value, len(self._clear_log)))
         # Unreadable until commit: every key the stamp could produce.
         lo = body[:offset] + (self._rv or 0).to_bytes(8, "big") + b"\x00\x00" + body[offset + 10:]
         hi = body[:offset] + b"\xff" * 10 + body[offset + 10:] + b"\x00"
@@ -1513,10 +1518,14 @@ class Transaction(_ReadView):
         write_ranges = self._write_ranges
         vs_sets = []
         if self._vs_keys:
-            for body, off, value in self._vs_keys:
+            vs_conflicts = []
+            for body, off, value, n_clears in self._vs_keys:
                 k = body[:off] + stamp + body[off + 10:]
-                vs_sets.append((k, value))
-            write_ranges = write_ranges + [(k, k + b"\x00") for k, _v in vs_sets]
+                vs_conflicts.append((k, k + b"\x00"))
+                # FDB applies mutations in order: a clear issued after it removes it.
+                if not any(b <= k < e for b, e in self._clear_log[n_clears:]):
+                    vs_sets.append((k, value))
+            write_ranges = write_ranges + vs_conflicts
         w.execute("INSERT INTO txlog VALUES (?, ?, ?)", (version, now, _pack_ranges(write_ranges)))
         if has_reads:
             if rv < version - MVCC_WINDOW_VERSIONS:

@@ -110,6 +110,20 @@ def test_own_versionstamped_writes_are_unreadable(eng):
     assert len(list(eng.db.create_transaction().get_range_startswith(p))) == 1
 
 
+def test_mutations_apply_in_order_around_a_versionstamped_key(eng):
+    p = eng.k(b"vs/")
+
+    def vs_key(n):
+        return fdb.tuple.pack_with_versionstamp((fdb.tuple.Versionstamp(), n), prefix=p)
+
+    tr = eng.db.create_transaction()
+    tr.set_versionstamped_key(vs_key(1), b"cleared later")
+    tr.clear_range(p, p + b"\xff")  # issued after: removes it, as FDB applies mutations in order
+    tr.set_versionstamped_key(vs_key(2), b"kept")
+    tr.commit().wait()
+    assert [kv.value for kv in eng.db.create_transaction().get_range_startswith(p)] == [b"kept"]
+
+
 def test_bad_versionstamp_offset_is_deferred_to_commit(eng):
     tr = eng.db.create_transaction()
     assert tr.set_versionstamped_key(eng.k(b"abc") + struct.pack("<I", 100), b"v") is None
