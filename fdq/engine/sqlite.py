@@ -737,6 +737,7 @@ class _Range:
         self._rows = []
         self._done = False
         self._gen = tr._merged_range(begin, end, reverse)
+        self._attempt = tr._attempt
         self._conflict = None
         if not snapshot and begin < end:
             self._conflict = [begin, begin] if not reverse else [end, end]
@@ -779,6 +780,9 @@ class _Range:
             if self._done:
                 return
             self._tr._check_use()
+            if self._tr._attempt is not self._attempt:
+                # reset() or on_error() since: FDB cancels the range's pending reads.
+                raise EngineError(1025)
             self._fill(batch)
             batch = min(batch * 2, 8192)
 
@@ -916,6 +920,7 @@ class Transaction(_ReadView):
         self._backoff = 0.01
 
     def _reset_state(self):
+        self._attempt = object()  # identifies this attempt: ranges must not outlive it
         self._release()
         self._rv = None
         self._rv_clock = None
@@ -1091,13 +1096,14 @@ class Transaction(_ReadView):
 
     def _db_iter(self, b, e, reverse, skip_clears):
         """Rows of the snapshot in [b, e), skipping this transaction's cleared ranges."""
-        conn = self._ensure_snapshot()
         batch = 64
         lo, hi = b, e
         q = ("SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key %s LIMIT ?"
              % ("DESC" if reverse else "ASC"))
         while lo < hi:
-            rows = conn.execute(q, (lo, hi, batch)).fetchall()
+            # Every batch reads at the read version: 1007 once it is over 5 s old, as a
+            # storage server answers an iteration that outlives the MVCC window.
+            rows = self._ensure_snapshot().execute(q, (lo, hi, batch)).fetchall()
             for k, v in rows:
                 if skip_clears and self._clears:
                     c = self._in_clears(k)
@@ -1117,8 +1123,6 @@ class Transaction(_ReadView):
                     lo = rows[-1][0] + b"\x00"
                 batch = min(batch * 4, 4096)
                 continue
-            if self._conn is None:
-                return
 
     def _merged_range(self, b, e, reverse):
         ryw = not self._ryw_disabled

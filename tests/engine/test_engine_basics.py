@@ -183,7 +183,15 @@ def test_value_type_quirks(eng):
 def test_after_commit_the_transaction_is_done_until_reset(eng):
     tr = eng.db.create_transaction()
     tr[eng.k(b"a")] = b"1"
+    for i in range(1000):
+        tr[eng.k(b"r/%04d" % i)] = b""
     tr.commit().wait()
+    # a range does not outlive its attempt: it neither truncates nor reads at a new version
+    t2 = eng.db.create_transaction()
+    it = iter(t2.get_range_startswith(eng.k(b"r/")))
+    next(it)
+    t2.reset()
+    assert code_of(lambda: list(it)) is not None
     assert code_of(lambda: tr[eng.k(b"a")].wait()) == 2017
     assert code_of(lambda: tr.set(eng.k(b"a"), b"2")) == 2017
     tr.reset()

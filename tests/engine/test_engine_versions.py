@@ -153,7 +153,14 @@ def test_transaction_too_old_after_5_seconds(eng):
     k = eng.k(b"k")
     tr = eng.db.create_transaction()
     tr[k] = b"v"
+    for i in range(2000):
+        tr[eng.k(b"r/%04d" % i)] = b"x" * 20
     tr.commit().wait()
+    # a range iteration that spans the 5 s fails too, snapshot or not
+    scans = [eng.db.create_transaction().get_range_startswith(eng.k(b"r/")),
+             eng.db.create_transaction().snapshot.get_range_startswith(eng.k(b"r/"))]
+    iters = [iter(r) for r in scans]
+    assert [next(it).key for it in iters] == [eng.k(b"r/0000")] * 2
     reader = eng.db.create_transaction()
     assert reader[k] == b"v"
     reader[eng.k(b"w")] = b"1"
@@ -181,6 +188,8 @@ def test_transaction_too_old_after_5_seconds(eng):
     while time.monotonic() < deadline:
         time.sleep(0.1)
     release.set()
+    for it in iters:
+        assert code_of(lambda: list(it)) == 1007
     assert code_of(lambda: reader[eng.k(b"other")].wait()) == 1007
     assert code_of(lambda: reader.commit().wait()) == 1007
     assert code_of(lambda: blind.commit().wait()) is None  # blind writes are exempt
