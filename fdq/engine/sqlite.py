@@ -1169,8 +1169,12 @@ class Transaction(_ReadView):
         if offset >= 1:
             start = key + b"\x00" if sel.or_equal else key
             start = min(start, top)
-            rows = list(self._merged_range(start, top, False)) if start < top else []
-            # Bounded: selectors used by FDQ have small offsets.
+            rows = []
+            if start < top:  # stop after `offset` rows, not at the end of the key space
+                for kv in self._merged_range(start, top, False):
+                    rows.append(kv)
+                    if len(rows) >= offset:
+                        break
             result = rows[offset - 1].key if len(rows) >= offset else top
             if not snap:
                 self._read_ranges.append([min(key, result), max(start, result + b"\x00") if result != top else top])
