@@ -196,3 +196,22 @@ def test_after_commit_the_transaction_is_done_until_reset(eng):
     assert code_of(lambda: tr.set(eng.k(b"a"), b"2")) == 2017
     tr.reset()
     assert tr[eng.k(b"a")] == b"1"
+
+
+def test_range_split_points_and_estimated_size(eng):
+    tr = eng.db.create_transaction()
+    for i in range(2000):
+        tr[eng.k(b"s/%05d" % i)] = b"x" * 100
+    tr.commit().wait()
+    b, e = eng.k(b"s/"), eng.k(b"s0")
+    tr = eng.db.create_transaction()
+    points = list(tr.get_range_split_points(b, e, 20_000).wait())
+    assert points[0] == b and points[-1] == e and points == sorted(set(points))
+    size = tr.get_estimated_range_size_bytes(b, e).wait()
+    assert size >= 0
+    if eng.embedded:  # exact here; FDB samples and is only good above ~3 MB
+        assert 2000 * 100 <= size <= 2000 * 200
+        chunks = [len(list(tr.get_range(lo, hi))) for lo, hi in zip(points, points[1:])]
+        assert sum(chunks) == 2000 and len(chunks) >= 8 and max(chunks) <= 250
+    with pytest.raises(Exception):
+        tr.get_range_split_points(b, e, 0)
