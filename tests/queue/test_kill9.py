@@ -172,3 +172,65 @@ def test_at_most_once_kill9_3x3(procs, db):
     missing = ids - set(counts)
     assert missing <= lost_by_kill, f"lost messages the killed consumer never took: {sorted(missing - lost_by_kill)[:5]}"
     assert len(missing) <= 10, "more lost than one batch of the killed consumer"
+
+
+def _stop_outside_a_commit(db, p, attempts=20):
+    """SIGSTOP ``p`` at a moment it does not hold the embedded engine's write lock (a
+    process stopped mid-commit blocks every writer of the SQLite file until resumed,
+    a limit of the embedded engine, not of FDB): check that another commit goes through,
+    else resume it and try again."""
+    import os
+    import random
+    import signal
+    import threading
+    import time
+    for _ in range(attempts):
+        os.kill(p.pid, signal.SIGSTOP)
+        done = threading.Event()
+
+        def probe():
+            tr = db.create_transaction()
+            tr.add(b"qt/probe", (1).to_bytes(8, "little"))
+            tr.commit().wait()
+            done.set()
+        t = threading.Thread(target=probe, daemon=True)
+        t.start()
+        if done.wait(3.0):
+            return
+        os.kill(p.pid, signal.SIGCONT)
+        t.join(30)
+        time.sleep(random.uniform(0.01, 0.1))
+    raise AssertionError("could not stop the consumer outside a commit")
+
+
+@pytest.mark.slow
+def test_stopped_consumer_is_fenced_when_it_resumes(procs, db):
+    """SIGSTOP a consumer past the zombie timeout (its shards move), then SIGCONT it mid
+    batch: the fence (owner epoch) keeps it from committing anything from its old shards,
+    so exactly-once and per-key order still hold."""
+    import os
+    import signal
+    fdq.Supervisor(db).create_topic("t", shards=8)
+    # c0's handler dawdles inside its transaction, so the stop lands mid-transaction.
+    cons = [procs.start("consumer", f"c{i}", "--mode", "eo", *CONSUMER_ARGS, *(("--hold-s", 0.01) if i == 0 else ()),
+                        wait_ready=True) for i in range(3)]
+    prods = [procs.start("producer", f"p{i}", "--count", PER_PRODUCER, "--batch", 10, "--keys", KEYS,
+                         "--sleep", 0.02) for i in range(PRODUCERS)]
+    victim = cons[0]
+    wait_for(lambda: _handled(victim) >= 30, 90, what="c0 to handle some messages")
+    _stop_outside_a_commit(db, victim)
+    try:
+        ts = Keyspace().topic("t")
+        from fdq import membership
+        wait_for(lambda: not any(o == "c0" for o, _e in membership.read_owners(db, ts, "default").values()),
+                 60, what="c0's shards taken over while it is stopped")
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    for p in prods:
+        procs.wait(p, 180)
+    pushed = [json.loads(line) for p in prods for line in read_lines(p.out)]
+    _check_push_stats(db, pushed)
+    wait_for(lambda: any(o == "c0" for o, _e in membership.read_owners(db, ts, "default").values()), 60,
+             what="c0 to rejoin after it resumed")
+    _check_exactly_once(procs, db, pushed, [None] + cons)
+    print(f"\nresumed consumer's retries: {read_json(victim.status)['retries']}")
