@@ -152,37 +152,56 @@ def test_clock_skew_and_version_jumps_change_nothing(procs, db, url):
 def test_no_conflicts_no_starvation_on_a_shared_shard(procs, db):
     """One shard, one exactly-once consumer, three producer processes pushing a steady
     stream into that same shard: producers never retry a conflict, the consumer never
-    loses a transaction to a push, and drains a backlog within 2× of its idle rate."""
-    fdq.Supervisor(db).create_topic("t", shards=1)
-    backlog = 8000
+    loses a transaction to a push, and it drains a backlog within 2× of the time it takes
+    while the same stream goes to another topic (same engine, same CPUs: the difference is
+    sharing the shard). The time with no stream at all is printed for reference."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=1)
+    sup.create_topic("other", shards=1)
+    backlog = 6000
     eo = ("--mode", "eo", "--hb", 0.2, "--zombie", 1.5, "--batch", 100)
 
-    def drain(name, ids):
+    def done():
+        return sub_stats(db, "t")["shards"][0]["done"]
+
+    def drain(name):
+        target = done() + backlog
+        _push(db, backlog, tag=name)     # FIFO: consumed before anything pushed later
         c = procs.start("consumer", name, *eo, wait_ready=True)
         t0 = time.monotonic()
-        wait_for(lambda: set(ids) <= _done_ids(db), 120, interval=0.02, what=f"{name} to drain")
+        wait_for(lambda: done() >= target, 120, interval=0.02, what=f"{name} to drain")
         took = time.monotonic() - t0
         procs.stop(c)
         return took, read_json(c.status)
 
-    idle_s, _ = drain("idle", _push(db, backlog, tag="idle"))
-    ids = _push(db, backlog, tag="busy")
-    prods = [procs.start("producer", f"p{i}", "--count", 500, "--batch", 1, "--keys", 5, "--sleep", 0.01)
-             for i in range(3)]
-    wait_for(lambda: all(read_lines(p.out) for p in prods), 60, what="the push stream to start")
-    busy_s, status = drain("busy", ids)
+    def stream(topic, tag):
+        prods = [procs.start("producer", f"{tag}{i}", "--topic", topic, "--count", 300, "--batch", 1,
+                             "--keys", 5, "--sleep", 0.01) for i in range(3)]
+        wait_for(lambda: all(read_lines(p.out) for p in prods), 60, what="the push stream to start")
+        return prods
+
+    idle_s, _ = drain("idle")
+    others = stream("other", "o")
+    base_s, _ = drain("base")
+    for p in others:
+        procs.wait(p, 180)
+    prods = stream("t", "p")
+    busy_s, status = drain("busy")
+    assert any(p.poll() is None for p in prods), "the stream ended before the drain"
     for p in prods:
         procs.wait(p, 180)
     pushed = [json.loads(line)["id"] for p in prods for line in read_lines(p.out)]
-    print(f"\nexactly-once drain of {backlog}: idle {idle_s:.2f}s, under a 3-process push stream "
-          f"{busy_s:.2f}s; consumer retries {status['retries']}")
-    for p in prods:
+    print(f"\nexactly-once drain of {backlog} on one shard: no stream {idle_s:.2f}s, stream to another "
+          f"topic {base_s:.2f}s, stream into the same shard {busy_s:.2f}s; consumer retries {status['retries']}")
+    for p in prods + others:
         st = read_json(p.status)
-        assert st["pushed"] == 500
+        assert st["pushed"] == 300
         assert st["retries"].get("1020", 0) == 0, f"{p.name} retried conflicts: {st['retries']}"
     assert status["retries"].get("1020", 0) == 0, f"the consumer lost transactions to conflicts: {status}"
-    assert busy_s <= 2 * idle_s + 1.0, f"starved: {busy_s:.2f}s vs {idle_s:.2f}s idle"
-    # and the stream itself is consumed too
+    # + 1 s: other agents share these 2 cores, and a drain lasts only a few seconds.
+    assert busy_s <= 2 * base_s + 1.0, f"starved: {busy_s:.2f}s vs {base_s:.2f}s"
+    # and the stream itself is consumed too, exactly once
     c = procs.start("consumer", "rest", *eo, wait_ready=True)
-    wait_for(lambda: set(pushed) <= _done_ids(db), 120, interval=0.1, what="the stream consumed")
+    wait_for(lambda: set(pushed) <= _done_ids(db), 120, interval=0.2, what="the stream consumed")
     procs.stop(c)
+    assert sub_stats(db, "t")["backlog"] == 0
