@@ -102,17 +102,19 @@ def reshard_begin(tr, ts: TopicSpace, shards: int) -> TopicConfig:
 
 @transactional
 def reshard_chunk(tr, ts: TopicSpace, sub: str, tag: str, old_n: int, area: str, new_shards: int,
-                  limit: int, begin: bytes | None = None) -> tuple:
-    """Move, of up to ``limit`` entries of one queue area (ready, delayed, leased) of
-    shard ``(tag, old_n)`` from key ``begin`` on, those whose new shard differs. Keys
-    keep their versionstamp, so each new shard's queue stays in push order per shard
-    key. -> (moved, next begin key or None when the area is done)."""
+                  limit: int, after: bytes | None = None) -> tuple:
+    """Move the entries of one queue area (ready, delayed, leased) of shard ``(tag,
+    old_n)`` whose new shard differs, reading up to ``limit`` entries after the key
+    ``after``. Keys keep their versionstamp, so each new shard's queue stays in push order
+    per shard key. Returns ``(entries read, last key read)``: entries that stay put are
+    skipped by the next chunk's ``after``, so a long run of them cannot loop forever."""
     src = ts.shard(sub, tag, old_n)
     space = getattr(src, area)
     r = space.range()
-    moved = read = 0
+    begin = after + b"\x00" if after is not None else r.start
+    read = 0
     last = None
-    for kv in tr.get_range(begin or r.start, r.stop, limit=limit):
+    for kv in tr.get_range(begin, r.stop, limit=limit):
         read += 1
         last = kv.key
         parts = space.unpack(kv.key)
@@ -124,14 +126,13 @@ def reshard_chunk(tr, ts: TopicSpace, sub: str, tag: str, old_n: int, area: str,
         dst = ts.shard(sub, tag, new_n)
         tr[getattr(dst, area).pack(parts)] = kv.value
         del tr[kv.key]
-        moved += 1
         tr.add(src.stat("routed"), counter(-1))
         tr.add(dst.stat("routed"), counter(1))
         if area != "ready":
             name = "in_flight" if area == "leased" else "delayed"
             tr.add(src.stat(name), counter(-1))
             tr.add(dst.stat(name), counter(1))
-    return moved, (last + b"\x00" if read == limit else None)
+    return read, last
 
 
 @transactional
@@ -266,6 +267,8 @@ class Supervisor:
         if shards is None or (shards == config.shards and config.resharding_to is None):
             for sub in config.subs:
                 membership.assign_shards(self.db, ts, sub, config)
+            if not config.paused:
+                self.play(name)   # a rerun after a reshard killed before its play
             return config
         TopicConfig(shards=shards)   # validates
         config = reshard_begin(self.db, ts, shards)
@@ -275,13 +278,12 @@ class Supervisor:
             for tag in tags:
                 for n in range(old):
                     for area in ("ready", "delayed", "leased"):
-                        begin = None
+                        after = None
                         while True:
-                            moved, begin = reshard_chunk(self.db, ts, sub, tag, n, area, shards,
-                                                         CHUNK, begin)
+                            read, after = reshard_chunk(self.db, ts, sub, tag, n, area, shards, CHUNK, after)
                             if progress:
-                                progress(moved)
-                            if begin is None:
+                                progress(read)
+                            if read < CHUNK:
                                 break
         config = reshard_finish(self.db, ts)
         if not config.paused:
