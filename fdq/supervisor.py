@@ -322,6 +322,7 @@ class Supervisor:
                 "consumers": consumers,
                 "shards": [{"tag": tag, "shard": n, "owner": owners.get((tag, n), (None, 0))[0], **c}
                            for (tag, n), c in sorted(shards.items())],
+                "tags": _per_tag(shards, owners, members),
             }
         tr.cancel()
         return {"topic": name, "config": config.as_dict(), "counters": topic, "subscriptions": subs}
@@ -393,6 +394,25 @@ class Supervisor:
     def consumers(self, name: str) -> list:
         st = self.stats(name)
         return [dict(c, subscription=sub) for sub, s in st["subscriptions"].items() for c in s["consumers"]]
+
+
+def _per_tag(shards: dict, owners: dict, members: dict) -> dict:
+    """{tag: backlog, in-flight and delayed of the tag's shards, their owners, and
+    whether they fell back to untagged consumers ("" is the untagged messages)}."""
+    out = {}
+    for (tag, n), c in sorted(shards.items()):
+        t = out.setdefault(tag, {"shards": 0, "backlog": 0, "in_flight": 0, "delayed": 0, "owners": set()})
+        t["shards"] += 1
+        for k in ("backlog", "in_flight", "delayed"):
+            t[k] += c[k]
+        owner = owners.get((tag, n), (None, 0))[0]
+        if owner is not None:
+            t["owners"].add(owner)
+    for tag, t in out.items():
+        t["owners"] = sorted(t["owners"])
+        t["fallback"] = bool(tag) and any(not (members.get(o, {}).get("record", {}).get("tag"))
+                                          for o in t["owners"])
+    return out
 
 
 def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None) -> int:
