@@ -68,6 +68,20 @@ def check_tag(tag, what: str = "desired_tag") -> str:
     return tag
 
 
+_FLAT = (str, bool, type(None))
+_NAME_OK = {}          # names seen valid (bounded): most messages repeat the same few
+
+
+def _name_ok(name) -> bool:
+    if name in _NAME_OK:
+        return True
+    ok = (isinstance(name, str) and len(name) <= MAX_NAME_CHARS and NAME_RE.fullmatch(name) is not None
+          and (not name.startswith("##") or name in RESERVED))
+    if ok and len(_NAME_OK) < 4096:
+        _NAME_OK[name] = True
+    return ok
+
+
 def validate_headers(headers) -> dict:
     """Check names, values and size; returns a plain dict copy. Raises InvalidHeader
     naming the first bad header (or, over the size limit, the largest one)."""
@@ -76,22 +90,35 @@ def validate_headers(headers) -> dict:
     if len(headers) > MAX_HEADERS:
         raise InvalidHeader(f"{len(headers)} headers: at most {MAX_HEADERS} are allowed")
     out = {}
+    # An upper bound of the msgpack size for flat values; containers: encode to know.
+    bound = 5
     for name, value in headers.items():
-        if not isinstance(name, str) or len(name) > MAX_NAME_CHARS or not NAME_RE.fullmatch(name):
+        if not _name_ok(name):
+            if isinstance(name, str) and name.startswith("##") and NAME_RE.fullmatch(name) \
+                    and len(name) <= MAX_NAME_CHARS:
+                raise InvalidHeader(f"header {name!r}: names starting '##' are reserved "
+                                    f"(known: {', '.join(sorted(RESERVED))})")
             raise InvalidHeader(f"invalid header name {name!r}: use 1-{MAX_NAME_CHARS} characters of "
                                 "[0-9a-zA-Z_-#]")
-        if name.startswith("##") and name not in RESERVED:
-            raise InvalidHeader(f"header {name!r}: names starting '##' are reserved "
-                                f"(known: {', '.join(sorted(RESERVED))})")
         if name == DISPATCH_TAG and not is_tag(value):
             raise InvalidHeader(f"header {DISPATCH_TAG!r}: the tag must be a non-empty string of "
                                 f"1-{MAX_NAME_CHARS} characters of [0-9a-zA-Z_-#], not {value!r}")
-        out[name] = _check_value(name, value)
-    size = len(msgpack.packb(out, use_bin_type=True))
-    if size > MAX_HEADER_BYTES:
-        largest = max(out, key=lambda k: len(msgpack.packb({k: out[k]}, use_bin_type=True)))
-        raise InvalidHeader(f"headers encode to {size:,} bytes: at most {MAX_HEADER_BYTES:,} are allowed "
-                            f"(largest: header {largest!r})")
+        t = type(value)
+        if t in _FLAT:
+            out[name] = value
+            bound += len(name) + 5 + (4 * len(value) + 5 if t is str else 1)
+        elif t is int and -2**63 <= value < 2**64:
+            out[name] = value
+            bound += len(name) + 14
+        else:
+            out[name] = _check_value(name, value)
+            bound += MAX_HEADER_BYTES    # unknown: measure
+    if bound > MAX_HEADER_BYTES:
+        size = len(msgpack.packb(out, use_bin_type=True))
+        if size > MAX_HEADER_BYTES:
+            largest = max(out, key=lambda k: len(msgpack.packb({k: out[k]}, use_bin_type=True)))
+            raise InvalidHeader(f"headers encode to {size:,} bytes: at most {MAX_HEADER_BYTES:,} are "
+                                f"allowed (largest: header {largest!r})")
     return out
 
 
