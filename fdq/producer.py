@@ -135,6 +135,7 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
     results = []
     batch_ids = {}
     counters = defaultdict(int)
+    tags_written = set()     # each tag's key once per transaction
     for uv, (topic, env) in enumerate(items):
         ts = ks.topic(topic)
         config = configs.get(topic)
@@ -182,12 +183,15 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
                     rv = tr.get_read_version().wait()
                 due = rv + int(env.delay * VERSIONS_PER_S)
             tag = dispatch_tag(headers)
-            if tag:
+            if tag and (topic, tag) not in tags_written:
+                tags_written.add((topic, tag))
                 tr[ts.tags.pack((tag,))] = b""   # blind: lets consumers find the tag's shards
             route_message(tr, ts, config, tag, n, uv, record, chunks, due, counters)
         else:
-            if dispatch_tag(headers):
-                tr[ts.tags.pack((dispatch_tag(headers),))] = b""
+            tag = dispatch_tag(headers)
+            if tag and (topic, tag) not in tags_written:
+                tags_written.add((topic, tag))
+                tr[ts.tags.pack((tag,))] = b""
             tr.set_versionstamped_key(vs_key(ts.pending.key(), uv), pack([n, env.delay]))
         results.append((topic, uv, n, None))
     for key, amount in counters.items():

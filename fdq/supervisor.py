@@ -14,7 +14,7 @@ import time
 from . import delivery, membership
 from .config import ConsumerConfig, TopicConfig, check_name
 from .engine import transactional
-from .errors import ConfigError, TopicNotFound
+from .errors import ConfigError, TopicExists, TopicNotFound
 from .headers import dispatch_tag
 from .keyspace import Keyspace, TopicSpace, Versionstamp, counter, decode_counter, message_id
 from .keyspace.codec import Record, decode_lease, pack, shard_of, unpack
@@ -209,7 +209,11 @@ class Supervisor:
             config = TopicConfig(shards=shards, **options)
         except TypeError as e:
             raise ConfigError(f"unknown topic option: {e}") from None
-        return create_topic(self.db, self.keyspace, check_name(name), config)
+        result = create_topic(self.db, self.keyspace, check_name(name), config)
+        if config.extend and not result.extend:    # never a silent no-op: say how to get it
+            raise TopicExists(f"topic {name!r} already exists without extend support: "
+                              "upgrade it with upgrade_extend (one-way)")
+        return result
 
     def delete_topic(self, name: str):
         """Delete a topic: its config, consumers, queues, log and counters."""

@@ -165,3 +165,48 @@ def test_reshard_keeps_tags(db, topic):
     finally:
         a.close()
         u.close()
+
+
+def test_create_extend_on_existing_plain_topic_is_an_error(db):
+    sup = fdq.Supervisor(db)
+    sup.create_topic("p")
+    with pytest.raises(fdq.TopicExists, match="upgrade_extend"):
+        sup.create_topic("p", extend=True)
+    assert not sup.config("p").extend
+    sup.create_topic("e", extend=True)
+    assert sup.create_topic("e").extend        # one-way: re-creating never downgrades
+
+
+def test_delayed_nak_and_dead_letters_stay_in_the_tag(db, topic):
+    sup = fdq.Supervisor(db)
+    p = fdq.Producer(db)
+    cfg = fdq.ConsumerConfig(heartbeat_interval_s=0.1, poll_interval_s=0.1, max_deliver=5)
+    a = fdq.Consumer(db, topic, consumer_id="a", extend_support=True, desired_tag="A", config=cfg)
+    u = fdq.Consumer(db, topic, consumer_id="u", extend_support=True, config=cfg)
+    try:
+        p.push(topic, b"later", delay=0.3, headers={DISPATCH_TAG: "A"})
+        p.push(topic, b"retry", headers={DISPATCH_TAG: "A"})
+        p.push(topic, b"dead", headers={DISPATCH_TAG: "A"})
+        seen = []
+
+        def step():
+            for m in a.fetch(10, timeout=0.2):
+                seen.append((m.body, m.attempts, m.tag))
+                if m.body == b"retry" and m.attempts == 1:
+                    m.nak(0)
+                elif m.body == b"dead":
+                    m.term("bad")
+                else:
+                    m.ack()
+            return {b"later", b"dead"} <= {b for b, _n, _t in seen} and (b"retry", 2, "A") in seen
+        wait_for(step, 30, "delayed, nak'd and terminated A messages")
+        assert {t for _b, _n, t in seen} == {"A"}
+        assert u.fetch(10, timeout=0.3) == []                        # none leaked to untagged
+        assert sup.dlq_redrive(topic) == 1
+        got = wait_for(lambda: a.fetch(10, timeout=0.2), 20, "the redriven message")
+        assert [(m.body, m.tag) for m in got] == [(b"dead", "A")]
+        got[0].ack()
+        assert u.fetch(10, timeout=0.3) == []
+    finally:
+        a.close()
+        u.close()
