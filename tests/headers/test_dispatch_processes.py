@@ -16,7 +16,7 @@ from .conftest import wait_for
 
 TOPIC = "orders"
 # Generous for 2 cores shared with other test runs: a live consumer must never look dead.
-OPTS = dict(heartbeat_interval_s=0.25, zombie_timeout_s=4.0, ack_wait_s=3.0, poll_interval_s=0.2)
+OPTS = dict(heartbeat_interval_s=0.25, zombie_timeout_s=8.0, ack_wait_s=3.0, poll_interval_s=0.2)
 
 
 def _push(producer, tag, prefix, count):
