@@ -26,6 +26,7 @@ from types import MappingProxyType
 from . import delivery, membership
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig, TopicConfig, check_name
 from .engine import error_types, retry_or_raise
+from .headers import check_tag
 from .errors import ConfigError, EngineError, FDQError, LeaseLost, SubscriptionNotFound, TopicNotFound
 from .keyspace import Keyspace, message_id
 from .topic import create_topic, read_topic_config
@@ -148,7 +149,9 @@ class Consumer:
         if self._topic_config.extend and not extend_support:
             raise ConfigError(f"topic {self.topic!r} has extend support: consumers must set extend_support=True")
         self.extend_support = extend_support
-        self.desired_tag = desired_tag if self._topic_config.extend else None
+        if desired_tag is not None and self._topic_config.extend:
+            check_tag(desired_tag)
+        self.desired_tag = desired_tag if self._topic_config.extend else None   # plain: ignored
         self._owned = {}             # (tag, n) -> epoch
         self._owned_lock = threading.Lock()
         self._stop = threading.Event()
@@ -225,6 +228,7 @@ class Consumer:
                         self._join()
                     self._observe_peers(now)
                     self._topic_config = read_topic_config(self.db, self._ts, snapshot=True)
+                    membership.assign_new_tags(self.db, self._ts, self.subscription)  # new tags
                     self._refresh_owned()
                 if now - self._last_lease_check >= cfg.lease_check_interval_s:
                     self._last_lease_check = now

@@ -30,7 +30,7 @@ from .config import DEFAULT_SUBSCRIPTION, ProducerConfig, TopicConfig, check_nam
 from .engine import error_types, retry_or_raise, transactional
 from .errors import (BacklogFull, ConfigError, FDQError, InvalidHeader, InvalidMessage,
                      MessageTooLarge, TopicNotFound, is_maybe_committed)
-from .headers import dispatch_tag, validate_headers
+from .headers import dispatch_tag, trace_id, validate_headers
 from .keyspace import Keyspace, TopicSpace, counter, decode_counter, message_id, vs_key
 from .keyspace.codec import Record, pack, shard_of, split_body, unpack
 from .topic import load_config, write_topic_config
@@ -86,7 +86,9 @@ class Envelope:
 @dataclass(frozen=True)
 class PushResult:
     """The outcome of one push: ``id`` is the message's id (the first one's, for a
-    deduplicated ``msg_id``). ``trace_id`` / ``position`` echo ``##trace_id``."""
+    deduplicated ``msg_id``). When the message's ``##trace_id`` header is a string of
+    digits, ``trace_id`` echoes it and ``position`` is the message's position in the
+    topic's log (its id: commit versionstamp + index), as NSQ's PUB_EXT response does."""
 
     id: str
     topic: str
@@ -140,6 +142,7 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
     results = []
     batch_ids = {}
     counters = defaultdict(int)
+    tags_written = set()     # each tag's key once per transaction
     for uv, (topic, env) in enumerate(items):
         ts = ks.topic(topic)
         config = configs.get(topic)
@@ -188,12 +191,15 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
                     rv = tr.get_read_version().wait()
                 due = rv + int(env.delay * VERSIONS_PER_S)
             tag = dispatch_tag(headers)
-            if tag:
+            if tag and (topic, tag) not in tags_written:
+                tags_written.add((topic, tag))
                 tr[ts.tags.pack((tag,))] = b""   # blind: lets consumers find the tag's shards
             route_message(tr, ts, config, tag, n, uv, record, chunks, due, counters)
         else:
-            if dispatch_tag(headers):
-                tr[ts.tags.pack((dispatch_tag(headers),))] = b""
+            tag = dispatch_tag(headers)
+            if tag and (topic, tag) not in tags_written:
+                tags_written.add((topic, tag))
+                tr[ts.tags.pack((tag,))] = b""
             tr.set_versionstamped_key(vs_key(ts.pending.key(), uv), pack([n, env.delay]))
         results.append((topic, uv, n, None))
     for key, amount in counters.items():
@@ -444,9 +450,8 @@ class Producer:
             if isinstance(dup_of, int):
                 dup_of = message_id(Versionstamp(stamp, dup_of))
             mid = dup_of or message_id(Versionstamp(stamp, uv))
-            trace = env.headers.get("##trace_id") if env.headers else None
-            out.append(PushResult(mid, topic, n, dup_of is not None,
-                                  str(trace) if trace is not None else None,
+            trace = trace_id(env.headers)   # digits only, as NSQ's PUB_EXT echoes it
+            out.append(PushResult(mid, topic, n, dup_of is not None, trace,
                                   mid if trace is not None else None))
         return out
 

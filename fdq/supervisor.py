@@ -14,7 +14,7 @@ import time
 from . import delivery, membership
 from .config import ConsumerConfig, TopicConfig, check_name
 from .engine import transactional
-from .errors import ConfigError, TopicNotFound
+from .errors import ConfigError, TopicExists, TopicNotFound
 from .headers import dispatch_tag
 from .keyspace import Keyspace, TopicSpace, Versionstamp, counter, decode_counter, message_id
 from .keyspace.codec import Record, decode_lease, pack, shard_of, unpack
@@ -214,7 +214,11 @@ class Supervisor:
             config = TopicConfig(shards=shards, **options)
         except TypeError as e:
             raise ConfigError(f"unknown topic option: {e}") from None
-        return create_topic(self.db, self.keyspace, check_name(name), config)
+        result = create_topic(self.db, self.keyspace, check_name(name), config)
+        if config.extend and not result.extend:    # never a silent no-op: say how to get it
+            raise TopicExists(f"topic {name!r} already exists without extend support: "
+                              "upgrade it with upgrade_extend (one-way)")
+        return result
 
     def delete_topic(self, name: str):
         """Delete a topic: its config, consumers, queues, log and counters."""
@@ -332,6 +336,7 @@ class Supervisor:
                 "consumers": consumers,
                 "shards": [{"tag": tag, "shard": n, "owner": owners.get((tag, n), (None, 0))[0], **c}
                            for (tag, n), c in sorted(shards.items())],
+                "tags": _per_tag(shards, owners, members),
             }
         tr.cancel()
         return {"topic": name, "config": config.as_dict(), "counters": topic, "subscriptions": subs}
@@ -403,6 +408,25 @@ class Supervisor:
     def consumers(self, name: str) -> list:
         st = self.stats(name)
         return [dict(c, subscription=sub) for sub, s in st["subscriptions"].items() for c in s["consumers"]]
+
+
+def _per_tag(shards: dict, owners: dict, members: dict) -> dict:
+    """{tag: backlog, in-flight and delayed of the tag's shards, their owners, and
+    whether they fell back to untagged consumers ("" is the untagged messages)}."""
+    out = {}
+    for (tag, n), c in sorted(shards.items()):
+        t = out.setdefault(tag, {"shards": 0, "backlog": 0, "in_flight": 0, "delayed": 0, "owners": set()})
+        t["shards"] += 1
+        for k in ("backlog", "in_flight", "delayed"):
+            t[k] += c[k]
+        owner = owners.get((tag, n), (None, 0))[0]
+        if owner is not None:
+            t["owners"].add(owner)
+    for tag, t in out.items():
+        t["owners"] = sorted(t["owners"])
+        t["fallback"] = bool(tag) and any(not (members.get(o, {}).get("record", {}).get("tag"))
+                                          for o in t["owners"])
+    return out
 
 
 def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None) -> int:
