@@ -26,7 +26,7 @@ def _positive(name, value, *, allow_none=False, integer=False, zero=False):
     ok_type = int if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, ok_type) or value < 0 or (value == 0 and not zero):
         kind = "an integer" if integer else "a number"
-        raise ConfigError(f"{name} must be {kind} > {'= ' if zero else ''}0, not {value!r}")
+        raise ConfigError(f"{name} must be {kind} {'>=' if zero else '>'} 0, not {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

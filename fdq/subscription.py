@@ -264,11 +264,14 @@ def _position_for_time(tr, ts: TopicSpace, t_ms: int) -> Versionstamp | None:
     return None
 
 
-def _copy(tr, ts: TopicSpace, topic_config: TopicConfig, sub: str, bucket: int, vs, raw, routed: dict):
+def _copy(tr, ts: TopicSpace, topic_config: TopicConfig, sub: str, bucket: int, vs, raw, routed: dict,
+          leases: bool = False):
     rec = Record.decode(raw)
     tag = dispatch_tag(rec.headers)
     n = shard_of(rec.shard_key, topic_config.shards) if rec.shard_key is not None else bucket % topic_config.shards
     shard = ts.shard(sub, tag, n)
+    if leases and tr[shard.leased_key(vs)] != None:  # noqa: E711
+        return      # a reset leaves leases alone: the leased copy is the one delivered
     tr[shard.ready_key(vs)] = bytes(raw)
     if rec.nchunks:
         r = ts.all_chunks[vs].range()
@@ -314,7 +317,7 @@ def catch_up_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
                 if last is None or vs > last[1]:
                     last = (b, vs, kv.value)
         if last is not None:
-            _copy(tr, ts, topic_config, sub, *last, routed)
+            _copy(tr, ts, topic_config, sub, *last, routed, leases=reset is not None)
             read = 1
     elif policy in ("all", "by_start_time"):
         start = _position_for_time(tr, ts, min_ts) if min_ts is not None else None
@@ -334,7 +337,7 @@ def catch_up_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
             for kv in rows:
                 vs = space.unpack(kv.key)[0]
                 if min_ts is None or Record.decode(kv.value).ts_ms >= min_ts:
-                    _copy(tr, ts, topic_config, sub, b, vs, kv.value, routed)
+                    _copy(tr, ts, topic_config, sub, b, vs, kv.value, routed, leases=reset is not None)
             read += len(rows)
             if len(rows) < want:
                 tr[cursors.pack((b,))] = _DONE
