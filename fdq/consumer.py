@@ -163,6 +163,8 @@ class Consumer:
         self._leases_lock = threading.Lock()
         self._peers = {}             # consumer id -> (heartbeat, since)
         self._rr = 0
+        self._dirty = set()          # shards that may have work (new, signalled, swept)
+        self._last_sweep = 0.0
         self._last_hb = 0.0
         self._last_lease_check = 0.0
         self._stalled_since = None
@@ -231,6 +233,7 @@ class Consumer:
         mine = {s: e for s, (o, e) in owners.items() if o == self.id}
         with self._owned_lock:
             lost = set(self._owned) - set(mine)
+            self._dirty.update(s for s in mine if s not in self._owned or self._owned[s] != mine[s])
             self._owned = mine
         for s in lost:
             w = self._watches.pop(s, None)
@@ -342,7 +345,7 @@ class Consumer:
                 with self._leases_lock:
                     self._leases.pop(key, None)
                 if outcome != "changed":
-                    self._wake.set()
+                    self._mark(shard_id)
             with self._leases_lock:
                 for key in [k for k in self._leases if k[0] == shard_id and k not in live_keys]:
                     del self._leases[key]
@@ -363,13 +366,31 @@ class Consumer:
 
     # -- leasing ---------------------------------------------------------------------
 
-    def _next_shards(self):
+    def _mark(self, shard_id):
+        """Shard ``shard_id`` may have work: visit it on the next round."""
         with self._owned_lock:
-            shards = sorted(self._owned.items())
+            self._dirty.add(shard_id)
+        self._wake.set()
+
+    def _next_shards(self):
+        """The owned shards that may have work, rotated for fairness: those a watch
+        signalled, that had work last round, or that are new; every ``poll_interval_s``
+        all of them (delayed messages fall due without a push). Visiting only these
+        keeps one push from costing a transaction per owned shard."""
+        now = _monotonic()
+        with self._owned_lock:
+            if now - self._last_sweep >= self.config.poll_interval_s:
+                self._last_sweep = now
+                self._dirty.update(self._owned)
+            shards = sorted((s, e) for s, e in self._owned.items() if s in self._dirty)
+            self._dirty.clear()
         if shards:
             self._rr = (self._rr + 1) % len(shards)
             shards = shards[self._rr:] + shards[:self._rr]
         return shards
+
+    def _idle_for(self) -> float:
+        return max(0.0, self._last_sweep + self.config.poll_interval_s - _monotonic())
 
     def _lease_from(self, shard_id, epoch, limit) -> list:
         shard = self._ts.shard(self.subscription, *shard_id)
@@ -399,7 +420,7 @@ class Consumer:
         if watch is None:
             return
         self._watches[shard_id] = watch
-        watch.on_ready(lambda _f: self._wake.set())
+        watch.on_ready(lambda _f: self._mark(shard_id))
 
     def _idle(self, timeout: float):
         if self._wake.wait(timeout):
@@ -414,17 +435,24 @@ class Consumer:
         deadline = _monotonic() + max(0.0, timeout)
         while True:
             out = []
-            for shard_id, epoch in self._next_shards():
+            shards = self._next_shards()
+            for i, (shard_id, epoch) in enumerate(shards):
+                if len(out) >= max_messages:     # not visited: keep it for the next call
+                    for s, _e in shards[i:]:
+                        self._mark(s)
+                    break
                 try:
-                    out += self._lease_from(shard_id, epoch, max_messages - len(out))
+                    got = self._lease_from(shard_id, epoch, max_messages - len(out))
                 except LeaseLost:
                     self._refresh_owned()
-                if len(out) >= max_messages:
-                    break
+                    continue
+                if got:
+                    self._mark(shard_id)         # may hold more
+                out += got
             left = deadline - _monotonic()
             if out or left <= 0 or self._stop.is_set():
                 return out
-            self._idle(min(left, self.config.poll_interval_s))
+            self._idle(min(left, self._idle_for()))
 
     def settle(self, items: list):
         """Commit settlements [(message, action, arg)] in one transaction. Raises
@@ -444,8 +472,10 @@ class Consumer:
                         seen[2] = now
                 else:
                     self._leases.pop(key, None)
-        if self.sub_config.max_ack_pending is not None or any(a != "ack" for _m, a, _x in items):
-            self._wake.set()
+        for m, action, _arg in items:
+            # back in a queue, or (flow control, ordered keys) room freed: visit its shard again
+            if action != "ack" or self._sel is not None:
+                self._mark((m.tag, m.shard))
         if lost:
             ids = ", ".join(message_id(vs) for _s, vs, _l, _a, _x in lost)
             raise LeaseLost(f"lease lost (expired and redelivered, or settled elsewhere): {ids}")
@@ -522,17 +552,26 @@ class TailConsumer(Consumer):
     def _work_loop(self):
         while not self._stop.is_set():
             shards = self._next_shards()
-            try:
-                if self._pool is not None and len(shards) > 1:
-                    done = sum(self._pool.map(lambda s: self._process(*s), shards))
-                else:
-                    done = sum(self._process(*s) for s in shards)
-            except Exception as e:
-                self._report(e)
-                done = 0
-                self._stop.wait(0.05)
+            if self._pool is not None and len(shards) > 1:
+                done = sum(self._pool.map(lambda s: self._visit(*s), shards))
+            else:
+                done = sum(self._visit(*s) for s in shards)
             if not done:
-                self._idle(self.config.poll_interval_s)
+                self._idle(self._idle_for())
+
+    def _visit(self, shard_id, epoch) -> int:
+        """Process one shard; a shard that yielded (or failed) is visited again next
+        round, one that came back empty waits for its watch or the next sweep."""
+        try:
+            n = self._process(shard_id, epoch)
+        except Exception as e:
+            self._report(e)
+            self._mark(shard_id)
+            self._stop.wait(0.05)
+            return 0
+        if n:
+            self._mark(shard_id)
+        return n
 
     def _process(self, shard_id, epoch) -> int:
         if self._stop.is_set():
