@@ -168,7 +168,8 @@ class Consumer:
         self._last_hb = 0.0
         self._last_lease_check = 0.0
         self._stalled_since = None
-        self._stall_since = None         # unreachable database or no shard, since
+        self._hb_ok = _monotonic()       # last heartbeat round that reached the database
+        self._noshard_since = None
         self._stall_reported = False
         self._reaper = _subs.Reaper(self.config.zombie_after_s)
         self._closed = False
@@ -176,6 +177,9 @@ class Consumer:
         self._thread = threading.Thread(target=self._membership_loop, name=f"fdq-member-{self.id}",
                                         daemon=True)
         self._thread.start()
+        self._watchdog = threading.Thread(target=self._stall_watch, name=f"fdq-watchdog-{self.id}",
+                                          daemon=True)
+        self._watchdog.start()
 
     # -- membership --------------------------------------------------------------------
 
@@ -262,6 +266,7 @@ class Consumer:
                     self._topic_config = read_topic_config(self.db, self._ts, snapshot=True)
                     self._refresh_owned()
                     self._observe_subscriptions(now)
+                    self._hb_ok = _monotonic()
                 if now - self._last_lease_check >= cfg.lease_check_interval_s:
                     self._last_lease_check = now
                     self._check_leases(now)
@@ -270,7 +275,6 @@ class Consumer:
                 self._report(e)
                 if self._stalled_since is None:
                     self._stalled_since = _monotonic()
-            self._check_stall(_monotonic())
 
     def _observe_subscriptions(self, now: float):
         """Pick up updates of the subscription's config; reap zombies of the topic's
@@ -283,22 +287,30 @@ class Consumer:
             self._apply_subscription(config)
         self._reaper.observe(self.db, self._ts, self._topic_config, now, skip=self.subscription)
 
+    def _stall_watch(self):
+        """A thread of its own: the membership loop may be stuck in a database call."""
+        while not self._stop.wait(self.config.heartbeat_interval_s / 2):
+            self._check_stall(_monotonic())
+
     def _check_stall(self, now: float):
-        """ADR-15's heartbeat alarm: report ``ConsumerStalled`` once when the database has
-        been unreachable, or this consumer has owned no shard, for over 3 heartbeats."""
+        """ADR-15's heartbeat alarm: report ``ConsumerStalled`` once (again after a
+        recovery) when no heartbeat round has reached the database, or this consumer has
+        owned no shard, for over 3 heartbeats."""
         with self._owned_lock:
-            stalled = self._stalled_since is not None or not self._owned
-        if not stalled:
-            self._stall_since, self._stall_reported = None, False
-            return
-        if self._stall_since is None:
-            self._stall_since = now
+            owned = bool(self._owned)
+        self._noshard_since = None if owned else (self._noshard_since or now)
         limit = 3 * self.config.heartbeat_interval_s
-        if not self._stall_reported and now - self._stall_since > limit:
+        unreachable = now - self._hb_ok
+        no_shard = now - self._noshard_since if self._noshard_since is not None else 0.0
+        if unreachable <= limit and no_shard <= limit:
+            self._stall_reported = False
+            return
+        if not self._stall_reported:
             self._stall_reported = True
-            why = "cannot reach the database" if self._stalled_since is not None else "owns no shard"
+            why, since = (("cannot reach the database", unreachable) if unreachable > limit
+                          else ("owns no shard", no_shard))
             self._report(ConsumerStalled(f"consumer {self.id} of {self.topic}/{self.subscription} {why} "
-                                         f"for {now - self._stall_since:.1f}s (over 3 heartbeats)"))
+                                         f"for {since:.1f}s (over 3 heartbeats)"))
 
     def _observe_peers(self, now: float):
         members = membership.read_members(self.db, self._ts, self.subscription)

@@ -219,3 +219,28 @@ def test_update_is_picked_up_and_fixed_fields_refused(db):
             sup.update_subscription("t", "s", max_deliver=5, backoff_s=(1,) * 6)
     finally:
         c.close()
+
+
+def test_stall_alarm_when_the_database_is_unreachable(db, url, tmp_path):
+    """Another process holds SQLite's exclusive lock: nothing of the consumer's reaches
+    the database; after 3 heartbeats the alarm fires, and it clears once the lock goes."""
+    import sqlite3
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    errors = []
+    c = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST), on_error=errors.append)
+    try:
+        time.sleep(0.5)
+        assert not [e for e in errors if isinstance(e, fdq.ConsumerStalled)]
+        lock = sqlite3.connect(str(tmp_path / "subs.db"), isolation_level=None)
+        lock.execute("BEGIN EXCLUSIVE")
+        try:
+            wait_for(lambda: [e for e in errors if isinstance(e, fdq.ConsumerStalled)], timeout=20,
+                     what="the stall alarm")
+        finally:
+            lock.execute("ROLLBACK")
+            lock.close()
+        stalls = [e for e in errors if isinstance(e, fdq.ConsumerStalled)]
+        assert "cannot reach the database" in str(stalls[0])
+        wait_for(lambda: not c._stall_reported, timeout=20, what="recovery")
+    finally:
+        c.close()
