@@ -2,7 +2,7 @@
 
 Run::
 
-    python bench/subs.py              # about 1-2 minutes, bounded
+    python bench/subs.py              # about 2-3 minutes, bounded (2 interleaved rounds, best of)
     python bench/subs.py --quick      # smaller counts
     python bench/subs.py --markdown   # the table for bench/RESULTS.md
     python bench/subs.py --json
@@ -40,10 +40,9 @@ STATS = {"queue": 0, "log": 0, "other": 0, "bytes": 0}
 
 
 def _count_mutations(subs_prefix: bytes):
-    """Count the mutations every transaction makes, by kind."""
+    """Count the mutations every transaction makes, by kind. Returns an undo function
+    (the counting wrappers slow pushes: throughput is measured without them)."""
     T = engine_sqlite.Transaction
-    if getattr(T.set_versionstamped_key, "_counted", False):
-        return
     orig_vk, orig_set, orig_add = T.set_versionstamped_key, T.set, T.add
 
     def vk(self, key, value):
@@ -61,8 +60,11 @@ def _count_mutations(subs_prefix: bytes):
         STATS["other"] += 1
         STATS["bytes"] += len(key) + len(param)
         return orig_add(self, key, param)
-    vk._counted = True
     T.set_versionstamped_key, T.set, T.add = vk, st, add
+
+    def undo():
+        T.set_versionstamped_key, T.set, T.add = orig_vk, orig_set, orig_add
+    return undo
 
 
 def bench(url, nsubs, batches, seconds):
@@ -74,7 +76,13 @@ def bench(url, nsubs, batches, seconds):
     p = fdq.Producer(db)
     envs = [fdq.Envelope(BODY) for _ in range(100)]
     p.push_many("t", envs[:1])
+    from fdq.keyspace import Keyspace
+    undo = _count_mutations(Keyspace().root.key())
     before = dict(STATS)
+    for _ in range(10):
+        p.push_many("t", envs)
+    undo()
+    d = {k: (STATS[k] - before[k]) / 1000 for k in STATS}
     t0 = perf_counter()
     n = 0
     for _ in range(batches):
@@ -83,7 +91,6 @@ def bench(url, nsubs, batches, seconds):
         if perf_counter() - t0 > seconds:
             break
     el = perf_counter() - t0
-    d = {k: (STATS[k] - before[k]) / n for k in STATS}
     row = {"subs": nsubs, "push_msgs_per_s": n / el, "queue_writes_per_msg": d["queue"],
            "log_writes_per_msg": d["log"], "other_mutations_per_msg": d["other"],
            "bytes_per_msg": d["bytes"]}
@@ -100,12 +107,12 @@ def bench(url, nsubs, batches, seconds):
             got += len(ms)
             if perf_counter() - t0 > seconds * 2:
                 break
-        rates.append(got / max(1e-9, perf_counter() - t0 - 0.2))
+        rates.append(got / max(1e-9, perf_counter() - t0 - 0.2))   # the last, empty fetch waited 0.2 s
         c.close()
     row["consume_msgs_per_s_per_sub"] = sum(rates) / len(rates)
     t0 = perf_counter()
     sup.create_subscription("t", "late", fdq.SubscriptionConfig(deliver_policy="all"))
-    row["catchup_msgs_per_s"] = (n + 1) / (perf_counter() - t0)
+    row["catchup_msgs_per_s"] = (n + 1001) / (perf_counter() - t0)   # the whole log
     return row
 
 
@@ -115,17 +122,22 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args(argv)
-    from fdq.keyspace import Keyspace
-    _count_mutations(Keyspace().root.key())
     base = tempfile.mkdtemp(prefix="fdq-bench-subs-")
-    rows = []
+    best = {}
     try:
-        for i, k in enumerate((1, 2, 4)):
-            r = bench(f"sqlite://{base}/s{i}.db", k, 100 if args.quick else 300, 4.0 if args.quick else 10.0)
-            rows.append(r)
-            print("  " + ", ".join(f"{a}={b:.4g}" for a, b in r.items()), file=sys.stderr, flush=True)
+        # Interleaved rounds, best of each: the machine is shared, so load comes and goes.
+        for rnd in range(1 if args.quick else 2):
+            for k in (1, 2, 4):
+                r = bench(f"sqlite://{base}/s{rnd}-{k}.db", k, 100 if args.quick else 300,
+                          4.0 if args.quick else 6.0)
+                print("  " + ", ".join(f"{a}={b:.4g}" for a, b in r.items()), file=sys.stderr, flush=True)
+                if k in best:
+                    r = {c: (max(v, best[k][c]) if c.endswith("_per_s") or c.endswith("_per_s_per_sub")
+                             else v) for c, v in r.items()}
+                best[k] = r
     finally:
         shutil.rmtree(base, ignore_errors=True)
+    rows = [best[k] for k in (1, 2, 4)]
     one = rows[0]
     for r in rows:
         r["push_of_1_sub"] = r["push_msgs_per_s"] / one["push_msgs_per_s"]

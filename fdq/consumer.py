@@ -203,8 +203,7 @@ class Consumer:
         if self.subscription not in self._topic_config.subs:
             if not create:
                 _subs.read_subscription(self.db, self._ts, self.subscription)  # raises
-            _subs.create_subscription(self.db, self._ts, self.subscription,
-                                             given or SubscriptionConfig())
+            _subs.create_subscription(self.db, self._ts, self.subscription, given)
         self._apply_subscription(_subs.read_subscription(self.db, self._ts, self.subscription))
         if given is not None and given != self.sub_config:
             raise _subs._diff_error(self._ts, self.subscription, self.sub_config, given)

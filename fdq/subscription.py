@@ -101,25 +101,23 @@ def _diff_error(ts, sub, stored: SubscriptionConfig, given: SubscriptionConfig) 
 # -- create / delete / update ------------------------------------------------------------
 
 @transactional
-def create_subscription(tr, ts: TopicSpace, sub: str, config: SubscriptionConfig, *,
-                        exist_ok: bool = True, join: tuple | None = None) -> bool:
+def create_subscription(tr, ts: TopicSpace, sub: str, config: SubscriptionConfig | None, *,
+                        exist_ok: bool = True) -> bool:
     """Add ``sub`` to the topic: pushes committed after this transaction fan out to it;
     its start point (``deliver_policy``) is copied later by ``catch_up_chunk``. Binding
-    to an existing subscription with the same config is a no-op (returns False); with a
-    different one an error listing the differing fields. ``join=(consumer_id, record)``
-    also registers a consumer in the same transaction (an ephemeral subscription is
-    then never without a member). Returns True if created."""
+    to an existing subscription with the same config (or ``config=None``: defaults for
+    a new one, whatever is stored for an existing one) is a no-op that returns False;
+    with a different one an error listing the differing fields. Returns True if created."""
     check_name(sub, "subscription")
     topic_config = read_topic_config(tr, ts)
     if sub in topic_config.subs:
         stored = read_subscription(tr, ts, sub, topic_config=topic_config)
-        if stored != config:
+        if config is not None and stored != config:
             raise _diff_error(ts, sub, stored, config)
         if not exist_ok:
             raise ConfigError(f"subscription {sub!r} of topic {ts.name!r} already exists")
-        if join is not None:
-            membership.join(tr, ts, sub, join[0], join[1], topic_config)
         return False
+    config = config if config is not None else SubscriptionConfig()
     if not topic_config.routing:
         raise ConfigError(f"topic {ts.name!r} is {'paused' if topic_config.paused else 'resharding'}: "
                           "subscriptions can be created once it is playing again")
@@ -130,8 +128,6 @@ def create_subscription(tr, ts: TopicSpace, sub: str, config: SubscriptionConfig
     catchup = topic_config.catchup + ((sub,) if config.deliver_policy != "new" else ())
     new = dataclasses.replace(topic_config, subs=topic_config.subs + (sub,), catchup=catchup)
     write_topic_config(tr, ts, new)
-    if join is not None:
-        membership.join(tr, ts, sub, join[0], join[1], new)
     return True
 
 
