@@ -386,10 +386,9 @@ class Supervisor:
     def delete_subscription(self, name: str, subscription: str):
         """Delete a subscription and all its state (queues, leases, DLQ, counters,
         consumers); nothing else. Its consumers get SubscriptionNotFound."""
-        from .errors import SubscriptionNotFound
         from .subscription import delete_subscription
-        if not delete_subscription(self.db, self._ts(name), subscription):
-            raise SubscriptionNotFound(f"subscription {subscription!r} of topic {name!r} does not exist")
+        self.subscription(name, subscription)   # raises SubscriptionNotFound; checked apart so a
+        delete_subscription(self.db, self._ts(name), subscription)  # retry after 1021 is no error
 
     def update_subscription(self, name: str, subscription: str, **changes):
         """Change updatable fields of a subscription (``fdq.config.UPDATABLE_SUBSCRIPTION_FIELDS``);
