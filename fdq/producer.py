@@ -403,22 +403,11 @@ class Producer:
 
     def _flush(self, batch: list):
         try:
-            results = self._commit([(it.topic, it.env) for it in batch])
-        except FDQError as e:
-            if len(batch) == 1:
-                batch[0].error = e
-            else:  # one bad push must not fail the others: commit them one by one
-                for it in batch:
-                    try:
-                        it.result = self._commit([(it.topic, it.env)])[0]
-                    except FDQError as e1:
-                        it.error = e1
+            self._commit_group(batch)
         except BaseException as e:
             for it in batch:
-                it.error = e
-        else:
-            for it, r in zip(batch, results):
-                it.result = r
+                if it.result is None and it.error is None:
+                    it.error = e
         for it in batch:
             if it.future is not None:
                 if it.error is not None:
@@ -426,6 +415,23 @@ class Producer:
                 else:
                     it.future.set_result(it.result)
             it.event.set()
+
+    def _commit_group(self, batch: list):
+        """Commit queued pushes together. One bad push must not fail the others: a
+        refused batch is split in halves until the bad ones stand alone (O(log n) more
+        transactions per bad push, not one per message)."""
+        try:
+            results = self._commit([(it.topic, it.env) for it in batch])
+        except FDQError as e:
+            if len(batch) == 1:
+                batch[0].error = e
+                return
+            half = len(batch) // 2
+            self._commit_group(batch[:half])
+            self._commit_group(batch[half:])
+            return
+        for it, r in zip(batch, results):
+            it.result = r
 
     def _commit(self, items: list) -> list:
         now_ms = int(time.time() * 1000)
