@@ -137,6 +137,9 @@ def test_rebalance_applies_tag_rules(db, topic):
                          "fallback": False}
     assert tags["C"]["owners"] == ["u1"] and tags["C"]["fallback"] is True and tags["C"]["backlog"] == 1
     assert tags[""]["backlog"] == 1 and tags[""]["fallback"] is False
+    cons = {c["id"]: c for c in sup.stats(topic)["subscriptions"]["default"]["consumers"]}
+    assert cons["a1"]["tag"] == "A" and cons["a1"]["tag_shards"] == [["A", n] for n in range(3)]
+    assert cons["u1"]["tag_shards"] == sorted([t, n] for t in ("", "C") for n in range(3))
     # No untagged consumer: untagged and unwanted-tag shards have no owner, never a tagged one.
     membership.leave(db, ts, "default", "u1", cfg)
     sup.rebalance(topic)
