@@ -80,7 +80,9 @@ class Envelope:
                                        or self.delay < 0 or self.delay != self.delay):
             raise InvalidMessage(f"delay must be seconds >= 0, not {self.delay!r}")
         if self.headers is not None:
-            object.__setattr__(self, "headers", MappingProxyType(validate_headers(self.headers)))
+            plain = validate_headers(self.headers)
+            object.__setattr__(self, "headers", MappingProxyType(plain))
+            object.__setattr__(self, "_plain_headers", plain or None)   # what push encodes: no copy
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,9 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             tr.set_versionstamped_value(dkey, _PLACEHOLDER + uv.to_bytes(2, "big") + _OFFSET0)
             tr.set_versionstamped_key(vs_key(ts.dedupe_by_version.key(), uv), env.msg_id.encode())
         inline, chunks = split_body(env.body)
-        headers = dict(env.headers) if env.headers else None
+        headers = getattr(env, "_plain_headers", None)
+        if headers is None and env.headers:
+            headers = dict(env.headers)
         record = Record(now_ms, env.shard_key, env.msg_id, headers, inline, 0, len(chunks),
                         getattr(env, "replay_of", None)).encode()
         tr.set_versionstamped_key(vs_key(ts.log_prefix(n), uv), record)

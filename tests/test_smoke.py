@@ -175,3 +175,10 @@ def test_push_async_futures_share_transactions_and_report_errors(db):
     assert len(commits) < 250, commits                 # batched, not one transaction each
     st = fdq.Supervisor(db).stats("a")
     assert st["counters"]["inserted"] == 500
+
+
+@pytest.mark.parametrize("name", ["orders\n", "a" * 65, "", "a b", "é", "x#ephemeral#ephemeral"])
+def test_invalid_topic_names_are_refused(db, name):
+    with pytest.raises(fdq.InvalidName):
+        fdq.Producer(db).push(name, b"x")
+    assert fdq.Supervisor(db).topics() == []
