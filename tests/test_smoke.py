@@ -182,3 +182,13 @@ def test_invalid_topic_names_are_refused(db, name):
     with pytest.raises(fdq.InvalidName):
         fdq.Producer(db).push(name, b"x")
     assert fdq.Supervisor(db).topics() == []
+
+
+def test_consumer_identify_creates_a_matching_topic_and_refuses_before_binding(db):
+    with fdq.Consumer(db, "ext", extend_support=True):       # missing topic: created extend
+        pass
+    assert fdq.Supervisor(db).config("ext").extend
+    fdq.Supervisor(db).create_topic("plain")
+    with pytest.raises(fdq.ConfigError, match="no extend support"):
+        fdq.Consumer(db, "plain", extend_support=True, subscription="new-sub")
+    assert fdq.Supervisor(db).config("plain").subs == ("default",)   # nothing bound
