@@ -159,7 +159,8 @@ def consumer(args):
     def status(final=False):
         _write_status(args.status, {"handled": handled[0], "retries": counters.snapshot(),
                                     "owned": [list(s) for s in c.owned_shards],
-                                    "errors": errors[-20:], "final": final, "pid": os.getpid()})
+                                    "errors": errors[-20:], "final": final, "pid": os.getpid(),
+                                    "cpu_s": time.process_time()})
     status()
     print("ready", flush=True)
     while not stop.wait(0.1):
