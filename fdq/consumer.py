@@ -28,8 +28,7 @@ from . import delivery, membership
 from . import subscription as _subs
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig, SubscriptionConfig, TopicConfig, check_name
 from .engine import error_types, retry_or_raise
-from .errors import (ConfigError, ConsumerStalled, EngineError, FDQError, LeaseLost,
-                     SubscriptionNotFound, TopicNotFound)
+from .errors import ConfigError, ConsumerStalled, EngineError, FDQError, LeaseLost, TopicNotFound
 from .keyspace import Keyspace, message_id
 from .topic import create_topic, read_topic_config
 
