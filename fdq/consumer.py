@@ -29,6 +29,7 @@ from . import subscription as _subs
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig, SubscriptionConfig, TopicConfig, check_name
 from .engine import error_types, retry_or_raise
 from .errors import ConfigError, ConsumerStalled, EngineError, FDQError, LeaseLost, TopicNotFound
+from .headers import check_tag
 from .keyspace import Keyspace, message_id
 from .topic import create_topic, read_topic_config
 
@@ -152,7 +153,9 @@ class Consumer:
         if self._topic_config.extend and not extend_support:
             raise ConfigError(f"topic {self.topic!r} has extend support: consumers must set extend_support=True")
         self.extend_support = extend_support
-        self.desired_tag = desired_tag if self._topic_config.extend else None
+        if desired_tag is not None and self._topic_config.extend:
+            check_tag(desired_tag)
+        self.desired_tag = desired_tag if self._topic_config.extend else None   # plain: ignored
         self._owned = {}             # (tag, n) -> epoch
         self._owned_lock = threading.Lock()
         self._stop = threading.Event()
@@ -262,6 +265,7 @@ class Consumer:
                         self._join()
                     self._observe_peers(now)
                     self._topic_config = read_topic_config(self.db, self._ts, snapshot=True)
+                    membership.assign_new_tags(self.db, self._ts, self.subscription)  # new tags
                     self._refresh_owned()
                     self._observe_subscriptions(now)
                     self._hb_ok = _monotonic()
@@ -525,7 +529,9 @@ class Consumer:
             except FDQError as e:
                 self._report(e)
 
-    shutdown = close
+    def shutdown(self):
+        """Same as ``close()`` (a method, so subclasses' ``close`` is the one called)."""
+        self.close()
 
     def __enter__(self):
         return self

@@ -30,7 +30,7 @@ from .config import DEFAULT_SUBSCRIPTION, ProducerConfig, TopicConfig, check_nam
 from .engine import error_types, retry_or_raise, transactional
 from .errors import (BacklogFull, ConfigError, FDQError, InvalidHeader, InvalidMessage,
                      MessageTooLarge, TopicNotFound, is_maybe_committed)
-from .headers import dispatch_tag, validate_headers
+from .headers import dispatch_tag, trace_id, validate_headers
 from .keyspace import Keyspace, TopicSpace, counter, decode_counter, message_id, vs_key
 from .keyspace.codec import Record, pack, shard_of, split_body, unpack
 from .topic import load_config, write_topic_config
@@ -86,7 +86,9 @@ class Envelope:
 @dataclass(frozen=True)
 class PushResult:
     """The outcome of one push: ``id`` is the message's id (the first one's, for a
-    deduplicated ``msg_id``). ``trace_id`` / ``position`` echo ``##trace_id``."""
+    deduplicated ``msg_id``). When the message's ``##trace_id`` header is a string of
+    digits, ``trace_id`` echoes it and ``position`` is the message's position in the
+    topic's log (its id: commit versionstamp + index), as NSQ's PUB_EXT response does."""
 
     id: str
     topic: str
@@ -104,6 +106,13 @@ class _Item:
     result: PushResult | None = None
     error: BaseException | None = None
     promoted: bool = False
+    future: _ConcurrentFuture | None = None
+
+
+# Messages without a shard key: a transaction puts runs of STICKY_RUN of them on one
+# shard, starting at a random shard (Kafka's sticky partitioner, KIP-480). Even over
+# time, and a batch touches a few shards' key ranges instead of every one of them.
+STICKY_RUN = 100
 
 
 def _spread_start() -> int:
@@ -133,6 +142,7 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
     results = []
     batch_ids = {}
     counters = defaultdict(int)
+    tags_written = set()     # each tag's key once per transaction
     for uv, (topic, env) in enumerate(items):
         ts = ks.topic(topic)
         config = configs.get(topic)
@@ -144,7 +154,8 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
         if env.headers and not config.extend:
             raise InvalidHeader(f"topic {topic!r} has no extend support: headers are refused "
                                 "(create it with extend=True or upgrade it)")
-        n = shard_of(env.shard_key, config.shards) if env.shard_key is not None else (spread + uv) % config.shards
+        n = shard_of(env.shard_key, config.shards) if env.shard_key is not None else \
+            (spread + uv // STICKY_RUN) % config.shards
         if env.msg_id is not None:
             if (topic, env.msg_id) in batch_ids:
                 results.append((topic, uv, n, batch_ids[(topic, env.msg_id)]))
@@ -180,12 +191,15 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
                     rv = tr.get_read_version().wait()
                 due = rv + int(env.delay * VERSIONS_PER_S)
             tag = dispatch_tag(headers)
-            if tag:
+            if tag and (topic, tag) not in tags_written:
+                tags_written.add((topic, tag))
                 tr[ts.tags.pack((tag,))] = b""   # blind: lets consumers find the tag's shards
             route_message(tr, ts, config, tag, n, uv, record, chunks, due, counters)
         else:
-            if dispatch_tag(headers):
-                tr[ts.tags.pack((dispatch_tag(headers),))] = b""
+            tag = dispatch_tag(headers)
+            if tag and (topic, tag) not in tags_written:
+                tags_written.add((topic, tag))
+                tr[ts.tags.pack((tag,))] = b""
             tr.set_versionstamped_key(vs_key(ts.pending.key(), uv), pack([n, env.delay]))
         results.append((topic, uv, n, None))
     for key, amount in counters.items():
@@ -255,7 +269,8 @@ def _check_backlog(tr, ts, config):
 class _GroupCommit:
     """Leader/follower group commit: the first caller commits what is queued; callers
     arriving meanwhile wait and are committed together by the next leader. One thread
-    pays one transaction per push; eight threads share transactions."""
+    pays one transaction per push; eight threads share transactions. Asynchronous
+    pushes (no caller waiting) are led by one background flusher thread."""
 
     def __init__(self, flush, max_batch: int, linger_s: float):
         self._flush = flush
@@ -264,8 +279,11 @@ class _GroupCommit:
         self._lock = threading.Lock()
         self._queue = []
         self._leading = False
+        self._flusher = None
+        self._flusher_go = threading.Event()
 
     def submit(self, item: _Item):
+        """Queue ``item`` and return once it is committed (or failed)."""
         with self._lock:
             self._queue.append(item)
             lead = not self._leading
@@ -275,6 +293,34 @@ class _GroupCommit:
             item.event.wait()
             if not item.promoted:
                 return
+        self._lead()
+
+    def submit_async(self, item: _Item):
+        """Queue ``item`` without waiting; its ``future`` resolves after the commit."""
+        with self._lock:
+            self._queue.append(item)
+            if self._leading:
+                return
+            self._leading = True
+        self._wake_flusher()
+
+    def _wake_flusher(self):
+        if self._flusher is None or not self._flusher.is_alive():
+            self._flusher = threading.Thread(target=self._flusher_loop, name="fdq-producer-flush",
+                                             daemon=True)
+            self._flusher.start()
+        self._flusher_go.set()
+
+    def _flusher_loop(self):
+        while True:
+            self._flusher_go.wait()
+            self._flusher_go.clear()
+            try:
+                self._lead()
+            except BaseException:   # delivered to the items' futures by the flush
+                pass
+
+    def _lead(self):
         # Lead a few rounds: handing leadership to a sleeping thread costs a wake-up.
         for _round in range(16):
             if self._linger_s:
@@ -294,12 +340,15 @@ class _GroupCommit:
 
     def _handoff(self):
         with self._lock:
-            if self._queue:
-                nxt = self._queue[0]
-                nxt.promoted = True
-                nxt.event.set()
-            else:
+            if not self._queue:
                 self._leading = False
+                return
+            nxt = self._queue[0]
+            if nxt.future is not None:       # nobody waits on it: the flusher leads
+                self._wake_flusher()
+                return
+            nxt.promoted = True
+            nxt.event.set()
 
 
 class Producer:
@@ -333,17 +382,16 @@ class Producer:
             raise item.error
         return item.result
 
-    def push_async(self, topic: str, body: bytes, **kwargs) -> _ConcurrentFuture:
-        """As ``push``, in a background thread; returns a ``concurrent.futures.Future``."""
-        f = _ConcurrentFuture()
-
-        def run():
-            try:
-                f.set_result(self.push(topic, body, **kwargs))
-            except BaseException as e:  # delivered to the caller through the future
-                f.set_exception(e)
-        threading.Thread(target=run, daemon=True).start()
-        return f
+    def push_async(self, topic: str, body: bytes, *, shard_key: str | None = None,
+                   msg_id: str | None = None, delay: float | None = None,
+                   headers: Mapping | None = None) -> _ConcurrentFuture:
+        """As ``push`` without waiting: returns a ``concurrent.futures.Future`` of the
+        ``PushResult``, resolved after the commit. Pending pushes share transactions
+        (committed by one background thread per producer)."""
+        item = _Item(check_name(topic), Envelope(body, shard_key, delay, msg_id, headers),
+                     future=_ConcurrentFuture())
+        self._group.submit_async(item)
+        return item.future
 
     def push_many(self, topic: str, envelopes) -> list:
         """Push several messages in one transaction (all or none)."""
@@ -372,6 +420,11 @@ class Producer:
             for it, r in zip(batch, results):
                 it.result = r
         for it in batch:
+            if it.future is not None:
+                if it.error is not None:
+                    it.future.set_exception(it.error)
+                else:
+                    it.future.set_result(it.result)
             it.event.set()
 
     def _commit(self, items: list) -> list:
@@ -397,9 +450,8 @@ class Producer:
             if isinstance(dup_of, int):
                 dup_of = message_id(Versionstamp(stamp, dup_of))
             mid = dup_of or message_id(Versionstamp(stamp, uv))
-            trace = env.headers.get("##trace_id") if env.headers else None
-            out.append(PushResult(mid, topic, n, dup_of is not None,
-                                  str(trace) if trace is not None else None,
+            trace = trace_id(env.headers)   # digits only, as NSQ's PUB_EXT echoes it
+            out.append(PushResult(mid, topic, n, dup_of is not None, trace,
                                   mid if trace is not None else None))
         return out
 
