@@ -240,7 +240,7 @@ def test_stall_alarm_when_the_database_is_unreachable(db, url, tmp_path):
             lock.execute("ROLLBACK")
             lock.close()
         stalls = [e for e in errors if isinstance(e, fdq.ConsumerStalled)]
-        assert "cannot reach the database" in str(stalls[0])
+        assert "has not completed a heartbeat" in str(stalls[0])
         wait_for(lambda: not c._stall_reported, timeout=20, what="recovery")
     finally:
         c.close()
@@ -289,5 +289,23 @@ def test_ordered_holds_a_key_while_its_lease_expires(db):
         assert order == [f"k0:{s}".encode() for s in range(5)]
         with pytest.raises(fdq.LeaseLost):
             held.ack()
+    finally:
+        c.close()
+
+
+def test_consumers_of_a_deleted_subscription_are_told(db):
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    sup.create_subscription("t", "s")
+    errors = []
+    c = fdq.Consumer(db, "t", subscription="s", config=fdq.ConsumerConfig(**FAST), on_error=errors.append)
+    try:
+        sup.delete_subscription("t", "s")
+        wait_for(lambda: [e for e in errors if isinstance(e, fdq.SubscriptionNotFound)], timeout=10,
+                 what="SubscriptionNotFound reported")
+        stall = wait_for(lambda: [e for e in errors if isinstance(e, fdq.ConsumerStalled)], timeout=10,
+                         what="the stall alarm")
+        assert "SubscriptionNotFound" in str(stall[0])
+        assert "s" not in sup.config("t").subs     # the consumer did not resurrect it
     finally:
         c.close()
