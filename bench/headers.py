@@ -227,7 +227,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="1 round of 5,000 messages per case")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--messages", type=int, default=None, help="messages per case and round")
-    ap.add_argument("--max-s", type=float, default=20.0, help="bound per measured loop (seconds)")
+    ap.add_argument("--max-s", type=float, default=40.0, help="bound per measured loop (seconds)")
     ap.add_argument("--dir", default=None, help="where the temporary databases go")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--markdown", action="store_true")

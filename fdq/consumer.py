@@ -146,12 +146,12 @@ class Consumer:
         self.id = consumer_id or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
         self.on_error = on_error
         self._ts = self.keyspace.topic(self.topic)
-        self._topic_config = self._load_topic(create)
-        self._bind_subscription(create, subscription_config, ephemeral)
+        self._topic_config = self._load_topic(create, extend_support)
         if extend_support and not self._topic_config.extend:
             raise ConfigError(f"topic {self.topic!r} has no extend support: connect without extend_support")
         if self._topic_config.extend and not extend_support:
             raise ConfigError(f"topic {self.topic!r} has extend support: consumers must set extend_support=True")
+        self._bind_subscription(create, subscription_config, ephemeral)
         self.extend_support = extend_support
         if desired_tag is not None and self._topic_config.extend:
             check_tag(desired_tag)
@@ -186,13 +186,15 @@ class Consumer:
 
     # -- membership --------------------------------------------------------------------
 
-    def _load_topic(self, create: bool) -> TopicConfig:
+    def _load_topic(self, create: bool, extend: bool) -> TopicConfig:
+        """The topic's config; a missing topic is created (``create``), with extend
+        support if this consumer has it."""
         try:
             config = read_topic_config(self.db, self._ts)
         except TopicNotFound:
             if not create:
                 raise
-            config = create_topic(self.db, self.keyspace, self.topic, TopicConfig())
+            config = create_topic(self.db, self.keyspace, self.topic, TopicConfig(extend=bool(extend)))
         return config
 
     def _bind_subscription(self, create: bool, given: SubscriptionConfig | None, ephemeral: bool):

@@ -68,30 +68,42 @@ def check_tag(tag, what: str = "desired_tag") -> str:
     return tag
 
 
-_FLAT = (str, bool, type(None))
-_NAME_OK = {}          # names seen valid (bounded): most messages repeat the same few
+_SIMPLE = frozenset({str, bool, type(None), int, float})
+_VALID_NAMES = set()   # names seen valid (bounded): most messages repeat the same few
 
 
 def _name_ok(name) -> bool:
-    if name in _NAME_OK:
-        return True
     ok = (isinstance(name, str) and len(name) <= MAX_NAME_CHARS and NAME_RE.fullmatch(name) is not None
           and (not name.startswith("##") or name in RESERVED))
-    if ok and len(_NAME_OK) < 4096:
-        _NAME_OK[name] = True
+    if ok and len(_VALID_NAMES) < 4096:
+        _VALID_NAMES.add(name)
     return ok
 
 
 def validate_headers(headers) -> dict:
     """Check names, values and size; returns a plain dict copy. Raises InvalidHeader
     naming the first bad header (or, over the size limit, the largest one)."""
-    if not isinstance(headers, Mapping):
+    if type(headers) is not dict and not isinstance(headers, Mapping):
         raise InvalidHeader(f"headers must be a mapping, not {type(headers).__name__}")
     if len(headers) > MAX_HEADERS:
         raise InvalidHeader(f"{len(headers)} headers: at most {MAX_HEADERS} are allowed")
+    out = dict(headers)
+    # Fast path, in C calls: known names, flat values (msgpack refuses ints over 64 bits).
+    types = set(map(type, out.values()))
+    if _VALID_NAMES.issuperset(out) and _SIMPLE.issuperset(types):
+        try:
+            size = len(msgpack.packb(out, use_bin_type=True))
+        except OverflowError:
+            size = -1
+        if 0 <= size <= MAX_HEADER_BYTES \
+                and (float not in types or all(math.isfinite(v) for v in out.values() if type(v) is float)) \
+                and (DISPATCH_TAG not in out or is_tag(out[DISPATCH_TAG])):
+            return out
+    return _validate_slow(headers)
+
+
+def _validate_slow(headers) -> dict:
     out = {}
-    # An upper bound of the msgpack size for flat values; containers: encode to know.
-    bound = 5
     for name, value in headers.items():
         if not _name_ok(name):
             if isinstance(name, str) and name.startswith("##") and NAME_RE.fullmatch(name) \
@@ -103,22 +115,12 @@ def validate_headers(headers) -> dict:
         if name == DISPATCH_TAG and not is_tag(value):
             raise InvalidHeader(f"header {DISPATCH_TAG!r}: the tag must be a non-empty string of "
                                 f"1-{MAX_NAME_CHARS} characters of [0-9a-zA-Z_-#], not {value!r}")
-        t = type(value)
-        if t in _FLAT:
-            out[name] = value
-            bound += len(name) + 5 + (4 * len(value) + 5 if t is str else 1)
-        elif t is int and -2**63 <= value < 2**64:
-            out[name] = value
-            bound += len(name) + 14
-        else:
-            out[name] = _check_value(name, value)
-            bound += MAX_HEADER_BYTES    # unknown: measure
-    if bound > MAX_HEADER_BYTES:
-        size = len(msgpack.packb(out, use_bin_type=True))
-        if size > MAX_HEADER_BYTES:
-            largest = max(out, key=lambda k: len(msgpack.packb({k: out[k]}, use_bin_type=True)))
-            raise InvalidHeader(f"headers encode to {size:,} bytes: at most {MAX_HEADER_BYTES:,} are "
-                                f"allowed (largest: header {largest!r})")
+        out[name] = _check_value(name, value)
+    size = len(msgpack.packb(out, use_bin_type=True))
+    if size > MAX_HEADER_BYTES:
+        largest = max(out, key=lambda k: len(msgpack.packb({k: out[k]}, use_bin_type=True)))
+        raise InvalidHeader(f"headers encode to {size:,} bytes: at most {MAX_HEADER_BYTES:,} are "
+                            f"allowed (largest: header {largest!r})")
     return out
 
 

@@ -80,7 +80,9 @@ class Envelope:
                                        or self.delay < 0 or self.delay != self.delay):
             raise InvalidMessage(f"delay must be seconds >= 0, not {self.delay!r}")
         if self.headers is not None:
-            object.__setattr__(self, "headers", MappingProxyType(validate_headers(self.headers)))
+            plain = validate_headers(self.headers)
+            object.__setattr__(self, "headers", MappingProxyType(plain))
+            object.__setattr__(self, "_plain_headers", plain or None)   # what push encodes: no copy
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,9 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             tr.set_versionstamped_value(dkey, _PLACEHOLDER + uv.to_bytes(2, "big") + _OFFSET0)
             tr.set_versionstamped_key(vs_key(ts.dedupe_by_version.key(), uv), env.msg_id.encode())
         inline, chunks = split_body(env.body)
-        headers = dict(env.headers) if env.headers else None
+        headers = getattr(env, "_plain_headers", None)
+        if headers is None and env.headers:
+            headers = dict(env.headers)
         record = Record(now_ms, env.shard_key, env.msg_id, headers, inline, 0, len(chunks),
                         getattr(env, "replay_of", None)).encode()
         tr.set_versionstamped_key(vs_key(ts.log_prefix(n), uv), record)
@@ -403,22 +407,11 @@ class Producer:
 
     def _flush(self, batch: list):
         try:
-            results = self._commit([(it.topic, it.env) for it in batch])
-        except FDQError as e:
-            if len(batch) == 1:
-                batch[0].error = e
-            else:  # one bad push must not fail the others: commit them one by one
-                for it in batch:
-                    try:
-                        it.result = self._commit([(it.topic, it.env)])[0]
-                    except FDQError as e1:
-                        it.error = e1
+            self._commit_group(batch)
         except BaseException as e:
             for it in batch:
-                it.error = e
-        else:
-            for it, r in zip(batch, results):
-                it.result = r
+                if it.result is None and it.error is None:
+                    it.error = e
         for it in batch:
             if it.future is not None:
                 if it.error is not None:
@@ -426,6 +419,23 @@ class Producer:
                 else:
                     it.future.set_result(it.result)
             it.event.set()
+
+    def _commit_group(self, batch: list):
+        """Commit queued pushes together. One bad push must not fail the others: a
+        refused batch is split in halves until the bad ones stand alone (O(log n) more
+        transactions per bad push, not one per message)."""
+        try:
+            results = self._commit([(it.topic, it.env) for it in batch])
+        except FDQError as e:
+            if len(batch) == 1:
+                batch[0].error = e
+                return
+            half = len(batch) // 2
+            self._commit_group(batch[:half])
+            self._commit_group(batch[half:])
+            return
+        for it, r in zip(batch, results):
+            it.result = r
 
     def _commit(self, items: list) -> list:
         now_ms = int(time.time() * 1000)

@@ -318,7 +318,8 @@ class Supervisor:
                                   "host": m["record"].get("host"), "pid": m["record"].get("pid"),
                                   "tag": m["record"].get("tag"),
                                   "heartbeat_age_s": round((rv - hbv) / VERSIONS_PER_S, 3) if hbv else None,
-                                  "shards": sorted(n for (t, n), (o, _e) in owners.items() if o == cid)})
+                                  "shards": sorted(n for (t, n), (o, _e) in owners.items() if o == cid),
+                                  "tag_shards": sorted([t, n] for (t, n), (o, _e) in owners.items() if o == cid)})
             oldest = None
             for (tag, n) in shards:
                 shard = ts.shard(sub, tag, n)

@@ -175,3 +175,20 @@ def test_push_async_futures_share_transactions_and_report_errors(db):
     assert len(commits) < 250, commits                 # batched, not one transaction each
     st = fdq.Supervisor(db).stats("a")
     assert st["counters"]["inserted"] == 500
+
+
+@pytest.mark.parametrize("name", ["orders\n", "a" * 65, "", "a b", "é", "x#ephemeral#ephemeral"])
+def test_invalid_topic_names_are_refused(db, name):
+    with pytest.raises(fdq.InvalidName):
+        fdq.Producer(db).push(name, b"x")
+    assert fdq.Supervisor(db).topics() == []
+
+
+def test_consumer_identify_creates_a_matching_topic_and_refuses_before_binding(db):
+    with fdq.Consumer(db, "ext", extend_support=True):       # missing topic: created extend
+        pass
+    assert fdq.Supervisor(db).config("ext").extend
+    fdq.Supervisor(db).create_topic("plain")
+    with pytest.raises(fdq.ConfigError, match="no extend support"):
+        fdq.Consumer(db, "plain", extend_support=True, subscription="new-sub")
+    assert fdq.Supervisor(db).config("plain").subs == ("default",)   # nothing bound

@@ -137,6 +137,9 @@ def test_rebalance_applies_tag_rules(db, topic):
                          "fallback": False}
     assert tags["C"]["owners"] == ["u1"] and tags["C"]["fallback"] is True and tags["C"]["backlog"] == 1
     assert tags[""]["backlog"] == 1 and tags[""]["fallback"] is False
+    cons = {c["id"]: c for c in sup.stats(topic)["subscriptions"]["default"]["consumers"]}
+    assert cons["a1"]["tag"] == "A" and cons["a1"]["tag_shards"] == [["A", n] for n in range(3)]
+    assert cons["u1"]["tag_shards"] == sorted([t, n] for t in ("", "C") for n in range(3))
     # No untagged consumer: untagged and unwanted-tag shards have no owner, never a tagged one.
     membership.leave(db, ts, "default", "u1", cfg)
     sup.rebalance(topic)
@@ -207,6 +210,41 @@ def test_delayed_nak_and_dead_letters_stay_in_the_tag(db, topic):
         assert [(m.body, m.tag) for m in got] == [(b"dead", "A")]
         got[0].ack()
         assert u.fetch(10, timeout=0.3) == []
+    finally:
+        a.close()
+        u.close()
+
+
+def test_tag_dispatch_under_fault_injection(tmp_path):
+    """Retryable errors and commit_unknown_result (after a real commit) on every kind of
+    transaction: pushes commit once, new tags still get owners, tags stay apart."""
+    db = fdq.connect(f"sqlite://{tmp_path / 'f.db'}?fault_injection=0.1&seed=7")
+    fdq.Supervisor(db).create_topic("t", shards=2, extend=True)
+    cfg = fdq.ConsumerConfig(heartbeat_interval_s=0.1, zombie_timeout_s=30.0, ack_wait_s=1.0,
+                             poll_interval_s=0.1)
+    a = fdq.Consumer(db, "t", consumer_id="a", extend_support=True, desired_tag="A", config=cfg)
+    u = fdq.Consumer(db, "t", consumer_id="u", extend_support=True, config=cfg)
+    try:
+        p = fdq.Producer(db)
+        for i in range(10):
+            p.push_many("t", [tagged("A", b"a%d-%d" % (i, j)) for j in range(3)] +
+                        [tagged("Q", b"q%d" % i), fdq.Envelope(b"u%d" % i)])
+        got = {"a": [], "u": []}
+
+        def step():
+            for c in (a, u):
+                for m in c.fetch(50, timeout=0.1):
+                    got[c.id].append(m)
+                    try:
+                        m.ack()
+                    except fdq.LeaseLost:
+                        pass    # redelivered later: at least once
+            return ({m.body for m in got["a"]} >= {b"a%d-%d" % (i, j) for i in range(10) for j in range(3)}
+                    and {m.body for m in got["u"]} >= {b"q%d" % i for i in range(10)} | {b"u%d" % i for i in range(10)})
+        wait_for(step, 60, "every message under fault injection")
+        assert {m.tag for m in got["a"]} == {"A"}
+        assert {m.tag for m in got["u"]} == {"Q", ""}
+        assert fdq.Supervisor(db).stats("t")["counters"]["inserted"] == 50     # each push committed once
     finally:
         a.close()
         u.close()

@@ -156,3 +156,18 @@ def test_desired_tag_follows_the_tag_rule(db):
         with pytest.raises(fdq.ConfigError, match="desired_tag"):
             fdq.Consumer(db, "ext", extend_support=True, desired_tag=bad)
     assert fdq.Supervisor(db).stats("ext")["subscriptions"]["default"]["consumers"] == []
+
+
+def test_known_names_still_get_every_check():
+    """Names seen valid take a fast path: values, tags and sizes are still checked."""
+    from fdq.headers import validate_headers
+    validate_headers({"warm": 1, DISPATCH_TAG: "A", "f": 1.0})     # the names are now known
+    for headers, text in [({"warm": 2**64}, "'warm'"), ({"warm": -2**63 - 1}, "'warm'"),
+                          ({"f": float("nan")}, "'f'"), ({"f": float("-inf")}, "'f'"),
+                          ({DISPATCH_TAG: "a b"}, DISPATCH_TAG), ({DISPATCH_TAG: 1}, DISPATCH_TAG),
+                          ({"warm": "x" * MAX_HEADER_BYTES}, "'warm'"), ({"warm": b"x"}, "'warm'"),
+                          ({"warm": [float("nan")]}, "'warm'")]:
+        with pytest.raises(fdq.InvalidHeader) as e:
+            validate_headers(headers)
+        assert text in str(e.value), headers
+    assert validate_headers({"warm": 2**64 - 1, "f": -1.5}) == {"warm": 2**64 - 1, "f": -1.5}
