@@ -28,8 +28,7 @@ from . import delivery, membership
 from . import subscription as _subs
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig, SubscriptionConfig, TopicConfig, check_name
 from .engine import error_types, retry_or_raise
-from .errors import (ConfigError, ConsumerStalled, EngineError, FDQError, LeaseLost,
-                     SubscriptionNotFound, TopicNotFound)
+from .errors import ConfigError, ConsumerStalled, EngineError, FDQError, LeaseLost, TopicNotFound
 from .headers import check_tag
 from .keyspace import Keyspace, message_id
 from .topic import create_topic, read_topic_config
@@ -172,6 +171,7 @@ class Consumer:
         self._last_lease_check = 0.0
         self._stalled_since = None
         self._hb_ok = _monotonic()       # last heartbeat round that reached the database
+        self._last_error = None
         self._noshard_since = None
         self._stall_reported = False
         self._reaper = _subs.Reaper(self.config.zombie_after_s)
@@ -278,6 +278,7 @@ class Consumer:
                 self._stalled_since = None
             except Exception as e:  # keep heartbeating through transient trouble
                 self._report(e)
+                self._last_error = e
                 if self._stalled_since is None:
                     self._stalled_since = _monotonic()
 
@@ -312,8 +313,10 @@ class Consumer:
             return
         if not self._stall_reported:
             self._stall_reported = True
-            why, since = (("cannot reach the database", unreachable) if unreachable > limit
-                          else ("owns no shard", no_shard))
+            err = self._last_error if self._stalled_since is not None else None
+            why, since = (("has not completed a heartbeat" + (f" ({type(err).__name__}: {err})" if err else
+                                                               " (cannot reach the database)"), unreachable)
+                          if unreachable > limit else ("owns no shard", no_shard))
             self._report(ConsumerStalled(f"consumer {self.id} of {self.topic}/{self.subscription} {why} "
                                          f"for {since:.1f}s (over 3 heartbeats)"))
 

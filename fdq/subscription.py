@@ -196,40 +196,57 @@ def _boundary(tr, ts, sub) -> Versionstamp:
     return Versionstamp(bytes(raw)[:10], 0)
 
 
+PURGE_SCAN = 2_000    # delayed entries one purge transaction scans
+
+
 @transactional
 def purge_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
     """Reset, step 2: remove up to ``limit`` ready or delayed messages of ``sub`` older
-    than its boundary (leases and the DLQ stay). Returns how many; 0 when done. The
-    range reads are not snapshots: a nak returning an older message meanwhile conflicts."""
+    than its boundary (leases and the DLQ stay), shard by shard, resumable (a marker per
+    shard: the last delayed key scanned, or done). Returns the entries removed or
+    scanned; 0 once every shard is done. Ready reads are not snapshots (a nak returning
+    an older message meanwhile conflicts); delayed entries are keyed by due time, so
+    they are scanned in pages, taking a read conflict on each key removed."""
     topic_config = read_topic_config(tr, ts)
     if sub not in topic_config.catchup:
         return 0
     end = _boundary(tr, ts, sub)
-    removed = 0
+    marks = ts.sub_records[sub]["purge"]
+    progress = 0
     for tag in membership.read_tags(tr, ts):
         for n in range(topic_config.shards):
+            mark = marks.pack((tag, n))
+            state = tr[mark]
+            if state == _DONE:
+                continue
             shard = ts.shard(sub, tag, n)
-            counts = {"done": 0, "delayed": 0}
-            for kv in tr.get_range(shard.ready.range().start, shard.ready_key(end), limit=limit - removed):
+            want = limit - progress
+            rows = list(tr.get_range(shard.ready.range().start, shard.ready_key(end), limit=want))
+            for kv in rows:
                 del tr[kv.key]
                 _clear_sub_chunks(tr, shard, shard.ready.unpack(kv.key)[0], kv.value)
-                counts["done"] += 1
-            r = shard.delayed.range()
-            if removed + counts["done"] < limit:
-                for kv in tr.get_range(r.start, r.stop, limit=10_000):
+            removed, delayed = len(rows), 0
+            if len(rows) < want:
+                r = shard.delayed.range()
+                begin = bytes(state) + b"\x00" if state != None else r.start  # noqa: E711
+                page = list(tr.snapshot.get_range(begin, r.stop, limit=PURGE_SCAN))
+                for kv in page:
                     _due, vs = shard.delayed.unpack(kv.key)
                     if vs < end:
+                        tr.add_read_conflict_key(kv.key)
                         del tr[kv.key]
                         _clear_sub_chunks(tr, shard, vs, kv.value)
-                        counts["done"] += 1
-                        counts["delayed"] += 1
-            for name, k in counts.items():
-                if k:
-                    tr.add(shard.stat(name), counter(-k if name == "delayed" else k))
-            removed += counts["done"]
-            if removed >= limit:
-                return removed
-    return removed
+                        delayed += 1
+                tr[mark] = _DONE if len(page) < PURGE_SCAN else page[-1].key
+                progress += len(page)
+            if removed + delayed:
+                tr.add(shard.stat("done"), counter(removed + delayed))
+            if delayed:
+                tr.add(shard.stat("delayed"), counter(-delayed))
+            progress += removed + (1 if len(rows) < want else 0)
+            if progress >= limit:
+                return progress
+    return progress
 
 
 def _clear_sub_chunks(tr, shard, vs, raw):
@@ -347,8 +364,9 @@ def catch_up_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
     # Done: deliver from now on. Rewriting the config makes in-flight pushes retry.
     rec.pop("reset", None)
     tr[_record_key(ts, sub)] = pack(rec)
-    r = cursors.range()
-    tr.clear_range(r.start, r.stop)
+    for space in (cursors, ts.sub_records[sub]["purge"]):
+        r = space.range()
+        tr.clear_range(r.start, r.stop)
     write_topic_config(tr, ts, dataclasses.replace(
         topic_config, catchup=tuple(s for s in topic_config.catchup if s != sub)))
     return read

@@ -329,6 +329,7 @@ class Supervisor:
                     oldest = t if oldest is None else min(oldest, t)
             total = lambda k: sum(c[k] for c in shards.values())  # noqa: E731
             subs[sub] = {
+                "catching_up": sub in config.catchup,
                 "backlog": total("backlog"), "in_flight": total("in_flight"), "delayed": total("delayed"),
                 "emitted": total("emitted"), "acked": total("acked"),
                 "dlq": delivery.dlq_size(snap, ts, sub),

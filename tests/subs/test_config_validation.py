@@ -4,7 +4,6 @@ import dataclasses
 import pytest
 
 import fdq
-from fdq.config import UPDATABLE_SUBSCRIPTION_FIELDS
 
 
 @pytest.mark.parametrize("options, message", [

@@ -86,3 +86,28 @@ def test_reset_leaves_leases_and_dlq_alone(db):
         assert st["in_flight"] == 0 and st["backlog"] == 0 and st["dlq"] == 1
     finally:
         c.close()
+
+
+def test_reset_purges_delayed_messages_in_pages(db, monkeypatch):
+    import fdq.subscription
+    monkeypatch.setattr(fdq.subscription, "PURGE_SCAN", 3)     # many small pages
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    sup.create_subscription("t", "r")
+    p = fdq.Producer(db)
+    old = [p.push("t", f"d{i}".encode(), shard_key=f"k{i}", delay=600).id for i in range(10)]
+    st = sup.stats("t")["subscriptions"]["r"]
+    assert st["delayed"] == 10 and st["backlog"] == 10
+    sup.reset("t", "r")                           # fast-forward: the delayed ones go too
+    st = sup.stats("t")["subscriptions"]["r"]
+    assert st["delayed"] == 0 and st["backlog"] == 0
+    later = p.push("t", b"later", delay=600).id  # pushed after the reset: kept, still delayed
+    st = sup.stats("t")["subscriptions"]["r"]
+    assert st["delayed"] == 1 and st["backlog"] == 1
+    # Rewind to the start: every logged message is queued again, ready (a replayed
+    # start ignores the original delay), the one still delayed included, once.
+    sup.reset("t", "r", 0)
+    got = _ids(drain(db, "t", "r", idle_s=0.3))
+    assert got == set(old + [later])
+    st = sup.stats("t")["subscriptions"]["r"]
+    assert st["delayed"] == 0 and st["backlog"] == 0

@@ -8,7 +8,6 @@ counts the id in its own transaction, then the message is acked. Runs until SIGT
 import signal
 import sys
 import threading
-import time
 
 import fdq
 
