@@ -507,7 +507,7 @@ def _per_tag(shards: dict, owners: dict, members: dict) -> dict:
 def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None) -> int:
     """Push again every logged message inserted in ``[start_ms, end_ms)``, in order,
     ``CHUNK`` per transaction (each an idempotent push)."""
-    from .producer import Envelope, Producer
+    from .producer import Producer
     ts = ks.topic(check_name(topic))
     config = read_topic_config(db, ts, snapshot=True)
     producer = Producer(db, keyspace=ks)

@@ -160,7 +160,9 @@ def test_reshard_terminates_when_a_chunk_is_all_stay_puts(db, monkeypatch):
 
 
 def test_push_async_futures_share_transactions_and_report_errors(db):
-    p = fdq.Producer(db)
+    # linger_ms: the leader waits that long for more pushes, so batching does not depend
+    # on how fast this thread enqueues on a loaded machine.
+    p = fdq.Producer(db, config=fdq.ProducerConfig(linger_ms=20))
     commits = []
     real_commit = p._commit
     p._commit = lambda items: (commits.append(len(items)), real_commit(items))[1]
@@ -172,7 +174,7 @@ def test_push_async_futures_share_transactions_and_report_errors(db):
         bad.result(timeout=60)
     assert threading.active_count() <= before + 1      # one flusher, not a thread per push
     assert len(set(ids)) == 500
-    assert len(commits) < 250, commits                 # batched, not one transaction each
+    assert len(commits) < 100, commits                 # batched, not one transaction each
     st = fdq.Supervisor(db).stats("a")
     assert st["counters"]["inserted"] == 500
 
