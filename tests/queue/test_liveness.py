@@ -90,6 +90,13 @@ def test_clock_skew_and_version_jumps_change_nothing(procs, db, url):
     wait_for(lambda: {o for o, _e in _owners(db).values()} == {"ahead", "behind", "normal"}, 60,
              what="three consumers owning shards")
     before = _owners(db)
+    # A lease held (ack_wait 60 s) across the jumps (3 × 100 s of versions): not redelivered.
+    fdq.Supervisor(db).create_topic("held", shards=1)
+    fdq.Producer(db).push("held", b"long job")
+    holder = fdq.Consumer(db, "held", config=fdq.ConsumerConfig(ack_wait_s=60, heartbeat_interval_s=0.2,
+                                                                 zombie_timeout_s=zombie,
+                                                                 lease_check_interval_s=0.05))
+    [held] = wait_for(lambda: holder.fetch(1, timeout=0.2), 30, what="the held message")
 
     jumper = procs.start("jumper", "jumper", url=f"{url}?fault_injection=0.5&seed=7", wait_ready=True)
     stop = threading.Event()
@@ -121,6 +128,11 @@ def test_clock_skew_and_version_jumps_change_nothing(procs, db, url):
         t.join(30)
         procs.kill9(jumper)
     assert len(jumps) >= 3, f"only {len(jumps)} version jumps were injected"
+    assert holder.fetch(1, timeout=0.5) == [], "the held lease was redelivered"
+    held.ack()      # still ours: no LeaseLost
+    holder.close()
+    h = sub_stats(db, "held")
+    assert (h["emitted"], h["backlog"], h["in_flight"]) == (1, 0, 0)
     ids = set(pushed)
     handled = collections.Counter()
     attempts = collections.Counter()
