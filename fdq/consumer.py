@@ -510,6 +510,7 @@ class TailConsumer(Consumer):
         tr = self.db.create_transaction()
         while True:
             current = None
+            taken = []
             try:
                 taken = delivery.take_batch(tr, self._ts, shard, self.id, epoch, limit, finish=True)
                 for t in taken:
@@ -521,14 +522,18 @@ class TailConsumer(Consumer):
                 self._keep_watch(shard_id, watch)
                 return len(taken)
             except error_types() as e:
-                if e.code in (1007, 2101) and limit > 1:
-                    limit = max(1, limit // 2)     # too slow or too big: halve the batch
+                if e.code in (1007, 2101) and limit > 1 and len(taken) != 1:
+                    limit = max(1, min(limit, len(taken) or limit) // 2)   # too slow or too big: halve
                     tr.reset()
                     continue
-                if e.code in (1007, 2101) and current is not None:
+                head = current or (taken[0] if len(taken) == 1 else None)
+                if e.code in (1007, 2101) and head is not None:
+                    # One message that cannot commit (raised by the handler's reads or at
+                    # commit). Too large never fits: dead-letter it now. Too old may be a
+                    # slow moment (a recovery, a loaded host): count it as an attempt.
                     tr.reset()
-                    self._fail_head(shard, epoch, current, f"handler cannot finish within one transaction "
-                                                            f"({EngineError(e.code).name})", dead=True)
+                    self._fail_head(shard, epoch, head, f"handler cannot finish within one transaction "
+                                                        f"({EngineError(e.code).name})", dead=e.code == 2101)
                     return 1
                 retry_or_raise(tr, e)
             except LeaseLost:

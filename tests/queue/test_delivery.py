@@ -272,3 +272,37 @@ def test_bad_input_is_refused_clearly_and_harms_nothing(db):
         assert [m.body for m in got] == stored
         for m in got:
             m.ack()
+
+
+def test_exactly_once_handler_errors_and_oversized_effects_go_to_dlq(db):
+    """Exactly-once: a handler that always raises is dead-lettered after max_deliver; a
+    handler whose writes cannot fit in one transaction (2101) is dead-lettered with that
+    reason instead of retrying forever; the other messages are processed exactly once."""
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    p = fdq.Producer(db)
+    p.push("t", b"raises", shard_key="k")
+    p.push("t", b"too-big", shard_key="k")
+    for i in range(5):
+        p.push("t", f"ok{i}".encode(), shard_key="k")
+
+    def handler(tr, m):
+        if m.body == b"raises":
+            raise ValueError("bad message")
+        if m.body == b"too-big":
+            for i in range(110):                 # ~11 MB of writes: over the 10 MB limit
+                tr[b"qt/big/%d" % i] = b"x" * 99_000
+            return
+        tr.add(b"qt/ok/" + m.body, (1).to_bytes(8, "little"))
+    c = fdq.tail(db, "t", handler, transactional=True, batch_size=10,
+                 config=fdq.ConsumerConfig(max_deliver=2, **FAST), on_error=lambda e: None)
+    try:
+        wait_for(lambda: sub_stats(db, "t")["backlog"] == 0, 60, what="the queue emptied")
+    finally:
+        c.shutdown()
+    dead = {d["body"]: d["reason"] for d in fdq.Supervisor(db).dlq_list("t")}
+    assert set(dead) == {b"raises", b"too-big"}
+    assert "ValueError" in dead[b"raises"]
+    assert "transaction_too_large" in dead[b"too-big"]
+    ok = {k: int.from_bytes(bytes(v)[:8], "little") for k, v in scan(db, b"qt/ok/")}
+    assert ok == {b"qt/ok/ok%d" % i: 1 for i in range(5)}
+    assert scan(db, b"qt/big/") == []
