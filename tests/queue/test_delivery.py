@@ -3,6 +3,7 @@ ready ones, DLQ after max_deliver, term, nak delay, in_progress extending a leas
 dedupe window, max_backlog, auto-batching from 8 threads, large bodies, bad input."""
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -306,3 +307,57 @@ def test_exactly_once_handler_errors_and_oversized_effects_go_to_dlq(db):
     ok = {k: int.from_bytes(bytes(v)[:8], "little") for k, v in scan(db, b"qt/ok/")}
     assert ok == {b"qt/ok/ok%d" % i: 1 for i in range(5)}
     assert scan(db, b"qt/big/") == []
+
+
+def test_shutdown_releases_shards_at_once(db):
+    """shutdown() hands the shards to the others now, not after the zombie timeout, and
+    returns what it leased unsettled."""
+    from fdq import membership
+    fdq.Supervisor(db).create_topic("t", shards=4)
+    slow = dict(FAST, zombie_timeout_s=30.0)
+    a = fdq.Consumer(db, "t", consumer_id="a", config=fdq.ConsumerConfig(**slow))
+    b = fdq.Consumer(db, "t", consumer_id="b", config=fdq.ConsumerConfig(**slow))
+    try:
+        ts = Keyspace().topic("t")
+        assert {o for o, _e in membership.read_owners(db, ts, "default").values()} == {"a", "b"}
+        fdq.Producer(db).push_many("t", [fdq.Envelope(f"{i}".encode(), shard_key=f"k{i}") for i in range(40)])
+        leased = _fetch_until(b, lambda g: g, 10)
+        b.shutdown()
+        assert {o for o, _e in membership.read_owners(db, ts, "default").values()} == {"a"}
+        got = _fetch_until(a, lambda g: len(g) >= 40, 10)    # well before the 30 s zombie timeout
+        assert {m.body for m in got} == {f"{i}".encode() for i in range(40)}
+        assert {m.id for m in leased} <= {m.id for m in got}
+        for m in got:
+            m.ack()
+    finally:
+        a.shutdown()
+        b.shutdown()
+    assert sub_stats(db, "t")["backlog"] == 0
+
+
+def test_max_concurrency_never_runs_one_key_twice_at_once(db):
+    fdq.Supervisor(db).create_topic("t", shards=8)
+    fdq.Producer(db).push_many("t", [fdq.Envelope(f"{i}".encode(), shard_key=f"k{i % 6}") for i in range(120)])
+    lock = threading.Lock()
+    active = collections.Counter()
+    peak = [0]
+    clash = []
+    handled = []
+
+    def handler(m):
+        with lock:
+            active[m.shard_key] += 1
+            if active[m.shard_key] > 1:
+                clash.append(m.shard_key)
+            peak[0] = max(peak[0], sum(active.values()))
+        time.sleep(0.005)
+        with lock:
+            active[m.shard_key] -= 1
+            handled.append(m.body)
+    c = fdq.tail(db, "t", handler, batch_size=5, config=fdq.ConsumerConfig(max_concurrency=4, **FAST))
+    try:
+        wait_for(lambda: sub_stats(db, "t")["backlog"] == 0, 60, what="all handled")
+    finally:
+        c.shutdown()
+    assert not clash and sorted(handled) == sorted(f"{i}".encode() for i in range(120))
+    assert peak[0] > 1, "handlers never ran concurrently"
