@@ -162,7 +162,9 @@ class Consumer:
         self._last_lease_check = 0.0
         self._stalled_since = None
         self._closed = False
+        self._clock_base = None      # (database clock ms, this host's monotonic s) last seen
         self._join()
+        self._tick_clock(_monotonic())
         self._thread = threading.Thread(target=self._membership_loop, name=f"fdq-member-{self.id}",
                                         daemon=True)
         self._thread.start()
@@ -225,12 +227,23 @@ class Consumer:
                     self._refresh_owned()
                 if now - self._last_lease_check >= cfg.lease_check_interval_s:
                     self._last_lease_check = now
+                    self._tick_clock(now)
                     self._check_leases(now)
                 self._stalled_since = None
             except Exception as e:  # keep heartbeating through transient trouble
                 self._report(e)
                 if self._stalled_since is None:
                     self._stalled_since = _monotonic()
+
+    def _tick_clock(self, now: float):
+        """Advance the database clock (delays are due by it) by the time that passed on
+        this host's monotonic clock since this consumer last saw it: never by versions
+        (they jump on recoveries), never by wall clocks (they disagree)."""
+        candidate = 0
+        if self._clock_base is not None:
+            base, since = self._clock_base
+            candidate = base + int((now - since) * 1000)
+        self._clock_base = (membership.advance_clock(self.db, self._ts.clock_key, candidate), now)
 
     def _observe_peers(self, now: float):
         members = membership.read_members(self.db, self._ts, self.subscription)

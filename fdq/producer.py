@@ -33,6 +33,7 @@ from .errors import (BacklogFull, ConfigError, FDQError, InvalidHeader, InvalidM
 from .headers import dispatch_tag, validate_headers
 from .keyspace import Keyspace, TopicSpace, counter, decode_counter, message_id, vs_key
 from .keyspace.codec import Record, pack, shard_of, split_body, unpack
+from .membership import read_clock
 from .topic import load_config, write_topic_config
 
 VERSIONS_PER_S = 1_000_000
@@ -128,7 +129,7 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
         if marker != None:  # noqa: E711 - committed before: return what it returned
             raw = bytes(marker)
             return unpack(raw[10:]), raw[:10]
-    rv = None
+    rv = clock = None
     configs = {}
     results = []
     batch_ids = {}
@@ -176,9 +177,9 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
         if config.routing:
             due = None
             if env.delay:
-                if rv is None:
-                    rv = tr.get_read_version().wait()
-                due = rv + int(env.delay * VERSIONS_PER_S)
+                if clock is None:
+                    clock = read_clock(tr, ts.clock_key)
+                due = clock + int(env.delay * 1000)
             tag = dispatch_tag(headers)
             if tag:
                 tr[ts.tags.pack((tag,))] = b""   # blind: lets consumers find the tag's shards
@@ -201,7 +202,8 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
 def route_message(tr, ts: TopicSpace, config: TopicConfig, tag: str, n: int, uv: int,
                   record: bytes, chunks: list, due: int | None, counters):
     """Write one message (user version ``uv`` of this transaction's versionstamp) into
-    every subscription's shard queue: ready, or delayed until database version ``due``."""
+    every subscription's shard queue: ready, or delayed until the database clock reaches
+    ``due`` (ms, ``membership.read_clock``)."""
     for sub in config.subs:
         shard = ts.shard(sub, tag, n)
         if due is None:

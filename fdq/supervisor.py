@@ -29,7 +29,7 @@ VERSIONS_PER_S = 1_000_000
 
 # -- routing of messages already in the log ----------------------------------------------
 
-def _route_existing(tr, ts: TopicSpace, config: TopicConfig, n: int, vs, raw: bytes, delay_s, rv):
+def _route_existing(tr, ts: TopicSpace, config: TopicConfig, n: int, vs, raw: bytes, delay_s, clock):
     """Route a logged message (complete versionstamp ``vs``) to every subscription."""
     rec = Record.decode(raw)
     tag = dispatch_tag(rec.headers)
@@ -40,7 +40,7 @@ def _route_existing(tr, ts: TopicSpace, config: TopicConfig, n: int, vs, raw: by
     for sub in config.subs:
         shard = ts.shard(sub, tag, n)
         if delay_s:
-            tr[shard.delayed_key(rv + int(delay_s * VERSIONS_PER_S), vs)] = raw
+            tr[shard.delayed_key(clock + int(delay_s * 1000), vs)] = raw
             tr.add(shard.stat("delayed"), counter(1))
         else:
             tr[shard.ready_key(vs)] = raw
@@ -58,7 +58,7 @@ def play_chunk(tr, ts: TopicSpace, limit: int, *, resume: bool = True) -> int:
     config = read_topic_config(tr, ts)
     if config.resharding_to is not None:
         return 0
-    rv = tr.get_read_version().wait()
+    clock = membership.read_clock(tr, ts.clock_key)
     r = ts.pending.range()
     moved = 0
     for kv in tr.get_range(r.start, r.stop, limit=limit):
@@ -68,7 +68,7 @@ def play_chunk(tr, ts: TopicSpace, limit: int, *, resume: bool = True) -> int:
         if raw != None:  # noqa: E711 - trimmed meanwhile: nothing to route
             rec = Record.decode(raw)
             target = shard_of(rec.shard_key, config.shards) if rec.shard_key is not None else n % config.shards
-            _route_existing(tr, ts, config, target, vs, bytes(raw), delay_s, rv)
+            _route_existing(tr, ts, config, target, vs, bytes(raw), delay_s, clock)
         del tr[kv.key]
         moved += 1
     if moved < limit and resume and config.paused:

@@ -217,3 +217,36 @@ def test_no_conflicts_no_starvation_on_a_shared_shard(procs, db):
     wait_for(lambda: set(pushed) <= _done_ids(db), 120, interval=0.2, what="the stream consumed")
     procs.stop(c)
     assert sub_stats(db, "t")["backlog"] == 0
+
+
+@pytest.mark.slow
+def test_version_jump_does_not_make_delays_due_early(procs, db, url):
+    """Delayed pushes and nak delays are due by the database clock (advanced by consumers'
+    monotonic time), so version jumps of 100 s don't make a 60 s delay end early, while a
+    2 s delay still ends on time."""
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    p = fdq.Producer(db)
+    p.push("t", b"nak me")
+    config = fdq.ConsumerConfig(heartbeat_interval_s=0.2, poll_interval_s=0.05, lease_check_interval_s=0.05)
+    with fdq.Consumer(db, "t", config=config) as c:
+        [m] = wait_for(lambda: c.fetch(1, timeout=0.2), 30, what="the first message")
+        m.nak(delay=60)
+        p.push("t", b"delayed push", delay=60)
+        p.push("t", b"soon", delay=2)
+        pushed = time.monotonic()
+        last = _read_version(db)
+        jumper = procs.start("jumper", "jumper", url=f"{url}?fault_injection=0.5&seed=11", wait_ready=True)
+        try:
+            def jumped():
+                nonlocal last
+                v = _read_version(db)
+                big, last = v - last >= 90_000_000, v
+                return big
+            wait_for(jumped, 60, interval=0.05, what="a version jump")
+        finally:
+            procs.kill9(jumper)
+        got = wait_for(lambda: c.fetch(3, timeout=0.2), 30, what="the 2 s delay to end")
+        assert [x.body for x in got] == [b"soon"], f"delivered early: {[x.body for x in got]}"
+        assert time.monotonic() - pushed >= 1.9
+        got[0].ack()
+        assert c.fetch(3, timeout=1.0) == [], "a 60 s delay ended early"
