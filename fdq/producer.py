@@ -155,12 +155,19 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             dkey = ts.dedupe.pack((env.msg_id,))
             seen = tr[dkey]
             if seen != None:  # noqa: E711
-                first_vs = Versionstamp.from_bytes(bytes(seen))
-                if int.from_bytes(first_vs.tr_version[:8], "big") >= rv - int(config.dedupe_window_s * VERSIONS_PER_S):
+                raw = bytes(seen)
+                first_vs = Versionstamp.from_bytes(raw[:12])
+                # Within the window by versions, or by the producers' clock: a version
+                # jump (FDB recovery, ~100 s) must not make a recent id look old.
+                young = int.from_bytes(first_vs.tr_version[:8], "big") >= rv - int(config.dedupe_window_s * VERSIONS_PER_S)
+                if not young and len(raw) >= 20:
+                    young = now_ms - int.from_bytes(raw[12:20], "big") < config.dedupe_window_s * 1000
+                if young:
                     results.append((topic, uv, n, message_id(first_vs)))
                     continue
             batch_ids[(topic, env.msg_id)] = uv
-            tr.set_versionstamped_value(dkey, _PLACEHOLDER + uv.to_bytes(2, "big") + _OFFSET0)
+            tr.set_versionstamped_value(dkey, _PLACEHOLDER + uv.to_bytes(2, "big") + now_ms.to_bytes(8, "big")
+                                        + _OFFSET0)
             tr.set_versionstamped_key(vs_key(ts.dedupe_by_version.key(), uv), env.msg_id.encode())
         inline, chunks = split_body(env.body)
         headers = dict(env.headers) if env.headers else None
