@@ -250,3 +250,26 @@ def test_version_jump_does_not_make_delays_due_early(procs, db, url):
         assert time.monotonic() - pushed >= 1.9
         got[0].ack()
         assert c.fetch(3, timeout=1.0) == [], "a 60 s delay ended early"
+
+
+@pytest.mark.slow
+def test_version_jump_does_not_shorten_the_dedupe_window(procs, db, url):
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=1, dedupe_window_s=30)
+    p = fdq.Producer(db)
+    first = p.push("t", b"x", msg_id="order-1")
+    last = _read_version(db)
+    jumper = procs.start("jumper", "jumper", url=f"{url}?fault_injection=0.5&seed=5", wait_ready=True)
+    try:
+        def jumped():
+            nonlocal last
+            v = _read_version(db)
+            big, last = v - last >= 90_000_000, v
+            return big
+        wait_for(jumped, 60, interval=0.05, what="a version jump")
+    finally:
+        procs.kill9(jumper)
+    sup.trim("t")        # old by versions, young by time: kept
+    again = p.push("t", b"x", msg_id="order-1")
+    assert again.duplicate and again.id == first.id
+    assert sup.stats("t")["counters"]["inserted"] == 1
