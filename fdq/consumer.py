@@ -26,7 +26,8 @@ from types import MappingProxyType
 from . import delivery, membership
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig, TopicConfig, check_name
 from .engine import error_types, retry_or_raise
-from .errors import ConfigError, EngineError, FDQError, LeaseLost, SubscriptionNotFound, TopicNotFound
+from .errors import (ConfigError, EngineError, FDQError, LeaseLost, SubscriptionNotFound, TopicNotFound,
+                     is_maybe_committed)
 from .keyspace import Keyspace, message_id
 from .topic import create_topic, read_topic_config
 
@@ -485,8 +486,23 @@ class TailConsumer(Consumer):
 
     def _process_at_most_once(self, shard_id, epoch) -> int:
         shard = self._ts.shard(self.subscription, *shard_id)
-        taken, watch = _run(self.db, delivery.take_batch, self._ts, shard, self.id, epoch, self.batch_size,
-                            watch_key=self._watch_key(shard_id))
+        tr = self.db.create_transaction()
+        while True:
+            taken, watch = [], None
+            try:
+                taken = delivery.take_batch(tr, self._ts, shard, self.id, epoch, self.batch_size)
+                watch_key = self._watch_key(shard_id) if not taken else None
+                watch = tr.watch(watch_key) if watch_key is not None else None
+                tr.commit().wait()
+                break
+            except error_types() as e:
+                # commit_unknown_result: if this batch is gone from the queue while the
+                # shard is still ours, our commit took it: hand it over rather than
+                # taking the next batch and losing this one.
+                if is_maybe_committed(e) and taken and delivery.batch_taken(
+                        self.db, self._ts, shard, self.id, epoch, [t.vs for t in taken]):
+                    break
+                retry_or_raise(tr, e)
         self._keep_watch(shard_id, watch)
         for t in taken:
             try:

@@ -116,6 +116,17 @@ def take_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: i
 
 
 @transactional
+def batch_taken(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, vss: list) -> bool:
+    """After ``commit_unknown_result`` on ``take_batch``: True if the messages ``vss``
+    are gone from the ready queue while the shard is still ours at ``epoch`` (only its
+    owner's take removes ready messages, so our commit did). Raises LeaseLost if the
+    shard moved (then nobody can tell: at most once, the batch is dropped)."""
+    ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
+    futures = [tr[shard.ready_key(vs)] for vs in vss]
+    return all(f == None for f in futures)  # noqa: E711
+
+
+@transactional
 def lease_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, limit: int,
                 lease_id: bytes, ack_wait_ms: int) -> list:
     """Lease up to ``limit`` ready messages (at-least-once): each moves to ``leased``
@@ -308,6 +319,6 @@ def dlq_size(reader, ts: TopicSpace, sub: str) -> int:
     return decode_counter(reader[ts.sub_stat(sub, "dead")])
 
 
-__all__ = ["Taken", "take_batch", "lease_batch", "settle", "scan_leases", "expire_lease",
+__all__ = ["Taken", "take_batch", "batch_taken", "lease_batch", "settle", "scan_leases", "expire_lease",
            "promote_due", "fail_in_place", "dlq_list", "dlq_redrive_chunk", "dlq_purge_chunk",
            "dlq_size", "fdbtuple"]

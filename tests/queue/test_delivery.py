@@ -364,3 +364,21 @@ def test_max_concurrency_never_runs_one_key_twice_at_once(db):
         c.shutdown()
     assert not clash and sorted(handled) == sorted(f"{i}".encode() for i in range(120))
     assert peak[0] > 1, "handlers never ran concurrently"
+
+
+def test_at_most_once_under_fault_injection_loses_nothing(db, url):
+    """With no consumer killed, at-most-once under injected faults (commit_unknown_result
+    after a real commit included) still hands every message over exactly once."""
+    p = fdq.Producer(db)
+    fdq.Supervisor(db).create_topic("t", shards=2)
+    pushed = [r.id for r in p.push_many("t", [fdq.Envelope(f"{i}".encode()) for i in range(600)])]
+    faulty = fdq.connect(f"{url}?fault_injection=0.1&seed=21")
+    handled = []
+    c = fdq.tail(faulty, "t", lambda m: handled.append(m.id), acking=False, batch_size=10,
+                 config=fdq.ConsumerConfig(**FAST), on_error=lambda e: None)
+    try:
+        wait_for(lambda: sub_stats(db, "t")["backlog"] == 0, 60, what="the queue emptied")
+        wait_for(lambda: len(handled) >= len(pushed), 10, what="every message handled")
+    finally:
+        c.shutdown()
+    assert sorted(handled) == sorted(pushed)
