@@ -97,18 +97,25 @@ def _to_message(taken: delivery.Taken, topic: str, sub: str, consumer) -> Messag
                    taken.shard.n, taken.shard.tag, rec.msg_id, rec.replay_of, consumer, taken)
 
 
-def _run(db, fn, *args, watch_key=None, **kwargs):
+def _run(db, fn, *args, watch_key=None, committed=None, **kwargs):
     """Run a transactional function in our own retry loop; if it returns an empty
     result and ``watch_key`` is given, also set a watch in the same transaction (its
-    baseline is the read version, so nothing pushed afterwards is missed)."""
+    baseline is the read version, so nothing pushed afterwards is missed).
+
+    ``committed(result)``: after ``commit_unknown_result``, tells whether the attempt
+    that produced ``result`` did commit; if so that result is returned instead of
+    running again (which would take other messages and strand these)."""
     tr = db.create_transaction()
     while True:
+        result = None
         try:
             result = fn(tr, *args, **kwargs)
             watch = tr.watch(watch_key) if watch_key is not None and not result else None
             tr.commit().wait()
             return result, watch
         except error_types() as e:
+            if committed is not None and result and is_maybe_committed(e) and committed(result):
+                return result, None
             retry_or_raise(tr, e)
 
 
@@ -325,7 +332,9 @@ class Consumer:
         lease_id = os.urandom(8)
         ack_wait_ms = int(self.config.ack_wait_s * 1000)
         taken, watch = _run(self.db, delivery.lease_batch, self._ts, shard, self.id, epoch, limit,
-                            lease_id, ack_wait_ms, watch_key=self._watch_key(shard_id))
+                            lease_id, ack_wait_ms, watch_key=self._watch_key(shard_id),
+                            committed=lambda ts_: delivery.batch_leased(self.db, shard, [t.vs for t in ts_],
+                                                                        lease_id))
         self._keep_watch(shard_id, watch)
         now = _monotonic()
         with self._leases_lock:
@@ -376,7 +385,22 @@ class Consumer:
         if not items:
             return
         rows = [(m._taken.shard, m._taken.vs, m._taken.lease_id, action, arg) for m, action, arg in items]
-        lost = delivery.settle(self.db, self._ts, rows, self.config.max_deliver)
+        tr = self.db.create_transaction()
+        maybe_lost = []     # lost sets of attempts that may have committed
+        while True:
+            lost = None
+            try:
+                lost = delivery.settle(tr, self._ts, rows, self.config.max_deliver)
+                tr.commit().wait()
+                break
+            except error_types() as e:
+                if is_maybe_committed(e) and lost is not None:
+                    maybe_lost.append({(s.sub, s.tag, s.n, vs) for s, vs, _l, _a, _x in lost})
+                retry_or_raise(tr, e)
+        for earlier in maybe_lost:
+            # A lease that attempt settled (if it committed) is gone on retry: lost only
+            # if every attempt that may have committed found it lost too.
+            lost = [r for r in lost if (r[0].sub, r[0].tag, r[0].n, r[1]) in earlier]
         now = _monotonic()
         with self._leases_lock:
             for m, action, _arg in items:
@@ -486,23 +510,12 @@ class TailConsumer(Consumer):
 
     def _process_at_most_once(self, shard_id, epoch) -> int:
         shard = self._ts.shard(self.subscription, *shard_id)
-        tr = self.db.create_transaction()
-        while True:
-            taken, watch = [], None
-            try:
-                taken = delivery.take_batch(tr, self._ts, shard, self.id, epoch, self.batch_size)
-                watch_key = self._watch_key(shard_id) if not taken else None
-                watch = tr.watch(watch_key) if watch_key is not None else None
-                tr.commit().wait()
-                break
-            except error_types() as e:
-                # commit_unknown_result: if this batch is gone from the queue while the
-                # shard is still ours, our commit took it: hand it over rather than
-                # taking the next batch and losing this one.
-                if is_maybe_committed(e) and taken and delivery.batch_taken(
-                        self.db, self._ts, shard, self.id, epoch, [t.vs for t in taken]):
-                    break
-                retry_or_raise(tr, e)
+        # After commit_unknown_result: if the batch is gone while the shard is still
+        # ours, our commit took it: hand it over (else it would be lost unhandled).
+        taken, watch = _run(self.db, delivery.take_batch, self._ts, shard, self.id, epoch, self.batch_size,
+                            watch_key=self._watch_key(shard_id),
+                            committed=lambda ts_: delivery.batch_taken(self.db, self._ts, shard, self.id,
+                                                                       epoch, [t.vs for t in ts_]))
         self._keep_watch(shard_id, watch)
         for t in taken:
             try:

@@ -127,6 +127,14 @@ def batch_taken(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: 
 
 
 @transactional
+def batch_leased(tr, shard: ShardSpace, vss: list, lease_id: bytes) -> bool:
+    """After ``commit_unknown_result`` on ``lease_batch``: True if the messages ``vss``
+    are leased under ``lease_id`` (a random id per attempt series: our commit did it)."""
+    futures = [tr[shard.leased_key(vs)] for vs in vss]
+    return all(f != None and decode_lease(f)[1] == lease_id for f in futures)  # noqa: E711
+
+
+@transactional
 def lease_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, limit: int,
                 lease_id: bytes, ack_wait_ms: int) -> list:
     """Lease up to ``limit`` ready messages (at-least-once): each moves to ``leased``
@@ -319,6 +327,6 @@ def dlq_size(reader, ts: TopicSpace, sub: str) -> int:
     return decode_counter(reader[ts.sub_stat(sub, "dead")])
 
 
-__all__ = ["Taken", "take_batch", "batch_taken", "lease_batch", "settle", "scan_leases", "expire_lease",
+__all__ = ["Taken", "take_batch", "batch_taken", "batch_leased", "lease_batch", "settle", "scan_leases", "expire_lease",
            "promote_due", "fail_in_place", "dlq_list", "dlq_redrive_chunk", "dlq_purge_chunk",
            "dlq_size", "fdbtuple"]

@@ -382,3 +382,22 @@ def test_at_most_once_under_fault_injection_loses_nothing(db, url):
     finally:
         c.shutdown()
     assert sorted(handled) == sorted(pushed)
+
+
+def test_acks_under_fault_injection_are_not_reported_lost(db, url):
+    """An ack whose commit returned commit_unknown_result but did happen is not reported
+    as a lost lease when retried (and nothing is redelivered)."""
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    fdq.Producer(db).push_many("t", [fdq.Envelope(f"{i}".encode()) for i in range(200)])
+    faulty = fdq.connect(f"{url}?fault_injection=0.1&seed=8")
+    acked = 0
+    with fdq.Consumer(faulty, "t", config=fdq.ConsumerConfig(ack_wait_s=60, **FAST)) as c:
+        deadline = time.monotonic() + 60
+        while acked < 200 and time.monotonic() < deadline:
+            for m in c.fetch(20, timeout=0.2):
+                assert m.attempts == 1
+                m.ack()          # raises LeaseLost if misreported
+                acked += 1
+    assert acked == 200
+    s = sub_stats(db, "t")
+    assert (s["backlog"], s["in_flight"]) == (0, 0)
