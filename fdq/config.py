@@ -37,7 +37,10 @@ class TopicConfig:
     ``max_backlog``: optional cap on a subscription's backlog; pushes beyond it fail with
     ``BacklogFull``. Checked against a snapshot of the counters, so concurrent producers
     may overshoot it by at most their in-flight batches.
-    ``dedupe_window_s``: how long a user ``msg_id`` is remembered.
+    ``dedupe_window_s``: how long a user ``msg_id`` is remembered, at least: an id is a
+    duplicate while its first push is within the window by database versions or by the
+    producers' clock, so a version jump (an FDB recovery) cannot shorten it; ``trim``
+    removes entries past it.
     ``retention_s`` / ``retention_bytes``: what ``trim`` keeps of the "all" log.
     ``max_message_bytes``: the largest body (split into chunks above 90,000 bytes).
     """
@@ -101,6 +104,9 @@ class ConsumerConfig:
     ``max_concurrency``: handlers running at once, never two of one shard (so never two of
     one shard key) at once.
     ``poll_interval_s``: the longest a consumer sleeps without a watch firing.
+    ``lease_check_interval_s``: how often a consumer checks its shards' leases and
+    advances the database clock that delays are due by (``membership.read_clock``): a
+    delay ends at most about this much late, never early.
     """
 
     ack_wait_s: float = 30.0

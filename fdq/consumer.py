@@ -28,7 +28,8 @@ from . import delivery, membership
 from . import subscription as _subs
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig, SubscriptionConfig, TopicConfig, check_name
 from .engine import error_types, retry_or_raise
-from .errors import ConfigError, ConsumerStalled, EngineError, FDQError, LeaseLost, TopicNotFound
+from .errors import (ConfigError, ConsumerStalled, EngineError, FDQError, LeaseLost, TopicNotFound,
+                     is_maybe_committed)
 from .headers import check_tag
 from .keyspace import Keyspace, message_id
 from .topic import create_topic, read_topic_config
@@ -99,18 +100,25 @@ def _to_message(taken: delivery.Taken, topic: str, sub: str, consumer) -> Messag
                    taken.shard.n, taken.shard.tag, rec.msg_id, rec.replay_of, consumer, taken)
 
 
-def _run(db, fn, *args, watch_key=None, **kwargs):
+def _run(db, fn, *args, watch_key=None, committed=None, **kwargs):
     """Run a transactional function in our own retry loop; if it returns an empty
     result and ``watch_key`` is given, also set a watch in the same transaction (its
-    baseline is the read version, so nothing pushed afterwards is missed)."""
+    baseline is the read version, so nothing pushed afterwards is missed).
+
+    ``committed(result)``: after ``commit_unknown_result``, tells whether the attempt
+    that produced ``result`` did commit; if so that result is returned instead of
+    running again (which would take other messages and strand these)."""
     tr = db.create_transaction()
     while True:
+        result = None
         try:
             result = fn(tr, *args, **kwargs)
             watch = tr.watch(watch_key) if watch_key is not None and not result else None
             tr.commit().wait()
             return result, watch
         except error_types() as e:
+            if committed is not None and result and is_maybe_committed(e) and committed(result):
+                return result, None
             retry_or_raise(tr, e)
 
 
@@ -176,7 +184,9 @@ class Consumer:
         self._stall_reported = False
         self._reaper = _subs.Reaper(self.config.zombie_after_s)
         self._closed = False
+        self._clock_base = None      # (database clock ms, this host's monotonic s) last seen
         self._join()
+        self._tick_clock(_monotonic())
         self._thread = threading.Thread(target=self._membership_loop, name=f"fdq-member-{self.id}",
                                         daemon=True)
         self._thread.start()
@@ -274,6 +284,7 @@ class Consumer:
                     self._hb_ok = _monotonic()
                 if now - self._last_lease_check >= cfg.lease_check_interval_s:
                     self._last_lease_check = now
+                    self._tick_clock(now)
                     self._check_leases(now)
                 self._stalled_since = None
             except Exception as e:  # keep heartbeating through transient trouble
@@ -319,6 +330,16 @@ class Consumer:
                           if unreachable > limit else ("owns no shard", no_shard))
             self._report(ConsumerStalled(f"consumer {self.id} of {self.topic}/{self.subscription} {why} "
                                          f"for {since:.1f}s (over 3 heartbeats)"))
+
+    def _tick_clock(self, now: float):
+        """Advance the database clock (delays are due by it) by the time that passed on
+        this host's monotonic clock since this consumer last saw it: never by versions
+        (they jump on recoveries), never by wall clocks (they disagree)."""
+        candidate = 0
+        if self._clock_base is not None:
+            base, since = self._clock_base
+            candidate = base + int((now - since) * 1000)
+        self._clock_base = (membership.advance_clock(self.db, self._ts.clock_key, candidate), now)
 
     def _observe_peers(self, now: float):
         members = membership.read_members(self.db, self._ts, self.subscription)
@@ -422,7 +443,9 @@ class Consumer:
         lease_id = os.urandom(8)
         ack_wait_ms = int(self.config.ack_wait_s * 1000)
         taken, watch = _run(self.db, delivery.lease_batch, self._ts, shard, self.id, epoch, limit,
-                            lease_id, ack_wait_ms, sel=self._sel, watch_key=self._watch_key(shard_id))
+                            lease_id, ack_wait_ms, sel=self._sel, watch_key=self._watch_key(shard_id),
+                            committed=lambda ts_: delivery.batch_leased(self.db, shard, [t.vs for t in ts_],
+                                                                        lease_id))
         self._keep_watch(shard_id, watch)
         now = _monotonic()
         with self._leases_lock:
@@ -480,7 +503,22 @@ class Consumer:
         if not items:
             return
         rows = [(m._taken.shard, m._taken.vs, m._taken.lease_id, action, arg) for m, action, arg in items]
-        lost = delivery.settle(self.db, self._ts, rows, self.config.max_deliver)
+        tr = self.db.create_transaction()
+        maybe_lost = []     # lost sets of attempts that may have committed
+        while True:
+            lost = None
+            try:
+                lost = delivery.settle(tr, self._ts, rows, self.config.max_deliver)
+                tr.commit().wait()
+                break
+            except error_types() as e:
+                if is_maybe_committed(e) and lost is not None:
+                    maybe_lost.append({(s.sub, s.tag, s.n, vs) for s, vs, _l, _a, _x in lost})
+                retry_or_raise(tr, e)
+        for earlier in maybe_lost:
+            # A lease that attempt settled (if it committed) is gone on retry: lost only
+            # if every attempt that may have committed found it lost too.
+            lost = [r for r in lost if (r[0].sub, r[0].tag, r[0].n, r[1]) in earlier]
         now = _monotonic()
         with self._leases_lock:
             for m, action, _arg in items:
@@ -610,8 +648,12 @@ class TailConsumer(Consumer):
 
     def _process_at_most_once(self, shard_id, epoch) -> int:
         shard = self._ts.shard(self.subscription, *shard_id)
+        # After commit_unknown_result: if the batch is gone while the shard is still
+        # ours, our commit took it: hand it over (else it would be lost unhandled).
         taken, watch = _run(self.db, delivery.take_batch, self._ts, shard, self.id, epoch, self.batch_size,
-                            sel=self._sel, watch_key=self._watch_key(shard_id))
+                            sel=self._sel, watch_key=self._watch_key(shard_id),
+                            committed=lambda ts_: delivery.batch_taken(self.db, self._ts, shard, self.id,
+                                                                       epoch, [t.vs for t in ts_]))
         self._keep_watch(shard_id, watch)
         for t in taken:
             try:
@@ -648,6 +690,7 @@ class TailConsumer(Consumer):
         tr = self.db.create_transaction()
         while True:
             current = None
+            taken = []
             try:
                 taken = delivery.take_batch(tr, self._ts, shard, self.id, epoch, limit, finish=True,
                                             sel=self._sel)
@@ -660,14 +703,18 @@ class TailConsumer(Consumer):
                 self._keep_watch(shard_id, watch)
                 return len(taken)
             except error_types() as e:
-                if e.code in (1007, 2101) and limit > 1:
-                    limit = max(1, limit // 2)     # too slow or too big: halve the batch
+                if e.code in (1007, 2101) and limit > 1 and len(taken) != 1:
+                    limit = max(1, min(limit, len(taken) or limit) // 2)   # too slow or too big: halve
                     tr.reset()
                     continue
-                if e.code in (1007, 2101) and current is not None:
+                head = current or (taken[0] if len(taken) == 1 else None)
+                if e.code in (1007, 2101) and head is not None:
+                    # One message that cannot commit (raised by the handler's reads or at
+                    # commit). Too large never fits: dead-letter it now. Too old may be a
+                    # slow moment (a recovery, a loaded host): count it as an attempt.
                     tr.reset()
-                    self._fail_head(shard, epoch, current, f"handler cannot finish within one transaction "
-                                                            f"({EngineError(e.code).name})", dead=True)
+                    self._fail_head(shard, epoch, head, f"handler cannot finish within one transaction "
+                                                        f"({EngineError(e.code).name})", dead=e.code == 2101)
                     return 1
                 retry_or_raise(tr, e)
             except LeaseLost:

@@ -18,9 +18,8 @@ import fdb.tuple as fdbtuple
 from .engine import transactional
 from .keyspace import ShardSpace, TopicSpace, Versionstamp, counter, decode_counter
 from .keyspace.codec import Record, decode_dead, decode_lease, encode_dead, encode_lease
-from .membership import ensure_owner
+from .membership import ensure_owner, read_clock
 
-VERSIONS_PER_S = 1_000_000
 ONE, MINUS_ONE = counter(1), counter(-1)
 
 
@@ -57,14 +56,15 @@ def _add(tr, counters: dict):
 
 @transactional
 def promote_due(tr, shard: ShardSpace, limit: int) -> int | None:
-    """Move delayed messages that are due (due version <= read version) to the head of
-    the ready queue. Returns the next due version still waiting, if any."""
-    rv = tr.get_read_version().wait()
+    """Move delayed messages that are due (due <= the database clock, see
+    ``membership.read_clock``) to the head of the ready queue. Returns the next due
+    time still waiting, if any."""
+    now = read_clock(tr, shard.clock_key)
     r = shard.delayed.range()
     moved = 0
     for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit + 1):
         due, vs = shard.delayed.unpack(kv.key)
-        if due > rv or moved >= limit:
+        if due > now or moved >= limit:
             return due
         tr.add_read_conflict_key(kv.key)
         tr.clear(kv.key)
@@ -189,6 +189,25 @@ def take_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: i
 
 
 @transactional
+def batch_taken(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, vss: list) -> bool:
+    """After ``commit_unknown_result`` on ``take_batch``: True if the messages ``vss``
+    are gone from the ready queue while the shard is still ours at ``epoch`` (only its
+    owner's take removes ready messages, so our commit did). Raises LeaseLost if the
+    shard moved (then nobody can tell: at most once, the batch is dropped)."""
+    ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
+    futures = [tr[shard.ready_key(vs)] for vs in vss]
+    return all(f == None for f in futures)  # noqa: E711
+
+
+@transactional
+def batch_leased(tr, shard: ShardSpace, vss: list, lease_id: bytes) -> bool:
+    """After ``commit_unknown_result`` on ``lease_batch``: True if the messages ``vss``
+    are leased under ``lease_id`` (a random id per attempt series: our commit did it)."""
+    futures = [tr[shard.leased_key(vs)] for vs in vss]
+    return all(f != None and decode_lease(f)[1] == lease_id for f in futures)  # noqa: E711
+
+
+@transactional
 def lease_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, limit: int,
                 lease_id: bytes, ack_wait_ms: int, *, sel: Selection | None = None) -> list:
     """Lease up to ``limit`` ready messages (at-least-once): each moves to ``leased``
@@ -225,9 +244,9 @@ def _dead_letter(tr, ts: TopicSpace, shard: ShardSpace, vs, record_raw: bytes, r
     _add(tr, {shard.stat("done"): 1, shard.stat("dead"): 1, ts.sub_stat(shard.sub, "dead"): 1})
 
 
-def _requeue(tr, shard: ShardSpace, vs, record_raw: bytes, delay_versions: int):
-    if delay_versions > 0:
-        due = tr.get_read_version().wait() + delay_versions
+def _requeue(tr, shard: ShardSpace, vs, record_raw: bytes, delay_ms: int):
+    if delay_ms > 0:
+        due = read_clock(tr, shard.clock_key) + delay_ms
         tr[shard.delayed_key(due, vs)] = record_raw
         tr.add(shard.stat("delayed"), ONE)
     else:
@@ -265,7 +284,7 @@ def settle(tr, ts: TopicSpace, items: list, max_deliver: int) -> list:
                 _dead_letter(tr, ts, shard, vs, record_raw,
                              f"max_deliver ({max_deliver}) reached: last attempt nak'd", cid)
             else:
-                _requeue(tr, shard, vs, record_raw, int((arg or 0) * VERSIONS_PER_S))
+                _requeue(tr, shard, vs, record_raw, int((arg or 0) * 1000))
         else:
             raise ValueError(f"unknown settlement {action!r}")
     total = 0
@@ -307,7 +326,7 @@ def expire_lease(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch:
                      f"max_deliver ({max_deliver}) reached: lease expired", cid)
         return "dead"
     delay = backoff_s[min(attempts, len(backoff_s)) - 1] if backoff_s and attempts else 0
-    _requeue(tr, shard, vs, record_raw, int(delay * VERSIONS_PER_S))
+    _requeue(tr, shard, vs, record_raw, int(delay * 1000))
     return "requeued"
 
 
@@ -389,6 +408,7 @@ def dlq_size(reader, ts: TopicSpace, sub: str) -> int:
     return decode_counter(reader[ts.sub_stat(sub, "dead")])
 
 
-__all__ = ["Taken", "Selection", "take_batch", "lease_batch", "settle", "scan_leases", "expire_lease",
+__all__ = ["Taken", "Selection", "take_batch", "batch_taken", "batch_leased", "lease_batch", "settle",
+           "scan_leases", "expire_lease",
            "promote_due", "fail_in_place", "dlq_list", "dlq_redrive_chunk", "dlq_purge_chunk",
            "dlq_size", "fdbtuple"]

@@ -20,6 +20,27 @@ from .keyspace.codec import pack, unpack
 from .topic import read_topic_config
 
 
+def read_clock(tr, clock_key: bytes) -> int:
+    """The database clock, in milliseconds (snapshot read: never conflicts).
+
+    Delays (delayed pushes, nak delays, backoff) are due by this clock, not by database
+    versions (an FDB recovery jumps versions ~100 s at once) nor by a wall clock (hosts
+    disagree). Live consumers advance it by the time that passed on their own monotonic
+    clocks (``advance_clock``), so it never runs ahead of real time: a delay may end a
+    heartbeat late, never early. It stands still while no consumer runs."""
+    return decode_counter(tr.snapshot[clock_key])
+
+
+@transactional
+def advance_clock(tr, clock_key: bytes, candidate_ms: int) -> int:
+    """Move the database clock to at least ``candidate_ms`` (a blind atomic max, so
+    consumers never conflict over it). Returns the clock's new value as seen here."""
+    current = read_clock(tr, clock_key)
+    if candidate_ms > current:
+        tr.max(clock_key, int(candidate_ms).to_bytes(8, "little"))
+    return max(current, candidate_ms)
+
+
 def shard_ids(config, tags=("",)):
     return [(tag, n) for tag in tags for n in range(config.shards)]
 

@@ -33,6 +33,7 @@ from .errors import (BacklogFull, ConfigError, FDQError, InvalidHeader, InvalidM
 from .headers import dispatch_tag, trace_id, validate_headers
 from .keyspace import Keyspace, TopicSpace, counter, decode_counter, message_id, vs_key
 from .keyspace.codec import Record, pack, shard_of, split_body, unpack
+from .membership import read_clock
 from .topic import load_config, write_topic_config
 
 VERSIONS_PER_S = 1_000_000
@@ -139,7 +140,7 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
         if marker != None:  # noqa: E711 - committed before: return what it returned
             raw = bytes(marker)
             return unpack(raw[10:]), raw[:10]
-    rv = None
+    rv = clock = None
     configs = {}
     results = []
     batch_ids = {}
@@ -167,12 +168,19 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             dkey = ts.dedupe.pack((env.msg_id,))
             seen = tr[dkey]
             if seen != None:  # noqa: E711
-                first_vs = Versionstamp.from_bytes(bytes(seen))
-                if int.from_bytes(first_vs.tr_version[:8], "big") >= rv - int(config.dedupe_window_s * VERSIONS_PER_S):
+                raw = bytes(seen)
+                first_vs = Versionstamp.from_bytes(raw[:12])
+                # Within the window by versions, or by the producers' clock: a version
+                # jump (FDB recovery, ~100 s) must not make a recent id look old.
+                young = int.from_bytes(first_vs.tr_version[:8], "big") >= rv - int(config.dedupe_window_s * VERSIONS_PER_S)
+                if not young and len(raw) >= 20:
+                    young = now_ms - int.from_bytes(raw[12:20], "big") < config.dedupe_window_s * 1000
+                if young:
                     results.append((topic, uv, n, message_id(first_vs)))
                     continue
             batch_ids[(topic, env.msg_id)] = uv
-            tr.set_versionstamped_value(dkey, _PLACEHOLDER + uv.to_bytes(2, "big") + _OFFSET0)
+            tr.set_versionstamped_value(dkey, _PLACEHOLDER + uv.to_bytes(2, "big") + now_ms.to_bytes(8, "big")
+                                        + _OFFSET0)
             tr.set_versionstamped_key(vs_key(ts.dedupe_by_version.key(), uv), env.msg_id.encode())
         inline, chunks = split_body(env.body)
         headers = getattr(env, "_plain_headers", None)
@@ -191,9 +199,9 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
         if config.routing:
             due = None
             if env.delay:
-                if rv is None:
-                    rv = tr.get_read_version().wait()
-                due = rv + int(env.delay * VERSIONS_PER_S)
+                if clock is None:
+                    clock = read_clock(tr, ts.clock_key)
+                due = clock + int(env.delay * 1000)
             tag = dispatch_tag(headers)
             if tag and (topic, tag) not in tags_written:
                 tags_written.add((topic, tag))
@@ -219,7 +227,8 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
 def route_message(tr, ts: TopicSpace, config: TopicConfig, tag: str, n: int, uv: int,
                   record: bytes, chunks: list, due: int | None, counters):
     """Write one message (user version ``uv`` of this transaction's versionstamp) into
-    every subscription's shard queue: ready, or delayed until database version ``due``."""
+    every subscription's shard queue: ready, or delayed until the database clock reaches
+    ``due`` (ms, ``membership.read_clock``)."""
     for sub in config.subs:
         shard = ts.shard(sub, tag, n)
         if due is None:

@@ -29,7 +29,7 @@ VERSIONS_PER_S = 1_000_000
 
 # -- routing of messages already in the log ----------------------------------------------
 
-def _route_existing(tr, ts: TopicSpace, config: TopicConfig, n: int, vs, raw: bytes, delay_s, rv):
+def _route_existing(tr, ts: TopicSpace, config: TopicConfig, n: int, vs, raw: bytes, delay_s, clock):
     """Route a logged message (complete versionstamp ``vs``) to every subscription."""
     rec = Record.decode(raw)
     tag = dispatch_tag(rec.headers)
@@ -40,7 +40,7 @@ def _route_existing(tr, ts: TopicSpace, config: TopicConfig, n: int, vs, raw: by
     for sub in config.subs:
         shard = ts.shard(sub, tag, n)
         if delay_s:
-            tr[shard.delayed_key(rv + int(delay_s * VERSIONS_PER_S), vs)] = raw
+            tr[shard.delayed_key(clock + int(delay_s * 1000), vs)] = raw
             tr.add(shard.stat("delayed"), counter(1))
         else:
             tr[shard.ready_key(vs)] = raw
@@ -58,7 +58,7 @@ def play_chunk(tr, ts: TopicSpace, limit: int, *, resume: bool = True) -> int:
     config = read_topic_config(tr, ts)
     if config.resharding_to is not None:
         return 0
-    rv = tr.get_read_version().wait()
+    clock = membership.read_clock(tr, ts.clock_key)
     r = ts.pending.range()
     moved = 0
     for kv in tr.get_range(r.start, r.stop, limit=limit):
@@ -68,7 +68,7 @@ def play_chunk(tr, ts: TopicSpace, limit: int, *, resume: bool = True) -> int:
         if raw != None:  # noqa: E711 - trimmed meanwhile: nothing to route
             rec = Record.decode(raw)
             target = shard_of(rec.shard_key, config.shards) if rec.shard_key is not None else n % config.shards
-            _route_existing(tr, ts, config, target, vs, bytes(raw), delay_s, rv)
+            _route_existing(tr, ts, config, target, vs, bytes(raw), delay_s, clock)
         del tr[kv.key]
         moved += 1
     if moved < limit and resume and config.paused:
@@ -170,18 +170,30 @@ def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: in
 
 
 @transactional
-def expire_index_chunk(tr, space, older_than_version: int, limit: int, target=None, text=False) -> int:
+def expire_index_chunk(tr, space, older_than_version: int, limit: int, target=None, text=False,
+                       keep_after_ms: int | None = None) -> int:
     """Delete up to ``limit`` by-version index entries older than a version, and the
-    entries they point to in ``target`` (markers, dedupe ids)."""
+    entries they point to in ``target`` (markers, dedupe ids) if they still belong to
+    that index entry (an id pushed again since keeps its newer entry). With
+    ``keep_after_ms``, a dedupe entry whose producer time is at or after it is kept:
+    old by versions but young by the clock means a version jump, not age."""
     r = space.range()
     n = 0
     for kv in tr.get_range(r.start, r.stop, limit=limit):
         vs = space.unpack(kv.key)[0]
         if int.from_bytes(vs.tr_version[:8], "big") >= older_than_version:
             break
-        del tr[kv.key]
         if target is not None:
-            del tr[target.pack((bytes(kv.value).decode() if text else bytes(kv.value),))]
+            tkey = target.pack((bytes(kv.value).decode() if text else bytes(kv.value),))
+            current = tr[tkey]
+            if current != None:  # noqa: E711
+                cur = bytes(current)
+                if cur[:10] == vs.tr_version:
+                    if keep_after_ms is not None and len(cur) >= 20 and \
+                            int.from_bytes(cur[12:20], "big") >= keep_after_ms:
+                        break
+                    del tr[tkey]
+        del tr[kv.key]
         n += 1
     return n
 
@@ -369,10 +381,12 @@ class Supervisor:
                 tr.clear_range(r.start, idx.pack((before_ms // 60000 * 60000 - 120_000,)))
             trim_index(self.db)
         rv = self.db.create_transaction().get_read_version().wait()
+        now_ms = int(time.time() * 1000)
         for space, target, window, text in ((ts.marks_by_version, ts.marks, 600.0, False),
                                             (ts.dedupe_by_version, ts.dedupe, config.dedupe_window_s, True)):
+            keep_after = now_ms - int(window * 1000) if text else None
             while expire_index_chunk(self.db, space, rv - int(window * VERSIONS_PER_S), CHUNK,
-                                     target, text) == CHUNK:
+                                     target, text, keep_after) == CHUNK:
                 pass
         return deleted
 

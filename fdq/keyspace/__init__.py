@@ -3,6 +3,7 @@
 Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
 
     meta/format                                           layout version
+    meta/clock                                            the database clock (ms; see membership)
     config/topics/<topic>                                 topic config (read by every push)
     config/topics/<topic>/consumers/<sub>/<id>            consumer record
     config/topics/<topic>/consumers/<sub>/<id>/hb         heartbeat counter (atomic add)
@@ -17,7 +18,7 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     topic/<topic>/all/chunks/<vs>/<i>                     body chunks of large messages
     topic/<topic>/all/pending/<vs>                        pushed while paused, not yet routed
     topic/<topic>/subs/<sub>/shards/<tag>/<n>/ready/<vs>             ready queue
-    topic/<topic>/subs/<sub>/shards/<tag>/<n>/delayed/<due>/<vs>     due = a database version
+    topic/<topic>/subs/<sub>/shards/<tag>/<n>/delayed/<due>/<vs>     due = database clock ms
     topic/<topic>/subs/<sub>/shards/<tag>/<n>/leased/<vs>            lease records
     topic/<topic>/subs/<sub>/shards/<tag>/<n>/stats/<name>           per-shard counters
     topic/<topic>/subs/<sub>/chunks/<vs>/<i>              body chunks of queued messages
@@ -81,7 +82,7 @@ class ShardSpace:
     """The keys of one shard ``(tag, n)`` of one subscription."""
 
     __slots__ = ("topic", "sub", "tag", "n", "space", "ready", "delayed", "leased", "stats",
-                 "record", "chunks", "_stat_keys", "ready_prefix", "leased_prefix")
+                 "record", "chunks", "_stat_keys", "ready_prefix", "leased_prefix", "clock_key")
 
     def __init__(self, ts: "TopicSpace", sub: str, tag: str, n: int):
         self.topic, self.sub, self.tag, self.n = ts.name, sub, tag, n
@@ -94,6 +95,7 @@ class ShardSpace:
         self.chunks = ts.subs[sub]["chunks"]
         self.ready_prefix = self.ready.key()
         self.leased_prefix = self.leased.key()
+        self.clock_key = ts.clock_key
         self._stat_keys = {}
 
     # A complete Versionstamp packs as 0x33 + its 12 bytes: concatenating is what
@@ -122,6 +124,7 @@ class TopicSpace:
 
     def __init__(self, ks: "Keyspace", name: str):
         self.name = name
+        self.clock_key = ks.clock_key
         self.config_key = ks.topics_config.pack((name,))
         self.config_space = ks.topics_config[name]
         self.consumers = self.config_space["consumers"]
@@ -189,6 +192,7 @@ class Keyspace:
     def __init__(self, root: tuple = ("fdq",)):
         self.root = Subspace(tuple(root))
         self.format_key = self.root.pack(("meta", "format"))
+        self.clock_key = self.root.pack(("meta", "clock"))
         self.topics_config = self.root["config"]["topics"]
         self._topics = {}
 

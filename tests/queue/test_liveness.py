@@ -90,6 +90,13 @@ def test_clock_skew_and_version_jumps_change_nothing(procs, db, url):
     wait_for(lambda: {o for o, _e in _owners(db).values()} == {"ahead", "behind", "normal"}, 60,
              what="three consumers owning shards")
     before = _owners(db)
+    # A lease held (ack_wait 60 s) across the jumps (3 × 100 s of versions): not redelivered.
+    fdq.Supervisor(db).create_topic("held", shards=1)
+    fdq.Producer(db).push("held", b"long job")
+    holder = fdq.Consumer(db, "held", config=fdq.ConsumerConfig(ack_wait_s=60, heartbeat_interval_s=0.2,
+                                                                 zombie_timeout_s=zombie,
+                                                                 lease_check_interval_s=0.05))
+    [held] = wait_for(lambda: holder.fetch(1, timeout=0.2), 30, what="the held message")
 
     jumper = procs.start("jumper", "jumper", url=f"{url}?fault_injection=0.5&seed=7", wait_ready=True)
     stop = threading.Event()
@@ -121,6 +128,11 @@ def test_clock_skew_and_version_jumps_change_nothing(procs, db, url):
         t.join(30)
         procs.kill9(jumper)
     assert len(jumps) >= 3, f"only {len(jumps)} version jumps were injected"
+    assert holder.fetch(1, timeout=0.5) == [], "the held lease was redelivered"
+    held.ack()      # still ours: no LeaseLost
+    holder.close()
+    h = sub_stats(db, "held")
+    assert (h["emitted"], h["backlog"], h["in_flight"]) == (1, 0, 0)
     ids = set(pushed)
     handled = collections.Counter()
     attempts = collections.Counter()
@@ -209,3 +221,59 @@ def test_no_conflicts_no_starvation_on_a_shared_shard(procs, db):
     wait_for(lambda: set(pushed) <= _done_ids(db), 120, interval=0.2, what="the stream consumed")
     procs.stop(c)
     assert sub_stats(db, "t")["backlog"] == 0
+
+
+@pytest.mark.slow
+def test_version_jump_does_not_make_delays_due_early(procs, db, url):
+    """Delayed pushes and nak delays are due by the database clock (advanced by consumers'
+    monotonic time), so version jumps of 100 s don't make a 60 s delay end early, while a
+    2 s delay still ends on time."""
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    p = fdq.Producer(db)
+    p.push("t", b"nak me")
+    config = fdq.ConsumerConfig(heartbeat_interval_s=0.2, poll_interval_s=0.05, lease_check_interval_s=0.05)
+    with fdq.Consumer(db, "t", config=config) as c:
+        [m] = wait_for(lambda: c.fetch(1, timeout=0.2), 30, what="the first message")
+        m.nak(delay=60)
+        p.push("t", b"delayed push", delay=60)
+        p.push("t", b"soon", delay=2)
+        pushed = time.monotonic()
+        last = _read_version(db)
+        jumper = procs.start("jumper", "jumper", url=f"{url}?fault_injection=0.5&seed=11", wait_ready=True)
+        try:
+            def jumped():
+                nonlocal last
+                v = _read_version(db)
+                big, last = v - last >= 90_000_000, v
+                return big
+            wait_for(jumped, 60, interval=0.05, what="a version jump")
+        finally:
+            procs.kill9(jumper)
+        got = wait_for(lambda: c.fetch(3, timeout=0.2), 30, what="the 2 s delay to end")
+        assert [x.body for x in got] == [b"soon"], f"delivered early: {[x.body for x in got]}"
+        assert time.monotonic() - pushed >= 1.9
+        got[0].ack()
+        assert c.fetch(3, timeout=1.0) == [], "a 60 s delay ended early"
+
+
+@pytest.mark.slow
+def test_version_jump_does_not_shorten_the_dedupe_window(procs, db, url):
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=1, dedupe_window_s=30)
+    p = fdq.Producer(db)
+    first = p.push("t", b"x", msg_id="order-1")
+    last = _read_version(db)
+    jumper = procs.start("jumper", "jumper", url=f"{url}?fault_injection=0.5&seed=5", wait_ready=True)
+    try:
+        def jumped():
+            nonlocal last
+            v = _read_version(db)
+            big, last = v - last >= 90_000_000, v
+            return big
+        wait_for(jumped, 60, interval=0.05, what="a version jump")
+    finally:
+        procs.kill9(jumper)
+    sup.trim("t")        # old by versions, young by time: kept
+    again = p.push("t", b"x", msg_id="order-1")
+    assert again.duplicate and again.id == first.id
+    assert sup.stats("t")["counters"]["inserted"] == 1

@@ -193,6 +193,41 @@ def test_rebalance_shard_count_keeps_order(db, old, new):
     assert sup.stats("t")["counters"]["routed"] == total
 
 
+@pytest.mark.slow
+def test_rebalance_killed_midway_and_rerun(procs, db):
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=4)
+    pushed = _push_keys(db, "t", 8000, 40)
+    p = procs.start("rebalance", "rebalance", "--topic", "t", "--count", 7)
+    assert procs.readline(p, 60).strip() == "start"
+    while True:    # kill it once it has moved a full chunk (mid-way through a shard)
+        line = procs.readline(p, 60)
+        assert line.startswith("chunk"), f"rebalance finished before the kill: {line!r}"
+        if int(line.split()[1]) == supmod.CHUNK:
+            break
+    procs.kill9(p)
+    config = sup.config("t")
+    assert config.resharding_to == 7 and config.shards == 4, "the kill did not land mid-way"
+    # Pushes meanwhile wait in the pending area (not routed while resharding).
+    more = _push_keys(db, "t", 300, 40, "late")
+    sup.rebalance("t", shards=7)
+    config = sup.config("t")
+    assert config.shards == 7 and config.resharding_to is None
+    c = sup.stats("t")["counters"]
+    assert (c["inserted"], c["routed"], c["pending"]) == (8300, 8300, 0)
+    assert sorted(_ready_ids(db)) == sorted(i for i, _k, _b in pushed + more)
+    assert sub_stats(db, "t")["backlog"] == 8300
+    rec = Recorder()
+    consumer = fdq.tail(db, "t", rec, transactional=True, config=FAST, batch_size=500)
+    try:
+        wait_for(lambda: sub_stats(db, "t")["backlog"] == 0, 120, what="the backlog consumed")
+    finally:
+        consumer.shutdown()
+    counts = rec.committed(db)
+    assert len(counts) == 8300 and set(counts.values()) == {1}
+    _check_order(pushed + more, rec.seen(db))
+
+
 def test_replay_time_window(db):
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=4)

@@ -178,6 +178,15 @@ def play(args):
     print(f"done {total}", flush=True)
 
 
+def rebalance(args):
+    import fdq
+    db = fdq.connect(args.url)
+    sup = fdq.Supervisor(db)
+    print("start", flush=True)
+    sup.rebalance(args.topic, shards=args.count, progress=lambda n: print(f"chunk {n}", flush=True))
+    print("done", flush=True)
+
+
 def jumper(args):
     """Commit tiny transactions on a fault-injecting connection until killed: the engine
     injects version jumps of 100,000,000 (an FDB recovery) into the shared database."""
@@ -202,7 +211,7 @@ def jumper(args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("role", choices=["producer", "consumer", "play", "jumper"])
+    ap.add_argument("role", choices=["producer", "consumer", "play", "rebalance", "jumper"])
     ap.add_argument("--url", required=True)
     ap.add_argument("--topic", default="t")
     ap.add_argument("--name", default="w")
@@ -219,7 +228,8 @@ def main(argv=None):
     ap.add_argument("--hold-s", type=float, default=0.0)
     ap.add_argument("--skew-s", type=float, default=0.0)
     args = ap.parse_args(argv)
-    {"producer": producer, "consumer": consumer, "play": play, "jumper": jumper}[args.role](args)
+    {"producer": producer, "consumer": consumer, "play": play, "rebalance": rebalance,
+     "jumper": jumper}[args.role](args)
 
 
 if __name__ == "__main__":
