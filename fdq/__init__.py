@@ -1,10 +1,10 @@
 """FDQ: a message queue layer on FoundationDB."""
 from .engine import connect, transactional
-from .errors import (BacklogFull, ConfigError, ConnectError, EngineError, FDQError,
+from .errors import (BacklogFull, ConfigError, ConnectError, ConsumerStalled, EngineError, FDQError,
                      FormatError, InvalidHeader, InvalidMessage, InvalidName, LeaseLost,
                      MessageTooLarge, SubscriptionNotFound, TopicExists, TopicNotFound)
 
-from .config import ConsumerConfig, ProducerConfig, TopicConfig
+from .config import ConsumerConfig, ProducerConfig, SubscriptionConfig, TopicConfig
 from .consumer import Consumer, Message, tail
 from .producer import Envelope, Producer, PushResult
 from .supervisor import Supervisor
@@ -13,8 +13,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "connect", "transactional", "Producer", "Envelope", "PushResult", "Consumer", "Message",
-    "tail", "Supervisor", "ConsumerConfig", "ProducerConfig", "TopicConfig",
+    "tail", "Supervisor", "ConsumerConfig", "ProducerConfig", "TopicConfig", "SubscriptionConfig",
     "FDQError", "ConfigError", "ConnectError", "EngineError", "FormatError", "InvalidName",
     "TopicNotFound", "TopicExists", "SubscriptionNotFound", "MessageTooLarge",
-    "InvalidMessage", "InvalidHeader", "BacklogFull", "LeaseLost",
+    "InvalidMessage", "InvalidHeader", "BacklogFull", "LeaseLost", "ConsumerStalled",
 ]

@@ -53,6 +53,7 @@ class TopicConfig:
     max_message_bytes: int = 1 << 20
     subs: tuple = (DEFAULT_SUBSCRIPTION,)
     resharding_to: int | None = None   # set while a shard-count change is in progress
+    catchup: tuple = ()                # subscriptions copying their start from the log
 
     def __post_init__(self):
         _positive("shards", self.shards, integer=True)
@@ -76,12 +77,14 @@ class TopicConfig:
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["subs"] = list(self.subs)
+        d["catchup"] = list(self.catchup)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "TopicConfig":
         d = dict(d)
         d["subs"] = tuple(d.get("subs", (DEFAULT_SUBSCRIPTION,)))
+        d["catchup"] = tuple(d.get("catchup", ()))
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
@@ -151,5 +154,139 @@ class ProducerConfig:
         _positive("max_batch", self.max_batch, integer=True)
 
 
-__all__ = ["TopicConfig", "ConsumerConfig", "ProducerConfig", "check_name", "NAME_RE",
+ACK_POLICIES = ("explicit", "none")
+DELIVER_POLICIES = ("all", "new", "last", "by_start_time")
+# Fields an explicit ``update_subscription`` may change; the others fix what the
+# subscription is (its start, its filter, its delivery contract) and need a new one.
+UPDATABLE_SUBSCRIPTION_FIELDS = ("description", "ack_wait_s", "max_deliver", "backoff_s",
+                                 "max_ack_pending")
+_HEADER_NAME_RE = re.compile(r"^[0-9a-zA-Z_\-#]{1,64}$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SubscriptionConfig:
+    """A subscription's stored configuration (``config/topics/<topic>/subs/<sub>``),
+    shared by all its consumers.
+
+    ``ack_policy``: ``"explicit"`` (messages are leased until acked) or ``"none"`` (a
+    message counts as done when delivered: consumers take it at most once, or inside
+    their transaction in exactly-once mode).
+    ``ack_wait_s`` / ``max_deliver`` / ``backoff_s``: the redelivery policy of every
+    consumer of the subscription. ``None`` (the default) leaves each to the consumer's
+    own ``ConsumerConfig`` (as NSQ clients set their timeout per connection); a value
+    set here overrides it for all consumers.
+    ``max_ack_pending``: flow control, per shard: no shard of the subscription ever has
+    more than this many leased (delivered, unsettled) messages. A consumer stops
+    leasing from a shard at the limit until acks free room, so a subscription has at
+    most ``shards x max_ack_pending`` (per dispatch tag) in flight. Checked in the
+    leasing transaction against the shard's own ``in_flight`` counter, which only the
+    shard's fenced owner increases: exact, with no counter shared by shards.
+    ``deliver_policy``: where a new subscription starts: ``"all"`` (every message still
+    in the topic's "all" log), ``"new"`` (messages pushed after it is created),
+    ``"last"`` (the last message pushed before, then the new ones), ``"by_start_time"``
+    (messages inserted at ``start_time_ms`` or later, epoch ms, producers' clock).
+    ``filter_shard_key`` (an ``fnmatch`` glob) / ``filter_headers`` ({name: value}, all
+    must match): only matching messages are delivered; others are dropped (counted as
+    done and ``filtered``) when a consumer reaches them. A message without a shard key
+    never matches a shard-key filter.
+    ``ordered``: while a message of shard key K is leased or waits for redelivery, later
+    messages of K are held back (other keys flow); see ``fdq.delivery``.
+    ``ephemeral``: deleted when its last consumer leaves or becomes a zombie (also
+    implied by a name ending ``#ephemeral``).
+    ``description``: free text, at most 4096 characters.
+    """
+
+    ack_policy: str = "explicit"
+    ack_wait_s: float | None = None
+    max_deliver: int | None = None
+    backoff_s: tuple | None = None
+    max_ack_pending: int | None = None
+    deliver_policy: str = "all"
+    start_time_ms: int | None = None
+    filter_shard_key: str | None = None
+    filter_headers: dict | None = None
+    ordered: bool = False
+    ephemeral: bool = False
+    description: str = ""
+
+    def __post_init__(self):
+        if self.ack_policy not in ACK_POLICIES:
+            raise ConfigError(f"ack_policy must be one of {', '.join(ACK_POLICIES)}, not {self.ack_policy!r}")
+        if self.deliver_policy not in DELIVER_POLICIES:
+            raise ConfigError(f"deliver_policy must be one of {', '.join(DELIVER_POLICIES)}, "
+                              f"not {self.deliver_policy!r}")
+        _positive("ack_wait_s", self.ack_wait_s, allow_none=True)
+        _positive("max_deliver", self.max_deliver, allow_none=True, integer=True)
+        _positive("max_ack_pending", self.max_ack_pending, allow_none=True, integer=True)
+        if self.backoff_s is not None:
+            if not isinstance(self.backoff_s, (tuple, list)):
+                raise ConfigError(f"backoff_s must be a sequence of seconds, not {self.backoff_s!r}")
+            for b in self.backoff_s:
+                _positive("backoff_s entries", b, zero=True)
+            object.__setattr__(self, "backoff_s", tuple(self.backoff_s))
+        if self.start_time_ms is not None:
+            if isinstance(self.start_time_ms, bool) or not isinstance(self.start_time_ms, int) \
+                    or self.start_time_ms < 0:
+                raise ConfigError(f"start_time_ms must be epoch milliseconds (an integer >= 0), "
+                                  f"not {self.start_time_ms!r}")
+        if self.filter_shard_key is not None and (not isinstance(self.filter_shard_key, str)
+                                                  or not self.filter_shard_key):
+            raise ConfigError(f"filter_shard_key must be a non-empty glob, not {self.filter_shard_key!r}")
+        if self.filter_headers is not None:
+            if not isinstance(self.filter_headers, dict) or not self.filter_headers:
+                raise ConfigError(f"filter_headers must be a non-empty dict {{name: value}}, "
+                                  f"not {self.filter_headers!r}")
+            for k, v in self.filter_headers.items():
+                if not isinstance(k, str) or not _HEADER_NAME_RE.match(k):
+                    raise ConfigError(f"filter_headers: invalid header name {k!r}")
+                if not isinstance(v, str):
+                    raise ConfigError(f"filter_headers: value of {k!r} must be a str, not {v!r}")
+            object.__setattr__(self, "filter_headers", dict(sorted(self.filter_headers.items())))
+        for name in ("ordered", "ephemeral"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, not {getattr(self, name)!r}")
+        if not isinstance(self.description, str) or len(self.description) > 4096:
+            raise ConfigError("description must be a str of at most 4096 characters")
+        # Options that need another: each error names both.
+        if self.start_time_ms is not None and self.deliver_policy != "by_start_time":
+            raise ConfigError(f"start_time_ms needs deliver_policy='by_start_time' "
+                              f"(deliver_policy is {self.deliver_policy!r})")
+        if self.deliver_policy == "by_start_time" and self.start_time_ms is None:
+            raise ConfigError("deliver_policy='by_start_time' needs start_time_ms")
+        if self.ack_policy == "none":
+            for name in ("ack_wait_s", "max_deliver", "backoff_s", "max_ack_pending"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"{name} needs ack_policy='explicit' (ack_policy is 'none': "
+                                      "nothing is leased or redelivered)")
+            if self.ordered:
+                raise ConfigError("ordered=True needs ack_policy='explicit' (ack_policy is 'none': "
+                                  "nothing is redelivered, so nothing is held back)")
+        if self.backoff_s and self.max_deliver is not None and len(self.backoff_s) >= self.max_deliver:
+            raise ConfigError(f"backoff_s has {len(self.backoff_s)} entries but max_deliver is "
+                              f"{self.max_deliver}: a message is redelivered at most max_deliver - 1 "
+                              f"times, so backoff_s may have at most {self.max_deliver - 1}")
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        if d["backoff_s"] is not None:
+            d["backoff_s"] = list(d["backoff_s"])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SubscriptionConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown subscription option(s): {', '.join(unknown)} "
+                              f"(known: {', '.join(sorted(known))})")
+        return cls(**d)
+
+    def differences(self, other: "SubscriptionConfig") -> list:
+        """[(field, self's value, other's value)] of the fields that differ."""
+        return [(f.name, getattr(self, f.name), getattr(other, f.name))
+                for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
+
+__all__ = ["TopicConfig", "ConsumerConfig", "ProducerConfig", "SubscriptionConfig",
+           "UPDATABLE_SUBSCRIPTION_FIELDS", "check_name", "NAME_RE",
            "DEFAULT_SUBSCRIPTION", "field"]

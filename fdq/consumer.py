@@ -14,6 +14,7 @@ the background in one of three modes:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -24,9 +25,11 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from . import delivery, membership
-from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig, TopicConfig, check_name
+from . import subscription as _subs
+from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig, SubscriptionConfig, TopicConfig, check_name
 from .engine import error_types, retry_or_raise
-from .errors import ConfigError, EngineError, FDQError, LeaseLost, SubscriptionNotFound, TopicNotFound
+from .errors import (ConfigError, ConsumerStalled, EngineError, FDQError, LeaseLost,
+                     SubscriptionNotFound, TopicNotFound)
 from .keyspace import Keyspace, message_id
 from .topic import create_topic, read_topic_config
 
@@ -128,7 +131,8 @@ class Consumer:
                  consumer_id: str | None = None, config: ConsumerConfig | None = None,
                  keyspace: Keyspace | None = None, create: bool = True,
                  extend_support: bool = False, desired_tag: str | None = None,
-                 on_error=None, batch_size: int = 100):
+                 on_error=None, batch_size: int = 100,
+                 subscription_config: SubscriptionConfig | None = None, ephemeral: bool = False):
         self.db = db
         self.topic = check_name(topic)
         self.subscription = check_name(subscription, "subscription")
@@ -143,6 +147,7 @@ class Consumer:
         self.on_error = on_error
         self._ts = self.keyspace.topic(self.topic)
         self._topic_config = self._load_topic(create)
+        self._bind_subscription(create, subscription_config, ephemeral)
         if extend_support and not self._topic_config.extend:
             raise ConfigError(f"topic {self.topic!r} has no extend support: connect without extend_support")
         if self._topic_config.extend and not extend_support:
@@ -161,6 +166,9 @@ class Consumer:
         self._last_hb = 0.0
         self._last_lease_check = 0.0
         self._stalled_since = None
+        self._stall_since = None         # unreachable database or no shard, since
+        self._stall_reported = False
+        self._reaper = _subs.Reaper(self.config.zombie_after_s)
         self._closed = False
         self._join()
         self._thread = threading.Thread(target=self._membership_loop, name=f"fdq-member-{self.id}",
@@ -176,18 +184,45 @@ class Consumer:
             if not create:
                 raise
             config = create_topic(self.db, self.keyspace, self.topic, TopicConfig())
-        if self.subscription not in config.subs:
-            raise SubscriptionNotFound(f"subscription {self.subscription!r} of topic {self.topic!r} "
-                                       f"does not exist (subscriptions: {', '.join(config.subs)})")
         return config
+
+    def _bind_subscription(self, create: bool, given: SubscriptionConfig | None, ephemeral: bool):
+        """Bind to the subscription (creating it if ``create``; a given config must
+        equal the stored one), finish its catch-up if one is pending, and apply its
+        config: redelivery policy, ack policy, flow control, order, filter."""
+        if given is not None and not isinstance(given, SubscriptionConfig):
+            raise ConfigError(f"subscription_config must be a fdq.SubscriptionConfig, not {type(given).__name__}")
+        if ephemeral and not (given and given.ephemeral):
+            given = dataclasses.replace(given or SubscriptionConfig(), ephemeral=True)
+        if self.subscription not in self._topic_config.subs:
+            if not create:
+                _subs.read_subscription(self.db, self._ts, self.subscription)  # raises
+            _subs.create_subscription(self.db, self._ts, self.subscription,
+                                             given or SubscriptionConfig())
+        self._apply_subscription(_subs.read_subscription(self.db, self._ts, self.subscription))
+        if given is not None and given != self.sub_config:
+            raise _subs._diff_error(self._ts, self.subscription, self.sub_config, given)
+        self._topic_config = read_topic_config(self.db, self._ts)
+        if self.subscription in self._topic_config.catchup:
+            _subs.catch_up(self.db, self._ts, self.subscription)
+            self._topic_config = read_topic_config(self.db, self._ts)
+
+    def _apply_subscription(self, config: SubscriptionConfig):
+        self.sub_config = config
+        if not hasattr(self, "_own_config"):
+            self._own_config = self.config
+        self.config = _subs.effective_consumer_config(self._own_config, config)
+        self._sel = None
+        if config.max_ack_pending is not None or config.ordered or _subs.matcher(config):
+            self._sel = delivery.Selection(config.max_ack_pending, config.ordered, _subs.matcher(config))
 
     def _record(self) -> dict:
         return {"id": self.id, "host": socket.gethostname(), "pid": os.getpid(), "mode": self.mode,
                 "tag": self.desired_tag, "extend": self.extend_support, "batch_size": self.batch_size}
 
     def _join(self):
-        plan = membership.join(self.db, self._ts, self.subscription, self.id, self._record(),
-                               self._topic_config)
+        plan = _subs.join(self.db, self._ts, self.subscription, self.id, self._record(),
+                                 self._topic_config)
         self._refresh_owned()
         return plan
 
@@ -223,6 +258,7 @@ class Consumer:
                     self._observe_peers(now)
                     self._topic_config = read_topic_config(self.db, self._ts, snapshot=True)
                     self._refresh_owned()
+                    self._observe_subscriptions(now)
                 if now - self._last_lease_check >= cfg.lease_check_interval_s:
                     self._last_lease_check = now
                     self._check_leases(now)
@@ -231,6 +267,35 @@ class Consumer:
                 self._report(e)
                 if self._stalled_since is None:
                     self._stalled_since = _monotonic()
+            self._check_stall(_monotonic())
+
+    def _observe_subscriptions(self, now: float):
+        """Pick up updates of the subscription's config; reap zombies of the topic's
+        ephemeral subscriptions (another's last member may have been killed)."""
+        if self.subscription not in self._topic_config.subs:
+            return
+        config = _subs.read_subscription(self.db, self._ts, self.subscription, snapshot=True,
+                                                topic_config=self._topic_config)
+        if config != self.sub_config:
+            self._apply_subscription(config)
+        self._reaper.observe(self.db, self._ts, self._topic_config, now, skip=self.subscription)
+
+    def _check_stall(self, now: float):
+        """ADR-15's heartbeat alarm: report ``ConsumerStalled`` once when the database has
+        been unreachable, or this consumer has owned no shard, for over 3 heartbeats."""
+        with self._owned_lock:
+            stalled = self._stalled_since is not None or not self._owned
+        if not stalled:
+            self._stall_since, self._stall_reported = None, False
+            return
+        if self._stall_since is None:
+            self._stall_since = now
+        limit = 3 * self.config.heartbeat_interval_s
+        if not self._stall_reported and now - self._stall_since > limit:
+            self._stall_reported = True
+            why = "cannot reach the database" if self._stalled_since is not None else "owns no shard"
+            self._report(ConsumerStalled(f"consumer {self.id} of {self.topic}/{self.subscription} {why} "
+                                         f"for {now - self._stall_since:.1f}s (over 3 heartbeats)"))
 
     def _observe_peers(self, now: float):
         members = membership.read_members(self.db, self._ts, self.subscription)
@@ -244,8 +309,8 @@ class Consumer:
             if seen is None or seen[0] != m["hb"]:
                 self._peers[cid] = (m["hb"], now)
             elif now - seen[1] >= self.config.zombie_after_s:
-                if membership.declare_zombie(self.db, self._ts, self.subscription, cid, seen[0],
-                                             self._topic_config):
+                if _subs.declare_zombie(self.db, self._ts, self.subscription, cid, seen[0],
+                                               self._topic_config):
                     log.info("consumer %s: %s is a zombie (heartbeat %d unchanged for %.1fs)",
                              self.id, cid, seen[0], now - seen[1])
                 self._peers.pop(cid, None)
@@ -308,10 +373,15 @@ class Consumer:
 
     def _lease_from(self, shard_id, epoch, limit) -> list:
         shard = self._ts.shard(self.subscription, *shard_id)
+        if self.sub_config.ack_policy == "none":    # delivered = done: nothing to lease
+            taken, watch = _run(self.db, delivery.take_batch, self._ts, shard, self.id, epoch, limit,
+                                sel=self._sel, watch_key=self._watch_key(shard_id))
+            self._keep_watch(shard_id, watch)
+            return [_to_message(t, self.topic, self.subscription, self) for t in taken]
         lease_id = os.urandom(8)
         ack_wait_ms = int(self.config.ack_wait_s * 1000)
         taken, watch = _run(self.db, delivery.lease_batch, self._ts, shard, self.id, epoch, limit,
-                            lease_id, ack_wait_ms, watch_key=self._watch_key(shard_id))
+                            lease_id, ack_wait_ms, sel=self._sel, watch_key=self._watch_key(shard_id))
         self._keep_watch(shard_id, watch)
         now = _monotonic()
         with self._leases_lock:
@@ -374,7 +444,7 @@ class Consumer:
                         seen[2] = now
                 else:
                     self._leases.pop(key, None)
-        if any(a != "ack" for _m, a, _x in items):
+        if self.sub_config.max_ack_pending is not None or any(a != "ack" for _m, a, _x in items):
             self._wake.set()
         if lost:
             ids = ", ".join(message_id(vs) for _s, vs, _l, _a, _x in lost)
@@ -398,7 +468,7 @@ class Consumer:
         for w in self._watches.values():
             w.cancel()
         try:
-            membership.leave(self.db, self._ts, self.subscription, self.id, self._topic_config)
+            _subs.leave(self.db, self._ts, self.subscription, self.id, self._topic_config)
         except FDQError as e:
             self._report(e)
 
@@ -432,7 +502,14 @@ class TailConsumer(Consumer):
             raise ConfigError("handler must be callable")
         self.handler = handler
         self.mode = mode
+        explicit_acking = kwargs.pop("_explicit_acking", False)
         super().__init__(db, topic, **kwargs)
+        if self.sub_config.ack_policy == "none" and self.mode == AT_LEAST_ONCE:
+            if explicit_acking:
+                Consumer.close(self)
+                raise ConfigError(f"acking=True needs ack_policy='explicit' (subscription "
+                                  f"{self.subscription!r} has ack_policy='none')")
+            self.mode = AT_MOST_ONCE
         self._pool = (ThreadPoolExecutor(self.config.max_concurrency, thread_name_prefix=f"fdq-{self.id}")
                       if self.config.max_concurrency > 1 else None)
         self._worker = threading.Thread(target=self._work_loop, name=f"fdq-tail-{self.id}", daemon=True)
@@ -473,7 +550,7 @@ class TailConsumer(Consumer):
     def _process_at_most_once(self, shard_id, epoch) -> int:
         shard = self._ts.shard(self.subscription, *shard_id)
         taken, watch = _run(self.db, delivery.take_batch, self._ts, shard, self.id, epoch, self.batch_size,
-                            watch_key=self._watch_key(shard_id))
+                            sel=self._sel, watch_key=self._watch_key(shard_id))
         self._keep_watch(shard_id, watch)
         for t in taken:
             try:
@@ -511,7 +588,8 @@ class TailConsumer(Consumer):
         while True:
             current = None
             try:
-                taken = delivery.take_batch(tr, self._ts, shard, self.id, epoch, limit, finish=True)
+                taken = delivery.take_batch(tr, self._ts, shard, self.id, epoch, limit, finish=True,
+                                            sel=self._sel)
                 for t in taken:
                     current = t
                     self.handler(tr, _to_message(t, self.topic, self.subscription, self))
@@ -571,7 +649,7 @@ def tail(db, topic: str, handler, acking: bool | None = None, transactional: boo
         raise ConfigError("transactional=True is exactly-once delivery: it cannot be combined with acking=")
     mode = EXACTLY_ONCE if transactional else (AT_MOST_ONCE if acking is False else AT_LEAST_ONCE)
     return TailConsumer(db, topic, handler, mode=mode, batch_size=batch_size, consumer_id=consumer_id,
-                        subscription=subscription, config=config, **kwargs)
+                        subscription=subscription, config=config, _explicit_acking=acking is True, **kwargs)
 
 
 __all__ = ["Consumer", "TailConsumer", "Message", "tail", "AT_MOST_ONCE", "AT_LEAST_ONCE", "EXACTLY_ONCE"]

@@ -75,16 +75,89 @@ def promote_due(tr, shard: ShardSpace, limit: int) -> int | None:
     return None
 
 
-def _consumable(tr, ts: TopicSpace) -> bool:
-    """Paused or resharding topics deliver nothing. A non-snapshot read: a pause that
-    commits meanwhile makes this transaction conflict."""
+def _consumable(tr, ts: TopicSpace, sub: str | None = None) -> bool:
+    """Paused or resharding topics deliver nothing, nor a subscription still catching
+    up. A non-snapshot read: a pause that commits meanwhile makes this transaction conflict."""
     from .topic import load_config
     config = load_config(tr[ts.config_key])
-    return config is not None and config.routing
+    return config is not None and config.routing and sub not in config.catchup
 
 
-def _read_ready(tr, shard: ShardSpace, limit: int):
+@dataclass(frozen=True)
+class Selection:
+    """What a subscription's configuration changes in taking ready messages:
+    ``max_pending`` (leased messages per shard), ``ordered`` (one message per shard key
+    leased or waiting for redelivery at a time), ``match`` (the filter; others dropped)."""
+
+    max_pending: int | None = None
+    ordered: bool = False
+    match: object = None
+
+
+SCAN_LIMIT = 10_000   # ready entries one take may skip over (held keys) before giving up
+
+
+def _held_keys(tr, shard: ShardSpace) -> set:
+    """Shard keys with a message leased or delayed (waiting for redelivery or due)."""
+    held = set()
+    r = shard.leased.range()
+    for kv in tr.snapshot.get_range(r.start, r.stop, limit=SCAN_LIMIT):
+        held.add(Record.decode(decode_lease(kv.value)[0]).shard_key)
+    r = shard.delayed.range()
+    for kv in tr.snapshot.get_range(r.start, r.stop, limit=SCAN_LIMIT):
+        held.add(Record.decode(kv.value).shard_key)
+    held.discard(None)
+    return held
+
+
+def _select_ready(tr, shard: ShardSpace, limit: int, sel: Selection) -> list:
+    """``_read_ready`` for a subscription with flow control, ordering or a filter.
+
+    ``max_pending``: the shard's ``in_flight`` counter (snapshot) bounds the batch. Only
+    the shard's owner raises it, in this fenced transaction, so the bound is exact.
+    ``ordered``: messages whose key is held (leased or delayed, or taken earlier in this
+    batch) are skipped without a read conflict; keys behind them still flow, within
+    ``SCAN_LIMIT`` skipped entries. Filtered-out messages are removed and counted done."""
+    if sel.max_pending is not None:
+        limit = min(limit, sel.max_pending - decode_counter(tr.snapshot[shard.stat("in_flight")]))
+        if limit <= 0:
+            return []
+    held = _held_keys(tr, shard) if sel.ordered else set()
+    out, dropped, scanned = [], 0, 0
+    r = shard.ready.range()
+    begin, page_size = r.start, max(64, 4 * limit)
+    while len(out) < limit and scanned < SCAN_LIMIT:
+        page = list(tr.snapshot.get_range(begin, r.stop, limit=page_size))
+        for kv in page:
+            scanned += 1
+            vs = shard.ready.unpack(kv.key)[0]
+            rec = Record.decode(kv.value)
+            if sel.match is not None and not sel.match(rec):
+                tr.add_read_conflict_key(kv.key)
+                tr.clear(kv.key)
+                _clear_chunks(tr, shard, vs, rec)
+                dropped += 1
+                continue
+            if sel.ordered and rec.shard_key is not None:
+                if rec.shard_key in held:
+                    continue
+                held.add(rec.shard_key)
+            tr.add_read_conflict_key(kv.key)
+            out.append(Taken(shard, vs, rec, _body(tr.snapshot, shard, vs, rec), kv.value))
+            if len(out) >= limit:
+                break
+        if len(page) < page_size:
+            break
+        begin = page[-1].key + b"\x00"
+    if dropped:
+        _add(tr, {shard.stat("done"): dropped, shard.stat("filtered"): dropped})
+    return out
+
+
+def _read_ready(tr, shard: ShardSpace, limit: int, sel: Selection | None = None):
     promote_due(tr, shard, limit)
+    if sel is not None:
+        return _select_ready(tr, shard, limit, sel)
     r = shard.ready.range()
     out = []
     for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit):
@@ -97,13 +170,13 @@ def _read_ready(tr, shard: ShardSpace, limit: int):
 
 @transactional
 def take_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, limit: int,
-               *, finish: bool = True) -> list:
+               *, finish: bool = True, sel: Selection | None = None) -> list:
     """Remove up to ``limit`` ready messages (at-most-once and exactly-once delivery).
     ``finish``: count them done (exactly-once counts in the caller's transaction)."""
     ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
-    if not _consumable(tr, ts):
+    if not _consumable(tr, ts, shard.sub):
         return []
-    taken = _read_ready(tr, shard, limit)
+    taken = _read_ready(tr, shard, limit, sel)
     for t in taken:
         tr.clear(shard.ready_key(t.vs))
         _clear_chunks(tr, shard, t.vs, t.record)
@@ -117,13 +190,13 @@ def take_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: i
 
 @transactional
 def lease_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, limit: int,
-                lease_id: bytes, ack_wait_ms: int) -> list:
+                lease_id: bytes, ack_wait_ms: int, *, sel: Selection | None = None) -> list:
     """Lease up to ``limit`` ready messages (at-least-once): each moves to ``leased``
     with ``attempts + 1``, the lease id and its ack wait."""
     ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
-    if not _consumable(tr, ts):
+    if not _consumable(tr, ts, shard.sub):
         return []
-    taken = _read_ready(tr, shard, limit)
+    taken = _read_ready(tr, shard, limit, sel)
     for t in taken:
         t.record.attempts += 1
         t.lease_id = lease_id
@@ -308,6 +381,6 @@ def dlq_size(reader, ts: TopicSpace, sub: str) -> int:
     return decode_counter(reader[ts.sub_stat(sub, "dead")])
 
 
-__all__ = ["Taken", "take_batch", "lease_batch", "settle", "scan_leases", "expire_lease",
+__all__ = ["Taken", "Selection", "take_batch", "lease_batch", "settle", "scan_leases", "expire_lease",
            "promote_due", "fail_in_place", "dlq_list", "dlq_redrive_chunk", "dlq_purge_chunk",
            "dlq_size", "fdbtuple"]

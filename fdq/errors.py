@@ -34,6 +34,10 @@ class SubscriptionNotFound(FDQError):
     """The subscription does not exist."""
 
 
+class ConsumerStalled(FDQError):
+    """A consumer could not reach the database, or owned no shard, for over 3 heartbeats."""
+
+
 class MessageTooLarge(FDQError):
     """A message body is larger than the topic allows."""
 

@@ -359,7 +359,81 @@ class Supervisor:
                 pass
         return deleted
 
-    # -- dead letters ---------------------------------------------------------------
+    # -- subscriptions (see fdq.subscription) -----------------------------------------
+
+    def create_subscription(self, name: str, subscription: str, config=None, *, ephemeral: bool = False,
+                            progress=None) -> dict:
+        """Create a subscription of topic ``name`` (defaults when ``config`` is None) and
+        copy its start point (``deliver_policy``) from the "all" log before returning;
+        then its consumers deliver. Re-running with the same config is a no-op that
+        finishes an interrupted catch-up; a different config is an error listing the
+        differing fields. Returns ``subscription_info``."""
+        from .config import SubscriptionConfig
+        from .subscription import catch_up, create_subscription
+        ts = self._ts(name)
+        check_name(subscription, "subscription")
+        config = config if config is not None else SubscriptionConfig()
+        if isinstance(config, dict):
+            config = SubscriptionConfig.from_dict(config)
+        if not isinstance(config, SubscriptionConfig):
+            raise ConfigError(f"config must be a fdq.SubscriptionConfig, not {type(config).__name__}")
+        if ephemeral and not config.ephemeral:
+            config = dataclasses.replace(config, ephemeral=True)
+        create_subscription(self.db, ts, subscription, config)
+        catch_up(self.db, ts, subscription, progress=progress)
+        return self.subscription(name, subscription)
+
+    def delete_subscription(self, name: str, subscription: str):
+        """Delete a subscription and all its state (queues, leases, DLQ, counters,
+        consumers); nothing else. Its consumers get SubscriptionNotFound."""
+        from .errors import SubscriptionNotFound
+        from .subscription import delete_subscription
+        if not delete_subscription(self.db, self._ts(name), subscription):
+            raise SubscriptionNotFound(f"subscription {subscription!r} of topic {name!r} does not exist")
+
+    def update_subscription(self, name: str, subscription: str, **changes):
+        """Change updatable fields of a subscription (``fdq.config.UPDATABLE_SUBSCRIPTION_FIELDS``);
+        its consumers apply them at their next heartbeat. Returns the new config."""
+        from .config import SubscriptionConfig
+        from .subscription import update_subscription
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(SubscriptionConfig)})
+        if unknown:
+            raise ConfigError(f"unknown subscription option(s): {', '.join(unknown)}")
+        return update_subscription(self.db, self._ts(name), subscription, **changes)
+
+    def reset(self, name: str, subscription: str, to_time=None, progress=None) -> int:
+        """Move a subscription's start to ``to_time`` (epoch ms or datetime; None: now),
+        backwards (rewind: messages inserted since are delivered again) or forwards
+        (skip). Its ready and delayed messages are replaced by the "all" log's messages
+        inserted at ``to_time`` or later (within retention); leases and the DLQ are left
+        alone. Messages pushed meanwhile are kept, exactly once. Returns messages copied."""
+        from .producer import to_ms
+        from .subscription import begin_reset, catch_up
+        ts = self._ts(name)
+        begin_reset(self.db, ts, subscription, to_ms(to_time))
+        return catch_up(self.db, ts, subscription, progress=progress)
+
+    def subscription(self, name: str, subscription: str) -> dict:
+        """{"name", "config", "ephemeral", "catching_up", "start_position"}."""
+        from .subscription import subscription_info
+        return subscription_info(self.db, self._ts(name), subscription)
+
+    def subscriptions(self, name: str) -> list:
+        """``subscription`` of each of the topic's subscriptions, in creation order."""
+        return [self.subscription(name, sub) for sub in self.config(name).subs]
+
+    def reap(self, name: str, zombie_after_s: float = 3.0) -> list:
+        """Delete the topic's ephemeral subscriptions whose consumers are all zombies:
+        watches their heartbeats for ``zombie_after_s`` (blocking). Returns those deleted."""
+        from .subscription import Reaper
+        reaper = Reaper(zombie_after_s)
+        ts = self._ts(name)
+        reaper.observe(self.db, ts, self.config(name), time.monotonic())
+        deadline = time.monotonic() + zombie_after_s
+        while time.monotonic() < deadline:
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        return reaper.observe(self.db, ts, self.config(name), time.monotonic())
+
 
     def dlq_list(self, name: str, subscription: str = "default", limit: int = 100) -> list:
         ts = self._ts(name)

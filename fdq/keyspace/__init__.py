@@ -8,6 +8,9 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     config/topics/<topic>/consumers/<sub>/<id>/hb         heartbeat counter (atomic add)
     config/topics/<topic>/shards/<sub>/<tag>/<n>          shard record: owner, epoch
     config/topics/<topic>/assignment/<sub>                bumped when ownership changes
+    config/topics/<topic>/subs/<sub>                      subscription record (config, start)
+    config/topics/<topic>/subs/<sub>/boundary             versionstamp of its creation / reset
+    config/topics/<topic>/subs/<sub>/cursor/<bucket>      catch-up progress per log bucket
     topic/<topic>/all/log/<bucket>/<vs>                   the "all" log (bucket = shard n)
     topic/<topic>/all/time/<minute_ms>/<vs>               sparse time -> position index
     topic/<topic>/all/stats/<name>                        inserted, routed, emitted, acked
@@ -121,6 +124,7 @@ class TopicSpace:
         self.consumers = self.config_space["consumers"]
         self.shard_records = self.config_space["shards"]
         self.assignment = self.config_space["assignment"]
+        self.sub_records = self.config_space["subs"]
         self.space = ks.root["topic"][name]
         self.all = self.space["all"]
         self.log = self.all["log"]
