@@ -371,7 +371,7 @@ class Consumer:
             shards = shards[self._rr:] + shards[:self._rr]
         return shards
 
-    def _lease_from(self, shard_id, epoch, limit) -> list:
+    def _lease_from(self, shard_id, epoch, limit, ack_wait_s: float | None = None) -> list:
         shard = self._ts.shard(self.subscription, *shard_id)
         if self.sub_config.ack_policy == "none":    # delivered = done: nothing to lease
             taken, watch = _run(self.db, delivery.take_batch, self._ts, shard, self.id, epoch, limit,
@@ -379,14 +379,15 @@ class Consumer:
             self._keep_watch(shard_id, watch)
             return [_to_message(t, self.topic, self.subscription, self) for t in taken]
         lease_id = os.urandom(8)
-        ack_wait_ms = int(self.config.ack_wait_s * 1000)
+        ack_wait_s = self.config.ack_wait_s if ack_wait_s is None else ack_wait_s
+        ack_wait_ms = int(ack_wait_s * 1000)
         taken, watch = _run(self.db, delivery.lease_batch, self._ts, shard, self.id, epoch, limit,
                             lease_id, ack_wait_ms, sel=self._sel, watch_key=self._watch_key(shard_id))
         self._keep_watch(shard_id, watch)
         now = _monotonic()
         with self._leases_lock:
             for t in taken:
-                self._leases[(shard_id, t.vs)] = [lease_id, 0, now, self.config.ack_wait_s]
+                self._leases[(shard_id, t.vs)] = [lease_id, 0, now, ack_wait_s]
         return [_to_message(t, self.topic, self.subscription, self) for t in taken]
 
     def _watch_key(self, shard_id):
@@ -405,18 +406,20 @@ class Consumer:
         if self._wake.wait(timeout):
             self._wake.clear()
 
-    def fetch(self, max_messages: int = 100, timeout: float = 1.0) -> list:
+    def fetch(self, max_messages: int = 100, timeout: float = 1.0, *, ack_wait_s: float | None = None) -> list:
         """Lease up to ``max_messages`` messages, waiting up to ``timeout`` seconds for
         the first. Settle each with ack/nak/term; unsettled ones are redelivered after
-        ``ack_wait_s``."""
+        ``ack_wait_s`` (this fetch's lease length; default the consumer config's)."""
         if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
             raise ConfigError(f"max_messages must be an integer >= 1, not {max_messages!r}")
+        if ack_wait_s is not None:
+            ConsumerConfig(ack_wait_s=ack_wait_s)   # validates
         deadline = _monotonic() + max(0.0, timeout)
         while True:
             out = []
             for shard_id, epoch in self._next_shards():
                 try:
-                    out += self._lease_from(shard_id, epoch, max_messages - len(out))
+                    out += self._lease_from(shard_id, epoch, max_messages - len(out), ack_wait_s)
                 except LeaseLost:
                     self._refresh_owned()
                 if len(out) >= max_messages:

@@ -164,8 +164,10 @@ class Parser:
     the parser is ``dead`` and ignores further input."""
 
     def __init__(self, *, max_msg_size: int = DEFAULTS["max_msg_size"],
-                 max_body_size: int = DEFAULTS["max_body_size"], expect_magic: bool = True):
+                 max_body_size: int = DEFAULTS["max_body_size"], expect_magic: bool = True,
+                 max_req_timeout_ms: int = DEFAULTS["max_req_timeout_ms"]):
         self.max_msg_size = max_msg_size
+        self.max_req_timeout_ms = max_req_timeout_ms
         self.max_body_size = max_body_size
         self._buf = bytearray()
         self._need_magic = expect_magic
@@ -239,9 +241,11 @@ class Parser:
             if not valid_name(p[0]):
                 raise fatal("E_BAD_TOPIC", f"DPUB topic name {p[0]!r} is not valid")
             try:
-                int(p[1])
+                ms = int(p[1])
             except ValueError:
                 raise fatal("E_INVALID", f"DPUB could not parse timeout {p[1]!r}") from None
+            if ms < 0 or ms > self.max_req_timeout_ms:
+                raise fatal("E_INVALID", f"DPUB timeout {ms} out of range 0-{self.max_req_timeout_ms}")
         elif name == b"AUTH" and len(p) != 0:
             raise fatal("E_INVALID", "AUTH invalid number of parameters")
 
