@@ -137,7 +137,10 @@ class Channel:
                 continue
             if not msgs:
                 continue
-            rest = target.deliver(msgs) if target.capacity > 0 else msgs
+            if (self.topic, self.name) in b.paused:
+                rest = msgs      # paused while we fetched: back to the queue
+            else:
+                rest = target.deliver(msgs) if target.capacity > 0 else msgs
             while rest:
                 other = self._pick()
                 if other is None:
