@@ -155,7 +155,7 @@ class HTTPServer:
             raise HTTPError(403, "AUTH_FAILED")
         topic, channel = req.arg("topic"), req.arg("channel")
         action = "publish" if req.path in ("/pub", "/mpub", "/pub_ext") else \
-            "subscribe" if req.path.startswith("/channel/") else "admin" if req.path.startswith("/topic/") else None
+            "admin" if req.path.startswith(("/topic/", "/channel/")) else None
         if action and topic is not None and not grant.allows(topic, channel, action):
             raise HTTPError(403, "AUTH_UNAUTHORIZED")
 

@@ -109,6 +109,20 @@ def message(ts_ns: int, attempts: int, msg_id: bytes, body: bytes, ext: bytes | 
     return frame(FRAME_MESSAGE, head + body)
 
 
+def trace_response(fdq_id: str, trace_id, size: int) -> bytes:
+    """youzan's PUB_EXT answer when the header has ``##trace_id``: ``OK`` + [8-byte id]
+    + [8-byte trace id] + [8-byte queue offset] + [4-byte size]. FDQ's 12-byte id is
+    split: its first 8 bytes (the commit version) as the id, its last 4 (batch order
+    and index in the batch) as the offset; a trace id that is not a number is sent as 0."""
+    raw = bytes.fromhex(fdq_id)
+    try:
+        trace = int(trace_id) & 0xFFFFFFFFFFFFFFFF
+    except (TypeError, ValueError):
+        trace = 0
+    return b"OK" + raw[:8] + trace.to_bytes(8, "big") + int.from_bytes(raw[8:], "big").to_bytes(8, "big") \
+        + _U32.pack(size)
+
+
 # -- client side (tests, bench) ------------------------------------------------------
 
 def encode_command(name: bytes, *params, body: bytes | None = None) -> bytes:

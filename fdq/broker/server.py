@@ -381,6 +381,9 @@ class Conn:
         handler = _HANDLERS.get(name)
         if handler is None:
             raise fatal("E_INVALID", f"invalid command {name.decode('utf-8', 'replace')}")
+        lim = self.broker.options.limits
+        if lim.tls_required and not self.ident.tls_v1 and name != b"IDENTIFY":
+            raise fatal("E_INVALID", f"cannot {name.decode()} in current state (TLS required)")
         await handler(self, cmd)
 
     async def cmd_nop(self, cmd):
@@ -571,9 +574,8 @@ class Conn:
             except FDQError as e:
                 raise fatal("E_PUB_FAILED", f"PUB_EXT failed {e}") from None
             b.published += 1
-            if r.trace_id is not None:    # youzan's trace response: OK + id + trace id + position
-                return p.response(b"OK" + r.id.encode()[:16].ljust(16, b"0")
-                                  + str(r.trace_id).encode()[:16].ljust(16, b"0") + r.position.encode())
+            if r.trace_id is not None:
+                return p.response(p.trace_response(r.id, r.trace_id, len(body)))
             return p.response()
         self._out.put_nowait(result())
 
@@ -671,10 +673,11 @@ class Broker:
 
     async def channel_for(self, topic: str, channel: str, ident: p.Identity) -> Channel:
         extend = await self.is_extend(topic)
+        # youzan's subscribe rules for extend topics
         if extend and not ident.extend_support:
             raise fatal("E_SUB_EXTEND_NEED", f"topic {topic!r} is an extend topic: IDENTIFY with extend_support")
         if ident.extend_support and not extend:
-            ident.extend_support = False    # plain topic: plain message frames
+            raise fatal("E_EXT_NOT_SUPPORT", f"topic {topic!r} has no extend support: IDENTIFY without extend_support")
         tag = ident.desired_tag if extend else None
         key = (topic, channel, tag)
         lock = self._channel_locks.setdefault(key, asyncio.Lock())
