@@ -333,10 +333,10 @@ class Conn:
             # let queued responses (and a fatal error frame) go out before closing
             if not self.closed:
                 self._out.put_nowait(None)
-            try:
-                await asyncio.wait_for(responder, 30)
-            except (asyncio.TimeoutError, Exception):
-                pass
+                try:
+                    await asyncio.wait_for(responder, 30)
+                except (asyncio.TimeoutError, Exception):
+                    pass
         finally:
             heartbeat.cancel()
             responder.cancel()

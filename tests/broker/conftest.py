@@ -78,6 +78,16 @@ def broker(broker_factory):
     return broker_factory()
 
 
+@pytest.fixture(scope="module")
+def shared_broker(tmp_path_factory):
+    """One broker for a module whose tests use distinct topics (saves a start per test)."""
+    b = BrokerProc(f"sqlite:///{tmp_path_factory.mktemp('shared') / 'fdq.db'}")
+    yield b
+    b.stop(timeout=30)
+    b.proc.stdout.close()
+    b.proc.stderr.close()
+
+
 class RawClient:
     """A minimal NSQ client on a plain socket: every read is bounded."""
 

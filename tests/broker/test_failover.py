@@ -88,3 +88,26 @@ def test_kill_9_one_broker_mid_stream(broker_factory):
         assert finished.get(body, 0) >= 1           # in flight on the dead broker: redelivered
     ca.close()
     cb.close()
+
+
+def test_sigterm_shuts_down_cleanly_and_returns_in_flight(broker_factory):
+    a, b = broker_factory(), broker_factory()
+    pub = RawClient(a.tcp)
+    pub.send(p.encode_mpub(b"st", [b"%d" % i for i in range(10)]))
+    pub.expect()
+    c = RawClient(a.tcp)
+    c.identify(heartbeat_interval=1000, msg_timeout=600_000)    # only the shutdown can return them soon
+    c.sub("st", "default", 10)
+    held = {c.message()[3] for _ in range(10)}      # all in flight on A, never FIN'd
+    t0 = time.monotonic()
+    assert a.stop(signal.SIGTERM, timeout=60) == 0
+    assert c.closed(timeout=10)
+    cb = consumer(b.tcp, "st", "default", 10)
+    again = set()
+    for _ in range(10):
+        _ts, attempts, mid, body, _ = cb.message(timeout=60)
+        assert attempts == 2
+        again.add(body)
+        cb.send(b"FIN " + mid + b"\n")
+    assert again == held          # returned to the queue at shutdown, not lost
+    cb.close()

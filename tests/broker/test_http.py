@@ -11,6 +11,11 @@ from conftest import RawClient, wait_for
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture
+def broker(shared_broker):
+    return shared_broker
+
+
 def stats(broker, **q):
     qs = "&".join(f"{k}={v}" for k, v in {"format": "json", **q}.items())
     status, body = broker.http_req(f"/stats?{qs}")

@@ -13,6 +13,11 @@ from conftest import RawClient, wait_for
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture
+def broker(shared_broker):
+    return shared_broker
+
+
 def consumer(raw, topic, channel="ch", rdy=None, **ident):
     c = raw()
     ident.setdefault("heartbeat_interval", 1000)
