@@ -109,10 +109,14 @@ class Channel:
         if self.consumer is not None:
             await self.broker.run(self.consumer.close)
 
-    def _pick(self):
+    def _pick(self, batch: bool = True):
         if (self.topic, self.name) in self.broker.paused:
             return None
-        ready = [c for c in self.conns if c.capacity > 0]
+        # A connection is served when a worthwhile batch fits (a quarter of its RDY, at
+        # most 50) or it has nothing in flight: one lease transaction per FIN would
+        # otherwise bound throughput at one message per transaction.
+        ready = [c for c in self.conns
+                 if c.capacity > 0 and (not batch or not c.in_flight or c.capacity >= min(50, max(1, c.rdy // 4)))]
         if not ready:
             return None
         self._rr = (self._rr + 1) % len(ready)
@@ -142,7 +146,7 @@ class Channel:
             else:
                 rest = target.deliver(msgs) if target.capacity > 0 else msgs
             while rest:
-                other = self._pick()
+                other = self._pick(batch=False)
                 if other is None:
                     break
                 rest = other.deliver(rest)
@@ -250,6 +254,7 @@ class Conn:
         now = time.monotonic()
         timeout = self.ident.msg_timeout_ms / 1000
         ch = self.channel
+        out = []
         for m in msgs[:n]:
             if self.ident.sample_rate and random.randrange(100) >= self.ident.sample_rate:
                 ch.settle(None, m, "ack")       # nsqd drops unsampled messages for this client
@@ -260,9 +265,11 @@ class Conn:
             ext = None
             if self.ident.extend_support and ch.extend:
                 ext = json.dumps(dict(m.headers), separators=(",", ":")).encode()
-            self._write(p.message(m.insertion_time * 1_000_000, m.attempts, nsq_id, m.body, ext))
+            out.append(p.message(m.insertion_time * 1_000_000, m.attempts, nsq_id, m.body, ext))
             self.message_count += 1
             ch.stats.message_count += 1
+        if out:
+            self._write(b"".join(out))      # one send for the batch
         return msgs[n:]
 
     async def _responder(self):
