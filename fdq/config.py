@@ -14,7 +14,7 @@ DEFAULT_SUBSCRIPTION = "default"
 
 def check_name(name, what: str = "topic") -> str:
     """Topic and subscription names follow NSQ's rule: ``^[.a-zA-Z0-9_-]{1,64}(#ephemeral)?$``."""
-    if not isinstance(name, str) or not NAME_RE.match(name):
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise InvalidName(f"invalid {what} name {name!r}: use 1-64 characters of "
                           "[.a-zA-Z0-9_-], optionally ending in #ephemeral")
     return name
@@ -26,7 +26,7 @@ def _positive(name, value, *, allow_none=False, integer=False, zero=False):
     ok_type = int if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, ok_type) or value < 0 or (value == 0 and not zero):
         kind = "an integer" if integer else "a number"
-        raise ConfigError(f"{name} must be {kind} > {'= ' if zero else ''}0, not {value!r}")
+        raise ConfigError(f"{name} must be {kind} {'>=' if zero else '>'} 0, not {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,7 +237,7 @@ class SubscriptionConfig:
                 raise ConfigError(f"filter_headers must be a non-empty dict {{name: value}}, "
                                   f"not {self.filter_headers!r}")
             for k, v in self.filter_headers.items():
-                if not isinstance(k, str) or not _HEADER_NAME_RE.match(k):
+                if not isinstance(k, str) or not _HEADER_NAME_RE.fullmatch(k):
                     raise ConfigError(f"filter_headers: invalid header name {k!r}")
                 if not isinstance(v, str):
                     raise ConfigError(f"filter_headers: value of {k!r} must be a str, not {v!r}")

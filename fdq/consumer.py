@@ -28,8 +28,8 @@ from . import delivery, membership
 from . import subscription as _subs
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig, SubscriptionConfig, TopicConfig, check_name
 from .engine import error_types, retry_or_raise
-from .errors import (ConfigError, ConsumerStalled, EngineError, FDQError, LeaseLost,
-                     SubscriptionNotFound, TopicNotFound)
+from .errors import ConfigError, ConsumerStalled, EngineError, FDQError, LeaseLost, TopicNotFound
+from .headers import check_tag
 from .keyspace import Keyspace, message_id
 from .topic import create_topic, read_topic_config
 
@@ -146,14 +146,16 @@ class Consumer:
         self.id = consumer_id or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
         self.on_error = on_error
         self._ts = self.keyspace.topic(self.topic)
-        self._topic_config = self._load_topic(create)
-        self._bind_subscription(create, subscription_config, ephemeral)
+        self._topic_config = self._load_topic(create, extend_support)
         if extend_support and not self._topic_config.extend:
             raise ConfigError(f"topic {self.topic!r} has no extend support: connect without extend_support")
         if self._topic_config.extend and not extend_support:
             raise ConfigError(f"topic {self.topic!r} has extend support: consumers must set extend_support=True")
+        self._bind_subscription(create, subscription_config, ephemeral)
         self.extend_support = extend_support
-        self.desired_tag = desired_tag if self._topic_config.extend else None
+        if desired_tag is not None and self._topic_config.extend:
+            check_tag(desired_tag)
+        self.desired_tag = desired_tag if self._topic_config.extend else None   # plain: ignored
         self._owned = {}             # (tag, n) -> epoch
         self._owned_lock = threading.Lock()
         self._stop = threading.Event()
@@ -163,10 +165,14 @@ class Consumer:
         self._leases_lock = threading.Lock()
         self._peers = {}             # consumer id -> (heartbeat, since)
         self._rr = 0
+        self._dirty = set()          # shards that may have work (new, signalled, swept)
+        self._last_sweep = 0.0
         self._last_hb = 0.0
         self._last_lease_check = 0.0
         self._stalled_since = None
-        self._stall_since = None         # unreachable database or no shard, since
+        self._hb_ok = _monotonic()       # last heartbeat round that reached the database
+        self._last_error = None
+        self._noshard_since = None
         self._stall_reported = False
         self._reaper = _subs.Reaper(self.config.zombie_after_s)
         self._closed = False
@@ -174,16 +180,21 @@ class Consumer:
         self._thread = threading.Thread(target=self._membership_loop, name=f"fdq-member-{self.id}",
                                         daemon=True)
         self._thread.start()
+        self._watchdog = threading.Thread(target=self._stall_watch, name=f"fdq-watchdog-{self.id}",
+                                          daemon=True)
+        self._watchdog.start()
 
     # -- membership --------------------------------------------------------------------
 
-    def _load_topic(self, create: bool) -> TopicConfig:
+    def _load_topic(self, create: bool, extend: bool) -> TopicConfig:
+        """The topic's config; a missing topic is created (``create``), with extend
+        support if this consumer has it."""
         try:
             config = read_topic_config(self.db, self._ts)
         except TopicNotFound:
             if not create:
                 raise
-            config = create_topic(self.db, self.keyspace, self.topic, TopicConfig())
+            config = create_topic(self.db, self.keyspace, self.topic, TopicConfig(extend=bool(extend)))
         return config
 
     def _bind_subscription(self, create: bool, given: SubscriptionConfig | None, ephemeral: bool):
@@ -197,8 +208,7 @@ class Consumer:
         if self.subscription not in self._topic_config.subs:
             if not create:
                 _subs.read_subscription(self.db, self._ts, self.subscription)  # raises
-            _subs.create_subscription(self.db, self._ts, self.subscription,
-                                             given or SubscriptionConfig())
+            _subs.create_subscription(self.db, self._ts, self.subscription, given)
         self._apply_subscription(_subs.read_subscription(self.db, self._ts, self.subscription))
         if given is not None and given != self.sub_config:
             raise _subs._diff_error(self._ts, self.subscription, self.sub_config, given)
@@ -231,6 +241,7 @@ class Consumer:
         mine = {s: e for s, (o, e) in owners.items() if o == self.id}
         with self._owned_lock:
             lost = set(self._owned) - set(mine)
+            self._dirty.update(s for s in mine if s not in self._owned or self._owned[s] != mine[s])
             self._owned = mine
         for s in lost:
             w = self._watches.pop(s, None)
@@ -257,17 +268,19 @@ class Consumer:
                         self._join()
                     self._observe_peers(now)
                     self._topic_config = read_topic_config(self.db, self._ts, snapshot=True)
+                    membership.assign_new_tags(self.db, self._ts, self.subscription)  # new tags
                     self._refresh_owned()
                     self._observe_subscriptions(now)
+                    self._hb_ok = _monotonic()
                 if now - self._last_lease_check >= cfg.lease_check_interval_s:
                     self._last_lease_check = now
                     self._check_leases(now)
                 self._stalled_since = None
             except Exception as e:  # keep heartbeating through transient trouble
                 self._report(e)
+                self._last_error = e
                 if self._stalled_since is None:
                     self._stalled_since = _monotonic()
-            self._check_stall(_monotonic())
 
     def _observe_subscriptions(self, now: float):
         """Pick up updates of the subscription's config; reap zombies of the topic's
@@ -280,22 +293,32 @@ class Consumer:
             self._apply_subscription(config)
         self._reaper.observe(self.db, self._ts, self._topic_config, now, skip=self.subscription)
 
+    def _stall_watch(self):
+        """A thread of its own: the membership loop may be stuck in a database call."""
+        while not self._stop.wait(self.config.heartbeat_interval_s / 2):
+            self._check_stall(_monotonic())
+
     def _check_stall(self, now: float):
-        """ADR-15's heartbeat alarm: report ``ConsumerStalled`` once when the database has
-        been unreachable, or this consumer has owned no shard, for over 3 heartbeats."""
+        """ADR-15's heartbeat alarm: report ``ConsumerStalled`` once (again after a
+        recovery) when no heartbeat round has reached the database, or this consumer has
+        owned no shard, for over 3 heartbeats."""
         with self._owned_lock:
-            stalled = self._stalled_since is not None or not self._owned
-        if not stalled:
-            self._stall_since, self._stall_reported = None, False
-            return
-        if self._stall_since is None:
-            self._stall_since = now
+            owned = bool(self._owned)
+        self._noshard_since = None if owned else (self._noshard_since or now)
         limit = 3 * self.config.heartbeat_interval_s
-        if not self._stall_reported and now - self._stall_since > limit:
+        unreachable = now - self._hb_ok
+        no_shard = now - self._noshard_since if self._noshard_since is not None else 0.0
+        if unreachable <= limit and no_shard <= limit:
+            self._stall_reported = False
+            return
+        if not self._stall_reported:
             self._stall_reported = True
-            why = "cannot reach the database" if self._stalled_since is not None else "owns no shard"
+            err = self._last_error if self._stalled_since is not None else None
+            why, since = (("has not completed a heartbeat" + (f" ({type(err).__name__}: {err})" if err else
+                                                               " (cannot reach the database)"), unreachable)
+                          if unreachable > limit else ("owns no shard", no_shard))
             self._report(ConsumerStalled(f"consumer {self.id} of {self.topic}/{self.subscription} {why} "
-                                         f"for {now - self._stall_since:.1f}s (over 3 heartbeats)"))
+                                         f"for {since:.1f}s (over 3 heartbeats)"))
 
     def _observe_peers(self, now: float):
         members = membership.read_members(self.db, self._ts, self.subscription)
@@ -342,7 +365,7 @@ class Consumer:
                 with self._leases_lock:
                     self._leases.pop(key, None)
                 if outcome != "changed":
-                    self._wake.set()
+                    self._mark(shard_id)
             with self._leases_lock:
                 for key in [k for k in self._leases if k[0] == shard_id and k not in live_keys]:
                     del self._leases[key]
@@ -363,13 +386,31 @@ class Consumer:
 
     # -- leasing ---------------------------------------------------------------------
 
-    def _next_shards(self):
+    def _mark(self, shard_id):
+        """Shard ``shard_id`` may have work: visit it on the next round."""
         with self._owned_lock:
-            shards = sorted(self._owned.items())
+            self._dirty.add(shard_id)
+        self._wake.set()
+
+    def _next_shards(self):
+        """The owned shards that may have work, rotated for fairness: those a watch
+        signalled, that had work last round, or that are new; every ``poll_interval_s``
+        all of them (delayed messages fall due without a push). Visiting only these
+        keeps one push from costing a transaction per owned shard."""
+        now = _monotonic()
+        with self._owned_lock:
+            if now - self._last_sweep >= self.config.poll_interval_s:
+                self._last_sweep = now
+                self._dirty.update(self._owned)
+            shards = sorted((s, e) for s, e in self._owned.items() if s in self._dirty)
+            self._dirty.clear()
         if shards:
             self._rr = (self._rr + 1) % len(shards)
             shards = shards[self._rr:] + shards[:self._rr]
         return shards
+
+    def _idle_for(self) -> float:
+        return max(0.0, self._last_sweep + self.config.poll_interval_s - _monotonic())
 
     def _lease_from(self, shard_id, epoch, limit, ack_wait_s: float | None = None) -> list:
         shard = self._ts.shard(self.subscription, *shard_id)
@@ -400,7 +441,7 @@ class Consumer:
         if watch is None:
             return
         self._watches[shard_id] = watch
-        watch.on_ready(lambda _f: self._wake.set())
+        watch.on_ready(lambda _f: self._mark(shard_id))
 
     def _idle(self, timeout: float):
         if self._wake.wait(timeout):
@@ -417,17 +458,24 @@ class Consumer:
         deadline = _monotonic() + max(0.0, timeout)
         while True:
             out = []
-            for shard_id, epoch in self._next_shards():
+            shards = self._next_shards()
+            for i, (shard_id, epoch) in enumerate(shards):
+                if len(out) >= max_messages:     # not visited: keep it for the next call
+                    for s, _e in shards[i:]:
+                        self._mark(s)
+                    break
                 try:
-                    out += self._lease_from(shard_id, epoch, max_messages - len(out), ack_wait_s)
+                    got = self._lease_from(shard_id, epoch, max_messages - len(out), ack_wait_s)
                 except LeaseLost:
                     self._refresh_owned()
-                if len(out) >= max_messages:
-                    break
+                    continue
+                if got:
+                    self._mark(shard_id)         # may hold more
+                out += got
             left = deadline - _monotonic()
             if out or left <= 0 or self._stop.is_set():
                 return out
-            self._idle(min(left, self.config.poll_interval_s))
+            self._idle(min(left, self._idle_for()))
 
     def settle(self, items: list):
         """Commit settlements [(message, action, arg)] in one transaction. Raises
@@ -447,8 +495,10 @@ class Consumer:
                         seen[2] = now
                 else:
                     self._leases.pop(key, None)
-        if self.sub_config.max_ack_pending is not None or any(a != "ack" for _m, a, _x in items):
-            self._wake.set()
+        for m, action, _arg in items:
+            # back in a queue, or (flow control, ordered keys) room freed: visit its shard again
+            if action != "ack" or self._sel is not None:
+                self._mark((m.tag, m.shard))
         if lost:
             ids = ", ".join(message_id(vs) for _s, vs, _l, _a, _x in lost)
             raise LeaseLost(f"lease lost (expired and redelivered, or settled elsewhere): {ids}")
@@ -488,7 +538,9 @@ class Consumer:
             except FDQError as e:
                 self._report(e)
 
-    shutdown = close
+    def shutdown(self):
+        """Same as ``close()`` (a method, so subclasses' ``close`` is the one called)."""
+        self.close()
 
     def __enter__(self):
         return self
@@ -525,17 +577,26 @@ class TailConsumer(Consumer):
     def _work_loop(self):
         while not self._stop.is_set():
             shards = self._next_shards()
-            try:
-                if self._pool is not None and len(shards) > 1:
-                    done = sum(self._pool.map(lambda s: self._process(*s), shards))
-                else:
-                    done = sum(self._process(*s) for s in shards)
-            except Exception as e:
-                self._report(e)
-                done = 0
-                self._stop.wait(0.05)
+            if self._pool is not None and len(shards) > 1:
+                done = sum(self._pool.map(lambda s: self._visit(*s), shards))
+            else:
+                done = sum(self._visit(*s) for s in shards)
             if not done:
-                self._idle(self.config.poll_interval_s)
+                self._idle(self._idle_for())
+
+    def _visit(self, shard_id, epoch) -> int:
+        """Process one shard; a shard that yielded (or failed) is visited again next
+        round, one that came back empty waits for its watch or the next sweep."""
+        try:
+            n = self._process(shard_id, epoch)
+        except Exception as e:
+            self._report(e)
+            self._mark(shard_id)
+            self._stop.wait(0.05)
+            return 0
+        if n:
+            self._mark(shard_id)
+        return n
 
     def _process(self, shard_id, epoch) -> int:
         if self._stop.is_set():

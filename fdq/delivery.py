@@ -241,6 +241,7 @@ def settle(tr, ts: TopicSpace, items: list, max_deliver: int) -> list:
     ``ack``; ``nak`` (arg: delay s; to the DLQ after max_deliver attempts); ``term``
     (arg: reason); ``touch``. Returns the items whose lease was lost."""
     lost = []
+    acked = {}      # counters summed per transaction: one atomic op per key, not per message
     for shard, vs, lease_id, action, arg in items:
         lease = _check_lease(tr, shard, vs, lease_id)
         if lease is None:
@@ -252,11 +253,12 @@ def settle(tr, ts: TopicSpace, items: list, max_deliver: int) -> list:
             tr[key] = encode_lease(record_raw, lease_id, cid, ack_wait_ms, touches + 1)
             continue
         del tr[key]
-        tr.add(shard.stat("in_flight"), MINUS_ONE)
         if action == "ack":
             _clear_chunks(tr, shard, vs, Record.decode(record_raw))
-            _add(tr, {shard.stat("done"): 1, shard.stat("acked"): 1, ts.stat("acked"): 1})
-        elif action == "term":
+            acked[shard] = acked.get(shard, 0) + 1
+            continue
+        tr.add(shard.stat("in_flight"), MINUS_ONE)
+        if action == "term":
             _dead_letter(tr, ts, shard, vs, record_raw, f"terminated: {arg}", cid)
         elif action == "nak":
             if Record.decode(record_raw).attempts >= max_deliver:
@@ -266,6 +268,12 @@ def settle(tr, ts: TopicSpace, items: list, max_deliver: int) -> list:
                 _requeue(tr, shard, vs, record_raw, int((arg or 0) * VERSIONS_PER_S))
         else:
             raise ValueError(f"unknown settlement {action!r}")
+    total = 0
+    for shard, n in acked.items():
+        _add(tr, {shard.stat("in_flight"): -n, shard.stat("done"): n, shard.stat("acked"): n})
+        total += n
+    if total:
+        tr.add(ts.stat("acked"), counter(total))
     return lost
 
 

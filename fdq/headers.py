@@ -1,8 +1,12 @@
 """Extend headers: per-message key -> value pairs (NSQ's extend messages).
 
-Names match ``[0-9a-zA-Z_\\-#]+``; values are JSON-compatible. Names starting ``##``
-are FDQ's: ``##client_dispatch_tag`` (tag dispatch) and ``##trace_id``. Limits: at most
-``MAX_HEADERS`` headers and ``MAX_HEADER_BYTES`` bytes encoded (msgpack).
+Names match ``[0-9a-zA-Z_\\-#]+`` (1-``MAX_NAME_CHARS`` characters); values are
+JSON-compatible: str, int (64 bits), finite float, bool, None, lists and maps with str
+keys, nested at most ``MAX_DEPTH`` levels. Tuples are stored as lists. Names starting
+``##`` are FDQ's: ``##client_dispatch_tag`` (tag dispatch: a tag is a non-empty string
+of the name characters) and ``##trace_id`` (a string of digits is echoed in the
+``PushResult``); any other ``##`` name is refused. Limits: at most ``MAX_HEADERS``
+headers, ``MAX_HEADER_BYTES`` bytes encoded (msgpack, as stored with the message).
 """
 from __future__ import annotations
 
@@ -12,9 +16,9 @@ from collections.abc import Mapping
 
 import msgpack
 
-from .errors import InvalidHeader
+from .errors import ConfigError, InvalidHeader
 
-NAME_RE = re.compile(r"^[0-9a-zA-Z_\-#]+$")
+NAME_RE = re.compile(r"[0-9a-zA-Z_\-#]+")      # used with fullmatch: "a\n" is no name
 DISPATCH_TAG = "##client_dispatch_tag"
 TRACE_ID = "##trace_id"
 RESERVED = frozenset({DISPATCH_TAG, TRACE_ID})
@@ -22,55 +26,101 @@ MAX_HEADERS = 64
 MAX_HEADER_BYTES = 8192
 MAX_NAME_CHARS = 128
 MAX_DEPTH = 8
+_DIGITS = re.compile(r"[0-9]+")
 
 
 def _check_value(name, value, depth=0):
+    """A checked copy of ``value`` (so a caller mutating its list later changes nothing)."""
     if depth > MAX_DEPTH:
         raise InvalidHeader(f"header {name!r}: value nested deeper than {MAX_DEPTH} levels")
-    if value is None or isinstance(value, (bool, str, int)):
-        if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**64:
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        if not -2**63 <= value < 2**64:
             raise InvalidHeader(f"header {name!r}: integer {value} does not fit 64 bits")
-        return
+        return int(value)
     if isinstance(value, float):
         if not math.isfinite(value):
             raise InvalidHeader(f"header {name!r}: {value} is not a JSON number")
-        return
+        return float(value)
     if isinstance(value, (list, tuple)):
-        for v in value:
-            _check_value(name, v, depth + 1)
-        return
+        return [_check_value(name, v, depth + 1) for v in value]
     if isinstance(value, Mapping):
+        out = {}
         for k, v in value.items():
             if not isinstance(k, str):
                 raise InvalidHeader(f"header {name!r}: map keys must be strings, not {k!r}")
-            _check_value(name, v, depth + 1)
-        return
+            out[k] = _check_value(name, v, depth + 1)
+        return out
     raise InvalidHeader(f"header {name!r}: {type(value).__name__} is not a JSON-compatible value")
+
+
+def is_tag(value) -> bool:
+    """Whether ``value`` is a valid dispatch tag."""
+    return isinstance(value, str) and len(value) <= MAX_NAME_CHARS and NAME_RE.fullmatch(value) is not None
+
+
+def check_tag(tag, what: str = "desired_tag") -> str:
+    """A consumer's ``desired_tag``: the same rule as a message's dispatch tag."""
+    if not is_tag(tag):
+        raise ConfigError(f"{what} must be a non-empty string of 1-{MAX_NAME_CHARS} characters "
+                          f"of [0-9a-zA-Z_-#], not {tag!r}")
+    return tag
+
+
+_SIMPLE = frozenset({str, bool, type(None), int, float})
+_VALID_NAMES = set()   # names seen valid (bounded): most messages repeat the same few
+
+
+def _name_ok(name) -> bool:
+    ok = (isinstance(name, str) and len(name) <= MAX_NAME_CHARS and NAME_RE.fullmatch(name) is not None
+          and (not name.startswith("##") or name in RESERVED))
+    if ok and len(_VALID_NAMES) < 4096:
+        _VALID_NAMES.add(name)
+    return ok
 
 
 def validate_headers(headers) -> dict:
     """Check names, values and size; returns a plain dict copy. Raises InvalidHeader
-    naming the first bad header."""
-    if not isinstance(headers, Mapping):
+    naming the first bad header (or, over the size limit, the largest one)."""
+    if type(headers) is not dict and not isinstance(headers, Mapping):
         raise InvalidHeader(f"headers must be a mapping, not {type(headers).__name__}")
     if len(headers) > MAX_HEADERS:
         raise InvalidHeader(f"{len(headers)} headers: at most {MAX_HEADERS} are allowed")
+    out = dict(headers)
+    # Fast path, in C calls: known names, flat values (msgpack refuses ints over 64 bits).
+    types = set(map(type, out.values()))
+    if _VALID_NAMES.issuperset(out) and _SIMPLE.issuperset(types):
+        try:
+            size = len(msgpack.packb(out, use_bin_type=True))
+        except OverflowError:
+            size = -1
+        if 0 <= size <= MAX_HEADER_BYTES \
+                and (float not in types or all(math.isfinite(v) for v in out.values() if type(v) is float)) \
+                and (DISPATCH_TAG not in out or is_tag(out[DISPATCH_TAG])):
+            return out
+    return _validate_slow(headers)
+
+
+def _validate_slow(headers) -> dict:
     out = {}
     for name, value in headers.items():
-        if not isinstance(name, str) or not NAME_RE.match(name) or len(name) > MAX_NAME_CHARS:
+        if not _name_ok(name):
+            if isinstance(name, str) and name.startswith("##") and NAME_RE.fullmatch(name) \
+                    and len(name) <= MAX_NAME_CHARS:
+                raise InvalidHeader(f"header {name!r}: names starting '##' are reserved "
+                                    f"(known: {', '.join(sorted(RESERVED))})")
             raise InvalidHeader(f"invalid header name {name!r}: use 1-{MAX_NAME_CHARS} characters of "
                                 "[0-9a-zA-Z_-#]")
-        if name.startswith("##") and name not in RESERVED:
-            raise InvalidHeader(f"header {name!r}: names starting '##' are reserved "
-                                f"(known: {', '.join(sorted(RESERVED))})")
-        _check_value(name, value)
-        if name == DISPATCH_TAG and (not isinstance(value, str) or not NAME_RE.match(value)):
+        if name == DISPATCH_TAG and not is_tag(value):
             raise InvalidHeader(f"header {DISPATCH_TAG!r}: the tag must be a non-empty string of "
-                                f"[0-9a-zA-Z_-#], not {value!r}")
-        out[name] = value
+                                f"1-{MAX_NAME_CHARS} characters of [0-9a-zA-Z_-#], not {value!r}")
+        out[name] = _check_value(name, value)
     size = len(msgpack.packb(out, use_bin_type=True))
     if size > MAX_HEADER_BYTES:
-        raise InvalidHeader(f"headers encode to {size:,} bytes: at most {MAX_HEADER_BYTES:,} are allowed")
+        largest = max(out, key=lambda k: len(msgpack.packb({k: out[k]}, use_bin_type=True)))
+        raise InvalidHeader(f"headers encode to {size:,} bytes: at most {MAX_HEADER_BYTES:,} are "
+                            f"allowed (largest: header {largest!r})")
     return out
 
 
@@ -79,3 +129,11 @@ def dispatch_tag(headers) -> str:
     if not headers:
         return ""
     return headers.get(DISPATCH_TAG) or ""
+
+
+def trace_id(headers) -> str | None:
+    """``##trace_id`` when it is a string of ASCII digits (echoed by push), else None."""
+    if not headers:
+        return None
+    t = headers.get(TRACE_ID)
+    return t if isinstance(t, str) and _DIGITS.fullmatch(t) else None

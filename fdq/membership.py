@@ -17,6 +17,7 @@ from .engine import transactional
 from .errors import LeaseLost
 from .keyspace import TopicSpace, counter, decode_counter
 from .keyspace.codec import pack, unpack
+from .topic import read_topic_config
 
 
 def shard_ids(config, tags=("",)):
@@ -133,6 +134,24 @@ def assign_shards(tr, ts: TopicSpace, sub: str, config) -> dict:
     if moved:
         tr.add(ts.assignment_key(sub), counter(1))
     return plan
+
+
+@transactional
+def assign_new_tags(tr, ts: TopicSpace, sub: str) -> bool:
+    """Give an owner (per ``ownership_pools``) to the shards of dispatch tags first
+    pushed since the last assignment: push only writes the tag's key blind, so live
+    consumers call this from their membership loop. Snapshot reads until a shard record
+    is missing, so the common case conflicts only with a config change; consumers racing
+    here compute the same plan. Not while resharding (``reshard_finish`` assigns).
+    Returns whether it re-assigned."""
+    config = read_topic_config(tr, ts)    # a reshard starting meanwhile conflicts
+    if config.resharding_to is not None:
+        return False
+    owners = read_owners(tr, ts, sub)
+    if all((tag, n) in owners for tag in read_tags(tr, ts) for n in range(config.shards)):
+        return False
+    assign_shards(tr, ts, sub, config)
+    return True
 
 
 @transactional

@@ -30,7 +30,7 @@ from .config import DEFAULT_SUBSCRIPTION, ProducerConfig, TopicConfig, check_nam
 from .engine import error_types, retry_or_raise, transactional
 from .errors import (BacklogFull, ConfigError, FDQError, InvalidHeader, InvalidMessage,
                      MessageTooLarge, TopicNotFound, is_maybe_committed)
-from .headers import dispatch_tag, validate_headers
+from .headers import dispatch_tag, trace_id, validate_headers
 from .keyspace import Keyspace, TopicSpace, counter, decode_counter, message_id, vs_key
 from .keyspace.codec import Record, pack, shard_of, split_body, unpack
 from .topic import load_config, write_topic_config
@@ -80,13 +80,17 @@ class Envelope:
                                        or self.delay < 0 or self.delay != self.delay):
             raise InvalidMessage(f"delay must be seconds >= 0, not {self.delay!r}")
         if self.headers is not None:
-            object.__setattr__(self, "headers", MappingProxyType(validate_headers(self.headers)))
+            plain = validate_headers(self.headers)
+            object.__setattr__(self, "headers", MappingProxyType(plain))
+            object.__setattr__(self, "_plain_headers", plain or None)   # what push encodes: no copy
 
 
 @dataclass(frozen=True)
 class PushResult:
     """The outcome of one push: ``id`` is the message's id (the first one's, for a
-    deduplicated ``msg_id``). ``trace_id`` / ``position`` echo ``##trace_id``."""
+    deduplicated ``msg_id``). When the message's ``##trace_id`` header is a string of
+    digits, ``trace_id`` echoes it and ``position`` is the message's position in the
+    topic's log (its id: commit versionstamp + index), as NSQ's PUB_EXT response does."""
 
     id: str
     topic: str
@@ -104,6 +108,13 @@ class _Item:
     result: PushResult | None = None
     error: BaseException | None = None
     promoted: bool = False
+    future: _ConcurrentFuture | None = None
+
+
+# Messages without a shard key: a transaction puts runs of STICKY_RUN of them on one
+# shard, starting at a random shard (Kafka's sticky partitioner, KIP-480). Even over
+# time, and a batch touches a few shards' key ranges instead of every one of them.
+STICKY_RUN = 100
 
 
 def _spread_start() -> int:
@@ -133,6 +144,7 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
     results = []
     batch_ids = {}
     counters = defaultdict(int)
+    tags_written = set()     # each tag's key once per transaction
     for uv, (topic, env) in enumerate(items):
         ts = ks.topic(topic)
         config = configs.get(topic)
@@ -144,7 +156,8 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
         if env.headers and not config.extend:
             raise InvalidHeader(f"topic {topic!r} has no extend support: headers are refused "
                                 "(create it with extend=True or upgrade it)")
-        n = shard_of(env.shard_key, config.shards) if env.shard_key is not None else (spread + uv) % config.shards
+        n = shard_of(env.shard_key, config.shards) if env.shard_key is not None else \
+            (spread + uv // STICKY_RUN) % config.shards
         if env.msg_id is not None:
             if (topic, env.msg_id) in batch_ids:
                 results.append((topic, uv, n, batch_ids[(topic, env.msg_id)]))
@@ -162,7 +175,9 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             tr.set_versionstamped_value(dkey, _PLACEHOLDER + uv.to_bytes(2, "big") + _OFFSET0)
             tr.set_versionstamped_key(vs_key(ts.dedupe_by_version.key(), uv), env.msg_id.encode())
         inline, chunks = split_body(env.body)
-        headers = dict(env.headers) if env.headers else None
+        headers = getattr(env, "_plain_headers", None)
+        if headers is None and env.headers:
+            headers = dict(env.headers)
         record = Record(now_ms, env.shard_key, env.msg_id, headers, inline, 0, len(chunks),
                         getattr(env, "replay_of", None)).encode()
         tr.set_versionstamped_key(vs_key(ts.log_prefix(n), uv), record)
@@ -180,12 +195,15 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
                     rv = tr.get_read_version().wait()
                 due = rv + int(env.delay * VERSIONS_PER_S)
             tag = dispatch_tag(headers)
-            if tag:
+            if tag and (topic, tag) not in tags_written:
+                tags_written.add((topic, tag))
                 tr[ts.tags.pack((tag,))] = b""   # blind: lets consumers find the tag's shards
             route_message(tr, ts, config, tag, n, uv, record, chunks, due, counters)
         else:
-            if dispatch_tag(headers):
-                tr[ts.tags.pack((dispatch_tag(headers),))] = b""
+            tag = dispatch_tag(headers)
+            if tag and (topic, tag) not in tags_written:
+                tags_written.add((topic, tag))
+                tr[ts.tags.pack((tag,))] = b""
             tr.set_versionstamped_key(vs_key(ts.pending.key(), uv), pack([n, env.delay]))
         results.append((topic, uv, n, None))
     for key, amount in counters.items():
@@ -255,7 +273,8 @@ def _check_backlog(tr, ts, config):
 class _GroupCommit:
     """Leader/follower group commit: the first caller commits what is queued; callers
     arriving meanwhile wait and are committed together by the next leader. One thread
-    pays one transaction per push; eight threads share transactions."""
+    pays one transaction per push; eight threads share transactions. Asynchronous
+    pushes (no caller waiting) are led by one background flusher thread."""
 
     def __init__(self, flush, max_batch: int, linger_s: float):
         self._flush = flush
@@ -264,8 +283,11 @@ class _GroupCommit:
         self._lock = threading.Lock()
         self._queue = []
         self._leading = False
+        self._flusher = None
+        self._flusher_go = threading.Event()
 
     def submit(self, item: _Item):
+        """Queue ``item`` and return once it is committed (or failed)."""
         with self._lock:
             self._queue.append(item)
             lead = not self._leading
@@ -275,6 +297,34 @@ class _GroupCommit:
             item.event.wait()
             if not item.promoted:
                 return
+        self._lead()
+
+    def submit_async(self, item: _Item):
+        """Queue ``item`` without waiting; its ``future`` resolves after the commit."""
+        with self._lock:
+            self._queue.append(item)
+            if self._leading:
+                return
+            self._leading = True
+        self._wake_flusher()
+
+    def _wake_flusher(self):
+        if self._flusher is None or not self._flusher.is_alive():
+            self._flusher = threading.Thread(target=self._flusher_loop, name="fdq-producer-flush",
+                                             daemon=True)
+            self._flusher.start()
+        self._flusher_go.set()
+
+    def _flusher_loop(self):
+        while True:
+            self._flusher_go.wait()
+            self._flusher_go.clear()
+            try:
+                self._lead()
+            except BaseException:   # delivered to the items' futures by the flush
+                pass
+
+    def _lead(self):
         # Lead a few rounds: handing leadership to a sleeping thread costs a wake-up.
         for _round in range(16):
             if self._linger_s:
@@ -294,12 +344,15 @@ class _GroupCommit:
 
     def _handoff(self):
         with self._lock:
-            if self._queue:
-                nxt = self._queue[0]
-                nxt.promoted = True
-                nxt.event.set()
-            else:
+            if not self._queue:
                 self._leading = False
+                return
+            nxt = self._queue[0]
+            if nxt.future is not None:       # nobody waits on it: the flusher leads
+                self._wake_flusher()
+                return
+            nxt.promoted = True
+            nxt.event.set()
 
 
 class Producer:
@@ -333,17 +386,16 @@ class Producer:
             raise item.error
         return item.result
 
-    def push_async(self, topic: str, body: bytes, **kwargs) -> _ConcurrentFuture:
-        """As ``push``, in a background thread; returns a ``concurrent.futures.Future``."""
-        f = _ConcurrentFuture()
-
-        def run():
-            try:
-                f.set_result(self.push(topic, body, **kwargs))
-            except BaseException as e:  # delivered to the caller through the future
-                f.set_exception(e)
-        threading.Thread(target=run, daemon=True).start()
-        return f
+    def push_async(self, topic: str, body: bytes, *, shard_key: str | None = None,
+                   msg_id: str | None = None, delay: float | None = None,
+                   headers: Mapping | None = None) -> _ConcurrentFuture:
+        """As ``push`` without waiting: returns a ``concurrent.futures.Future`` of the
+        ``PushResult``, resolved after the commit. Pending pushes share transactions
+        (committed by one background thread per producer)."""
+        item = _Item(check_name(topic), Envelope(body, shard_key, delay, msg_id, headers),
+                     future=_ConcurrentFuture())
+        self._group.submit_async(item)
+        return item.future
 
     def push_many(self, topic: str, envelopes) -> list:
         """Push several messages in one transaction (all or none)."""
@@ -355,24 +407,35 @@ class Producer:
 
     def _flush(self, batch: list):
         try:
+            self._commit_group(batch)
+        except BaseException as e:
+            for it in batch:
+                if it.result is None and it.error is None:
+                    it.error = e
+        for it in batch:
+            if it.future is not None:
+                if it.error is not None:
+                    it.future.set_exception(it.error)
+                else:
+                    it.future.set_result(it.result)
+            it.event.set()
+
+    def _commit_group(self, batch: list):
+        """Commit queued pushes together. One bad push must not fail the others: a
+        refused batch is split in halves until the bad ones stand alone (O(log n) more
+        transactions per bad push, not one per message)."""
+        try:
             results = self._commit([(it.topic, it.env) for it in batch])
         except FDQError as e:
             if len(batch) == 1:
                 batch[0].error = e
-            else:  # one bad push must not fail the others: commit them one by one
-                for it in batch:
-                    try:
-                        it.result = self._commit([(it.topic, it.env)])[0]
-                    except FDQError as e1:
-                        it.error = e1
-        except BaseException as e:
-            for it in batch:
-                it.error = e
-        else:
-            for it, r in zip(batch, results):
-                it.result = r
-        for it in batch:
-            it.event.set()
+                return
+            half = len(batch) // 2
+            self._commit_group(batch[:half])
+            self._commit_group(batch[half:])
+            return
+        for it, r in zip(batch, results):
+            it.result = r
 
     def _commit(self, items: list) -> list:
         now_ms = int(time.time() * 1000)
@@ -397,9 +460,8 @@ class Producer:
             if isinstance(dup_of, int):
                 dup_of = message_id(Versionstamp(stamp, dup_of))
             mid = dup_of or message_id(Versionstamp(stamp, uv))
-            trace = env.headers.get("##trace_id") if env.headers else None
-            out.append(PushResult(mid, topic, n, dup_of is not None,
-                                  str(trace) if trace is not None else None,
+            trace = trace_id(env.headers)   # digits only, as NSQ's PUB_EXT echoes it
+            out.append(PushResult(mid, topic, n, dup_of is not None, trace,
                                   mid if trace is not None else None))
         return out
 

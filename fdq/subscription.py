@@ -101,25 +101,23 @@ def _diff_error(ts, sub, stored: SubscriptionConfig, given: SubscriptionConfig) 
 # -- create / delete / update ------------------------------------------------------------
 
 @transactional
-def create_subscription(tr, ts: TopicSpace, sub: str, config: SubscriptionConfig, *,
-                        exist_ok: bool = True, join: tuple | None = None) -> bool:
+def create_subscription(tr, ts: TopicSpace, sub: str, config: SubscriptionConfig | None, *,
+                        exist_ok: bool = True) -> bool:
     """Add ``sub`` to the topic: pushes committed after this transaction fan out to it;
     its start point (``deliver_policy``) is copied later by ``catch_up_chunk``. Binding
-    to an existing subscription with the same config is a no-op (returns False); with a
-    different one an error listing the differing fields. ``join=(consumer_id, record)``
-    also registers a consumer in the same transaction (an ephemeral subscription is
-    then never without a member). Returns True if created."""
+    to an existing subscription with the same config (or ``config=None``: defaults for
+    a new one, whatever is stored for an existing one) is a no-op that returns False;
+    with a different one an error listing the differing fields. Returns True if created."""
     check_name(sub, "subscription")
     topic_config = read_topic_config(tr, ts)
     if sub in topic_config.subs:
         stored = read_subscription(tr, ts, sub, topic_config=topic_config)
-        if stored != config:
+        if config is not None and stored != config:
             raise _diff_error(ts, sub, stored, config)
         if not exist_ok:
             raise ConfigError(f"subscription {sub!r} of topic {ts.name!r} already exists")
-        if join is not None:
-            membership.join(tr, ts, sub, join[0], join[1], topic_config)
         return False
+    config = config if config is not None else SubscriptionConfig()
     if not topic_config.routing:
         raise ConfigError(f"topic {ts.name!r} is {'paused' if topic_config.paused else 'resharding'}: "
                           "subscriptions can be created once it is playing again")
@@ -130,8 +128,6 @@ def create_subscription(tr, ts: TopicSpace, sub: str, config: SubscriptionConfig
     catchup = topic_config.catchup + ((sub,) if config.deliver_policy != "new" else ())
     new = dataclasses.replace(topic_config, subs=topic_config.subs + (sub,), catchup=catchup)
     write_topic_config(tr, ts, new)
-    if join is not None:
-        membership.join(tr, ts, sub, join[0], join[1], new)
     return True
 
 
@@ -200,40 +196,57 @@ def _boundary(tr, ts, sub) -> Versionstamp:
     return Versionstamp(bytes(raw)[:10], 0)
 
 
+PURGE_SCAN = 2_000    # delayed entries one purge transaction scans
+
+
 @transactional
 def purge_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
     """Reset, step 2: remove up to ``limit`` ready or delayed messages of ``sub`` older
-    than its boundary (leases and the DLQ stay). Returns how many; 0 when done. The
-    range reads are not snapshots: a nak returning an older message meanwhile conflicts."""
+    than its boundary (leases and the DLQ stay), shard by shard, resumable (a marker per
+    shard: the last delayed key scanned, or done). Returns the entries removed or
+    scanned; 0 once every shard is done. Ready reads are not snapshots (a nak returning
+    an older message meanwhile conflicts); delayed entries are keyed by due time, so
+    they are scanned in pages, taking a read conflict on each key removed."""
     topic_config = read_topic_config(tr, ts)
     if sub not in topic_config.catchup:
         return 0
     end = _boundary(tr, ts, sub)
-    removed = 0
+    marks = ts.sub_records[sub]["purge"]
+    progress = 0
     for tag in membership.read_tags(tr, ts):
         for n in range(topic_config.shards):
+            mark = marks.pack((tag, n))
+            state = tr[mark]
+            if state == _DONE:
+                continue
             shard = ts.shard(sub, tag, n)
-            counts = {"done": 0, "delayed": 0}
-            for kv in tr.get_range(shard.ready.range().start, shard.ready_key(end), limit=limit - removed):
+            want = limit - progress
+            rows = list(tr.get_range(shard.ready.range().start, shard.ready_key(end), limit=want))
+            for kv in rows:
                 del tr[kv.key]
                 _clear_sub_chunks(tr, shard, shard.ready.unpack(kv.key)[0], kv.value)
-                counts["done"] += 1
-            r = shard.delayed.range()
-            if removed + counts["done"] < limit:
-                for kv in tr.get_range(r.start, r.stop, limit=10_000):
+            removed, delayed = len(rows), 0
+            if len(rows) < want:
+                r = shard.delayed.range()
+                begin = bytes(state) + b"\x00" if state != None else r.start  # noqa: E711
+                page = list(tr.snapshot.get_range(begin, r.stop, limit=PURGE_SCAN))
+                for kv in page:
                     _due, vs = shard.delayed.unpack(kv.key)
                     if vs < end:
+                        tr.add_read_conflict_key(kv.key)
                         del tr[kv.key]
                         _clear_sub_chunks(tr, shard, vs, kv.value)
-                        counts["done"] += 1
-                        counts["delayed"] += 1
-            for name, k in counts.items():
-                if k:
-                    tr.add(shard.stat(name), counter(-k if name == "delayed" else k))
-            removed += counts["done"]
-            if removed >= limit:
-                return removed
-    return removed
+                        delayed += 1
+                tr[mark] = _DONE if len(page) < PURGE_SCAN else page[-1].key
+                progress += len(page)
+            if removed + delayed:
+                tr.add(shard.stat("done"), counter(removed + delayed))
+            if delayed:
+                tr.add(shard.stat("delayed"), counter(-delayed))
+            progress += removed + (1 if len(rows) < want else 0)
+            if progress >= limit:
+                return progress
+    return progress
 
 
 def _clear_sub_chunks(tr, shard, vs, raw):
@@ -264,11 +277,14 @@ def _position_for_time(tr, ts: TopicSpace, t_ms: int) -> Versionstamp | None:
     return None
 
 
-def _copy(tr, ts: TopicSpace, topic_config: TopicConfig, sub: str, bucket: int, vs, raw, routed: dict):
+def _copy(tr, ts: TopicSpace, topic_config: TopicConfig, sub: str, bucket: int, vs, raw, routed: dict,
+          leases: bool = False):
     rec = Record.decode(raw)
     tag = dispatch_tag(rec.headers)
     n = shard_of(rec.shard_key, topic_config.shards) if rec.shard_key is not None else bucket % topic_config.shards
     shard = ts.shard(sub, tag, n)
+    if leases and tr[shard.leased_key(vs)] != None:  # noqa: E711
+        return      # a reset leaves leases alone: the leased copy is the one delivered
     tr[shard.ready_key(vs)] = bytes(raw)
     if rec.nchunks:
         r = ts.all_chunks[vs].range()
@@ -314,7 +330,7 @@ def catch_up_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
                 if last is None or vs > last[1]:
                     last = (b, vs, kv.value)
         if last is not None:
-            _copy(tr, ts, topic_config, sub, *last, routed)
+            _copy(tr, ts, topic_config, sub, *last, routed, leases=reset is not None)
             read = 1
     elif policy in ("all", "by_start_time"):
         start = _position_for_time(tr, ts, min_ts) if min_ts is not None else None
@@ -334,7 +350,7 @@ def catch_up_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
             for kv in rows:
                 vs = space.unpack(kv.key)[0]
                 if min_ts is None or Record.decode(kv.value).ts_ms >= min_ts:
-                    _copy(tr, ts, topic_config, sub, b, vs, kv.value, routed)
+                    _copy(tr, ts, topic_config, sub, b, vs, kv.value, routed, leases=reset is not None)
             read += len(rows)
             if len(rows) < want:
                 tr[cursors.pack((b,))] = _DONE
@@ -348,8 +364,9 @@ def catch_up_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
     # Done: deliver from now on. Rewriting the config makes in-flight pushes retry.
     rec.pop("reset", None)
     tr[_record_key(ts, sub)] = pack(rec)
-    r = cursors.range()
-    tr.clear_range(r.start, r.stop)
+    for space in (cursors, ts.sub_records[sub]["purge"]):
+        r = space.range()
+        tr.clear_range(r.start, r.stop)
     write_topic_config(tr, ts, dataclasses.replace(
         topic_config, catchup=tuple(s for s in topic_config.catchup if s != sub)))
     return read

@@ -14,7 +14,7 @@ import time
 from . import delivery, membership
 from .config import ConsumerConfig, TopicConfig, check_name
 from .engine import transactional
-from .errors import ConfigError, TopicNotFound
+from .errors import ConfigError, TopicExists, TopicNotFound
 from .headers import dispatch_tag
 from .keyspace import Keyspace, TopicSpace, Versionstamp, counter, decode_counter, message_id
 from .keyspace.codec import Record, decode_lease, pack, shard_of, unpack
@@ -101,33 +101,38 @@ def reshard_begin(tr, ts: TopicSpace, shards: int) -> TopicConfig:
 
 
 @transactional
-def reshard_chunk(tr, ts: TopicSpace, sub: str, old_n: int, area: str, new_shards: int, limit: int) -> int:
-    """Move up to ``limit`` entries of one queue area (ready, delayed, leased) of shard
-    ``old_n`` whose new shard differs. Keys keep their versionstamp, so each new shard's
-    queue stays in push order per shard key."""
-    moved = 0
-    for tag in membership.read_tags(tr, ts):
-        src = ts.shard(sub, tag, old_n)
-        space = getattr(src, area)
-        r = space.range()
-        for kv in tr.get_range(r.start, r.stop, limit=limit):
-            parts = space.unpack(kv.key)
-            vs = parts[-1]
-            raw = decode_lease(kv.value)[0] if area == "leased" else kv.value
-            new_n = _shard_for(Record.decode(raw), vs, new_shards)
-            moved += 1
-            if new_n == old_n:
-                continue   # counted: a chunk of stay-puts still ends the loop
-            dst = ts.shard(sub, tag, new_n)
-            tr[getattr(dst, area).pack(parts)] = kv.value
-            del tr[kv.key]
-            tr.add(src.stat("routed"), counter(-1))
-            tr.add(dst.stat("routed"), counter(1))
-            if area != "ready":
-                name = "in_flight" if area == "leased" else "delayed"
-                tr.add(src.stat(name), counter(-1))
-                tr.add(dst.stat(name), counter(1))
-    return moved
+def reshard_chunk(tr, ts: TopicSpace, sub: str, tag: str, old_n: int, area: str, new_shards: int,
+                  limit: int, after: bytes | None = None) -> tuple:
+    """Move the entries of one queue area (ready, delayed, leased) of shard ``(tag,
+    old_n)`` whose new shard differs, reading up to ``limit`` entries after the key
+    ``after``. Keys keep their versionstamp, so each new shard's queue stays in push order
+    per shard key. Returns ``(entries read, last key read)``: entries that stay put are
+    skipped by the next chunk's ``after``, so a long run of them cannot loop forever."""
+    src = ts.shard(sub, tag, old_n)
+    space = getattr(src, area)
+    r = space.range()
+    begin = after + b"\x00" if after is not None else r.start
+    read = 0
+    last = None
+    for kv in tr.get_range(begin, r.stop, limit=limit):
+        read += 1
+        last = kv.key
+        parts = space.unpack(kv.key)
+        vs = parts[-1]
+        raw = decode_lease(kv.value)[0] if area == "leased" else kv.value
+        new_n = _shard_for(Record.decode(raw), vs, new_shards)
+        if new_n == old_n:
+            continue
+        dst = ts.shard(sub, tag, new_n)
+        tr[getattr(dst, area).pack(parts)] = kv.value
+        del tr[kv.key]
+        tr.add(src.stat("routed"), counter(-1))
+        tr.add(dst.stat("routed"), counter(1))
+        if area != "ready":
+            name = "in_flight" if area == "leased" else "delayed"
+            tr.add(src.stat(name), counter(-1))
+            tr.add(dst.stat(name), counter(1))
+    return read, last
 
 
 @transactional
@@ -209,7 +214,11 @@ class Supervisor:
             config = TopicConfig(shards=shards, **options)
         except TypeError as e:
             raise ConfigError(f"unknown topic option: {e}") from None
-        return create_topic(self.db, self.keyspace, check_name(name), config)
+        result = create_topic(self.db, self.keyspace, check_name(name), config)
+        if config.extend and not result.extend:    # never a silent no-op: say how to get it
+            raise TopicExists(f"topic {name!r} already exists without extend support: "
+                              "upgrade it with upgrade_extend (one-way)")
+        return result
 
     def delete_topic(self, name: str):
         """Delete a topic: its config, consumers, queues, log and counters."""
@@ -262,19 +271,24 @@ class Supervisor:
         if shards is None or (shards == config.shards and config.resharding_to is None):
             for sub in config.subs:
                 membership.assign_shards(self.db, ts, sub, config)
+            if not config.paused:
+                self.play(name)   # a rerun after a reshard killed before its play
             return config
         TopicConfig(shards=shards)   # validates
         config = reshard_begin(self.db, ts, shards)
         old = max(config.shards, shards)
+        tags = membership.read_tags(self.db, ts)
         for sub in config.subs:
-            for n in range(old):
-                for area in ("ready", "delayed", "leased"):
-                    while True:
-                        moved = reshard_chunk(self.db, ts, sub, n, area, shards, CHUNK)
-                        if progress:
-                            progress(moved)
-                        if moved < CHUNK:
-                            break
+            for tag in tags:
+                for n in range(old):
+                    for area in ("ready", "delayed", "leased"):
+                        after = None
+                        while True:
+                            read, after = reshard_chunk(self.db, ts, sub, tag, n, area, shards, CHUNK, after)
+                            if progress:
+                                progress(read)
+                            if read < CHUNK:
+                                break
         config = reshard_finish(self.db, ts)
         if not config.paused:
             self.play(name)
@@ -304,7 +318,8 @@ class Supervisor:
                                   "host": m["record"].get("host"), "pid": m["record"].get("pid"),
                                   "tag": m["record"].get("tag"),
                                   "heartbeat_age_s": round((rv - hbv) / VERSIONS_PER_S, 3) if hbv else None,
-                                  "shards": sorted(n for (t, n), (o, _e) in owners.items() if o == cid)})
+                                  "shards": sorted(n for (t, n), (o, _e) in owners.items() if o == cid),
+                                  "tag_shards": sorted([t, n] for (t, n), (o, _e) in owners.items() if o == cid)})
             oldest = None
             for (tag, n) in shards:
                 shard = ts.shard(sub, tag, n)
@@ -314,6 +329,7 @@ class Supervisor:
                     oldest = t if oldest is None else min(oldest, t)
             total = lambda k: sum(c[k] for c in shards.values())  # noqa: E731
             subs[sub] = {
+                "catching_up": sub in config.catchup,
                 "backlog": total("backlog"), "in_flight": total("in_flight"), "delayed": total("delayed"),
                 "emitted": total("emitted"), "acked": total("acked"),
                 "dlq": delivery.dlq_size(snap, ts, sub),
@@ -322,6 +338,7 @@ class Supervisor:
                 "consumers": consumers,
                 "shards": [{"tag": tag, "shard": n, "owner": owners.get((tag, n), (None, 0))[0], **c}
                            for (tag, n), c in sorted(shards.items())],
+                "tags": _per_tag(shards, owners, members),
             }
         tr.cancel()
         return {"topic": name, "config": config.as_dict(), "counters": topic, "subscriptions": subs}
@@ -386,10 +403,9 @@ class Supervisor:
     def delete_subscription(self, name: str, subscription: str):
         """Delete a subscription and all its state (queues, leases, DLQ, counters,
         consumers); nothing else. Its consumers get SubscriptionNotFound."""
-        from .errors import SubscriptionNotFound
         from .subscription import delete_subscription
-        if not delete_subscription(self.db, self._ts(name), subscription):
-            raise SubscriptionNotFound(f"subscription {subscription!r} of topic {name!r} does not exist")
+        self.subscription(name, subscription)   # raises SubscriptionNotFound; checked apart so a
+        delete_subscription(self.db, self._ts(name), subscription)  # retry after 1021 is no error
 
     def update_subscription(self, name: str, subscription: str, **changes):
         """Change updatable fields of a subscription (``fdq.config.UPDATABLE_SUBSCRIPTION_FIELDS``);
@@ -467,6 +483,25 @@ class Supervisor:
     def consumers(self, name: str) -> list:
         st = self.stats(name)
         return [dict(c, subscription=sub) for sub, s in st["subscriptions"].items() for c in s["consumers"]]
+
+
+def _per_tag(shards: dict, owners: dict, members: dict) -> dict:
+    """{tag: backlog, in-flight and delayed of the tag's shards, their owners, and
+    whether they fell back to untagged consumers ("" is the untagged messages)}."""
+    out = {}
+    for (tag, n), c in sorted(shards.items()):
+        t = out.setdefault(tag, {"shards": 0, "backlog": 0, "in_flight": 0, "delayed": 0, "owners": set()})
+        t["shards"] += 1
+        for k in ("backlog", "in_flight", "delayed"):
+            t[k] += c[k]
+        owner = owners.get((tag, n), (None, 0))[0]
+        if owner is not None:
+            t["owners"].add(owner)
+    for tag, t in out.items():
+        t["owners"] = sorted(t["owners"])
+        t["fallback"] = bool(tag) and any(not (members.get(o, {}).get("record", {}).get("tag"))
+                                          for o in t["owners"])
+    return out
 
 
 def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None) -> int:

@@ -115,3 +115,80 @@ def test_demo_survives_a_kill_9_with_exactly_once_counts(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "OK: every message processed exactly once" in out.stdout
     assert "kill -9 consumer-0" in out.stdout
+
+
+def test_tail_shutdown_finishes_the_in_flight_batch(db):
+    """shutdown() of a running tail waits for the handler, settles what it handled and
+    returns the rest of the batch: nothing handled is redelivered, nothing is lost."""
+    fdq.Supervisor(db).create_topic("slow", shards=1)
+    fdq.Producer(db).push_many("slow", [fdq.Envelope(b"%d" % i) for i in range(40)])
+    handled, errors = [], []
+    started = threading.Event()
+
+    def handler(m):
+        started.set()
+        time.sleep(0.02)
+        handled.append(m.id)
+    c = fdq.tail(db, "slow", handler, batch_size=40, on_error=errors.append)
+    assert started.wait(30)
+    c.shutdown()
+    st = fdq.Supervisor(db).stats("slow")["subscriptions"]["default"]
+    assert errors == []
+    assert 0 < len(handled) < 40
+    assert st["acked"] == len(handled) == len(set(handled))
+    assert st["in_flight"] == 0 and st["backlog"] == 40 - len(handled)
+
+
+def test_reshard_terminates_when_a_chunk_is_all_stay_puts(db, monkeypatch):
+    """A shard whose first CHUNK entries all keep their shard must not be re-read
+    forever: resharding walks each queue with a cursor."""
+    from fdq import supervisor
+    monkeypatch.setattr(supervisor, "CHUNK", 5)
+    s = fdq.Supervisor(db)
+    s.create_topic("r", shards=2)
+    keys = [f"k{i}" for i in range(200)]
+    stay = [k for k in keys if fdq.keyspace.codec.shard_of(k, 2) == 0 and fdq.keyspace.codec.shard_of(k, 4) == 0]
+    move = [k for k in keys if fdq.keyspace.codec.shard_of(k, 2) == 0 and fdq.keyspace.codec.shard_of(k, 4) == 2]
+    envs = [fdq.Envelope(b"s", shard_key=k) for k in stay[:12]] + [fdq.Envelope(b"m", shard_key=k) for k in move[:12]]
+    fdq.Producer(db).push_many("r", envs)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (s.rebalance("r", shards=4), done.set()), daemon=True)
+    t.start()
+    assert done.wait(60), "rebalance did not terminate"
+    shards = {c["shard"]: c["backlog"] for c in s.stats("r")["subscriptions"]["default"]["shards"]}
+    assert shards == {0: 12, 1: 0, 2: 12, 3: 0}
+
+
+def test_push_async_futures_share_transactions_and_report_errors(db):
+    p = fdq.Producer(db)
+    commits = []
+    real_commit = p._commit
+    p._commit = lambda items: (commits.append(len(items)), real_commit(items))[1]
+    before = threading.active_count()
+    futures = [p.push_async("a", b"%d" % i, shard_key=f"k{i % 5}") for i in range(500)]
+    bad = p.push_async("a", b"x" * (2 << 20))          # over max_message_bytes (1 MiB)
+    ids = [f.result(timeout=60).id for f in futures]
+    with pytest.raises(fdq.MessageTooLarge):
+        bad.result(timeout=60)
+    assert threading.active_count() <= before + 1      # one flusher, not a thread per push
+    assert len(set(ids)) == 500
+    assert len(commits) < 250, commits                 # batched, not one transaction each
+    st = fdq.Supervisor(db).stats("a")
+    assert st["counters"]["inserted"] == 500
+
+
+@pytest.mark.parametrize("name", ["orders\n", "a" * 65, "", "a b", "é", "x#ephemeral#ephemeral"])
+def test_invalid_topic_names_are_refused(db, name):
+    with pytest.raises(fdq.InvalidName):
+        fdq.Producer(db).push(name, b"x")
+    assert fdq.Supervisor(db).topics() == []
+
+
+def test_consumer_identify_creates_a_matching_topic_and_refuses_before_binding(db):
+    with fdq.Consumer(db, "ext", extend_support=True):       # missing topic: created extend
+        pass
+    assert fdq.Supervisor(db).config("ext").extend
+    fdq.Supervisor(db).create_topic("plain")
+    with pytest.raises(fdq.ConfigError, match="no extend support"):
+        fdq.Consumer(db, "plain", extend_support=True, subscription="new-sub")
+    assert fdq.Supervisor(db).config("plain").subs == ("default",)   # nothing bound

@@ -174,6 +174,13 @@ def retry_or_raise(tr, e):
         raise _translate(final) from (None if final is e else e)
 
 
+def _no_generator(result):
+    # As fdb.transactional at API >= 630: a lazy result would outlive its transaction.
+    if inspect.isgenerator(result):
+        raise ValueError("Generators can not be wrapped with fdq.transactional")
+    return result
+
+
 def transactional(func=None, *, parameter: str = "tr"):
     """As ``fdb.transactional``: called with a database, run ``func`` in a new
     transaction, commit, and retry through ``tr.on_error``; called with a transaction
@@ -192,12 +199,12 @@ def transactional(func=None, *, parameter: str = "tr"):
         def wrapper(*args, **kwargs):
             target = args[index]
             if isinstance(target, _TRANSACTION_TYPES):
-                return func(*args, **kwargs)
+                return _no_generator(func(*args, **kwargs))
             largs = list(args)
             tr = largs[index] = target.create_transaction()
             while True:
                 try:
-                    result = func(*largs, **kwargs)
+                    result = _no_generator(func(*largs, **kwargs))
                     tr.commit().wait()
                     return result
                 except _ERROR_TYPES as e:

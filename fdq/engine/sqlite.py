@@ -235,9 +235,10 @@ _ATOMIC = {
 
 def _sql_atomic(base, packed_ops):
     """SQL function: apply a transaction's atomic ops to the stored value at commit
-    (one upsert statement for every atomic key). An empty result marks a clear."""
+    (one upsert statement for every atomic key). A cleared result is the INTEGER 0, which
+    no stored value can be (values are BLOBs), and is deleted right after."""
     r = _apply_ops(base, msgpack.unpackb(packed_ops))
-    return b"\x00CLEAR" if r is None else r
+    return 0 if r is None else r
 
 
 _ATOMIC_UPSERT = ("INSERT INTO kv (key, value) VALUES (?1, fdq_atomic(NULL, ?2)) "
@@ -717,6 +718,8 @@ for _name in _ATOMIC:
 # Transactions
 
 _SET, _CLEAR, _ATOMIC_OPS, _VSVALUE = 0, 1, 2, 3
+# States in which every use of a transaction fails with one error until reset().
+_CLOSED_STATE_ERRORS = {"cancelled": 1025, "timed_out": 1031}
 
 
 class _Range:
@@ -734,6 +737,7 @@ class _Range:
         self._rows = []
         self._done = False
         self._gen = tr._merged_range(begin, end, reverse)
+        self._attempt = tr._attempt
         self._conflict = None
         if not snapshot and begin < end:
             self._conflict = [begin, begin] if not reverse else [end, end]
@@ -776,14 +780,14 @@ class _Range:
             if self._done:
                 return
             self._tr._check_use()
+            if self._tr._attempt is not self._attempt:
+                # reset() or on_error() since: FDB cancels the range's pending reads.
+                raise EngineError(1025)
             self._fill(batch)
             batch = min(batch * 2, 8192)
 
     def to_list(self):
         return list(self)
-
-    def __getitem__(self, i):  # convenience; FDB's FDBRange has none
-        return self.to_list()[i]
 
 
 class _ReadView:
@@ -901,15 +905,22 @@ class Transaction(_ReadView):
         self.db = db
         self._tr = self
         self._conn = None
-        self._timeout_ms = db._defaults.get("timeout_ms", 0)
-        self._retry_limit = db._defaults.get("retry_limit", -1)
-        self._max_retry_delay_ms = db._defaults.get("max_retry_delay_ms", 1000)
+        self._reset_options()
+        self._reset_state()
+
+    def _reset_options(self):
+        """The options that survive on_error, back to the database's defaults (as FDB's
+        reset(), which clears every option)."""
+        defaults = self.db._defaults
+        self._timeout_ms = defaults.get("timeout_ms", 0)
+        self._retry_limit = defaults.get("retry_limit", -1)
+        self._max_retry_delay_ms = defaults.get("max_retry_delay_ms", 1000)
         self._created = _clock()
         self._retries = 0
         self._backoff = 0.01
-        self._reset_state()
 
     def _reset_state(self):
+        self._attempt = object()  # identifies this attempt: ranges must not outlive it
         self._release()
         self._rv = None
         self._rv_clock = None
@@ -919,7 +930,8 @@ class Transaction(_ReadView):
         self._clear_begins = []
         self._read_ranges = []
         self._write_ranges = []
-        self._vs_keys = []       # (key with placeholder, offset, value)
+        self._vs_keys = []       # (key with placeholder, offset, value, clears before it)
+        self._clear_log = []     # every clear / clear_range in order (only read for _vs_keys)
         self._unreadable = []    # [begin, end) unreadable until commit (versionstamped keys)
         self._mutation_bytes = 0
         self._mutations = 0
@@ -986,11 +998,11 @@ class Transaction(_ReadView):
 
     def _check_use(self):
         if self._state != "open":
-            if self._state == "cancelled":
-                raise EngineError(1025)
-            raise EngineError(2017)
+            raise EngineError(_CLOSED_STATE_ERRORS.get(self._state, 2017))
         if self._timeout_ms and (_clock() - self._created) * 1000 > self._timeout_ms:
-            self._state = "cancelled"
+            # As FDB: every later use (on_error included) fails with 1031 until reset().
+            self._release()
+            self._state = "timed_out"
             raise EngineError(1031)
         if self._deferred is not None:
             raise self._deferred
@@ -1084,13 +1096,14 @@ class Transaction(_ReadView):
 
     def _db_iter(self, b, e, reverse, skip_clears):
         """Rows of the snapshot in [b, e), skipping this transaction's cleared ranges."""
-        conn = self._ensure_snapshot()
         batch = 64
         lo, hi = b, e
         q = ("SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key %s LIMIT ?"
              % ("DESC" if reverse else "ASC"))
         while lo < hi:
-            rows = conn.execute(q, (lo, hi, batch)).fetchall()
+            # Every batch reads at the read version: 1007 once it is over 5 s old, as a
+            # storage server answers an iteration that outlives the MVCC window.
+            rows = self._ensure_snapshot().execute(q, (lo, hi, batch)).fetchall()
             for k, v in rows:
                 if skip_clears and self._clears:
                     c = self._in_clears(k)
@@ -1110,8 +1123,6 @@ class Transaction(_ReadView):
                     lo = rows[-1][0] + b"\x00"
                 batch = min(batch * 4, 4096)
                 continue
-            if self._conn is None:
-                return
 
     def _merged_range(self, b, e, reverse):
         ryw = not self._ryw_disabled
@@ -1158,8 +1169,12 @@ class Transaction(_ReadView):
         if offset >= 1:
             start = key + b"\x00" if sel.or_equal else key
             start = min(start, top)
-            rows = list(self._merged_range(start, top, False)) if start < top else []
-            # Bounded: selectors used by FDQ have small offsets.
+            rows = []
+            if start < top:  # stop after `offset` rows, not at the end of the key space
+                for kv in self._merged_range(start, top, False):
+                    rows.append(kv)
+                    if len(rows) >= offset:
+                        break
             result = rows[offset - 1].key if len(rows) >= offset else top
             if not snap:
                 self._read_ranges.append([min(key, result), max(start, result + b"\x00") if result != top else top])
@@ -1212,6 +1227,8 @@ class Transaction(_ReadView):
         if not self._check_write_key(key):
             return
         self._put(key, (_CLEAR, None))
+        if self._vs_keys:
+            self._clear_log.append((key, key + b"\x00"))
         self._note_write(key)
         self._mutation_bytes += len(key) + ENTRY_OVERHEAD_BYTES
         self._mutations += 1
@@ -1234,6 +1251,8 @@ class Transaction(_ReadView):
             for k in [k for k in self._writes if b <= k < e]:
                 del self._writes[k]
             self._sorted_keys = None
+        if self._vs_keys:
+            self._clear_log.append((b, e))
         self._clears = _merge_ranges(self._clears + [[b, e]])
         self._clear_begins = [c[0] for c in self._clears]
         self._note_write(b, e)
@@ -1326,7 +1345,7 @@ class Transaction(_ReadView):
         body = key[:-4]
         if not self._check_write_key(body):
             return
-        self._vs_keys.append((body, offset, value))
+        self._vs_keys.append((body, offset, value, len(self._clear_log)))
         # Unreadable until commit: every key the stamp could produce.
         lo = body[:offset] + (self._rv or 0).to_bytes(8, "big") + b"\x00\x00" + body[offset + 10:]
         hi = body[:offset] + b"\xff" * 10 + body[offset + 10:] + b"\x00"
@@ -1378,7 +1397,7 @@ class Transaction(_ReadView):
 
     def _check_writable(self):
         if self._state != "open":
-            raise EngineError(1025 if self._state == "cancelled" else 2017)
+            raise EngineError(_CLOSED_STATE_ERRORS.get(self._state, 2017))
 
     def get_approximate_size(self) -> Future:
         return Future.ready(self._approximate_size())
@@ -1507,10 +1526,14 @@ class Transaction(_ReadView):
         write_ranges = self._write_ranges
         vs_sets = []
         if self._vs_keys:
-            for body, off, value in self._vs_keys:
+            vs_conflicts = []
+            for body, off, value, n_clears in self._vs_keys:
                 k = body[:off] + stamp + body[off + 10:]
-                vs_sets.append((k, value))
-            write_ranges = write_ranges + [(k, k + b"\x00") for k, _v in vs_sets]
+                vs_conflicts.append((k, k + b"\x00"))
+                # FDB applies mutations in order: a clear issued after it removes it.
+                if not any(b <= k < e for b, e in self._clear_log[n_clears:]):
+                    vs_sets.append((k, value))
+            write_ranges = write_ranges + vs_conflicts
         w.execute("INSERT INTO txlog VALUES (?, ?, ?)", (version, now, _pack_ranges(write_ranges)))
         if has_reads:
             if rv < version - MVCC_WINDOW_VERSIONS:
@@ -1544,7 +1567,7 @@ class Transaction(_ReadView):
         if atomics:
             w.executemany(_ATOMIC_UPSERT, atomics)
             if may_clear:
-                w.executemany("DELETE FROM kv WHERE key = ? AND value = x'00434c454152'", may_clear)
+                w.executemany("DELETE FROM kv WHERE key = ? AND typeof(value) = 'integer'", may_clear)
         store.commits_since_prune += 1
         if store.commits_since_prune >= 256:
             store.commits_since_prune = 0
@@ -1573,6 +1596,11 @@ class Transaction(_ReadView):
         return self._committed_version
 
     def get_versionstamp(self) -> VersionstampFuture:
+        if self._state != "open":
+            # As FDB: ask before commit(); afterwards it is used_during_commit until reset().
+            f = VersionstampFuture()
+            f._resolve(None, EngineError(_CLOSED_STATE_ERRORS.get(self._state, 2017)))
+            return f
         if self._vs_future is None:
             self._vs_future = VersionstampFuture()
             if self._vs_result is not None:
@@ -1588,9 +1616,7 @@ class Transaction(_ReadView):
         for _k, _b, f in self._pending_watches:
             f._resolve(None, EngineError(1025))
         self._reset_state()
-        self._created = _clock()
-        self._retries = 0
-        self._backoff = 0.01
+        self._reset_options()
 
     def cancel(self):
         for _k, _b, f in self._pending_watches:
@@ -1605,10 +1631,11 @@ class Transaction(_ReadView):
         if code is None:
             raise TypeError("on_error takes an FDB error or its code")
         err = error if isinstance(error, EngineError) else EngineError(code)
-        if self._state == "cancelled":
-            return Future.ready(None, EngineError(1025))
+        if self._state in _CLOSED_STATE_ERRORS:
+            return Future.ready(None, EngineError(_CLOSED_STATE_ERRORS[self._state]))
         if self._timeout_ms and (_clock() - self._created) * 1000 > self._timeout_ms:
             self.cancel()
+            self._state = "timed_out"
             return Future.ready(None, EngineError(1031))
         if not is_retryable(err) or (0 <= self._retry_limit <= self._retries):
             self.cancel()

@@ -81,7 +81,7 @@ class ShardSpace:
     """The keys of one shard ``(tag, n)`` of one subscription."""
 
     __slots__ = ("topic", "sub", "tag", "n", "space", "ready", "delayed", "leased", "stats",
-                 "record", "chunks", "_stat_keys", "ready_prefix")
+                 "record", "chunks", "_stat_keys", "ready_prefix", "leased_prefix")
 
     def __init__(self, ts: "TopicSpace", sub: str, tag: str, n: int):
         self.topic, self.sub, self.tag, self.n = ts.name, sub, tag, n
@@ -93,13 +93,16 @@ class ShardSpace:
         self.record = ts.config_space["shards"][sub][tag][n].key()
         self.chunks = ts.subs[sub]["chunks"]
         self.ready_prefix = self.ready.key()
+        self.leased_prefix = self.leased.key()
         self._stat_keys = {}
 
+    # A complete Versionstamp packs as 0x33 + its 12 bytes: concatenating is what
+    # ``Subspace.pack((vs,))`` returns, ~5x cheaper on the consuming hot path.
     def ready_key(self, vs: Versionstamp) -> bytes:
-        return self.ready.pack((vs,))
+        return self.ready_prefix + b"\x33" + vs.to_bytes()
 
     def leased_key(self, vs: Versionstamp) -> bytes:
-        return self.leased.pack((vs,))
+        return self.leased_prefix + b"\x33" + vs.to_bytes()
 
     def delayed_key(self, due: int, vs: Versionstamp) -> bytes:
         return self.delayed.pack((due, vs))

@@ -1,0 +1,495 @@
+"""Benchmarks of FDQ's queue paths on the embedded engine, with raw ``sqlite3`` doing the
+equivalent rows in the same run as the reference.
+
+Run::
+
+    python bench/queue_bench.py              # full run, bounded (about 2 minutes)
+    python bench/queue_bench.py --quick      # smaller counts (about 40 s)
+    python bench/queue_bench.py --json       # machine-readable
+    python bench/queue_bench.py --markdown   # the table for bench/RESULTS.md
+    python bench/queue_bench.py --cases push_many,consume   # a subset
+
+Cases (100-byte bodies, fresh database per case, each bounded in count and seconds):
+
+* ``push_single``: one ``Producer.push`` per call from one thread (msgs/s, p50/p99 of
+  the call: each returns after its own commit).
+* ``push_threads``: ``push`` from 8 threads sharing one Producer (group commit).
+* ``push_many``: ``push_many`` of 100; also from 2 producer processes at once.
+* ``raw``: raw ``sqlite3`` writing what a push writes, per message a log row and a ready
+  row (tuple-packed keys, msgpack records) plus per transaction three counter upserts
+  and a marker, ``executemany`` per 100 messages: the physical reference for push_many.
+* ``consume``: drain a preloaded backlog in each delivery mode with 1 and 2 consumer
+  processes (msgs/s from the first delivery to the last).
+* ``latency``: a producer process pushing single messages at 1,000/s, a consumer process
+  (at-least-once) recording push-to-handler latency on CLOCK_MONOTONIC (one clock for
+  every process of the machine): p50/p99.
+* ``failover``: two consumer processes under a steady stream; one is killed with SIGKILL;
+  seconds until the survivor owns every shard (zombie timeout 1.5 s, heartbeat 0.25 s),
+  and until the backlog is drained, the dead consumer's leases included (ack wait 2 s).
+
+Every case also reports engine transactions per message (commits that wrote, counted in
+each process).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import signal
+import sqlite3
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from time import perf_counter
+
+import msgpack
+
+import fdq
+import fdb.tuple
+from fdq.engine import sqlite as engine_sqlite
+
+BODY = b"x" * 100
+SHARDS = 16
+FAILOVER_ACK_WAIT_S = 2.0   # the dead consumer's leases come back after this
+FAST = dict(heartbeat_interval_s=0.25, zombie_timeout_s=1.5, poll_interval_s=0.05,
+            lease_check_interval_s=0.25)
+
+
+# -- transaction counting (per process) ------------------------------------------------
+
+_COMMITS = [0]
+
+
+def _count_commits():
+    """Count commits that wrote something: the engine's transactions per message."""
+    original = engine_sqlite.Transaction.commit
+    if getattr(original, "_counted", False):
+        return
+
+    def commit(self):
+        if self._writes or self._clears or self._vs_keys:
+            _COMMITS[0] += 1
+        return original(self)
+    commit._counted = True
+    engine_sqlite.Transaction.commit = commit
+
+
+def _progress(msg):
+    print(f"  {msg}", file=sys.stderr, flush=True)
+
+
+def _pct(values, p):
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(len(values) * p))]
+
+
+# -- push ---------------------------------------------------------------------------
+
+def bench_push_single(url, n, seconds):
+    db = fdq.connect(url)
+    p = fdq.Producer(db)
+    p.push("t", BODY)
+    c0 = _COMMITS[0]
+    lat = []
+    t0 = perf_counter()
+    deadline = t0 + seconds
+    for _ in range(n):
+        s = perf_counter()
+        p.push("t", BODY)
+        lat.append(perf_counter() - s)
+        if s > deadline:
+            break
+    el = perf_counter() - t0
+    return {"msgs_per_s": len(lat) / el, "p50_ms": _pct(lat, .5) * 1e3, "p99_ms": _pct(lat, .99) * 1e3,
+            "tx_per_msg": (_COMMITS[0] - c0) / len(lat)}
+
+
+def bench_push_threads(url, n, seconds, threads=8):
+    db = fdq.connect(url)
+    p = fdq.Producer(db)
+    p.push("t", BODY)
+    c0 = _COMMITS[0]
+    counts = [0] * threads
+    lat = [[] for _ in range(threads)]
+    deadline = perf_counter() + seconds
+
+    def work(i):
+        for _ in range(n // threads):
+            s = perf_counter()
+            p.push("t", BODY)
+            lat[i].append(perf_counter() - s)
+            counts[i] += 1
+            if s > deadline:
+                return
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    t0 = perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    el = perf_counter() - t0
+    total = sum(counts)
+    all_lat = [x for lst in lat for x in lst]
+    return {"msgs_per_s": total / el, "p50_ms": _pct(all_lat, .5) * 1e3, "p99_ms": _pct(all_lat, .99) * 1e3,
+            "tx_per_msg": (_COMMITS[0] - c0) / total}
+
+
+def _push_many_worker(url, batches, seconds, topic, out):
+    _count_commits()
+    db = fdq.connect(url)
+    p = fdq.Producer(db)
+    envs = [fdq.Envelope(BODY) for _ in range(100)]
+    p.push_many(topic, envs[:1])
+    c0 = _COMMITS[0]
+    lat = []
+    t0 = perf_counter()
+    deadline = t0 + seconds
+    for _ in range(batches):
+        s = perf_counter()
+        p.push_many(topic, envs)
+        lat.append(perf_counter() - s)
+        if s > deadline:
+            break
+    el = perf_counter() - t0
+    out.put({"msgs": len(lat) * 100, "elapsed": el, "t0": t0, "t1": t0 + el, "p50_ms": _pct(lat, .5) * 1e3,
+             "p99_ms": _pct(lat, .99) * 1e3, "tx": _COMMITS[0] - c0})
+
+
+def bench_push_many(url, batches, seconds, procs=1):
+    ctx = mp.get_context("spawn")
+    fdq.Supervisor(fdq.connect(url)).create_topic("t", shards=SHARDS)
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_push_many_worker, args=(url, batches, seconds, "t", q)) for _ in range(procs)]
+    for p in ps:
+        p.start()
+    res = [q.get(timeout=seconds + 120) for _ in ps]
+    for p in ps:
+        p.join(30)
+    msgs = sum(r["msgs"] for r in res)
+    span = max(r["t1"] for r in res) - min(r["t0"] for r in res)
+    return {"msgs_per_s": msgs / span, "p50_ms": statistics.median(r["p50_ms"] for r in res),
+            "p99_ms": max(r["p99_ms"] for r in res), "tx_per_msg": sum(r["tx"] for r in res) / msgs}
+
+
+def bench_raw(path, batches, seconds):
+    """Raw sqlite3 writing a push_many's rows: per message a log row and a ready row,
+    per transaction 3 counter upserts and a marker row."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute("CREATE TABLE kv (key BLOB PRIMARY KEY, value BLOB NOT NULL) WITHOUT ROWID")
+    upsert = "INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)"
+    counters = [fdb.tuple.pack(("fdq", "topic", "t", "all", "stats", n)) for n in ("inserted", "routed")]
+    counters.append(fdb.tuple.pack(("fdq", "topic", "t", "subs", "default", "stats", "routed")))
+    log_prefixes = [fdb.tuple.pack(("fdq", "topic", "t", "all", "log", n)) for n in range(SHARDS)]
+    ready_prefixes = [fdb.tuple.pack(("fdq", "topic", "t", "subs", "default", "shards", "", n, "ready"))
+                      for n in range(SHARDS)]
+    seq = 0
+    lat = []
+    t0 = perf_counter()
+    deadline = t0 + seconds
+    for b in range(batches):
+        s = perf_counter()
+        rows = []
+        stamp = (b + 1).to_bytes(10, "big")
+        now_ms = int(time.time() * 1000)
+        for i in range(100):
+            seq += 1
+            vs = b"\x33" + stamp + i.to_bytes(2, "big")   # a tuple-packed Versionstamp
+            rec = msgpack.packb([now_ms, None, None, None, BODY], use_bin_type=True)
+            rows.append((log_prefixes[seq % SHARDS] + vs, rec))
+            rows.append((ready_prefixes[seq % SHARDS] + vs, rec))
+        conn.execute("BEGIN IMMEDIATE")
+        conn.executemany(upsert, rows)
+        for k in counters:   # a counter's read-modify-write (FDB's atomic add)
+            row = conn.execute("SELECT value FROM kv WHERE key = ?", (k,)).fetchone()
+            old = int.from_bytes(row[0], "little") if row else 0
+            conn.execute(upsert, (k, (old + 100).to_bytes(8, "little")))
+        conn.execute(upsert, (fdb.tuple.pack(("fdq", "topic", "t", "marks", os.urandom(16))), b"m" * 30))
+        conn.execute("COMMIT")
+        lat.append(perf_counter() - s)
+        if s > deadline:
+            break
+    el = perf_counter() - t0
+    conn.close()
+    return {"msgs_per_s": len(lat) * 100 / el, "p50_ms": _pct(lat, .5) * 1e3, "p99_ms": _pct(lat, .99) * 1e3,
+            "tx_per_msg": 0.01}
+
+
+# -- consume ------------------------------------------------------------------------
+
+def _consume_worker(url, topic, mode, total, seconds, out):
+    _count_commits()
+    db = fdq.connect(url)
+    first, last, count = [None], [None], [0]
+    lock = threading.Lock()
+
+    def note():
+        now = perf_counter()
+        with lock:
+            if first[0] is None:
+                first[0] = now
+            last[0] = now
+            count[0] += 1
+
+    if mode == "exactly_once":
+        def handler(tr, m):
+            note()
+        kw = {"transactional": True}
+    else:
+        def handler(m):
+            note()
+        kw = {"acking": mode == "at_least_once"}
+    c = fdq.tail(db, topic, handler, config=fdq.ConsumerConfig(**FAST), **kw)
+    sup = fdq.Supervisor(db)
+    deadline = perf_counter() + seconds
+    while perf_counter() < deadline:
+        if sup.stats(topic)["subscriptions"]["default"]["backlog"] == 0:
+            break
+        time.sleep(0.05)
+    c.shutdown()
+    out.put({"first": first[0], "last": last[0], "count": count[0], "tx": _COMMITS[0],
+             "wall_first": time.monotonic() - (perf_counter() - first[0]) if first[0] else None,
+             "wall_last": time.monotonic() - (perf_counter() - last[0]) if last[0] else None})
+
+
+def bench_consume(url, mode, total, procs, seconds):
+    db = fdq.connect(url)
+    sup = fdq.Supervisor(db)
+    topic = "c"
+    sup.create_topic(topic, shards=SHARDS)
+    p = fdq.Producer(db)
+    for i in range(0, total, 500):
+        p.push_many(topic, [fdq.Envelope(BODY, shard_key=f"k{j % 1000}") for j in range(i, min(total, i + 500))])
+    sup.pause(topic)   # consumers join, take their shards, and wait
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_consume_worker, args=(url, topic, mode, total, seconds, q)) for _ in range(procs)]
+    for pr in ps:
+        pr.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        st = sup.stats(topic)["subscriptions"]["default"]
+        if len(st["consumers"]) == procs and all(c["shards"] for c in st["consumers"]):
+            break
+        time.sleep(0.05)
+    sup.play(topic)
+    res = [q.get(timeout=seconds + 120) for _ in ps]
+    for pr in ps:
+        pr.join(30)
+    got = sum(r["count"] for r in res)
+    firsts = [r["wall_first"] for r in res if r["wall_first"]]
+    lasts = [r["wall_last"] for r in res if r["wall_last"]]
+    span = max(lasts) - min(firsts)
+    return {"msgs_per_s": got / span if span > 0 else float("nan"), "delivered": got, "pushed": total,
+            "tx_per_msg": sum(r["tx"] for r in res) / max(got, 1)}
+
+
+# -- end-to-end latency ---------------------------------------------------------------
+
+def _latency_producer(url, rate, seconds):
+    db = fdq.connect(url)
+    p = fdq.Producer(db)
+    interval = 1.0 / rate
+    t0 = time.monotonic()
+    n = int(rate * seconds)
+    for i in range(n):
+        target = t0 + i * interval
+        now = time.monotonic()
+        if target > now:
+            time.sleep(target - now)
+        p.push("lat", time.monotonic_ns().to_bytes(8, "big") + BODY, shard_key=f"k{i % 64}")
+
+
+def _latency_consumer(url, n, seconds, ready, out):
+    db = fdq.connect(url)
+    lat = []
+    done = threading.Event()
+
+    def handler(m):
+        lat.append((time.monotonic_ns() - int.from_bytes(m.body[:8], "big")) / 1e6)
+        if len(lat) >= n:
+            done.set()
+    c = fdq.tail(db, "lat", handler, config=fdq.ConsumerConfig(**FAST))
+    ready.set()
+    done.wait(seconds)
+    c.shutdown()
+    out.put(lat)
+
+
+def bench_latency(url, rate, seconds):
+    fdq.Supervisor(fdq.connect(url)).create_topic("lat", shards=SHARDS)
+    ctx = mp.get_context("spawn")
+    q, ready = ctx.Queue(), ctx.Event()
+    n = int(rate * seconds)
+    cons = ctx.Process(target=_latency_consumer, args=(url, n, seconds + 60, ready, q))
+    cons.start()
+    ready.wait(60)
+    time.sleep(0.5)   # let it take its shards and set its watches (not part of a test)
+    prod = ctx.Process(target=_latency_producer, args=(url, rate, seconds))
+    prod.start()
+    lat = q.get(timeout=seconds + 120)
+    prod.join(30)
+    cons.join(30)
+    return {"p50_ms": _pct(lat, .5), "p99_ms": _pct(lat, .99), "max_ms": max(lat) if lat else float("nan"),
+            "delivered": len(lat), "pushed": n}
+
+
+# -- failover -------------------------------------------------------------------------
+
+def _failover_consumer(url, name):
+    db = fdq.connect(url)
+    fdq.tail(db, "fo", lambda m: None, consumer_id=name,
+             config=fdq.ConsumerConfig(ack_wait_s=FAILOVER_ACK_WAIT_S, **FAST))
+    while True:
+        time.sleep(1)
+
+
+def _failover_producer(url, stop):
+    db = fdq.connect(url)
+    p = fdq.Producer(db)
+    i = 0
+    while not stop.is_set() and i < 200_000:
+        p.push_many("fo", [fdq.Envelope(BODY, shard_key=f"k{(i + j) % 97}") for j in range(20)])
+        i += 20
+        time.sleep(0.01)
+
+
+def bench_failover(url):
+    db = fdq.connect(url)
+    sup = fdq.Supervisor(db)
+    sup.create_topic("fo", shards=SHARDS)
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    cons = {n: ctx.Process(target=_failover_consumer, args=(url, n)) for n in ("a", "b")}
+    for c in cons.values():
+        c.start()
+    prod = ctx.Process(target=_failover_producer, args=(url, stop))
+    prod.start()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            cs = sup.stats("fo")["subscriptions"]["default"]["consumers"]
+            if len(cs) == 2 and all(c["shards"] for c in cs):
+                break
+            time.sleep(0.05)
+        time.sleep(1.0)
+        os.kill(cons["a"].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        takeover = None
+        while time.monotonic() - killed < 60:
+            cs = sup.stats("fo")["subscriptions"]["default"]["consumers"]
+            if [c["id"] for c in cs] == ["b"] and len(cs[0]["shards"]) == SHARDS:
+                takeover = time.monotonic() - killed
+                break
+            time.sleep(0.01)
+        stop.set()
+        prod.join(30)
+        drained = None
+        while time.monotonic() - killed < 90:
+            if sup.stats("fo")["subscriptions"]["default"]["backlog"] == 0:
+                drained = time.monotonic() - killed
+                break
+            time.sleep(0.02)
+    finally:
+        stop.set()
+        for pr in list(cons.values()) + [prod]:
+            if pr.is_alive():
+                pr.kill()
+            pr.join(10)
+    return {"takeover_s": takeover, "drained_s": drained}
+
+
+# -- driver ---------------------------------------------------------------------------
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--cases", default="push,raw,consume,latency,failover")
+    ap.add_argument("--dir", default=None)
+    args = ap.parse_args(argv)
+    _count_commits()
+    cases = set(args.cases.split(","))
+    q = args.quick
+    secs = 3.0 if q else 6.0
+    base = tempfile.mkdtemp(prefix="fdq-bench-", dir=args.dir)
+    counter = [0]
+
+    def url():
+        counter[0] += 1
+        return f"sqlite://{base}/q{counter[0]}.db"
+    rows = []
+
+    def row(name, r, target=""):
+        rows.append({"case": name, **r, "target": target})
+        _progress(f"{name}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                          for k, v in r.items()))
+    try:
+        if "push" in cases or "push_many" in cases:
+            row("push (single, 1 thread)", bench_push_single(url(), 3000 if q else 20000, secs), "≥ 8,000/s")
+            row("push (8 threads, group commit)", bench_push_threads(url(), 16000 if q else 80000, secs),
+                "≥ 40,000/s")
+            row("push_many of 100, 1 process", bench_push_many(url(), 300 if q else 2000, secs), "≥ 60,000/s")
+            row("push_many of 100, 2 processes", bench_push_many(url(), 300 if q else 2000, secs, procs=2))
+        if "raw" in cases:
+            row("raw sqlite3, push_many's rows", bench_raw(f"{base}/raw.db", 300 if q else 2000, secs))
+        if "consume" in cases:
+            total = 10_000 if q else 30_000
+            targets = {"at_most_once": "≥ 50,000/s", "at_least_once": "≥ 30,000/s", "exactly_once": "≥ 25,000/s"}
+            for mode in ("at_most_once", "at_least_once", "exactly_once"):
+                for procs in (1, 2):
+                    row(f"consume {mode}, {procs} process{'es' if procs > 1 else ''}",
+                        bench_consume(url(), mode, total, procs, 120), targets[mode] if procs == 1 else "")
+        if "latency" in cases:
+            row("end-to-end at 1,000 msgs/s (2 processes)", bench_latency(url(), 1000, 3 if q else 8),
+                "p50 ≤ 2 ms, p99 ≤ 10 ms")
+        if "failover" in cases:
+            row("failover (kill -9 of 1 of 2 consumers)", bench_failover(url()))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    raw = next((r for r in rows if r["case"].startswith("raw")), None)
+    many = next((r for r in rows if r["case"] == "push_many of 100, 1 process"), None)
+    if raw and many:
+        many["of_raw"] = many["msgs_per_s"] / raw["msgs_per_s"]
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, SQLite {sqlite3.sqlite_version}"
+    if args.json:
+        print(json.dumps({"machine": machine, "rows": rows}, indent=1, default=str))
+        return
+    cols = ["case", "msgs_per_s", "p50_ms", "p99_ms", "tx_per_msg", "of_raw", "takeover_s", "drained_s",
+            "delivered", "target"]
+    used = [c for c in cols if any(c in r for r in rows)]
+
+    def fmt(v):
+        if v is None:
+            return "–"
+        if isinstance(v, float):
+            return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+        return f"{v:,}" if isinstance(v, int) else str(v)
+    if args.markdown:
+        print("| " + " | ".join(used) + " |")
+        print("|" + "|".join("---" if c in ("case", "target") else "---:" for c in used) + "|")
+        for r in rows:
+            print("| " + " | ".join(fmt(r.get(c, "")) if c in r else "" for c in used) + " |")
+        print(f"\nMachine: {machine}")
+        return
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"FDQ queue benchmarks ({machine})")
+    for c in used:
+        t.add_column(c, justify="left" if c in ("case", "target") else "right")
+    for r in rows:
+        t.add_row(*[fmt(r.get(c)) if c in r else "" for c in used])
+    Console(width=max(160, shutil.get_terminal_size().columns)).print(t)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""``fdq.connect``: bad URLs give ConnectError naming the URL and the cause; a database
+of a newer layout is refused with FormatError."""
+from __future__ import annotations
+
+import ctypes.util
+import os
+import subprocess
+import sys
+
+import fdb.tuple
+import pytest
+
+import fdq
+from fdq.keyspace import FORMAT_VERSION, Keyspace
+
+
+@pytest.mark.parametrize("url,cause", [
+    ("mysql://localhost/db", "unknown scheme"),
+    ("sqlite:///no/such/directory/x.db", "does not exist"),
+    ("sqlite://", "no database file path"),
+    ("sqlite:///{tmp}/x.db?frobnicate=1", "unknown option 'frobnicate'"),
+    ("sqlite:///{tmp}/x.db?fault_injection=lots", "not a valid float"),
+    ("sqlite:///{tmp}/x.db?fault_injection=2", "probability"),
+    ("sqlite:///{tmp}/x.db?synchronous=SOMETIMES", "synchronous"),
+    ("fdb:///no/such/fdb.cluster", "not readable"),
+])
+def test_bad_urls(tmp_path, url, cause):
+    url = url.replace("/{tmp}", str(tmp_path))
+    with pytest.raises(fdq.ConnectError) as info:
+        fdq.connect(url)
+    assert url in str(info.value) and cause in str(info.value)
+    assert isinstance(info.value, fdq.FDQError)
+
+
+def test_not_a_database_file(tmp_path):
+    path = tmp_path / "garbage.db"
+    path.write_bytes(b"this is not SQLite" * 100)
+    with pytest.raises(fdq.ConnectError) as info:
+        fdq.connect(f"sqlite://{path}")
+    assert str(path) in str(info.value)
+
+
+def test_non_string_url():
+    with pytest.raises(fdq.ConnectError):
+        fdq.connect(42)
+
+
+@pytest.mark.skipif(bool(ctypes.util.find_library("fdb_c")), reason="the FoundationDB client library is installed")
+def test_fdb_without_the_client_library(tmp_path):
+    """In a fresh process: loading the binding changes module state."""
+    cluster = tmp_path / "fdb.cluster"
+    cluster.write_text("test:test@127.0.0.1:4500\n")
+    code = ("import fdq, sys\n"
+            "try:\n"
+            f"    fdq.connect('fdb://{cluster}')\n"
+            "except fdq.ConnectError as e:\n"
+            "    print(e); sys.exit(0)\n"
+            "sys.exit(1)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"fdb://{cluster}" in out.stdout and "client library" in out.stdout
+    assert "Install" in out.stdout  # says how to get it
+
+
+def test_connect_checks_the_format_and_writes_nothing(tmp_path):
+    url = f"sqlite://{tmp_path / 'f.db'}"
+    db = fdq.connect(url)
+    assert list(db.create_transaction().get_range(b"", b"\xff")) == []  # checking wrote nothing
+    ks = Keyspace()
+    db[ks.format_key] = fdb.tuple.pack((FORMAT_VERSION,))
+    fdq.connect(url)  # the current format is fine
+    db[ks.format_key] = fdb.tuple.pack((FORMAT_VERSION + 1,))
+    with pytest.raises(fdq.FormatError) as info:
+        fdq.connect(url)
+    assert str(FORMAT_VERSION + 1) in str(info.value)
+    assert fdq.connect(url, check_format=False) is not None
+
+
+def test_default_url(tmp_path, monkeypatch):
+    monkeypatch.delenv("FDQ_URL", raising=False)
+    monkeypatch.setenv("FDQ_HOME", str(tmp_path / "home"))
+    db = fdq.connect()
+    assert db.path == os.path.join(str(tmp_path / "home"), "fdq.db")
+    monkeypatch.setenv("FDQ_URL", f"sqlite://{tmp_path / 'env.db'}")
+    assert fdq.connect().path == str(tmp_path / "env.db")

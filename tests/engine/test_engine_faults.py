@@ -1,0 +1,241 @@
+"""Fault injection (``?fault_injection=P&seed=S``, embedded engine only): why every FDQ
+transactional function must be idempotent, and a differential test in the spirit of
+FoundationDB's binding tester."""
+from __future__ import annotations
+
+import random
+import struct
+
+import pytest
+
+import fdq
+from fdq.engine import error_types
+
+
+def run_counted(db, body):
+    """FDB's retry loop, counting the errors it retried by code."""
+    errors = {}
+    tr = db.create_transaction()
+    while True:
+        try:
+            result = body(tr)
+            tr.commit().wait()
+            return result, errors
+        except error_types() as e:
+            errors[e.code] = errors.get(e.code, 0) + 1
+            tr.on_error(e).wait()
+
+
+def counter(db, key):
+    v = db[key]
+    return 0 if v is None else struct.unpack("<q", v)[0]
+
+
+def test_a_non_idempotent_function_double_applies_under_1021(eng):
+    db = eng.open(eng.fault_url(0.25, 11))
+    key = eng.k(b"n")
+
+    def increment(tr):  # read-modify-write: correct once, wrong if re-run after a commit
+        tr[key] = struct.pack("<q", counter_in(tr, key) + 1)
+
+    unknown = 0
+    for _ in range(60):
+        _r, errors = run_counted(db, increment)
+        unknown += errors.get(1021, 0)
+    # every commit_unknown_result here followed a real commit, and the retry applied it again
+    assert unknown > 0
+    assert counter(eng.db, key) == 60 + unknown
+
+    # fdq.transactional retries 1021 blindly, as fdb.transactional does
+    key2 = eng.k(b"n2")
+
+    @fdq.transactional
+    def increment2(tr):
+        tr[key2] = struct.pack("<q", counter_in(tr, key2) + 1)
+
+    for _ in range(60):
+        increment2(db)
+    assert counter(eng.db, key2) > 60
+
+
+def counter_in(tr, key):
+    v = tr[key]
+    return 0 if v == None else struct.unpack("<q", bytes(v))[0]  # noqa: E711
+
+
+def test_an_idempotent_function_is_exact_under_1021(eng):
+    db = eng.open(eng.fault_url(0.25, 11))
+    key = eng.k(b"n")
+
+    @fdq.transactional
+    def increment_once(tr, op_id):  # the documented idiom: a marker written with the effect
+        marker = eng.k(b"done/", op_id)
+        if tr[marker] != None:  # noqa: E711
+            return False
+        tr[marker] = b""
+        tr.add(key, struct.pack("<q", 1))
+        return True
+
+    unknown = 0
+    for i in range(60):
+        op_id = b"%04d" % i  # chosen outside the retry loop
+        _r, errors = run_counted(db, lambda tr: increment_once(tr, op_id))
+        unknown += errors.get(1021, 0)
+    assert unknown > 0
+    assert counter(eng.db, key) == 60
+    assert len([k for k, _ in eng.items() if k.startswith(eng.k(b"done/"))]) == 60
+
+
+def test_faults_are_reproducible_for_a_seed(eng, tmp_path):
+    if not eng.embedded:
+        pytest.skip("fault injection is a feature of the embedded engine's URL")
+    runs = []
+    for i in range(2):
+        db = fdq.connect(f"sqlite://{tmp_path / f'r{i}.db'}?fault_injection=0.3&seed=5", check_format=False)
+        codes = []
+        for j in range(40):
+            tr = db.create_transaction()
+            tr[b"k%d" % j] = b""
+            try:
+                tr.commit().wait()
+                codes.append(0)
+            except error_types() as e:
+                codes.append(e.code)
+        runs.append(codes)
+    assert runs[0] == runs[1] and set(runs[0]) - {0}  # same faults, and some happened
+
+
+def test_recoveries_jump_versions_by_100_million(eng):
+    db = eng.open(eng.fault_url(0.5, 3))
+    versions = []
+    for i in range(300):
+        tr = db.create_transaction()
+        tr[eng.k(b"v")] = b"%d" % i
+        try:
+            tr.commit().wait()
+            versions.append(tr.get_committed_version())
+        except error_types() as e:
+            if e.code == 1021:
+                versions.append(tr.get_committed_version())
+    assert all(b > a for a, b in zip(versions, versions[1:]))  # strictly increasing
+    jumps = [b - a for a, b in zip(versions, versions[1:]) if b - a >= 100_000_000]
+    assert jumps and all(j < 200_000_000 for j in jumps)
+
+
+# -- differential test ----------------------------------------------------------------
+
+KEYS = [b"%02d" % i for i in range(24)]
+
+
+def model_atomic(op, old, p):
+    """FDB's atomic ops (Atomic.h), written independently of the engine."""
+    n = len(p)
+    if op == "add":
+        if not old:
+            return p
+        a = int.from_bytes(old[:n].ljust(n, b"\x00"), "little")
+        return ((a + int.from_bytes(p, "little")) % (1 << (8 * n))).to_bytes(n, "little")
+    if op == "bit_xor":
+        if not old:
+            return p
+        return bytes(x ^ y for x, y in zip(old[:n].ljust(n, b"\x00"), p))
+    if op == "byte_max":
+        return p if old is None else max(old, p)
+    if op == "append_if_fits":
+        if not old:
+            return p
+        return old + p if len(old) + len(p) <= 100_000 else old
+    if op == "compare_and_clear":
+        return None if old is None or old == p else old
+    raise AssertionError(op)
+
+
+def random_program(seed, n_tx=80):
+    rng = random.Random(seed)
+    program = []
+    for t in range(n_tx):
+        ops = []
+        for _ in range(rng.randint(1, 6)):
+            kind = rng.choice(["set", "set", "clear", "clear_range", "add", "bit_xor", "byte_max",
+                               "append_if_fits", "compare_and_clear", "read_range"])
+            k = rng.choice(KEYS)
+            if kind == "set":
+                ops.append((kind, k, rng.choice([b"", b"a", b"\x01\x00", b"zz", b"\xff" * 3])))
+            elif kind == "clear_range":
+                b, e = sorted(rng.sample(KEYS, 2))
+                ops.append((kind, b, e))
+            elif kind in ("add", "bit_xor"):
+                ops.append((kind, k, rng.randint(0, 255).to_bytes(rng.choice([1, 2, 8]), "little")))
+            elif kind in ("byte_max", "append_if_fits", "compare_and_clear"):
+                ops.append((kind, k, rng.choice([b"a", b"zz", b"\x01\x00"])))
+            else:
+                ops.append((kind, k, None))
+        program.append((b"%04d" % t, ops))
+    return program
+
+
+def apply_model(state, ops):
+    state = dict(state)
+    for kind, k, arg in ops:
+        if kind == "set":
+            state[k] = arg
+        elif kind == "clear":
+            state.pop(k, None)
+        elif kind == "clear_range":
+            for key in [x for x in state if k <= x < arg]:
+                del state[key]
+        elif kind != "read_range":
+            r = model_atomic(kind, state.get(k), arg)
+            if r is None:
+                state.pop(k, None)
+            else:
+                state[k] = r
+    return state
+
+
+def run_program(eng, db, program):
+    data, marks = eng.k(b"data/"), eng.k(b"mark/")
+    state = {}
+
+    @fdq.transactional
+    def step(tr, tx_id, ops, before):
+        if tr[marks + tx_id] != None:  # noqa: E711 - already applied (1021)
+            return None
+        for kind, k, arg in ops:
+            if kind == "set":
+                tr[data + k] = arg
+            elif kind == "clear":
+                tr.clear(data + k)
+            elif kind == "clear_range":
+                tr.clear_range(data + k, data + arg)
+            elif kind == "read_range":
+                # read-your-writes mid-transaction must match the model exactly
+                seen = {kv.key[len(data):]: kv.value for kv in tr.get_range_startswith(data)}
+                so_far = apply_model(before, ops[:ops.index((kind, k, arg))])
+                assert seen == so_far
+            else:
+                getattr(tr, kind)(data + k, arg)
+        tr[marks + tx_id] = b""
+        return True
+
+    for tx_id, ops in program:
+        step(db, tx_id, ops, state)
+        state = apply_model(state, ops)
+    return state
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_differential_with_and_without_faults(eng, seed):
+    """A seeded random program of retry-safe transactions gives the same key space with
+    fault injection as without, and both match an independent model."""
+    program = random_program(seed)
+    model = run_program(eng, eng.db, program)
+    clean = eng.items()
+    tr = eng.db.create_transaction()
+    tr.clear_range(eng.p, eng.end())
+    tr.commit().wait()
+    run_program(eng, eng.open(eng.fault_url(0.2, seed)), program)
+    faulty = eng.items()
+    assert faulty == clean
+    data = eng.k(b"data/")
+    assert {k[len(data):]: v for k, v in clean if k.startswith(data)} == model

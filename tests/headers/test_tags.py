@@ -1,0 +1,250 @@
+"""Tag dispatch as an ownership rule, in one process: new tags get owners without a
+join or leave, fallback to untagged consumers and back on join, rebalance (with and
+without a shard-count change) applies the same rules, per-tag stats."""
+from __future__ import annotations
+
+import pytest
+
+import fdq
+from fdq import membership
+from fdq.headers import DISPATCH_TAG
+
+from .conftest import wait_for
+
+FAST = fdq.ConsumerConfig(heartbeat_interval_s=0.1, zombie_timeout_s=5.0, poll_interval_s=0.1)
+
+
+def tagged(tag, body, key=None):
+    return fdq.Envelope(body, shard_key=key, headers={DISPATCH_TAG: tag})
+
+
+def owners(db, topic="t"):
+    ts = fdq.Supervisor(db).keyspace.topic(topic)
+    return {s: o for s, (o, _e) in membership.read_owners(db, ts, "default").items()}
+
+
+def drain(consumer, want: set, timeout=30.0) -> list:
+    got = []
+
+    def step():
+        for m in consumer.fetch(100, timeout=0.2):
+            got.append(m)
+            m.ack()
+        return want <= {m.body for m in got}
+    wait_for(step, timeout, f"{consumer.id} to receive {len(want)} messages")
+    return got
+
+
+@pytest.fixture
+def topic(db):
+    fdq.Supervisor(db).create_topic("t", shards=3, extend=True)
+    return "t"
+
+
+def test_new_tag_gets_owner_without_join_or_leave(db, topic):
+    u = fdq.Consumer(db, topic, consumer_id="u", extend_support=True, config=FAST)
+    a = fdq.Consumer(db, topic, consumer_id="a", extend_support=True, desired_tag="A", config=FAST)
+    try:
+        assert a.owned_shards == []
+        p = fdq.Producer(db)
+        p.push_many(topic, [tagged("A", b"a%d" % i, f"k{i}") for i in range(9)])
+        p.push_many(topic, [tagged("Z", b"z%d" % i) for i in range(6)])    # nobody wants Z
+        got_a = drain(a, {b"a%d" % i for i in range(9)})
+        got_u = drain(u, {b"z%d" % i for i in range(6)})
+        assert {m.tag for m in got_a} == {"A"} and {m.tag for m in got_u} == {"Z"}
+        o = owners(db)
+        assert {o[("A", n)] for n in range(3)} == {"a"}
+        assert {o[("Z", n)] for n in range(3)} == {"u"}
+        assert {o[("", n)] for n in range(3)} == {"u"}
+    finally:
+        a.close()
+        u.close()
+
+
+def test_fallback_then_ownership_moves_back_on_join(db, topic):
+    u = fdq.Consumer(db, topic, consumer_id="u", extend_support=True, config=FAST)
+    p = fdq.Producer(db)
+    try:
+        p.push_many(topic, [tagged("A", b"a%d" % i) for i in range(6)])
+        got = drain(u, {b"a%d" % i for i in range(6)})          # no A consumer: untagged gets them
+        assert {m.tag for m in got} == {"A"}
+        a = fdq.Consumer(db, topic, consumer_id="a", extend_support=True, desired_tag="A", config=FAST)
+        try:
+            # The join itself moved the A shards (no wait for a heartbeat).
+            assert sorted(a.owned_shards) == [("A", n) for n in range(3)]
+            assert {owners(db)[("A", n)] for n in range(3)} == {"a"}
+            p.push_many(topic, [tagged("A", b"b%d" % i) for i in range(6)] + [fdq.Envelope(b"plain")])
+            drain(a, {b"b%d" % i for i in range(6)})
+            got_u = drain(u, {b"plain"})
+            assert all(not m.body.startswith(b"b") for m in got_u)
+        finally:
+            a.close()
+        # The last A consumer left: A shards fall back to the untagged consumer at once.
+        assert {owners(db)[("A", n)] for n in range(3)} == {"u"}
+    finally:
+        u.close()
+
+
+def test_two_consumers_share_a_tag_by_shard(db, topic):
+    a1 = fdq.Consumer(db, topic, consumer_id="a1", extend_support=True, desired_tag="A", config=FAST)
+    a2 = fdq.Consumer(db, topic, consumer_id="a2", extend_support=True, desired_tag="A", config=FAST)
+    u = fdq.Consumer(db, topic, consumer_id="u", extend_support=True, config=FAST)
+    try:
+        fdq.Producer(db).push_many(topic, [tagged("A", b"m%d" % i, f"key{i % 5}") for i in range(30)])
+        got = []
+
+        def step():
+            for c in (a1, a2, u):
+                for m in c.fetch(100, timeout=0.1):
+                    got.append((c.id, m))
+                    m.ack()
+            return len(got) >= 30
+        wait_for(step, 30, "30 A messages")
+        assert {cid for cid, _m in got} <= {"a1", "a2"}
+        by_key = {}
+        for cid, m in got:     # shard-key consistency among the A consumers
+            by_key.setdefault(m.shard_key, set()).add(cid)
+        assert all(len(v) == 1 for v in by_key.values())
+        o = owners(db)
+        assert sorted(o[("A", n)] for n in range(3)).count("a1") in (1, 2)
+    finally:
+        for c in (a1, a2, u):
+            c.close()
+
+
+def test_rebalance_applies_tag_rules(db, topic):
+    sup = fdq.Supervisor(db)
+    ts = sup.keyspace.topic(topic)
+    cfg = sup.config(topic)
+    p = fdq.Producer(db)
+    p.push_many(topic, [tagged("A", b"a"), tagged("C", b"c"), fdq.Envelope(b"u")])
+    # Consumer records written directly (no background threads to race the check).
+    membership.join(db, ts, "default", "u1", {"tag": None}, cfg)
+    membership.join(db, ts, "default", "a1", {"tag": "A"}, cfg)
+    # Scramble ownership against the rules, then rebalance.
+    tr = db.create_transaction()
+    for n in range(3):
+        for tag in ("", "A", "C"):
+            tr[ts.shard_records["default"].pack((tag, n))] = fdq.keyspace.codec.pack(["a1" if tag != "A" else "u1", 1])
+    tr.commit().wait()
+    sup.rebalance(topic)
+    o = owners(db)
+    assert {o[("A", n)] for n in range(3)} == {"a1"}
+    assert {o[("C", n)] for n in range(3)} == {"u1"}
+    assert {o[("", n)] for n in range(3)} == {"u1"}
+    tags = sup.stats(topic)["subscriptions"]["default"]["tags"]
+    assert tags["A"] == {"shards": 3, "backlog": 1, "in_flight": 0, "delayed": 0, "owners": ["a1"],
+                         "fallback": False}
+    assert tags["C"]["owners"] == ["u1"] and tags["C"]["fallback"] is True and tags["C"]["backlog"] == 1
+    assert tags[""]["backlog"] == 1 and tags[""]["fallback"] is False
+    cons = {c["id"]: c for c in sup.stats(topic)["subscriptions"]["default"]["consumers"]}
+    assert cons["a1"]["tag"] == "A" and cons["a1"]["tag_shards"] == [["A", n] for n in range(3)]
+    assert cons["u1"]["tag_shards"] == sorted([t, n] for t in ("", "C") for n in range(3))
+    # No untagged consumer: untagged and unwanted-tag shards have no owner, never a tagged one.
+    membership.leave(db, ts, "default", "u1", cfg)
+    sup.rebalance(topic)
+    o = owners(db)
+    assert {o[("C", n)] for n in range(3)} == {o[("", n)] for n in range(3)} == {None}
+    assert {o[("A", n)] for n in range(3)} == {"a1"}
+
+
+def test_reshard_keeps_tags(db, topic):
+    sup = fdq.Supervisor(db)
+    p = fdq.Producer(db)
+    p.push_many(topic, [tagged("A", b"a%d" % i, f"k{i}") for i in range(20)] +
+                [fdq.Envelope(b"u%d" % i, shard_key=f"k{i}") for i in range(20)])
+    a = fdq.Consumer(db, topic, consumer_id="a", extend_support=True, desired_tag="A", config=FAST)
+    u = fdq.Consumer(db, topic, consumer_id="u", extend_support=True, config=FAST)
+    try:
+        sup.rebalance(topic, shards=5)
+        st = sup.stats(topic)["subscriptions"]["default"]["tags"]
+        assert st["A"]["shards"] == 5 and st["A"]["backlog"] == 20 and st["A"]["owners"] == ["a"]
+        assert st[""]["backlog"] == 20 and st[""]["owners"] == ["u"]
+        wait_for(lambda: sorted(a.owned_shards) == [("A", n) for n in range(5)], 20, "a to own A's 5 shards")
+        got_a = drain(a, {b"a%d" % i for i in range(20)})
+        got_u = drain(u, {b"u%d" % i for i in range(20)})
+        assert {m.tag for m in got_a} == {"A"} and {m.tag for m in got_u} == {""}
+        assert all(m.shard == fdq.keyspace.codec.shard_of(m.shard_key, 5) for m in got_a + got_u)
+    finally:
+        a.close()
+        u.close()
+
+
+def test_create_extend_on_existing_plain_topic_is_an_error(db):
+    sup = fdq.Supervisor(db)
+    sup.create_topic("p")
+    with pytest.raises(fdq.TopicExists, match="upgrade_extend"):
+        sup.create_topic("p", extend=True)
+    assert not sup.config("p").extend
+    sup.create_topic("e", extend=True)
+    assert sup.create_topic("e").extend        # one-way: re-creating never downgrades
+
+
+def test_delayed_nak_and_dead_letters_stay_in_the_tag(db, topic):
+    sup = fdq.Supervisor(db)
+    p = fdq.Producer(db)
+    cfg = fdq.ConsumerConfig(heartbeat_interval_s=0.1, poll_interval_s=0.1, max_deliver=5)
+    a = fdq.Consumer(db, topic, consumer_id="a", extend_support=True, desired_tag="A", config=cfg)
+    u = fdq.Consumer(db, topic, consumer_id="u", extend_support=True, config=cfg)
+    try:
+        p.push(topic, b"later", delay=0.3, headers={DISPATCH_TAG: "A"})
+        p.push(topic, b"retry", headers={DISPATCH_TAG: "A"})
+        p.push(topic, b"dead", headers={DISPATCH_TAG: "A"})
+        seen = []
+
+        def step():
+            for m in a.fetch(10, timeout=0.2):
+                seen.append((m.body, m.attempts, m.tag))
+                if m.body == b"retry" and m.attempts == 1:
+                    m.nak(0)
+                elif m.body == b"dead":
+                    m.term("bad")
+                else:
+                    m.ack()
+            return {b"later", b"dead"} <= {b for b, _n, _t in seen} and (b"retry", 2, "A") in seen
+        wait_for(step, 30, "delayed, nak'd and terminated A messages")
+        assert {t for _b, _n, t in seen} == {"A"}
+        assert u.fetch(10, timeout=0.3) == []                        # none leaked to untagged
+        assert sup.dlq_redrive(topic) == 1
+        got = wait_for(lambda: a.fetch(10, timeout=0.2), 20, "the redriven message")
+        assert [(m.body, m.tag) for m in got] == [(b"dead", "A")]
+        got[0].ack()
+        assert u.fetch(10, timeout=0.3) == []
+    finally:
+        a.close()
+        u.close()
+
+
+def test_tag_dispatch_under_fault_injection(tmp_path):
+    """Retryable errors and commit_unknown_result (after a real commit) on every kind of
+    transaction: pushes commit once, new tags still get owners, tags stay apart."""
+    db = fdq.connect(f"sqlite://{tmp_path / 'f.db'}?fault_injection=0.1&seed=7")
+    fdq.Supervisor(db).create_topic("t", shards=2, extend=True)
+    cfg = fdq.ConsumerConfig(heartbeat_interval_s=0.1, zombie_timeout_s=30.0, ack_wait_s=1.0,
+                             poll_interval_s=0.1)
+    a = fdq.Consumer(db, "t", consumer_id="a", extend_support=True, desired_tag="A", config=cfg)
+    u = fdq.Consumer(db, "t", consumer_id="u", extend_support=True, config=cfg)
+    try:
+        p = fdq.Producer(db)
+        for i in range(10):
+            p.push_many("t", [tagged("A", b"a%d-%d" % (i, j)) for j in range(3)] +
+                        [tagged("Q", b"q%d" % i), fdq.Envelope(b"u%d" % i)])
+        got = {"a": [], "u": []}
+
+        def step():
+            for c in (a, u):
+                for m in c.fetch(50, timeout=0.1):
+                    got[c.id].append(m)
+                    try:
+                        m.ack()
+                    except fdq.LeaseLost:
+                        pass    # redelivered later: at least once
+            return ({m.body for m in got["a"]} >= {b"a%d-%d" % (i, j) for i in range(10) for j in range(3)}
+                    and {m.body for m in got["u"]} >= {b"q%d" % i for i in range(10)} | {b"u%d" % i for i in range(10)})
+        wait_for(step, 60, "every message under fault injection")
+        assert {m.tag for m in got["a"]} == {"A"}
+        assert {m.tag for m in got["u"]} == {"Q", ""}
+        assert fdq.Supervisor(db).stats("t")["counters"]["inserted"] == 50     # each push committed once
+    finally:
+        a.close()
+        u.close()

@@ -1,0 +1,274 @@
+"""Delivery details and producer limits, in one process: delayed messages don't block
+ready ones, DLQ after max_deliver, term, nak delay, in_progress extending a lease, the
+dedupe window, max_backlog, auto-batching from 8 threads, large bodies, bad input."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+import fdq
+from fdq.keyspace import Keyspace, parse_message_id
+from fdq.keyspace.codec import CHUNK_BYTES
+
+from qhelpers import scan, sub_stats, wait_for
+
+FAST = dict(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05, lease_check_interval_s=0.05)
+
+
+def _fetch_until(c, cond, timeout=30):
+    """Fetch repeatedly (bounded) until ``cond(all fetched so far)``; returns them."""
+    got = []
+    deadline = time.monotonic() + timeout
+    while not cond(got):
+        assert time.monotonic() < deadline, f"timed out; fetched {[(m.body, m.attempts) for m in got]}"
+        got += c.fetch(100, timeout=0.2)
+    return got
+
+
+def test_delayed_message_does_not_block_ready_ones(db):
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    p = fdq.Producer(db)
+    t0 = time.monotonic()
+    p.push("t", b"later", shard_key="k", delay=1.5)
+    for i in range(5):
+        p.push("t", f"now{i}".encode(), shard_key="k")
+    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+        first = _fetch_until(c, lambda g: len(g) >= 5, 10)
+        assert [m.body for m in first] == [f"now{i}".encode() for i in range(5)]
+        assert time.monotonic() - t0 < 1.5, "ready messages waited for the delayed one"
+        for m in first:
+            m.ack()
+        later = _fetch_until(c, lambda g: g, 30)
+        assert [m.body for m in later] == [b"later"]
+        assert time.monotonic() - t0 >= 1.4, "delivered before its delay"
+        later[0].ack()
+    # It keeps its place in the "all" log: first.
+    log = scan(db, Keyspace().topic("t").log.key())
+    assert b"later" in bytes(log[0][1]) and len(log) == 6
+
+
+def test_dead_letter_after_max_deliver(db):
+    fdq.Supervisor(db).create_topic("t", shards=2)
+    fdq.Producer(db).push("t", b"poison", shard_key="k")
+    calls = []
+
+    def handler(m):
+        calls.append(m.attempts)
+        raise RuntimeError("cannot handle")
+    c = fdq.tail(db, "t", handler, config=fdq.ConsumerConfig(max_deliver=3, **FAST), on_error=lambda e: None)
+    try:
+        wait_for(lambda: sub_stats(db, "t")["dlq"] == 1, 30, what="the message dead-lettered")
+        time.sleep(0.3)
+    finally:
+        c.shutdown()
+    assert calls == [1, 2, 3]
+    [dead] = fdq.Supervisor(db).dlq_list("t")
+    assert dead["body"] == b"poison" and "max_deliver (3)" in dead["reason"] and dead["attempts"] == 3
+    s = sub_stats(db, "t")
+    assert s["backlog"] == 0 and s["in_flight"] == 0
+
+
+def test_term_nak_delay_and_in_progress(db):
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    p = fdq.Producer(db)
+    for body in (b"term", b"nak", b"touched", b"untouched"):
+        p.push("t", body, shard_key="k")
+    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=1.0, **FAST)) as c:
+        got = {m.body: m for m in _fetch_until(c, lambda g: len(g) >= 4, 10)}
+        leased_at = time.monotonic()
+        got[b"term"].term("bad input")
+        got[b"nak"].nak(delay=1.0)
+        # Keep one lease alive with in_progress for 3 × ack_wait; the other expires.
+        redelivered = []
+        while time.monotonic() - leased_at < 3.0:
+            got[b"touched"].in_progress()
+            for m in c.fetch(10, timeout=0.25):
+                redelivered.append(m)
+                m.ack()
+        bodies = [(m.body, m.attempts) for m in redelivered]
+        assert sorted(bodies) == [(b"nak", 2), (b"untouched", 2)], bodies
+        assert all(b != b"touched" for b, _a in bodies), "a lease kept by in_progress expired"
+        assert all(b != b"term" for b, _a in bodies), "a terminated message came back"
+        got[b"touched"].ack()     # still ours: no LeaseLost
+    [dead] = fdq.Supervisor(db).dlq_list("t")
+    assert dead["body"] == b"term" and dead["reason"] == "terminated: bad input"
+    s = sub_stats(db, "t")
+    assert (s["backlog"], s["in_flight"], s["dlq"]) == (0, 0, 1)
+
+
+def test_nak_delay_is_respected(db):
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    fdq.Producer(db).push("t", b"x")
+    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+        [m] = _fetch_until(c, lambda g: g, 10)
+        t0 = time.monotonic()
+        m.nak(delay=1.2)
+        [m2] = _fetch_until(c, lambda g: g, 30)
+        assert time.monotonic() - t0 >= 1.1 and m2.attempts == 2 and m2.id == m.id
+        m2.ack()
+
+
+def test_dedupe_window(db):
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2, dedupe_window_s=1.0)
+    p = fdq.Producer(db)
+    r1 = p.push("t", b"a", msg_id="order-1")
+    r2 = p.push("t", b"a again", msg_id="order-1")
+    assert r2.duplicate and r2.id == r1.id and not r1.duplicate
+    rs = p.push_many("t", [fdq.Envelope(b"b", msg_id="order-2"), fdq.Envelope(b"b", msg_id="order-2")])
+    assert not rs[0].duplicate and rs[1].duplicate and rs[1].id == rs[0].id
+    assert sup.stats("t")["counters"]["inserted"] == 2
+    time.sleep(1.2)    # past the window: the id is new again
+    r3 = p.push("t", b"a later", msg_id="order-1")
+    assert not r3.duplicate and r3.id != r1.id
+    assert sup.stats("t")["counters"]["inserted"] == 3
+    ts = Keyspace().topic("t")
+    assert len(scan(db, ts.dedupe.key())) == 2
+    time.sleep(1.2)
+    sup.trim("t")      # expired dedupe entries are cleaned
+    assert scan(db, ts.dedupe.key()) == [] and scan(db, ts.dedupe_by_version.key()) == []
+
+
+def test_max_backlog_refuses_whole_pushes(db):
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2, max_backlog=10)
+    p = fdq.Producer(db)
+    p.push_many("t", [fdq.Envelope(f"{i}".encode()) for i in range(10)])
+    with pytest.raises(fdq.BacklogFull, match="max_backlog"):
+        p.push("t", b"one too many")
+    with pytest.raises(fdq.BacklogFull):
+        p.push_many("t", [fdq.Envelope(b"x"), fdq.Envelope(b"y")])
+    ts = Keyspace().topic("t")
+    assert sup.stats("t")["counters"]["inserted"] == 10
+    assert len(scan(db, ts.log.key())) == 10 and sub_stats(db, "t")["backlog"] == 10
+    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+        got = _fetch_until(c, lambda g: len(g) >= 4, 10)
+        for m in got[:4]:
+            m.ack()
+        for m in got[4:]:
+            m.nak(0)
+    p.push_many("t", [fdq.Envelope(f"more{i}".encode()) for i in range(4)])
+    with pytest.raises(fdq.BacklogFull):
+        p.push("t", b"full again")
+    assert sup.stats("t")["counters"]["inserted"] == 14
+
+
+def test_auto_batching_from_8_threads(db):
+    fdq.Supervisor(db).create_topic("t", shards=4)
+    p = fdq.Producer(db)
+    ts = Keyspace().topic("t")
+    per_thread, threads = 150, 8
+    ids, errors = [], []
+    start = threading.Barrier(threads)
+
+    def run(t):
+        start.wait(30)
+        try:
+            for i in range(per_thread):
+                r = p.push("t", f"{t}:{i}".encode(), shard_key=f"k{t}")
+                # The call returns after its commit: a new transaction sees the message.
+                raw = db.create_transaction().snapshot[ts.log_key(r.shard, parse_message_id(r.id))]
+                if raw == None:  # noqa: E711
+                    errors.append(f"{r.id} not committed when push returned")
+                ids.append(r.id)
+        except Exception as e:
+            errors.append(repr(e))
+    ths = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(120)
+    assert not errors, errors[:3]
+    total = per_thread * threads
+    assert len(set(ids)) == total
+    assert fdq.Supervisor(db).stats("t")["counters"]["inserted"] == total
+    transactions = len(scan(db, ts.marks_by_version.key()))   # one marker per push transaction
+    print(f"\nauto-batching: {total} pushes from {threads} threads in {transactions} transactions")
+    assert transactions < total
+
+
+def test_large_bodies_split_and_reassembled(db):
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    p = fdq.Producer(db)
+    bodies = [os.urandom(CHUNK_BYTES + 1), os.urandom(250_000), os.urandom(1 << 20)]
+    for b in bodies:
+        p.push("t", b, shard_key="big")
+    with pytest.raises(fdq.MessageTooLarge, match="max_message_bytes"):
+        p.push("t", os.urandom((1 << 20) + 1), shard_key="big")
+    sup.create_topic("small", shards=1, max_message_bytes=200_000)
+    with pytest.raises(fdq.MessageTooLarge):
+        p.push("small", os.urandom(200_001))
+    assert sup.stats("t")["counters"]["inserted"] == 3
+    assert sup.stats("small")["counters"]["inserted"] == 0
+    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+        got = _fetch_until(c, lambda g: len(g) >= 3, 30)
+        assert [m.body for m in got] == bodies
+        for m in got:
+            m.ack()
+    ts = Keyspace().topic("t")
+    assert scan(db, ts.subs["default"]["chunks"].key()) == []   # acked: chunks removed
+    # The "all" log keeps the full bodies for replay.
+    assert p.replay("t", 0) == 3
+
+
+def test_exactly_once_large_body(db):
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    body = os.urandom(300_000)
+    fdq.Producer(db).push("t", body)
+    got = []
+    c = fdq.tail(db, "t", lambda tr, m: got.append(m.body), transactional=True, config=fdq.ConsumerConfig(**FAST))
+    try:
+        wait_for(lambda: sub_stats(db, "t")["backlog"] == 0, 30, what="consumed")
+    finally:
+        c.shutdown()
+    assert got[-1] == body
+
+
+def test_bad_input_is_refused_clearly_and_harms_nothing(db):
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    p = fdq.Producer(db)
+    stored = [f"m{i}".encode() for i in range(20)]
+    p.push_many("t", [fdq.Envelope(b, shard_key="k") for b in stored])
+
+    for name in ("bad name", "", "a" * 65, "x/y", "t#other", "ü", None, 42):
+        with pytest.raises(fdq.InvalidName, match="invalid topic name"):
+            p.push(name, b"x")
+        with pytest.raises(fdq.InvalidName):
+            sup.create_topic(name)
+        with pytest.raises(fdq.InvalidName):
+            fdq.tail(db, name, lambda m: None)
+    with pytest.raises(fdq.InvalidName):
+        fdq.Consumer(db, "t", subscription="no such/sub")
+    for body in ("text", 42, None, {"a": 1}, [b"x"]):
+        with pytest.raises(fdq.InvalidMessage, match="body must be bytes"):
+            p.push("t", body)
+        with pytest.raises(fdq.InvalidMessage):
+            p.push_many("t", [fdq.Envelope(b"ok"), fdq.Envelope(body)])
+    with pytest.raises(fdq.InvalidMessage, match="shard_key"):
+        p.push("t", b"x", shard_key=5)
+    with pytest.raises(fdq.InvalidMessage, match="delay"):
+        p.push("t", b"x", delay=-1)
+    with pytest.raises(fdq.MessageTooLarge):
+        p.push_many("t", [fdq.Envelope(b"fine"), fdq.Envelope(b"x" * ((1 << 20) + 1))])
+    with pytest.raises(fdq.TopicNotFound, match="nope"):
+        sup.stats("nope")
+    with pytest.raises(fdq.TopicNotFound):
+        fdq.Consumer(db, "nope", create=False)
+    with pytest.raises(fdq.ConfigError):
+        fdq.tail(db, "t", lambda tr, m: None, transactional=True, acking=True)
+    for e in (fdq.InvalidName, fdq.InvalidMessage, fdq.MessageTooLarge, fdq.TopicNotFound, fdq.BacklogFull):
+        assert issubclass(e, fdq.FDQError)
+
+    # Nothing already stored was harmed, nothing half-written, no stray topic.
+    assert [n for n, _c in sup.topics()] == ["t"]
+    assert sup.stats("t")["counters"]["inserted"] == 20
+    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+        got = _fetch_until(c, lambda g: len(g) >= 20, 10)
+        assert [m.body for m in got] == stored
+        for m in got:
+            m.ack()

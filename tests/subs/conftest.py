@@ -1,0 +1,21 @@
+import pytest
+
+import fdq
+from subs_helpers import Workers
+
+
+@pytest.fixture
+def url(tmp_path):
+    return f"sqlite:///{tmp_path}/subs.db"
+
+
+@pytest.fixture
+def db(url):
+    return fdq.connect(url)
+
+
+@pytest.fixture
+def workers():
+    w = Workers()
+    yield w
+    w.close()

@@ -1,0 +1,72 @@
+"""Helpers of the subscription tests (module name unique across test directories)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import fdq
+
+WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
+FAST = dict(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, lease_check_interval_s=0.2,
+            poll_interval_s=0.1)
+
+
+def wait_for(cond, timeout=60.0, what="condition", interval=0.05):
+    """Poll ``cond`` until true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+class Workers:
+    def __init__(self):
+        self.procs = []
+
+    def start(self, url, topic, sub, mode, name):
+        p = subprocess.Popen([sys.executable, WORKER, url, topic, sub, mode, name],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.procs.append(p)
+        line = p.stdout.readline()   # bounded: the worker prints "ready" or exits
+        assert line.strip() == "ready", f"worker {name} did not start: {line!r}"
+        return p
+
+    def kill(self, p):
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+
+    def leave(self, p):
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
+
+    def close(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+
+
+def drain(db, topic, sub, idle_s=1.0, timeout=60.0, ack=True):
+    """Fetch everything a subscription delivers until it stays empty for ``idle_s``."""
+    c = fdq.Consumer(db, topic, subscription=sub, create=False, config=fdq.ConsumerConfig(**FAST))
+    got = []
+    deadline = time.monotonic() + timeout
+    try:
+        quiet_since = time.monotonic()
+        while time.monotonic() < deadline:
+            ms = c.fetch(500, timeout=0.2)
+            if ms:
+                got += ms
+                if ack:
+                    c.ack_many(ms)
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since > idle_s:
+                break
+    finally:
+        c.close()
+    return got

@@ -1,0 +1,117 @@
+"""Ephemeral subscriptions: deleted when the LAST consumer leaves or becomes a zombie,
+never when the first of two leaves (JetStream ADR-15's drain problem)."""
+import time
+
+import pytest
+
+import fdq
+from fdq.keyspace import decode_counter
+from subs_helpers import FAST, wait_for
+from worker import seen_key
+
+
+def seen_all(db, sub, ids):
+    tr = db.create_transaction()
+    fs = [tr.snapshot[seen_key(sub, i)] for i in ids]
+    ok = all(decode_counter(f) >= 1 for f in fs)
+    tr.cancel()
+    return ok
+
+
+def push(db, n, tag):
+    return [r.id for r in fdq.Producer(db).push_many(
+        "events", [fdq.Envelope(f"{tag}{i}".encode(), shard_key=f"k{i}") for i in range(n)])]
+
+
+def sub_keys(db, sup, sub):
+    """Keys of the subscription's state (queues, consumers, shard records, record)."""
+    ts = sup.keyspace.topic("events")
+    tr = db.create_transaction()
+    n = 0
+    for space in (ts.subs[sub], ts.consumers[sub], ts.shard_records[sub], ts.sub_records[sub]):
+        r = space.range()
+        n += len(list(tr.snapshot.get_range(r.start, r.stop)))
+    n += 0 if tr.snapshot[ts.sub_records.pack((sub,))] == None else 1  # noqa: E711
+    tr.cancel()
+    return n
+
+
+@pytest.mark.slow
+def test_ephemeral_lifecycle_two_members(db, url, workers):
+    sup = fdq.Supervisor(db)
+    sup.create_topic("events", shards=4)
+    sub = "watch#ephemeral"
+    sup.create_subscription("events", sub, fdq.SubscriptionConfig(deliver_policy="new"))
+    a = workers.start(url, "events", sub, "acking", "a")
+    b = workers.start(url, "events", sub, "acking", "b")
+    ids = push(db, 40, "x")
+    wait_for(lambda: seen_all(db, sub, ids), what="both members consuming")
+    workers.leave(a)                        # the first member leaves: nothing is deleted
+    assert sub in sup.config("events").subs
+    ids = push(db, 40, "y")
+    wait_for(lambda: seen_all(db, sub, ids), what="the second member receiving everything")
+    assert sub in sup.config("events").subs
+    workers.leave(b)                        # the last member leaves: deleted with it
+    assert sub not in sup.config("events").subs
+    assert sub_keys(db, sup, sub) == 0
+    assert sup.stats("events")["subscriptions"].keys() == {"default"}
+
+
+@pytest.mark.slow
+def test_ephemeral_deleted_after_kill9_of_last_member(db, url, workers):
+    sup = fdq.Supervisor(db)
+    sup.create_topic("events", shards=4)
+    sub = "tmp"
+    sup.create_subscription("events", sub, ephemeral=True)
+    a = workers.start(url, "events", sub, "acking", "a")
+    b = workers.start(url, "events", sub, "acking", "b")
+    ids = push(db, 30, "x")
+    wait_for(lambda: seen_all(db, sub, ids), what="members consuming")
+    workers.kill(a)     # b declares a a zombie; the subscription stays and b takes over
+    wait_for(lambda: len(sup.stats("events")["subscriptions"][sub]["consumers"]) == 1, timeout=30,
+             what="a declared a zombie")
+    assert sub in sup.config("events").subs
+    ids = push(db, 30, "y")
+    wait_for(lambda: seen_all(db, sub, ids), what="b receiving after a's death")
+    # The last member dies: a consumer of another subscription of the topic notices.
+    observer = fdq.tail(db, "events", lambda m: None, config=fdq.ConsumerConfig(**FAST))
+    try:
+        workers.kill(b)
+        t0 = time.monotonic()
+        wait_for(lambda: sub not in sup.config("events").subs, timeout=30, what="ephemeral reaped")
+        assert time.monotonic() - t0 >= 1.0, "deleted before the zombie timeout"
+    finally:
+        observer.shutdown()
+    assert sub_keys(db, sup, sub) == 0
+
+
+def test_ephemeral_in_process_and_supervisor_reap(db):
+    sup = fdq.Supervisor(db)
+    sup.create_topic("events", shards=2)
+    cfg = fdq.ConsumerConfig(**FAST)
+    c1 = fdq.Consumer(db, "events", subscription="e#ephemeral", subscription_config=fdq.SubscriptionConfig(
+        deliver_policy="new"), config=cfg)
+    c2 = fdq.Consumer(db, "events", subscription="e#ephemeral", config=cfg)
+    assert sup.subscription("events", "e#ephemeral")["ephemeral"]
+    c1.close()
+    assert "e#ephemeral" in sup.config("events").subs
+    push(db, 5, "z")
+    got = []
+    wait_for(lambda: got.extend(c2.fetch(10, timeout=0.1)) or len(got) == 5, what="c2 receives")
+    c2.ack_many(got)
+    c2.close()
+    assert "e#ephemeral" not in sup.config("events").subs
+    # A member that stops heartbeating (its threads stopped, record left behind, as after
+    # kill -9) is reaped by Supervisor.reap after the zombie timeout.
+    c3 = fdq.Consumer(db, "events", subscription="r", ephemeral=True, config=cfg)
+    c3._stop.set()
+    c3._thread.join(timeout=10)
+    assert "r" in sup.config("events").subs
+    assert sup.reap("events", zombie_after_s=1.0) == ["r"]
+    assert "r" not in sup.config("events").subs
+    # A durable subscription is never reaped.
+    c4 = fdq.Consumer(db, "events", subscription="durable", config=cfg)
+    c4._stop.set()
+    c4._thread.join(timeout=10)
+    assert sup.reap("events", zombie_after_s=1.0) == []
+    assert "durable" in sup.config("events").subs
