@@ -277,3 +277,33 @@ def test_garbage_does_not_hurt_other_clients(raw):
         if i % 10 == 0:
             good.pub("alive", b"%d" % i)
     good.pub("alive", b"end")
+
+
+def test_publish_failures_are_fatal_pub_mpub_dpub_failed(raw, broker):
+    import fdq
+    db = fdq.connect(broker.url)
+    fdq.Supervisor(db).create_topic("full", shards=1, max_backlog=1)
+    c = raw()
+    c.pub("full", b"first")                      # backlog 1: the next push is refused
+    for data, code in ((p.encode_command(b"PUB", b"full", body=b"x"), "E_PUB_FAILED"),
+                       (p.encode_mpub(b"full", [b"a", b"b"]), "E_MPUB_FAILED"),
+                       (b"DPUB full 10\n" + struct.pack(">i", 1) + b"x", "E_DPUB_FAILED")):
+        c = raw()
+        c.send(data)
+        err = c.error()
+        assert err.startswith(code) and "max_backlog" in err, err
+        assert c.closed()
+
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.binary(min_size=1, max_size=300), st.booleans())
+def test_fuzzed_bytes_never_hurt_the_server(raw, data, magic):
+    bad = raw()
+    bad.send((p.MAGIC_V2 if magic else b"") + data)
+    bad.close()
+    good = raw()
+    good.pub("fuzz-alive", b"ok")           # the server still answers other clients
+    good.close()
