@@ -166,7 +166,7 @@ class HTTPServer:
 
     @staticmethod
     def _post(req):
-        if req.method != "POST" and not (req.method == "GET" and req.path in ("/pub", "/mpub")):
+        if req.method != "POST":
             raise HTTPError(405, "METHOD_NOT_ALLOWED")
 
     @staticmethod

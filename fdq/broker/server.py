@@ -100,11 +100,11 @@ class Channel:
         self.closed = True
         self.wake.set()
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+            # let a fetch under way finish (bounded by FETCH_WAIT_S) so what it leased is
+            # returned below, rather than left to expire
+            done, _ = await asyncio.wait([self._task], timeout=FETCH_WAIT_S + 10)
+            if not done:
+                self._task.cancel()
         await self.flush()
         if self.consumer is not None:
             await self.broker.run(self.consumer.close)
@@ -135,13 +135,13 @@ class Channel:
             try:
                 msgs = await b.run(functools.partial(self.consumer.fetch, n, FETCH_WAIT_S,
                                                      ack_wait_s=target.ident.msg_timeout_ms / 1000))
-            except FDQError as e:
-                log.warning("channel %s/%s: fetch failed: %s", self.topic, self.name, e)
+            except Exception as e:      # keep serving: the consumer retries, leases expire
+                log.warning("channel %s/%s: fetch failed: %s: %s", self.topic, self.name, type(e).__name__, e)
                 await asyncio.sleep(0.2)
                 continue
             if not msgs:
                 continue
-            if (self.topic, self.name) in b.paused:
+            if self.closed or (self.topic, self.name) in b.paused:
                 rest = msgs      # paused while we fetched: back to the queue
             else:
                 rest = target.deliver(msgs) if target.capacity > 0 else msgs
