@@ -5,12 +5,24 @@
                               first delivery of every 10th+3, TOUCH-then-FIN every 10th+5
 Prints one JSON line with what happened."""
 import json
+import os
 import random
+import ssl
 import sys
 import time
 
 import nsq
 import tornado.ioloop
+
+
+def conn_options() -> dict:
+    """PYNSQ_DEFLATE=1 / PYNSQ_TLS=1: negotiate deflate / TLS (certificate not verified)."""
+    opts = {}
+    if os.environ.get("PYNSQ_DEFLATE"):
+        opts.update(deflate=True, deflate_level=6)
+    if os.environ.get("PYNSQ_TLS"):
+        opts.update(tls_v1=True, tls_options={"cert_reqs": ssl.CERT_NONE})
+    return opts
 
 
 def body(i: int) -> bytes:
@@ -23,7 +35,7 @@ def index(b: bytes) -> int:
 
 def pub(addr, topic, n):
     loop = tornado.ioloop.IOLoop.current()
-    w = nsq.Writer([addr])
+    w = nsq.Writer([addr], **conn_options())
     state = {"ok": 0, "err": [], "sent": 0}
     third = n // 3
     plan = [("pub", [i]) for i in range(third)]
@@ -110,7 +122,7 @@ def sub(addr, topic, channel, n):
 
     r = nsq.Reader(topic=topic, channel=channel, message_handler=handler, nsqd_tcp_addresses=[addr],
                    max_in_flight=50, max_tries=0, msg_timeout=5, heartbeat_interval=1,
-                   lookupd_poll_interval=1)
+                   lookupd_poll_interval=1, **conn_options())
     loop.call_later(0.5, tick)
     loop.call_later(150, loop.stop)
     loop.start()
