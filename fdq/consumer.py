@@ -433,7 +433,7 @@ class Consumer:
     def _idle_for(self) -> float:
         return max(0.0, self._last_sweep + self.config.poll_interval_s - _monotonic())
 
-    def _lease_from(self, shard_id, epoch, limit) -> list:
+    def _lease_from(self, shard_id, epoch, limit, ack_wait_s: float | None = None) -> list:
         shard = self._ts.shard(self.subscription, *shard_id)
         if self.sub_config.ack_policy == "none":    # delivered = done: nothing to lease
             taken, watch = _run(self.db, delivery.take_batch, self._ts, shard, self.id, epoch, limit,
@@ -441,7 +441,8 @@ class Consumer:
             self._keep_watch(shard_id, watch)
             return [_to_message(t, self.topic, self.subscription, self) for t in taken]
         lease_id = os.urandom(8)
-        ack_wait_ms = int(self.config.ack_wait_s * 1000)
+        ack_wait_s = self.config.ack_wait_s if ack_wait_s is None else ack_wait_s
+        ack_wait_ms = int(ack_wait_s * 1000)
         taken, watch = _run(self.db, delivery.lease_batch, self._ts, shard, self.id, epoch, limit,
                             lease_id, ack_wait_ms, sel=self._sel, watch_key=self._watch_key(shard_id),
                             committed=lambda ts_: delivery.batch_leased(self.db, shard, [t.vs for t in ts_],
@@ -450,7 +451,7 @@ class Consumer:
         now = _monotonic()
         with self._leases_lock:
             for t in taken:
-                self._leases[(shard_id, t.vs)] = [lease_id, 0, now, self.config.ack_wait_s]
+                self._leases[(shard_id, t.vs)] = [lease_id, 0, now, ack_wait_s]
         return [_to_message(t, self.topic, self.subscription, self) for t in taken]
 
     def _watch_key(self, shard_id):
@@ -469,12 +470,14 @@ class Consumer:
         if self._wake.wait(timeout):
             self._wake.clear()
 
-    def fetch(self, max_messages: int = 100, timeout: float = 1.0) -> list:
+    def fetch(self, max_messages: int = 100, timeout: float = 1.0, *, ack_wait_s: float | None = None) -> list:
         """Lease up to ``max_messages`` messages, waiting up to ``timeout`` seconds for
         the first. Settle each with ack/nak/term; unsettled ones are redelivered after
-        ``ack_wait_s``."""
+        ``ack_wait_s`` (this fetch's lease length; default the consumer config's)."""
         if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
             raise ConfigError(f"max_messages must be an integer >= 1, not {max_messages!r}")
+        if ack_wait_s is not None:
+            ConsumerConfig(ack_wait_s=ack_wait_s)   # validates
         deadline = _monotonic() + max(0.0, timeout)
         while True:
             out = []
@@ -485,7 +488,7 @@ class Consumer:
                         self._mark(s)
                     break
                 try:
-                    got = self._lease_from(shard_id, epoch, max_messages - len(out))
+                    got = self._lease_from(shard_id, epoch, max_messages - len(out), ack_wait_s)
                 except LeaseLost:
                     self._refresh_owned()
                     continue

@@ -1,0 +1,485 @@
+"""nsqd's HTTP API over asyncio (HTTP/1.1, keep-alive), plus ``/metrics``.
+
+Errors are ``{"message": "..."}`` with nsqd's messages and status codes
+(``MISSING_ARG_TOPIC`` 400, ``TOPIC_NOT_FOUND`` 404, ``MSG_TOO_BIG`` 413, ...).
+With ``--auth-file`` every endpoint but ``/ping`` needs the secret in the
+``X-NSQ-Auth-Secret`` header (``AUTH_REQUIRED`` 401 / ``AUTH_FAILED`` 403 otherwise).
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import socket
+import struct
+import time
+from urllib.parse import parse_qs, urlsplit
+
+from ..errors import ConfigError, FDQError, InvalidHeader, InvalidName, MessageTooLarge, TopicNotFound
+from ..headers import validate_headers
+from . import protocol as p
+
+log = logging.getLogger("fdq.broker.http")
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
+            405: "Method Not Allowed", 413: "Request Entity Too Large", 500: "Internal Server Error"}
+MAX_HEADER_BYTES = 64 * 1024
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str):
+        self.status = status
+        self.message = message
+        super().__init__(message)
+
+
+class Request:
+    def __init__(self, method, path, query, headers, body):
+        self.method = method
+        self.path = path
+        self.query = query
+        self.headers = headers
+        self.body = body
+
+    def arg(self, name, default=None):
+        v = self.query.get(name)
+        return v[0] if v else default
+
+
+class HTTPServer:
+    def __init__(self, broker):
+        self.broker = broker
+        self.server = None
+        self.port = None
+        self._routes = {
+            "/ping": self.ping, "/info": self.info, "/stats": self.stats, "/metrics": self.metrics,
+            "/pub": self.pub, "/mpub": self.mpub, "/pub_ext": self.pub_ext,
+            "/topic/create": self.topic_create, "/topic/delete": self.topic_delete,
+            "/topic/empty": self.topic_empty, "/topic/pause": self.topic_pause,
+            "/topic/unpause": self.topic_unpause,
+            "/channel/create": self.channel_create, "/channel/delete": self.channel_delete,
+            "/channel/empty": self.channel_empty, "/channel/pause": self.channel_pause,
+            "/channel/unpause": self.channel_unpause,
+        }
+
+    async def start(self, host="127.0.0.1", port=4151) -> int:
+        self.server = await asyncio.start_server(self._serve, host, port)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def close(self):
+        if self.server is not None:
+            self.server.close()
+
+    # -- HTTP/1.1 framing --------------------------------------------------------------
+
+    async def _serve(self, reader, writer):
+        try:
+            while True:
+                req = await self._read_request(reader, writer)
+                if req is None:
+                    break
+                status, ctype, body = await self._dispatch(req)
+                keep = req.headers.get("connection", "").lower() != "close"
+                head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'OK')}\r\nContent-Type: {ctype}\r\n"
+                        f"Content-Length: {len(body)}\r\nX-Nsq-Content-Type: nsq; version=1.0\r\n"
+                        f"Connection: {'keep-alive' if keep else 'close'}\r\n\r\n")
+                writer.write(head.encode() + body)
+                await writer.drain()
+                if not keep:
+                    break
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+            pass
+        finally:
+            writer.close()
+
+    async def _read_request(self, reader, writer):
+        try:
+            raw = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
+            return None
+        if len(raw) > MAX_HEADER_BYTES:
+            return None
+        lines = raw.decode("latin-1").split("\r\n")
+        method, target, _version = (lines[0].split(" ") + ["", "", ""])[:3]
+        headers = {}
+        for line in lines[1:]:
+            if ":" in line:
+                k, v = line.split(":", 1)
+                headers[k.strip().lower()] = v.strip()
+        n = int(headers.get("content-length", "0") or 0)
+        limit = self.broker.options.limits.max_body_size
+        if n > limit:
+            writer.write(b"HTTP/1.1 413 Request Entity Too Large\r\nContent-Type: application/json\r\n"
+                         b"Connection: close\r\nContent-Length: 26\r\n\r\n{\"message\":\"BODY_TOO_BIG\"}")
+            await writer.drain()
+            return None
+        body = await reader.readexactly(n) if n else b""
+        url = urlsplit(target)
+        return Request(method.upper(), url.path, parse_qs(url.query, keep_blank_values=True), headers, body)
+
+    async def _dispatch(self, req: Request):
+        handler = self._routes.get(req.path)
+        try:
+            if handler is None:
+                raise HTTPError(404, "NOT_FOUND")
+            if req.path != "/ping":
+                self._check_auth(req)
+            out = await handler(req)
+        except HTTPError as e:
+            return e.status, "application/json; charset=utf-8", json.dumps({"message": e.message}).encode()
+        except InvalidName as e:
+            return 400, "application/json; charset=utf-8", json.dumps({"message": "INVALID_TOPIC",
+                                                                       "detail": str(e)}).encode()
+        except TopicNotFound:
+            return 404, "application/json; charset=utf-8", b'{"message":"TOPIC_NOT_FOUND"}'
+        except FDQError as e:
+            log.warning("%s failed: %s", req.path, e)
+            return 500, "application/json; charset=utf-8", json.dumps({"message": "INTERNAL_ERROR",
+                                                                       "detail": str(e)}).encode()
+        if isinstance(out, tuple):
+            return out
+        if isinstance(out, (dict, list)):
+            return 200, "application/json; charset=utf-8", json.dumps(out).encode()
+        return 200, "text/plain; charset=utf-8", out if isinstance(out, bytes) else str(out).encode()
+
+    def _check_auth(self, req: Request):
+        auth = self.broker.auth
+        if auth is None:
+            return
+        secret = req.headers.get("x-nsq-auth-secret")
+        if not secret:
+            raise HTTPError(401, "AUTH_REQUIRED")
+        grant = auth.lookup(secret.encode())
+        if grant is None:
+            raise HTTPError(403, "AUTH_FAILED")
+        topic, channel = req.arg("topic"), req.arg("channel")
+        action = "publish" if req.path in ("/pub", "/mpub", "/pub_ext") else \
+            "admin" if req.path.startswith(("/topic/", "/channel/")) else None
+        if action and topic is not None and not grant.allows(topic, channel, action):
+            raise HTTPError(403, "AUTH_UNAUTHORIZED")
+
+    # -- helpers -----------------------------------------------------------------------
+
+    async def run(self, fn, *args, **kwargs):
+        return await self.broker.run(functools.partial(fn, *args, **kwargs))
+
+    @staticmethod
+    def _post(req):
+        if req.method != "POST":
+            raise HTTPError(405, "METHOD_NOT_ALLOWED")
+
+    @staticmethod
+    def _topic(req) -> str:
+        topic = req.arg("topic")
+        if topic is None:
+            raise HTTPError(400, "MISSING_ARG_TOPIC")
+        if not p.valid_name(topic.encode()):
+            raise HTTPError(400, "INVALID_TOPIC")
+        return topic
+
+    @staticmethod
+    def _channel(req) -> str:
+        ch = req.arg("channel")
+        if ch is None:
+            raise HTTPError(400, "MISSING_ARG_CHANNEL")
+        if not p.valid_name(ch.encode()):
+            raise HTTPError(400, "INVALID_CHANNEL")
+        return ch
+
+    async def _existing(self, topic):
+        try:
+            return await self.run(self.broker.supervisor.config, topic)
+        except TopicNotFound:
+            raise HTTPError(404, "TOPIC_NOT_FOUND") from None
+
+    # -- endpoints ---------------------------------------------------------------------
+
+    async def ping(self, req):
+        return b"OK"
+
+    async def info(self, req):
+        b = self.broker
+        return {"version": b.options.limits.version, "broadcast_address": b.options.broadcast_address,
+                "hostname": socket.gethostname(), "http_port": self.port, "tcp_port": b.tcp_port,
+                "start_time": b.start_time}
+
+    def _check_size(self, body: bytes):
+        if not body:
+            raise HTTPError(400, "MSG_EMPTY")
+        if len(body) > self.broker.options.limits.max_msg_size:
+            raise HTTPError(413, "MSG_TOO_BIG")
+
+    async def _push(self, fn, *args, **kwargs):
+        try:
+            return await self.run(fn, *args, **kwargs)
+        except MessageTooLarge:
+            raise HTTPError(413, "MSG_TOO_BIG") from None
+        except InvalidHeader as e:
+            raise HTTPError(400, f"INVALID_HEADER: {e}") from None
+
+    async def pub(self, req):
+        self._post(req)
+        topic = self._topic(req)
+        self._check_size(req.body)
+        delay = None
+        if req.arg("defer") is not None:
+            try:
+                ms = int(req.arg("defer"))
+            except ValueError:
+                raise HTTPError(400, "INVALID_DEFER") from None
+            if ms < 0 or ms > self.broker.options.limits.max_req_timeout_ms:
+                raise HTTPError(400, "INVALID_DEFER")
+            delay = ms / 1000
+        await self._push(self.broker.producer.push, topic, req.body, delay=delay)
+        self.broker.published += 1
+        return b"OK"
+
+    async def mpub(self, req):
+        self._post(req)
+        topic = self._topic(req)
+        lim = self.broker.options.limits
+        if req.arg("binary") in ("true", "1"):
+            body = req.body
+            if len(body) < 4:
+                raise HTTPError(400, "INVALID_BODY")
+            n = struct.unpack_from(">i", body)[0]
+            if n <= 0:
+                raise HTTPError(400, "INVALID_BODY")
+            pos, msgs = 4, []
+            for _ in range(n):
+                if pos + 4 > len(body):
+                    raise HTTPError(400, "INVALID_BODY")
+                size = struct.unpack_from(">i", body, pos)[0]
+                pos += 4
+                if size <= 0 or pos + size > len(body):
+                    raise HTTPError(400, "INVALID_MESSAGE")
+                if size > lim.max_msg_size:
+                    raise HTTPError(413, "MSG_TOO_BIG")
+                msgs.append(body[pos:pos + size])
+                pos += size
+        else:
+            msgs = [m for m in req.body.split(b"\n") if m]
+            for m in msgs:
+                if len(m) > lim.max_msg_size:
+                    raise HTTPError(413, "MSG_TOO_BIG")
+        if not msgs:
+            raise HTTPError(400, "MSG_EMPTY")
+        await self._push(self.broker.producer.push_many, topic, msgs)
+        self.broker.published += len(msgs)
+        return b"OK"
+
+    async def pub_ext(self, req):
+        """youzan's /pub_ext: the JSON header in ``ext`` (query) and/or ``X-Nsqext-<name>``
+        request headers."""
+        self._post(req)
+        topic = self._topic(req)
+        self._check_size(req.body)
+        config = await self._existing(topic)
+        if not config.extend:
+            raise HTTPError(400, "E_EXT_NOT_SUPPORT")
+        headers = {}
+        if req.arg("ext"):
+            try:
+                headers = json.loads(req.arg("ext"))
+            except ValueError:
+                raise HTTPError(400, "E_INVALID_JSON_HEADER") from None
+            if not isinstance(headers, dict):
+                raise HTTPError(400, "E_INVALID_JSON_HEADER")
+        for k, v in req.headers.items():
+            if k.startswith("x-nsqext-"):
+                headers[k[len("x-nsqext-"):]] = v
+        try:
+            headers = validate_headers(headers) if headers else None
+        except InvalidHeader as e:
+            raise HTTPError(400, f"E_INVALID_JSON_HEADER: {e}") from None
+        r = await self._push(self.broker.producer.push, topic, req.body, headers=headers)
+        self.broker.published += 1
+        if r.trace_id is not None:
+            return {"status": "OK", "id": r.id, "trace_id": r.trace_id, "queue_offset": r.position}
+        return b"OK"
+
+    async def topic_create(self, req):
+        self._post(req)
+        topic = self._topic(req)
+        extend = req.arg("extend") in ("true", "1")
+        b = self.broker
+        try:
+            config = await self.run(b.ensure_topic, topic)
+        except FDQError as e:
+            raise HTTPError(400, f"INVALID_TOPIC: {e}") from None
+        if extend and not config.extend:
+            await self.run(b.supervisor.upgrade_extend, topic)
+        return b""
+
+    async def topic_delete(self, req):
+        self._post(req)
+        topic = self._topic(req)
+        await self._existing(topic)
+        await self.run(self.broker.supervisor.delete_topic, topic)
+        return b""
+
+    async def topic_empty(self, req):
+        """FDQ topics keep no buffer of their own: emptying a topic empties each of its channels."""
+        self._post(req)
+        topic = self._topic(req)
+        config = await self._existing(topic)
+        for sub in config.subs:
+            await self.run(self.broker.supervisor.reset, topic, sub)
+        return b""
+
+    async def topic_pause(self, req):
+        self._post(req)
+        topic = self._topic(req)
+        await self._existing(topic)
+        await self.run(self.broker.supervisor.pause, topic)
+        return b""
+
+    async def topic_unpause(self, req):
+        self._post(req)
+        topic = self._topic(req)
+        await self._existing(topic)
+        await self.run(self.broker.supervisor.play, topic)
+        return b""
+
+    async def _channel_exists(self, req):
+        topic, channel = self._topic(req), self._channel(req)
+        config = await self._existing(topic)
+        if channel not in config.subs:
+            raise HTTPError(404, "CHANNEL_NOT_FOUND")
+        return topic, channel
+
+    async def channel_create(self, req):
+        self._post(req)
+        topic, channel = self._topic(req), self._channel(req)
+        await self.run(self.broker.ensure_channel, topic, channel)
+        return b""
+
+    async def channel_delete(self, req):
+        self._post(req)
+        topic, channel = await self._channel_exists(req)
+        await self.broker.drop_channel_conns(topic, channel)
+        await self.run(self.broker.supervisor.delete_subscription, topic, channel)
+        return b""
+
+    async def channel_empty(self, req):
+        self._post(req)
+        topic, channel = await self._channel_exists(req)
+        await self.run(self.broker.supervisor.reset, topic, channel)
+        return b""
+
+    async def channel_pause(self, req):
+        self._post(req)
+        topic, channel = await self._channel_exists(req)
+        self.broker.set_channel_paused(topic, channel, True)
+        return b""
+
+    async def channel_unpause(self, req):
+        self._post(req)
+        topic, channel = await self._channel_exists(req)
+        self.broker.set_channel_paused(topic, channel, False)
+        return b""
+
+    # -- stats -------------------------------------------------------------------------
+
+    async def _collect(self, topic_filter=None, channel_filter=None) -> list:
+        b = self.broker
+        names = [n for n, _c in await self.run(b.supervisor.topics)]
+        out = []
+        for name in names:
+            if topic_filter and name != topic_filter:
+                continue
+            try:
+                st = await self.run(b.supervisor.stats, name)
+            except FDQError:
+                continue
+            cfg = st["config"]
+            paused_channels = b.paused_channels(name)
+            channels = []
+            for sub, s in st["subscriptions"].items():
+                if channel_filter and sub != channel_filter:
+                    continue
+                local = [ch for (t, c, _tag), ch in b.channels.items() if t == name and c == sub]
+                clients = []
+                for ch in local:
+                    for conn in ch.conns:
+                        clients.append(conn.stats())
+                channels.append({
+                    "channel_name": sub, "depth": s["backlog"], "backend_depth": 0,
+                    "in_flight_count": s["in_flight"], "deferred_count": s["delayed"],
+                    "message_count": s["emitted"], "requeue_count": sum(ch.stats.requeue_count for ch in local),
+                    "timeout_count": sum(ch.stats.timeout_count for ch in local),
+                    "client_count": len(clients), "clients": clients, "paused": sub in paused_channels,
+                    "acked_count": s["acked"], "dlq_count": s["dlq"], "consumer_count": len(s["consumers"]),
+                    "e2e_processing_latency": {"count": 0, "percentiles": None},
+                })
+            depth = st["counters"]["pending"]
+            out.append({"topic_name": name, "channels": channels, "depth": depth, "backend_depth": 0,
+                        "message_count": st["counters"]["inserted"], "message_bytes": 0,
+                        "paused": bool(cfg.get("paused")), "extend": bool(cfg.get("extend")),
+                        "e2e_processing_latency": {"count": 0, "percentiles": None}})
+        return out
+
+    async def stats(self, req):
+        topics = await self._collect(req.arg("topic"), req.arg("channel"))
+        b = self.broker
+        data = {"version": b.options.limits.version, "health": "OK", "start_time": b.start_time,
+                "topics": topics, "memory": {}, "producers": []}
+        if req.arg("format") == "json":
+            return data
+        lines = [f"nsqd v{b.options.limits.version} (fdq broker)", f"start_time {b.start_time}", "",
+                 "Health: OK", "", f"Topics ({len(topics)}):"]
+        for t in topics:
+            lines.append(f"   [{t['topic_name']:<15}] depth: {t['depth']:<5} msgs: {t['message_count']:<8}"
+                         f"{' (paused)' if t['paused'] else ''}")
+            for c in t["channels"]:
+                lines.append(f"      [{c['channel_name']:<25}] depth: {c['depth']:<5} inflt: "
+                             f"{c['in_flight_count']:<4} def: {c['deferred_count']:<4} msgs: {c['message_count']:<8}"
+                             f" re-q: {c['requeue_count']:<4} timeout: {c['timeout_count']:<4}"
+                             f"{' (paused)' if c['paused'] else ''}")
+                for cl in c["clients"]:
+                    lines.append(f"        [V2 {cl['client_id']:<20}] state: 3 inflt: {cl['in_flight_count']:<4} "
+                                 f"rdy: {cl['ready_count']:<4} fin: {cl['finish_count']:<8}")
+        return ("\n".join(lines) + "\n").encode()
+
+    async def metrics(self, req):
+        """Prometheus text exposition format (version 0.0.4)."""
+        topics = await self._collect()
+        b = self.broker
+        out = []
+
+        def metric(name, kind, help_, samples):
+            out.append(f"# HELP {name} {help_}")
+            out.append(f"# TYPE {name} {kind}")
+            for labels, value in samples:
+                lab = ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items())
+                out.append(f"{name}{{{lab}}} {value}" if lab else f"{name} {value}")
+        metric("fdq_broker_published_total", "counter", "Messages published through this broker.",
+               [({}, b.published)])
+        metric("fdq_broker_connections", "gauge", "Open client connections on this broker.",
+               [({}, len(b.conns))])
+        metric("fdq_topic_messages_total", "counter", "Messages inserted into the topic.",
+               [({"topic": t["topic_name"]}, t["message_count"]) for t in topics])
+        ch = [(t["topic_name"], c) for t in topics for c in t["channels"]]
+        metric("fdq_channel_backlog", "gauge", "Messages ready or delayed in the channel.",
+               [({"topic": tn, "channel": c["channel_name"]}, c["depth"]) for tn, c in ch])
+        metric("fdq_channel_in_flight", "gauge", "Messages delivered and not yet settled.",
+               [({"topic": tn, "channel": c["channel_name"]}, c["in_flight_count"]) for tn, c in ch])
+        metric("fdq_channel_deferred", "gauge", "Delayed messages.",
+               [({"topic": tn, "channel": c["channel_name"]}, c["deferred_count"]) for tn, c in ch])
+        metric("fdq_channel_delivered_total", "counter", "Deliveries (every attempt).",
+               [({"topic": tn, "channel": c["channel_name"]}, c["message_count"]) for tn, c in ch])
+        metric("fdq_channel_acked_total", "counter", "Messages finished.",
+               [({"topic": tn, "channel": c["channel_name"]}, c["acked_count"]) for tn, c in ch])
+        metric("fdq_channel_consumers", "gauge", "FDQ consumers of the channel (one per broker serving it).",
+               [({"topic": tn, "channel": c["channel_name"]}, c["consumer_count"]) for tn, c in ch])
+        metric("fdq_channel_clients", "gauge", "Client connections to the channel on this broker.",
+               [({"topic": tn, "channel": c["channel_name"]}, c["client_count"]) for tn, c in ch])
+        return 200, "text/plain; version=0.0.4; charset=utf-8", ("\n".join(out) + "\n").encode()
+
+
+def _esc(v) -> str:
+    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+__all__ = ["HTTPServer"]

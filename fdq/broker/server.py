@@ -1,0 +1,786 @@
+"""The NSQ-compatible broker: nsqd's TCP protocol V2 over asyncio, translated to FDQ
+calls. It holds no queue state of its own (only what is in flight on its connections),
+so several broker processes can serve one database.
+
+Mapping: topic = FDQ topic; channel = FDQ subscription. Each broker process runs one
+pull-style ``fdq.Consumer`` per (topic, channel, desired tag) it serves and dispatches
+its messages to the channel's connections by RDY. A message is leased for the
+receiving connection's ``msg_timeout``; FIN = ack, REQ = nak(delay), TOUCH =
+in_progress. Engine calls run in a thread pool; the event loop never blocks on them.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import random
+import signal
+import ssl
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from .. import Consumer, ConsumerConfig, Producer, Supervisor, connect
+from ..config import DEFAULT_SUBSCRIPTION, SubscriptionConfig
+from ..errors import ConfigError, FDQError, InvalidHeader, LeaseLost, MessageTooLarge, TopicNotFound
+from . import protocol as p
+from .protocol import ProtocolError, fatal, nonfatal
+
+log = logging.getLogger("fdq.broker")
+
+INIT, SUBSCRIBED, CLOSING = "init", "subscribed", "closing"
+MAX_DELIVER = 0xFFFF           # NSQ never dead-letters: attempts is a uint16
+FETCH_WAIT_S = 0.5
+
+
+@dataclass
+class BrokerOptions:
+    """The broker's flags (nsqd's names): limits, TLS, auth."""
+
+    limits: p.Limits = field(default_factory=p.Limits)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_required: bool = False
+    auth_file: str | None = None
+    threads: int = 64
+    broadcast_address: str = "127.0.0.1"
+
+
+class ChannelStats:
+    def __init__(self):
+        self.message_count = 0
+        self.requeue_count = 0
+        self.timeout_count = 0
+        self.finish_count = 0
+
+
+class Channel:
+    """One (topic, channel, tag) served by this broker: a pull consumer and the
+    connections subscribed to it."""
+
+    def __init__(self, broker: "Broker", topic: str, name: str, tag: str | None, extend: bool):
+        self.broker = broker
+        self.topic = topic
+        self.name = name
+        self.tag = tag
+        self.extend = extend
+        self.consumer = None
+        self.conns = []
+        self.stats = ChannelStats()
+        self.wake = asyncio.Event()
+        self._rr = 0
+        self._settles = []
+        self._flushing = None
+        self._task = None
+        self.closed = False
+
+    async def open(self):
+        b = self.broker
+        cfg = ConsumerConfig(ack_wait_s=b.options.limits.msg_timeout_ms / 1000, max_deliver=MAX_DELIVER)
+        kwargs = dict(subscription=self.name, config=cfg, create=False, batch_size=100)
+        if self.extend:
+            kwargs.update(extend_support=True, desired_tag=self.tag)
+        await b.run(b.ensure_channel, self.topic, self.name)
+        self.consumer = await b.run(functools.partial(Consumer, b.db, self.topic, **kwargs))
+        self._task = asyncio.get_running_loop().create_task(self._pump())
+
+    def add(self, conn):
+        self.conns.append(conn)
+        self.wake.set()
+
+    async def remove(self, conn):
+        if conn in self.conns:
+            self.conns.remove(conn)
+        if not self.conns and not self.closed:
+            await self.broker._drop_channel(self)
+
+    async def close(self):
+        self.closed = True
+        self.wake.set()
+        if self._task is not None:
+            # let a fetch under way finish (bounded by FETCH_WAIT_S) so what it leased is
+            # returned below, rather than left to expire
+            done, _ = await asyncio.wait([self._task], timeout=FETCH_WAIT_S + 10)
+            if not done:
+                self._task.cancel()
+        await self.flush()
+        if self.consumer is not None:
+            await self.broker.run(self.consumer.close)
+
+    def _pick(self, batch: bool = True):
+        if (self.topic, self.name) in self.broker.paused:
+            return None
+        # A connection is served when a worthwhile batch fits (a quarter of its RDY, at
+        # most 50) or it has nothing in flight: one lease transaction per FIN would
+        # otherwise bound throughput at one message per transaction.
+        ready = [c for c in self.conns
+                 if c.capacity > 0 and (not batch or not c.in_flight or c.capacity >= min(50, max(1, c.rdy // 4)))]
+        if not ready:
+            return None
+        self._rr = (self._rr + 1) % len(ready)
+        return ready[self._rr]
+
+    async def _pump(self):
+        b = self.broker
+        while not self.closed:
+            target = self._pick()
+            if target is None:
+                self.wake.clear()
+                if self._pick() is None:
+                    await self.wake.wait()
+                continue
+            n = min(target.capacity, 500)
+            try:
+                msgs = await b.run(functools.partial(self.consumer.fetch, n, FETCH_WAIT_S,
+                                                     ack_wait_s=target.ident.msg_timeout_ms / 1000))
+            except Exception as e:      # keep serving: the consumer retries, leases expire
+                log.warning("channel %s/%s: fetch failed: %s: %s", self.topic, self.name, type(e).__name__, e)
+                await asyncio.sleep(0.2)
+                continue
+            if not msgs:
+                continue
+            if self.closed or (self.topic, self.name) in b.paused:
+                rest = msgs      # paused while we fetched: back to the queue
+            else:
+                rest = target.deliver(msgs) if target.capacity > 0 else msgs
+            while rest:
+                other = self._pick(batch=False)
+                if other is None:
+                    break
+                rest = other.deliver(rest)
+            for m in rest:           # nobody can take it now: back to the queue at once
+                self.settle(None, m, "nak", 0)
+
+    # -- settlements, committed in batches -----------------------------------------
+
+    def settle(self, conn, m, action, arg=None, nsq_id: bytes = b""):
+        self._settles.append((conn, m, action, arg, nsq_id))
+        if self._flushing is None:
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+
+    async def flush(self):
+        while self._flushing is not None:
+            await asyncio.shield(self._flushing)
+
+    async def _flush(self):
+        try:
+            while self._settles:
+                batch, self._settles = self._settles, []
+                items = [(m, a, x) for _c, m, a, x, _i in batch]
+                failed, why = [], ""
+                try:
+                    await self.broker.run(self.consumer.settle, items)
+                except LeaseLost as e:
+                    why = "lease lost"
+                    failed = [t for t in batch if t[1].id in str(e)]
+                except FDQError as e:
+                    why = str(e)
+                    failed = batch
+                for conn, _m, action, _x, nsq_id in failed:
+                    if conn is not None:
+                        code = {"ack": "E_FIN_FAILED", "nak": "E_REQ_FAILED", "touch": "E_TOUCH_FAILED"}[action]
+                        verb = {"ack": "FIN", "nak": "REQ", "touch": "TOUCH"}[action]
+                        conn.send_error(nonfatal(code, f"{verb} {nsq_id.decode()} failed {why}"))
+        finally:
+            self._flushing = None
+
+
+class Conn:
+    """One client connection."""
+
+    def __init__(self, broker: "Broker", reader, writer):
+        self.broker = broker
+        self.reader = reader
+        self.writer = writer
+        lim = broker.options.limits
+        self.parser = p.Parser(max_msg_size=lim.max_msg_size, max_body_size=lim.max_body_size,
+                               max_req_timeout_ms=lim.max_req_timeout_ms)
+        self.ident = p.Identity(heartbeat_interval_ms=lim.heartbeat_interval_ms, msg_timeout_ms=lim.msg_timeout_ms)
+        self.state = INIT
+        self.identified = False
+        self.rdy = 0
+        self.in_flight = {}        # nsq id -> (fdq Message, deadline)
+        self.channel = None
+        self.auth = None           # granted permissions (auth.Grant) once AUTH succeeded
+        self._next_id = random.getrandbits(40)
+        self._out = asyncio.Queue()
+        self._compress = None
+        self._decompress = None
+        self.closed = False
+        self.remote = writer.get_extra_info("peername")
+        self.connect_ts = int(time.time())
+        self.message_count = 0
+        self.finish_count = 0
+        self.requeue_count = 0
+
+    def stats(self) -> dict:
+        """nsqd's client stats fields."""
+        host, port = (self.remote or ("", 0))[:2]
+        return {"client_id": self.ident.client_id, "hostname": self.ident.hostname, "version": "V2",
+                "remote_address": f"{host}:{port}", "state": 3 if self.state == SUBSCRIBED else 1,
+                "ready_count": self.rdy, "in_flight_count": len(self.in_flight),
+                "message_count": self.message_count, "finish_count": self.finish_count,
+                "requeue_count": self.requeue_count, "connect_ts": self.connect_ts,
+                "sample_rate": self.ident.sample_rate, "deflate": self._compress is not None,
+                "snappy": False, "user_agent": self.ident.user_agent, "tls": self.ident.tls_v1,
+                "authed": self.auth is not None, "msg_timeout": self.ident.msg_timeout_ms,
+                "heartbeat_interval": self.ident.heartbeat_interval_ms}
+
+    @property
+    def capacity(self) -> int:
+        if self.closed or self.state != SUBSCRIBED:
+            return 0
+        return self.rdy - len(self.in_flight)
+
+    # -- output ----------------------------------------------------------------------
+
+    def _write(self, data: bytes):
+        if self.closed or self.writer.is_closing():
+            return
+        if self._compress is not None:
+            data = self._compress.compress(data) + self._compress.flush(zlib.Z_SYNC_FLUSH)
+        self.writer.write(data)
+
+    def send_error(self, err: ProtocolError):
+        self._out.put_nowait(err.frame())
+        if err.fatal:
+            self._out.put_nowait(None)
+
+    def deliver(self, msgs: list) -> list:
+        """Send as many of ``msgs`` as RDY allows; return the rest."""
+        n = max(0, self.capacity)
+        now = time.monotonic()
+        timeout = self.ident.msg_timeout_ms / 1000
+        ch = self.channel
+        out = []
+        for m in msgs[:n]:
+            if self.ident.sample_rate and random.randrange(100) >= self.ident.sample_rate:
+                ch.settle(None, m, "ack")       # nsqd drops unsampled messages for this client
+                continue
+            self._next_id = (self._next_id + 1) & ((1 << 64) - 1)
+            nsq_id = b"%016x" % self._next_id
+            self.in_flight[nsq_id] = [m, now + timeout]
+            ext = None
+            if self.ident.extend_support and ch.extend:
+                ext = json.dumps(dict(m.headers), separators=(",", ":")).encode()
+            out.append(p.message(m.insertion_time * 1_000_000, m.attempts, nsq_id, m.body, ext))
+            self.message_count += 1
+            ch.stats.message_count += 1
+        if out:
+            self._write(b"".join(out))      # one send for the batch
+        return msgs[n:]
+
+    async def _responder(self):
+        """Write responses in command order; a publish's response waits for its commit."""
+        while True:
+            item = await self._out.get()
+            try:
+                if item is None:
+                    await self._close()
+                    return
+                if isinstance(item, bytes):
+                    self._write(item)
+                    continue
+                try:
+                    result = await item
+                except ProtocolError as e:
+                    self._write(e.frame())
+                    if e.fatal:
+                        await self._close()
+                        return
+                    continue
+                self._write(result)
+                if self.writer.transport.get_write_buffer_size() > 1 << 20:
+                    await self.writer.drain()
+            finally:
+                self._out.task_done()
+
+    # -- main loop -------------------------------------------------------------------
+
+    async def run(self):
+        responder = asyncio.get_running_loop().create_task(self._responder())
+        heartbeat = asyncio.get_running_loop().create_task(self._heartbeats())
+        try:
+            while not self.closed:
+                hb = self.ident.heartbeat_interval_ms
+                timeout = 2 * hb / 1000 if hb > 0 else None
+                try:
+                    data = await asyncio.wait_for(self.reader.read(65536), timeout)
+                except asyncio.TimeoutError:
+                    log.info("client %s missed two heartbeats: closing", self.remote)
+                    break
+                except (ConnectionError, ssl.SSLError, OSError):
+                    break
+                if not data:
+                    break
+                if self._decompress is not None:
+                    try:
+                        data = self._decompress.decompress(data)
+                    except zlib.error:
+                        self.send_error(fatal("E_INVALID", "bad deflate stream"))
+                        break
+                for item in self.parser.feed(data):
+                    if isinstance(item, ProtocolError):
+                        self.send_error(item)
+                        if item.fatal:
+                            break
+                        continue
+                    try:
+                        await self._exec(item)
+                    except ProtocolError as e:
+                        self.send_error(e)
+                        if e.fatal:
+                            break
+                if self.parser.dead:
+                    break
+                if self.closed:
+                    break
+            # let queued responses (and a fatal error frame) go out before closing
+            if not self.closed:
+                self._out.put_nowait(None)
+                try:
+                    await asyncio.wait_for(responder, 30)
+                except (asyncio.TimeoutError, Exception):
+                    pass
+        finally:
+            heartbeat.cancel()
+            responder.cancel()
+            await self._close()
+
+    async def _close(self):
+        if self.closed:
+            return
+        self.closed = True
+        ch = self.channel
+        if ch is not None:
+            for nsq_id, (m, _d) in list(self.in_flight.items()):
+                ch.settle(None, m, "nak", 0)    # requeued at once, as nsqd
+            self.in_flight.clear()
+            await ch.remove(self)
+        try:
+            self.writer.close()
+        except Exception:
+            pass
+        self.broker.conns.discard(self)
+
+    async def _heartbeats(self):
+        while not self.closed:
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            hb = self.ident.heartbeat_interval_ms / 1000
+            if hb > 0 and now - getattr(self, "_last_hb", 0) >= hb:
+                self._last_hb = now
+                self._write(p.response(p.HEARTBEAT))
+            expired = [k for k, (_m, d) in self.in_flight.items() if d <= now]
+            for k in expired:       # the lease expired: FDQ redelivers it; free the RDY slot
+                del self.in_flight[k]
+                if self.channel is not None:
+                    self.channel.stats.timeout_count += 1
+            if expired and self.channel is not None:
+                self.channel.wake.set()
+
+    # -- commands --------------------------------------------------------------------
+
+    async def _exec(self, cmd: p.Command):
+        name = cmd.name
+        handler = _HANDLERS.get(name)
+        if handler is None:
+            raise fatal("E_INVALID", f"invalid command {name.decode('utf-8', 'replace')}")
+        lim = self.broker.options.limits
+        if lim.tls_required and not self.ident.tls_v1 and name != b"IDENTIFY":
+            raise fatal("E_INVALID", f"cannot {name.decode()} in current state (TLS required)")
+        await handler(self, cmd)
+
+    async def cmd_nop(self, cmd):
+        return None
+
+    async def cmd_identify(self, cmd):
+        if self.state != INIT or self.identified:
+            raise fatal("E_INVALID", "cannot IDENTIFY in current state")
+        ident, resp = p.negotiate(cmd.identify, self.broker.options.limits)
+        self.ident = ident
+        self.identified = True
+        await self._out.join()                # earlier responses first
+        self._write(p.response(resp))
+        if ident.tls_v1:
+            await self.writer.drain()
+            try:
+                await self.writer.start_tls(self.broker.ssl_context)
+            except (ssl.SSLError, OSError, ConnectionError) as e:
+                raise fatal("E_IDENTIFY_FAILED", f"TLS handshake failed: {e}") from None
+            self._write(p.response())
+        if ident.deflate:
+            self._compress = zlib.compressobj(ident.deflate_level, zlib.DEFLATED, -15)
+            self._decompress = zlib.decompressobj(-15)
+            self._write(p.response())
+
+    async def cmd_auth(self, cmd):
+        b = self.broker
+        if self.state != INIT:
+            raise fatal("E_INVALID", "cannot AUTH in current state")
+        if b.auth is None:
+            raise fatal("E_AUTH_DISABLED", "AUTH disabled")
+        if self.auth is not None:
+            raise fatal("E_INVALID", "AUTH already set")
+        grant = b.auth.lookup(cmd.body)
+        if grant is None:
+            raise fatal("E_AUTH_FAILED", "AUTH failed")
+        self.auth = grant
+        body = json.dumps({"identity": grant.identity, "identity_url": "",
+                           "permission_count": len(grant.rules)}).encode()
+        self._out.put_nowait(p.response(body))
+
+    def _check_auth(self, topic: str, channel: str | None, action: str):
+        b = self.broker
+        if b.auth is None:
+            return
+        if self.auth is None:
+            raise fatal("E_AUTH_FIRST", f"AUTH required before {action}")
+        if not self.auth.allows(topic, channel, action):
+            what = topic if channel is None else f"{topic}/{channel}"
+            raise fatal("E_UNAUTHORIZED", f"AUTH failed for {action} on {what!r}")
+
+    async def cmd_sub(self, cmd):
+        if self.state != INIT:
+            raise fatal("E_INVALID", "cannot SUB in current state")
+        if self.ident.heartbeat_interval_ms <= 0:
+            raise fatal("E_INVALID", "cannot SUB with heartbeats disabled")
+        if len(cmd.params) < 2:
+            raise fatal("E_INVALID", "SUB insufficient number of parameters")
+        topic, channel = cmd.params[0], cmd.params[1]
+        if not p.valid_name(topic):
+            raise fatal("E_BAD_TOPIC", f"SUB topic name {topic!r} is not valid")
+        if not p.valid_name(channel):
+            raise fatal("E_BAD_CHANNEL", f"SUB channel name {channel!r} is not valid")
+        topic, channel = topic.decode(), channel.decode()
+        self._check_auth(topic, channel, "subscribe")
+        try:
+            ch = await self.broker.channel_for(topic, channel, self.ident)
+        except ProtocolError:
+            raise
+        except FDQError as e:
+            raise fatal("E_SUB_FAILED", f"SUB {topic}/{channel} failed: {e}") from None
+        self.channel = ch
+        self.state = SUBSCRIBED
+        ch.add(self)
+        self._out.put_nowait(p.response())
+
+    async def cmd_rdy(self, cmd):
+        if self.state == CLOSING:
+            return
+        if self.state != SUBSCRIBED:
+            raise fatal("E_INVALID", "cannot RDY in current state")
+        count = p.parse_int(cmd.params[0], "RDY could not parse count") if cmd.params else 1
+        mx = self.broker.options.limits.max_rdy_count
+        if count < 0 or count > mx:
+            raise fatal("E_INVALID", f"RDY count {count} out of range 0-{mx}")
+        self.rdy = count
+        self.channel.wake.set()
+
+    def _msg_id(self, cmd, verb, nparams):
+        if self.state not in (SUBSCRIBED, CLOSING):
+            raise fatal("E_INVALID", f"cannot {verb} in current state")
+        if len(cmd.params) < nparams:
+            raise fatal("E_INVALID", f"{verb} insufficient number of params")
+        mid = cmd.params[0]
+        if len(mid) != p.MSG_ID_LEN:
+            raise fatal("E_INVALID", "Invalid Message ID")
+        return mid
+
+    async def cmd_fin(self, cmd):
+        mid = self._msg_id(cmd, "FIN", 1)
+        entry = self.in_flight.pop(mid, None)
+        if entry is None:
+            raise nonfatal("E_FIN_FAILED", f"FIN {mid.decode('ascii', 'replace')} failed ID not in flight")
+        self.finish_count += 1
+        self.channel.stats.finish_count += 1
+        self.channel.settle(self, entry[0], "ack", None, mid)
+        self.channel.wake.set()
+
+    async def cmd_req(self, cmd):
+        mid = self._msg_id(cmd, "REQ", 2)
+        ms = p.parse_int(cmd.params[1], "REQ could not parse timeout")
+        mx = self.broker.options.limits.max_req_timeout_ms
+        ms = min(max(ms, 0), mx)                 # nsqd clamps
+        entry = self.in_flight.pop(mid, None)
+        if entry is None:
+            raise nonfatal("E_REQ_FAILED", f"REQ {mid.decode('ascii', 'replace')} failed ID not in flight")
+        self.requeue_count += 1
+        self.channel.stats.requeue_count += 1
+        self.channel.settle(self, entry[0], "nak", ms / 1000, mid)
+        self.channel.wake.set()
+
+    async def cmd_touch(self, cmd):
+        mid = self._msg_id(cmd, "TOUCH", 1)
+        entry = self.in_flight.get(mid)
+        if entry is None:
+            raise nonfatal("E_TOUCH_FAILED", f"TOUCH {mid.decode('ascii', 'replace')} failed ID not in flight")
+        entry[1] = time.monotonic() + self.ident.msg_timeout_ms / 1000
+        self.channel.settle(self, entry[0], "touch", None, mid)
+
+    async def cmd_cls(self, cmd):
+        if self.state != SUBSCRIBED:
+            raise fatal("E_INVALID", "cannot CLS in current state")
+        self.state = CLOSING
+        self._out.put_nowait(p.response(p.CLOSE_WAIT))
+
+    # -- publishing ------------------------------------------------------------------
+
+    def _publish(self, fn, code: str, verb: str):
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self.broker.executor, fn)
+
+        async def result():
+            try:
+                r = await fut
+            except (MessageTooLarge, InvalidHeader) as e:
+                raise fatal("E_BAD_MESSAGE", f"{verb} failed {e}") from None
+            except FDQError as e:
+                raise fatal(code, f"{verb} failed {e}") from None
+            self.broker.published += r
+            return p.response()
+        self._out.put_nowait(result())
+
+    async def cmd_pub(self, cmd):
+        topic = cmd.params[0].decode()
+        self._check_auth(topic, None, "publish")
+        body = cmd.body
+        self._publish(lambda: (self.broker.producer.push(topic, body), 1)[1], "E_PUB_FAILED", "PUB")
+
+    async def cmd_dpub(self, cmd):
+        topic = cmd.params[0].decode()
+        ms = int(cmd.params[1])       # the parser checked its range
+        self._check_auth(topic, None, "publish")
+        body = cmd.body
+        self._publish(lambda: (self.broker.producer.push(topic, body, delay=ms / 1000), 1)[1],
+                      "E_DPUB_FAILED", "DPUB")
+
+    async def cmd_mpub(self, cmd):
+        topic = cmd.params[0].decode()
+        self._check_auth(topic, None, "publish")
+        bodies = cmd.bodies
+        self._publish(lambda: len(self.broker.producer.push_many(topic, bodies)), "E_MPUB_FAILED", "MPUB")
+
+    async def cmd_pub_ext(self, cmd):
+        topic = cmd.params[0].decode()
+        self._check_auth(topic, None, "publish")
+        b = self.broker
+        if not await b.is_extend(topic):
+            raise nonfatal("E_EXT_NOT_SUPPORT", f"PUB_EXT topic {topic!r} has no extend support")
+        headers, body = cmd.ext, cmd.body
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(b.executor, lambda: b.producer.push(topic, body, headers=headers or None))
+
+        async def result():
+            try:
+                r = await fut
+            except InvalidHeader as e:
+                raise nonfatal("E_INVALID_JSON_HEADER", f"PUB_EXT failed {e}") from None
+            except FDQError as e:
+                raise fatal("E_PUB_FAILED", f"PUB_EXT failed {e}") from None
+            b.published += 1
+            if r.trace_id is not None:
+                return p.response(p.trace_response(r.id, r.trace_id, len(body)))
+            return p.response()
+        self._out.put_nowait(result())
+
+
+_HANDLERS = {
+    b"NOP": Conn.cmd_nop, b"IDENTIFY": Conn.cmd_identify, b"AUTH": Conn.cmd_auth, b"SUB": Conn.cmd_sub,
+    b"RDY": Conn.cmd_rdy, b"FIN": Conn.cmd_fin, b"REQ": Conn.cmd_req, b"TOUCH": Conn.cmd_touch,
+    b"CLS": Conn.cmd_cls, b"PUB": Conn.cmd_pub, b"DPUB": Conn.cmd_dpub, b"MPUB": Conn.cmd_mpub,
+    b"PUB_EXT": Conn.cmd_pub_ext,
+}
+
+
+class Broker:
+    """Serves nsqd's TCP protocol (and, with ``http.py``, its HTTP API) over one FDQ
+    database. ``await start(host, port)``, ``await close()``."""
+
+    def __init__(self, db, options: BrokerOptions | None = None):
+        self.db = db
+        self.options = options or BrokerOptions()
+        self.executor = ThreadPoolExecutor(self.options.threads, thread_name_prefix="fdq-broker")
+        self.producer = Producer(db)
+        self.supervisor = Supervisor(db)
+        self.channels = {}
+        self.conns = set()
+        self.published = 0
+        self.start_time = int(time.time())
+        self.server = None
+        self.ssl_context = None
+        self.auth = None
+        self._channel_locks = {}
+        self.paused = set()          # (topic, channel) paused on this broker
+        self.tcp_port = None
+        lim = self.options.limits
+        if self.options.tls_cert:
+            if not self.options.tls_key:
+                raise ConfigError("--tls-cert needs --tls-key")
+            ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ctx.load_cert_chain(self.options.tls_cert, self.options.tls_key)
+            self.ssl_context = ctx
+            lim.tls = True
+            lim.tls_required = self.options.tls_required
+        if self.options.auth_file:
+            from .auth import AuthFile
+            self.auth = AuthFile.load(self.options.auth_file)
+            lim.auth_required = True
+
+    async def run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def start(self, host: str = "127.0.0.1", port: int = 4150) -> int:
+        self.server = await asyncio.start_server(self._accept, host, port, limit=1 << 20)
+        self.tcp_port = self.server.sockets[0].getsockname()[1]
+        return self.tcp_port
+
+    async def _accept(self, reader, writer):
+        conn = Conn(self, reader, writer)
+        conn.task = asyncio.current_task()
+        self.conns.add(conn)
+        try:
+            await conn.run()
+        except asyncio.CancelledError:
+            await conn._close()
+        except Exception:
+            log.exception("connection %s failed", conn.remote)
+            await conn._close()
+
+    def ensure_topic(self, topic: str):
+        try:
+            return self.supervisor.config(topic)
+        except TopicNotFound:
+            self.supervisor.create_topic(topic)
+            return self.supervisor.config(topic)
+
+    def ensure_channel(self, topic: str, channel: str):
+        """Create the channel's subscription if it is new. As nsqd, where a topic
+        buffers messages until its first channel exists, the topic's first channel
+        (other than FDQ's ``default``) starts from every message still in the topic's
+        log; later channels get messages published from their creation on."""
+        config = self.ensure_topic(topic)
+        if channel in config.subs:
+            return
+        first = not [s for s in config.subs if s != DEFAULT_SUBSCRIPTION]
+        sub = SubscriptionConfig(deliver_policy="all" if first else "new")
+        try:
+            self.supervisor.create_subscription(topic, channel, sub, ephemeral=channel.endswith("#ephemeral"))
+        except ConfigError:
+            if channel not in self.supervisor.config(topic).subs:   # not a race with another broker
+                raise
+
+    async def is_extend(self, topic: str) -> bool:
+        try:
+            return (await self.run(self.supervisor.config, topic)).extend
+        except FDQError:
+            return False
+
+    async def channel_for(self, topic: str, channel: str, ident: p.Identity) -> Channel:
+        extend = await self.is_extend(topic)
+        # youzan's subscribe rules for extend topics
+        if extend and not ident.extend_support:
+            raise fatal("E_SUB_EXTEND_NEED", f"topic {topic!r} is an extend topic: IDENTIFY with extend_support")
+        if ident.extend_support and not extend:
+            raise fatal("E_EXT_NOT_SUPPORT", f"topic {topic!r} has no extend support: IDENTIFY without extend_support")
+        tag = ident.desired_tag if extend else None
+        key = (topic, channel, tag)
+        lock = self._channel_locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            ch = self.channels.get(key)
+            if ch is None or ch.closed:
+                ch = Channel(self, topic, channel, tag, extend)
+                await ch.open()
+                self.channels[key] = ch
+            return ch
+
+    async def _drop_channel(self, ch: Channel):
+        key = (ch.topic, ch.name, ch.tag)
+        lock = self._channel_locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            if ch.conns or ch.closed:
+                return
+            if self.channels.get(key) is ch:
+                del self.channels[key]
+            await ch.close()
+
+    def set_channel_paused(self, topic: str, channel: str, paused: bool):
+        """Hold (or resume) dispatch of a channel's messages to this broker's clients."""
+        if paused:
+            self.paused.add((topic, channel))
+        else:
+            self.paused.discard((topic, channel))
+        for (t, c, _tag), ch in self.channels.items():
+            if (t, c) == (topic, channel):
+                ch.wake.set()
+
+    def paused_channels(self, topic: str) -> set:
+        return {c for t, c in self.paused if t == topic}
+
+    async def drop_channel_conns(self, topic: str, channel: str):
+        """Close this broker's connections to a channel (before it is deleted)."""
+        for (t, c, _tag), ch in list(self.channels.items()):
+            if (t, c) == (topic, channel):
+                for conn in list(ch.conns):
+                    await conn._close()
+
+    async def close(self):
+        """Stop accepting; close connections (their in-flight messages go back to the
+        queue at once); leave every subscription; nothing accepted is lost."""
+        if self.server is not None:
+            self.server.close()
+        conns = list(self.conns)
+        for conn in conns:
+            await conn._close()
+        tasks = [c.task for c in conns if getattr(c, "task", None) is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=10)
+        for ch in list(self.channels.values()):
+            await ch.close()
+        self.channels.clear()
+        self.executor.shutdown(wait=True)
+
+
+async def serve(url: str, tcp_address: str = "127.0.0.1:4150", http_address: str | None = "127.0.0.1:4151",
+                options: BrokerOptions | None = None, ready=None):
+    """Run a broker until SIGTERM/SIGINT. ``ready(tcp_port, http_port)`` is called once listening."""
+    db = connect(url)
+    broker = Broker(db, options)
+    host, port = split_address(tcp_address)
+    tcp_port = await broker.start(host, port)
+    http_port = None
+    http_server = None
+    if http_address:
+        from .http import HTTPServer
+        hhost, hport = split_address(http_address)
+        http_server = HTTPServer(broker)
+        http_port = await http_server.start(hhost, hport)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("fdq broker: TCP on %s:%d, HTTP on %s", host, tcp_port, http_port)
+    if ready is not None:
+        ready(tcp_port, http_port)
+    await stop.wait()
+    if http_server is not None:
+        await http_server.close()
+    await broker.close()
+
+
+def split_address(addr: str) -> tuple:
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"address must be host:port, not {addr!r}")
+    return host.strip("[]"), int(port)
+
+
+def run(url: str, tcp_address: str = "127.0.0.1:4150", http_address: str | None = "127.0.0.1:4151",
+        options: BrokerOptions | None = None, ready=None):
+    """Blocking entry point (``fdq broker`` calls this)."""
+    asyncio.run(serve(url, tcp_address, http_address, options, ready))
+
+
+__all__ = ["Broker", "BrokerOptions", "Channel", "Conn", "serve", "run", "split_address"]

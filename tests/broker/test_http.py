@@ -1,0 +1,132 @@
+"""nsqd's HTTP API: /ping /info /stats /pub /mpub /topic/* /channel/* and /metrics."""
+import json
+import struct
+import time
+
+import pytest
+
+from fdq.broker import protocol as p
+from conftest import RawClient, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def broker(shared_broker):
+    return shared_broker
+
+
+def stats(broker, **q):
+    qs = "&".join(f"{k}={v}" for k, v in {"format": "json", **q}.items())
+    status, body = broker.http_req(f"/stats?{qs}")
+    assert status == 200
+    return json.loads(body)
+
+
+def channel(broker, topic, ch):
+    for t in stats(broker, topic=topic)["topics"]:
+        for c in t["channels"]:
+            if c["channel_name"] == ch:
+                return c
+    return None
+
+
+def test_ping_info_and_errors(broker):
+    assert broker.http_req("/ping") == (200, b"OK")
+    info = json.loads(broker.http_req("/info")[1])
+    assert info["tcp_port"] == broker.tcp_port and info["http_port"] == broker.http_port
+    assert broker.http_req("/nope")[0] == 404
+    assert broker.http_req("/pub", b"x") == (400, b'{"message": "MISSING_ARG_TOPIC"}')
+    assert broker.http_req("/pub?topic=bad!", b"x") == (400, b'{"message": "INVALID_TOPIC"}')
+    assert broker.http_req("/pub?topic=t", b"") == (400, b'{"message": "MSG_EMPTY"}')
+    assert broker.http_req("/pub?topic=t", b"x" * (1024 * 1024 + 1)) == (413, b'{"message": "MSG_TOO_BIG"}')
+    assert broker.http_req("/pub?topic=t&defer=abc", b"x") == (400, b'{"message": "INVALID_DEFER"}')
+    assert broker.http_req("/topic/delete?topic=nosuch", b"") == (404, b'{"message": "TOPIC_NOT_FOUND"}')
+    assert broker.http_req("/topic/create?topic=x", method="GET")[0] == 405
+    assert broker.http_req("/channel/delete?topic=t&channel=nosuch", b"")[0] in (404,)
+    assert broker.http_req("/channel/create?topic=t", b"") == (400, b'{"message": "MISSING_ARG_CHANNEL"}')
+
+
+def test_pub_mpub_and_consume(broker):
+    assert broker.http_req("/channel/create?topic=h&channel=c", b"")[0] == 200
+    assert broker.http_req("/pub?topic=h", b"one") == (200, b"OK")
+    assert broker.http_req("/mpub?topic=h", b"two\nthree\n") == (200, b"OK")
+    binary = struct.pack(">i", 2) + struct.pack(">i", 4) + b"fo\nr" + struct.pack(">i", 4) + b"five"
+    assert broker.http_req("/mpub?topic=h&binary=true", binary) == (200, b"OK")
+    t0 = time.monotonic()
+    assert broker.http_req("/pub?topic=h&defer=1500", b"six") == (200, b"OK")
+    c = RawClient(broker.tcp)
+    c.identify(heartbeat_interval=1000)
+    c.sub("h", "c", 10)
+    got = {}
+    for _ in range(6):
+        m = c.message(timeout=30)
+        got[m[3]] = time.monotonic() - t0
+        c.send(b"FIN " + m[2] + b"\n")
+    assert set(got) == {b"one", b"two", b"three", b"fo\nr", b"five", b"six"}
+    assert got[b"six"] >= 1.4
+    ch = wait_for(lambda: (lambda x: x if x and x["in_flight_count"] == 0 else None)(channel(broker, "h", "c")))
+    assert ch["depth"] == 0 and ch["message_count"] == 6 and ch["client_count"] == 1
+    assert ch["clients"][0]["finish_count"] == 6 and ch["clients"][0]["ready_count"] == 10
+    text = broker.http_req("/stats")[1].decode()
+    assert "[h" in text and "[c" in text
+    metrics = broker.http_req("/metrics")[1].decode()
+    assert 'fdq_channel_backlog{topic="h",channel="c"} 0' in metrics
+    assert 'fdq_topic_messages_total{topic="h"} 6' in metrics
+    assert 'fdq_channel_clients{topic="h",channel="c"} 1' in metrics
+    c.close()
+
+
+def test_topic_and_channel_admin(broker):
+    assert broker.http_req("/topic/create?topic=adm", b"")[0] == 200
+    assert broker.http_req("/channel/create?topic=adm&channel=x", b"")[0] == 200
+    assert broker.http_req("/channel/create?topic=adm&channel=y", b"")[0] == 200
+    assert broker.http_req("/mpub?topic=adm", b"1\n2\n3\n")[0] == 200
+    assert channel(broker, "adm", "x")["depth"] == 3
+    assert broker.http_req("/channel/empty?topic=adm&channel=x", b"")[0] == 200
+    assert channel(broker, "adm", "x")["depth"] == 0 and channel(broker, "adm", "y")["depth"] == 3
+    assert broker.http_req("/channel/delete?topic=adm&channel=y", b"")[0] == 200
+    assert channel(broker, "adm", "y") is None
+    # topic pause: published messages are held until unpause
+    assert broker.http_req("/topic/pause?topic=adm", b"")[0] == 200
+    assert stats(broker, topic="adm")["topics"][0]["paused"] is True
+    assert broker.http_req("/pub?topic=adm", b"p")[0] == 200
+    assert channel(broker, "adm", "x")["depth"] == 0
+    assert broker.http_req("/topic/unpause?topic=adm", b"")[0] == 200
+    assert channel(broker, "adm", "x")["depth"] == 1
+    assert broker.http_req("/topic/empty?topic=adm", b"")[0] == 200
+    assert channel(broker, "adm", "x")["depth"] == 0
+    assert broker.http_req("/topic/delete?topic=adm", b"")[0] == 200
+    assert stats(broker, topic="adm")["topics"] == []
+
+
+def test_paused_channel_holds_messages_until_unpaused(broker):
+    c = RawClient(broker.tcp)
+    c.identify(heartbeat_interval=1000)
+    c.sub("pz", "c", 10)
+    assert broker.http_req("/channel/pause?topic=pz&channel=c", b"")[0] == 200
+    assert channel(broker, "pz", "c")["paused"] is True
+    assert broker.http_req("/pub?topic=pz", b"held")[0] == 200
+    with pytest.raises(TimeoutError):
+        c.frame(timeout=2)
+    assert broker.http_req("/channel/unpause?topic=pz&channel=c", b"")[0] == 200
+    m = c.message(timeout=30)
+    assert m[3] == b"held"
+    c.send(b"FIN " + m[2] + b"\n")
+    c.close()
+
+
+def test_ephemeral_channel_disappears_with_its_last_client(broker):
+    cs = []
+    for _ in range(2):
+        c = RawClient(broker.tcp)
+        c.identify(heartbeat_interval=1000)
+        c.sub("eph", "tmp#ephemeral", 5)
+        cs.append(c)
+    assert channel(broker, "eph", "tmp#ephemeral") is not None
+    assert broker.http_req("/pub?topic=eph", b"x")[0] == 200
+    cs[0].close()
+    time.sleep(0.5)
+    assert channel(broker, "eph", "tmp#ephemeral") is not None      # one client left
+    cs[1].close()
+    wait_for(lambda: channel(broker, "eph", "tmp#ephemeral") is None, what="ephemeral channel deleted")

@@ -1,0 +1,150 @@
+"""The NSQ V2 codec, fed bytes (no sockets)."""
+import json
+import struct
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from fdq.broker import protocol as p
+
+
+def feed_all(parser, data, step=None):
+    out = []
+    if step is None:
+        return parser.feed(data)
+    for i in range(0, len(data), step):
+        out += parser.feed(data[i:i + step])
+    return out
+
+
+def test_magic_then_commands_byte_by_byte():
+    stream = (p.MAGIC_V2 + b"NOP\n" + p.encode_command(b"PUB", b"t", body=b"hello")
+              + p.encode_mpub(b"t", [b"a", b"bb", b"\x00\n"]) + b"DPUB t 1500\n" + struct.pack(">I", 1) + b"x"
+              + b"SUB t ch#ephemeral\r\n" + b"RDY 10\n" + b"FIN 0123456789abcdef\n" + b"REQ 0123456789abcdef 100\n"
+              + b"TOUCH 0123456789abcdef\n" + b"CLS\n")
+    for step in (1, 3, 7, len(stream)):
+        cmds = feed_all(p.Parser(), stream, step)
+        assert [c.name for c in cmds] == [b"NOP", b"PUB", b"MPUB", b"DPUB", b"SUB", b"RDY", b"FIN", b"REQ",
+                                          b"TOUCH", b"CLS"]
+        assert cmds[1].body == b"hello" and cmds[1].params == [b"t"]
+        assert cmds[2].bodies == [b"a", b"bb", b"\x00\n"]
+        assert cmds[3].params == [b"t", b"1500"] and cmds[3].body == b"x"
+        assert cmds[4].params == [b"t", b"ch#ephemeral"]
+        assert cmds[7].params == [b"0123456789abcdef", b"100"]
+
+
+def test_partial_frame_stays_buffered():
+    parser = p.Parser()
+    data = p.MAGIC_V2 + p.encode_command(b"PUB", b"t", body=b"x" * 100)
+    assert parser.feed(data[:-1]) == []
+    assert parser.buffered > 0
+    (cmd,) = parser.feed(data[-1:])
+    assert cmd.body == b"x" * 100 and parser.buffered == 0
+
+
+def test_wrong_magic_is_fatal_bad_protocol():
+    parser = p.Parser()
+    (err,) = parser.feed(b"  V1NOP\n")
+    assert isinstance(err, p.ProtocolError) and err.code == "E_BAD_PROTOCOL" and err.fatal
+    assert parser.dead and parser.feed(b"NOP\n") == []
+    assert err.frame()[8:].startswith(b"E_BAD_PROTOCOL")
+
+
+@pytest.mark.parametrize("data,code", [
+    (b"BOGUS\n", "E_INVALID"),
+    (b"PUB\n", "E_INVALID"),
+    (b"PUB bad!topic\n", "E_BAD_TOPIC"),
+    (b"PUB " + b"x" * 65 + b"\n", "E_BAD_TOPIC"),
+    (b"PUB t\n" + struct.pack(">i", 0), "E_BAD_MESSAGE"),
+    (b"PUB t\n" + struct.pack(">i", -5), "E_BAD_MESSAGE"),
+    (b"PUB t\n" + struct.pack(">i", 2000), "E_BAD_MESSAGE"),
+    (b"DPUB t\n", "E_INVALID"),
+    (b"DPUB t abc\n", "E_INVALID"),
+    (b"DPUB t# 10\n", "E_BAD_TOPIC"),
+    (b"MPUB t\n" + struct.pack(">i", 0), "E_BAD_BODY"),
+    (b"MPUB t\n" + struct.pack(">i", 10_000), "E_BAD_BODY"),
+    (b"MPUB t\n" + struct.pack(">ii", 4, 0), "E_BAD_BODY"),
+    (b"MPUB t\n" + struct.pack(">iii", 8, 1, 0), "E_BAD_MESSAGE"),
+    (b"MPUB t\n" + struct.pack(">iii", 8, 1, 5000), "E_BAD_MESSAGE"),
+    (b"MPUB t\n" + struct.pack(">iii", 9, 1, 5) + b"x", "E_BAD_MESSAGE"),
+    (b"MPUB t\n" + struct.pack(">iii", 11, 1, 1) + b"xyz", "E_BAD_BODY"),
+    (b"IDENTIFY\n" + struct.pack(">i", 3) + b"{x]", "E_BAD_BODY"),
+    (b"IDENTIFY\n" + struct.pack(">i", 2) + b"[]", "E_BAD_BODY"),
+    (b"AUTH x\n", "E_INVALID"),
+    (b"AUTH\n" + struct.pack(">i", 0), "E_BAD_BODY"),
+])
+def test_fatal_errors(data, code):
+    parser = p.Parser(max_msg_size=1024, max_body_size=4096)
+    out = parser.feed(p.MAGIC_V2 + data)
+    assert isinstance(out[-1], p.ProtocolError), out
+    assert out[-1].code == code and out[-1].fatal, out[-1]
+
+
+def test_line_too_long_is_fatal():
+    parser = p.Parser()
+    (err,) = parser.feed(p.MAGIC_V2 + b"PUB " + b"x" * (p.MAX_LINE + 10))
+    assert err.code == "E_INVALID" and err.fatal
+
+
+def test_pub_ext_json_header_and_bad_json_is_not_fatal():
+    parser = p.Parser()
+    good = p.encode_pub_ext(b"t", b'{"##client_dispatch_tag":"a","k":1}', b"body")
+    bad = p.encode_pub_ext(b"t", b"{nope", b"body")
+    out = parser.feed(p.MAGIC_V2 + good + bad + b"NOP\n")
+    assert out[0].ext == {"##client_dispatch_tag": "a", "k": 1} and out[0].body == b"body"
+    assert out[1].code == "E_INVALID_JSON_HEADER" and not out[1].fatal
+    assert out[2].name == b"NOP"
+
+
+def test_frames_and_messages_round_trip():
+    mid = b"0123456789abcdef"
+    buf = bytearray(p.response() + p.message(123, 2, mid, b"body") + p.ProtocolError("E_INVALID", "x").frame()
+                    + p.message(5, 1, mid, b"b2", ext=b'{"a":1}'))
+    (t0, d0), (t1, d1), (t2, d2), (t3, d3) = p.decode_frames(buf)
+    assert (t0, d0) == (p.FRAME_RESPONSE, b"OK")
+    assert t1 == p.FRAME_MESSAGE and p.decode_message(d1) == (123, 2, mid, b"body", None)
+    assert (t2, d2) == (p.FRAME_ERROR, b"E_INVALID x")
+    assert p.decode_message(d3, ext=True) == (5, 1, mid, b"b2", b'{"a":1}')
+    with pytest.raises(ValueError):
+        p.message(1, 1, b"short", b"")
+
+
+def test_identify_negotiation():
+    limits = p.Limits()
+    ident, resp = p.negotiate({"feature_negotiation": True, "heartbeat_interval": 5000, "msg_timeout": 2000,
+                               "deflate": True, "deflate_level": 9, "sample_rate": 10,
+                               "client_id": "c", "output_buffer_timeout": -1}, limits)
+    assert ident.heartbeat_interval_ms == 5000 and ident.msg_timeout_ms == 2000 and ident.deflate
+    r = json.loads(resp)
+    assert r["max_rdy_count"] == 2500 and r["msg_timeout"] == 2000 and r["deflate_level"] == 6
+    assert r["deflate"] is True and r["tls_v1"] is False and r["auth_required"] is False
+    assert r["sample_rate"] == 10 and r["max_msg_timeout"] == 15 * 60_000
+    ident, resp = p.negotiate({}, limits)
+    assert resp == b"OK" and ident.heartbeat_interval_ms == 30_000 and ident.msg_timeout_ms == 60_000
+    ident, _ = p.negotiate({"heartbeat_interval": -1}, limits)
+    assert ident.heartbeat_interval_ms == 0
+    for bad in ({"heartbeat_interval": 10}, {"heartbeat_interval": 10**9}, {"msg_timeout": 5},
+                {"sample_rate": 100}, {"output_buffer_size": 1}, {"msg_timeout": "x"},
+                {"desired_tag": "bad tag!"}):
+        with pytest.raises(p.ProtocolError) as e:
+            p.negotiate(bad, limits)
+        assert e.value.code == "E_BAD_BODY" and e.value.fatal
+
+
+def test_names():
+    assert p.valid_name(b"a.b-c_d") and p.valid_name(b"x" * 64) and p.valid_name(b"ch#ephemeral")
+    assert not p.valid_name(b"") and not p.valid_name(b"x" * 65) and not p.valid_name(b"a b")
+    assert not p.valid_name(b"a#b")
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.one_of(
+    st.binary(max_size=40),
+    st.sampled_from([b"PUB t\n", b"MPUB t\n", b"IDENTIFY\n", b"DPUB t 5\n", b"PUB_EXT t\n", b"SUB a b\n",
+                     b"AUTH\n", b"\x00\x00\x00\x05", b"\xff\xff\xff\xff", b"\x00\x00\x00\x02{}"]),
+), max_size=20), st.booleans(), st.integers(1, 9))
+def test_fuzz_parser_never_crashes(chunks, magic, step):
+    parser = p.Parser(max_msg_size=256, max_body_size=1024)
+    data = (p.MAGIC_V2 if magic else b"") + b"".join(chunks)
+    for item in feed_all(parser, data, step):
+        assert isinstance(item, (p.Command, p.ProtocolError))
