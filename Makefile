@@ -1,6 +1,7 @@
 # The two commands of the README: `make demo` and `make test`. Each sets up .venv first.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+NSQJS := tests/broker/nsqjs
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	python3 -m venv $(VENV)
@@ -8,12 +9,19 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
+# nsqjs (an NSQ client for Node) for the broker's real-client test; skipped without npm.
+$(NSQJS)/node_modules/.installed: $(NSQJS)/package.json
+	@if command -v npm >/dev/null 2>&1; then \
+		cd $(NSQJS) && npm install --no-audit --no-fund --loglevel=error && touch node_modules/.installed; \
+	else echo "npm not found: the nsqjs test will skip"; fi
+
 .PHONY: demo test bench
 demo: $(VENV)/.installed
 	$(PY) -m fdq.demo
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(NSQJS)/node_modules/.installed
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed
 	$(PY) bench/engine.py
+	$(PY) bench/queue_bench.py
