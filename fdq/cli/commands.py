@@ -75,7 +75,7 @@ subscription_option = click.option("--subscription", "-s", type=SUBSCRIPTION, de
                                    show_default=True, help="The subscription.")
 
 
-@click.group(cls=FDQGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(name="fdq", cls=FDQGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--url", envvar="FDQ_URL", metavar="URL",
               help="Database URL: sqlite:///path.db or fdb:///path/fdb.cluster "
                    "[env FDQ_URL; default: the embedded database, $FDQ_HOME/fdq.db].")
@@ -296,7 +296,7 @@ def push(state, topic, data, shard_key, delay, headers, msg_id, as_json):
         return
     if msg_id is not None:
         raise click.UsageError("--msg-id names one message: give DATA, not stdin lines")
-    stdin = click.get_binary_stream("stdin")
+    stdin = sys.stdin.buffer
     pushed = 0
     batch, size = [], 0
 
