@@ -72,7 +72,7 @@ pass_state = click.make_pass_decorator(State)
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON (stable keys) for scripts.")
 topic_argument = click.argument("topic", type=TOPIC)
 subscription_option = click.option("--subscription", "-s", type=SUBSCRIPTION, default=DEFAULT_SUBSCRIPTION,
-                                   show_default=True, help="The subscription.")
+                                   show_default=True, metavar="S", help="The subscription.")
 
 
 @click.group(name="fdq", cls=FDQGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -179,8 +179,10 @@ def topics_delete(state, name, yes):
 @json_option
 @pass_state
 def topics_upgrade(state, name, extend, as_json):
-    """Upgrade topic NAME: --extend gives it extend support (headers, tag dispatch).
-    One-way; stored messages stay readable; consumers must then support extend."""
+    """Give topic NAME extend support (--extend).
+
+    Headers and tag dispatch. One-way; stored messages stay readable; consumers
+    must then connect with extend support."""
     if not extend:
         raise click.UsageError("nothing to upgrade: give --extend")
     state.supervisor.upgrade_extend(name)
@@ -207,8 +209,11 @@ CONSUMER_COLUMNS = [
 @json_option
 @pass_state
 def stats(state, topic, as_json):
-    """Counters, per-subscription backlog / in flight / delayed / DLQ / lag, live
-    consumers with their shards and heartbeat age, backlog per dispatch tag."""
+    """Show TOPIC's counters, backlog, consumers and lag.
+
+    Per subscription: backlog, in flight, delayed, DLQ, lag; live consumers with
+    the shards each owns and heartbeat age; backlog per dispatch tag.
+    --json adds per-shard counters."""
     data = rows.stats_row(state.supervisor.stats(topic))
     if as_json:
         render.emit_json(data)
@@ -251,7 +256,7 @@ def stats(state, topic, as_json):
 @json_option
 @pass_state
 def consumers(state, topic, as_json):
-    """Live consumers of TOPIC: the shards each owns, heartbeat age."""
+    """List TOPIC's live consumers, their shards, heartbeat age."""
     data = rows.consumer_rows(state.supervisor.stats(topic))
     if as_json:
         render.emit_json(data)
@@ -271,16 +276,18 @@ def _encode_arg(text: str) -> bytes:
 @cli.command()
 @topic_argument
 @click.argument("data", required=False)
-@click.option("--key", "-k", "shard_key", help="Shard key (messages of one key keep their order).")
+@click.option("--key", "-k", "shard_key", metavar="K", help="Shard key (messages of one key keep their order).")
 @click.option("--delay", type=Seconds(), default=None, help="Deliver after this many seconds.")
 @click.option("--header", "-H", "headers", type=Header(), multiple=True, callback=headers_callback,
               help="A header name=value (extend topics); the value is JSON if it parses, "
                    "else a string. Repeatable.")
-@click.option("--msg-id", help="Your id: a repeat within the topic's dedupe window is stored once.")
+@click.option("--msg-id", metavar="ID", help="Your id: a repeat within the topic's dedupe window is stored once.")
 @json_option
 @pass_state
 def push(state, topic, data, shard_key, delay, headers, msg_id, as_json):
-    """Push DATA to TOPIC (created if missing) and print the message id.
+    """Push DATA (or stdin lines) to TOPIC; print the ids.
+
+    TOPIC is created if missing.
 
     With DATA "-" (or no DATA), push one message per line of stdin (newline
     stripped), in batches of one transaction each; prints one id per line.
@@ -346,12 +353,12 @@ def _print_message(m, as_json):
 
 @cli.command()
 @topic_argument
-@click.option("--count", "-n", type=click.IntRange(min=1), default=None,
+@click.option("--count", "-n", type=click.IntRange(min=1), default=None, metavar="N",
               help="Stop after N messages [default: follow until Ctrl-C].")
 @click.option("--timeout", type=Seconds(), default=None,
               help="Stop after this many seconds without a message.")
 @subscription_option
-@click.option("--tag", type=Tag(), default=None,
+@click.option("--tag", type=Tag(), default=None, metavar="T",
               help="Take messages dispatched to tag T (extend topics).")
 @click.option("--mode", type=click.Choice(["at-least-once", "at-most-once"]), default="at-least-once",
               show_default=True,
@@ -359,7 +366,9 @@ def _print_message(m, as_json):
 @json_option
 @pass_state
 def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
-    """Print TOPIC's messages (id, shard key, headers, body) and ack them.
+    """Print TOPIC's messages and ack them.
+
+    Each line: id, shard key, headers (name=value), body.
 
     Joins the subscription as a consumer: with other consumers live it gets its
     share of the shards. One message per line; --json: one JSON object per line.
@@ -406,7 +415,9 @@ def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
 @topic_argument
 @pass_state
 def pause(state, topic):
-    """Stop routing and consumption of TOPIC (pushes still land in its log)."""
+    """Pause TOPIC: stop routing and consumption.
+
+    Pushes still land in the topic's log; fdq play routes them."""
     state.supervisor.pause(topic)
     render.note(f"paused topic {topic!r}")
 
@@ -416,7 +427,7 @@ def pause(state, topic):
 @json_option
 @pass_state
 def play(state, topic, as_json):
-    """Route what arrived while TOPIC was paused, in order, then resume it."""
+    """Resume TOPIC: route what arrived while paused, in order."""
     sup = state.supervisor
     pending = sup.stats(topic)["counters"]["pending"]
     with render.progress(f"routing {topic}", pending) as advance:
@@ -433,8 +444,10 @@ def play(state, topic, as_json):
 @json_option
 @pass_state
 def rebalance(state, topic, shards, as_json):
-    """Re-divide TOPIC's shards among its live consumers now; with --shards N,
-    change the shard count first."""
+    """Re-divide TOPIC's shards among live consumers.
+
+    With --shards N, change the shard count first (every backlog re-routed,
+    each shard key's order kept)."""
     sup = state.supervisor
     stats = sup.stats(topic)
     total = sum(s["backlog"] for s in stats["subscriptions"].values())
@@ -453,8 +466,10 @@ def rebalance(state, topic, shards, as_json):
 @json_option
 @pass_state
 def replay(state, topic, start, end, as_json):
-    """Deliver again TOPIC's logged messages inserted in [--start, --end), in order,
-    as new messages (new ids; each keeps the original's id in replay_of)."""
+    """Deliver again TOPIC's messages inserted in [--start, --end).
+
+    In order, as new messages (new ids; each keeps the original's id in
+    replay_of). Times: epoch milliseconds or ISO-8601 (no zone = UTC)."""
     if end is not None and end <= start:
         raise click.BadParameter(f"--end ({end}) must be after --start ({start})", param_hint="'--end'")
     state.supervisor.config(topic)
@@ -472,8 +487,10 @@ def replay(state, topic, start, end, as_json):
 @json_option
 @pass_state
 def trim(state, topic, before, as_json):
-    """Apply retention to TOPIC's "all" log (what replay reads); also expires
-    dedupe ids and push markers past their windows. Queued messages are untouched."""
+    """Apply retention to TOPIC's log (what replay reads).
+
+    Also expires dedupe ids and push markers past their windows. Queued
+    messages are untouched."""
     sup = state.supervisor
     config = sup.config(topic)
     if before is None and config.retention_s is None:
@@ -495,7 +512,7 @@ def _check_subscription(sup, topic, subscription):
 
 @cli.group()
 def dlq():
-    """The dead-letter queue of a subscription: list, redrive, purge."""
+    """Dead letters of a subscription: list, redrive, purge."""
 
 
 @dlq.command("list")

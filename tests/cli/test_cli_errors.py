@@ -15,7 +15,8 @@ def stored(run, db, sup):
     p = fdq.Producer(db)
     p.push_many("orders", [fdq.Envelope(f"o{i}".encode(), shard_key="k", headers={"i": i}) for i in range(5)])
     p.push_many("plain", [fdq.Envelope(f"p{i}".encode()) for i in range(3)])
-    with fdq.Consumer(db, "orders", extend_support=True) as c:
+    quick = fdq.ConsumerConfig(heartbeat_interval_s=0.05, lease_check_interval_s=0.05)   # quick close
+    with fdq.Consumer(db, "orders", extend_support=True, config=quick) as c:
         [m] = c.fetch(1, timeout=5)
         m.term("poison")
     return sup
