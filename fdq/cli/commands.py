@@ -20,7 +20,7 @@ from ..producer import Envelope, Producer
 from ..supervisor import Supervisor
 from . import render, rows
 from .params import (SUBSCRIPTION, TOPIC, Header, Seconds, Shards, Tag, Time,
-                     headers_callback)
+                     headers_callback, topic_config_callback)
 
 PUSH_BATCH = 500                 # stdin lines per transaction
 PUSH_BATCH_BYTES = 4 << 20       # ... and at most this many body bytes (FDB: 10 MB)
@@ -138,9 +138,9 @@ def _show_topic(state, name, as_json):
 @click.option("--shards", type=Shards(), default=TopicConfig().shards, show_default=True,
               help="Number of shards.")
 @click.option("--extend", is_flag=True, help="Extend support: headers and tag dispatch.")
-@click.option("--max-backlog", type=click.IntRange(min=1), default=None,
+@click.option("--max-backlog", type=int, default=None, metavar="N", callback=topic_config_callback,
               help="Refuse pushes beyond this backlog per subscription.")
-@click.option("--retention-s", type=Seconds(), default=None,
+@click.option("--retention-s", type=Seconds(), default=None, metavar="S", callback=topic_config_callback,
               help="Keep the \"all\" log this many seconds (applied by fdq trim).")
 @json_option
 @pass_state
@@ -314,7 +314,8 @@ def push(state, topic, data, shard_key, delay, headers, msg_id, as_json):
         try:
             results = producer.push_many(topic, batch)
         except FDQError as e:
-            raise Failure(f"{_one_line(e)} ({pushed:,} messages pushed before this batch)") from None
+            done = f" ({pushed:,} messages pushed before this batch)" if pushed else ""
+            raise Failure(_one_line(e) + done) from None
         for r in results:
             show(rows.push_row(r))
         pushed += len(results)

@@ -50,6 +50,16 @@ class Shards(click.ParamType):
         return n
 
 
+def topic_config_callback(ctx, param, value):
+    """Check an option that is a ``TopicConfig`` field (same name) by FDQ's own rule."""
+    if value is not None:
+        try:
+            TopicConfig(**{param.name: value})
+        except ConfigError as e:
+            raise click.BadParameter(str(e), ctx, param) from None
+    return value
+
+
 class Seconds(click.ParamType):
     """A finite number of seconds >= 0."""
 
@@ -138,5 +148,5 @@ class Tag(click.ParamType):
 TOPIC = Name("topic")
 SUBSCRIPTION = Name("subscription")
 
-__all__ = ["Name", "Shards", "Seconds", "Time", "Header", "Tag", "headers_callback", "TOPIC",
+__all__ = ["topic_config_callback", "Name", "Shards", "Seconds", "Time", "Header", "Tag", "headers_callback", "TOPIC",
            "SUBSCRIPTION"]
