@@ -3,6 +3,7 @@ checked against the Python API's state."""
 from __future__ import annotations
 
 import datetime
+import json
 import time
 
 import pytest
@@ -99,7 +100,7 @@ def test_pause_play(run, db, sup):
     assert (st["counters"]["inserted"], st["counters"]["routed"]) == (30, 0)
     assert run.json("topics")[0]["pending"] == 30
     r = run("play", "orders", "--json")
-    assert r.stdout and __import__("json").loads(r.stdout) == {"topic": "orders", "routed": 30}
+    assert r.stdout and json.loads(r.stdout) == {"topic": "orders", "routed": 30}
     assert "routed 30 messages" in r.stderr
     assert sup.config("orders").paused is False
     with fdq.Consumer(db, "orders") as c:
@@ -136,7 +137,7 @@ def test_replay(run, db, sup):
         c.ack_many(c.fetch(100, timeout=5))
     start = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(minutes=5)
     r = run("replay", "orders", "--start", start.isoformat(), "--json")
-    out = __import__("json").loads(r.stdout)
+    out = json.loads(r.stdout)
     assert out["replayed"] == 5 and out["start_ms"] == int(start.timestamp() * 1000) and out["end_ms"] is None
     got = run.json_lines("tail", "orders", "--count", 5, "--timeout", 10)
     assert [m["body"] for m in got] == [f"m{i}" for i in range(5)]
@@ -151,7 +152,7 @@ def test_trim(run, db, sup):
     p = fdq.Producer(db)
     p.push_many("orders", [fdq.Envelope(b"a")] * 3)
     r = run("trim", "orders", "--json")                      # retention 1 h: all too young
-    assert __import__("json").loads(r.stdout)["deleted"] == 0
+    assert json.loads(r.stdout)["deleted"] == 0
     cut = int(time.time() * 1000) + 1000
     assert run.json("trim", "orders", "--before", cut)["deleted"] == 3
     # the log is gone (replay finds nothing); the queue still holds the messages
@@ -196,7 +197,7 @@ def test_progress_bar_on_a_terminal(run, db, sup, monkeypatch):
     run("push", "orders", "-", input="a\nb\n")
     r = run("play", "orders", "--json")
     assert "routing orders" in r.stderr and "\x1b[" in r.stderr
-    assert __import__("json").loads(r.stdout) == {"topic": "orders", "routed": 2}
+    assert json.loads(r.stdout) == {"topic": "orders", "routed": 2}
 
 
 def test_plain_progress_lines(run, db, monkeypatch):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import json
 
 import fdq
 
@@ -35,7 +36,7 @@ def test_push_json_headers_msg_id_delay(run, db, sup):
     assert row["topic"] == "orders" and row["duplicate"] is False and row["trace_id"] == "77"
     a = run.json("push", "orders", "once", "--msg-id", "order-1")
     r = run("push", "orders", "once", "--msg-id", "order-1", "--json")
-    b = __import__("json").loads(r.stdout)
+    b = json.loads(r.stdout)
     assert b["duplicate"] is True and b["id"] == a["id"] and "not stored again" in r.stderr
     delayed = run("push", "orders", "later", "--delay", 30).stdout.strip()
     st = sup.stats("orders")["subscriptions"]["default"]
