@@ -1,0 +1,585 @@
+"""The ``fdq`` command: click commands that call fdq's Python API, build rows
+(:mod:`.rows`) and render them (:mod:`.render`).
+
+Exit codes: 0 success; 1 an ``FDQError`` (one line ``fdq: error: <message>`` on stderr,
+unknown topics included); 2 a usage error (bad option or value, click's message).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+from ..config import DEFAULT_SUBSCRIPTION, TopicConfig
+from ..consumer import Consumer
+from ..engine import connect
+from ..errors import FDQError, LeaseLost, SubscriptionNotFound
+from ..producer import Envelope, Producer
+from ..supervisor import Supervisor
+from . import render, rows
+from .params import (SUBSCRIPTION, TOPIC, Header, Seconds, Shards, Tag, Time,
+                     headers_callback, topic_config_callback)
+
+PUSH_BATCH = 500                 # stdin lines per transaction
+PUSH_BATCH_BYTES = 4 << 20       # ... and at most this many body bytes (FDB: 10 MB)
+TAIL_BATCH = 100
+
+
+class Failure(click.ClickException):
+    """An FDQError as the command line reports it: one line, exit code 1."""
+
+    exit_code = 1
+
+    def show(self, file=None):
+        click.echo(f"fdq: error: {self.format_message()}", err=True, file=file)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+class FDQGroup(click.Group):
+    """The root group: turns an FDQError raised by any command into a Failure."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except FDQError as e:
+            raise Failure(_one_line(e)) from None
+
+
+class State:
+    """Per invocation: the URL and, once a command needs it, the database."""
+
+    def __init__(self, url: str | None):
+        self.url = url
+        self._db = None
+
+    @property
+    def db(self):
+        if self._db is None:
+            self._db = connect(self.url)
+        return self._db
+
+    @property
+    def supervisor(self) -> Supervisor:
+        return Supervisor(self.db)
+
+
+pass_state = click.make_pass_decorator(State)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON (stable keys) for scripts.")
+topic_argument = click.argument("topic", type=TOPIC)
+subscription_option = click.option("--subscription", "-s", type=SUBSCRIPTION, default=DEFAULT_SUBSCRIPTION,
+                                   show_default=True, metavar="S", help="The subscription.")
+
+
+@click.group(name="fdq", cls=FDQGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--url", envvar="FDQ_URL", metavar="URL",
+              help="Database URL: sqlite:///path.db or fdb:///path/fdb.cluster "
+                   "[env FDQ_URL; default: the embedded database, $FDQ_HOME/fdq.db].")
+@click.version_option(package_name="fdq", prog_name="fdq")
+@click.pass_context
+def cli(ctx, url):
+    """FDQ: a message queue on FoundationDB (or its embedded engine).
+
+    Data goes to stdout, messages and progress to stderr. Exit codes: 0 ok,
+    1 error (one line on stderr), 2 usage error.
+    """
+    ctx.obj = State(url or None)
+
+
+# -- topics -------------------------------------------------------------------------
+
+TOPIC_COLUMNS = [
+    ("topic", lambda r: r["name"]),
+    ("shards", lambda r: r["shards"] if r["resharding_to"] is None else f"{r['shards']}→{r['resharding_to']}"),
+    ("extend", lambda r: r["extend"]),
+    ("paused", lambda r: r["paused"]),
+    ("subscriptions", lambda r: ", ".join(r["subscriptions"])),
+    ("inserted", lambda r: r["inserted"]),
+    ("backlog", lambda r: r["backlog"]),
+    ("pending", lambda r: r["pending"]),
+]
+
+
+@cli.group(invoke_without_command=True)
+@json_option
+@pass_state
+@click.pass_context
+def topics(ctx, state, as_json):
+    """List topics (or create, delete, upgrade one).
+
+    Columns: shards, extend support, paused, subscriptions, messages inserted,
+    backlog (routed, not yet done, summed over subscriptions), pending (pushed
+    while paused or resharding, not yet routed).
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    data = rows.topic_rows(state.supervisor)
+    if as_json:
+        render.emit_json(data)
+    elif not data:
+        render.note("no topics")
+    else:
+        render.table(None, TOPIC_COLUMNS, data)
+
+
+def _show_topic(state, name, as_json):
+    row = rows.topic_row(name, state.supervisor.stats(name))
+    if as_json:
+        render.emit_json(row)
+    return row
+
+
+@topics.command("create")
+@click.argument("name", type=TOPIC)
+@click.option("--shards", type=Shards(), default=TopicConfig().shards, show_default=True,
+              help="Number of shards.")
+@click.option("--extend", is_flag=True, help="Extend support: headers and tag dispatch.")
+@click.option("--max-backlog", type=int, default=None, metavar="N", callback=topic_config_callback,
+              help="Refuse pushes beyond this backlog per subscription.")
+@click.option("--retention-s", type=Seconds(), default=None, metavar="S", callback=topic_config_callback,
+              help="Keep the \"all\" log this many seconds (applied by fdq trim).")
+@json_option
+@pass_state
+def topics_create(state, name, shards, extend, max_backlog, retention_s, as_json):
+    """Create topic NAME (nothing changes if it already exists)."""
+    sup = state.supervisor
+    existed = any(n == name for n, _c in sup.topics())
+    config = sup.create_topic(name, shards=shards, extend=extend, max_backlog=max_backlog,
+                              retention_s=retention_s)
+    if existed:
+        render.note(f"topic {name!r} already exists ({config.shards} shards, "
+                    f"extend {'on' if config.extend else 'off'}): unchanged")
+    else:
+        render.note(f"created topic {name!r}: {config.shards} shards, extend {'on' if config.extend else 'off'}")
+    _show_topic(state, name, as_json)
+
+
+@topics.command("delete")
+@click.argument("name", type=TOPIC)
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@pass_state
+def topics_delete(state, name, yes):
+    """Delete topic NAME with all its messages, consumers and counters."""
+    sup = state.supervisor
+    row = rows.topic_row(name, sup.stats(name))    # unknown topic: exit 1 before asking
+    if not yes:
+        click.confirm(f"Delete topic {name!r} with {row['inserted']:,} messages inserted and a backlog "
+                      f"of {row['backlog']:,}?", abort=True, err=True)
+    sup.delete_topic(name)
+    render.note(f"deleted topic {name!r}")
+
+
+@topics.command("upgrade")
+@click.argument("name", type=TOPIC)
+@click.option("--extend", is_flag=True, help="Give the topic extend support (one-way).")
+@json_option
+@pass_state
+def topics_upgrade(state, name, extend, as_json):
+    """Give topic NAME extend support (--extend).
+
+    Headers and tag dispatch. One-way; stored messages stay readable; consumers
+    must then connect with extend support."""
+    if not extend:
+        raise click.UsageError("nothing to upgrade: give --extend")
+    state.supervisor.upgrade_extend(name)
+    render.note(f"topic {name!r} has extend support")
+    _show_topic(state, name, as_json)
+
+
+# -- stats and consumers --------------------------------------------------------------
+
+CONSUMER_COLUMNS = [
+    ("subscription", lambda c: c["subscription"]),
+    ("consumer", lambda c: c["id"]),
+    ("mode", lambda c: c["mode"]),
+    ("tag", lambda c: c["tag"]),
+    ("host", lambda c: c["host"]),
+    ("pid", lambda c: None if c["pid"] is None else str(c["pid"])),
+    ("shards", lambda c: render.shard_list(c["shards"])),
+    ("heartbeat age", lambda c: "-" if c["heartbeat_age_s"] is None else f"{c['heartbeat_age_s']:.1f} s"),
+]
+
+
+@cli.command()
+@topic_argument
+@json_option
+@pass_state
+def stats(state, topic, as_json):
+    """Show TOPIC's counters, backlog, consumers and lag.
+
+    Per subscription: backlog, in flight, delayed, DLQ, lag; live consumers with
+    the shards each owns and heartbeat age; backlog per dispatch tag.
+    --json adds per-shard counters."""
+    data = rows.stats_row(state.supervisor.stats(topic))
+    if as_json:
+        render.emit_json(data)
+        return
+    state_text = "paused" if data["paused"] else "running"
+    if data["resharding_to"] is not None:
+        state_text += f", resharding to {data['resharding_to']}"
+    render.table(f"topic {topic}: {data['shards']} shards, extend {'on' if data['extend'] else 'off'}, "
+                 f"{state_text}",
+                 [(k, lambda d, k=k: d[k]) for k in ("inserted", "routed", "pending", "emitted", "acked")],
+                 [data])
+    subs = data["subscriptions"]
+    render.table("subscriptions", [
+        ("subscription", lambda s: s["name"]),
+        ("backlog", lambda s: s["backlog"]),
+        ("in flight", lambda s: s["in_flight"]),
+        ("delayed", lambda s: s["delayed"]),
+        ("dlq", lambda s: s["dlq"]),
+        ("lag", lambda s: render.duration_ms(s["lag_ms"])),
+        ("consumers", lambda s: len(s["consumers"])),
+        ("unowned shards", lambda s: s["unowned_shards"]),
+    ], subs)
+    consumers = [c for s in subs for c in s["consumers"]]
+    if consumers:
+        render.table("live consumers", CONSUMER_COLUMNS, consumers)
+    tags = [dict(t, subscription=s["name"]) for s in subs for t in s["tags"]]
+    if any(t["tag"] is not None for t in tags):
+        render.table("backlog per tag", [
+            ("subscription", lambda t: t["subscription"]),
+            ("tag", lambda t: t["tag"] or "(untagged)"),
+            ("shards", lambda t: t["shards"]),
+            ("backlog", lambda t: t["backlog"]),
+            ("in flight", lambda t: t["in_flight"]),
+            ("delayed", lambda t: t["delayed"]),
+        ], tags)
+
+
+@cli.command()
+@topic_argument
+@json_option
+@pass_state
+def consumers(state, topic, as_json):
+    """List TOPIC's live consumers, their shards, heartbeat age."""
+    data = rows.consumer_rows(state.supervisor.stats(topic))
+    if as_json:
+        render.emit_json(data)
+    elif not data:
+        render.note(f"topic {topic!r} has no live consumers")
+    else:
+        render.table(None, CONSUMER_COLUMNS, data)
+
+
+# -- push and tail --------------------------------------------------------------------
+
+def _encode_arg(text: str) -> bytes:
+    # argv is decoded with surrogateescape on POSIX: this gives back the original bytes.
+    return text.encode("utf-8", "surrogateescape")
+
+
+@cli.command()
+@topic_argument
+@click.argument("data", required=False)
+@click.option("--key", "-k", "shard_key", metavar="K", help="Shard key (messages of one key keep their order).")
+@click.option("--delay", type=Seconds(), default=None, help="Deliver after this many seconds.")
+@click.option("--header", "-H", "headers", type=Header(), multiple=True, callback=headers_callback,
+              help="A header name=value (extend topics); the value is JSON if it parses, "
+                   "else a string. Repeatable.")
+@click.option("--msg-id", metavar="ID", help="Your id: a repeat within the topic's dedupe window is stored once.")
+@json_option
+@pass_state
+def push(state, topic, data, shard_key, delay, headers, msg_id, as_json):
+    """Push DATA (or stdin lines) to TOPIC; print the ids.
+
+    TOPIC is created if missing.
+
+    With DATA "-" (or no DATA), push one message per line of stdin (newline
+    stripped), in batches of one transaction each; prints one id per line.
+    """
+    producer = Producer(state.db)
+    show = render.emit_json_line if as_json else (lambda r: click.echo(r["id"]))
+    if data is not None and data != "-":
+        r = producer.push(topic, _encode_arg(data), shard_key=shard_key, msg_id=msg_id, delay=delay,
+                          headers=headers)
+        if r.duplicate:
+            render.note(f"msg-id {msg_id!r} was pushed before: not stored again")
+        show(rows.push_row(r))
+        return
+    if msg_id is not None:
+        raise click.UsageError("--msg-id names one message: give DATA, not stdin lines")
+    stdin = sys.stdin.buffer
+    pushed = 0
+    batch, size = [], 0
+
+    def flush(advance):
+        nonlocal pushed, size
+        if not batch:
+            return
+        try:
+            results = producer.push_many(topic, batch)
+        except FDQError as e:
+            done = f" ({pushed:,} messages pushed before this batch)" if pushed else ""
+            raise Failure(_one_line(e) + done) from None
+        for r in results:
+            show(rows.push_row(r))
+        pushed += len(results)
+        advance(len(results))
+        batch.clear()
+        size = 0
+
+    with render.progress(f"pushing to {topic}") as advance:
+        for line in stdin:
+            body = line[:-1] if line.endswith(b"\n") else line
+            if body.endswith(b"\r"):
+                body = body[:-1]
+            if batch and (len(batch) >= PUSH_BATCH or size + len(body) > PUSH_BATCH_BYTES):
+                flush(advance)
+            batch.append(Envelope(body, shard_key, delay, None, headers))
+            size += len(body)
+        flush(advance)
+    render.note(f"pushed {pushed:,} messages to {topic!r}")
+
+
+def _print_message(m, as_json):
+    row = rows.message_row(m)
+    if as_json:
+        render.emit_json_line(row)
+        return
+    parts = [row["id"]]
+    if row["shard_key"] is not None:
+        parts.append(f"key={row['shard_key']}")
+    for name, value in row["headers"].items():
+        parts.append(f"{name}={value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)}")
+    if row["attempts"] > 1:
+        parts.append(f"attempts={row['attempts']}")
+    body = m.body.decode("utf-8", "backslashreplace")
+    click.echo("  ".join(parts) + "  " + body)
+
+
+@cli.command()
+@topic_argument
+@click.option("--count", "-n", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Stop after N messages [default: follow until Ctrl-C].")
+@click.option("--timeout", type=Seconds(), default=None,
+              help="Stop after this many seconds without a message.")
+@subscription_option
+@click.option("--tag", type=Tag(), default=None, metavar="T",
+              help="Take messages dispatched to tag T (extend topics).")
+@click.option("--mode", type=click.Choice(["at-least-once", "at-most-once"]), default="at-least-once",
+              show_default=True,
+              help="at-least-once: print, then ack; at-most-once: ack, then print.")
+@json_option
+@pass_state
+def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
+    """Print TOPIC's messages and ack them.
+
+    Each line: id, shard key, headers (name=value), body.
+
+    Joins the subscription as a consumer: with other consumers live it gets its
+    share of the shards. One message per line; --json: one JSON object per line.
+    """
+    config = state.supervisor.config(topic)
+    if tag is not None and not config.extend:
+        render.note(f"topic {topic!r} has no extend support: --tag is ignored")
+    consumer = Consumer(state.db, topic, subscription=subscription, create=False,
+                        extend_support=config.extend, desired_tag=tag, batch_size=TAIL_BATCH)
+    got = 0
+    try:
+        last = time.monotonic()
+        while count is None or got < count:
+            wait = 1.0
+            if timeout is not None:
+                wait = min(wait, max(0.0, last + timeout - time.monotonic()))
+            want = TAIL_BATCH if count is None else min(TAIL_BATCH, count - got)
+            msgs = consumer.fetch(want, timeout=wait)
+            if not msgs:
+                if timeout is not None and time.monotonic() - last >= timeout:
+                    break
+                continue
+            try:
+                if mode == "at-most-once":
+                    consumer.ack_many(msgs)
+                for m in msgs:
+                    _print_message(m, as_json)
+                sys.stdout.flush()
+                if mode == "at-least-once":
+                    consumer.ack_many(msgs)
+            except LeaseLost as e:
+                render.note(f"fdq: warning: {_one_line(e)}")
+            got += len(msgs)
+            last = time.monotonic()
+    except KeyboardInterrupt:
+        raise click.exceptions.Exit(130) from None
+    finally:
+        consumer.close()
+
+
+# -- supervision ----------------------------------------------------------------------
+
+@cli.command()
+@topic_argument
+@pass_state
+def pause(state, topic):
+    """Pause TOPIC: stop routing and consumption.
+
+    Pushes still land in the topic's log; fdq play routes them."""
+    state.supervisor.pause(topic)
+    render.note(f"paused topic {topic!r}")
+
+
+@cli.command()
+@topic_argument
+@json_option
+@pass_state
+def play(state, topic, as_json):
+    """Resume TOPIC: route what arrived while paused, in order."""
+    sup = state.supervisor
+    pending = sup.stats(topic)["counters"]["pending"]
+    with render.progress(f"routing {topic}", pending) as advance:
+        routed = sup.play(topic, progress=advance)
+    render.note(f"topic {topic!r} is running: routed {routed:,} messages pushed while paused")
+    if as_json:
+        render.emit_json({"topic": topic, "routed": routed})
+
+
+@cli.command()
+@topic_argument
+@click.option("--shards", type=Shards(), default=None,
+              help="Change the shard count (re-routes every backlog, each key's order kept).")
+@json_option
+@pass_state
+def rebalance(state, topic, shards, as_json):
+    """Re-divide TOPIC's shards among live consumers.
+
+    With --shards N, change the shard count first (every backlog re-routed,
+    each shard key's order kept)."""
+    sup = state.supervisor
+    stats = sup.stats(topic)
+    total = sum(s["backlog"] for s in stats["subscriptions"].values())
+    with render.progress(f"resharding {topic}", total) as advance:
+        config = sup.rebalance(topic, shards=shards, progress=advance)
+    live = len(rows.consumer_rows(sup.stats(topic)))
+    render.note(f"topic {topic!r}: {config.shards} shards divided among {live} live consumer(s)")
+    if as_json:
+        render.emit_json(rows.topic_row(topic, sup.stats(topic)))
+
+
+@cli.command()
+@topic_argument
+@click.option("--start", type=Time(), required=True, help="From (epoch ms or ISO-8601), inclusive.")
+@click.option("--end", type=Time(), default=None, help="To (epoch ms or ISO-8601), exclusive [default: now].")
+@json_option
+@pass_state
+def replay(state, topic, start, end, as_json):
+    """Deliver again TOPIC's messages inserted in [--start, --end).
+
+    In order, as new messages (new ids; each keeps the original's id in
+    replay_of). Times: epoch milliseconds or ISO-8601 (no zone = UTC)."""
+    if end is not None and end <= start:
+        raise click.BadParameter(f"--end ({end}) must be after --start ({start})", param_hint="'--end'")
+    state.supervisor.config(topic)
+    with render.progress(f"replaying {topic}") as advance:
+        n = Producer(state.db).replay(topic, start, end, progress=advance)
+    render.note(f"replayed {n:,} messages of topic {topic!r}")
+    if as_json:
+        render.emit_json({"topic": topic, "replayed": n, "start_ms": start, "end_ms": end})
+
+
+@cli.command()
+@topic_argument
+@click.option("--before", type=Time(), default=None,
+              help="Delete log entries inserted before this time [default: the topic's retention_s].")
+@json_option
+@pass_state
+def trim(state, topic, before, as_json):
+    """Apply retention to TOPIC's log (what replay reads).
+
+    Also expires dedupe ids and push markers past their windows. Queued
+    messages are untouched."""
+    sup = state.supervisor
+    config = sup.config(topic)
+    if before is None and config.retention_s is None:
+        render.note(f"topic {topic!r} has no retention_s: give --before to trim its log")
+    with render.progress(f"trimming {topic}") as advance:
+        n = sup.trim(topic, before_ms=before, progress=advance)
+    render.note(f"deleted {n:,} log entries of topic {topic!r}")
+    if as_json:
+        render.emit_json({"topic": topic, "deleted": n})
+
+
+# -- dead letters ---------------------------------------------------------------------
+
+def _check_subscription(sup, topic, subscription):
+    subs = sup.config(topic).subs
+    if subscription not in subs:
+        raise SubscriptionNotFound(f"subscription {subscription!r} of topic {topic!r} does not exist "
+                                   f"(subscriptions: {', '.join(subs)})")
+
+@cli.group()
+def dlq():
+    """Dead letters of a subscription: list, redrive, purge."""
+
+
+@dlq.command("list")
+@topic_argument
+@subscription_option
+@click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True)
+@json_option
+@pass_state
+def dlq_list(state, topic, subscription, limit, as_json):
+    """List dead letters, oldest first, with the reason each was dead-lettered."""
+    _check_subscription(state.supervisor, topic, subscription)
+    data = [rows.dlq_row(d, subscription) for d in state.supervisor.dlq_list(topic, subscription, limit)]
+    if as_json:
+        render.emit_json(data)
+    elif not data:
+        render.note(f"the dead-letter queue of {topic}/{subscription} is empty")
+    else:
+        render.table(None, [
+            ("id", lambda d: d["id"]),
+            ("reason", lambda d: d["reason"]),
+            ("attempts", lambda d: d["attempts"]),
+            ("key", lambda d: d["shard_key"]),
+            ("inserted", lambda d: render.time_ms(d["insertion_time_ms"])),
+            ("consumer", lambda d: d["consumer"]),
+            ("body", lambda d: d["body"] if len(d["body"]) <= 60 else d["body"][:57] + "..."),
+        ], data)
+
+
+@dlq.command("redrive")
+@topic_argument
+@subscription_option
+@json_option
+@pass_state
+def dlq_redrive(state, topic, subscription, as_json):
+    """Move every dead letter back to its shard's queue (attempts reset)."""
+    sup = state.supervisor
+    _check_subscription(sup, topic, subscription)
+    total = sup.stats(topic)["subscriptions"][subscription]["dlq"]
+    with render.progress(f"redriving {topic}/{subscription}", total) as advance:
+        n = sup.dlq_redrive(topic, subscription, progress=advance)
+    render.note(f"redrove {n:,} dead letters of {topic}/{subscription}")
+    if as_json:
+        render.emit_json({"topic": topic, "subscription": subscription, "redriven": n})
+
+
+@dlq.command("purge")
+@topic_argument
+@subscription_option
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@json_option
+@pass_state
+def dlq_purge(state, topic, subscription, yes, as_json):
+    """Delete every dead letter of the subscription."""
+    sup = state.supervisor
+    _check_subscription(sup, topic, subscription)
+    if not yes:
+        click.confirm(f"Delete every dead letter of {topic}/{subscription}?", abort=True, err=True)
+    n = sup.dlq_purge(topic, subscription)
+    render.note(f"purged {n:,} dead letters of {topic}/{subscription}")
+    if as_json:
+        render.emit_json({"topic": topic, "subscription": subscription, "purged": n})
+
+
+def main(argv=None):
+    """The console script ``fdq``."""
+    cli.main(args=argv, prog_name="fdq")
+
+
+__all__ = ["cli", "main", "Failure"]

@@ -1,0 +1,152 @@
+"""Parameter types of the ``fdq`` command: what can be judged from the command line
+alone is judged here, with FDQ's own rules (``check_name``, ``TopicConfig``,
+``validate_headers``), and a bad value is a usage error (exit 2)."""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import re
+
+import click
+
+from ..config import TopicConfig, check_name
+from ..errors import ConfigError, InvalidHeader, InvalidName
+from ..headers import NAME_RE as HEADER_NAME_RE
+from ..headers import validate_headers
+
+
+class Name(click.ParamType):
+    """A topic or subscription name (NSQ's rule, ``fdq.config.check_name``)."""
+
+    def __init__(self, what: str = "topic"):
+        self.what = what
+        self.name = what
+
+    def convert(self, value, param, ctx):
+        try:
+            return check_name(value, self.what)
+        except InvalidName as e:
+            self.fail(str(e), param, ctx)
+
+
+class Shards(click.ParamType):
+    """A shard count, valid as ``TopicConfig.shards`` is."""
+
+    name = "shards"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) and not isinstance(value, bool):
+            n = value
+        else:
+            try:
+                n = int(str(value).strip())
+            except ValueError:
+                self.fail(f"{value!r} is not an integer", param, ctx)
+        try:
+            TopicConfig(shards=n)
+        except ConfigError as e:
+            self.fail(str(e), param, ctx)
+        return n
+
+
+def topic_config_callback(ctx, param, value):
+    """Check an option that is a ``TopicConfig`` field (same name) by FDQ's own rule."""
+    if value is not None:
+        try:
+            TopicConfig(**{param.name: value})
+        except ConfigError as e:
+            raise click.BadParameter(str(e), ctx, param) from None
+    return value
+
+
+class Seconds(click.ParamType):
+    """A finite number of seconds >= 0."""
+
+    name = "seconds"
+
+    def convert(self, value, param, ctx):
+        try:
+            s = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if not math.isfinite(s) or s < 0:
+            self.fail(f"{value!r}: seconds must be a finite number >= 0", param, ctx)
+        return s
+
+
+class Time(click.ParamType):
+    """A point in time: epoch milliseconds, or ISO-8601 (no zone = UTC). -> epoch ms."""
+
+    name = "time"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        text = str(value).strip()
+        if re.fullmatch(r"\d+", text):
+            return int(text)
+        try:
+            t = datetime.datetime.fromisoformat(text)
+        except ValueError:
+            self.fail(f"{value!r} is neither epoch milliseconds nor an ISO-8601 time "
+                      "(e.g. 1763863200000 or 2026-11-23T02:00:00Z)", param, ctx)
+        if t.tzinfo is None:
+            t = t.replace(tzinfo=datetime.timezone.utc)
+        return int(t.timestamp() * 1000)
+
+
+def _reject_constant(name):
+    raise ValueError(name)
+
+
+class Header(click.ParamType):
+    """``name=value``: the value is parsed as JSON when it is valid JSON (``n=3``,
+    ``ok=true``, ``l=[1,2]``, ``s="3"``), else kept as a string (``user=alice``)."""
+
+    name = "name=value"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        name, sep, raw = str(value).partition("=")
+        if not sep or not name:
+            self.fail(f"{value!r}: a header is name=value (e.g. --header user=alice)", param, ctx)
+        try:
+            parsed = json.loads(raw, parse_constant=_reject_constant)
+        except ValueError:
+            parsed = raw
+        return name, parsed
+
+
+def headers_callback(ctx, param, pairs):
+    """Collect ``--header`` pairs into a dict checked by ``validate_headers``."""
+    if not pairs:
+        return None
+    headers = {}
+    for name, value in pairs:
+        if name in headers:
+            raise click.BadParameter(f"header {name!r} is given twice", ctx, param)
+        headers[name] = value
+    try:
+        return validate_headers(headers)
+    except InvalidHeader as e:
+        raise click.BadParameter(str(e), ctx, param) from None
+
+
+class Tag(click.ParamType):
+    """A dispatch tag (the rule of ``##client_dispatch_tag`` values)."""
+
+    name = "tag"
+
+    def convert(self, value, param, ctx):
+        if not HEADER_NAME_RE.match(str(value)):
+            self.fail(f"invalid tag {value!r}: use characters of [0-9a-zA-Z_-#]", param, ctx)
+        return str(value)
+
+
+TOPIC = Name("topic")
+SUBSCRIPTION = Name("subscription")
+
+__all__ = ["topic_config_callback", "Name", "Shards", "Seconds", "Time", "Header", "Tag", "headers_callback", "TOPIC",
+           "SUBSCRIPTION"]

@@ -1,0 +1,162 @@
+"""Rows: what the commands show, built from fdq's Python API (no queue logic here).
+
+Every row is a plain dict with stable snake_case keys, units in the names (``_ms``,
+``_s``), numbers as numbers: ``--json`` prints them as they are, the tables format them.
+The untagged dispatch tag is ``None`` (JSON ``null``).
+"""
+from __future__ import annotations
+
+import base64
+
+from ..errors import TopicNotFound
+
+
+def _tag(tag: str):
+    return tag or None
+
+
+def topic_row(name: str, stats: dict) -> dict:
+    """One line of ``fdq topics``."""
+    config = stats["config"]
+    subs = stats["subscriptions"]
+    return {
+        "name": name,
+        "shards": config["shards"],
+        "extend": config["extend"],
+        "paused": config["paused"],
+        "resharding_to": config.get("resharding_to"),
+        "subscriptions": list(subs),
+        "inserted": stats["counters"]["inserted"],
+        "pending": stats["counters"]["pending"],
+        "backlog": sum(s["backlog"] for s in subs.values()),
+    }
+
+
+def topic_rows(sup) -> list:
+    rows = []
+    for name, _config in sup.topics():
+        try:
+            rows.append(topic_row(name, sup.stats(name)))
+        except TopicNotFound:   # deleted since it was listed
+            continue
+    return rows
+
+
+def _consumer_row(sub: str, c: dict, owned: list) -> dict:
+    return {
+        "subscription": sub,
+        "id": c["id"],
+        "mode": c.get("mode"),
+        "tag": c.get("tag") or None,
+        "host": c.get("host"),
+        "pid": c.get("pid"),
+        "shards": owned,
+        "heartbeats": c.get("heartbeats"),
+        "heartbeat_age_s": c.get("heartbeat_age_s"),
+    }
+
+
+def _tag_rows(shards: list) -> list:
+    by_tag = {}
+    for s in shards:
+        t = by_tag.setdefault(s["tag"], {"tag": _tag(s["tag"]), "shards": 0, "backlog": 0,
+                                         "in_flight": 0, "delayed": 0})
+        t["shards"] += 1
+        for k in ("backlog", "in_flight", "delayed"):
+            t[k] += s[k]
+    return [by_tag[k] for k in sorted(by_tag)]
+
+
+def stats_row(stats: dict) -> dict:
+    """``fdq stats``: the topic's config and counters, then per subscription its counts,
+    live consumers (with the shards each owns) and backlog per dispatch tag and per shard."""
+    config = stats["config"]
+    counters = stats["counters"]
+    subs = []
+    for sub, s in stats["subscriptions"].items():
+        owned = {}
+        for sh in s["shards"]:
+            if sh["owner"] is not None:
+                owned.setdefault(sh["owner"], []).append({"tag": _tag(sh["tag"]), "shard": sh["shard"]})
+        subs.append({
+            "name": sub,
+            "backlog": s["backlog"],
+            "in_flight": s["in_flight"],
+            "delayed": s["delayed"],
+            "dlq": s["dlq"],
+            "emitted": s["emitted"],
+            "acked": s["acked"],
+            "lag_ms": s["lag_ms"],
+            "oldest_ready_time_ms": s["oldest_ready_ms"],
+            "consumers": [_consumer_row(sub, c, owned.get(c["id"], [])) for c in s["consumers"]],
+            "unowned_shards": sum(1 for sh in s["shards"] if sh["owner"] is None),
+            "tags": _tag_rows(s["shards"]),
+            "per_shard": [{"tag": _tag(sh["tag"]), "shard": sh["shard"], "owner": sh["owner"],
+                           "backlog": sh["backlog"], "in_flight": sh["in_flight"],
+                           "delayed": sh["delayed"], "emitted": sh["emitted"], "acked": sh["acked"]}
+                          for sh in s["shards"]],
+        })
+    return {
+        "topic": stats["topic"],
+        "shards": config["shards"],
+        "extend": config["extend"],
+        "paused": config["paused"],
+        "resharding_to": config.get("resharding_to"),
+        "max_backlog": config.get("max_backlog"),
+        "retention_s": config.get("retention_s"),
+        "dedupe_window_s": config.get("dedupe_window_s"),
+        "inserted": counters["inserted"],
+        "routed": counters["routed"],
+        "pending": counters["pending"],
+        "emitted": counters["emitted"],
+        "acked": counters["acked"],
+        "subscriptions": subs,
+    }
+
+
+def consumer_rows(stats: dict) -> list:
+    """``fdq consumers``: the live consumers of every subscription."""
+    return [c for s in stats_row(stats)["subscriptions"] for c in s["consumers"]]
+
+
+def body_fields(body: bytes) -> dict:
+    """A body as text when it is UTF-8, else base64; ``body_encoding`` says which."""
+    try:
+        return {"body": body.decode("utf-8"), "body_encoding": "utf-8"}
+    except UnicodeDecodeError:
+        return {"body": base64.b64encode(body).decode("ascii"), "body_encoding": "base64"}
+
+
+def message_row(m) -> dict:
+    """``fdq tail``: one delivered ``fdq.Message``."""
+    return {
+        "id": m.id,
+        "topic": m.topic,
+        "subscription": m.subscription,
+        "shard": m.shard,
+        "tag": _tag(m.tag),
+        "shard_key": m.shard_key,
+        "msg_id": m.msg_id,
+        "insertion_time_ms": m.insertion_time,
+        "attempts": m.attempts,
+        "replay_of": m.replay_of,
+        "headers": dict(m.headers),
+        **body_fields(m.body),
+    }
+
+
+def push_row(r) -> dict:
+    """``fdq push``: one ``fdq.PushResult``."""
+    return {"id": r.id, "topic": r.topic, "shard": r.shard, "duplicate": r.duplicate,
+            "trace_id": r.trace_id, "position": r.position}
+
+
+def dlq_row(d: dict, subscription: str) -> dict:
+    """``fdq dlq list``: one dead letter (from ``Supervisor.dlq_list``)."""
+    return {"id": d["id"], "subscription": subscription, "reason": d["reason"],
+            "consumer": d["consumer"], "attempts": d["attempts"], "shard_key": d["shard_key"],
+            "insertion_time_ms": d["insertion_time"], **body_fields(d["body"])}
+
+
+__all__ = ["topic_row", "topic_rows", "stats_row", "consumer_rows", "message_row", "push_row",
+           "dlq_row", "body_fields"]

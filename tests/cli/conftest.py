@@ -1,0 +1,93 @@
+"""Fixtures of the CLI tests: a fresh embedded database per test and a way to run
+``fdq`` on it through click's CliRunner (stdout and stderr kept apart)."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from click.testing import CliRunner
+
+import fdq
+from fdq.cli import cli
+
+
+@pytest.fixture
+def url(tmp_path):
+    return f"sqlite://{tmp_path / 'cli.db'}"
+
+
+@pytest.fixture
+def db(url):
+    return fdq.connect(url)
+
+
+@pytest.fixture
+def sup(db):
+    return fdq.Supervisor(db)
+
+
+class Fdq:
+    """``fdq(*args, input=..., code=0)`` runs ``fdq --url URL *args`` and checks the
+    exit code; ``.json(*args)`` also parses stdout."""
+
+    def __init__(self, url):
+        self.url = url
+        self.runner = CliRunner()
+
+    def __call__(self, *args, input=None, code=0, env=None):
+        result = self.runner.invoke(cli, ["--url", self.url, *map(str, args)], input=input, env=env,
+                                    catch_exceptions=False)
+        assert result.exit_code == code, (
+            f"fdq {' '.join(map(str, args))}: exit {result.exit_code}, expected {code}\n"
+            f"stdout: {result.stdout}\nstderr: {result.stderr}")
+        return result
+
+    def json(self, *args, **kwargs):
+        return json.loads(self(*args, "--json", **kwargs).stdout)
+
+    def json_lines(self, *args, **kwargs):
+        return [json.loads(line) for line in self(*args, "--json", **kwargs).stdout.splitlines()]
+
+
+@pytest.fixture
+def run(url):
+    return Fdq(url)
+
+
+@pytest.fixture
+def wait():
+    return wait_for
+
+
+@pytest.fixture
+def state(db, sup):
+    """``state()``: everything stored, to compare before and after a bad command."""
+    return lambda: state_of(db, sup)
+
+
+def wait_for(cond, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def state_of(db, sup) -> dict:
+    """Everything stored about every topic, as the Python API reports it, plus the raw
+    key space: what a bad command must leave untouched."""
+    snapshot = {"topics": [(n, c.as_dict()) for n, c in sup.topics()]}
+    for name, _c in sup.topics():
+        st = sup.stats(name)
+        for s in st["subscriptions"].values():
+            s.pop("lag_ms")        # wall-clock dependent
+            for c in s["consumers"]:
+                c.pop("heartbeat_age_s")
+        snapshot[name] = st
+    tr = db.create_transaction()
+    snapshot["keys"] = [(bytes(kv.key), bytes(kv.value)) for kv in tr.get_range(b"", b"\xff")]
+    tr.cancel()
+    return snapshot

@@ -1,0 +1,49 @@
+"""End to end: the installed ``fdq`` console script in its own process."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fdq
+
+FDQ = Path(sys.executable).parent / "fdq"
+
+
+@pytest.mark.slow
+def test_installed_fdq_pushes_stdin_and_tails_it_back(tmp_path, url, sup):
+    assert FDQ.exists(), f"no console script at {FDQ}: pip install -e . first"
+    env = {k: v for k, v in os.environ.items() if k not in ("FDQ_URL", "FDQ_HOME")}
+    env["FDQ_URL"] = url
+
+    def fdq_cli(*args, input=None):
+        return subprocess.run([str(FDQ), *args], input=input, capture_output=True, env=env,
+                              cwd=tmp_path, timeout=120)
+
+    lines = [f"message {i} caf\u00e9" for i in range(300)]
+    pushed = fdq_cli("push", "orders", "-", "--key", "k", input="\n".join(lines).encode() + b"\n")
+    assert pushed.returncode == 0, pushed.stderr
+    ids = pushed.stdout.decode().split()
+    assert len(ids) == len(set(ids)) == 300
+    assert pushed.stderr.decode().strip().endswith("pushed 300 messages to 'orders'")
+
+    tailed = fdq_cli("tail", "orders", "--count", "300", "--json", "--timeout", "30")
+    assert tailed.returncode == 0, tailed.stderr
+    got = [json.loads(line) for line in tailed.stdout.decode().splitlines()]
+    assert [m["id"] for m in got] == ids                         # one shard key: push order
+    assert [m["body"] for m in got] == lines
+
+    st = sup.stats("orders")
+    assert st["counters"]["inserted"] == 300
+    assert (st["subscriptions"]["default"]["acked"], st["subscriptions"]["default"]["backlog"]) == (300, 0)
+    assert fdq.Supervisor(sup.db).consumers("orders") == []       # the tail left
+
+    missing = fdq_cli("stats", "nosuch")
+    assert (missing.returncode, missing.stdout, missing.stderr) == \
+        (1, b"", b"fdq: error: topic 'nosuch' does not exist\n")
+    bad = fdq_cli("topics", "create", "x", "--shards", "zero")
+    assert bad.returncode == 2 and b"'zero' is not an integer" in bad.stderr

@@ -1,0 +1,98 @@
+"""fdq topics: list, create, delete, upgrade; --url / FDQ_URL; checked against the API."""
+from __future__ import annotations
+
+import fdq
+
+
+def test_topics_empty(run):
+    r = run("topics")
+    assert r.stdout == ""
+    assert "no topics" in r.stderr
+    assert run.json("topics") == []
+
+
+def test_create_and_list(run, sup):
+    r = run("topics", "create", "orders", "--shards", 4, "--extend", "--max-backlog", 1000,
+            "--retention-s", 3600)
+    assert "created topic 'orders'" in r.stderr
+    config = sup.config("orders")
+    assert (config.shards, config.extend, config.max_backlog, config.retention_s) == (4, True, 1000, 3600)
+    run("topics", "create", "plain")
+    assert sup.config("plain").shards == fdq.TopicConfig().shards
+
+    fdq.Producer(sup.db).push_many("plain", [fdq.Envelope(b"x")] * 3)
+    rows = run.json("topics")
+    assert [r["name"] for r in rows] == [n for n, _c in sup.topics()] == ["orders", "plain"]
+    orders, plain = rows
+    assert orders == {"name": "orders", "shards": 4, "extend": True, "paused": False, "resharding_to": None,
+                      "subscriptions": ["default"], "inserted": 0, "pending": 0, "backlog": 0}
+    st = sup.stats("plain")
+    assert plain["inserted"] == st["counters"]["inserted"] == 3
+    assert plain["backlog"] == st["subscriptions"]["default"]["backlog"] == 3
+    assert plain["extend"] is False
+
+    table = run("topics").stdout
+    lines = table.splitlines()
+    assert "topic" in lines[0] and "backlog" in lines[0]
+    assert any(line.split()[0] == "plain" and "3" in line for line in lines)
+
+
+def test_create_json_and_existing_topic(run, sup):
+    row = run.json("topics", "create", "orders", "--shards", 8)
+    assert row["name"] == "orders" and row["shards"] == 8
+    r = run("topics", "create", "orders", "--shards", 8)
+    assert "already exists" in r.stderr
+    r = run("topics", "create", "orders", "--shards", 4, code=1)
+    assert r.stderr.startswith("fdq: error: ") and "already exists with 8 shards" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert sup.config("orders").shards == 8
+
+
+def test_delete(run, sup):
+    fdq.Producer(sup.db).push("orders", b"x")
+    fdq.Producer(sup.db).push("keep", b"y")
+    r = run("topics", "delete", "orders", input="n\n", code=1)     # declined: nothing deleted
+    assert "Aborted" in r.stderr
+    assert sup.config("orders")
+    run("topics", "delete", "orders", input="y\n")
+    assert [n for n, _c in sup.topics()] == ["keep"]
+    run("topics", "create", "gone")
+    r = run("topics", "delete", "gone", "--yes")
+    assert "deleted topic 'gone'" in r.stderr
+    assert [n for n, _c in sup.topics()] == ["keep"]
+    assert sup.stats("keep")["counters"]["inserted"] == 1
+
+
+def test_upgrade_extend(run, sup):
+    p = fdq.Producer(sup.db)
+    first = p.push("orders", b"plain-before").id
+    run("topics", "upgrade", "orders", code=2)             # nothing to upgrade
+    assert sup.config("orders").extend is False
+    row = run.json("topics", "upgrade", "orders", "--extend")
+    assert row["extend"] is True and sup.config("orders").extend is True
+    run("push", "orders", "with-header", "--header", "h=1")
+    got = run.json_lines("tail", "orders", "--count", 2, "--timeout", 10)
+    assert {m["body"] for m in got} == {"plain-before", "with-header"}
+    assert {m["id"]: m["headers"] for m in got}[first] == {}
+
+
+def test_url_from_environment(url, tmp_path, sup):
+    from click.testing import CliRunner
+    from fdq.cli import cli
+    r = CliRunner().invoke(cli, ["topics", "create", "viaenv"], env={"FDQ_URL": url})
+    assert r.exit_code == 0, r.stderr
+    assert [n for n, _c in sup.topics()] == ["viaenv"]
+    other = f"sqlite://{tmp_path / 'other.db'}"          # --url wins over FDQ_URL
+    r = CliRunner().invoke(cli, ["--url", other, "topics", "--json"], env={"FDQ_URL": url})
+    assert r.exit_code == 0 and r.stdout.strip() == "[]"
+
+
+def test_default_url_is_the_embedded_database(tmp_path):
+    from click.testing import CliRunner
+    from fdq.cli import cli
+    home = tmp_path / "home"
+    r = CliRunner().invoke(cli, ["topics", "create", "t"], env={"FDQ_URL": None, "FDQ_HOME": str(home)})
+    assert r.exit_code == 0, r.stderr
+    assert (home / "fdq.db").exists()
+    db = fdq.connect(f"sqlite://{home / 'fdq.db'}")
+    assert [n for n, _c in fdq.Supervisor(db).topics()] == ["t"]
