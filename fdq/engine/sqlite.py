@@ -283,7 +283,10 @@ class _Store:
         self.write_lock = threading.Lock()
         self.pool_lock = threading.Lock()
         self.pool = []
-        self.writer = self._open(timeout=0)   # begin_immediate does its own waiting
+        # Opened with the normal busy timeout (opening can meet a transient lock when many
+        # processes start at once), then 0: begin_immediate does its own waiting.
+        self.writer = self._open()
+        self.writer.execute("PRAGMA busy_timeout=0")
         self.commits_since_prune = 0
         # The version clock lock (flock on a side file, so it also orders threads of
         # one process): a writer holds it exclusively from reading the clock for its
