@@ -29,6 +29,7 @@ import struct
 import threading
 import time
 import weakref
+from itertools import islice, starmap
 
 import msgpack
 
@@ -365,6 +366,8 @@ class _Store:
 
 _LAST_VERSION = "SELECT version, clock FROM txlog ORDER BY version DESC LIMIT 1"
 _UPSERT = "INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)"
+_RANGE_ASC = "SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key ASC LIMIT ?"
+_RANGE_DESC = "SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key DESC LIMIT ?"
 
 
 def _pack_ranges(ranges) -> bytes:
@@ -739,32 +742,51 @@ class _Range:
         self._snapshot = snapshot
         self._rows = []
         self._done = False
-        self._gen = tr._merged_range(begin, end, reverse)
+        first = limit if 0 < limit < 1000 else 100
+        # Without own writes or clears to merge, rows come straight from SQLite in
+        # batches (the common read path); otherwise row by row through the RYW merge.
+        self._batched = tr._ryw_disabled or not (tr._writes or tr._clears)
+        if self._batched:
+            self._gen = tr._db_batches(begin, end, reverse, first)
+        else:
+            self._gen = tr._merged_range(begin, end, reverse)
         self._attempt = tr._attempt
         self._conflict = None
         if not snapshot and begin < end:
             self._conflict = [begin, begin] if not reverse else [end, end]
             tr._read_ranges.append(self._conflict)
-        self._fill(limit if 0 < limit < 1000 else 100)
+        self._fill(first)
 
     def _fill(self, n):
         rows = self._rows
         limit = self._limit
         got = 0
-        for kv in self._gen:
-            rows.append(kv)
-            got += 1
-            if limit and len(rows) >= limit:
-                self._gen = None
-                self._done = True
-                break
-            if got >= n:
-                break
+        if self._batched:
+            for batch in self._gen:
+                if limit and len(rows) + len(batch) >= limit:
+                    rows.extend(batch[:limit - len(rows)])
+                    self._gen = None
+                    self._done = True
+                    break
+                rows.extend(batch)
+                got += len(batch)
+                if got >= n:
+                    break
+            else:
+                self._exhausted()
+                return
         else:
-            self._gen = None
-            self._done = True
-            if self._conflict is not None:  # returned everything: the whole range
-                self._conflict[0], self._conflict[1] = self._begin, self._end
+            for kv in self._gen:
+                rows.append(kv)
+                got += 1
+                if limit and len(rows) >= limit:
+                    self._gen = None
+                    self._done = True
+                    break
+                if got >= n:
+                    break
+            else:
+                self._exhausted()
                 return
         if self._conflict is not None and rows:
             if not self._reverse:
@@ -773,13 +795,22 @@ class _Range:
                 self._conflict[0] = rows[-1].key
                 self._conflict[1] = self._end
 
+    def _exhausted(self):
+        self._gen = None
+        self._done = True
+        if self._conflict is not None:  # returned everything: the whole range
+            self._conflict[0], self._conflict[1] = self._begin, self._end
+
     def __iter__(self):
         i = 0
         batch = 256
+        rows = self._rows
         while True:
-            while i < len(self._rows):
-                yield self._rows[i]
-                i += 1
+            n = len(rows)
+            if i < n:
+                yield from islice(rows, i, n)
+                i = n
+                continue
             if self._done:
                 return
             self._tr._check_use()
@@ -1096,6 +1127,24 @@ class Transaction(_ReadView):
         if ryw and self._clears and self._in_clears(key):
             return None
         return self._db_get(key)
+
+    def _db_batches(self, b, e, reverse, first):
+        """Rows of the snapshot in [b, e) as lists of KeyValue, one list per SQL batch
+        (only when the transaction has no writes or clears to merge)."""
+        batch = max(1, min(first, 4096))
+        lo, hi = b, e
+        q = _RANGE_DESC if reverse else _RANGE_ASC
+        while lo < hi:
+            rows = self._ensure_snapshot().execute(q, (lo, hi, batch)).fetchall()
+            if rows:
+                yield list(starmap(KeyValue, rows))
+            if len(rows) < batch:
+                return
+            if reverse:
+                hi = rows[-1][0]
+            else:
+                lo = rows[-1][0] + b"\x00"
+            batch = min(batch * 4, 4096)
 
     def _db_iter(self, b, e, reverse, skip_clears):
         """Rows of the snapshot in [b, e), skipping this transaction's cleared ranges."""
