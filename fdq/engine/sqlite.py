@@ -729,9 +729,11 @@ _CLOSED_STATE_ERRORS = {"cancelled": 1025, "timed_out": 1031}
 
 
 class _Range:
-    """As ``fdb.impl.FDBRange``: re-iterable, lazy after the first batch; records its
-    read conflict range batch by batch (FDB's rule: a read that returned everything
-    covers [begin, end); one stopped early covers up to its last key)."""
+    """As ``fdb.impl.FDBRange``: the first batch is read at call time; iteration reads
+    the rest batch by batch and keeps no rows beyond the first batch (re-iterating reads
+    again, at the same read version, as FDB's does). Read conflicts follow FDB's rule: a
+    read that returned everything covers [begin, end); one stopped early (limit, or
+    abandoned) covers up to the last row it read."""
 
     def __init__(self, tr, begin, end, limit, reverse, snapshot):
         self._tr = tr
@@ -739,61 +741,64 @@ class _Range:
         self._end = end
         self._limit = limit
         self._reverse = reverse
-        self._snapshot = snapshot
-        self._rows = []
-        self._done = False
-        first = limit if 0 < limit < 1000 else 100
-        # Without own writes or clears to merge, rows come straight from SQLite in
-        # batches (the common read path); otherwise row by row through the RYW merge.
-        self._batched = tr._ryw_disabled or not (tr._writes or tr._clears)
-        if self._batched:
-            self._gen = tr._db_batches(begin, end, reverse, first)
-        else:
-            self._gen = tr._merged_range(begin, end, reverse)
         self._attempt = tr._attempt
         self._conflict = None
         if not snapshot and begin < end:
             self._conflict = [begin, begin] if not reverse else [end, end]
             tr._read_ranges.append(self._conflict)
-        self._fill(first)
+        first = limit if 0 < limit < 1000 else 100
+        self._gen = self._batches(None, first)
+        self._done = False
+        rows = self._first = []
+        for batch in self._gen:
+            if limit and len(rows) + len(batch) >= limit:
+                rows.extend(batch[:limit - len(rows)])
+                self._stopped()
+                return
+            rows.extend(batch)
+            if len(rows) >= first:
+                self._read_up_to(rows[-1].key)
+                return
+        self._exhausted()
 
-    def _fill(self, n):
-        rows = self._rows
-        limit = self._limit
-        got = 0
-        if self._batched:
-            for batch in self._gen:
-                if limit and len(rows) + len(batch) >= limit:
-                    rows.extend(batch[:limit - len(rows)])
-                    self._gen = None
-                    self._done = True
-                    break
-                rows.extend(batch)
-                got += len(batch)
-                if got >= n:
-                    break
+    def _batches(self, after, first):
+        """Lists of KeyValue in order, from after the key ``after`` (None: the start)."""
+        tr = self._tr
+        b, e = self._begin, self._end
+        if after is not None:
+            if self._reverse:
+                e = after
             else:
-                self._exhausted()
+                b = after + b"\x00"
+        if b >= e:
+            return
+        if tr._ryw_disabled or not (tr._writes or tr._clears):
+            # Nothing of its own to merge: rows straight from each SQL batch.
+            yield from tr._db_batches(b, e, self._reverse, first)
+            return
+        rows = tr._merged_range(b, e, self._reverse)
+        n = first
+        while True:
+            chunk = list(islice(rows, n))
+            if chunk:
+                yield chunk
+            if len(chunk) < n:
                 return
-        else:
-            for kv in self._gen:
-                rows.append(kv)
-                got += 1
-                if limit and len(rows) >= limit:
-                    self._gen = None
-                    self._done = True
-                    break
-                if got >= n:
-                    break
-            else:
-                self._exhausted()
-                return
-        if self._conflict is not None and rows:
+            n = min(n * 4, 4096)
+
+    def _read_up_to(self, key):
+        c = self._conflict
+        if c is not None:
             if not self._reverse:
-                self._conflict[1] = rows[-1].key + b"\x00"
+                c[1] = max(c[1], key + b"\x00")
             else:
-                self._conflict[0] = rows[-1].key
-                self._conflict[1] = self._end
+                c[0] = min(c[0], key)
+
+    def _stopped(self):
+        self._gen = None
+        self._done = True
+        if self._first:
+            self._read_up_to(self._first[-1].key)
 
     def _exhausted(self):
         self._gen = None
@@ -802,23 +807,33 @@ class _Range:
             self._conflict[0], self._conflict[1] = self._begin, self._end
 
     def __iter__(self):
-        i = 0
-        batch = 256
-        rows = self._rows
+        first = self._first
+        yield from first
+        if self._done:
+            return
+        tr = self._tr
+        gen, self._gen = self._gen, None
+        if gen is None:  # iterated before: read the rest again
+            gen = self._batches(first[-1].key, 256)
+        limit = self._limit
+        count = len(first)
         while True:
-            n = len(rows)
-            if i < n:
-                yield from islice(rows, i, n)
-                i = n
-                continue
-            if self._done:
-                return
-            self._tr._check_use()
-            if self._tr._attempt is not self._attempt:
+            tr._check_use()
+            if tr._attempt is not self._attempt:
                 # reset() or on_error() since: FDB cancels the range's pending reads.
                 raise EngineError(1025)
-            self._fill(batch)
-            batch = min(batch * 2, 8192)
+            batch = next(gen, None)
+            if batch is None:
+                self._exhausted()
+                return
+            if limit and count + len(batch) >= limit:
+                batch = batch[:limit - count]
+                self._read_up_to(batch[-1].key)
+                yield from batch
+                return
+            count += len(batch)
+            self._read_up_to(batch[-1].key)
+            yield from batch
 
     def to_list(self):
         return list(self)
