@@ -802,7 +802,10 @@ class _Range:
 
     def _exhausted(self):
         self._gen = None
-        self._done = True
+        self._done = True  # the first batch was everything
+        self._read_everything()
+
+    def _read_everything(self):
         if self._conflict is not None:  # returned everything: the whole range
             self._conflict[0], self._conflict[1] = self._begin, self._end
 
@@ -824,7 +827,7 @@ class _Range:
                 raise EngineError(1025)
             batch = next(gen, None)
             if batch is None:
-                self._exhausted()
+                self._read_everything()
                 return
             if limit and count + len(batch) >= limit:
                 batch = batch[:limit - count]
