@@ -1673,9 +1673,9 @@ class Transaction(_ReadView):
     # -- lifecycle -----------------------------------------------------------------
 
     def get_committed_version(self) -> int:
-        if self._committed_version is None:
-            raise EngineError(2021 if self._state == "open" else 2020)
-        return self._committed_version
+        # As FDB (NativeAPI's committedVersion starts at invalidVersion): -1 until a
+        # successful commit, and after a failed or read-only one; never an error.
+        return -1 if self._committed_version is None else self._committed_version
 
     def get_versionstamp(self) -> VersionstampFuture:
         if self._state != "open":
