@@ -1709,10 +1709,12 @@ class Transaction(_ReadView):
 
     def on_error(self, error) -> Future:
         """As FDB: back off and reset for a retryable error, else re-raise it."""
-        code = error if isinstance(error, int) else getattr(error, "code", None)
-        if code is None:
-            raise TypeError("on_error takes an FDB error or its code")
-        err = error if isinstance(error, EngineError) else EngineError(code)
+        if isinstance(error, EngineError):
+            code, err = error.code, error
+        elif isinstance(error, int):
+            code, err = error, EngineError(error)
+        else:
+            raise error  # as FDB's binding: anything but its error type or a code is re-raised
         if self._state in _CLOSED_STATE_ERRORS:
             return Future.ready(None, EngineError(_CLOSED_STATE_ERRORS[self._state]))
         if self._timeout_ms and (_clock() - self._created) * 1000 > self._timeout_ms:
