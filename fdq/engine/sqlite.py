@@ -29,6 +29,7 @@ import struct
 import threading
 import time
 import weakref
+from itertools import islice, starmap
 
 import msgpack
 
@@ -283,7 +284,10 @@ class _Store:
         self.write_lock = threading.Lock()
         self.pool_lock = threading.Lock()
         self.pool = []
-        self.writer = self._open(timeout=0)   # begin_immediate does its own waiting
+        # Opened with the normal busy timeout (opening can meet a transient lock when many
+        # processes start at once), then 0: begin_immediate does its own waiting.
+        self.writer = self._open()
+        self.writer.execute("PRAGMA busy_timeout=0")
         self.commits_since_prune = 0
         # The version clock lock (flock on a side file, so it also orders threads of
         # one process): a writer holds it exclusively from reading the clock for its
@@ -362,6 +366,8 @@ class _Store:
 
 _LAST_VERSION = "SELECT version, clock FROM txlog ORDER BY version DESC LIMIT 1"
 _UPSERT = "INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)"
+_RANGE_ASC = "SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key ASC LIMIT ?"
+_RANGE_DESC = "SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key DESC LIMIT ?"
 
 
 def _pack_ranges(ranges) -> bytes:
@@ -723,9 +729,11 @@ _CLOSED_STATE_ERRORS = {"cancelled": 1025, "timed_out": 1031}
 
 
 class _Range:
-    """As ``fdb.impl.FDBRange``: re-iterable, lazy after the first batch; records its
-    read conflict range batch by batch (FDB's rule: a read that returned everything
-    covers [begin, end); one stopped early covers up to its last key)."""
+    """As ``fdb.impl.FDBRange``: the first batch is read at call time; iteration reads
+    the rest batch by batch and keeps no rows beyond the first batch (re-iterating reads
+    again, at the same read version, as FDB's does). Read conflicts follow FDB's rule: a
+    read that returned everything covers [begin, end); one stopped early (limit, or
+    abandoned) covers up to the last row it read."""
 
     def __init__(self, tr, begin, end, limit, reverse, snapshot):
         self._tr = tr
@@ -733,58 +741,102 @@ class _Range:
         self._end = end
         self._limit = limit
         self._reverse = reverse
-        self._snapshot = snapshot
-        self._rows = []
-        self._done = False
-        self._gen = tr._merged_range(begin, end, reverse)
         self._attempt = tr._attempt
         self._conflict = None
         if not snapshot and begin < end:
             self._conflict = [begin, begin] if not reverse else [end, end]
             tr._read_ranges.append(self._conflict)
-        self._fill(limit if 0 < limit < 1000 else 100)
-
-    def _fill(self, n):
-        rows = self._rows
-        limit = self._limit
-        got = 0
-        for kv in self._gen:
-            rows.append(kv)
-            got += 1
-            if limit and len(rows) >= limit:
-                self._gen = None
-                self._done = True
-                break
-            if got >= n:
-                break
-        else:
-            self._gen = None
-            self._done = True
-            if self._conflict is not None:  # returned everything: the whole range
-                self._conflict[0], self._conflict[1] = self._begin, self._end
+        first = limit if 0 < limit < 1000 else 100
+        self._gen = self._batches(None, first)
+        self._done = False
+        rows = self._first = []
+        for batch in self._gen:
+            if limit and len(rows) + len(batch) >= limit:
+                rows.extend(batch[:limit - len(rows)])
+                self._stopped()
                 return
-        if self._conflict is not None and rows:
-            if not self._reverse:
-                self._conflict[1] = rows[-1].key + b"\x00"
+            rows.extend(batch)
+            if len(rows) >= first:
+                self._read_up_to(rows[-1].key)
+                return
+        self._exhausted()
+
+    def _batches(self, after, first):
+        """Lists of KeyValue in order, from after the key ``after`` (None: the start)."""
+        tr = self._tr
+        b, e = self._begin, self._end
+        if after is not None:
+            if self._reverse:
+                e = after
             else:
-                self._conflict[0] = rows[-1].key
-                self._conflict[1] = self._end
+                b = after + b"\x00"
+        if b >= e:
+            return
+        if tr._ryw_disabled or not (tr._writes or tr._clears):
+            # Nothing of its own to merge: rows straight from each SQL batch.
+            yield from tr._db_batches(b, e, self._reverse, first)
+            return
+        rows = tr._merged_range(b, e, self._reverse)
+        n = first
+        while True:
+            chunk = list(islice(rows, n))
+            if chunk:
+                yield chunk
+            if len(chunk) < n:
+                return
+            n = min(n * 4, 4096)
+
+    def _read_up_to(self, key):
+        c = self._conflict
+        if c is not None:
+            if not self._reverse:
+                c[1] = max(c[1], key + b"\x00")
+            else:
+                c[0] = min(c[0], key)
+
+    def _stopped(self):
+        self._gen = None
+        self._done = True
+        if self._first:
+            self._read_up_to(self._first[-1].key)
+
+    def _exhausted(self):
+        self._gen = None
+        self._done = True  # the first batch was everything
+        self._read_everything()
+
+    def _read_everything(self):
+        if self._conflict is not None:  # returned everything: the whole range
+            self._conflict[0], self._conflict[1] = self._begin, self._end
 
     def __iter__(self):
-        i = 0
-        batch = 256
+        first = self._first
+        yield from first
+        if self._done:
+            return
+        tr = self._tr
+        gen, self._gen = self._gen, None
+        if gen is None:  # iterated before: read the rest again
+            gen = self._batches(first[-1].key, 256)
+        limit = self._limit
+        count = len(first)
         while True:
-            while i < len(self._rows):
-                yield self._rows[i]
-                i += 1
-            if self._done:
-                return
-            self._tr._check_use()
-            if self._tr._attempt is not self._attempt:
+            tr._check_use()
+            if tr._attempt is not self._attempt:
                 # reset() or on_error() since: FDB cancels the range's pending reads.
                 raise EngineError(1025)
-            self._fill(batch)
-            batch = min(batch * 2, 8192)
+            batch = next(gen, None)
+            if batch is None:
+                self._read_everything()
+                return
+            if limit and count + len(batch) >= limit:
+                batch = batch[:limit - count]
+                self._read_up_to(batch[-1].key)
+                yield from batch
+                return
+            count += len(batch)
+            self._read_up_to(batch[-1].key)
+            yield from batch
 
     def to_list(self):
         return list(self)
@@ -1094,6 +1146,24 @@ class Transaction(_ReadView):
             return None
         return self._db_get(key)
 
+    def _db_batches(self, b, e, reverse, first):
+        """Rows of the snapshot in [b, e) as lists of KeyValue, one list per SQL batch
+        (only when the transaction has no writes or clears to merge)."""
+        batch = max(1, min(first, 4096))
+        lo, hi = b, e
+        q = _RANGE_DESC if reverse else _RANGE_ASC
+        while lo < hi:
+            rows = self._ensure_snapshot().execute(q, (lo, hi, batch)).fetchall()
+            if rows:
+                yield list(starmap(KeyValue, rows))
+            if len(rows) < batch:
+                return
+            if reverse:
+                hi = rows[-1][0]
+            else:
+                lo = rows[-1][0] + b"\x00"
+            batch = min(batch * 4, 4096)
+
     def _db_iter(self, b, e, reverse, skip_clears):
         """Rows of the snapshot in [b, e), skipping this transaction's cleared ranges."""
         batch = 64
@@ -1206,6 +1276,19 @@ class Transaction(_ReadView):
         self._writes[key] = entry
 
     def set(self, key, value):
+        if type(key) is bytes and type(value) is bytes and len(key) <= KEY_SIZE_LIMIT \
+                and len(value) <= VALUE_SIZE_LIMIT and key < b"\xff" and self._state == "open" \
+                and not self._next_write_no_conflict and not self._pending_watches:
+            # The common case inline (batched writes spend their time here): a legal
+            # user key and value; the same effects as the general path below.
+            writes = self._writes
+            if key not in writes:
+                self._sorted_keys = None
+            writes[key] = (_SET, value)
+            self._write_ranges.append((key, key + b"\x00"))
+            self._mutation_bytes += len(key) + len(value) + ENTRY_OVERHEAD_BYTES
+            self._mutations += 1
+            return
         self._check_writable()
         key, value = _key(key), _value(value)
         if self._check_write_key(key) & self._check_value(value):
@@ -1216,8 +1299,7 @@ class Transaction(_ReadView):
             if self._pending_watches:
                 self._touch_watches(key)
 
-    def __setitem__(self, key, value):
-        self.set(key, value)
+    __setitem__ = set
 
     def clear(self, key):
         self._check_writable()
@@ -1591,9 +1673,9 @@ class Transaction(_ReadView):
     # -- lifecycle -----------------------------------------------------------------
 
     def get_committed_version(self) -> int:
-        if self._committed_version is None:
-            raise EngineError(2021 if self._state == "open" else 2020)
-        return self._committed_version
+        # As FDB (NativeAPI's committedVersion starts at invalidVersion): -1 until a
+        # successful commit, and after a failed or read-only one; never an error.
+        return -1 if self._committed_version is None else self._committed_version
 
     def get_versionstamp(self) -> VersionstampFuture:
         if self._state != "open":
@@ -1627,10 +1709,12 @@ class Transaction(_ReadView):
 
     def on_error(self, error) -> Future:
         """As FDB: back off and reset for a retryable error, else re-raise it."""
-        code = error if isinstance(error, int) else getattr(error, "code", None)
-        if code is None:
-            raise TypeError("on_error takes an FDB error or its code")
-        err = error if isinstance(error, EngineError) else EngineError(code)
+        if isinstance(error, EngineError):
+            code, err = error.code, error
+        elif isinstance(error, int):
+            code, err = error, EngineError(error)
+        else:
+            raise error  # as FDB's binding: anything but its error type or a code is re-raised
         if self._state in _CLOSED_STATE_ERRORS:
             return Future.ready(None, EngineError(_CLOSED_STATE_ERRORS[self._state]))
         if self._timeout_ms and (_clock() - self._created) * 1000 > self._timeout_ms:

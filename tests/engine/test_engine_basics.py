@@ -72,6 +72,9 @@ def test_ranges_forward_reverse_limit(eng):
     tr3 = eng.db.create_transaction()
     big = keys(tr3.get_range_startswith(eng.k(b"big/")))
     assert big == [eng.k(b"big/%05d" % i) for i in range(3000)]
+    r = tr3.get_range_startswith(eng.k(b"big/"))
+    assert keys(r) == big and keys(r) == big  # re-iterable past the first batch
+    assert keys(tr3.get_range_startswith(eng.k(b"big/"), limit=2500)) == big[:2500]
     assert keys(tr3.get_range_startswith(eng.k(b"big/"), reverse=True)) == big[::-1]
     assert keys(tr3.get_range_startswith(eng.k(b"big/"), limit=1500, reverse=True)) == big[::-1][:1500]
 

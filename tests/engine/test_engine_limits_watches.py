@@ -160,3 +160,24 @@ def test_watches_fire_across_processes(eng):
     result = collect(proc)
     assert result == {"fired": True, "value": b"from-parent".hex()}
     assert time.monotonic() - t0 < 30
+
+
+def test_system_keys_need_an_option(eng):
+    tr = eng.db.create_transaction()
+    assert tr.set(b"\xff/not-mine", b"") is None  # deferred, as every write error
+    assert code_of(lambda: tr.commit().wait()) == 2004
+    tr = eng.db.create_transaction()
+    assert code_of(lambda: tr[b"\xff/x"].wait()) == 2004
+    # \xff/metadataVersion is readable without options (None until first bumped)
+    tr = eng.db.create_transaction()
+    v = tr[b"\xff/metadataVersion"]
+    assert v == None or len(v) == 10  # noqa: E711
+    # a user range may end exactly at \xff
+    list(tr.get_range(eng.p, b"\xff", limit=1))
+
+
+def test_watches_need_read_your_writes(eng):
+    tr = eng.db.create_transaction()
+    tr.options.set_read_your_writes_disable()
+    f = tr.watch(eng.k(b"w"))
+    assert wait_ready(f, 5) and code_of(f.wait) == 1034

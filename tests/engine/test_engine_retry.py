@@ -128,6 +128,10 @@ def test_on_error_resets_backs_off_and_gives_up(eng):
     for code in (2101, 2102, 1032, 1036, 1025):
         t = eng.db.create_transaction()
         assert code_of(lambda: t.on_error(code).wait()) == code
+    # anything but an FDB error or a code is re-raised as is
+    t = eng.db.create_transaction()
+    with pytest.raises(KeyError):
+        t.on_error(KeyError("mine"))
     # 1021 is retryable (maybe committed): on_error retries it blindly
     t = eng.db.create_transaction()
     assert code_of(lambda: t.on_error(1021).wait()) is None

@@ -26,6 +26,7 @@ def test_versions_increase_and_stamps_are_fdb_form(eng):
     rv0 = t0.get_read_version().wait()
     tr = eng.db.create_transaction()
     tr[eng.k(b"a")] = b""
+    assert tr.get_committed_version() == -1  # none yet: -1, not an error
     vs = tr.get_versionstamp()
     assert not vs.is_ready()  # resolves only after the commit
     tr.commit().wait()
