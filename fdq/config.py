@@ -3,6 +3,7 @@ dataclasses, validated in one place; defaults live here once."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -24,7 +25,8 @@ def _positive(name, value, *, allow_none=False, integer=False, zero=False):
     if value is None and allow_none:
         return
     ok_type = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, ok_type) or value < 0 or (value == 0 and not zero):
+    if (isinstance(value, bool) or not isinstance(value, ok_type) or not math.isfinite(value) or value < 0
+            or (value == 0 and not zero)):
         kind = "an integer" if integer else "a number"
         raise ConfigError(f"{name} must be {kind} {'>=' if zero else '>'} 0, not {value!r}")
 

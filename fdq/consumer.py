@@ -538,8 +538,8 @@ class Consumer:
             if action != "ack" or self._sel is not None:
                 self._mark((m.tag, m.shard))
         if lost:
-            ids = ", ".join(message_id(vs) for _s, vs, _l, _a, _x in lost)
-            raise LeaseLost(f"lease lost (expired and redelivered, or settled elsewhere): {ids}")
+            ids = [message_id(vs) for _s, vs, _l, _a, _x in lost]
+            raise LeaseLost(f"lease lost (expired and redelivered, or settled elsewhere): {', '.join(ids)}", ids)
 
     def ack_many(self, messages):
         self.settle([(m, "ack", None) for m in messages])

@@ -57,6 +57,13 @@ class BacklogFull(FDQError):
 class LeaseLost(FDQError):
     """The message's lease or the shard's ownership moved to another consumer."""
 
+    def __init__(self, message: str, ids=()):
+        super().__init__(message)
+        self.ids = tuple(ids)    # the ids of the messages whose lease was lost, if any
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.ids))
+
 
 # FDB error codes the embedded engine raises, with FDB's names and descriptions.
 ERROR_NAMES = {

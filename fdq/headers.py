@@ -132,8 +132,11 @@ def dispatch_tag(headers) -> str:
 
 
 def trace_id(headers) -> str | None:
-    """``##trace_id`` when it is a string of ASCII digits (echoed by push), else None."""
+    """``##trace_id`` when it is a string of ASCII digits or a non-negative integer
+    (echoed by push, as a string), else None."""
     if not headers:
         return None
     t = headers.get(TRACE_ID)
+    if isinstance(t, int) and not isinstance(t, bool) and t >= 0:
+        return str(t)
     return t if isinstance(t, str) and _DIGITS.fullmatch(t) else None

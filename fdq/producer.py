@@ -10,7 +10,6 @@ retry after ``commit_unknown_result`` finds it and returns the first commit's id
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import random
@@ -26,12 +25,12 @@ from types import MappingProxyType
 import fdb.tuple as fdbtuple
 from fdb.tuple import Versionstamp
 
-from .config import DEFAULT_SUBSCRIPTION, ProducerConfig, TopicConfig, check_name
+from .config import ProducerConfig, TopicConfig, check_name
 from .engine import error_types, retry_or_raise, transactional
 from .errors import (BacklogFull, ConfigError, FDQError, InvalidHeader, InvalidMessage,
                      MessageTooLarge, TopicNotFound, is_maybe_committed)
 from .headers import dispatch_tag, trace_id, validate_headers
-from .keyspace import Keyspace, TopicSpace, counter, decode_counter, message_id, vs_key
+from .keyspace import Keyspace, TopicSpace, counter, message_id, vs_key
 from .keyspace.codec import Record, pack, shard_of, split_body, unpack
 from .membership import read_clock
 from .topic import load_config, write_topic_config

@@ -13,10 +13,9 @@ import json
 import logging
 import socket
 import struct
-import time
 from urllib.parse import parse_qs, urlsplit
 
-from ..errors import ConfigError, FDQError, InvalidHeader, InvalidName, MessageTooLarge, TopicNotFound
+from ..errors import FDQError, InvalidHeader, InvalidName, MessageTooLarge, TopicNotFound
 from ..headers import validate_headers
 from . import protocol as p
 

@@ -174,7 +174,8 @@ class Channel:
                     await self.broker.run(self.consumer.settle, items)
                 except LeaseLost as e:
                     why = "lease lost"
-                    failed = [t for t in batch if t[1].id in str(e)]
+                    lost = set(e.ids)
+                    failed = [t for t in batch if t[1].id in lost]
                 except FDQError as e:
                     why = str(e)
                     failed = batch

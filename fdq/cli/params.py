@@ -12,8 +12,7 @@ import click
 
 from ..config import TopicConfig, check_name
 from ..errors import ConfigError, InvalidHeader, InvalidName
-from ..headers import NAME_RE as HEADER_NAME_RE
-from ..headers import validate_headers
+from ..headers import is_tag, validate_headers
 
 
 class Name(click.ParamType):
@@ -140,8 +139,8 @@ class Tag(click.ParamType):
     name = "tag"
 
     def convert(self, value, param, ctx):
-        if not HEADER_NAME_RE.match(str(value)):
-            self.fail(f"invalid tag {value!r}: use characters of [0-9a-zA-Z_-#]", param, ctx)
+        if not is_tag(str(value)):
+            self.fail(f"invalid tag {value!r}: use 1-128 characters of [0-9a-zA-Z_-#]", param, ctx)
         return str(value)
 
 

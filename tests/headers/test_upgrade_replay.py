@@ -154,7 +154,9 @@ def test_trace_id(db):
     p = fdq.Producer(db)
     r = p.push("t", b"x", headers={TRACE_ID: "000123"})
     assert r.trace_id == "000123" and r.position == r.id
-    for not_digits in ("12a", "", " 1", "１２", 123, None, ["1"]):
+    r = p.push("t", b"x", headers={TRACE_ID: 123})          # a JSON number: echoed as its digits
+    assert r.trace_id == "123" and r.position == r.id
+    for not_digits in ("12a", "", " 1", "１２", -1, 1.5, True, None, ["1"]):
         r2 = p.push("t", b"y", headers={TRACE_ID: not_digits})
         assert r2.trace_id is None and r2.position is None
     d1 = p.push("t", b"z", msg_id="m-1", headers={TRACE_ID: "9"})
