@@ -10,7 +10,7 @@ import re
 
 import click
 
-from ..config import TopicConfig, check_name
+from ..config import SubscriptionConfig, TopicConfig, check_name
 from ..errors import ConfigError, InvalidHeader, InvalidName
 from ..headers import NAME_RE as HEADER_NAME_RE
 from ..headers import validate_headers
@@ -60,6 +60,31 @@ def topic_config_callback(ctx, param, value):
     return value
 
 
+def subscription_config_callback(ctx, param, value):
+    """Check an option that is a ``SubscriptionConfig`` field (same name) alone, by FDQ's
+    own rule; combinations are checked once every option is known."""
+    if value is not None:
+        try:
+            SubscriptionConfig(**{param.name: value})
+        except ConfigError as e:
+            raise click.BadParameter(str(e), ctx, param) from None
+    return value
+
+
+class SecondsList(click.ParamType):
+    """Comma-separated seconds (``1,5,30``); the empty string is the empty list."""
+
+    name = "s1,s2,..."
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        text = str(value).strip()
+        if not text:
+            return ()
+        return tuple(Seconds().convert(part.strip(), param, ctx) for part in text.split(","))
+
+
 class Seconds(click.ParamType):
     """A finite number of seconds >= 0."""
 
@@ -94,6 +119,61 @@ class Time(click.ParamType):
         if t.tzinfo is None:
             t = t.replace(tzinfo=datetime.timezone.utc)
         return int(t.timestamp() * 1000)
+
+
+class TimeOrNow(Time):
+    """A ``Time``, or ``now`` (-> None)."""
+
+    name = "time|now"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and value.strip().lower() == "now":
+            return None
+        return super().convert(value, param, ctx)
+
+
+class Duration(click.ParamType):
+    """A Go duration as nsqd takes it (``60s``, ``1m30s``, ``500ms``) or plain seconds,
+    parsed by the broker's own ``parse_duration``; must be > 0. -> seconds."""
+
+    name = "duration"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            s = float(value)
+        else:
+            import argparse
+
+            from ..broker.__main__ import parse_duration
+            try:
+                s = parse_duration(str(value))
+            except argparse.ArgumentTypeError as e:
+                self.fail(str(e), param, ctx)
+        if not math.isfinite(s) or s <= 0:
+            self.fail(f"{value!r}: a duration must be > 0", param, ctx)
+        return s
+
+
+class Address(click.ParamType):
+    """``host:port`` (port 0: any free port), checked by the broker's ``split_address``."""
+
+    name = "host:port"
+
+    def __init__(self, optional: bool = False):
+        self.optional = optional
+
+    def convert(self, value, param, ctx):
+        text = str(value)
+        if self.optional and text == "":
+            return text
+        from ..broker.server import split_address
+        try:
+            _host, port = split_address(text)
+        except ConfigError as e:
+            self.fail(str(e), param, ctx)
+        if port > 65535:
+            self.fail(f"port {port} of {text!r} is above 65535", param, ctx)
+        return text
 
 
 def _reject_constant(name):
@@ -134,6 +214,33 @@ def headers_callback(ctx, param, pairs):
         raise click.BadParameter(str(e), ctx, param) from None
 
 
+class FilterHeader(click.ParamType):
+    """``name=value`` of a subscription's header filter: the value is a string, matched
+    against ``str()`` of the message's header value."""
+
+    name = "name=value"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        name, sep, raw = str(value).partition("=")
+        if not sep or not name:
+            self.fail(f"{value!r}: a header filter is name=value (e.g. --filter-header region=eu)", param, ctx)
+        return name, raw
+
+
+def filter_headers_callback(ctx, param, pairs):
+    """Collect ``--filter-header`` pairs into ``filter_headers``, checked by FDQ's rule."""
+    if not pairs:
+        return None
+    headers = {}
+    for name, value in pairs:
+        if name in headers:
+            raise click.BadParameter(f"header {name!r} is given twice", ctx, param)
+        headers[name] = value
+    return subscription_config_callback(ctx, param, headers)
+
+
 class Tag(click.ParamType):
     """A dispatch tag (the rule of ``##client_dispatch_tag`` values)."""
 
@@ -148,5 +255,6 @@ class Tag(click.ParamType):
 TOPIC = Name("topic")
 SUBSCRIPTION = Name("subscription")
 
-__all__ = ["topic_config_callback", "Name", "Shards", "Seconds", "Time", "Header", "Tag", "headers_callback", "TOPIC",
-           "SUBSCRIPTION"]
+__all__ = ["topic_config_callback", "subscription_config_callback", "Name", "Shards", "Seconds",
+           "SecondsList", "Time", "TimeOrNow", "Duration", "Address", "Header", "FilterHeader", "Tag",
+           "headers_callback", "filter_headers_callback", "TOPIC", "SUBSCRIPTION"]
