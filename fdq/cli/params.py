@@ -115,7 +115,7 @@ class Time(click.ParamType):
             t = datetime.datetime.fromisoformat(text)
         except ValueError:
             self.fail(f"{value!r} is neither epoch milliseconds nor an ISO-8601 time "
-                      "(e.g. 1763863200000 or 2026-11-23T02:00:00Z)", param, ctx)
+                      "(e.g. 1795399200000 or 2026-11-23T02:00:00Z)", param, ctx)
         if t.tzinfo is None:
             t = t.replace(tzinfo=datetime.timezone.utc)
         return int(t.timestamp() * 1000)
