@@ -12,8 +12,7 @@ import click
 
 from ..config import SubscriptionConfig, TopicConfig, check_name
 from ..errors import ConfigError, InvalidHeader, InvalidName
-from ..headers import NAME_RE as HEADER_NAME_RE
-from ..headers import validate_headers
+from ..headers import TRACE_ID, is_tag, validate_headers
 
 
 class Name(click.ParamType):
@@ -182,7 +181,8 @@ def _reject_constant(name):
 
 class Header(click.ParamType):
     """``name=value``: the value is parsed as JSON when it is valid JSON (``n=3``,
-    ``ok=true``, ``l=[1,2]``, ``s="3"``), else kept as a string (``user=alice``)."""
+    ``ok=true``, ``l=[1,2]``, ``s="3"``), else kept as a string (``user=alice``).
+    ``##trace_id`` stays a string (push echoes a trace id of digits given as a string)."""
 
     name = "name=value"
 
@@ -192,6 +192,8 @@ class Header(click.ParamType):
         name, sep, raw = str(value).partition("=")
         if not sep or not name:
             self.fail(f"{value!r}: a header is name=value (e.g. --header user=alice)", param, ctx)
+        if name == TRACE_ID:
+            return name, raw
         try:
             parsed = json.loads(raw, parse_constant=_reject_constant)
         except ValueError:
@@ -247,7 +249,7 @@ class Tag(click.ParamType):
     name = "tag"
 
     def convert(self, value, param, ctx):
-        if not HEADER_NAME_RE.match(str(value)):
+        if not is_tag(str(value)):
             self.fail(f"invalid tag {value!r}: use characters of [0-9a-zA-Z_-#]", param, ctx)
         return str(value)
 
