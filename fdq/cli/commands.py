@@ -704,7 +704,8 @@ def _show_subscription(row):
 def subs():
     """Subscriptions of a topic: list, create, show, update, reset, delete.
 
-    fdq subs TOPIC lists them (as fdq subs list TOPIC)."""
+    fdq subs TOPIC lists them, as fdq subs list TOPIC does (use the latter for a
+    topic named like a command)."""
 
 
 @subs.command("list")

@@ -256,3 +256,20 @@ def test_create_on_a_paused_topic_is_refused(run, sup, orders, state):
     assert state() == before
     sup.play("orders")
     assert run.json("subs", "create", "orders", "later")["backlog"] == 6
+
+
+def test_catch_up_of_a_long_log_reports_progress_on_stderr(run, db, sup, monkeypatch):
+    from fdq.cli import render
+    monkeypatch.setattr(render, "PLAIN_EVERY_S", 0.0)        # a plain line per chunk (stderr is no terminal)
+    fdq.Producer(db).push_many("big", [fdq.Envelope(b"x%d" % i) for i in range(1200)])
+    r = run("subs", "create", "big", "late")
+    assert r.stdout == ""
+    lines = r.stderr.splitlines()
+    assert lines == ["catching up big/late: 500", "catching up big/late: 1,000", "catching up big/late: 1,200",
+                     "created subscription 'late' of topic 'big': deliver all, 1,200 messages copied from the log"]
+    assert sup.stats("big")["subscriptions"]["late"]["backlog"] == 1200
+    r = run("subs", "reset", "big", "late", "--to", "0", "--json")
+    assert r.stderr.splitlines()[-1] == ("reset subscription 'late' of topic 'big' to 1970-01-01T00:00:00.000Z: "
+                                         "1,200 messages copied from the log")
+    assert any(line.startswith("resetting big/late: ") for line in r.stderr.splitlines())
+    assert sup.stats("big")["subscriptions"]["late"]["backlog"] == 1200    # rewound: each message once
