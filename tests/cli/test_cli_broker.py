@@ -3,7 +3,6 @@ process; a raw NSQ V2 client publishes; fdq's Python API sees the message. Bad f
 are usage errors (exit 2); a broker that cannot start is an error (exit 1)."""
 from __future__ import annotations
 
-import json
 import os
 import queue
 import signal
