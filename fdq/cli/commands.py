@@ -6,21 +6,27 @@ unknown topics included); 2 a usage error (bad option or value, click's message)
 """
 from __future__ import annotations
 
+import argparse
 import json
+import logging
+import ssl
 import sys
 import time
 
 import click
 
-from ..config import DEFAULT_SUBSCRIPTION, TopicConfig
+from ..broker import __main__ as broker_main
+from ..config import (ACK_POLICIES, DELIVER_POLICIES, DEFAULT_SUBSCRIPTION, UPDATABLE_SUBSCRIPTION_FIELDS,
+                      SubscriptionConfig, TopicConfig)
 from ..consumer import Consumer
 from ..engine import connect
-from ..errors import FDQError, LeaseLost, SubscriptionNotFound
+from ..errors import ConfigError, ConsumerStalled, FDQError, LeaseLost, SubscriptionNotFound
 from ..producer import Envelope, Producer
 from ..supervisor import Supervisor
 from . import render, rows
-from .params import (SUBSCRIPTION, TOPIC, Header, Seconds, Shards, Tag, Time,
-                     headers_callback, topic_config_callback)
+from .params import (SUBSCRIPTION, TOPIC, Address, Duration, FilterHeader, Header, Seconds, SecondsList,
+                     Shards, Tag, Time, TimeOrNow, filter_headers_callback, headers_callback,
+                     subscription_config_callback, topic_config_callback)
 
 PUSH_BATCH = 500                 # stdin lines per transaction
 PUSH_BATCH_BYTES = 4 << 20       # ... and at most this many body bytes (FDB: 10 MB)
@@ -352,6 +358,14 @@ def _print_message(m, as_json):
     click.echo("  ".join(parts) + "  " + body)
 
 
+def _tail_error(e: BaseException):
+    """The consumer's on_error (its own threads): one line on stderr; tail keeps going.
+    ``ConsumerStalled``: no heartbeat reached the database, or no shard owned (others
+    own them all), for over 3 heartbeats; reported again after a recovery."""
+    what = "stalled" if isinstance(e, ConsumerStalled) else type(e).__name__
+    render.note(f"fdq: warning: {what}: {_one_line(e)}")
+
+
 @cli.command()
 @topic_argument
 @click.option("--count", "-n", type=click.IntRange(min=1), default=None, metavar="N",
@@ -373,12 +387,15 @@ def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
 
     Joins the subscription as a consumer: with other consumers live it gets its
     share of the shards. One message per line; --json: one JSON object per line.
+    A stalled consumer (database unreachable, or no shard owned, for over 3
+    heartbeats) is reported by one line on stderr; tail keeps going.
     """
     config = state.supervisor.config(topic)
     if tag is not None and not config.extend:
         render.note(f"topic {topic!r} has no extend support: --tag is ignored")
     consumer = Consumer(state.db, topic, subscription=subscription, create=False,
-                        extend_support=config.extend, desired_tag=tag, batch_size=TAIL_BATCH)
+                        extend_support=config.extend, desired_tag=tag, batch_size=TAIL_BATCH,
+                        on_error=_tail_error)
     got = 0
     try:
         last = time.monotonic()
@@ -575,6 +592,330 @@ def dlq_purge(state, topic, subscription, yes, as_json):
     render.note(f"purged {n:,} dead letters of {topic}/{subscription}")
     if as_json:
         render.emit_json({"topic": topic, "subscription": subscription, "purged": n})
+
+# -- subscriptions --------------------------------------------------------------------
+
+class SubsGroup(click.Group):
+    """``fdq subs TOPIC`` is ``fdq subs list TOPIC``; ``fdq subs COMMAND ...`` runs COMMAND."""
+
+    def parse_args(self, ctx, args):
+        first = next((a for a in args if not a.startswith("-")), None)
+        if first is not None and first not in self.commands:
+            args = ["list", *args]
+        return super().parse_args(ctx, args)
+
+
+SUBSCRIPTION_COLUMNS = [
+    ("subscription", lambda r: r["name"]),
+    ("ephemeral", lambda r: r["ephemeral"]),
+    ("catching up", lambda r: r["catching_up"]),
+    ("deliver", lambda r: r["deliver_policy"] if r["start_time_ms"] is None
+     else f"{r['deliver_policy']} {render.time_ms(r['start_time_ms'])}"),
+    ("ack", lambda r: r["config"]["ack_policy"]),
+    ("backlog", lambda r: r["backlog"]),
+    ("in flight", lambda r: r["in_flight"]),
+    ("dlq", lambda r: r["dlq"]),
+    ("consumers", lambda r: r["consumers"]),
+]
+
+# One click option per SubscriptionConfig field the command line sets; each option's
+# destination is the field's name, so FDQ's own rule judges its value.
+SUBSCRIPTION_OPTIONS = {
+    "ack_policy": click.option(
+        "--ack-policy", type=click.Choice(ACK_POLICIES), default="explicit", show_default=True,
+        help="explicit: messages are leased until acked; none: done when delivered."),
+    "ack_wait_s": click.option(
+        "--ack-wait-s", type=Seconds(), default=None, callback=subscription_config_callback,
+        help="Lease length of every consumer [default: each consumer's own]."),
+    "max_deliver": click.option(
+        "--max-deliver", type=int, default=None, metavar="N", callback=subscription_config_callback,
+        help="Deliveries before the DLQ [default: each consumer's own]."),
+    "backoff_s": click.option(
+        "--backoff-s", type=SecondsList(), default=None, callback=subscription_config_callback,
+        help="Redelivery delays by attempt, e.g. 1,5,30 (the last repeats; '' = at once) "
+             "[default: each consumer's own]."),
+    "max_ack_pending": click.option(
+        "--max-ack-pending", type=int, default=None, metavar="N", callback=subscription_config_callback,
+        help="At most N leased messages per shard [default: no limit]."),
+    "deliver_policy": click.option(
+        "--deliver-policy", type=click.Choice(DELIVER_POLICIES), default=None,
+        help="Where it starts: all messages in the log, new ones, the last one and new, or "
+             "by_start_time [default: all; by_start_time with --start-time]."),
+    "start_time_ms": click.option(
+        "--start-time", "start_time_ms", type=Time(), default=None,
+        help="Start at messages inserted at this time or later (epoch ms or ISO-8601)."),
+    "filter_shard_key": click.option(
+        "--filter-shard-key", metavar="GLOB", default=None, callback=subscription_config_callback,
+        help="Deliver only messages whose shard key matches this glob."),
+    "filter_headers": click.option(
+        "--filter-header", "filter_headers", type=FilterHeader(), multiple=True,
+        callback=filter_headers_callback,
+        help="Deliver only messages with header name=value (all must match). Repeatable."),
+    "ordered": click.option(
+        "--ordered", is_flag=True, help="Hold back later messages of a shard key while one is leased."),
+    "ephemeral": click.option(
+        "--ephemeral", is_flag=True, help="Delete it when its last consumer leaves."),
+    "description": click.option(
+        "--description", default=None, metavar="TEXT", callback=subscription_config_callback,
+        help="Free text (at most 4096 characters)."),
+}
+
+
+class UpdateCommand(click.Command):
+    """``fdq subs update``: an option of a field that cannot change gets told why."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as e:
+            fixed = {"--" + f.replace("_", "-") for f in SUBSCRIPTION_OPTIONS} | {"--start-time", "--filter-header"}
+            if e.option_name in fixed:
+                may = ", ".join("--" + f.replace("_", "-") for f in UPDATABLE_SUBSCRIPTION_FIELDS)
+                raise click.UsageError(f"{e.option_name} cannot be updated: only {may} may change "
+                                       "(create a new subscription, or reset it for a new start point)",
+                                       ctx) from None
+            raise
+
+
+def _subscription_options(fields):
+    def apply(f):
+        for name in reversed(fields):
+            f = SUBSCRIPTION_OPTIONS[name](f)
+        return f
+    return apply
+
+
+def _subscription_row(sup, topic, name):
+    info = sup.subscription(topic, name)
+    return rows.subscription_row(topic, info, sup.stats(topic)["subscriptions"].get(name))
+
+
+def _show_subscription(row):
+    items = [(k, v) for k, v in row.items() if k != "config"]
+    items += [(f"config.{k}", v) for k, v in row["config"].items()]
+    render.table(f"subscription {row['topic']}/{row['name']}", [
+        ("field", lambda kv: kv[0]),
+        ("value", lambda kv: json.dumps(kv[1], ensure_ascii=False) if isinstance(kv[1], (dict, list))
+         else render.time_ms(kv[1]) if kv[0].endswith("time_ms") and kv[1] is not None else kv[1]),
+    ], items)
+
+
+@cli.group(cls=SubsGroup)
+def subs():
+    """Subscriptions of a topic: list, create, show, update, reset, delete.
+
+    fdq subs TOPIC lists them, as fdq subs list TOPIC does (use the latter for a
+    topic named like a command)."""
+
+
+@subs.command("list")
+@topic_argument
+@json_option
+@pass_state
+def subs_list(state, topic, as_json):
+    """List TOPIC's subscriptions: start, backlog, in flight, DLQ, consumers."""
+    data = rows.subscription_rows(state.supervisor, topic)
+    if as_json:
+        render.emit_json(data)
+    elif not data:
+        render.note(f"topic {topic!r} has no subscriptions")
+    else:
+        render.table(None, SUBSCRIPTION_COLUMNS, data)
+
+
+@subs.command("create")
+@topic_argument
+@click.argument("name", type=SUBSCRIPTION)
+@_subscription_options(list(SUBSCRIPTION_OPTIONS))
+@json_option
+@pass_state
+def subs_create(state, topic, name, as_json, **fields):
+    """Create subscription NAME of TOPIC and copy its start point.
+
+    Messages of the start point (--deliver-policy) are copied from the topic's
+    log before this returns (progress on stderr); then its consumers deliver.
+    Nothing changes if it exists with the same options; other options are an
+    error (change updatable ones with fdq subs update)."""
+    if fields["deliver_policy"] is None:
+        fields["deliver_policy"] = "by_start_time" if fields["start_time_ms"] is not None else "all"
+    if fields["description"] is None:
+        fields["description"] = ""
+    try:
+        config = SubscriptionConfig(**fields)
+    except ConfigError as e:
+        raise click.UsageError(f"invalid subscription options: {e}") from None
+    sup = state.supervisor
+    existed = name in sup.config(topic).subs
+    copied = 0
+
+    def count(n):
+        nonlocal copied
+        copied += n
+        advance(n)
+    with render.progress(f"catching up {topic}/{name}") as advance:
+        sup.create_subscription(topic, name, config, progress=count)
+    if existed:
+        render.note(f"subscription {name!r} of topic {topic!r} already exists with these options: unchanged"
+                    + (f" (finished its catch-up: {copied:,} messages copied)" if copied else ""))
+    else:
+        render.note(f"created subscription {name!r} of topic {topic!r}: deliver {config.deliver_policy}, "
+                    f"{copied:,} messages copied from the log")
+    if as_json:
+        render.emit_json(_subscription_row(sup, topic, name))
+
+
+@subs.command("show")
+@topic_argument
+@click.argument("name", type=SUBSCRIPTION)
+@json_option
+@pass_state
+def subs_show(state, topic, name, as_json):
+    """Show subscription NAME of TOPIC: its stored options and counts."""
+    row = _subscription_row(state.supervisor, topic, name)
+    if as_json:
+        render.emit_json(row)
+    else:
+        _show_subscription(row)
+
+
+@subs.command("update", cls=UpdateCommand)
+@topic_argument
+@click.argument("name", type=SUBSCRIPTION)
+@_subscription_options(list(UPDATABLE_SUBSCRIPTION_FIELDS))
+@json_option
+@pass_state
+def subs_update(state, topic, name, as_json, **changes):
+    """Change updatable options of subscription NAME of TOPIC.
+
+    Only these may change; its consumers apply them at their next heartbeat.
+    Other options fix what the subscription is: create a new one (or reset it
+    for a new start point)."""
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if not changes:
+        given = ", ".join("--" + f.replace("_", "-") for f in UPDATABLE_SUBSCRIPTION_FIELDS)
+        raise click.UsageError(f"nothing to update: give one of {given}")
+    sup = state.supervisor
+    config = sup.update_subscription(topic, name, **changes)
+    render.note(f"updated subscription {name!r} of topic {topic!r}: "
+                + ", ".join(f"{k}={getattr(config, k)!r}" for k in changes))
+    if as_json:
+        render.emit_json(_subscription_row(sup, topic, name))
+
+
+@subs.command("reset")
+@topic_argument
+@click.argument("name", type=SUBSCRIPTION)
+@click.option("--to", "to_time", type=TimeOrNow(), required=True,
+              help="The new start: epoch ms, ISO-8601, or now (skip everything queued).")
+@json_option
+@pass_state
+def subs_reset(state, topic, name, to_time, as_json):
+    """Move subscription NAME's start to --to (rewind or skip).
+
+    Its ready and delayed messages are replaced by the log's messages inserted
+    at --to or later (within retention); leases and dead letters stay."""
+    sup = state.supervisor
+    sup.subscription(topic, name)          # unknown: exit 1 before anything changes
+    with render.progress(f"resetting {topic}/{name}") as advance:
+        copied = sup.reset(topic, name, to_time, progress=advance)
+    when = "now" if to_time is None else render.time_ms(to_time)
+    render.note(f"reset subscription {name!r} of topic {topic!r} to {when}: {copied:,} messages copied from the log")
+    if as_json:
+        render.emit_json({"topic": topic, "subscription": name, "to_time_ms": to_time, "copied": copied})
+
+
+@subs.command("delete")
+@topic_argument
+@click.argument("name", type=SUBSCRIPTION)
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@pass_state
+def subs_delete(state, topic, name, yes):
+    """Delete subscription NAME of TOPIC with its queues, leases and dead letters."""
+    sup = state.supervisor
+    row = _subscription_row(sup, topic, name)     # unknown: exit 1 before asking
+    if not yes:
+        click.confirm(f"Delete subscription {topic}/{name} with a backlog of {row['backlog'] or 0:,}, "
+                      f"{row['in_flight'] or 0:,} in flight and {row['dlq'] or 0:,} dead letters?",
+                      abort=True, err=True)
+    sup.delete_subscription(topic, name)
+    render.note(f"deleted subscription {name!r} of topic {topic!r}")
+
+
+# -- the NSQ-compatible broker ----------------------------------------------------------
+
+# Defaults and meanings are fdq.broker.__main__'s (python -m fdq.broker): one mapping.
+_BROKER = vars(broker_main.parser().parse_args(["--url", ""]))
+
+
+def _duration_default(name):
+    return f"{_BROKER[name]:g}s"
+
+
+@cli.command(context_settings={"show_default": True})
+@click.option("--tcp-address", type=Address(), default=_BROKER["tcp_address"],
+              help="<addr>:<port> to listen on for TCP clients (port 0: any free port).")
+@click.option("--http-address", type=Address(optional=True), default=_BROKER["http_address"],
+              help="<addr>:<port> to listen on for HTTP clients ('' for none).")
+@click.option("--msg-timeout", type=Duration(), default=_duration_default("msg_timeout"),
+              help="Default time a message may be in flight before it is requeued.")
+@click.option("--max-msg-timeout", type=Duration(), default=_duration_default("max_msg_timeout"),
+              help="Largest msg_timeout a client may ask for.")
+@click.option("--max-msg-size", type=click.IntRange(min=1), default=_BROKER["max_msg_size"],
+              help="Largest message body, bytes.")
+@click.option("--max-body-size", type=click.IntRange(min=1), default=_BROKER["max_body_size"],
+              help="Largest command body (MPUB), bytes.")
+@click.option("--max-rdy-count", type=click.IntRange(min=1), default=_BROKER["max_rdy_count"],
+              help="Largest RDY a client may set.")
+@click.option("--max-heartbeat-interval", type=Duration(),
+              default=_duration_default("max_heartbeat_interval"),
+              help="Longest heartbeat interval a client may ask for.")
+@click.option("--max-req-timeout", type=Duration(), default=_duration_default("max_req_timeout"),
+              help="Longest requeue delay (REQ).")
+@click.option("--max-deflate-level", type=click.IntRange(1, 9), default=_BROKER["max_deflate_level"],
+              help="Highest deflate level a client may ask for.")
+@click.option("--deflate/--no-deflate", default=_BROKER["deflate"], help="Allow deflate compression.")
+@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="TLS certificate (PEM).")
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="TLS private key (PEM).")
+@click.option("--tls-required", is_flag=True, help="Clients must upgrade to TLS.")
+@click.option("--auth-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Secrets and their permissions (JSON; see fdq/broker/auth.py).")
+@click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+              default=_BROKER["log_level"], help="Log level (stderr).")
+@pass_state
+def broker(state, **flags):
+    """Run the NSQ-compatible broker on the database (nsqd's flags).
+
+    NSQ clients (pynsq, nsqjs, go-nsq ...) publish and consume unchanged:
+    topics are FDQ topics, channels are subscriptions. Prints the listening
+    addresses on stderr once ready; serves until SIGTERM or Ctrl-C.
+    Durations: 60s, 1m30s, 500ms, or seconds."""
+    if (flags["tls_cert"] is None) != (flags["tls_key"] is None):
+        raise click.UsageError("--tls-cert and --tls-key go together")
+    if flags["tls_required"] and flags["tls_cert"] is None:
+        raise click.UsageError("--tls-required needs --tls-cert and --tls-key")
+    try:
+        options = broker_main.build_options(argparse.Namespace(**flags))
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+    logging.basicConfig(stream=sys.stderr, level=flags["log_level"].upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    tcp_host = flags["tcp_address"].rpartition(":")[0]
+    http_host = flags["http_address"].rpartition(":")[0]
+
+    def ready(tcp_port, http_port):
+        http = f"http={http_host}:{http_port}" if http_port is not None else "http=off"
+        render.note(f"fdq broker: listening tcp={tcp_host}:{tcp_port} {http}")
+
+    from ..broker.server import run
+    try:
+        run(state.url, flags["tcp_address"], flags["http_address"] or None, options, ready)
+    except (OSError, ssl.SSLError) as e:
+        raise Failure(f"cannot start the broker: {_one_line(e)}") from None
+    except KeyboardInterrupt:
+        raise click.exceptions.Exit(130) from None
+    render.note("fdq broker: stopped")
 
 
 def main(argv=None):

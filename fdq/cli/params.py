@@ -10,9 +10,9 @@ import re
 
 import click
 
-from ..config import TopicConfig, check_name
+from ..config import SubscriptionConfig, TopicConfig, check_name
 from ..errors import ConfigError, InvalidHeader, InvalidName
-from ..headers import is_tag, validate_headers
+from ..headers import TRACE_ID, is_tag, validate_headers
 
 
 class Name(click.ParamType):
@@ -59,6 +59,31 @@ def topic_config_callback(ctx, param, value):
     return value
 
 
+def subscription_config_callback(ctx, param, value):
+    """Check an option that is a ``SubscriptionConfig`` field (same name) alone, by FDQ's
+    own rule; combinations are checked once every option is known."""
+    if value is not None:
+        try:
+            SubscriptionConfig(**{param.name: value})
+        except ConfigError as e:
+            raise click.BadParameter(str(e), ctx, param) from None
+    return value
+
+
+class SecondsList(click.ParamType):
+    """Comma-separated seconds (``1,5,30``); the empty string is the empty list."""
+
+    name = "s1,s2,..."
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        text = str(value).strip()
+        if not text:
+            return ()
+        return tuple(Seconds().convert(part.strip(), param, ctx) for part in text.split(","))
+
+
 class Seconds(click.ParamType):
     """A finite number of seconds >= 0."""
 
@@ -89,10 +114,65 @@ class Time(click.ParamType):
             t = datetime.datetime.fromisoformat(text)
         except ValueError:
             self.fail(f"{value!r} is neither epoch milliseconds nor an ISO-8601 time "
-                      "(e.g. 1763863200000 or 2026-11-23T02:00:00Z)", param, ctx)
+                      "(e.g. 1795399200000 or 2026-11-23T02:00:00Z)", param, ctx)
         if t.tzinfo is None:
             t = t.replace(tzinfo=datetime.timezone.utc)
         return int(t.timestamp() * 1000)
+
+
+class TimeOrNow(Time):
+    """A ``Time``, or ``now`` (-> None)."""
+
+    name = "time|now"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and value.strip().lower() == "now":
+            return None
+        return super().convert(value, param, ctx)
+
+
+class Duration(click.ParamType):
+    """A Go duration as nsqd takes it (``60s``, ``1m30s``, ``500ms``) or plain seconds,
+    parsed by the broker's own ``parse_duration``; must be > 0. -> seconds."""
+
+    name = "duration"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            s = float(value)
+        else:
+            import argparse
+
+            from ..broker.__main__ import parse_duration
+            try:
+                s = parse_duration(str(value))
+            except argparse.ArgumentTypeError as e:
+                self.fail(str(e), param, ctx)
+        if not math.isfinite(s) or s <= 0:
+            self.fail(f"{value!r}: a duration must be > 0", param, ctx)
+        return s
+
+
+class Address(click.ParamType):
+    """``host:port`` (port 0: any free port), checked by the broker's ``split_address``."""
+
+    name = "host:port"
+
+    def __init__(self, optional: bool = False):
+        self.optional = optional
+
+    def convert(self, value, param, ctx):
+        text = str(value)
+        if self.optional and text == "":
+            return text
+        from ..broker.server import split_address
+        try:
+            _host, port = split_address(text)
+        except ConfigError as e:
+            self.fail(str(e), param, ctx)
+        if port > 65535:
+            self.fail(f"port {port} of {text!r} is above 65535", param, ctx)
+        return text
 
 
 def _reject_constant(name):
@@ -101,7 +181,8 @@ def _reject_constant(name):
 
 class Header(click.ParamType):
     """``name=value``: the value is parsed as JSON when it is valid JSON (``n=3``,
-    ``ok=true``, ``l=[1,2]``, ``s="3"``), else kept as a string (``user=alice``)."""
+    ``ok=true``, ``l=[1,2]``, ``s="3"``), else kept as a string (``user=alice``).
+    ``##trace_id`` stays a string (push echoes a trace id of digits given as a string)."""
 
     name = "name=value"
 
@@ -111,6 +192,8 @@ class Header(click.ParamType):
         name, sep, raw = str(value).partition("=")
         if not sep or not name:
             self.fail(f"{value!r}: a header is name=value (e.g. --header user=alice)", param, ctx)
+        if name == TRACE_ID:
+            return name, raw
         try:
             parsed = json.loads(raw, parse_constant=_reject_constant)
         except ValueError:
@@ -133,6 +216,33 @@ def headers_callback(ctx, param, pairs):
         raise click.BadParameter(str(e), ctx, param) from None
 
 
+class FilterHeader(click.ParamType):
+    """``name=value`` of a subscription's header filter: the value is a string, matched
+    against ``str()`` of the message's header value."""
+
+    name = "name=value"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        name, sep, raw = str(value).partition("=")
+        if not sep or not name:
+            self.fail(f"{value!r}: a header filter is name=value (e.g. --filter-header region=eu)", param, ctx)
+        return name, raw
+
+
+def filter_headers_callback(ctx, param, pairs):
+    """Collect ``--filter-header`` pairs into ``filter_headers``, checked by FDQ's rule."""
+    if not pairs:
+        return None
+    headers = {}
+    for name, value in pairs:
+        if name in headers:
+            raise click.BadParameter(f"header {name!r} is given twice", ctx, param)
+        headers[name] = value
+    return subscription_config_callback(ctx, param, headers)
+
+
 class Tag(click.ParamType):
     """A dispatch tag (the rule of ``##client_dispatch_tag`` values)."""
 
@@ -140,12 +250,13 @@ class Tag(click.ParamType):
 
     def convert(self, value, param, ctx):
         if not is_tag(str(value)):
-            self.fail(f"invalid tag {value!r}: use 1-128 characters of [0-9a-zA-Z_-#]", param, ctx)
+            self.fail(f"invalid tag {value!r}: use characters of [0-9a-zA-Z_-#]", param, ctx)
         return str(value)
 
 
 TOPIC = Name("topic")
 SUBSCRIPTION = Name("subscription")
 
-__all__ = ["topic_config_callback", "Name", "Shards", "Seconds", "Time", "Header", "Tag", "headers_callback", "TOPIC",
-           "SUBSCRIPTION"]
+__all__ = ["topic_config_callback", "subscription_config_callback", "Name", "Shards", "Seconds",
+           "SecondsList", "Time", "TimeOrNow", "Duration", "Address", "Header", "FilterHeader", "Tag",
+           "headers_callback", "filter_headers_callback", "TOPIC", "SUBSCRIPTION"]

@@ -119,6 +119,31 @@ def consumer_rows(stats: dict) -> list:
     return [c for s in stats_row(stats)["subscriptions"] for c in s["consumers"]]
 
 
+def subscription_row(topic: str, info: dict, sub_stats: dict | None) -> dict:
+    """``fdq subs``: one subscription, from ``Supervisor.subscription`` (its stored
+    config, in full, under ``config``) and its counts from ``Supervisor.stats`` (None:
+    deleted since it was listed, counts are None)."""
+    config = info["config"].as_dict()
+    counts = {k: (sub_stats or {}).get(k) for k in ("backlog", "in_flight", "delayed", "dlq")}
+    return {
+        "topic": topic,
+        "name": info["name"],
+        "ephemeral": info["ephemeral"],
+        "catching_up": info["catching_up"],
+        "deliver_policy": config["deliver_policy"],
+        "start_time_ms": config["start_time_ms"],
+        "start_position": info["start_position"],
+        **counts,
+        "consumers": None if sub_stats is None else len(sub_stats["consumers"]),
+        "config": config,
+    }
+
+
+def subscription_rows(sup, topic: str) -> list:
+    stats = sup.stats(topic)["subscriptions"]
+    return [subscription_row(topic, info, stats.get(info["name"])) for info in sup.subscriptions(topic)]
+
+
 def body_fields(body: bytes) -> dict:
     """A body as text when it is UTF-8, else base64; ``body_encoding`` says which."""
     try:
@@ -159,4 +184,4 @@ def dlq_row(d: dict, subscription: str) -> dict:
 
 
 __all__ = ["topic_row", "topic_rows", "stats_row", "consumer_rows", "message_row", "push_row",
-           "dlq_row", "body_fields"]
+           "dlq_row", "body_fields", "subscription_row", "subscription_rows"]

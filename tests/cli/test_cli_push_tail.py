@@ -43,7 +43,7 @@ def test_push_json_headers_msg_id_delay(run, db, sup):
     assert st["delayed"] == 1 and st["backlog"] == 3
     msgs = {m.id: m for m in drain(db, "orders", extend_support=True)}
     assert delayed not in msgs                              # not due yet
-    assert msgs[row["id"]].headers == {"user": "alice", "n": 3, "l": [1, "a"], "s": "3", "##trace_id": 77}
+    assert msgs[row["id"]].headers == {"user": "alice", "n": 3, "l": [1, "a"], "s": "3", "##trace_id": "77"}  # kept a string: echoed
     assert msgs[a["id"]].body == b"once" and msgs[a["id"]].msg_id == "order-1"
 
 
