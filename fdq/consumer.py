@@ -122,6 +122,13 @@ def _run(db, fn, *args, watch_key=None, committed=None, **kwargs):
             retry_or_raise(tr, e)
 
 
+def _peer_timeout(config: ConsumerConfig, record: dict) -> float:
+    """How long a peer's heartbeat may stay unchanged before it is a zombie: its own
+    timeout (it heartbeats at its own interval) or ours, whichever is longer."""
+    theirs = record.get("zombie_after_s")
+    return max(config.zombie_after_s, theirs) if isinstance(theirs, (int, float)) else config.zombie_after_s
+
+
 class Consumer:
     """A member of a subscription that owns an even share of its shards.
 
@@ -238,7 +245,8 @@ class Consumer:
 
     def _record(self) -> dict:
         return {"id": self.id, "host": socket.gethostname(), "pid": os.getpid(), "mode": self.mode,
-                "tag": self.desired_tag, "extend": self.extend_support, "batch_size": self.batch_size}
+                "tag": self.desired_tag, "extend": self.extend_support, "batch_size": self.batch_size,
+                "zombie_after_s": self.config.zombie_after_s}
 
     def _join(self):
         plan = _subs.join(self.db, self._ts, self.subscription, self.id, self._record(),
@@ -352,7 +360,7 @@ class Consumer:
             seen = self._peers.get(cid)
             if seen is None or seen[0] != m["hb"]:
                 self._peers[cid] = (m["hb"], now)
-            elif now - seen[1] >= self.config.zombie_after_s:
+            elif now - seen[1] >= _peer_timeout(self.config, m["record"]):
                 if _subs.declare_zombie(self.db, self._ts, self.subscription, cid, seen[0],
                                                self._topic_config):
                     log.info("consumer %s: %s is a zombie (heartbeat %d unchanged for %.1fs)",

@@ -448,6 +448,7 @@ class Reaper:
 
     def __init__(self, zombie_after_s: float):
         self.zombie_after_s = zombie_after_s
+        self.longest_timeout_s = zombie_after_s   # the longest timeout a member advertised
         self._seen = {}          # (sub, cid) -> (hb, since)
         self._ephemeral = {}     # sub -> bool (fixed at creation)
 
@@ -468,10 +469,11 @@ class Reaper:
                 continue
             for cid, m in membership.read_members(db, ts, sub).items():
                 live.add((sub, cid))
+                self.longest_timeout_s = max(self.longest_timeout_s, _advertised_timeout(m["record"]))
                 seen = self._seen.get((sub, cid))
                 if seen is None or seen[0] != m["hb"]:
                     self._seen[(sub, cid)] = (m["hb"], now)
-                elif now - seen[1] >= self.zombie_after_s:
+                elif now - seen[1] >= max(self.zombie_after_s, _advertised_timeout(m["record"])):
                     self._seen.pop((sub, cid), None)
                     if declare_zombie(db, ts, sub, cid, seen[0], topic_config) and \
                             sub not in read_topic_config(db, ts, snapshot=True).subs:
@@ -480,6 +482,13 @@ class Reaper:
         for key in [k for k in self._seen if k not in live]:
             del self._seen[key]
         return deleted
+
+
+def _advertised_timeout(record: dict) -> float:
+    """The zombie timeout a member advertises in its record (it heartbeats at its own
+    interval), 0 if it advertises none."""
+    t = record.get("zombie_after_s")
+    return t if isinstance(t, (int, float)) and not isinstance(t, bool) else 0.0
 
 
 def effective_consumer_config(consumer_config, config: SubscriptionConfig):

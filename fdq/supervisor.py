@@ -454,12 +454,13 @@ class Supervisor:
 
     def reap(self, name: str, zombie_after_s: float = 3.0) -> list:
         """Delete the topic's ephemeral subscriptions whose consumers are all zombies:
-        watches their heartbeats for ``zombie_after_s`` (blocking). Returns those deleted."""
+        watches their heartbeats for ``zombie_after_s``, or a member's own longer timeout
+        (blocking). Returns those deleted."""
         from .subscription import Reaper
         reaper = Reaper(zombie_after_s)
         ts = self._ts(name)
         reaper.observe(self.db, ts, self.config(name), time.monotonic())
-        deadline = time.monotonic() + zombie_after_s
+        deadline = time.monotonic() + reaper.longest_timeout_s
         while time.monotonic() < deadline:
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
         return reaper.observe(self.db, ts, self.config(name), time.monotonic())

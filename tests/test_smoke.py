@@ -194,3 +194,21 @@ def test_consumer_identify_creates_a_matching_topic_and_refuses_before_binding(d
     with pytest.raises(fdq.ConfigError, match="no extend support"):
         fdq.Consumer(db, "plain", extend_support=True, subscription="new-sub")
     assert fdq.Supervisor(db).config("plain").subs == ("default",)   # nothing bound
+
+
+def test_consumers_with_different_heartbeat_intervals_do_not_evict_each_other(db):
+    """A fast-heartbeating consumer judges a slow one by the slow one's own timeout."""
+    fdq.Supervisor(db).create_topic("hb", shards=4)
+    errors = []
+    slow = fdq.Consumer(db, "hb", consumer_id="slow", on_error=errors.append,
+                        config=fdq.ConsumerConfig(heartbeat_interval_s=1.0))       # zombie after 3 s
+    fast = fdq.Consumer(db, "hb", consumer_id="fast", config=fdq.ConsumerConfig(heartbeat_interval_s=0.1))
+    try:
+        deadline = time.monotonic() + 4.0        # > 3 fast zombie timeouts, < slow's own 3 s + margin
+        while time.monotonic() < deadline:
+            members = {c["id"] for c in fdq.Supervisor(db).stats("hb")["subscriptions"]["default"]["consumers"]}
+            assert members == {"slow", "fast"}, f"a live consumer was evicted: {members}"
+            time.sleep(0.05)
+    finally:
+        fast.close()
+        slow.close()
