@@ -104,6 +104,7 @@ def iter_window(db, ts: TopicSpace, buckets: int, start_ms: int | None, end_ms: 
 # message's position (its id is their hex) and positions compare as those bytes.
 
 VS_CODE = b"\x33"
+_RECORD_PAD = [None, None, None, None, b"", 0, 0, None]   # a record's dropped trailing defaults
 
 
 def log_buckets(db, ts: TopicSpace) -> list:
@@ -205,7 +206,7 @@ def scan_entries(db, ts: TopicSpace, begin: bytes, end: bytes, batch: int = 4096
     snapshot transaction."""
     while begin < end:
         tr = db.create_transaction()
-        rows = [(bytes(kv.key), kv.value) for kv in tr.snapshot.get_range(begin, end, limit=batch)]
+        rows = [(kv.key, kv.value) for kv in tr.snapshot.get_range(begin, end, limit=batch)]
         if rows:
             yield rows
         if len(rows) < batch:
@@ -220,25 +221,27 @@ def decode_entries(db, ts: TopicSpace, rows, start_ms=None, end_ms=None, shard_k
     None). Bodies split into chunks are read back whole."""
     ids, tss, sks, hds, bodies, mids, reps = [], [], [], [], [], [], []
     unpackb = msgpack.unpackb
+    pad = _RECORD_PAD
     for key, raw in rows:
         f = unpackb(raw, raw=False)
         t = f[0]
         if (start_ms is not None and t < start_ms) or (end_ms is not None and t >= end_ms):
             continue
-        n = len(f)
-        sk = f[1] if n > 1 else None
+        if len(f) < 8:
+            f += pad[len(f):]
+        sk = f[1]
         if shard_keys is not None and sk not in shard_keys:
             continue
         vs12 = key[-12:]
-        body = f[4] if n > 4 else b""
-        if n > 6 and f[6]:
+        body = f[4]
+        if f[6]:
             body = body_of(db, ts, Versionstamp.from_bytes(vs12), Record(*f))
         ids.append(vs12.hex())
         tss.append(t)
         sks.append(sk)
-        hds.append(f[3] if n > 3 else None)
+        hds.append(f[3])
         bodies.append(body)
-        mids.append(f[2] if n > 2 else None)
-        reps.append(f[7] if n > 7 else None)
+        mids.append(f[2])
+        reps.append(f[7])
     return {"id": ids, "ts_ms": tss, "shard_key": sks, "headers": hds, "body": bodies,
             "msg_id": mids, "replay_of": reps}

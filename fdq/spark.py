@@ -218,10 +218,20 @@ def _arrow_schema():
     return to_arrow_schema(SCHEMA, timezone="UTC")
 
 
+def _json(v) -> str:
+    t = type(v)
+    if t is int:
+        return str(v)
+    if t is bool:
+        return "true" if v else "false"
+    return json.dumps(v, separators=(",", ":"))
+
+
 def _header_items(h):
+    """Header values as strings: strings as they are, the rest JSON-encoded."""
     if not h:
         return None
-    return [(k, v if isinstance(v, str) else json.dumps(v, separators=(",", ":"))) for k, v in h.items()]
+    return [(k, v if type(v) is str else _json(v)) for k, v in h.items()]
 
 
 def _to_arrow(pa_schema, topic, bucket, cols):
@@ -232,7 +242,7 @@ def _to_arrow(pa_schema, topic, bucket, cols):
     ts = pc.multiply(pa.array(cols["ts_ms"], pa.int64()), 1000).cast(f("insertion_time").type)
     heads = cols["headers"]
     if any(heads):
-        headers = pa.array([_header_items(h) for h in heads], type=f("headers").type)
+        headers = pa.array([_header_items(h) if h else None for h in heads], type=f("headers").type)
     else:
         headers = pa.nulls(n, f("headers").type)
     return pa.RecordBatch.from_arrays([
