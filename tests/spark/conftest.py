@@ -33,7 +33,9 @@ def make_session(master: str = "local[2]", **conf):
          .config("spark.ui.showConsoleProgress", "false")
          .config("spark.sql.shuffle.partitions", "2")
          .config("spark.driver.bindAddress", "127.0.0.1")
-         .config("spark.python.worker.reuse", "true"))
+         .config("spark.python.worker.reuse", "true")
+         # Python workers that start slowly on a loaded machine must not time out.
+         .config("spark.python.authenticate.socketTimeout", "180s"))
     for k, v in conf.items():
         b = b.config(k, v)
     spark = b.getOrCreate()
@@ -42,25 +44,39 @@ def make_session(master: str = "local[2]", **conf):
     return spark
 
 
-def push_with_processes(url: str, topic: str, procs: int, per_proc: int, out_dir, *,
-                        batch: int = 500, pause_ms: int = 0, timeout: float = 300.0) -> list:
-    """Run ``procs`` producer processes (tests/spark/producer_proc.py) at once; returns
-    every message they pushed: dicts of id, body, shard_key, headers."""
+def start_producers(url: str, topic: str, procs: int, per_proc: int, out_dir, *,
+                    batch: int = 500, pause_ms: int = 0) -> list:
+    """Start ``procs`` producer processes (tests/spark/producer_proc.py); returns
+    [(Popen, output file)]."""
     ps = []
     for i in range(procs):
         out = os.path.join(str(out_dir), f"pushed-{topic}-{i}.jsonl")
         ps.append((subprocess.Popen([sys.executable, os.path.join(HERE, "producer_proc.py"), url, topic,
                                      str(i), str(per_proc), str(batch), str(pause_ms), out]), out))
+    return ps
+
+
+def wait_producers(ps, timeout: float = 300.0) -> list:
+    """Wait for the producer processes; returns every message they pushed: dicts of id,
+    body (base64), shard_key, headers."""
     deadline = time.monotonic() + timeout
-    for p, _out in ps:
-        try:
+    try:
+        for p, _out in ps:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q, _ in ps:
-                q.kill()
-            raise
-        assert p.returncode == 0, f"producer process exited {p.returncode}"
+            assert p.returncode == 0, f"producer process exited {p.returncode}"
+    finally:
+        for p, _out in ps:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     return [m for _p, out in ps for m in read_pushed(out)]
+
+
+def push_with_processes(url: str, topic: str, procs: int, per_proc: int, out_dir, *,
+                        batch: int = 500, pause_ms: int = 0, timeout: float = 300.0) -> list:
+    """Run producer processes at once and wait for them (see start_producers)."""
+    return wait_producers(start_producers(url, topic, procs, per_proc, out_dir, batch=batch,
+                                          pause_ms=pause_ms), timeout)
 
 
 def read_pushed(path) -> list:
@@ -77,3 +93,29 @@ def wait_for(cond, timeout: float, what: str, interval: float = 0.2):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(interval)
+
+
+def run_query(start, cond, timeout: float, what: str):
+    """Start a streaming query (``start()``) and wait until ``cond(query)``. Spark gives a
+    Python streaming source 10 s (hard-coded) to connect back to the JVM; on a machine
+    starved of CPU that start-up can miss it and the query dies before its first batch:
+    then it is started again (from its checkpoint, if it has one), at most 3 times.
+    Any other failure fails the test."""
+    q, restarts = start(), 0
+    deadline = time.monotonic() + timeout
+    while True:
+        if q.isActive and cond(q):
+            return q
+        if not q.isActive:
+            exc = q.exception()
+            if exc is not None and "connect back" in str(exc) and restarts < 3:
+                restarts += 1
+                q = start()
+                continue
+            if cond(q):
+                return q
+            raise AssertionError(f"streaming query stopped while waiting for {what}: {exc}")
+        if time.monotonic() > deadline:
+            q.stop()
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.3)
