@@ -219,29 +219,32 @@ def decode_entries(db, ts: TopicSpace, rows, start_ms=None, end_ms=None, shard_k
     end_ms)`` (and with a shard key in ``shard_keys``, a set, when given): {"id", "ts_ms",
     "shard_key", "headers", "body", "msg_id", "replay_of"} lists (headers as dicts or
     None). Bodies split into chunks are read back whole."""
-    ids, tss, sks, hds, bodies, mids, reps = [], [], [], [], [], [], []
+    if not rows:
+        return {"id": [], "ts_ms": [], "shard_key": [], "headers": [], "body": [], "msg_id": [],
+                "replay_of": []}
     unpackb = msgpack.unpackb
+    recs = [unpackb(raw, raw=False) for _key, raw in rows]
     pad = _RECORD_PAD
-    for key, raw in rows:
-        f = unpackb(raw, raw=False)
-        t = f[0]
-        if (start_ms is not None and t < start_ms) or (end_ms is not None and t >= end_ms):
-            continue
-        if len(f) < 8:
-            f += pad[len(f):]
-        sk = f[1]
-        if shard_keys is not None and sk not in shard_keys:
-            continue
-        vs12 = key[-12:]
-        body = f[4]
-        if f[6]:
-            body = body_of(db, ts, Versionstamp.from_bytes(vs12), Record(*f))
-        ids.append(vs12.hex())
-        tss.append(t)
-        sks.append(sk)
-        hds.append(f[3])
-        bodies.append(body)
-        mids.append(f[2])
-        reps.append(f[7])
-    return {"id": ids, "ts_ms": tss, "shard_key": sks, "headers": hds, "body": bodies,
-            "msg_id": mids, "replay_of": reps}
+    for r in recs:
+        if len(r) < 8:
+            r.extend(pad[len(r):])
+    # Column-wise, in C: one tuple per field.
+    tss, sks, mids, hds, bodies, _attempts, nchunks, reps = zip(*recs)
+    keys = [key for key, _raw in rows]
+    keep = None
+    if (start_ms is not None and min(tss) < start_ms) or (end_ms is not None and max(tss) >= end_ms):
+        keep = [i for i, t in enumerate(tss)
+                if (start_ms is None or t >= start_ms) and (end_ms is None or t < end_ms)]
+    if shard_keys is not None:
+        keep = [i for i in (range(len(recs)) if keep is None else keep) if sks[i] in shard_keys]
+    if keep is not None:
+        tss, sks, mids, hds, bodies, nchunks, reps, keys = (
+            [col[i] for i in keep] for col in (tss, sks, mids, hds, bodies, nchunks, reps, keys))
+    if any(nchunks):
+        bodies = list(bodies)
+        for i, n in enumerate(nchunks):
+            if n:
+                vs = Versionstamp.from_bytes(keys[i][-12:])
+                bodies[i] = body_of(db, ts, vs, Record(tss[i], nchunks=n))
+    return {"id": [key[-12:].hex() for key in keys], "ts_ms": tss, "shard_key": sks, "headers": hds,
+            "body": bodies, "msg_id": mids, "replay_of": reps}
