@@ -12,7 +12,7 @@ from fdq.topic import create_topic
 from fdq.config import TopicConfig
 from fdq.keyspace import Keyspace
 
-from conftest import make_session, push_with_processes
+from sparkhelpers import make_session, push_with_processes
 
 TOTAL_PROCS, PER_PROC = 4, 25_000
 

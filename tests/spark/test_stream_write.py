@@ -13,7 +13,7 @@ import fdq
 from fdq import log
 from fdq.keyspace import Keyspace
 
-from conftest import ROOT, make_session, run_query, start_producers, wait_for, wait_producers
+from sparkhelpers import ROOT, make_session, run_query, start_producers, wait_for, wait_producers
 
 # local[2] with up to 4 attempts per task, so a failed task is retried (the writer test).
 MASTER = "local[2,4]"
