@@ -12,6 +12,7 @@ Prints a markdown report (bench/RESULTS.md, Spark section). Every phase is bound
 from __future__ import annotations
 
 import argparse
+import shutil
 import os
 import platform
 import sqlite3
@@ -276,6 +277,7 @@ def main():
     if not (args.quick or args.no_stream):
         stream = streaming(spark, url, tmp, args.messages, args.budget, 100_000)
     spark.stop()
+    shutil.rmtree(tmp, ignore_errors=True)   # checkpoints, and the database unless --db
 
     print(f"* Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"{platform.system()} {platform.release()}, Python {platform.python_version()}, "
