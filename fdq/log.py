@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import heapq
 
+import msgpack
+
 from .keyspace import TopicSpace, Versionstamp
 from .keyspace.codec import Record
 
@@ -93,3 +95,156 @@ def iter_window(db, ts: TopicSpace, buckets: int, start_ms: int | None, end_ms: 
                 return
             if (start_ms is None or rec.ts_ms >= start_ms) and (end_ms is None or rec.ts_ms < end_ms):
                 yield vs, b, rec
+
+
+# -- Raw, columnar access for bulk readers (Spark) ---------------------------------------
+#
+# A log key is ``log.pack((bucket, vs))``: the bucket's prefix, then the tuple layer's
+# Versionstamp code (0x33) and the 12 stamp bytes, so a key's last 12 bytes are the
+# message's position (its id is their hex) and positions compare as those bytes.
+
+VS_CODE = b"\x33"
+_RECORD_PAD = [None, None, None, None, b"", 0, 0, None]   # a record's dropped trailing defaults
+
+
+def log_buckets(db, ts: TopicSpace) -> list:
+    """The bucket numbers that hold log entries, found by hopping from bucket to bucket
+    (one bounded read per bucket): entries keep the bucket of the shard count they were
+    pushed under, so a reshard can leave buckets beyond the current shard count."""
+    r = ts.log.range()
+    begin, out = r.start, []
+    tr = db.create_transaction()
+    while True:
+        rows = list(tr.snapshot.get_range(begin, r.stop, limit=1))
+        if not rows:
+            return out
+        b = ts.log.unpack(rows[0].key)[0]
+        out.append(b)
+        begin = ts.log[b].range().stop
+
+
+def bucket_range(ts: TopicSpace, bucket: int) -> tuple:
+    """[begin, end) keys of one bucket."""
+    r = ts.log[bucket].range()
+    return r.start, r.stop
+
+
+def entry_key(ts: TopicSpace, bucket: int, vs12: bytes) -> bytes:
+    """The key of the entry at position ``vs12`` (12 bytes) in ``bucket``."""
+    return ts.log_prefix(bucket) + VS_CODE + vs12
+
+
+def after_key(ts: TopicSpace, bucket: int, vs12: bytes | None) -> bytes:
+    """The first key after position ``vs12`` in ``bucket`` (its start for None)."""
+    if vs12 is None:
+        return bucket_range(ts, bucket)[0]
+    return entry_key(ts, bucket, vs12) + b"\x00"
+
+
+def vs_before(vs12: bytes) -> bytes | None:
+    """The position just before ``vs12`` (positions are 96-bit big-endian numbers)."""
+    n = int.from_bytes(vs12, "big")
+    return (n - 1).to_bytes(12, "big") if n else None
+
+
+def position_after_time(db, ts: TopicSpace, t_ms: int | None) -> bytes | None:
+    """A position (12 bytes) at or after every message inserted before ``t_ms``: the
+    first time index entry of a minute at or after ``t_ms + SLACK_MS`` (the bound
+    ``iter_window`` stops at), or None (the end of the log)."""
+    if t_ms is None:
+        return None
+    minute = -(-(t_ms + SLACK_MS) // 60000) * 60000
+    tr = db.create_transaction()
+    r = ts.time_index.range()
+    for kv in tr.snapshot.get_range(ts.time_index.pack((minute,)), r.stop, limit=1):
+        return bytes(kv.key[-12:])
+    return None
+
+
+def last_positions(db, ts: TopicSpace) -> dict:
+    """{bucket: position of its last entry}, read in one transaction."""
+    tr = db.create_transaction()
+    out = {}
+    for b in log_buckets(db, ts):
+        begin, end = bucket_range(ts, b)
+        for kv in tr.snapshot.get_range(begin, end, limit=1, reverse=True):
+            out[b] = bytes(kv.key[-12:])
+    return out
+
+
+def advance_positions(db, ts: TopicSpace, cursors: dict, limit: int) -> tuple:
+    """Move the per-bucket ``cursors`` {bucket: last read position or None} forward over
+    at most ``limit`` entries in log (versionstamp) order, in one snapshot: returns
+    (new cursors, how many entries they pass). Buckets not in ``cursors`` are read from
+    their start. No entry is decoded."""
+    tr = db.create_transaction()
+    buckets = sorted(set(log_buckets(db, ts)) | set(cursors))
+    per_bucket = max(16, limit // max(1, len(buckets)) * 2)
+    heads, exhausted = [], set()
+    for b in buckets:
+        begin, end = after_key(ts, b, cursors.get(b)), bucket_range(ts, b)[1]
+        rows = [bytes(kv.key[-12:]) for kv in tr.snapshot.get_range(begin, end, limit=per_bucket)]
+        if len(rows) < per_bucket:
+            exhausted.add(b)
+        heads.append([(vs, b) for vs in rows])
+    bound = None   # as read_chunk: past the smallest last key of an unfinished bucket,
+    for b, rows in zip(buckets, heads):   # another bucket may hold an earlier entry
+        if b not in exhausted and rows:
+            bound = rows[-1][0] if bound is None or rows[-1][0] < bound else bound
+    out, n = dict(cursors), 0
+    for vs, b in heapq.merge(*heads):
+        if n >= limit or (bound is not None and vs > bound):
+            break
+        out[b] = vs
+        n += 1
+    return out, n
+
+
+def scan_entries(db, ts: TopicSpace, begin: bytes, end: bytes, batch: int = 4096):
+    """Yield lists of (key, raw record) of the log entries in ``[begin, end)`` (one
+    bucket or several), at most ``batch`` per list, each list read in its own short
+    snapshot transaction."""
+    while begin < end:
+        tr = db.create_transaction()
+        rows = [(kv.key, kv.value) for kv in tr.snapshot.get_range(begin, end, limit=batch)]
+        if rows:
+            yield rows
+        if len(rows) < batch:
+            return
+        begin = rows[-1][0] + b"\x00"
+
+
+def decode_entries(db, ts: TopicSpace, rows, start_ms=None, end_ms=None, shard_keys=None) -> dict:
+    """Columns of the log entries ``rows`` [(key, raw record)] inserted in ``[start_ms,
+    end_ms)`` (and with a shard key in ``shard_keys``, a set, when given): {"id", "ts_ms",
+    "shard_key", "headers", "body", "msg_id", "replay_of"} lists (headers as dicts or
+    None). Bodies split into chunks are read back whole."""
+    if not rows:
+        return {"id": [], "ts_ms": [], "shard_key": [], "headers": [], "body": [], "msg_id": [],
+                "replay_of": []}
+    unpackb = msgpack.unpackb
+    recs = [unpackb(raw, raw=False) for _key, raw in rows]
+    pad = _RECORD_PAD
+    for r in recs:
+        if len(r) < 8:
+            r.extend(pad[len(r):])
+    # Column-wise, in C: one tuple per field.
+    tss, sks, mids, hds, bodies, _attempts, nchunks, reps = zip(*recs)
+    keys = [key for key, _raw in rows]
+    keep = None
+    if (start_ms is not None and min(tss) < start_ms) or (end_ms is not None and max(tss) >= end_ms):
+        keep = [i for i, t in enumerate(tss)
+                if (start_ms is None or t >= start_ms) and (end_ms is None or t < end_ms)]
+    if shard_keys is not None:
+        keep = [i for i in (range(len(recs)) if keep is None else keep) if sks[i] in shard_keys]
+    if keep is not None:
+        tss, sks, mids, hds, bodies, nchunks, reps, keys = (
+            [col[i] for i in keep] for col in (tss, sks, mids, hds, bodies, nchunks, reps, keys))
+    if any(nchunks):
+        bodies = list(bodies)
+        for i, n in enumerate(nchunks):
+            if n:
+                vs = Versionstamp.from_bytes(keys[i][-12:])
+                bodies[i] = body_of(db, ts, vs, Record(tss[i], nchunks=n))
+    return {"id": [key[-12:].hex() for key in keys], "ts_ms": tss, "shard_key": sks, "headers": hds,
+            "body": bodies, "msg_id": mids, "replay_of": reps}

@@ -1,0 +1,605 @@
+"""Spark: a PySpark data source (batch read, streaming read, write) over a topic's "all" log.
+
+Register it once per session, then use the format ``fdq``::
+
+    import fdq.spark
+    fdq.spark.register(spark)
+    df = (spark.read.format("fdq").option("url", "sqlite:///data/fdq.db")
+          .option("topic", "orders").option("start", "2026-11-01T00:00:00Z").load())
+
+Read options (strings, as Spark passes them): ``url`` and ``topic`` (required), ``start``
+/ ``end`` (epoch ms or ISO-8601, naive = UTC; the window is ``[start, end)``),
+``numPartitions``, ``batchSize`` (entries per read transaction), ``batchFormat``
+(``arrow``, the default and faster, or ``tuples``). Streaming adds
+``startingPosition`` (``earliest``, ``latest`` or a time) and ``maxRecordsPerTrigger``.
+Write options: ``url``, ``topic``, ``batchSize`` (messages per push transaction),
+``writeId`` (see :class:`FDQWriter`), ``idempotent``.
+
+Every partition opens its own connection inside ``read()`` / ``write()``; the reading
+and the decoding of log entries are :mod:`fdq.log`'s, pushes are :class:`fdq.Producer`'s:
+this module only plans partitions and converts to and from Spark's types.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import uuid
+
+from pyspark.sql.datasource import (DataSource, DataSourceArrowWriter, DataSourceReader,
+                                    DataSourceStreamReader, EqualTo, GreaterThan,
+                                    GreaterThanOrEqual, In, InputPartition, LessThan,
+                                    LessThanOrEqual, WriterCommitMessage)
+from pyspark.sql.types import (BinaryType, IntegerType, MapType, StringType, StructField,
+                               StructType, TimestampType)
+
+from . import log
+from .config import ProducerConfig, check_name
+from .engine import connect
+from .errors import ConfigError, FDQError, InvalidName, TopicNotFound
+from .keyspace import Keyspace
+from .producer import Envelope, Producer
+from .topic import read_topic_config
+
+SCHEMA = StructType([
+    StructField("topic", StringType()),
+    StructField("id", StringType()),
+    StructField("insertion_time", TimestampType()),
+    StructField("shard_key", StringType()),
+    StructField("headers", MapType(StringType(), StringType())),
+    StructField("body", BinaryType()),
+    StructField("shard", IntegerType()),      # the log bucket: the shard when it was pushed
+    StructField("msg_id", StringType()),      # the producer's msg_id (dedupe key), if any
+    StructField("replay_of", StringType()),   # the original id of a replayed message
+])
+
+READ_OPTIONS = {"url", "topic", "start", "end", "numpartitions", "batchsize", "batchformat"}
+STREAM_OPTIONS = {"url", "topic", "numpartitions", "batchsize", "batchformat",
+                  "startingposition", "maxrecordspertrigger"}
+WRITE_OPTIONS = {"url", "topic", "batchsize", "writeid", "idempotent"}
+_CANONICAL = {o.lower(): o for o in ("url", "topic", "start", "end", "numPartitions", "batchSize",
+                                     "batchFormat", "startingPosition", "maxRecordsPerTrigger",
+                                     "writeId", "idempotent")}
+WRITE_BATCH_BYTES = 2_000_000   # body bytes per push transaction (FDB's limit is 10 MB)
+
+
+class SparkOptionError(ConfigError):
+    """A data source option is missing or invalid; the message names it."""
+
+
+# -- options ---------------------------------------------------------------------------
+
+def _get(options, name):
+    v = options.get(name.lower())
+    return v.strip() if isinstance(v, str) else v
+
+
+def parse_time(value, option: str) -> int | None:
+    """Epoch milliseconds from an option value: an integer (epoch ms) or ISO-8601
+    (naive = UTC). None/empty -> None."""
+    if value is None or value == "":
+        return None
+    s = str(value).strip()
+    try:
+        return int(s)
+    except ValueError:
+        pass
+    try:
+        t = datetime.datetime.fromisoformat(s.replace("Z", "+00:00") if s.endswith("Z") else s)
+    except ValueError:
+        raise SparkOptionError(f"fdq: option {option!r} must be epoch milliseconds or an ISO-8601 "
+                               f"time (e.g. 2026-11-23T10:00:00Z), not {value!r}") from None
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=datetime.timezone.utc)
+    return int(t.timestamp() * 1000)
+
+
+def _int(options, name, default, minimum=1):
+    v = _get(options, name)
+    if v is None or v == "":
+        return default
+    try:
+        n = int(v)
+    except (TypeError, ValueError):
+        n = None
+    if n is None or n < minimum:
+        raise SparkOptionError(f"fdq: option {name!r} must be an integer >= {minimum}, not {v!r}")
+    return n
+
+
+def _check_known(options, known, what):
+    for k in options:
+        if k.lower() not in known and k.lower() != "path":
+            names = ", ".join(sorted(_CANONICAL[o] for o in known))
+            raise SparkOptionError(f"fdq: unknown {what} option {k!r} (known: {names})")
+
+
+def _common(options, known, what) -> dict:
+    _check_known(options, known, what)
+    url = _get(options, "url")
+    if not url:
+        raise SparkOptionError("fdq: option 'url' is required (e.g. sqlite:///path/to/fdq.db "
+                               "or fdb:///etc/foundationdb/fdb.cluster)")
+    topic = _get(options, "topic")
+    if not topic:
+        raise SparkOptionError("fdq: option 'topic' is required")
+    try:
+        check_name(topic)
+    except InvalidName as e:
+        raise SparkOptionError(f"fdq: option 'topic': {e}") from None
+    fmt = (_get(options, "batchFormat") or "arrow").lower()
+    if fmt not in ("arrow", "tuples"):
+        raise SparkOptionError(f"fdq: option 'batchFormat' must be 'arrow' or 'tuples', not {fmt!r}")
+    return {"url": url, "topic": topic, "batch_format": fmt,
+            "batch_size": _int(options, "batchSize", 4096)}
+
+
+def read_options(options) -> dict:
+    o = _common(options, READ_OPTIONS, "read")
+    o["start_ms"] = parse_time(_get(options, "start"), "start")
+    o["end_ms"] = parse_time(_get(options, "end"), "end")
+    o["num_partitions"] = _int(options, "numPartitions", None)
+    return o
+
+
+def stream_options(options) -> dict:
+    o = _common(options, STREAM_OPTIONS, "readStream")
+    pos = (_get(options, "startingPosition") or "earliest")
+    if pos.lower() in ("earliest", "latest"):
+        o["starting"], o["start_ms"] = pos.lower(), None
+    else:
+        try:
+            o["start_ms"] = parse_time(pos, "startingPosition")
+        except SparkOptionError:
+            raise SparkOptionError(f"fdq: option 'startingPosition' must be 'earliest', 'latest' or a "
+                                   f"time (epoch ms or ISO-8601), not {pos!r}") from None
+        o["starting"] = "time"
+    o["end_ms"] = None
+    o["num_partitions"] = _int(options, "numPartitions", 2)
+    o["max_records"] = _int(options, "maxRecordsPerTrigger", None)
+    return o
+
+
+def write_options(options) -> dict:
+    o = _common(options, WRITE_OPTIONS, "write")
+    o["batch_size"] = _int(options, "batchSize", 500)
+    idem = (_get(options, "idempotent") or "true").lower()
+    if idem not in ("true", "false"):
+        raise SparkOptionError(f"fdq: option 'idempotent' must be 'true' or 'false', not {idem!r}")
+    o["idempotent"] = idem == "true"
+    wid = _get(options, "writeId") or uuid.uuid4().hex
+    if len(wid) > 128:
+        raise SparkOptionError("fdq: option 'writeId' must be at most 128 characters")
+    o["write_id"] = wid
+    return o
+
+
+# -- connections -------------------------------------------------------------------------
+
+_dbs: dict = {}
+
+
+def _db(url: str):
+    """One connection per URL per process (Spark reuses its Python workers)."""
+    key = (os.getpid(), url)
+    db = _dbs.get(key)
+    if db is None:
+        db = _dbs[key] = connect(url)
+    return db
+
+
+def _open_topic(o: dict):
+    """(db, TopicSpace, config); clear errors naming the option for a bad URL or topic."""
+    try:
+        db = _db(o["url"])
+    except ConfigError as e:
+        raise SparkOptionError(f"fdq: option 'url': {e}") from None
+    ts = Keyspace().topic(o["topic"])
+    try:
+        config = read_topic_config(db, ts, snapshot=True)
+    except TopicNotFound:
+        raise TopicNotFound(f"fdq: option 'topic': topic {o['topic']!r} does not exist "
+                            f"in {o['url']}") from None
+    return db, ts, config
+
+
+# -- reading: partitions and rows ------------------------------------------------------------
+
+class LogPartition(InputPartition):
+    """Key ranges [(bucket, begin, end)] of the log, read by one task."""
+
+    def __init__(self, ranges):
+        super().__init__(ranges)
+        self.ranges = ranges
+
+
+def _arrow_schema():
+    from pyspark.sql.pandas.types import to_arrow_schema
+    return to_arrow_schema(SCHEMA, timezone="UTC")
+
+
+def _json(v) -> str:
+    t = type(v)
+    if t is int:
+        return str(v)
+    if t is bool:
+        return "true" if v else "false"
+    return json.dumps(v, separators=(",", ":"))
+
+
+def _header_items(h):
+    """Header values as strings: strings as they are, the rest JSON-encoded."""
+    if not h:
+        return None
+    return [(k, v if type(v) is str else _json(v)) for k, v in h.items()]
+
+
+def _to_arrow(pa_schema, topic, bucket, cols):
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    n = len(cols["id"])
+    f = pa_schema.field
+    ts = pc.multiply(pa.array(cols["ts_ms"], pa.int64()), 1000).cast(f("insertion_time").type)
+    heads = cols["headers"]
+    if any(heads):
+        headers = pa.array([_header_items(h) if h else None for h in heads], type=f("headers").type)
+    else:
+        headers = pa.nulls(n, f("headers").type)
+    return pa.RecordBatch.from_arrays([
+        pa.array([topic] * n, pa.string()),
+        pa.array(cols["id"], pa.string()),
+        ts,
+        pa.array(cols["shard_key"], pa.string()),
+        headers,
+        pa.array(cols["body"], pa.binary()),
+        pa.array([bucket] * n, pa.int32()),
+        pa.array(cols["msg_id"], pa.string()),
+        pa.array(cols["replay_of"], pa.string()),
+    ], schema=pa_schema)
+
+
+def _to_tuples(topic, bucket, cols):
+    utc = datetime.timezone.utc
+    for i, t in enumerate(cols["ts_ms"]):
+        h = _header_items(cols["headers"][i])
+        yield (topic, cols["id"][i], datetime.datetime.fromtimestamp(t / 1000, utc),
+               cols["shard_key"][i], dict(h) if h else None, cols["body"][i], bucket,
+               cols["msg_id"][i], cols["replay_of"][i])
+
+
+def read_partition(o: dict, ranges, start_ms=None, end_ms=None, shard_keys=None):
+    """Rows (Arrow record batches or tuples) of the log entries in ``ranges``, read in
+    bounded batches, each in its own short transaction, on this process's connection."""
+    db = _db(o["url"])
+    ts = Keyspace().topic(o["topic"])
+    arrow = o["batch_format"] == "arrow"
+    pa_schema = _arrow_schema() if arrow else None
+    for bucket, begin, end in ranges:
+        for rows in log.scan_entries(db, ts, begin, end, o["batch_size"]):
+            cols = log.decode_entries(db, ts, rows, start_ms, end_ms, shard_keys)
+            if not cols["id"]:
+                continue
+            if arrow:
+                yield _to_arrow(pa_schema, o["topic"], bucket, cols)
+            else:
+                yield from _to_tuples(o["topic"], bucket, cols)
+
+
+def _us(value):
+    """Microseconds since the epoch of a pushed-down timestamp, or None if unusable."""
+    if isinstance(value, datetime.datetime) and value.tzinfo is not None:
+        delta = value - datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+        return (delta.days * 86400 + delta.seconds) * 1_000_000 + delta.microseconds
+    return None
+
+
+def plan_ranges(db, ts, buckets, start_vs: bytes | None, end_vs: bytes | None, parts: int) -> list:
+    """Split the log's buckets, narrowed to positions [start_vs, end_vs), into at most
+    ``parts`` lists of key ranges of about equal size, by the database's
+    ``get_range_split_points`` (so partitions follow the data)."""
+    tr = db.create_transaction()
+    spans, total = [], 0
+    for b in buckets:
+        begin, end = log.bucket_range(ts, b)
+        if start_vs is not None:
+            begin = max(begin, log.entry_key(ts, b, start_vs))
+        if end_vs is not None:
+            end = min(end, log.entry_key(ts, b, end_vs))
+        if begin >= end:
+            continue
+        size = int(tr.get_estimated_range_size_bytes(begin, end).wait())
+        spans.append((b, begin, end, size))
+        total += size
+    if not spans:
+        return []
+    chunk = max(64 << 10, total // (parts * 2) + 1)
+    pieces = []   # (bucket, begin, end, estimated bytes)
+    for b, begin, end, size in spans:
+        points = list(tr.get_range_split_points(begin, end, chunk).wait()) if size > chunk else [begin, end]
+        k = len(points) - 1
+        for i in range(k):
+            est = chunk if i < k - 1 else max(1, size - chunk * (k - 1))
+            pieces.append((b, points[i], points[i + 1], est))
+    out, cur, acc, target = [], [], 0, (sum(p[3] for p in pieces) / parts)
+    for b, begin, end, est in pieces:
+        if cur and acc + est / 2 > target * (len(out) + 1) and len(out) < parts - 1:
+            out.append(cur)
+            cur = []
+        if cur and cur[-1][0] == b and cur[-1][2] == begin:
+            cur[-1] = (b, cur[-1][1], end)   # adjacent pieces of one bucket: one range
+        else:
+            cur.append((b, begin, end))
+        acc += est
+    out.append(cur)
+    return out
+
+
+class FDQReader(DataSourceReader):
+    """Batch reader: one row per message of the "all" log in ``[start, end)``."""
+
+    def __init__(self, o: dict):
+        self.o = o
+        self.start_us = None if o["start_ms"] is None else o["start_ms"] * 1000
+        self.end_us = None if o["end_ms"] is None else o["end_ms"] * 1000   # exclusive
+        self.shard_keys = None
+
+    def pushFilters(self, filters):
+        """insertion_time comparisons narrow the window (and the scanned key range);
+        shard_key = / IN are applied before rows are built. Both exactly: Spark does not
+        re-check them."""
+        for f in filters:
+            col = f.attribute
+            if col == ("insertion_time",) and isinstance(f, (EqualTo, GreaterThan, GreaterThanOrEqual,
+                                                              LessThan, LessThanOrEqual)):
+                us = _us(f.value)
+                if us is None:
+                    yield f
+                    continue
+                lo = hi = None   # [lo, hi) in µs
+                if isinstance(f, EqualTo):
+                    lo, hi = us, us + 1
+                elif isinstance(f, GreaterThan):
+                    lo = us + 1
+                elif isinstance(f, GreaterThanOrEqual):
+                    lo = us
+                elif isinstance(f, LessThan):
+                    hi = us
+                else:
+                    hi = us + 1
+                if lo is not None:
+                    self.start_us = lo if self.start_us is None else max(self.start_us, lo)
+                if hi is not None:
+                    self.end_us = hi if self.end_us is None else min(self.end_us, hi)
+            elif col == ("shard_key",) and isinstance(f, (EqualTo, In)):
+                keys = {f.value} if isinstance(f, EqualTo) else set(f.value)
+                keys = {k for k in keys if isinstance(k, str)}
+                self.shard_keys = keys if self.shard_keys is None else self.shard_keys & keys
+            else:
+                yield f
+
+    def _window_ms(self):
+        # Messages carry ms: t_ms*1000 >= start_us  <=>  t_ms >= ceil(start_us / 1000).
+        start = None if self.start_us is None else -(-self.start_us // 1000)
+        end = None if self.end_us is None else -(-self.end_us // 1000)
+        return start, end
+
+    def partitions(self):
+        db, ts, _config = _open_topic(self.o)
+        start_ms, end_ms = self._window_ms()
+        if (start_ms is not None and end_ms is not None and start_ms >= end_ms) or self.shard_keys == set():
+            return [LogPartition([])]
+        buckets = log.log_buckets(db, ts)
+        start_vs = log.position_for_time(db, ts, start_ms).to_bytes() if start_ms is not None else None
+        end_vs = log.position_after_time(db, ts, end_ms)
+        parts = self.o["num_partitions"] or max(1, len(buckets))
+        planned = plan_ranges(db, ts, buckets, start_vs, end_vs, parts)
+        return [LogPartition(r) for r in planned] or [LogPartition([])]
+
+    def read(self, partition):
+        start_ms, end_ms = self._window_ms()
+        return read_partition(self.o, partition.ranges, start_ms, end_ms, self.shard_keys)
+
+
+# -- streaming ----------------------------------------------------------------------------------
+
+def _decode_offset(offset) -> dict:
+    return {int(b): bytes.fromhex(h) for b, h in (offset or {}).get("positions", {}).items()}
+
+
+def _encode_offset(cursors: dict) -> dict:
+    return {"positions": {str(b): cursors[b].hex() for b in sorted(cursors) if cursors[b] is not None}}
+
+
+class FDQStreamReader(DataSourceStreamReader):
+    """Streaming reader. An offset is {"positions": {bucket: position}}: the last log
+    position read in each bucket (absent: nothing read there yet). A micro-batch reads,
+    per bucket, the entries after the start offset's position up to and including the
+    end offset's. Positions are commit versionstamps, and a later commit always gets a
+    larger one, so the entries in such a range never change: no gap, no duplicate, across
+    micro-batches and restarts from a checkpoint."""
+
+    def __init__(self, o: dict):
+        self.o = o
+
+    def initialOffset(self):
+        db, ts, _config = _open_topic(self.o)
+        if self.o["starting"] == "earliest":
+            return _encode_offset({})
+        if self.o["starting"] == "latest":
+            return _encode_offset(log.last_positions(db, ts))
+        vs = log.position_for_time(db, ts, self.o["start_ms"]).to_bytes()
+        before = log.vs_before(vs)
+        return _encode_offset({b: before for b in log.log_buckets(db, ts)})
+
+    def getDefaultReadLimit(self):
+        from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
+        if self.o["max_records"]:
+            return ReadMaxRows(self.o["max_records"])
+        return ReadAllAvailable()
+
+    def latestOffset(self, start, limit):
+        from pyspark.sql.streaming.datasource import ReadMaxRows
+        db, ts, _config = _open_topic(self.o)
+        cursors = _decode_offset(start)
+        if isinstance(limit, ReadMaxRows):
+            new, _n = log.advance_positions(db, ts, cursors, int(limit.max_rows))
+        else:
+            new = dict(cursors)
+            for b, vs in log.last_positions(db, ts).items():
+                if new.get(b) is None or vs > new[b]:
+                    new[b] = vs
+        return _encode_offset(new)
+
+    def partitions(self, start, end):
+        db, ts, _config = _open_topic(self.o)
+        s, e = _decode_offset(start), _decode_offset(end)
+        ranges = []
+        for b in sorted(e):
+            if s.get(b) == e[b]:
+                continue
+            ranges.append((b, log.after_key(ts, b, s.get(b)), log.entry_key(ts, b, e[b]) + b"\x00"))
+        if not ranges:
+            return []
+        n = min(self.o["num_partitions"], len(ranges))
+        return [LogPartition(ranges[i::n]) for i in range(n)]
+
+    def read(self, partition):
+        return read_partition(self.o, partition.ranges, self.o["start_ms"], None, None)
+
+    def commit(self, end):
+        """Nothing to release: the log is not consumed (retention trims it)."""
+
+
+# -- writing ----------------------------------------------------------------------------------
+
+class FDQCommit(WriterCommitMessage):
+    def __init__(self, partition: int, pushed: int, duplicates: int):
+        self.partition, self.pushed, self.duplicates = partition, pushed, duplicates
+
+
+class FDQWriter(DataSourceArrowWriter):
+    """Pushes rows (``body`` binary or string, required; ``shard_key`` string and
+    ``headers`` map<string,string> optional; other columns are ignored) with
+    ``Producer.push_many``, at most ``batchSize`` messages / ~2 MB of bodies per
+    transaction.
+
+    Idempotent (``idempotent=true``, the default): row ``i`` of partition ``p`` is pushed
+    with ``msg_id = "spark:<writeId>:<p>:<i>"``, so a re-run of a failed task (or of the
+    whole job with the same ``writeId`` option) is deduplicated by FDQ's msg_id window:
+    the topic's ``dedupe_window_s`` (default 120 s), counted from the first push of that
+    row. This needs the partition's rows in the same order on every attempt (a
+    deterministic input); a retry later than the window pushes duplicates. ``writeId``
+    defaults to a fresh id per write job (chosen on the driver)."""
+
+    def __init__(self, o: dict, schema: StructType):
+        self.o = o
+        self.has_key = "shard_key" in schema.fieldNames()
+        self.has_headers = "headers" in schema.fieldNames()
+
+    def write(self, iterator):
+        from pyspark import TaskContext
+        ctx = TaskContext.get()
+        part = ctx.partitionId() if ctx is not None else 0
+        db = _db(self.o["url"])
+        producer = Producer(db, config=ProducerConfig(auto_create=False))
+        topic, prefix = self.o["topic"], f"spark:{self.o['write_id']}:{part}:"
+        idem, limit = self.o["idempotent"], self.o["batch_size"]
+        row = pushed = dups = 0
+        batch, nbytes = [], 0
+
+        def flush():
+            nonlocal pushed, dups, nbytes
+            if batch:
+                results = producer.push_many(topic, batch)
+                dups += sum(1 for r in results if r.duplicate)
+                pushed += len(results)
+                batch.clear()
+                nbytes = 0
+        for rb in iterator:
+            bodies = rb.column("body").to_pylist()
+            keys = rb.column("shard_key").to_pylist() if self.has_key else None
+            heads = rb.column("headers").to_pylist() if self.has_headers else None
+            for i, body in enumerate(bodies):
+                if isinstance(body, str):
+                    body = body.encode("utf-8")
+                if body is None:
+                    raise FDQError(f"fdq writer: row {row} of partition {part} has a null body")
+                h = heads[i] if heads is not None else None
+                try:
+                    batch.append(Envelope(body, keys[i] if keys is not None else None, None,
+                                          prefix + str(row) if idem else None, dict(h) if h else None))
+                except FDQError as e:
+                    raise type(e)(f"fdq writer: row {row} of partition {part}: {e}") from None
+                row += 1
+                nbytes += len(body)
+                if len(batch) >= limit or nbytes >= WRITE_BATCH_BYTES:
+                    flush()
+        flush()
+        return FDQCommit(part, pushed, dups)
+
+    def commit(self, messages):
+        """Each task's pushes are committed as it goes; nothing is left to do."""
+
+    def abort(self, messages):
+        """Pushed messages stay (a topic is append-only); re-run with the same writeId."""
+
+
+# -- the data source -------------------------------------------------------------------------------
+
+def _check_write_schema(schema: StructType):
+    types = {f.name: f.dataType for f in schema.fields}
+    if "body" not in types:
+        raise SparkOptionError("fdq writer: the DataFrame needs a 'body' column (binary or string); "
+                               f"it has {', '.join(types) or 'no columns'}")
+    if not isinstance(types["body"], (BinaryType, StringType)):
+        raise SparkOptionError(f"fdq writer: column 'body' must be binary or string, not {types['body'].simpleString()}")
+    if "shard_key" in types and not isinstance(types["shard_key"], StringType):
+        raise SparkOptionError("fdq writer: column 'shard_key' must be a string, not "
+                               f"{types['shard_key'].simpleString()}")
+    if "headers" in types and types["headers"] != MapType(StringType(), StringType()) \
+            and types["headers"] != MapType(StringType(), StringType(), False):
+        raise SparkOptionError("fdq writer: column 'headers' must be map<string,string>, not "
+                               f"{types['headers'].simpleString()}")
+
+
+class FDQDataSource(DataSource):
+    """``format("fdq")``: see the module's documentation for the options."""
+
+    @classmethod
+    def name(cls):
+        return "fdq"
+
+    def schema(self):
+        # Called at load(): check the options and the topic there, where errors are clearest.
+        _open_topic(_common(self.options, READ_OPTIONS | STREAM_OPTIONS, "read"))
+        return SCHEMA
+
+    def reader(self, schema):
+        o = read_options(self.options)
+        _open_topic(o)
+        return FDQReader(o)
+
+    def streamReader(self, schema):
+        o = stream_options(self.options)
+        _open_topic(o)
+        return FDQStreamReader(o)
+
+    def writer(self, schema, overwrite):
+        if overwrite:
+            raise SparkOptionError("fdq writer: mode 'overwrite' is not supported: a topic is "
+                                   "append-only (use mode 'append')")
+        o = write_options(self.options)
+        _check_write_schema(schema)
+        _open_topic(o)
+        return FDQWriter(o, schema)
+
+
+def register(spark) -> None:
+    """Register ``format("fdq")`` with a SparkSession (and enable the Python data source
+    filter pushdown it uses: ``spark.sql.python.filterPushdown.enabled``)."""
+    spark.conf.set("spark.sql.python.filterPushdown.enabled", "true")
+    spark.dataSource.register(FDQDataSource)
+
+
+__all__ = ["register", "FDQDataSource", "FDQReader", "FDQStreamReader", "FDQWriter",
+           "SparkOptionError", "SCHEMA", "parse_time", "plan_ranges"]
