@@ -13,15 +13,7 @@ import pytest
 
 import fdq
 from fdq.errors import EngineError
-
-
-def wait_for(cond, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+from fdqtest import wait_for  # noqa: F401 - re-exported to this directory's tests
 
 
 def test_read_then_write_conflict(db):

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from fdq.broker import protocol as p
-from conftest import RawClient, wait_for
+from nsqclient import RawClient
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from fdq.broker import protocol as p
-from conftest import RawClient
+from nsqclient import RawClient
 
 pytestmark = pytest.mark.slow
 

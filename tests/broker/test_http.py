@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from fdq.broker import protocol as p
-from conftest import RawClient, wait_for
+from fdqtest import wait_for
+from nsqclient import RawClient
 
 pytestmark = pytest.mark.slow
 

@@ -1,14 +1,11 @@
 """The broker over raw sockets: every command, nsqd's error codes, partial frames,
 oversize bodies, wrong magic, heartbeats, RDY limits, requeue on close."""
-import json
-import socket
 import struct
 import time
 
 import pytest
 
 from fdq.broker import protocol as p
-from conftest import RawClient, wait_for
 
 pytestmark = pytest.mark.slow
 

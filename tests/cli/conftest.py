@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from click.testing import CliRunner
 
 import fdq
 from fdq.cli import cli
+from fdqtest import wait_for  # noqa: F401 - re-exported to this directory's tests
 
 
 @pytest.fixture
@@ -64,16 +64,6 @@ def wait():
 def state(db, sup):
     """``state()``: everything stored, to compare before and after a bad command."""
     return lambda: state_of(db, sup)
-
-
-def wait_for(cond, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def state_of(db, sup) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import code_of
+from enginehelpers import code_of
 
 BIG = b"\x01" * 99_999
 ABSENT = None

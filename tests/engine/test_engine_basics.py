@@ -5,7 +5,7 @@ import struct
 
 import pytest
 
-from conftest import code_of
+from enginehelpers import code_of
 
 # Keys chosen to catch any order other than memcmp: NULs, 0xFF, prefixes of each other.
 SUFFIXES = [b"", b"\x00", b"\x00\x00", b"\x00\xff", b"\x01", b"a", b"a\x00", b"ab", b"b",

@@ -5,7 +5,7 @@ import struct
 
 import pytest
 
-from conftest import code_of, collect, spawn
+from enginehelpers import code_of, collect, spawn
 
 
 def setup(eng, **kv):

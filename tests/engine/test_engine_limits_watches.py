@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import code_of, collect, spawn, wait_ready
+from enginehelpers import code_of, collect, spawn, wait_ready
 
 
 def test_key_and_value_limits_are_deferred(eng):

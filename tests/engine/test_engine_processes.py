@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from conftest import collect, spawn
+from enginehelpers import collect, spawn
 
 
 @pytest.mark.slow

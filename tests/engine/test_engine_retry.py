@@ -8,7 +8,7 @@ import pytest
 
 import fdq
 from fdq.engine import error_types
-from conftest import code_of
+from enginehelpers import code_of
 
 
 def test_transactional_with_a_database_retries_a_conflict(eng):

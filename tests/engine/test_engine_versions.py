@@ -10,7 +10,7 @@ import fdb.tuple
 import pytest
 
 import fdq
-from conftest import code_of, collect, spawn
+from enginehelpers import code_of, collect, spawn
 
 
 def commit_one(eng, key=b"x", value=b""):

@@ -7,11 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 import fdq
+from fdqtest import wait_for  # noqa: F401 - re-exported to this directory's tests
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "worker.py")
@@ -33,18 +33,6 @@ def dump(db) -> dict:
     out = {bytes(kv.key): bytes(kv.value) for kv in tr.snapshot.get_range(b"", b"\xff")}
     tr.cancel()
     return out
-
-
-def wait_for(cond, timeout: float, what: str, interval: float = 0.05):
-    """Poll ``cond`` until it returns a truthy value or ``timeout`` seconds pass."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 class Worker:

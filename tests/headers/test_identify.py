@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 
 import fdq
-from fdq.headers import DISPATCH_TAG
 
 from .conftest import wait_for
 

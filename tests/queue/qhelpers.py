@@ -7,25 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import fdq
 from fdq.keyspace import decode_counter
+from fdqtest import wait_for  # noqa: F401 - re-exported to this directory's tests
 
 WORKER = Path(__file__).with_name("worker.py")
-
-
-def wait_for(cond, timeout: float, interval: float = 0.05, what: str = "condition"):
-    """Poll ``cond()`` until truthy; fail the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def read_json(path):

@@ -19,6 +19,7 @@ if not (shutil.which("java") or os.environ.get("JAVA_HOME")):
 
 import fdq  # noqa: E402
 import fdq.spark  # noqa: E402
+from fdqtest import wait_for  # noqa: F401 - re-exported to this directory's tests
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -82,17 +83,6 @@ def push_with_processes(url: str, topic: str, procs: int, per_proc: int, out_dir
 def read_pushed(path) -> list:
     with open(path) as f:
         return [json.loads(line) for line in f]
-
-
-def wait_for(cond, timeout: float, what: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
 
 
 def run_query(start, cond, timeout: float, what: str):

@@ -1,7 +1,6 @@
 """Streaming reads, the writer (with a task retry) and the replay job."""
 from __future__ import annotations
 
-import base64
 import os
 import subprocess
 import sys

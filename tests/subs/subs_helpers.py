@@ -6,22 +6,11 @@ import sys
 import time
 
 import fdq
+from fdqtest import wait_for  # noqa: F401 - re-exported to this directory's tests
 
 WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
 FAST = dict(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, lease_check_interval_s=0.2,
             poll_interval_s=0.1)
-
-
-def wait_for(cond, timeout=60.0, what="condition", interval=0.05):
-    """Poll ``cond`` until true; fail naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 class Workers:
