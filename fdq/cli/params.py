@@ -201,17 +201,22 @@ class Header(click.ParamType):
         return name, parsed
 
 
-def headers_callback(ctx, param, pairs):
-    """Collect ``--header`` pairs into a dict checked by ``validate_headers``."""
-    if not pairs:
-        return None
+def _pairs(ctx, param, pairs) -> dict:
+    """``name=value`` option pairs as a dict; a name given twice is a usage error."""
     headers = {}
     for name, value in pairs:
         if name in headers:
             raise click.BadParameter(f"header {name!r} is given twice", ctx, param)
         headers[name] = value
+    return headers
+
+
+def headers_callback(ctx, param, pairs):
+    """Collect ``--header`` pairs into a dict checked by ``validate_headers``."""
+    if not pairs:
+        return None
     try:
-        return validate_headers(headers)
+        return validate_headers(_pairs(ctx, param, pairs))
     except InvalidHeader as e:
         raise click.BadParameter(str(e), ctx, param) from None
 
@@ -235,12 +240,7 @@ def filter_headers_callback(ctx, param, pairs):
     """Collect ``--filter-header`` pairs into ``filter_headers``, checked by FDQ's rule."""
     if not pairs:
         return None
-    headers = {}
-    for name, value in pairs:
-        if name in headers:
-            raise click.BadParameter(f"header {name!r} is given twice", ctx, param)
-        headers[name] = value
-    return subscription_config_callback(ctx, param, headers)
+    return subscription_config_callback(ctx, param, _pairs(ctx, param, pairs))
 
 
 class Tag(click.ParamType):
