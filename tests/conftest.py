@@ -15,3 +15,17 @@ def db_url(tmp_path):
 @pytest.fixture
 def db(db_url):
     return fdq.connect(db_url)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line for the FoundationDB copies of the engine tests (skipped without a
+    cluster), every other skip with its reason."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    fdb, other = [], []
+    for r in skipped:
+        reason = r.longrepr[2] if isinstance(r.longrepr, tuple) else str(r.longrepr)
+        (fdb if "FDQ_TEST_FDB_CLUSTER_FILE" in reason else other).append((r.nodeid, reason))
+    if fdb:
+        terminalreporter.write_line(f"{len(fdb)} FoundationDB cases skipped: {fdb[0][1]}")
+    for nodeid, reason in other:
+        terminalreporter.write_line(f"SKIPPED {nodeid}: {reason}")
