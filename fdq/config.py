@@ -59,6 +59,7 @@ class TopicConfig:
     subs: tuple = (DEFAULT_SUBSCRIPTION,)
     resharding_to: int | None = None   # set while a shard-count change is in progress
     catchup: tuple = ()                # subscriptions copying their start from the log
+    paused_subs: tuple = ()            # subscriptions paused on their own (NSQ channel pause)
 
     def __post_init__(self):
         _positive("shards", self.shards, integer=True)
@@ -83,6 +84,7 @@ class TopicConfig:
         d = dataclasses.asdict(self)
         d["subs"] = list(self.subs)
         d["catchup"] = list(self.catchup)
+        d["paused_subs"] = list(self.paused_subs)
         return d
 
     @classmethod
@@ -90,6 +92,7 @@ class TopicConfig:
         d = dict(d)
         d["subs"] = tuple(d.get("subs", (DEFAULT_SUBSCRIPTION,)))
         d["catchup"] = tuple(d.get("catchup", ()))
+        d["paused_subs"] = tuple(d.get("paused_subs", ()))
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 

@@ -76,11 +76,13 @@ def promote_due(tr, shard: ShardSpace, limit: int) -> int | None:
 
 
 def _consumable(tr, ts: TopicSpace, sub: str | None = None) -> bool:
-    """Paused or resharding topics deliver nothing, nor a subscription still catching
-    up. A non-snapshot read: a pause that commits meanwhile makes this transaction conflict."""
+    """Paused or resharding topics deliver nothing, nor a paused subscription or one still
+    catching up. A non-snapshot read: a pause that commits meanwhile makes this
+    transaction conflict."""
     from .topic import load_config
     config = load_config(tr[ts.config_key])
-    return config is not None and config.routing and sub not in config.catchup
+    return (config is not None and config.routing and sub not in config.catchup
+            and sub not in config.paused_subs)
 
 
 @dataclass(frozen=True)

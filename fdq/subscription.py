@@ -141,7 +141,8 @@ def delete_subscription(tr, ts: TopicSpace, sub: str) -> bool:
         return False
     write_topic_config(tr, ts, dataclasses.replace(
         topic_config, subs=tuple(s for s in topic_config.subs if s != sub),
-        catchup=tuple(s for s in topic_config.catchup if s != sub)))
+        catchup=tuple(s for s in topic_config.catchup if s != sub),
+        paused_subs=tuple(s for s in topic_config.paused_subs if s != sub)))
     for space in (ts.subs[sub], ts.consumers[sub], ts.shard_records[sub], ts.sub_records[sub]):
         r = space.range()
         tr.clear_range(r.start, r.stop)
@@ -164,6 +165,23 @@ def update_subscription(tr, ts: TopicSpace, sub: str, **changes) -> Subscription
     rec["config"] = config.as_dict()
     tr[_record_key(ts, sub)] = pack(rec)
     return config
+
+
+@transactional
+def set_subscription_paused(tr, ts: TopicSpace, sub: str, paused: bool) -> bool:
+    """Pause (or resume) delivery to one subscription: its consumers take nothing while
+    pushes keep filling its queues. In the topic config every consuming transaction
+    reads, so a pause fences deliveries in flight as a topic pause does. Returns the
+    previous state; re-running is a no-op."""
+    topic_config = read_topic_config(tr, ts)
+    if sub not in topic_config.subs:
+        raise SubscriptionNotFound(f"subscription {sub!r} of topic {ts.name!r} does not exist")
+    was = sub in topic_config.paused_subs
+    if was != paused:
+        rest = tuple(s for s in topic_config.paused_subs if s != sub)
+        write_topic_config(tr, ts, dataclasses.replace(
+            topic_config, paused_subs=rest + ((sub,) if paused else ())))
+    return was
 
 
 # -- start points: catch-up and reset ----------------------------------------------------

@@ -341,7 +341,7 @@ class Supervisor:
                     oldest = t if oldest is None else min(oldest, t)
             total = lambda k: sum(c[k] for c in shards.values())  # noqa: E731
             subs[sub] = {
-                "catching_up": sub in config.catchup,
+                "catching_up": sub in config.catchup, "paused": sub in config.paused_subs,
                 "backlog": total("backlog"), "in_flight": total("in_flight"), "delayed": total("delayed"),
                 "emitted": total("emitted"), "acked": total("acked"),
                 "dlq": delivery.dlq_size(snap, ts, sub),
@@ -420,6 +420,17 @@ class Supervisor:
         from .subscription import delete_subscription
         self.subscription(name, subscription)   # raises SubscriptionNotFound; checked apart so a
         delete_subscription(self.db, self._ts(name), subscription)  # retry after 1021 is no error
+
+    def pause_subscription(self, name: str, subscription: str) -> bool:
+        """Stop delivering to one subscription (pushes still fill its queues); the other
+        subscriptions go on. Returns whether it was already paused."""
+        from .subscription import set_subscription_paused
+        return set_subscription_paused(self.db, self._ts(name), check_name(subscription, "subscription"), True)
+
+    def play_subscription(self, name: str, subscription: str) -> bool:
+        """Resume delivering to a paused subscription. Returns whether it was paused."""
+        from .subscription import set_subscription_paused
+        return set_subscription_paused(self.db, self._ts(name), check_name(subscription, "subscription"), False)
 
     def update_subscription(self, name: str, subscription: str, **changes):
         """Change updatable fields of a subscription (``fdq.config.UPDATABLE_SUBSCRIPTION_FIELDS``);

@@ -370,12 +370,15 @@ class HTTPServer:
     async def channel_pause(self, req):
         self._post(req)
         topic, channel = await self._channel_exists(req)
+        # In the database (every broker's consumers stop), and at once on this broker.
+        await self.run(self.broker.supervisor.pause_subscription, topic, channel)
         self.broker.set_channel_paused(topic, channel, True)
         return b""
 
     async def channel_unpause(self, req):
         self._post(req)
         topic, channel = await self._channel_exists(req)
+        await self.run(self.broker.supervisor.play_subscription, topic, channel)
         self.broker.set_channel_paused(topic, channel, False)
         return b""
 
@@ -408,7 +411,8 @@ class HTTPServer:
                     "in_flight_count": s["in_flight"], "deferred_count": s["delayed"],
                     "message_count": s["emitted"], "requeue_count": sum(ch.stats.requeue_count for ch in local),
                     "timeout_count": sum(ch.stats.timeout_count for ch in local),
-                    "client_count": len(clients), "clients": clients, "paused": sub in paused_channels,
+                    "client_count": len(clients), "clients": clients,
+                    "paused": sub in paused_channels or s.get("paused", False),
                     "acked_count": s["acked"], "dlq_count": s["dlq"], "consumer_count": len(s["consumers"]),
                     "e2e_processing_latency": {"count": 0, "percentiles": None},
                 })
