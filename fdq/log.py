@@ -37,15 +37,17 @@ def position_for_time(db, ts: TopicSpace, t_ms: int | None) -> Versionstamp:
     return best or _first_vs()
 
 
-def read_chunk(db, ts: TopicSpace, buckets: int, cursors: dict, limit: int):
+def read_chunk(db, ts: TopicSpace, buckets, cursors: dict, limit: int):
     """Up to ``limit`` log entries after the per-bucket ``cursors`` {bucket: vs or None
-    (from the start)}, merged by versionstamp: [(vs, bucket, Record, raw)]. Advances
+    (from the start)}, merged by versionstamp: [(vs, bucket, Record, raw)]. ``buckets``:
+    the bucket numbers (``log_buckets``), or a count for ``range(count)``. Advances
     ``cursors``. Returns [] at the end of the log."""
+    buckets = range(buckets) if isinstance(buckets, int) else list(buckets)
     tr = db.create_transaction()
-    per_bucket = max(16, limit // max(1, buckets) * 2)
+    per_bucket = max(16, limit // max(1, len(buckets)) * 2)
     heads = []
     exhausted = set()
-    for b in range(buckets):
+    for b in buckets:
         space = ts.log[b]
         r = space.range()
         begin = space.pack((cursors[b],)) + b"\x00" if cursors.get(b) is not None else r.start
@@ -56,7 +58,7 @@ def read_chunk(db, ts: TopicSpace, buckets: int, cursors: dict, limit: int):
     # Entries are safe to emit only up to the smallest "last read" key of the buckets
     # that still have more: beyond it another bucket may hold an earlier one.
     bound = None
-    for b, rows in enumerate(heads):
+    for b, rows in zip(buckets, heads):
         if b not in exhausted and rows:
             last = rows[-1][0]
             bound = last if bound is None or last < bound else bound
@@ -80,12 +82,14 @@ def body_of(db, ts: TopicSpace, vs, record: Record) -> bytes:
     return b"".join(kv.value for kv in tr.snapshot.get_range(r.start, r.stop))
 
 
-def iter_window(db, ts: TopicSpace, buckets: int, start_ms: int | None, end_ms: int | None,
+def iter_window(db, ts: TopicSpace, buckets, start_ms: int | None, end_ms: int | None,
                 chunk: int = 1000):
     """Yield (vs, bucket, Record) of messages inserted in ``[start_ms, end_ms)``, in log
-    order. Stops once entries are past ``end_ms + SLACK_MS``."""
+    order. Stops once entries are past ``end_ms + SLACK_MS``. ``buckets``: as
+    ``read_chunk``'s (``log_buckets(db, ts)`` finds every bucket a reshard left)."""
     start_vs = position_for_time(db, ts, start_ms)
-    cursors = {b: (start_vs if start_ms is not None else None) for b in range(buckets)}
+    buckets = range(buckets) if isinstance(buckets, int) else list(buckets)
+    cursors = {b: (start_vs if start_ms is not None else None) for b in buckets}
     while True:
         rows = read_chunk(db, ts, buckets, cursors, chunk)
         if not rows:

@@ -17,8 +17,8 @@ from .engine import transactional
 from .errors import ConfigError, TopicExists, TopicNotFound
 from .headers import dispatch_tag
 from .keyspace import Keyspace, TopicSpace, Versionstamp, counter, decode_counter, message_id
-from .keyspace.codec import Record, decode_lease, pack, shard_of, unpack
-from .log import iter_window
+from .keyspace.codec import CHUNK_BYTES, Record, decode_lease, pack, shard_of, unpack
+from .log import iter_window, log_buckets, read_chunk
 from .stats import shard_counters
 from .topic import (create_topic, list_topics, load_config, read_topic_config,
                     update_topic_config)
@@ -167,6 +167,21 @@ def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: in
             tr.clear_range(cr.start, cr.stop)
         deleted += 1
     return deleted, deleted < limit
+
+
+@transactional
+def delete_log_entries(tr, ts: TopicSpace, entries: list) -> int:
+    """Delete log entries [(bucket, vs, nchunks)] and their body chunks. Safe to re-run."""
+    for bucket, vs, nchunks in entries:
+        del tr[ts.log_key(bucket, vs)]
+        if nchunks:
+            cr = ts.all_chunks[vs].range()
+            tr.clear_range(cr.start, cr.stop)
+    return len(entries)
+
+
+def _range(r):
+    return r.start, r.stop
 
 
 @transactional
@@ -356,16 +371,18 @@ class Supervisor:
         return {"topic": name, "config": config.as_dict(), "counters": topic, "subscriptions": subs}
 
     def trim(self, name: str, *, before_ms: int | None = None, progress=None) -> int:
-        """Apply retention to the "all" log (``retention_s`` of the config, or everything
-        inserted before ``before_ms``), and expire push markers and dedupe ids past their
-        windows. Returns the log entries deleted."""
+        """Apply retention to the "all" log: delete what was inserted before ``before_ms``
+        (default: ``retention_s`` of the config), then, with ``retention_bytes``, the oldest
+        entries (in log order) until the log fits; and expire push markers and dedupe ids
+        past their windows. Returns the log entries deleted. Queued messages are untouched."""
         ts = self._ts(name)
         config = self.config(name)
         if before_ms is None and config.retention_s is not None:
             before_ms = int((time.time() - config.retention_s) * 1000)
         deleted = 0
+        buckets = log_buckets(self.db, ts)     # a reshard to fewer shards leaves buckets behind
         if before_ms is not None:
-            for b in range(max(config.shards, config.resharding_to or 0)):
+            for b in buckets:
                 while True:
                     n, done = trim_bucket_chunk(self.db, ts, b, before_ms, CHUNK)
                     deleted += n
@@ -380,6 +397,8 @@ class Supervisor:
             def trim_index(tr):
                 tr.clear_range(r.start, idx.pack((before_ms // 60000 * 60000 - 120_000,)))
             trim_index(self.db)
+        if config.retention_bytes is not None:
+            deleted += self._trim_to_size(ts, log_buckets(self.db, ts), config.retention_bytes, progress)
         rv = self.db.create_transaction().get_read_version().wait()
         now_ms = int(time.time() * 1000)
         for space, target, window, text in ((ts.marks_by_version, ts.marks, 600.0, False),
@@ -388,6 +407,30 @@ class Supervisor:
             while expire_index_chunk(self.db, space, rv - int(window * VERSIONS_PER_S), CHUNK,
                                      target, text, keep_after) == CHUNK:
                 pass
+        return deleted
+
+    def _trim_to_size(self, ts: TopicSpace, buckets: list, max_bytes: int, progress=None) -> int:
+        """Delete the log's oldest entries until its estimated size (keys, records and body
+        chunks; FDB's estimate is sampled) is at most ``max_bytes``."""
+        tr = self.db.create_transaction()
+        size = tr.get_estimated_range_size_bytes(*_range(ts.all_chunks.range())).wait()
+        for b in buckets:
+            size += tr.get_estimated_range_size_bytes(*_range(ts.log[b].range())).wait()
+        tr.cancel()
+        excess, deleted, cursors = size - max_bytes, 0, {}
+        while excess > 0:
+            rows = read_chunk(self.db, ts, buckets, cursors, CHUNK)
+            if not rows:
+                break
+            batch = []
+            for vs, b, rec, raw in rows:
+                batch.append((b, vs, rec.nchunks))
+                excess -= len(ts.log_key(b, vs)) + len(raw) + rec.nchunks * CHUNK_BYTES
+                if excess <= 0:
+                    break
+            deleted += delete_log_entries(self.db, ts, batch)
+            if progress:
+                progress(len(batch))
         return deleted
 
     # -- subscriptions (see fdq.subscription) -----------------------------------------
@@ -535,7 +578,7 @@ def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None)
     ``CHUNK`` per transaction (each an idempotent push)."""
     from .producer import Producer
     ts = ks.topic(check_name(topic))
-    config = read_topic_config(db, ts, snapshot=True)
+    read_topic_config(db, ts, snapshot=True)     # TopicNotFound for an unknown topic
     producer = Producer(db, keyspace=ks)
     from .log import body_of
     batch, total = [], 0
@@ -548,7 +591,7 @@ def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None)
             if progress:
                 progress(len(batch))
             batch.clear()
-    for vs, _b, rec in iter_window(db, ts, max(config.shards, config.resharding_to or 0), start_ms, end_ms):
+    for vs, _b, rec in iter_window(db, ts, log_buckets(db, ts), start_ms, end_ms):
         batch.append(_ReplayEnvelope(body_of(db, ts, vs, rec), rec.shard_key, None, None, rec.headers,
                                      replay_of=message_id(vs)))
         if len(batch) >= CHUNK:
