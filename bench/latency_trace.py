@@ -53,6 +53,7 @@ def _producer(url, rate, seconds, out):
             time.sleep(target - now)
         p.push("lat", _ns().to_bytes(8, "big") + i.to_bytes(4, "big") + BODY, shard_key=f"k{i % 64}")
         done[i] = _ns()
+    print(f"producer cpu_s {time.process_time():.2f}", flush=True)
     out.put(done)
 
 
@@ -102,6 +103,29 @@ def _consumer_proc(url, n, seconds, ready, out):
         return orig_idle(self, timeout)
     _consumer.Consumer._idle = _idle
 
+    if os.environ.get("FDQ_TRACE_PROFILE"):   # cProfile the worker and watch threads
+        import cProfile
+        import pstats
+        from fdq.engine import sqlite as _eng
+        profs = []
+
+        def profiled(fn):
+            def run(*a, **k):
+                pr = cProfile.Profile()
+                profs.append((threading.current_thread().name, pr))
+                pr.enable()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    pr.disable()
+            return run
+        _consumer.TailConsumer._work_loop = profiled(_consumer.TailConsumer._work_loop)
+        _eng._WatchManager._run = profiled(_eng._WatchManager._run)
+
+        def dump():
+            for name, pr in profs:
+                print(f"--- profile of thread {name}", file=sys.stderr)
+                pstats.Stats(pr, stream=sys.stderr).sort_stats(os.environ.get("FDQ_TRACE_PROFILE", "tottime")).print_stats(40)
     done = threading.Event()
 
     def handler(m):
@@ -116,6 +140,9 @@ def _consumer_proc(url, n, seconds, ready, out):
     ready.set()
     done.wait(seconds)
     c.shutdown()
+    counts["cpu_s"] = round(time.process_time(), 2)
+    if os.environ.get("FDQ_TRACE_PROFILE"):
+        dump()
     out.put((recs, fires, counts))
 
 

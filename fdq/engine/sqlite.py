@@ -55,6 +55,7 @@ DEFAULT_MAX_WATCHES = 10_000
 ENTRY_OVERHEAD_BYTES = 24  # FDB adds a few dozen bytes of struct overhead per entry
 
 WATCH_POLL_S = 0.001  # cross-process watch latency: about this, plus scheduling
+WATCH_LINGER_S = 2.0  # the poll thread outlives its last watch this long (re-arming is common)
 LOCK_WAIT_S = 10.0
 
 _SCHEMA = """
@@ -437,8 +438,14 @@ class _WatchManager:
             while True:
                 with self.cond:
                     if not self.watches:
-                        self.thread = None
-                        return
+                        # A consumer re-arms a fired watch within milliseconds: keep the
+                        # thread and its connection (opening one costs up to tens of ms
+                        # on a loaded host) rather than exit and start again.
+                        if not self.kick:
+                            self.cond.wait(WATCH_LINGER_S)
+                        if not self.watches:
+                            self.thread = None
+                            return
                     if not self.kick:
                         self.cond.wait(WATCH_POLL_S)
                     kicked, self.kick = self.kick, False
@@ -976,6 +983,7 @@ class Transaction(_ReadView):
         self._release()
         self._rv = None
         self._rv_clock = None
+        self._db_values = {}     # key -> value read from this attempt's snapshot
         self._writes = {}
         self._sorted_keys = None
         self._clears = []        # merged [begin, end) cleared ranges
@@ -1110,8 +1118,16 @@ class Transaction(_ReadView):
     # -- reads ---------------------------------------------------------------------
 
     def _db_get(self, key):
-        row = self._ensure_snapshot().execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
-        return None if row is None else row[0]
+        # One snapshot per attempt, so a key read again (a topic's config, its clock,
+        # once per shard a consumer visits) has the same value: no second query.
+        conn = self._ensure_snapshot()
+        try:
+            return self._db_values[key]
+        except KeyError:
+            pass
+        row = conn.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
+        v = self._db_values[key] = None if row is None else row[0]
+        return v
 
     def _in_clears(self, key):
         i = bisect.bisect_right(self._clear_begins, key) - 1
