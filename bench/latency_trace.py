@@ -77,17 +77,47 @@ def _consumer_proc(url, n, seconds, ready, out):
         s = _ns()
         r = orig_lease(self, shards, *a, **k)
         lease_ev.v = (s, _ns())
+        rounds["lease_many"].append(lease_ev.v[1] - s)
         counts["lease_tx"] += 1
         counts["lease_empty"] += not r
         return r
     _consumer.Consumer._lease_many = _lease_many
 
     orig_settle = _consumer.Consumer.settle
+    rounds = {"lease_many": [], "arm": [], "settle": []}
 
     def settle(self, items):
         counts["settle_tx"] += bool(items)
-        return orig_settle(self, items)
+        s = _ns()
+        try:
+            return orig_settle(self, items)
+        finally:
+            rounds["settle"].append(_ns() - s)
     _consumer.Consumer.settle = settle
+
+    from fdq.engine import sqlite as _eng
+    for name in ("begin_snapshot", "begin_immediate"):   # the engine's lock waits
+        rounds[name] = []
+
+        def wrap(fn, lst):
+            def timed(*a, **k):
+                s = _ns()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    lst.append(_ns() - s)
+            return timed
+        setattr(_eng._Store, name, wrap(getattr(_eng._Store, name), rounds[name]))
+
+    orig_arm = _consumer.Consumer._arm
+
+    def _arm(self, got):
+        s = _ns()
+        try:
+            return orig_arm(self, got)
+        finally:
+            rounds["arm"].append(_ns() - s)
+    _consumer.Consumer._arm = _arm
 
     orig_retry = _consumer.retry_or_raise
 
@@ -141,6 +171,10 @@ def _consumer_proc(url, n, seconds, ready, out):
     done.wait(seconds)
     c.shutdown()
     counts["cpu_s"] = round(time.process_time(), 2)
+    for k, v in rounds.items():
+        counts[f"{k}_p50_ms"] = round(_pct(v, .5) / 1e6, 2)
+        counts[f"{k}_p90_ms"] = round(_pct(v, .9) / 1e6, 2)
+        counts[f"{k}_sum_s"] = round(sum(v) / 1e9, 2)
     if os.environ.get("FDQ_TRACE_PROFILE"):
         dump()
     out.put((recs, fires, counts))
