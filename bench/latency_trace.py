@@ -71,7 +71,9 @@ def _consumer_proc(url, n, seconds, ready, out):
         return orig_mark(self, shard_id)
     _consumer.Consumer._mark = _mark
 
-    orig_lease = _consumer.Consumer._lease_many
+    # _lease_many (one transaction for the round's shards); before it, _lease_from (one per shard)
+    lease_name = "_lease_many" if hasattr(_consumer.Consumer, "_lease_many") else "_lease_from"
+    orig_lease = getattr(_consumer.Consumer, lease_name)
 
     def _lease_many(self, shards, *a, **k):
         s = _ns()
@@ -81,7 +83,7 @@ def _consumer_proc(url, n, seconds, ready, out):
         counts["lease_tx"] += 1
         counts["lease_empty"] += not r
         return r
-    _consumer.Consumer._lease_many = _lease_many
+    setattr(_consumer.Consumer, lease_name, _lease_many)
 
     orig_settle = _consumer.Consumer.settle
     rounds = {"lease_many": [], "arm": [], "settle": []}
@@ -109,7 +111,7 @@ def _consumer_proc(url, n, seconds, ready, out):
             return timed
         setattr(_eng._Store, name, wrap(getattr(_eng._Store, name), rounds[name]))
 
-    orig_arm = _consumer.Consumer._arm
+    orig_arm = getattr(_consumer.Consumer, "_arm", None)
 
     def _arm(self, got):
         s = _ns()
@@ -117,7 +119,8 @@ def _consumer_proc(url, n, seconds, ready, out):
             return orig_arm(self, got)
         finally:
             rounds["arm"].append(_ns() - s)
-    _consumer.Consumer._arm = _arm
+    if orig_arm is not None:
+        _consumer.Consumer._arm = _arm
 
     orig_retry = _consumer.retry_or_raise
 
