@@ -100,26 +100,9 @@ def _to_message(taken: delivery.Taken, topic: str, sub: str, consumer) -> Messag
                    taken.shard.n, taken.shard.tag, rec.msg_id, rec.replay_of, consumer, taken)
 
 
-def _run(db, fn, *args, watch_key=None, committed=None, **kwargs):
-    """Run a transactional function in our own retry loop; if it returns an empty
-    result and ``watch_key`` is given, also set a watch in the same transaction (its
-    baseline is the read version, so nothing pushed afterwards is missed).
-
-    ``committed(result)``: after ``commit_unknown_result``, tells whether the attempt
-    that produced ``result`` did commit; if so that result is returned instead of
-    running again (which would take other messages and strand these)."""
-    tr = db.create_transaction()
-    while True:
-        result = None
-        try:
-            result = fn(tr, *args, **kwargs)
-            watch = tr.watch(watch_key) if watch_key is not None and not result else None
-            tr.commit().wait()
-            return result, watch
-        except error_types() as e:
-            if committed is not None and result and is_maybe_committed(e) and committed(result):
-                return result, None
-            retry_or_raise(tr, e)
+def _raw(value):
+    """A read's value as bytes, or None if absent."""
+    return bytes(value) if value.present() else None
 
 
 def _peer_timeout(config: ConsumerConfig, record: dict) -> float:
@@ -441,26 +424,122 @@ class Consumer:
     def _idle_for(self) -> float:
         return max(0.0, self._last_sweep + self.config.poll_interval_s - _monotonic())
 
-    def _lease_from(self, shard_id, epoch, limit, ack_wait_s: float | None = None) -> list:
-        shard = self._ts.shard(self.subscription, *shard_id)
-        if self.sub_config.ack_policy == "none":    # delivered = done: nothing to lease
-            taken, watch = _run(self.db, delivery.take_batch, self._ts, shard, self.id, epoch, limit,
-                                sel=self._sel, watch_key=self._watch_key(shard_id))
-            self._keep_watch(shard_id, watch)
-            return [_to_message(t, self.topic, self.subscription, self) for t in taken]
+    def _lease_many(self, shards, limit: int, ack_wait_s: float | None = None, take: bool = False) -> list:
+        """Lease (or, with ack policy "none", take) up to ``limit`` messages from
+        ``shards`` [(shard_id, epoch)], in that order, in ONE transaction: a transaction
+        per shard made the worker's round cost a commit per dirty shard, which bounded
+        end-to-end latency (bench/latency_trace.py).
+
+        A shard drained by it (fewer messages than asked, no selection in the way) is not
+        visited again until its watch fires; one that filled its share, or that the limit
+        did not reach, is visited again next round. A shard no longer ours is skipped
+        (its fence read raised before any write) and ownership re-read.
+
+        Watches: a watch counts as a read of the shard's ``routed`` counter, which every
+        push to the shard changes: in a transaction that writes, it would make pushes
+        abort it. So watches are set in this transaction only when it took nothing (it
+        commits read-only); otherwise ``_arm`` sets them after the commit, in a read-only
+        transaction, and a shard whose counter moved between the two read versions (a
+        push this transaction did not see) is visited again."""
+        if not shards:
+            return []
+        none = take or self.sub_config.ack_policy == "none"    # delivered = done: nothing to lease
         lease_id = os.urandom(8)
         ack_wait_s = self.config.ack_wait_s if ack_wait_s is None else ack_wait_s
         ack_wait_ms = int(ack_wait_s * 1000)
-        taken, watch = _run(self.db, delivery.lease_batch, self._ts, shard, self.id, epoch, limit,
-                            lease_id, ack_wait_ms, sel=self._sel, watch_key=self._watch_key(shard_id),
-                            committed=lambda ts_: delivery.batch_leased(self.db, shard, [t.vs for t in ts_],
-                                                                        lease_id))
-        self._keep_watch(shard_id, watch)
+        spaces = {s: self._ts.shard(self.subscription, *s) for s, _e in shards}
+        epochs = dict(shards)
+
+        def body(tr):
+            got, lost, left = [], False, limit
+            for shard_id, epoch in shards:
+                if left <= 0:
+                    got.append((shard_id, None, False, None))     # not reached
+                    continue
+                try:
+                    if none:
+                        taken = delivery.take_batch(tr, self._ts, spaces[shard_id], self.id, epoch, left,
+                                                    sel=self._sel)
+                    else:
+                        taken = delivery.lease_batch(tr, self._ts, spaces[shard_id], self.id, epoch, left,
+                                                     lease_id, ack_wait_ms, sel=self._sel)
+                except LeaseLost:
+                    lost = True
+                    continue
+                drained = not taken or (self._sel is None and len(taken) < left)
+                key = self._watch_key(shard_id) if drained else None
+                got.append((shard_id, taken, drained, key))
+                left -= len(taken)
+            if left == limit:   # took nothing: read-only, the watches cannot abort it
+                got = [(s, t, d, tr.watch(k) if k is not None else None) for s, t, d, k in got]
+            else:               # counters as this transaction saw them (snapshot: no conflict)
+                got = [(s, t, d, (k, _raw(tr.snapshot[k])) if k is not None else None) for s, t, d, k in got]
+            return got, lost
+
+        def committed(got):
+            for shard_id, taken, _d, _w in got:
+                if taken:
+                    vss = [t.vs for t in taken]
+                    ok = (delivery.batch_taken(self.db, self._ts, spaces[shard_id], self.id, epochs[shard_id], vss)
+                          if none else delivery.batch_leased(self.db, spaces[shard_id], vss, lease_id))
+                    if not ok:
+                        return False
+            return True
+
+        tr = self.db.create_transaction()
+        while True:
+            got = None
+            try:
+                got, lost = body(tr)
+                tr.commit().wait()
+                break
+            except error_types() as e:
+                if got is not None and any(t for _s, t, _d, _w in got) and is_maybe_committed(e) \
+                        and committed(got):
+                    # our commit took them: hand them over; no watches (visit all again)
+                    got = [(s, t, False, None) for s, t, _d, _w in got]
+                    break
+                retry_or_raise(tr, e)
+        out = []
         now = _monotonic()
-        with self._leases_lock:
-            for t in taken:
-                self._leases[(shard_id, t.vs)] = [lease_id, 0, now, ack_wait_s]
-        return [_to_message(t, self.topic, self.subscription, self) for t in taken]
+        got = self._arm(got)
+        for shard_id, taken, drained, watch in got:
+            self._keep_watch(shard_id, watch)
+            if not drained:
+                self._mark(shard_id)
+            if not taken:
+                continue
+            if not none:
+                with self._leases_lock:
+                    for t in taken:
+                        self._leases[(shard_id, t.vs)] = [lease_id, 0, now, ack_wait_s]
+            out += [_to_message(t, self.topic, self.subscription, self) for t in taken]
+        if lost:
+            self._refresh_owned()
+        return out
+
+    def _arm(self, got):
+        """``_lease_many``'s watches for a transaction that took messages: set in a
+        read-only transaction; a shard whose ``routed`` counter differs from what the
+        leasing transaction saw gets a push it did not see: it is marked not drained.
+        If this fails, every such shard is visited again (no watch)."""
+        seen = [(i, w) for i, (_s, _t, _d, w) in enumerate(got) if type(w) is tuple]
+        if not seen:
+            return got
+        got = list(got)
+        try:
+            tr = self.db.create_transaction()
+            armed = [(i, tr.watch(key), _raw(tr.snapshot[key]), before) for i, (key, before) in seen]
+            tr.commit().wait()
+        except error_types():
+            for i, _w in seen:
+                s, t, _d, _w = got[i]
+                got[i] = (s, t, False, None)
+            return got
+        for i, watch, now, before in armed:
+            s, t, _d, _w = got[i]
+            got[i] = (s, t, now == before, watch)
+        return got
 
     def _watch_key(self, shard_id):
         w = self._watches.get(shard_id)
@@ -488,21 +567,13 @@ class Consumer:
             ConsumerConfig(ack_wait_s=ack_wait_s)   # validates
         deadline = _monotonic() + max(0.0, timeout)
         while True:
-            out = []
             shards = self._next_shards()
-            for i, (shard_id, epoch) in enumerate(shards):
-                if len(out) >= max_messages:     # not visited: keep it for the next call
-                    for s, _e in shards[i:]:
-                        self._mark(s)
-                    break
-                try:
-                    got = self._lease_from(shard_id, epoch, max_messages - len(out), ack_wait_s)
-                except LeaseLost:
-                    self._refresh_owned()
-                    continue
-                if got:
-                    self._mark(shard_id)         # may hold more
-                out += got
+            try:
+                out = self._lease_many(shards, max_messages, ack_wait_s)
+            except BaseException:
+                for s, _e in shards:
+                    self._mark(s)
+                raise
             left = deadline - _monotonic()
             if out or left <= 0 or self._stop.is_set():
                 return out
@@ -624,57 +695,57 @@ class TailConsumer(Consumer):
         while not self._stop.is_set():
             shards = self._next_shards()
             if self._pool is not None and len(shards) > 1:
-                done = sum(self._pool.map(lambda s: self._visit(*s), shards))
+                done = sum(self._pool.map(lambda s: self._visit([s]), shards))
+            elif self.mode != EXACTLY_ONCE:
+                done = self._visit(shards) if shards else 0    # one transaction for them all
             else:
-                done = sum(self._visit(*s) for s in shards)
+                done = sum(self._visit([s]) for s in shards)
             if not done:
                 self._idle(self._idle_for())
 
-    def _visit(self, shard_id, epoch) -> int:
-        """Process one shard; a shard that yielded (or failed) is visited again next
-        round, one that came back empty waits for its watch or the next sweep."""
+    def _visit(self, shards) -> int:
+        """Process shards [(shard_id, epoch)] (several only in one transaction: not
+        exactly-once). A shard that filled its batch (or failed) is visited again next
+        round; one it drained waits for its watch or the next sweep."""
         try:
-            n = self._process(shard_id, epoch)
+            return self._process(shards)
         except Exception as e:
             self._report(e)
-            self._mark(shard_id)
+            for shard_id, _e in shards:
+                self._mark(shard_id)
             self._stop.wait(0.05)
             return 0
-        if n:
-            self._mark(shard_id)
-        return n
 
-    def _process(self, shard_id, epoch) -> int:
+    def _process(self, shards) -> int:
         if self._stop.is_set():
             return 0
         try:
             if self.mode == EXACTLY_ONCE:
-                return self._process_exactly_once(shard_id, epoch)
+                (shard_id, epoch), = shards
+                n = self._process_exactly_once(shard_id, epoch)
+                if n:
+                    self._mark(shard_id)
+                return n
             if self.mode == AT_MOST_ONCE:
-                return self._process_at_most_once(shard_id, epoch)
-            return self._process_at_least_once(shard_id, epoch)
+                return self._process_at_most_once(shards)
+            return self._process_at_least_once(shards)
         except LeaseLost:
             self._refresh_owned()
             return 0
 
-    def _process_at_most_once(self, shard_id, epoch) -> int:
-        shard = self._ts.shard(self.subscription, *shard_id)
+    def _process_at_most_once(self, shards) -> int:
         # After commit_unknown_result: if the batch is gone while the shard is still
         # ours, our commit took it: hand it over (else it would be lost unhandled).
-        taken, watch = _run(self.db, delivery.take_batch, self._ts, shard, self.id, epoch, self.batch_size,
-                            sel=self._sel, watch_key=self._watch_key(shard_id),
-                            committed=lambda ts_: delivery.batch_taken(self.db, self._ts, shard, self.id,
-                                                                       epoch, [t.vs for t in ts_]))
-        self._keep_watch(shard_id, watch)
-        for t in taken:
+        msgs = self._lease_many(shards, self.batch_size, take=True)
+        for m in msgs:
             try:
-                self.handler(_to_message(t, self.topic, self.subscription, self))
+                self.handler(m)
             except Exception as e:  # at most once: the message is gone either way
                 self._report(e)
-        return len(taken)
+        return len(msgs)
 
-    def _process_at_least_once(self, shard_id, epoch) -> int:
-        msgs = self._lease_from(shard_id, epoch, self.batch_size)
+    def _process_at_least_once(self, shards) -> int:
+        msgs = self._lease_many(shards, self.batch_size)
         pending = []
         for m in msgs:
             m._deferred = pending

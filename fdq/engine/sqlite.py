@@ -55,6 +55,8 @@ DEFAULT_MAX_WATCHES = 10_000
 ENTRY_OVERHEAD_BYTES = 24  # FDB adds a few dozen bytes of struct overhead per entry
 
 WATCH_POLL_S = 0.001  # cross-process watch latency: about this, plus scheduling
+CHECKPOINT_EVERY = 128  # commits of this process between WAL checkpoints (SQLite's own: 1,000 pages)
+WATCH_LINGER_S = 2.0  # the poll thread outlives its last watch this long (re-arming is common)
 LOCK_WAIT_S = 10.0
 
 _SCHEMA = """
@@ -288,6 +290,13 @@ class _Store:
         # processes start at once), then 0: begin_immediate does its own waiting.
         self.writer = self._open()
         self.writer.execute("PRAGMA busy_timeout=0")
+        # No checkpoint inside COMMIT: SQLite's automatic one runs in the COMMIT that
+        # crosses its threshold, with the version clock lock held, so every reader and
+        # writer of every process waited for its fsyncs (10-15 ms, more under load:
+        # the p99 of a push and of end-to-end latency). Transaction._commit runs a
+        # PASSIVE checkpoint every CHECKPOINT_EVERY commits after releasing that lock.
+        self.writer.execute("PRAGMA wal_autocheckpoint=0")
+        self.commits_since_checkpoint = 0
         self.commits_since_prune = 0
         # The version clock lock (flock on a side file, so it also orders threads of
         # one process): a writer holds it exclusively from reading the clock for its
@@ -437,8 +446,14 @@ class _WatchManager:
             while True:
                 with self.cond:
                     if not self.watches:
-                        self.thread = None
-                        return
+                        # A consumer re-arms a fired watch within milliseconds: keep the
+                        # thread and its connection (opening one costs up to tens of ms
+                        # on a loaded host) rather than exit and start again.
+                        if not self.kick:
+                            self.cond.wait(WATCH_LINGER_S)
+                        if not self.watches:
+                            self.thread = None
+                            return
                     if not self.kick:
                         self.cond.wait(WATCH_POLL_S)
                     kicked, self.kick = self.kick, False
@@ -976,6 +991,7 @@ class Transaction(_ReadView):
         self._release()
         self._rv = None
         self._rv_clock = None
+        self._db_values = {}     # key -> value read from this attempt's snapshot
         self._writes = {}
         self._sorted_keys = None
         self._clears = []        # merged [begin, end) cleared ranges
@@ -1110,8 +1126,16 @@ class Transaction(_ReadView):
     # -- reads ---------------------------------------------------------------------
 
     def _db_get(self, key):
-        row = self._ensure_snapshot().execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
-        return None if row is None else row[0]
+        # One snapshot per attempt, so a key read again (a topic's config, its clock,
+        # once per shard a consumer visits) has the same value: no second query.
+        conn = self._ensure_snapshot()
+        try:
+            return self._db_values[key]
+        except KeyError:
+            pass
+        row = conn.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
+        v = self._db_values[key] = None if row is None else row[0]
+        return v
 
     def _in_clears(self, key):
         i = bisect.bisect_right(self._clear_begins, key) - 1
@@ -1565,6 +1589,15 @@ class Transaction(_ReadView):
                     raise
                 finally:
                     fcntl.flock(store.writer_fd, fcntl.LOCK_UN)
+                store.commits_since_checkpoint += 1
+                if store.commits_since_checkpoint >= CHECKPOINT_EVERY:
+                    # Still under write_lock (no other write of this process may run
+                    # meanwhile, or the WAL could not restart), not under the clock lock.
+                    store.commits_since_checkpoint = 0
+                    try:
+                        store.writer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                    except sqlite3.Error:
+                        pass    # busy: the next one catches up
         except EngineError as e:
             self._fail(e)
             raise
