@@ -56,6 +56,8 @@ ENTRY_OVERHEAD_BYTES = 24  # FDB adds a few dozen bytes of struct overhead per e
 
 WATCH_POLL_S = 0.001  # cross-process watch latency: about this, plus scheduling
 CHECKPOINT_EVERY = 128  # commits of this process between WAL checkpoints (SQLite's own: 1,000 pages)
+WAL_RESTART_FRAMES = 4096  # past this many WAL frames (~16 MB), force the WAL to restart
+CHECKPOINT_BYTES = 4_000_000  # ... or after this many bytes of mutations (SQLite's 1,000 pages)
 WATCH_LINGER_S = 2.0  # the poll thread outlives its last watch this long (re-arming is common)
 LOCK_WAIT_S = 10.0
 
@@ -297,6 +299,7 @@ class _Store:
         # PASSIVE checkpoint every CHECKPOINT_EVERY commits after releasing that lock.
         self.writer.execute("PRAGMA wal_autocheckpoint=0")
         self.commits_since_checkpoint = 0
+        self.bytes_since_checkpoint = 0
         self.commits_since_prune = 0
         # The version clock lock (flock on a side file, so it also orders threads of
         # one process): a writer holds it exclusively from reading the clock for its
@@ -350,6 +353,20 @@ class _Store:
             with self.pool_lock:
                 self.fd_pool.append(fd)
         return version, clock, now
+
+    def restart_wal(self):
+        """Checkpoint starvation guard. A PASSIVE checkpoint cannot restart the WAL while
+        readers keep opening snapshots on its frames, so under steady reads it grows
+        without bound. Past WAL_RESTART_FRAMES: hold the version clock lock (no snapshot
+        opens meanwhile, in any process) and TRUNCATE without waiting: if a reader is
+        still in flight it fails at once and the next checkpoint tries again, so new
+        transactions pause only for the checkpoint's own copy, as inside SQLite's
+        automatic checkpoint."""
+        fcntl.flock(self.writer_fd, fcntl.LOCK_EX)
+        try:
+            self.writer.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        finally:
+            fcntl.flock(self.writer_fd, fcntl.LOCK_UN)
 
     def begin_immediate(self):
         """Take SQLite's write lock. Spins with short sleeps (SQLite's own busy
@@ -1590,12 +1607,16 @@ class Transaction(_ReadView):
                 finally:
                     fcntl.flock(store.writer_fd, fcntl.LOCK_UN)
                 store.commits_since_checkpoint += 1
-                if store.commits_since_checkpoint >= CHECKPOINT_EVERY:
+                store.bytes_since_checkpoint += self._mutation_bytes
+                if (store.commits_since_checkpoint >= CHECKPOINT_EVERY
+                        or store.bytes_since_checkpoint >= CHECKPOINT_BYTES):
                     # Still under write_lock (no other write of this process may run
                     # meanwhile, or the WAL could not restart), not under the clock lock.
-                    store.commits_since_checkpoint = 0
+                    store.commits_since_checkpoint = store.bytes_since_checkpoint = 0
                     try:
-                        store.writer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                        _busy, frames, _done = store.writer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                        if frames >= WAL_RESTART_FRAMES:
+                            store.restart_wal()
                     except sqlite3.Error:
                         pass    # busy: the next one catches up
         except EngineError as e:
