@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import fdq
@@ -68,7 +69,7 @@ class Procs:
 
     def stderr(self, p) -> str:
         try:
-            return (self.tmp / f"{p.name}.err").read_text()[-3000:]
+            return (self.tmp / f"{p.name}.err").read_text()[-8000:]
         except FileNotFoundError:
             return ""
 
@@ -76,11 +77,16 @@ class Procs:
         os.kill(p.pid, signal.SIGKILL)
         p.wait(timeout=30)
 
-    def stop(self, p, timeout: float = 60):
+    def stop(self, p, timeout: float = 90):
         """SIGTERM (the worker shuts its consumer down cleanly) and wait."""
         if p.poll() is None:
             os.kill(p.pid, signal.SIGTERM)
-        rc = p.wait(timeout=timeout)
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(p.pid, signal.SIGUSR1)     # the worker dumps every thread's stack
+            time.sleep(1)
+            raise AssertionError(f"{p.name} did not stop within {timeout}s: {self.stderr(p)[-6000:]}")
         assert rc == 0, f"{p.name} exited {rc}: {self.stderr(p)}"
 
     def wait(self, p, timeout: float = 120):

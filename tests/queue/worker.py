@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import sys
+import faulthandler
 import threading
 import time
 import weakref
@@ -155,6 +156,7 @@ def consumer(args):
                      config=config, batch_size=args.batch, on_error=on_error)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # a stack dump if it hangs
 
     def status(final=False):
         _write_status(args.status, {"handled": handled[0], "retries": counters.snapshot(),
