@@ -15,9 +15,11 @@ Cases (100-byte bodies, fresh database per case, each bounded in count and secon
   the call: each returns after its own commit).
 * ``push_threads``: ``push`` from 8 threads sharing one Producer (group commit).
 * ``push_many``: ``push_many`` of 100; also from 2 producer processes at once.
-* ``raw``: raw ``sqlite3`` writing what a push writes, per message a log row and a ready
-  row (tuple-packed keys, msgpack records) plus per transaction three counter upserts
-  and a marker, ``executemany`` per 100 messages: the physical reference for push_many.
+* ``raw``: raw ``sqlite3`` writing the rows a ``push_many`` of 100 writes under the same
+  keys: per message a log row and a ready row (tuple-packed keys, msgpack records) on
+  one shard per transaction (the producer's sticky spreading), per transaction the 3
+  counters (read-modify-write), the marker and its expiry-index row, ``executemany``
+  per 100 messages, with the engine's WAL checkpoint policy: the physical reference.
 * ``consume``: drain a preloaded backlog in each delivery mode with 1 and 2 consumer
   processes (msgs/s from the first delivery to the last).
 * ``latency``: a producer process pushing single messages at 1,000/s, a consumer process
@@ -37,6 +39,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import random
 import shutil
 import signal
 import sqlite3
@@ -179,20 +182,32 @@ def bench_push_many(url, batches, seconds, procs=1):
 
 
 def bench_raw(path, batches, seconds):
-    """Raw sqlite3 writing a push_many's rows: per message a log row and a ready row,
-    per transaction 3 counter upserts and a marker row."""
+    """Raw sqlite3 writing the rows a ``push_many`` of 100 writes, under the same keys:
+    per message a log row and a ready row (the same msgpack record), on one shard per
+    transaction as the producer's sticky spreading puts unkeyed messages; per
+    transaction the 3 counters it adds to (topic inserted and routed, the shard's
+    routed: read-modify-write, as FDB's atomic add), the marker (its value the packed
+    results, as push writes it) and the marker's expiry-index row. WAL with the engine's
+    checkpoint policy (no checkpoint inside COMMIT; PASSIVE every 128 commits or 4 MB,
+    TRUNCATE past 4,096 frames). What it leaves out is the engine's own bookkeeping
+    (the ``txlog`` row, the read snapshot, conflict ranges)."""
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute("PRAGMA wal_autocheckpoint=0")
     conn.execute("CREATE TABLE kv (key BLOB PRIMARY KEY, value BLOB NOT NULL) WITHOUT ROWID")
     upsert = "INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)"
-    counters = [fdb.tuple.pack(("fdq", "topic", "t", "all", "stats", n)) for n in ("inserted", "routed")]
-    counters.append(fdb.tuple.pack(("fdq", "topic", "t", "subs", "default", "stats", "routed")))
+    topic_counters = [fdb.tuple.pack(("fdq", "topic", "t", "all", "stats", n)) for n in ("inserted", "routed")]
+    shard_counters = [fdb.tuple.pack(("fdq", "topic", "t", "subs", "default", "shards", "", n, "stats", "routed"))
+                      for n in range(SHARDS)]
     log_prefixes = [fdb.tuple.pack(("fdq", "topic", "t", "all", "log", n)) for n in range(SHARDS)]
     ready_prefixes = [fdb.tuple.pack(("fdq", "topic", "t", "subs", "default", "shards", "", n, "ready"))
                       for n in range(SHARDS)]
-    seq = 0
+    marks_by_version = fdb.tuple.pack(("fdq", "topic", "t", "marks_by_version"))
+    session = os.urandom(8)
+    spread = random.randrange(1 << 30)
     lat = []
+    commits = written = 0
     t0 = perf_counter()
     deadline = t0 + seconds
     for b in range(batches):
@@ -200,20 +215,32 @@ def bench_raw(path, batches, seconds):
         rows = []
         stamp = (b + 1).to_bytes(10, "big")
         now_ms = int(time.time() * 1000)
+        n = (spread + b) % SHARDS
+        results = []
         for i in range(100):
-            seq += 1
             vs = b"\x33" + stamp + i.to_bytes(2, "big")   # a tuple-packed Versionstamp
             rec = msgpack.packb([now_ms, None, None, None, BODY], use_bin_type=True)
-            rows.append((log_prefixes[seq % SHARDS] + vs, rec))
-            rows.append((ready_prefixes[seq % SHARDS] + vs, rec))
+            rows.append((log_prefixes[n] + vs, rec))
+            rows.append((ready_prefixes[n] + vs, rec))
+            results.append(("t", i, n, None))
+        txid = session + (b + 1).to_bytes(8, "big")
+        rows.append((fdb.tuple.pack(("fdq", "topic", "t", "marks", txid)),
+                     stamp + msgpack.packb(results, use_bin_type=True)))
+        rows.append((marks_by_version + b"\x33" + stamp + b"\x00\x00", txid))
         conn.execute("BEGIN IMMEDIATE")
         conn.executemany(upsert, rows)
-        for k in counters:   # a counter's read-modify-write (FDB's atomic add)
+        for k in topic_counters + [shard_counters[n]]:   # a counter's read-modify-write (FDB's atomic add)
             row = conn.execute("SELECT value FROM kv WHERE key = ?", (k,)).fetchone()
             old = int.from_bytes(row[0], "little") if row else 0
             conn.execute(upsert, (k, (old + 100).to_bytes(8, "little")))
-        conn.execute(upsert, (fdb.tuple.pack(("fdq", "topic", "t", "marks", os.urandom(16))), b"m" * 30))
         conn.execute("COMMIT")
+        commits += 1
+        written += sum(len(k) + len(v) + 24 for k, v in rows)
+        if commits % 128 == 0 or written >= 4_000_000:
+            written = 0
+            frames = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[1]
+            if frames >= 4096:
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
         lat.append(perf_counter() - s)
         if s > deadline:
             break
