@@ -390,6 +390,9 @@ class _Store:
             delay = min(delay * 2, 0.002)
 
 
+_U32 = struct.Struct("<I")
+_NO_VERSION = b"\xff" * 10
+
 _LAST_VERSION = "SELECT version, clock FROM txlog ORDER BY version DESC LIMIT 1"
 _UPSERT = "INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)"
 _RANGE_ASC = "SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key ASC LIMIT ?"
@@ -1460,6 +1463,20 @@ class Transaction(_ReadView):
         return offset
 
     def set_versionstamped_key(self, key, value):
+        if type(key) is bytes and type(value) is bytes and self._state == "open" \
+                and len(value) <= VALUE_SIZE_LIMIT and 14 <= len(key) <= KEY_SIZE_LIMIT + 4:
+            # The common case inline (a push writes two per message): a legal user key
+            # with its placeholder inside; the same effects as the general path below.
+            offset = _U32.unpack_from(key, len(key) - 4)[0]
+            body = key[:-4]
+            if offset + 10 <= len(body) and body < b"\xff":
+                self._vs_keys.append((body, offset, value, len(self._clear_log)))
+                head, tail = body[:offset], body[offset + 10:]
+                self._unreadable.append((head + (self._rv or 0).to_bytes(8, "big") + b"\x00\x00" + tail,
+                                         head + _NO_VERSION + tail + b"\x00"))
+                self._mutation_bytes += len(key) + len(value) + ENTRY_OVERHEAD_BYTES
+                self._mutations += 1
+                return
         self._check_writable()
         key, value = _key(key), _value(value)
         offset = self._placeholder_offset(key, "key")
@@ -1662,14 +1679,28 @@ class Transaction(_ReadView):
         write_ranges = self._write_ranges
         vs_sets = []
         if self._vs_keys:
-            vs_conflicts = []
+            # Conflict ranges: one per key prefix, from its lowest stamped key to its
+            # highest. Every key between them starts with that prefix and this commit's
+            # unique stamp, so the range adds no conflict with another transaction's
+            # writes (only keys no one else can have written), and the txlog row that
+            # every later conflict check reads stays small.
+            spans = {}
+            clear_log = self._clear_log
+            n_log = len(clear_log)
             for body, off, value, n_clears in self._vs_keys:
-                k = body[:off] + stamp + body[off + 10:]
-                vs_conflicts.append((k, k + b"\x00"))
+                head = body[:off]
+                k = head + stamp + body[off + 10:]
+                span = spans.get(head)
+                if span is None:
+                    spans[head] = [k, k]
+                elif k < span[0]:
+                    span[0] = k
+                elif k > span[1]:
+                    span[1] = k
                 # FDB applies mutations in order: a clear issued after it removes it.
-                if not any(b <= k < e for b, e in self._clear_log[n_clears:]):
+                if n_clears == n_log or not any(b <= k < e for b, e in clear_log[n_clears:]):
                     vs_sets.append((k, value))
-            write_ranges = write_ranges + vs_conflicts
+            write_ranges = write_ranges + [(lo, hi + b"\x00") for lo, hi in spans.values()]
         w.execute("INSERT INTO txlog VALUES (?, ?, ?)", (version, now, _pack_ranges(write_ranges)))
         if has_reads:
             if rv < version - MVCC_WINDOW_VERSIONS:
