@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import fdb.tuple as fdbtuple
+import msgpack
 from fdb.tuple import Versionstamp
 
 from .config import ProducerConfig, TopicConfig, check_name
@@ -30,8 +31,8 @@ from .engine import error_types, retry_or_raise, transactional
 from .errors import (BacklogFull, ConfigError, FDQError, InvalidHeader, InvalidMessage,
                      MessageTooLarge, TopicNotFound, is_maybe_committed)
 from .headers import dispatch_tag, trace_id, validate_headers
-from .keyspace import Keyspace, TopicSpace, counter, message_id, vs_key
-from .keyspace.codec import Record, pack, shard_of, split_body, unpack
+from .keyspace import Keyspace, TopicSpace, counter, message_id, vs_key, vs_key_parts
+from .keyspace.codec import CHUNK_BYTES, Record, pack, shard_of, split_body, unpack
 from .membership import read_clock
 from .topic import load_config, write_topic_config
 
@@ -141,23 +142,45 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             return unpack(raw[10:]), raw[:10]
     rv = clock = None
     configs = {}
+    plans = {}
     results = []
     batch_ids = {}
     counters = defaultdict(int)
     tags_written = set()     # each tag's key once per transaction
+    packb = msgpack.Packer(use_bin_type=True).pack   # one per call: a Packer is not shared
     for uv, (topic, env) in enumerate(items):
-        ts = ks.topic(topic)
-        config = configs.get(topic)
-        if config is None:
+        plan = plans.get(topic)
+        if plan is None:
+            ts = ks.topic(topic)
             config = configs[topic] = _config_for_push(tr, ks, ts, auto_create)
-        if len(env.body) > config.max_message_bytes:
-            raise MessageTooLarge(f"message body of {len(env.body):,} bytes exceeds topic {topic!r}'s "
+            plan = plans[topic] = _push_plan(ts, config)
+        ts, config = plan.ts, plan.config
+        body = env.body
+        if len(body) > config.max_message_bytes:
+            raise MessageTooLarge(f"message body of {len(body):,} bytes exceeds topic {topic!r}'s "
                                   f"max_message_bytes ({config.max_message_bytes:,})")
+        n = shard_of(env.shard_key, config.shards) if env.shard_key is not None else \
+            (spread + uv // STICKY_RUN) % config.shards
+        if plan.routing and env.msg_id is None and not env.delay and not env.headers \
+                and 0 < len(body) <= CHUNK_BYTES and getattr(env, "replay_of", None) is None:
+            # The common message (what route_message does for it, with the keys'
+            # prefixes prepared once per transaction): its record into the log and into
+            # every subscription's ready queue of shard n.
+            record = packb([now_ms, env.shard_key, None, None, body])   # = Record(...).encode()
+            uvb = uv.to_bytes(2, "big")
+            for head, offset in plan.targets(n):
+                tr.set_versionstamped_key(head + uvb + offset, record)
+            for key in plan.counter_keys(n):
+                counters[key] += 1
+            minute = now_ms // 60000 * 60000
+            if time_index.get(topic) != minute:
+                time_index[topic] = minute   # a lost entry only makes a replay scan longer
+                tr.set_versionstamped_key(vs_key(ts.time_index.pack((minute,)), uv), b"")
+            results.append((topic, uv, n, None))
+            continue
         if env.headers and not config.extend:
             raise InvalidHeader(f"topic {topic!r} has no extend support: headers are refused "
                                 "(create it with extend=True or upgrade it)")
-        n = shard_of(env.shard_key, config.shards) if env.shard_key is not None else \
-            (spread + uv // STICKY_RUN) % config.shards
         if env.msg_id is not None:
             if (topic, env.msg_id) in batch_ids:
                 results.append((topic, uv, n, batch_ids[(topic, env.msg_id)]))
@@ -221,6 +244,45 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
     tr.set_versionstamped_value(marker_key, _PLACEHOLDER + pack(results) + _OFFSET0)
     tr.set_versionstamped_key(vs_key(first.marks_by_version.key(), 0), txid)
     return results, tr.get_versionstamp()
+
+
+class _PushPlan:
+    """What a plain message (no msg_id, delay, headers or chunks) of one topic under one
+    config writes, per shard: the stamped keys' prefixes (``vs_key_parts``: key = head +
+    user version + offset) of its log row and of every subscription's ready row, and
+    the counters it adds 1 to. Built once per topic, config and producer process."""
+
+    __slots__ = ("ts", "config", "routing", "_shards")
+
+    def __init__(self, ts: TopicSpace, config: TopicConfig):
+        self.ts, self.config, self.routing = ts, config, config.routing
+        self._shards = {}
+
+    def _shard(self, n: int):
+        got = self._shards.get(n)
+        if got is None:
+            ts = self.ts
+            shards = [ts.shard(sub, "", n) for sub in self.config.subs]
+            targets = [vs_key_parts(ts.log_prefix(n))] + [vs_key_parts(s.ready_prefix) for s in shards]
+            keys = [ts.stat("inserted"), ts.stat("routed")] + [s.stat("routed") for s in shards]
+            got = self._shards[n] = (targets, keys)
+        return got
+
+    def targets(self, n: int) -> list:
+        return self._shard(n)[0]
+
+    def counter_keys(self, n: int) -> list:
+        return self._shard(n)[1]
+
+
+def _push_plan(ts: TopicSpace, config: TopicConfig) -> _PushPlan:
+    plans = ts.push_plans
+    plan = plans.get(config)
+    if plan is None:
+        if len(plans) > 16:
+            plans.clear()
+        plan = plans[config] = _PushPlan(ts, config)
+    return plan
 
 
 def route_message(tr, ts: TopicSpace, config: TopicConfig, tag: str, n: int, uv: int,
@@ -465,6 +527,10 @@ class Producer:
         stamp = stamp if type(stamp) is bytes else bytes(stamp.wait())
         out = []
         for (topic, uv, n, dup_of), (_t, env) in zip(results, items):
+            if dup_of is None and not env.headers:
+                # message_id(Versionstamp(stamp, uv)), without the objects
+                out.append(PushResult((stamp + uv.to_bytes(2, "big")).hex(), topic, n))
+                continue
             if isinstance(dup_of, int):
                 dup_of = message_id(Versionstamp(stamp, dup_of))
             mid = dup_of or message_id(Versionstamp(stamp, uv))

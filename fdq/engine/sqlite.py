@@ -1018,9 +1018,11 @@ class Transaction(_ReadView):
         self._clear_begins = []
         self._read_ranges = []
         self._write_ranges = []
-        self._vs_keys = []       # (key with placeholder, offset, value, clears before it)
+        # (key before its stamp, key after it, value, clears before it, read version then)
+        self._vs_keys = []
         self._clear_log = []     # every clear / clear_range in order (only read for _vs_keys)
         self._unreadable = []    # [begin, end) unreadable until commit (versionstamped keys)
+        self._unreadable_n = 0   # how many of _vs_keys _unreadable covers (built on a read)
         self._mutation_bytes = 0
         self._mutations = 0
         self._deferred = None
@@ -1102,16 +1104,28 @@ class Transaction(_ReadView):
         self._check_use()
         if key >= self._max_key() and key != b"\xff/metadataVersion":
             raise EngineError(2004)
-        if self._unreadable and not self._bypass_unreadable:
-            for b, e in self._unreadable:
+        if self._vs_keys and not self._bypass_unreadable:
+            for b, e in self._unreadable_ranges():
                 if b <= key < e:
                     raise EngineError(1036)
 
     def _check_read_range(self, b, e):
-        if self._unreadable and not self._bypass_unreadable:
-            for ub, ue in self._unreadable:
+        if self._vs_keys and not self._bypass_unreadable:
+            for ub, ue in self._unreadable_ranges():
                 if ub < e and b < ue:
                     raise EngineError(1036)
+
+    def _unreadable_ranges(self) -> list:
+        """Every key a versionstamped key of this transaction could become (from the
+        read version it had when set), unreadable until commit. Built when a read
+        needs it (most transactions that set them never read afterwards)."""
+        vs = self._vs_keys
+        if self._unreadable_n < len(vs):
+            for head, tail, _value, _clears, rv in islice(vs, self._unreadable_n, None):
+                self._unreadable.append((head + (rv or 0).to_bytes(8, "big") + b"\x00\x00" + tail,
+                                         head + _NO_VERSION + tail + b"\x00"))
+            self._unreadable_n = len(vs)
+        return self._unreadable
 
     def _range_bound(self, k, default, snap):
         if k is None:
@@ -1470,10 +1484,8 @@ class Transaction(_ReadView):
             offset = _U32.unpack_from(key, len(key) - 4)[0]
             body = key[:-4]
             if offset + 10 <= len(body) and body < b"\xff":
-                self._vs_keys.append((body, offset, value, len(self._clear_log)))
-                head, tail = body[:offset], body[offset + 10:]
-                self._unreadable.append((head + (self._rv or 0).to_bytes(8, "big") + b"\x00\x00" + tail,
-                                         head + _NO_VERSION + tail + b"\x00"))
+                self._vs_keys.append((body[:offset], body[offset + 10:], value, len(self._clear_log),
+                                      self._rv))
                 self._mutation_bytes += len(key) + len(value) + ENTRY_OVERHEAD_BYTES
                 self._mutations += 1
                 return
@@ -1485,11 +1497,8 @@ class Transaction(_ReadView):
         body = key[:-4]
         if not self._check_write_key(body):
             return
-        self._vs_keys.append((body, offset, value, len(self._clear_log)))
-        # Unreadable until commit: every key the stamp could produce.
-        lo = body[:offset] + (self._rv or 0).to_bytes(8, "big") + b"\x00\x00" + body[offset + 10:]
-        hi = body[:offset] + b"\xff" * 10 + body[offset + 10:] + b"\x00"
-        self._unreadable.append((lo, hi))
+        # Unreadable until commit: every key the stamp could produce (_unreadable_ranges).
+        self._vs_keys.append((body[:offset], body[offset + 10:], value, len(self._clear_log), self._rv))
         self._mutation_bytes += len(key) + len(value) + ENTRY_OVERHEAD_BYTES
         self._mutations += 1
 
@@ -1687,9 +1696,8 @@ class Transaction(_ReadView):
             spans = {}
             clear_log = self._clear_log
             n_log = len(clear_log)
-            for body, off, value, n_clears in self._vs_keys:
-                head = body[:off]
-                k = head + stamp + body[off + 10:]
+            for head, tail, value, n_clears, _rv in self._vs_keys:
+                k = head + stamp + tail
                 span = spans.get(head)
                 if span is None:
                     spans[head] = [k, k]
