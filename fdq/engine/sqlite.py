@@ -250,6 +250,12 @@ _ATOMIC_UPSERT = ("INSERT INTO kv (key, value) VALUES (?1, fdq_atomic(NULL, ?2))
                   "ON CONFLICT(key) DO UPDATE SET value = fdq_atomic(value, ?2)")
 
 
+# A key's only atomic op is an add (counters: the common case): no ops to pack, and
+# an absent key takes the operand as it is (_op_add(None, p) is p).
+_ADD_UPSERT = ("INSERT INTO kv (key, value) VALUES (?1, ?2) "
+               "ON CONFLICT(key) DO UPDATE SET value = fdq_add(value, ?2)")
+
+
 def _apply_ops(base, ops):
     for name, param in ops:
         base = _ATOMIC[name](base, param)
@@ -315,6 +321,7 @@ class _Store:
                                timeout=timeout)
         conn.execute(f"PRAGMA synchronous={self.synchronous}")
         conn.create_function("fdq_atomic", 2, _sql_atomic, deterministic=True)
+        conn.create_function("fdq_add", 2, _op_add, deterministic=True)
         return conn
 
     def acquire_reader(self) -> sqlite3.Connection:
@@ -1716,7 +1723,7 @@ class Transaction(_ReadView):
             self._check_conflicts(w, rv, version)
         for b, e in self._clears:
             w.execute("DELETE FROM kv WHERE key >= ? AND key < ?", (b, e))
-        sets, dels, atomics = [], [], []
+        sets, dels, atomics, adds = [], [], [], []
         may_clear = []
         for key, (kind, data) in self._writes.items():
             if kind == _SET:
@@ -1724,6 +1731,9 @@ class Transaction(_ReadView):
             elif kind == _CLEAR:
                 dels.append((key,))
             elif kind == _ATOMIC_OPS:
+                if len(data) == 1 and data[0][0] == "add":
+                    adds.append((key, data[0][1]))
+                    continue
                 atomics.append((key, msgpack.packb(data)))
                 if any(op == "compare_and_clear" for op, _ in data):
                     may_clear.append((key,))
@@ -1739,6 +1749,8 @@ class Transaction(_ReadView):
             w.execute(_UPSERT, sets[0])
         elif sets:
             w.executemany(_UPSERT, sets)
+        if adds:
+            w.executemany(_ADD_UPSERT, adds)
         if atomics:
             w.executemany(_ATOMIC_UPSERT, atomics)
             if may_clear:
