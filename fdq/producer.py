@@ -147,6 +147,7 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
     counters = defaultdict(int)
     tags_written = set()     # each tag's key once per transaction
     packb = msgpack.Packer(use_bin_type=True).pack   # one per call: a Packer is not shared
+    plain = defaultdict(int)     # (plan, shard) -> plain messages pushed there
     for uv, (topic, env) in enumerate(items):
         plan = plans.get(topic)
         if plan is None:
@@ -169,8 +170,7 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             uvb = uv.to_bytes(2, "big")
             for head, offset in plan.targets(n):
                 tr.set_versionstamped_key(head + uvb + offset, record)
-            for key in plan.counter_keys(n):
-                counters[key] += 1
+            plain[(plan, n)] += 1       # its counters, added below
             minute = now_ms // 60000 * 60000
             if time_index.get(topic) != minute:
                 time_index[topic] = minute   # a lost entry only makes a replay scan longer
@@ -235,6 +235,9 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
                 tr[ts.tags.pack((tag,))] = b""
             tr.set_versionstamped_key(vs_key(ts.pending.key(), uv), pack([n, env.delay]))
         results.append((topic, uv, n, None))
+    for (plan, n), count in plain.items():
+        for key in plan.counter_keys(n):
+            counters[key] += count
     for key, amount in counters.items():
         tr.add(key, counter(amount))
     for topic, config in configs.items():
@@ -268,7 +271,8 @@ class _PushPlan:
         return got
 
     def targets(self, n: int) -> list:
-        return self._shard(n)[0]
+        got = self._shards.get(n)
+        return (got or self._shard(n))[0]
 
     def counter_keys(self, n: int) -> list:
         return self._shard(n)[1]
@@ -540,10 +544,11 @@ class Producer:
                 retry_or_raise(tr, e)
         stamp = stamp if type(stamp) is bytes else bytes(stamp.wait())
         out = []
+        stamp_hex = stamp.hex()
         for (topic, uv, n, dup_of), (_t, env) in zip(results, items):
             if dup_of is None and not env.headers:
                 # message_id(Versionstamp(stamp, uv)), without the objects
-                out.append(PushResult((stamp + uv.to_bytes(2, "big")).hex(), topic, n))
+                out.append(PushResult(f"{stamp_hex}{uv:04x}", topic, n))
                 continue
             if isinstance(dup_of, int):
                 dup_of = message_id(Versionstamp(stamp, dup_of))
