@@ -361,18 +361,24 @@ class _GroupCommit:
         self._flusher = None
         self._flusher_go = threading.Event()
         self._commit_s = 0.0
+        self._callers = 0        # callers inside submit: queued, or released and not yet returned
 
     def submit(self, item: _Item):
         """Queue ``item`` and return once it is committed (or failed)."""
         with self._lock:
             self._queue.append(item)
+            self._callers += 1
             lead = not self._leading
             if lead:
                 self._leading = True
-        if not lead:
-            item.event.wait()
-            return
-        self._lead(rounds=1)
+        try:
+            if not lead:
+                item.event.wait()
+                return
+            self._lead(rounds=1)
+        finally:
+            with self._lock:
+                self._callers -= 1
 
     def submit_async(self, item: _Item):
         """Queue ``item`` without waiting; its ``future`` resolves after the commit."""
@@ -408,8 +414,8 @@ class _GroupCommit:
             n += 1
             if self._linger_s:
                 time.sleep(self._linger_s)
-            elif last > 1 and len(self._queue) < last:
-                self._gather(last)
+            elif last and len(self._queue) < min(self._callers, self._max_batch):
+                self._gather()
             with self._lock:
                 batch = self._queue[:self._max_batch]
                 del self._queue[:self._max_batch]
@@ -426,13 +432,14 @@ class _GroupCommit:
             last = len(batch)
         self._handoff()
 
-    def _gather(self, want: int):
+    def _gather(self):
         """Give the callers the last commit released (waiting for the GIL meanwhile) the
-        time to push again before the next commit takes the queue: else two halves of
-        them alternate, each commit carrying half. Bounded by a fifth of the last
-        commit's time (at most 1 ms)."""
+        time to push again before the next commit takes the queue: until every caller
+        inside ``submit`` has queued, for at most a fifth of the last commit's time (and
+        1 ms). Else the callers split into groups that alternate, each commit carrying
+        one group."""
         deadline = time.perf_counter() + min(0.001, self._commit_s / 5)
-        while len(self._queue) < want and time.perf_counter() < deadline:
+        while len(self._queue) < min(self._callers, self._max_batch) and time.perf_counter() < deadline:
             time.sleep(0)
 
     def _handoff(self):
