@@ -154,7 +154,8 @@ class ConsumerConfig:
 @dataclass(frozen=True, kw_only=True)
 class ProducerConfig:
     """``linger_ms``: how long a group commit waits for more concurrent pushes (0: take
-    what is queued while the previous commit runs). ``max_batch``: messages per commit."""
+    what is queued, once the callers the previous commit released have queued again or a
+    fifth of a commit has passed). ``max_batch``: messages per commit."""
 
     linger_ms: float = 0.0
     max_batch: int = 1000
