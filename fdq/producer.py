@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import fdb.tuple as fdbtuple
-import msgpack
 from fdb.tuple import Versionstamp
 
 from .config import ProducerConfig, TopicConfig, check_name
@@ -32,7 +31,7 @@ from .errors import (BacklogFull, ConfigError, FDQError, InvalidHeader, InvalidM
                      MessageTooLarge, TopicNotFound, is_maybe_committed)
 from .headers import dispatch_tag, trace_id, validate_headers
 from .keyspace import Keyspace, TopicSpace, counter, message_id, vs_key, vs_key_parts
-from .keyspace.codec import CHUNK_BYTES, Record, pack, shard_of, split_body, unpack
+from .keyspace.codec import CHUNK_BYTES, Record, pack, packer, shard_of, split_body, unpack
 from .membership import read_clock
 from .topic import load_config, write_topic_config
 
@@ -146,7 +145,7 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
     batch_ids = {}
     counters = defaultdict(int)
     tags_written = set()     # each tag's key once per transaction
-    packb = msgpack.Packer(use_bin_type=True).pack   # one per call: a Packer is not shared
+    packb = packer()
     plain = defaultdict(int)     # (plan, shard) -> plain messages pushed there
     for uv, (topic, env) in enumerate(items):
         plan = plans.get(topic)

@@ -406,13 +406,25 @@ _RANGE_ASC = "SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key 
 _RANGE_DESC = "SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key DESC LIMIT ?"
 
 
+_local = threading.local()
+
+
+def _packb(obj) -> bytes:
+    """``msgpack.packb(obj)`` with this thread's Packer (same bytes): ``packb`` builds a
+    Packer and its 256 KiB buffer on every call, a cost on every commit."""
+    pack = getattr(_local, "pack", None)
+    if pack is None:
+        pack = _local.pack = msgpack.Packer().pack
+    return pack(obj)
+
+
 def _pack_ranges(ranges) -> bytes:
     if len(ranges) > 1:
         ranges = _merge_ranges(ranges)
     flat = []
     for b, e in ranges:
         flat += (b, e)
-    return msgpack.packb(flat)
+    return _packb(flat)
 
 
 def _version_at(last: int, last_clock: float, now: float) -> int:
@@ -1734,7 +1746,7 @@ class Transaction(_ReadView):
                 if len(data) == 1 and data[0][0] == "add":
                     adds.append((key, data[0][1]))
                     continue
-                atomics.append((key, msgpack.packb(data)))
+                atomics.append((key, _packb(data)))
                 if any(op == "compare_and_clear" for op, _ in data):
                     may_clear.append((key,))
             else:  # versionstamped value
