@@ -17,7 +17,7 @@ import fdb.tuple as fdbtuple
 
 from .engine import transactional
 from .keyspace import ShardSpace, TopicSpace, Versionstamp, counter, decode_counter, vs_from_bytes
-from .keyspace.codec import Record, decode_dead, decode_lease, encode_dead, encode_lease
+from .keyspace.codec import Record, decode_dead, decode_lease, encode_dead, encode_lease, has_chunks
 from .membership import ensure_owner, read_clock
 
 ONE, MINUS_ONE = counter(1), counter(-1)
@@ -309,7 +309,8 @@ def settle(tr, ts: TopicSpace, items: list, max_deliver: int) -> list:
         del tr[key]
         leases[key] = None
         if action == "ack":
-            _clear_chunks(tr, shard, vs, Record.decode(record_raw))
+            if has_chunks(record_raw):
+                _clear_chunks(tr, shard, vs, Record.decode(record_raw))
             acked[shard] = acked.get(shard, 0) + 1
             continue
         tr.add(shard.stat("in_flight"), MINUS_ONE)
