@@ -60,7 +60,7 @@ def promote_due(tr, shard: ShardSpace, limit: int) -> int | None:
     ``membership.read_clock``) to the head of the ready queue. Returns the next due
     time still waiting, if any."""
     now = read_clock(tr, shard.clock_key)
-    r = shard.delayed.range()
+    r = shard.delayed_range
     moved = 0
     for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit + 1):
         due, vs = shard.delayed.unpack(kv.key)
@@ -160,7 +160,7 @@ def _read_ready(tr, shard: ShardSpace, limit: int, sel: Selection | None = None)
     promote_due(tr, shard, limit)
     if sel is not None:
         return _select_ready(tr, shard, limit, sel)
-    r = shard.ready.range()
+    r = shard.ready_range
     out = []
     for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit):
         tr.add_read_conflict_key(kv.key)   # conflict only on what we take

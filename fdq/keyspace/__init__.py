@@ -105,7 +105,8 @@ class ShardSpace:
     """The keys of one shard ``(tag, n)`` of one subscription."""
 
     __slots__ = ("topic", "sub", "tag", "n", "space", "ready", "delayed", "leased", "stats",
-                 "record", "chunks", "_stat_keys", "ready_prefix", "leased_prefix", "clock_key")
+                 "record", "chunks", "_stat_keys", "ready_prefix", "leased_prefix", "clock_key",
+                 "ready_range", "delayed_range")
 
     def __init__(self, ts: "TopicSpace", sub: str, tag: str, n: int):
         self.topic, self.sub, self.tag, self.n = ts.name, sub, tag, n
@@ -119,6 +120,8 @@ class ShardSpace:
         self.ready_prefix = self.ready.key()
         self.leased_prefix = self.leased.key()
         self.clock_key = ts.clock_key
+        self.ready_range = self.ready.range()       # read on every visit of the shard
+        self.delayed_range = self.delayed.range()
         self._stat_keys = {}
 
     # A complete Versionstamp packs as 0x33 + its 12 bytes: concatenating is what
