@@ -38,6 +38,9 @@ log = logging.getLogger("fdq.consumer")
 _monotonic = time.monotonic  # liveness and lease expiry: this host's monotonic clock only
 
 AT_MOST_ONCE, AT_LEAST_ONCE, EXACTLY_ONCE = "at_most_once", "at_least_once", "exactly_once"
+# How long a tail worker with nothing to do keeps its last batch's settlements for the
+# next round's lease transaction before committing them on their own.
+ACK_LINGER_S = 0.005
 
 
 @dataclass
@@ -749,11 +752,20 @@ class TailConsumer(Consumer):
                     done = self._visit(shards) if shards else 0    # one transaction for them all
                 else:
                     done = sum(self._visit([s]) for s in shards)
-                if not done:
-                    self._flush_carried()
+                if not done and self._carried:
+                    # Nothing to do now: wait a moment for a watch, whose round commits
+                    # the acks with its lease, else commit them on their own.
+                    self._idle(min(self._idle_for(), ACK_LINGER_S))
+                    if not self._has_dirty():
+                        self._flush_carried()
+                elif not done:
                     self._idle(self._idle_for())
         finally:
             self._flush_carried()
+
+    def _has_dirty(self) -> bool:
+        with self._owned_lock:
+            return bool(self._dirty)
 
     def _flush_carried(self):
         """Commit the settlements of the last batch that no lease round took along."""
@@ -813,8 +825,11 @@ class TailConsumer(Consumer):
         Without a thread pool they are carried into the next round's lease transaction
         (``_lease_many``): one commit per round, and an ack is durable before the handler
         is given the next batch, as when it had a commit of its own. A round that leases
-        nothing still commits them, and the worker commits what is left before it waits
-        or stops (``_flush_carried``). Explicit ``ack()`` etc. after the handler returned
+        nothing still commits them; a worker with nothing to do commits them after
+        ``ACK_LINGER_S`` unless a watch starts a round first, and before it stops
+        (``_flush_carried``). So an ack is durable before the next batch is handed over
+        or within ~5 ms, whichever comes first; a crash before that redelivers the
+        message (at least once). Explicit ``ack()`` etc. after the handler returned
         commit at once."""
         carried, self._carried = self._carried, []
         try:
