@@ -162,11 +162,17 @@ def _read_ready(tr, shard: ShardSpace, limit: int, sel: Selection | None = None)
         return _select_ready(tr, shard, limit, sel)
     r = shard.ready_range
     out = []
-    for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit):
-        tr.add_read_conflict_key(kv.key)   # conflict only on what we take
+    rows = tr.snapshot.get_range(r.start, r.stop, limit=limit)
+    for kv in rows:
         vs = vs_from_bytes(kv.key[-12:])       # ready keys end in 0x33 + the 12-byte stamp
         rec = Record.decode(kv.value)
         out.append(Taken(shard, vs, rec, _body(tr.snapshot, shard, vs, rec), kv.value))
+    if out:
+        # Conflict only on what we take: the head of the queue, first to last key taken
+        # (one range, not a key each; nothing else was between them at our snapshot, and
+        # a push commits above every key there).
+        first = shard.ready_key(out[0].vs)
+        tr.add_read_conflict_range(first, shard.ready_key(out[-1].vs) + b"\x00")
     return out
 
 
