@@ -7,7 +7,9 @@ the background in one of three modes:
 * at-least-once (default): each message is leased for ``ack_wait_s``; handler return →
   ack, exception → nak with backoff; ``ack()``, ``nak(delay)``, ``term(reason)``,
   ``in_progress()``; redelivered after its lease expires; dead-lettered after
-  ``max_deliver`` attempts. A batch's settlements commit in one transaction;
+  ``max_deliver`` attempts. A batch's settlements commit in one transaction: in
+  ``tail`` (without a thread pool) the next round's lease transaction, so a round costs
+  one commit (see ``TailConsumer._process_at_least_once`` for when an ack is durable);
 * exactly-once (``transactional=True``): the handler gets ``(tr, message)`` and runs
   inside the dequeue transaction; its writes through ``tr`` commit with the dequeue or
   not at all. Effects outside the transaction (HTTP calls, files) may repeat on retry.
