@@ -475,7 +475,10 @@ class Consumer:
         this round's messages are leased and handed over."""
         if not shards:
             if settlements:
-                self.settle(list(settlements))
+                try:
+                    self.settle(list(settlements))
+                except LeaseLost as e:      # committed: report, as below
+                    self._report(e)
             return []
         rows = _settle_rows(settlements) if settlements else None
         maybe_lost = []
@@ -776,10 +779,8 @@ class TailConsumer(Consumer):
         items, self._carried = self._carried, []
         try:
             self.settle(items)
-        except LeaseLost as e:
+        except Exception as e:  # LeaseLost, or not settled: redelivered after the ack wait
             self._report(e)
-        except Exception as e:
-            self._report(e)     # not settled: redelivered after their ack wait (at least once)
 
     def _visit(self, shards) -> int:
         """Process shards [(shard_id, epoch)] (several only in one transaction: not
