@@ -29,7 +29,7 @@ from types import MappingProxyType
 from . import delivery, membership
 from . import subscription as _subs
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig, SubscriptionConfig, TopicConfig, check_name
-from .engine import error_types, retry_or_raise
+from .engine import error_types, retry_or_raise, run_within
 from .errors import (ConfigError, ConsumerStalled, EngineError, FDQError, LeaseLost, TopicNotFound,
                      is_maybe_committed)
 from .headers import check_tag
@@ -43,6 +43,14 @@ AT_MOST_ONCE, AT_LEAST_ONCE, EXACTLY_ONCE = "at_most_once", "at_least_once", "ex
 # How long a tail worker with nothing to do keeps its last batch's settlements for the
 # next round's lease transaction before committing them on their own.
 ACK_LINGER_S = 0.005
+# A closing consumer's goodbye (return its leases, leave) is given up after this long: a
+# stalled database must not hang shutdown, and what it would have done happens anyway
+# (leases expire, peers time the consumer out as a zombie).
+_GOODBYE_MS = 10_000
+
+
+def _ms_until(deadline: float) -> int:
+    return max(1, int((deadline - _monotonic()) * 1000))   # never 0: a timeout of 0 is none
 
 
 @dataclass
@@ -689,15 +697,17 @@ class Consumer:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
-        self._return_leases()
+        deadline = _monotonic() + _GOODBYE_MS / 1000
+        self._return_leases(deadline)
         for w in self._watches.values():
             w.cancel()
         try:
-            _subs.leave(self.db, self._ts, self.subscription, self.id, self._topic_config)
+            run_within(self.db, _ms_until(deadline), _subs.leave, self._ts, self.subscription, self.id,
+                       self._topic_config)
         except FDQError as e:
             self._report(e)
 
-    def _return_leases(self):
+    def _return_leases(self, deadline):
         """Nak (delay 0) what this consumer leased and did not settle."""
         with self._leases_lock:
             mine = [(k, v) for k, v in self._leases.items()]
@@ -706,7 +716,7 @@ class Consumer:
             rows.append((self._ts.shard(self.subscription, *shard_id), vs, lease_id, "nak", 0))
         if rows:
             try:
-                delivery.settle(self.db, self._ts, rows, 1 << 30)
+                run_within(self.db, _ms_until(deadline), delivery.settle, self._ts, rows, 1 << 30)
             except FDQError as e:
                 self._report(e)
 

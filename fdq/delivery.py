@@ -397,14 +397,20 @@ def fail_in_place(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch
 
 @transactional
 def dlq_list(tr, ts: TopicSpace, sub: str, limit: int = 100, after: bytes | None = None) -> list:
-    """[(vs, Record, reason, consumer_id)] of the DLQ, oldest first."""
+    """[(vs, Record, reason, consumer_id, key)] of the DLQ, oldest first; each
+    record's ``body`` is the whole body (a large one's chunks joined)."""
     space = ts.dlq(sub)
     r = space.range()
     begin = after + b"\x00" if after else r.start
     out = []
     for kv in tr.snapshot.get_range(begin, r.stop, limit=limit):
         raw, reason, cid = decode_dead(kv.value)
-        out.append((space.unpack(kv.key)[0], Record.decode(raw), reason, cid, kv.key))
+        vs = space.unpack(kv.key)[0]
+        rec = Record.decode(raw)
+        if rec.nchunks:     # the chunks stay in the subscription's chunk area (_dead_letter)
+            c = ts.subs[sub]["chunks"][vs].range()
+            rec.body = b"".join(c.value for c in tr.snapshot.get_range(c.start, c.stop))
+        out.append((vs, rec, reason, cid, kv.key))
     return out
 
 

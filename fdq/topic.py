@@ -37,15 +37,19 @@ def read_topic_config(tr, ts: TopicSpace, *, snapshot: bool = False) -> TopicCon
 
 
 @transactional
-def create_topic(tr, ks: Keyspace, name: str, config: TopicConfig, *, exist_ok: bool = True) -> TopicConfig:
-    """Create a topic; re-running with the same config is a no-op."""
+def create_topic(tr, ks: Keyspace, name: str, config: TopicConfig, *, exist_ok: bool = True,
+                 strict_shards: bool = False) -> TopicConfig:
+    """Create a topic; re-running with the same config is a no-op. An existing topic
+    with another shard count is an error when ``strict_shards`` (the caller asked for
+    that count) or the count asked for is not the default; otherwise it is returned."""
     check_name(name)
     ensure_format(tr, ks)
     ts = ks.topic(name)
     existing = load_config(tr[ts.config_key])
     if existing is not None:
-        if not exist_ok or (existing.shards != config.shards and config.shards != TopicConfig().shards):
-            raise TopicExists(f"topic {name!r} already exists with {existing.shards} shards")
+        if not exist_ok or (existing.shards != config.shards and (strict_shards or config.shards != TopicConfig().shards)):
+            raise TopicExists(f"topic {name!r} already exists with {existing.shards} shards, not {config.shards}"
+                              f" (change the count with rebalance)")
         return existing
     write_topic_config(tr, ts, config)
     return config

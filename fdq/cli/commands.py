@@ -141,8 +141,9 @@ def _show_topic(state, name, as_json):
 
 @topics.command("create")
 @click.argument("name", type=TOPIC)
-@click.option("--shards", type=Shards(), default=TopicConfig().shards, show_default=True,
-              help="Number of shards.")
+@click.option("--shards", type=Shards(), default=None,
+              help=f"Number of shards [default: {TopicConfig().shards}]; an existing topic with "
+                   "another count is an error (use rebalance).")
 @click.option("--extend", is_flag=True, help="Extend support: headers and tag dispatch.")
 @click.option("--max-backlog", type=int, default=None, metavar="N", callback=topic_config_callback,
               help="Refuse pushes beyond this backlog per subscription.")

@@ -368,9 +368,11 @@ class _Store:
         finally:
             fcntl.flock(self.writer_fd, fcntl.LOCK_UN)
 
-    def begin_immediate(self):
+    def begin_immediate(self, until: float | None = None):
         """Take SQLite's write lock. Spins with short sleeps (SQLite's own busy
-        handler sleeps 1 ms, 2 ms, 5 ms, ... which caps a 2-process write rate)."""
+        handler sleeps 1 ms, 2 ms, 5 ms, ... which caps a 2-process write rate).
+        ``until``: the transaction's timeout (``_clock()`` time): waiting past it is
+        ``transaction_timed_out``, as FDB's timeout bounds a commit."""
         deadline = None
         delay = 0.00005
         while True:
@@ -381,6 +383,8 @@ class _Store:
                 if "locked" not in str(e) and "busy" not in str(e):
                     raise
             now = _clock()
+            if until is not None and now > until:
+                raise EngineError(1031)
             if deadline is None:
                 deadline = now + LOCK_WAIT_S
             elif now > deadline:
@@ -1607,7 +1611,7 @@ class Transaction(_ReadView):
             self._release()
             jump = db._fault(0.05)
             with store.write_lock:
-                store.begin_immediate()
+                store.begin_immediate(self._created + self._timeout_ms / 1000 if self._timeout_ms else None)
                 fcntl.flock(store.writer_fd, fcntl.LOCK_EX)
                 try:
                     version = self._apply(store, rv, has_reads, jump)

@@ -219,6 +219,24 @@ def test_large_bodies_split_and_reassembled(db):
     assert p.replay("t", 0) == 3
 
 
+def test_large_dead_letter_listed_whole_and_redriven(db):
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    big = os.urandom(3 * CHUNK_BYTES + 7)
+    fdq.Producer(db).push("t", big, shard_key="big")
+    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+        [m] = _fetch_until(c, lambda g: len(g) >= 1, 30)
+        m.term("too big to handle")
+    [dead] = sup.dlq_list("t")
+    assert dead["body"] == big and dead["reason"] == "terminated: too big to handle"
+    assert sup.dlq_redrive("t") == 1
+    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+        [m] = _fetch_until(c, lambda g: len(g) >= 1, 30)
+        assert m.body == big
+        m.ack()
+    assert scan(db, Keyspace().topic("t").subs["default"]["chunks"].key()) == []
+
+
 def test_exactly_once_large_body(db):
     fdq.Supervisor(db).create_topic("t", shards=1)
     body = os.urandom(300_000)

@@ -257,3 +257,13 @@ def test_replay_time_window(db):
     assert {i for i, _k, _b, _r in replayed}.isdisjoint(i for i, _k, _b in before + window + after)
     _check_order(window, replayed)
     assert sup.stats("t")["counters"]["inserted"] == 240
+
+
+def test_create_topic_existing_with_another_shard_count(db):
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=4)
+    assert sup.create_topic("t").shards == 4            # no count asked: the topic as it is
+    assert sup.create_topic("t", shards=4).shards == 4  # same count: no-op
+    with pytest.raises(fdq.TopicExists, match=r"already exists with 4 shards, not 16 \(change"):
+        sup.create_topic("t", shards=16)                # the default count, asked for explicitly
+    assert sup.config("t").shards == 4
