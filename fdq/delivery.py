@@ -162,11 +162,11 @@ def _read_ready(tr, shard: ShardSpace, limit: int, sel: Selection | None = None)
         return _select_ready(tr, shard, limit, sel)
     r = shard.ready_range
     out = []
-    rows = tr.snapshot.get_range(r.start, r.stop, limit=limit)
-    for kv in rows:
+    snap = tr.snapshot
+    for kv in snap.get_range(r.start, r.stop, limit=limit):
         vs = vs_from_bytes(kv.key[-12:])       # ready keys end in 0x33 + the 12-byte stamp
         rec = Record.decode(kv.value)
-        out.append(Taken(shard, vs, rec, _body(tr.snapshot, shard, vs, rec), kv.value))
+        out.append(Taken(shard, vs, rec, _body(snap, shard, vs, rec) if rec.nchunks else rec.body, kv.value))
     if out:
         # Conflict only on what we take: the head of the queue, first to last key taken
         # (one range, not a key each; nothing else was between them at our snapshot, and
