@@ -231,11 +231,14 @@ def _consume_worker(url, topic, mode, total, seconds, out):
     first, last, count = [None], [None], [0]
     lock = threading.Lock()
 
+    cpu0 = [None]
+
     def note():
         now = perf_counter()
         with lock:
             if first[0] is None:
                 first[0] = now
+                cpu0[0] = time.process_time()
             last[0] = now
             count[0] += 1
 
@@ -254,8 +257,9 @@ def _consume_worker(url, topic, mode, total, seconds, out):
         if sup.stats(topic)["subscriptions"]["default"]["backlog"] == 0:
             break
         time.sleep(0.05)
+    cpu = time.process_time() - cpu0[0] if cpu0[0] is not None else 0.0
     c.shutdown()
-    out.put({"first": first[0], "last": last[0], "count": count[0], "tx": _COMMITS[0],
+    out.put({"first": first[0], "last": last[0], "count": count[0], "tx": _COMMITS[0], "cpu_s": cpu,
              "wall_first": time.monotonic() - (perf_counter() - first[0]) if first[0] else None,
              "wall_last": time.monotonic() - (perf_counter() - last[0]) if last[0] else None})
 
@@ -288,7 +292,9 @@ def bench_consume(url, mode, total, procs, seconds):
     firsts = [r["wall_first"] for r in res if r["wall_first"]]
     lasts = [r["wall_last"] for r in res if r["wall_last"]]
     span = max(lasts) - min(firsts)
-    return {"msgs_per_s": got / span if span > 0 else float("nan"), "delivered": got, "pushed": total,
+    cpu = sum(r["cpu_s"] for r in res)
+    return {"msgs_per_s": got / span if span > 0 else float("nan"),
+            "msgs_per_cpu_s": got / cpu if cpu > 0 else float("nan"), "delivered": got, "pushed": total,
             "tx_per_msg": sum(r["tx"] for r in res) / max(got, 1)}
 
 
@@ -309,6 +315,7 @@ def _latency_producer(url, rate, seconds):
 
 
 def _latency_consumer(url, n, seconds, ready, out):
+    _count_commits()
     db = fdq.connect(url)
     lat = []
     done = threading.Event()
@@ -319,9 +326,11 @@ def _latency_consumer(url, n, seconds, ready, out):
             done.set()
     c = fdq.tail(db, "lat", handler, config=fdq.ConsumerConfig(**FAST))
     ready.set()
+    cpu0 = time.process_time()
     done.wait(seconds)
+    cpu = time.process_time() - cpu0
     c.shutdown()
-    out.put(lat)
+    out.put((lat, cpu, _COMMITS[0]))
 
 
 def bench_latency(url, rate, seconds):
@@ -335,11 +344,12 @@ def bench_latency(url, rate, seconds):
     time.sleep(0.5)   # let it take its shards and set its watches (not part of a test)
     prod = ctx.Process(target=_latency_producer, args=(url, rate, seconds))
     prod.start()
-    lat = q.get(timeout=seconds + 120)
+    lat, cpu, commits = q.get(timeout=seconds + 120)
     prod.join(30)
     cons.join(30)
     return {"p50_ms": _pct(lat, .5), "p99_ms": _pct(lat, .99), "max_ms": max(lat) if lat else float("nan"),
-            "delivered": len(lat), "pushed": n}
+            "delivered": len(lat), "pushed": n, "consumer_cpu_ms_per_msg": cpu * 1000 / max(len(lat), 1),
+            "tx_per_msg": commits / max(len(lat), 1)}
 
 
 # -- failover -------------------------------------------------------------------------
@@ -464,8 +474,8 @@ def main(argv=None):
     if args.json:
         print(json.dumps({"machine": machine, "rows": rows}, indent=1, default=str))
         return
-    cols = ["case", "msgs_per_s", "p50_ms", "p99_ms", "tx_per_msg", "of_raw", "takeover_s", "drained_s",
-            "delivered", "target"]
+    cols = ["case", "msgs_per_s", "msgs_per_cpu_s", "p50_ms", "p99_ms", "consumer_cpu_ms_per_msg", "tx_per_msg",
+            "of_raw", "takeover_s", "drained_s", "delivered", "target"]
     used = [c for c in cols if any(c in r for r in rows)]
 
     def fmt(v):

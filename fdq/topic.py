@@ -11,10 +11,19 @@ from .keyspace import Keyspace, TopicSpace, ensure_format
 from .keyspace.codec import pack, unpack
 
 
+_LAST = [None, None]     # (raw, TopicConfig) last decoded: consumers decode it per shard visit
+
+
 def load_config(raw) -> TopicConfig | None:
     if raw == None:  # noqa: E711 - FDB's absent Value equals None
         return None
-    return TopicConfig.from_dict(unpack(raw))
+    raw = bytes(raw)
+    last = _LAST    # one read of the pair: another thread may replace it meanwhile
+    if last[0] == raw:
+        return last[1]
+    config = TopicConfig.from_dict(unpack(raw))     # frozen: safe to share
+    globals()["_LAST"] = [raw, config]
+    return config
 
 
 @transactional

@@ -1347,6 +1347,18 @@ class Transaction(_ReadView):
     __setitem__ = set
 
     def clear(self, key):
+        if type(key) is bytes and len(key) <= KEY_SIZE_LIMIT and key < b"\xff" and self._state == "open" \
+                and not self._next_write_no_conflict and not self._pending_watches and not self._vs_keys:
+            # The common case inline (consumers clear a key per message): the same effects
+            # as the general path below.
+            writes = self._writes
+            if key not in writes:
+                self._sorted_keys = None
+            writes[key] = (_CLEAR, None)
+            self._write_ranges.append((key, key + b"\x00"))
+            self._mutation_bytes += len(key) + ENTRY_OVERHEAD_BYTES
+            self._mutations += 1
+            return
         self._check_writable()
         key = _key(key)
         if len(key) > KEY_SIZE_LIMIT and not key.startswith(b"\xff"):
