@@ -299,6 +299,7 @@ class Consumer:
                     self._refresh_owned()
                     self._observe_subscriptions(now)
                     self._hb_ok = _monotonic()
+                    self._last_error = None     # what the stall alarm names: since the last heartbeat
                 if now - self._last_lease_check >= cfg.lease_check_interval_s:
                     self._last_lease_check = now
                     self._tick_clock(now)
@@ -341,7 +342,7 @@ class Consumer:
             return
         if not self._stall_reported:
             self._stall_reported = True
-            err = self._last_error if self._stalled_since is not None else None
+            err = self._last_error
             why, since = (("has not completed a heartbeat" + (f" ({type(err).__name__}: {err})" if err else
                                                                " (cannot reach the database)"), unreachable)
                           if unreachable > limit else ("owns no shard", no_shard))
