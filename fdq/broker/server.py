@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .. import Consumer, ConsumerConfig, Producer, Supervisor, connect
-from ..config import DEFAULT_SUBSCRIPTION, SubscriptionConfig
+from ..config import DEFAULT_SUBSCRIPTION, ProducerConfig, SubscriptionConfig, TopicConfig
 from ..errors import ConfigError, FDQError, InvalidHeader, LeaseLost, MessageTooLarge, TopicNotFound
 from . import protocol as p
 from .protocol import ProtocolError, fatal, nonfatal
@@ -32,6 +32,11 @@ log = logging.getLogger("fdq.broker")
 
 INIT, SUBSCRIBED, CLOSING = "init", "subscribed", "closing"
 MAX_DELIVER = 0xFFFF           # NSQ never dead-letters: attempts is a uint16
+# Topics the broker creates (on PUB, SUB or /topic/create) have no FDQ ``default``
+# subscription: as on nsqd, messages go to channels only, and what is published before
+# the first channel exists is kept in the topic's log, which that channel starts from
+# (ensure_channel). A ``default`` subscription nobody reads would grow without bound.
+NEW_TOPIC = TopicConfig(subs=())
 FETCH_WAIT_S = 0.5
 
 
@@ -604,7 +609,7 @@ class Broker:
         self.db = db
         self.options = options or BrokerOptions()
         self.executor = ThreadPoolExecutor(self.options.threads, thread_name_prefix="fdq-broker")
-        self.producer = Producer(db)
+        self.producer = Producer(db, config=ProducerConfig(auto_create=NEW_TOPIC))
         self.supervisor = Supervisor(db)
         self.channels = {}
         self.conns = set()
@@ -654,7 +659,7 @@ class Broker:
         try:
             return self.supervisor.config(topic)
         except TopicNotFound:
-            self.supervisor.create_topic(topic)
+            self.supervisor.create_topic(topic, subs=NEW_TOPIC.subs)
             return self.supervisor.config(topic)
 
     def ensure_channel(self, topic: str, channel: str):

@@ -267,3 +267,18 @@ def test_create_topic_existing_with_another_shard_count(db):
     with pytest.raises(fdq.TopicExists, match=r"already exists with 4 shards, not 16 \(change"):
         sup.create_topic("t", shards=16)                # the default count, asked for explicitly
     assert sup.config("t").shards == 4
+
+
+def test_producer_auto_create_options(db):
+    strict = fdq.Producer(db, config=fdq.ProducerConfig(auto_create=False))
+    with pytest.raises(fdq.TopicNotFound, match="'a' does not exist"):
+        strict.push("a", b"x")
+    shaped = fdq.Producer(db, config=fdq.ProducerConfig(auto_create=fdq.TopicConfig(shards=4, subs=())))
+    shaped.push_many("a", [fdq.Envelope(b"x"), fdq.Envelope(b"y")])
+    sup = fdq.Supervisor(db)
+    assert (sup.config("a").shards, sup.config("a").subs) == (4, ())
+    assert sup.stats("a")["counters"]["inserted"] == 2      # in the "all" log, no queue
+    fdq.Producer(db).push("b", b"z")                        # the default: 16 shards, "default"
+    assert (sup.config("b").shards, sup.config("b").subs) == (16, ("default",))
+    with pytest.raises(fdq.ConfigError, match="auto_create must be True, False or a TopicConfig"):
+        fdq.ProducerConfig(auto_create="yes")
