@@ -44,9 +44,11 @@ DEFAULTS = {
     "max_heartbeat_interval_ms": 60_000,
     "max_req_timeout_ms": 60 * 60_000,
     "heartbeat_interval_ms": 30_000,
+    "output_buffer_size": 16 * 1024,
     "max_output_buffer_size": 64 * 1024,
-    "max_output_buffer_timeout_ms": 1000,
     "output_buffer_timeout_ms": 250,
+    "min_output_buffer_timeout_ms": 25,
+    "max_output_buffer_timeout_ms": 30_000,
     "max_deflate_level": 6,
 }
 
@@ -254,10 +256,7 @@ class Parser:
                 raise fatal("E_INVALID", "DPUB insufficient number of parameters")
             if not valid_name(p[0]):
                 raise fatal("E_BAD_TOPIC", f"DPUB topic name {p[0]!r} is not valid")
-            try:
-                ms = int(p[1])
-            except ValueError:
-                raise fatal("E_INVALID", f"DPUB could not parse timeout {p[1]!r}") from None
+            ms = parse_int(p[1], "DPUB could not parse timeout")
             if ms < 0 or ms > self.max_req_timeout_ms:
                 raise fatal("E_INVALID", f"DPUB timeout {ms} out of range 0-{self.max_req_timeout_ms}")
         elif name == b"AUTH" and len(p) != 0:
@@ -368,12 +367,14 @@ class Limits:
     max_req_timeout_ms: int = DEFAULTS["max_req_timeout_ms"]
     heartbeat_interval_ms: int = DEFAULTS["heartbeat_interval_ms"]
     max_output_buffer_size: int = DEFAULTS["max_output_buffer_size"]
+    output_buffer_timeout_ms: int = DEFAULTS["output_buffer_timeout_ms"]
+    min_output_buffer_timeout_ms: int = DEFAULTS["min_output_buffer_timeout_ms"]
     max_output_buffer_timeout_ms: int = DEFAULTS["max_output_buffer_timeout_ms"]
     max_deflate_level: int = DEFAULTS["max_deflate_level"]
     tls: bool = False
     tls_required: bool = False
     deflate: bool = True
-    snappy: bool = False
+    snappy: bool = True
     auth_required: bool = False
     version: str = "1.3.0"
 
@@ -387,7 +388,7 @@ class Identity:
     user_agent: str = ""
     heartbeat_interval_ms: int = DEFAULTS["heartbeat_interval_ms"]
     msg_timeout_ms: int = DEFAULTS["msg_timeout_ms"]
-    output_buffer_size: int = 16 * 1024
+    output_buffer_size: int = DEFAULTS["output_buffer_size"]
     output_buffer_timeout_ms: int = DEFAULTS["output_buffer_timeout_ms"]
     sample_rate: int = 0
     feature_negotiation: bool = False
@@ -427,20 +428,24 @@ def negotiate(data: dict, limits: Limits) -> tuple:
     else:
         ident.heartbeat_interval_ms = hb
 
-    obs = _int(data, "output_buffer_size", 0)
-    if obs == -1:
-        ident.output_buffer_size = 0
-    elif obs != 0:
-        if obs < 64 or obs > limits.max_output_buffer_size:
-            raise fatal("E_BAD_BODY", f"IDENTIFY output buffer size ({obs}) is invalid")
-        ident.output_buffer_size = obs
+    # output buffering as nsqd's clientV2.SetOutputBuffer: -1 disables (every write
+    # goes out at once), 0 keeps the default, otherwise within the broker's bounds
+    ident.output_buffer_timeout_ms = limits.output_buffer_timeout_ms
     obt = _int(data, "output_buffer_timeout", 0)
     if obt == -1:
         ident.output_buffer_timeout_ms = 0
     elif obt != 0:
-        if obt < 1 or obt > limits.max_output_buffer_timeout_ms:
+        if obt < limits.min_output_buffer_timeout_ms or obt > limits.max_output_buffer_timeout_ms:
             raise fatal("E_BAD_BODY", f"IDENTIFY output buffer timeout ({obt}) is invalid")
         ident.output_buffer_timeout_ms = obt
+    obs = _int(data, "output_buffer_size", 0)
+    if obs == -1:
+        ident.output_buffer_size = 1
+        ident.output_buffer_timeout_ms = 0
+    elif obs != 0:
+        if obs < 64 or obs > limits.max_output_buffer_size:
+            raise fatal("E_BAD_BODY", f"IDENTIFY output buffer size ({obs}) is invalid")
+        ident.output_buffer_size = obs
 
     sr = _int(data, "sample_rate", 0)
     if sr < 0 or sr > 99:
@@ -494,12 +499,13 @@ def negotiate(data: dict, limits: Limits) -> tuple:
     return ident, json.dumps(resp).encode()
 
 
-def parse_int(raw: bytes, what: str) -> int:
-    """An integer parameter, or a fatal E_INVALID naming ``what``."""
-    try:
-        return int(raw)
-    except ValueError:
-        raise fatal("E_INVALID", f"{what} {raw!r}") from None
+def parse_int(raw: bytes, what: str, signed: bool = False) -> int:
+    """A decimal parameter, or a fatal E_INVALID naming ``what``. Unsigned (nsqd's
+    ByteToBase10: digits only) unless ``signed`` (Go's strconv.Atoi, as for RDY)."""
+    digits = raw[1:] if signed and raw[:1] in (b"-", b"+") else raw
+    if not digits or not digits.isdigit():
+        raise fatal("E_INVALID", f"{what} {raw.decode('utf-8', 'replace')}")
+    return int(raw)
 
 
 __all__ = ["Parser", "Command", "ProtocolError", "Limits", "Identity", "negotiate", "frame", "response",

@@ -18,14 +18,14 @@ import random
 import signal
 import ssl
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .. import Consumer, ConsumerConfig, Producer, Supervisor, connect
 from ..config import DEFAULT_SUBSCRIPTION, SubscriptionConfig
 from ..errors import ConfigError, FDQError, InvalidHeader, LeaseLost, MessageTooLarge, TopicNotFound
-from . import protocol as p
+from . import compress, protocol as p
+from .quantile import Quantile
 from .protocol import ProtocolError, fatal, nonfatal
 
 log = logging.getLogger("fdq.broker")
@@ -45,13 +45,18 @@ class BrokerOptions:
     tls_required: bool = False
     auth_file: str | None = None
     threads: int = 64
+    e2e_percentiles: tuple = ()      # --e2e-processing-latency-percentile (quantiles in (0, 1])
+    e2e_window_s: float = 600.0      # --e2e-processing-latency-window-time
     broadcast_address: str = "127.0.0.1"
 
 
 class ChannelStats:
-    def __init__(self):
+    def __init__(self, percentiles: tuple = (), window_s: float = 600.0):
+        self.e2e = Quantile(percentiles, window_s)
         self.message_count = 0
         self.requeue_count = 0
+        self.timeout_count = 0
+        self.published = {}        # topic -> messages published on this connection
         self.timeout_count = 0
         self.finish_count = 0
 
@@ -68,7 +73,7 @@ class Channel:
         self.extend = extend
         self.consumer = None
         self.conns = []
-        self.stats = ChannelStats()
+        self.stats = broker.stats_for(topic, name)
         self.wake = asyncio.Event()
         self._rr = 0
         self._settles = []
@@ -207,14 +212,18 @@ class Conn:
         self.auth = None           # granted permissions (auth.Grant) once AUTH succeeded
         self._next_id = random.getrandbits(40)
         self._out = asyncio.Queue()
-        self._compress = None
-        self._decompress = None
+        self._codec = None         # compress.Deflate / compress.Snappy once negotiated
+        self._obuf = []            # output buffer (message frames, then a flush)
+        self._olen = 0
+        self._flush_timer = None
         self.closed = False
         self.remote = writer.get_extra_info("peername")
         self.connect_ts = int(time.time())
         self.message_count = 0
         self.finish_count = 0
         self.requeue_count = 0
+        self.timeout_count = 0
+        self.published = {}        # topic -> messages published on this connection
 
     def stats(self) -> dict:
         """nsqd's client stats fields."""
@@ -224,10 +233,23 @@ class Conn:
                 "ready_count": self.rdy, "in_flight_count": len(self.in_flight),
                 "message_count": self.message_count, "finish_count": self.finish_count,
                 "requeue_count": self.requeue_count, "connect_ts": self.connect_ts,
-                "sample_rate": self.ident.sample_rate, "deflate": self._compress is not None,
-                "snappy": False, "user_agent": self.ident.user_agent, "tls": self.ident.tls_v1,
+                "sample_rate": self.ident.sample_rate, "deflate": self.ident.deflate,
+                "snappy": self.ident.snappy, "user_agent": self.ident.user_agent, "tls": self.ident.tls_v1,
                 "authed": self.auth is not None, "msg_timeout": self.ident.msg_timeout_ms,
-                "heartbeat_interval": self.ident.heartbeat_interval_ms}
+                "heartbeat_interval": self.ident.heartbeat_interval_ms, "name": self.ident.client_id,
+                "timeout_count": self.timeout_count, "deferred_count": 0,
+                "auth_identity": self.auth.identity if self.auth is not None else "",
+                "output_buffer_size": self.ident.output_buffer_size,
+                "output_buffer_timeout": self.ident.output_buffer_timeout_ms,
+                "pub_counts": [{"topic": t, "count": n} for t, n in sorted(self.published.items())],
+                **self._tls_stats()}
+
+    def _tls_stats(self) -> dict:
+        obj = self.writer.get_extra_info("ssl_object") if self.ident.tls_v1 else None
+        cipher = obj.cipher() if obj is not None else None
+        return {"tls_cipher_suite": cipher[0] if cipher else "", "tls_version": obj.version() if obj else "",
+                "tls_negotiated_protocol": (obj.selected_alpn_protocol() or "") if obj else "",
+                "tls_negotiated_protocol_is_mutual": False}
 
     @property
     def capacity(self) -> int:
@@ -238,10 +260,37 @@ class Conn:
     # -- output ----------------------------------------------------------------------
 
     def _write(self, data: bytes):
+        """Send ``data`` now, after whatever messages are buffered (nsqd flushes on every
+        response, error and heartbeat)."""
+        self._obuf.append(data)
+        self._flush()
+
+    def _write_messages(self, data: bytes):
+        """Buffer message frames as nsqd's output buffer (IDENTIFY ``output_buffer_size``
+        / ``output_buffer_timeout``): sent once the buffer is full, when the client can
+        take no more (RDY reached), or when the timeout fires, whichever comes first."""
+        self._obuf.append(data)
+        self._olen += len(data)
+        ident = self.ident
+        if self._olen >= ident.output_buffer_size or ident.output_buffer_timeout_ms <= 0 or self.capacity <= 0:
+            self._flush()
+        elif self._flush_timer is None:
+            self._flush_timer = asyncio.get_running_loop().call_later(
+                ident.output_buffer_timeout_ms / 1000, self._flush)
+
+    def _flush(self):
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        if not self._obuf:
+            return
+        data = self._obuf[0] if len(self._obuf) == 1 else b"".join(self._obuf)
+        self._obuf.clear()
+        self._olen = 0
         if self.closed or self.writer.is_closing():
             return
-        if self._compress is not None:
-            data = self._compress.compress(data) + self._compress.flush(zlib.Z_SYNC_FLUSH)
+        if self._codec is not None:
+            data = self._codec.compress(data)
         self.writer.write(data)
 
     def send_error(self, err: ProtocolError):
@@ -262,7 +311,7 @@ class Conn:
                 continue
             self._next_id = (self._next_id + 1) & ((1 << 64) - 1)
             nsq_id = b"%016x" % self._next_id
-            self.in_flight[nsq_id] = [m, now + timeout]
+            self.in_flight[nsq_id] = [m, now + timeout, now]    # message, deadline, delivered at
             ext = None
             if self.ident.extend_support and ch.extend:
                 ext = json.dumps(dict(m.headers), separators=(",", ":")).encode()
@@ -270,7 +319,7 @@ class Conn:
             self.message_count += 1
             ch.stats.message_count += 1
         if out:
-            self._write(b"".join(out))      # one send for the batch
+            self._write_messages(b"".join(out))
         return msgs[n:]
 
     async def _responder(self):
@@ -316,11 +365,11 @@ class Conn:
                     break
                 if not data:
                     break
-                if self._decompress is not None:
+                if self._codec is not None:
                     try:
-                        data = self._decompress.decompress(data)
-                    except zlib.error:
-                        self.send_error(fatal("E_INVALID", "bad deflate stream"))
+                        data = self._codec.decompress(data)
+                    except ValueError as e:
+                        self.send_error(fatal("E_INVALID", str(e)))
                         break
                 for item in self.parser.feed(data):
                     if isinstance(item, ProtocolError):
@@ -354,9 +403,12 @@ class Conn:
         if self.closed:
             return
         self.closed = True
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
         ch = self.channel
         if ch is not None:
-            for nsq_id, (m, _d) in list(self.in_flight.items()):
+            for nsq_id, (m, _d, _t) in list(self.in_flight.items()):
                 ch.settle(None, m, "nak", 0)    # requeued at once, as nsqd
             self.in_flight.clear()
             await ch.remove(self)
@@ -374,11 +426,15 @@ class Conn:
             if hb > 0 and now - getattr(self, "_last_hb", 0) >= hb:
                 self._last_hb = now
                 self._write(p.response(p.HEARTBEAT))
-            expired = [k for k, (_m, d) in self.in_flight.items() if d <= now]
-            for k in expired:       # the lease expired: FDQ redelivers it; free the RDY slot
-                del self.in_flight[k]
+            expired = [k for k, (_m, d, _t) in self.in_flight.items() if d <= now]
+            for k in expired:
+                # timed out: back to the queue now, as nsqd requeues at msg_timeout (FDQ
+                # would also redeliver it once its lease expires); frees the RDY slot
+                m = self.in_flight.pop(k)[0]
+                self.timeout_count += 1
                 if self.channel is not None:
                     self.channel.stats.timeout_count += 1
+                    self.channel.settle(None, m, "nak", 0)
             if expired and self.channel is not None:
                 self.channel.wake.set()
 
@@ -412,9 +468,11 @@ class Conn:
             except (ssl.SSLError, OSError, ConnectionError) as e:
                 raise fatal("E_IDENTIFY_FAILED", f"TLS handshake failed: {e}") from None
             self._write(p.response())
-        if ident.deflate:
-            self._compress = zlib.compressobj(ident.deflate_level, zlib.DEFLATED, -15)
-            self._decompress = zlib.decompressobj(-15)
+        if ident.snappy:
+            self._codec = compress.Snappy()
+            self._write(p.response())
+        elif ident.deflate:
+            self._codec = compress.Deflate(ident.deflate_level)
             self._write(p.response())
 
     async def cmd_auth(self, cmd):
@@ -473,11 +531,13 @@ class Conn:
             return
         if self.state != SUBSCRIBED:
             raise fatal("E_INVALID", "cannot RDY in current state")
-        count = p.parse_int(cmd.params[0], "RDY could not parse count") if cmd.params else 1
+        count = p.parse_int(cmd.params[0], "RDY could not parse count", signed=True) if cmd.params else 1
         mx = self.broker.options.limits.max_rdy_count
         if count < 0 or count > mx:
             raise fatal("E_INVALID", f"RDY count {count} out of range 0-{mx}")
         self.rdy = count
+        if self.capacity <= 0:
+            self._flush()          # nsqd flushes a client that can take no more
         self.channel.wake.set()
 
     def _msg_id(self, cmd, verb, nparams):
@@ -498,6 +558,7 @@ class Conn:
         self.finish_count += 1
         self.channel.stats.finish_count += 1
         self.channel.settle(self, entry[0], "ack", None, mid)
+        self.channel.stats.e2e.add(time.time_ns() - entry[0].insertion_time * 1_000_000)
         self.channel.wake.set()
 
     async def cmd_req(self, cmd):
@@ -518,7 +579,11 @@ class Conn:
         entry = self.in_flight.get(mid)
         if entry is None:
             raise nonfatal("E_TOUCH_FAILED", f"TOUCH {mid.decode('ascii', 'replace')} failed ID not in flight")
-        entry[1] = time.monotonic() + self.ident.msg_timeout_ms / 1000
+        # as nsqd's Channel.TouchMessage: a message's total time on a client never
+        # exceeds --max-msg-timeout; past it the message times out (and is requeued)
+        lim = self.broker.options.limits
+        entry[1] = min(time.monotonic() + self.ident.msg_timeout_ms / 1000,
+                       entry[2] + lim.max_msg_timeout_ms / 1000)
         self.channel.settle(self, entry[0], "touch", None, mid)
 
     async def cmd_cls(self, cmd):
@@ -529,7 +594,7 @@ class Conn:
 
     # -- publishing ------------------------------------------------------------------
 
-    def _publish(self, fn, code: str, verb: str):
+    def _publish(self, topic: str, fn, code: str, verb: str):
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(self.broker.executor, fn)
 
@@ -541,6 +606,7 @@ class Conn:
             except FDQError as e:
                 raise fatal(code, f"{verb} failed {e}") from None
             self.broker.published += r
+            self.published[topic] = self.published.get(topic, 0) + r
             return p.response()
         self._out.put_nowait(result())
 
@@ -548,21 +614,21 @@ class Conn:
         topic = cmd.params[0].decode()
         self._check_auth(topic, None, "publish")
         body = cmd.body
-        self._publish(lambda: (self.broker.producer.push(topic, body), 1)[1], "E_PUB_FAILED", "PUB")
+        self._publish(topic, lambda: (self.broker.producer.push(topic, body), 1)[1], "E_PUB_FAILED", "PUB")
 
     async def cmd_dpub(self, cmd):
         topic = cmd.params[0].decode()
         ms = int(cmd.params[1])       # the parser checked its range
         self._check_auth(topic, None, "publish")
         body = cmd.body
-        self._publish(lambda: (self.broker.producer.push(topic, body, delay=ms / 1000), 1)[1],
+        self._publish(topic, lambda: (self.broker.producer.push(topic, body, delay=ms / 1000), 1)[1],
                       "E_DPUB_FAILED", "DPUB")
 
     async def cmd_mpub(self, cmd):
         topic = cmd.params[0].decode()
         self._check_auth(topic, None, "publish")
         bodies = cmd.bodies
-        self._publish(lambda: len(self.broker.producer.push_many(topic, bodies)), "E_MPUB_FAILED", "MPUB")
+        self._publish(topic, lambda: len(self.broker.producer.push_many(topic, bodies)), "E_MPUB_FAILED", "MPUB")
 
     async def cmd_pub_ext(self, cmd):
         topic = cmd.params[0].decode()
@@ -582,6 +648,7 @@ class Conn:
             except FDQError as e:
                 raise fatal("E_PUB_FAILED", f"PUB_EXT failed {e}") from None
             b.published += 1
+            self.published[topic] = self.published.get(topic, 0) + 1
             if r.trace_id is not None:
                 return p.response(p.trace_response(r.id, r.trace_id, len(body)))
             return p.response()
@@ -607,6 +674,7 @@ class Broker:
         self.producer = Producer(db)
         self.supervisor = Supervisor(db)
         self.channels = {}
+        self.channel_stats = {}      # (topic, channel) -> ChannelStats
         self.conns = set()
         self.published = 0
         self.start_time = int(time.time())
@@ -629,6 +697,11 @@ class Broker:
             from .auth import AuthFile
             self.auth = AuthFile.load(self.options.auth_file)
             lim.auth_required = True
+        if not compress.SNAPPY_AVAILABLE:
+            lim.snappy = False
+        for q in self.options.e2e_percentiles:
+            if not 0 < q <= 1:
+                raise ConfigError(f"e2e processing latency percentile must be in (0, 1], not {q}")
 
     async def run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -672,6 +745,15 @@ class Broker:
         except ConfigError:
             if channel not in self.supervisor.config(topic).subs:   # not a race with another broker
                 raise
+
+    def stats_for(self, topic: str, channel: str) -> ChannelStats:
+        """The channel's counters on this broker (kept across its connections coming
+        and going, as nsqd's; shared by the channel's tags)."""
+        st = self.channel_stats.get((topic, channel))
+        if st is None:
+            o = self.options
+            st = self.channel_stats[(topic, channel)] = ChannelStats(o.e2e_percentiles, o.e2e_window_s)
+        return st
 
     async def is_extend(self, topic: str) -> bool:
         try:
