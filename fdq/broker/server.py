@@ -216,6 +216,7 @@ class Conn:
         self._obuf = []            # output buffer (message frames, then a flush)
         self._olen = 0
         self._flush_timer = None
+        self._last_hb = time.monotonic()      # the first heartbeat one interval after connecting
         self.closed = False
         self.remote = writer.get_extra_info("peername")
         self.connect_ts = int(time.time())
@@ -423,7 +424,7 @@ class Conn:
             await asyncio.sleep(0.5)
             now = time.monotonic()
             hb = self.ident.heartbeat_interval_ms / 1000
-            if hb > 0 and now - getattr(self, "_last_hb", 0) >= hb:
+            if hb > 0 and now - self._last_hb >= hb:
                 self._last_hb = now
                 self._write(p.response(p.HEARTBEAT))
             expired = [k for k, (_m, d, _t) in self.in_flight.items() if d <= now]
