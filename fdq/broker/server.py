@@ -302,24 +302,35 @@ class Conn:
     def deliver(self, msgs: list) -> list:
         """Send as many of ``msgs`` as RDY allows; return the rest."""
         n = max(0, self.capacity)
+        if n == 0:
+            return msgs
         now = time.monotonic()
-        timeout = self.ident.msg_timeout_ms / 1000
+        deadline = now + self.ident.msg_timeout_ms / 1000
         ch = self.channel
+        sample = self.ident.sample_rate
+        ext = self.ident.extend_support and ch.extend
+        in_flight = self.in_flight
+        next_id = self._next_id
         out = []
+        head = p.MESSAGE_HEAD.pack
         for m in msgs[:n]:
-            if self.ident.sample_rate and random.randrange(100) >= self.ident.sample_rate:
+            if sample and random.randrange(100) >= sample:
                 ch.settle(None, m, "ack")       # nsqd drops unsampled messages for this client
                 continue
-            self._next_id = (self._next_id + 1) & ((1 << 64) - 1)
-            nsq_id = b"%016x" % self._next_id
-            self.in_flight[nsq_id] = [m, now + timeout, now]    # message, deadline, delivered at
-            ext = None
-            if self.ident.extend_support and ch.extend:
-                ext = json.dumps(dict(m.headers), separators=(",", ":")).encode()
-            out.append(p.message(m.insertion_time * 1_000_000, m.attempts, nsq_id, m.body, ext))
-            self.message_count += 1
-            ch.stats.message_count += 1
+            next_id = (next_id + 1) & 0xFFFFFFFFFFFFFFFF
+            nsq_id = b"%016x" % next_id
+            in_flight[nsq_id] = [m, deadline, now]    # message, deadline, delivered at
+            if ext:
+                out.append(p.message(m.insertion_time * 1_000_000, m.attempts, nsq_id, m.body,
+                                     json.dumps(dict(m.headers), separators=(",", ":")).encode()))
+            else:
+                body = m.body
+                out.append(head(len(body) + 30, p.FRAME_MESSAGE, m.insertion_time * 1_000_000,
+                                min(m.attempts, 0xFFFF)) + nsq_id + body)
+        self._next_id = next_id
         if out:
+            self.message_count += len(out)
+            ch.stats.message_count += len(out)
             self._write_messages(b"".join(out))
         return msgs[n:]
 
@@ -372,6 +383,7 @@ class Conn:
                     except ValueError as e:
                         self.send_error(fatal("E_INVALID", str(e)))
                         break
+                tls_gate = self.broker.options.limits.tls_required and not self.ident.tls_v1
                 for item in self.parser.feed(data):
                     if isinstance(item, ProtocolError):
                         self.send_error(item)
@@ -379,7 +391,11 @@ class Conn:
                             break
                         continue
                     try:
-                        await self._exec(item)
+                        sync = _SYNC_HANDLERS.get(item.name)
+                        if sync is not None and not tls_gate:
+                            sync(self, item)        # FIN, REQ, TOUCH, RDY, NOP: no await
+                        else:
+                            await self._exec(item)
                     except ProtocolError as e:
                         self.send_error(e)
                         if e.fatal:
@@ -449,9 +465,11 @@ class Conn:
         lim = self.broker.options.limits
         if lim.tls_required and not self.ident.tls_v1 and name != b"IDENTIFY":
             raise fatal("E_INVALID", f"cannot {name.decode()} in current state (TLS required)")
-        await handler(self, cmd)
+        r = handler(self, cmd)
+        if r is not None:
+            await r
 
-    async def cmd_nop(self, cmd):
+    def cmd_nop(self, cmd):
         return None
 
     async def cmd_identify(self, cmd):
@@ -527,7 +545,7 @@ class Conn:
         ch.add(self)
         self._out.put_nowait(p.response())
 
-    async def cmd_rdy(self, cmd):
+    def cmd_rdy(self, cmd):
         if self.state == CLOSING:
             return
         if self.state != SUBSCRIBED:
@@ -551,7 +569,7 @@ class Conn:
             raise fatal("E_INVALID", "Invalid Message ID")
         return mid
 
-    async def cmd_fin(self, cmd):
+    def cmd_fin(self, cmd):
         mid = self._msg_id(cmd, "FIN", 1)
         entry = self.in_flight.pop(mid, None)
         if entry is None:
@@ -559,10 +577,12 @@ class Conn:
         self.finish_count += 1
         self.channel.stats.finish_count += 1
         self.channel.settle(self, entry[0], "ack", None, mid)
-        self.channel.stats.e2e.add(time.time_ns() - entry[0].insertion_time * 1_000_000)
+        e2e = self.channel.stats.e2e
+        if e2e.percentiles:
+            e2e.add(time.time_ns() - entry[0].insertion_time * 1_000_000)
         self.channel.wake.set()
 
-    async def cmd_req(self, cmd):
+    def cmd_req(self, cmd):
         mid = self._msg_id(cmd, "REQ", 2)
         ms = p.parse_int(cmd.params[1], "REQ could not parse timeout")
         mx = self.broker.options.limits.max_req_timeout_ms
@@ -575,7 +595,7 @@ class Conn:
         self.channel.settle(self, entry[0], "nak", ms / 1000, mid)
         self.channel.wake.set()
 
-    async def cmd_touch(self, cmd):
+    def cmd_touch(self, cmd):
         mid = self._msg_id(cmd, "TOUCH", 1)
         entry = self.in_flight.get(mid)
         if entry is None:
@@ -656,6 +676,8 @@ class Conn:
         self._out.put_nowait(result())
 
 
+_SYNC_HANDLERS = {b"NOP": Conn.cmd_nop, b"RDY": Conn.cmd_rdy, b"FIN": Conn.cmd_fin, b"REQ": Conn.cmd_req,
+                  b"TOUCH": Conn.cmd_touch}
 _HANDLERS = {
     b"NOP": Conn.cmd_nop, b"IDENTIFY": Conn.cmd_identify, b"AUTH": Conn.cmd_auth, b"SUB": Conn.cmd_sub,
     b"RDY": Conn.cmd_rdy, b"FIN": Conn.cmd_fin, b"REQ": Conn.cmd_req, b"TOUCH": Conn.cmd_touch,
