@@ -7,6 +7,13 @@ pull-style ``fdq.Consumer`` per (topic, channel, desired tag) it serves and disp
 its messages to the channel's connections by RDY. A message is leased for the
 receiving connection's ``msg_timeout``; FIN = ack, REQ = nak(delay), TOUCH =
 in_progress. Engine calls run in a thread pool; the event loop never blocks on them.
+
+As nsqd: a message that times out on its connection (``msg_timeout``, extended by
+TOUCH but never past ``--max-msg-timeout`` from its delivery) is requeued at once;
+message frames go through the connection's output buffer (IDENTIFY
+``output_buffer_size`` / ``output_buffer_timeout``), flushed when full, when the
+client reaches its RDY, on the timeout, and before any response, error or heartbeat;
+``deflate`` or ``snappy`` (``compress.py``) wrap the stream after IDENTIFY.
 """
 from __future__ import annotations
 
