@@ -45,6 +45,23 @@ class Request:
         return v[0] if v else default
 
 
+def _memory() -> dict:
+    """nsqd's ``memory`` stats (Go runtime fields), from what CPython has: the process's
+    resident set for the heap sizes, the garbage collector's counts for the GC fields."""
+    import gc
+    import resource
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        pass
+    counts = gc.get_count()
+    return {"heap_objects": sum(counts), "heap_idle_bytes": 0, "heap_in_use_bytes": rss,
+            "heap_released_bytes": 0, "gc_pause_usec_100": 0, "gc_pause_usec_99": 0, "gc_pause_usec_95": 0,
+            "next_gc_bytes": 0, "gc_total_runs": sum(g["collections"] for g in gc.get_stats())}
+
+
 class HTTPServer:
     def __init__(self, broker):
         self.broker = broker
@@ -431,8 +448,16 @@ class HTTPServer:
     async def stats(self, req):
         topics = await self._collect(req.arg("topic"), req.arg("channel"))
         b = self.broker
+        if req.arg("include_clients") == "false":          # nsqd's include_clients / include_mem
+            for t in topics:
+                for c in t["channels"]:
+                    c["clients"] = []
         data = {"version": b.options.limits.version, "health": "OK", "start_time": b.start_time,
-                "topics": topics, "memory": {}, "producers": [c.stats() for c in b.conns if c.published]}
+                "topics": topics, "memory": _memory() if req.arg("include_mem") != "false" else None,
+                "producers": [c.stats() for c in b.conns if c.published]
+                if req.arg("include_clients") != "false" else []}
+        if data["memory"] is None:
+            del data["memory"]                                # nsqd: "memory,omitempty"
         if req.arg("format") == "json":
             return data
         lines = [f"nsqd v{b.options.limits.version} (fdq broker)", f"start_time {b.start_time}", "",
