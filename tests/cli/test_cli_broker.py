@@ -77,7 +77,9 @@ def test_installed_fdq_broker_takes_an_nsq_pub(tmp_path, url, db, sup):
                                                                               {"quantile": 0.99, "value": 0.0}]}
 
         assert sup.stats("orders")["counters"]["inserted"] == 1
-        with fdq.Consumer(db, "orders", create=False) as c:
+        # a broker topic has channels only (no "default"): read it as a new one from the start
+        with fdq.Consumer(db, "orders", subscription="reader",
+                          subscription_config=fdq.SubscriptionConfig(deliver_policy="all")) as c:
             [m] = c.fetch(10, timeout=10)
             c.ack_many([m])
         assert m.body == body and m.topic == "orders"
