@@ -130,7 +130,7 @@ def ceiling_source(rows_total: int, parts: int):
         def read(self, partition):
             import fdq.spark as fs
             n = 4096
-            cols = {"id": ["%024x" % i for i in range(n)], "ts_ms": [1_763_860_000_000 + i for i in range(n)],
+            cols = {"vs": b"".join(i.to_bytes(12, "big") for i in range(n)), "ts_ms": [1_763_860_000_000 + i for i in range(n)],
                     "shard_key": ["k%d" % (i % 1000) for i in range(n)],
                     "headers": [{"n": i, "src": "bench"} if i % 3 == 0 else None for i in range(n)],
                     "body": [b"0-%d-" % i + b"x" * 80 for i in range(n)], "msg_id": [None] * n,

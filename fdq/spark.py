@@ -234,35 +234,70 @@ def _header_items(h):
     return [(k, v if type(v) is str else _json(v)) for k, v in h.items()]
 
 
+_id_offsets: dict = {}
+
+
+def _ids(vs: bytes, n: int):
+    """The message ids (hex of each 12-byte position) as an Arrow string array, built
+    from one hex string and fixed offsets (cached per batch length)."""
+    import pyarrow as pa
+    offsets = _id_offsets.get(n)
+    if offsets is None:
+        offsets = pa.array(range(0, 24 * n + 1, 24), pa.int32()).buffers()[1]
+        if len(_id_offsets) < 64:
+            _id_offsets[n] = offsets
+    return pa.StringArray.from_buffers(n, offsets, pa.py_buffer(vs.hex().encode()))
+
+
+def _headers(heads, n, map_type):
+    """Header dicts (or None) as an Arrow map<string,string> array, built from flat key
+    and value lists and offsets (no per-row lists of pairs)."""
+    import pyarrow as pa
+    from itertools import accumulate, chain
+    if not any(heads):
+        return pa.nulls(n, map_type)
+    lens = [len(h) if h else 0 for h in heads]
+    present = list(filter(None, heads))
+    keys = list(chain.from_iterable(present))
+    values = list(chain.from_iterable(map(dict.values, present)))
+    if not all(type(v) is str for v in values):
+        values = [v if type(v) is str else _json(v) for v in values]
+    offsets = pa.array(list(accumulate(lens, initial=0)), pa.int32())
+    mask = pa.array([not x for x in lens], pa.bool_())
+    return pa.MapArray.from_arrays(offsets, pa.array(keys, pa.string()), pa.array(values, pa.string()),
+                                   type=map_type, mask=mask)
+
+
+def _strings(values, n):
+    import pyarrow as pa
+    return pa.array(values, pa.string()) if any(values) else pa.nulls(n, pa.string())
+
+
 def _to_arrow(pa_schema, topic, bucket, cols):
     import pyarrow as pa
     import pyarrow.compute as pc
-    n = len(cols["id"])
+    n = len(cols["ts_ms"])
     f = pa_schema.field
     ts = pc.multiply(pa.array(cols["ts_ms"], pa.int64()), 1000).cast(f("insertion_time").type)
-    heads = cols["headers"]
-    if any(heads):
-        headers = pa.array([_header_items(h) if h else None for h in heads], type=f("headers").type)
-    else:
-        headers = pa.nulls(n, f("headers").type)
     return pa.RecordBatch.from_arrays([
-        pa.array([topic] * n, pa.string()),
-        pa.array(cols["id"], pa.string()),
+        pa.repeat(pa.scalar(topic, pa.string()), n),
+        _ids(cols["vs"], n),
         ts,
         pa.array(cols["shard_key"], pa.string()),
-        headers,
+        _headers(cols["headers"], n, f("headers").type),
         pa.array(cols["body"], pa.binary()),
-        pa.array([bucket] * n, pa.int32()),
-        pa.array(cols["msg_id"], pa.string()),
-        pa.array(cols["replay_of"], pa.string()),
+        pa.repeat(pa.scalar(bucket, pa.int32()), n),
+        _strings(cols["msg_id"], n),
+        _strings(cols["replay_of"], n),
     ], schema=pa_schema)
 
 
 def _to_tuples(topic, bucket, cols):
     utc = datetime.timezone.utc
+    vs = cols["vs"]
     for i, t in enumerate(cols["ts_ms"]):
         h = _header_items(cols["headers"][i])
-        yield (topic, cols["id"][i], datetime.datetime.fromtimestamp(t / 1000, utc),
+        yield (topic, vs[i * 12:i * 12 + 12].hex(), datetime.datetime.fromtimestamp(t / 1000, utc),
                cols["shard_key"][i], dict(h) if h else None, cols["body"][i], bucket,
                cols["msg_id"][i], cols["replay_of"][i])
 
@@ -275,9 +310,9 @@ def read_partition(o: dict, ranges, start_ms=None, end_ms=None, shard_keys=None)
     arrow = o["batch_format"] == "arrow"
     pa_schema = _arrow_schema() if arrow else None
     for bucket, begin, end in ranges:
-        for rows in log.scan_entries(db, ts, begin, end, o["batch_size"]):
-            cols = log.decode_entries(db, ts, rows, start_ms, end_ms, shard_keys)
-            if not cols["id"]:
+        for keys, raws in log.scan_entries(db, ts, begin, end, o["batch_size"]):
+            cols = log.decode_entries(db, ts, keys, raws, start_ms, end_ms, shard_keys)
+            if not cols["ts_ms"]:
                 continue
             if arrow:
                 yield _to_arrow(pa_schema, o["topic"], bucket, cols)
