@@ -71,7 +71,7 @@ def raw_arrow_scan(path: str, url: str) -> tuple:
     ts = Keyspace().topic(TOPIC)
     r = ts.log.range()
     conn = sqlite3.connect(path)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     cur = conn.execute("SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key", (r.start, r.stop))
     n = 0
     while True:
@@ -82,23 +82,24 @@ def raw_arrow_scan(path: str, url: str) -> tuple:
         batch = pa.RecordBatch.from_arrays([pa.array(keys, pa.binary()), pa.array(values, pa.binary())],
                                            names=["key", "value"])
         n += batch.num_rows
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     conn.close()
-    return n, dt
+    return n, dt, cpu
 
 
 def source_scan(url: str, fmt: str) -> tuple:
-    """fdq.spark's read path without Spark (one process, the whole log): rows, seconds."""
+    """fdq.spark's read path without Spark (one process, the whole log): rows, seconds,
+    CPU seconds."""
     import fdq.spark as fs
     o = fs.read_options({"url": url, "topic": TOPIC, "batchformat": fmt})
     db, ts, _ = fs._open_topic(o)
     plan = fs.plan_ranges(db, ts, log.log_buckets(db, ts), None, None, 1)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     n = 0
     for part in plan:
         for x in fs.read_partition(o, part):
             n += x.num_rows if fmt == "arrow" else 1
-    return n, time.perf_counter() - t0
+    return n, time.perf_counter() - t0, time.process_time() - c0
 
 
 def timed(fn, budget: float):
@@ -249,12 +250,21 @@ def main():
         print(f"filled {args.messages:,} messages in {fill_s:.0f} s ({args.messages / fill_s:,.0f} msg/s)",
               file=sys.stderr)
     rows = []
-    n, dt = raw_arrow_scan(path, url)
-    ref = n / dt
+    n, dt, cpu = raw_arrow_scan(path, url)
+    ref, ref_cpu = n / dt, n / cpu
     rows.append(("plain sqlite3 → Arrow (key, value), no FDQ: reference", n, dt, ref))
+    cpu_rates = [("plain sqlite3 → Arrow: reference", ref_cpu)]
+    t_plan = time.perf_counter()
+    import fdq.spark as fs
+    o = fs.read_options({"url": url, "topic": TOPIC})
+    db, ts, _ = fs._open_topic(o)
+    for parts in (1, 2, 4):
+        fs.plan_ranges(db, ts, log.log_buckets(db, ts), None, None, parts)
+    plan_s = (time.perf_counter() - t_plan) / 3
     for fmt in ("arrow", "tuples"):
-        n, dt = source_scan(url, fmt)
+        n, dt, cpu = source_scan(url, fmt)
         rows.append((f"fdq.spark read path, no Spark, 1 process, {fmt}", n, dt, n / dt))
+        cpu_rates.append((f"fdq.spark read path, {fmt}", n / cpu))
     spark = spark_session(4)
     load = lambda parts, fmt="arrow": (spark.read.format("fdq").option("url", url).option("topic", TOPIC)  # noqa: E731
                                        .option("numPartitions", str(parts)).option("batchFormat", fmt).load())
@@ -293,6 +303,12 @@ def main():
             print(f"| {name} | timeout ({args.budget:.0f} s) | | | |")
         else:
             print(f"| {name} | {r:,} | {dt:.2f} | {rps:,.0f} | {rps / ref:.2f} |")
+    print()
+    print("| in-process case (same run) | rows per CPU-second | of reference |")
+    print("|---|---:|---:|")
+    for name, rate in cpu_rates:
+        print(f"| {name} | {rate:,.0f} | {rate / ref_cpu:.2f} |")
+    print(f"\nPartition planning (log_buckets + plan_ranges, whole log): {plan_s:.2f} s")
     if stream:
         print()
         print("| streaming | value |")

@@ -224,25 +224,26 @@ _EMPTY_COLUMNS = ("vs", "ts_ms", "shard_key", "headers", "body", "msg_id", "repl
 
 def decode_entries(db, ts: TopicSpace, keys, raws, start_ms=None, end_ms=None, shard_keys=None) -> dict:
     """Columns of the log entries (``keys``, ``raws``: their keys and raw records, as
-    ``scan_entries`` yields them) inserted in ``[start_ms,
-    end_ms)`` (and with a shard key in ``shard_keys``, a set, when given): {"ts_ms",
-    "shard_key", "headers", "body", "msg_id", "replay_of"} sequences (headers as dicts or
-    None) and "vs": the entries' positions (the message ids), 12 bytes each, joined.
-    Bodies split into chunks are read back whole."""
+    ``scan_entries`` yields them) inserted in ``[start_ms, end_ms)`` (and with a shard
+    key in ``shard_keys``, a set, when given): {"ts_ms", "shard_key", "headers", "body",
+    "msg_id", "replay_of"} sequences (headers as dicts or None) and "vs": the entries'
+    positions (the message ids), 12 bytes each, joined. Bodies split into chunks are
+    read back whole."""
     if not raws:
         return {c: b"" if c == "vs" else [] for c in _EMPTY_COLUMNS}
     # The batch's records in one msgpack call: concatenated under one array header.
     recs = msgpack.unpackb(b"\xdd" + len(raws).to_bytes(4, "big") + b"".join(raws), raw=False)
     # A record drops trailing default fields; most keep exactly the first five.
-    lens = set(map(len, recs))
-    if min(lens) < 5:
+    try:
+        tss, sks, mids, hds, bodies = (list(map(itemgetter(i), recs)) for i in range(5))
+    except IndexError:
         pad = _RECORD_PAD
         for r in recs:
             if len(r) < 5:
                 r.extend(pad[len(r):5])
-    tss, sks, mids, hds, bodies = (list(map(itemgetter(i), recs)) for i in range(5))
+        tss, sks, mids, hds, bodies = (list(map(itemgetter(i), recs)) for i in range(5))
     n = len(recs)
-    top = max(lens)
+    top = max(map(len, recs))
     nchunks = [r[6] if len(r) > 6 else 0 for r in recs] if top > 6 else None
     reps = [r[7] if len(r) > 7 else None for r in recs] if top > 7 else [None] * n
     keep = None

@@ -261,7 +261,7 @@ def _headers(heads, n, map_type):
     keys = list(chain.from_iterable(present))
     values = list(chain.from_iterable(map(dict.values, present)))
     if not all(type(v) is str for v in values):
-        values = [v if type(v) is str else _json(v) for v in values]
+        values = [v if type(v) is str else str(v) if type(v) is int else _json(v) for v in values]
     offsets = pa.array(list(accumulate(lens, initial=0)), pa.int32())
     mask = pa.array([not x for x in lens], pa.bool_())
     return pa.MapArray.from_arrays(offsets, pa.array(keys, pa.string()), pa.array(values, pa.string()),
