@@ -12,6 +12,7 @@ from operator import itemgetter
 
 import msgpack
 
+from .engine import StreamingMode   # the same values as fdb.StreamingMode
 from .keyspace import TopicSpace, Versionstamp
 from .keyspace.codec import Record
 
@@ -211,7 +212,7 @@ def scan_entries(db, ts: TopicSpace, begin: bytes, end: bytes, batch: int = 4096
     snapshot transaction."""
     while begin < end:
         tr = db.create_transaction()
-        kvs = list(tr.snapshot.get_range(begin, end, limit=batch))
+        kvs = list(tr.snapshot.get_range(begin, end, limit=batch, streaming_mode=StreamingMode.want_all))
         if kvs:
             yield [kv.key for kv in kvs], [kv.value for kv in kvs]
         if len(kvs) < batch:
@@ -219,6 +220,7 @@ def scan_entries(db, ts: TopicSpace, begin: bytes, end: bytes, batch: int = 4096
         begin = kvs[-1].key + b"\x00"
 
 
+_VS_OF_KEY = itemgetter(slice(-12, None))   # a log entry key ends with its position
 _EMPTY_COLUMNS = ("vs", "ts_ms", "shard_key", "headers", "body", "msg_id", "replay_of")
 
 
@@ -262,5 +264,5 @@ def decode_entries(db, ts: TopicSpace, keys, raws, start_ms=None, end_ms=None, s
             if nc:
                 vs = Versionstamp.from_bytes(keys[i][-12:])
                 bodies[i] = body_of(db, ts, vs, Record(tss[i], nchunks=nc))
-    return {"vs": b"".join([key[-12:] for key in keys]), "ts_ms": tss, "shard_key": sks,
+    return {"vs": b"".join(map(_VS_OF_KEY, keys)), "ts_ms": tss, "shard_key": sks,
             "headers": hds, "body": bodies, "msg_id": mids, "replay_of": reps}

@@ -131,7 +131,7 @@ def _common(options, known, what) -> dict:
     if fmt not in ("arrow", "tuples"):
         raise SparkOptionError(f"fdq: option 'batchFormat' must be 'arrow' or 'tuples', not {fmt!r}")
     return {"url": url, "topic": topic, "batch_format": fmt,
-            "batch_size": _int(options, "batchSize", 4096)}
+            "batch_size": _int(options, "batchSize", 2048)}
 
 
 def read_options(options) -> dict:
@@ -342,11 +342,16 @@ def plan_ranges(db, ts, buckets, start_vs: bytes | None, end_vs: bytes | None, p
             end = min(end, log.entry_key(ts, b, end_vs))
         if begin >= end:
             continue
+        if parts == 1:   # one partition: every range, no sizes to balance
+            spans.append((b, begin, end, 0))
+            continue
         size = int(tr.get_estimated_range_size_bytes(begin, end).wait())
         spans.append((b, begin, end, size))
         total += size
     if not spans:
         return []
+    if parts == 1:
+        return [[(b, begin, end) for b, begin, end, _size in spans]]
     chunk = max(64 << 10, total // (parts * 2) + 1)
     pieces = []   # (bucket, begin, end, estimated bytes)
     for b, begin, end, size in spans:

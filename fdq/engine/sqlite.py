@@ -767,7 +767,7 @@ class _Range:
     read that returned everything covers [begin, end); one stopped early (limit, or
     abandoned) covers up to the last row it read."""
 
-    def __init__(self, tr, begin, end, limit, reverse, snapshot):
+    def __init__(self, tr, begin, end, limit, reverse, snapshot, mode=StreamingMode.iterator):
         self._tr = tr
         self._begin = begin
         self._end = end
@@ -779,6 +779,8 @@ class _Range:
             self._conflict = [begin, begin] if not reverse else [end, end]
             tr._read_ranges.append(self._conflict)
         first = limit if 0 < limit < 1000 else 100
+        if limit and mode in (StreamingMode.want_all, StreamingMode.exact):
+            first = min(limit, 4096)   # the caller wants every row up to the limit: no slow start
         self._gen = self._batches(None, first, limit)
         self._done = False
         rows = self._first = []
@@ -909,7 +911,7 @@ class _ReadView:
         b = tr._range_bound(begin, b"", self._snap)
         e = tr._range_bound(end, tr._max_key(), self._snap)
         tr._check_read_range(b, e)
-        return _Range(tr, b, e, limit, bool(reverse), self._snap)
+        return _Range(tr, b, e, limit, bool(reverse), self._snap, streaming_mode)
 
     def get_range_startswith(self, prefix, *args, **kwargs):
         prefix = _key(prefix)
