@@ -26,6 +26,8 @@ import gc
 import json
 import os
 import uuid
+from array import array
+from itertools import accumulate, chain
 
 from pyspark.sql.datasource import (DataSource, DataSourceArrowWriter, DataSourceReader,
                                     DataSourceStreamReader, EqualTo, GreaterThan,
@@ -254,7 +256,6 @@ def _headers(heads, n, map_type):
     """Header dicts (or None) as an Arrow map<string,string> array, built from flat key
     and value lists and offsets (no per-row lists of pairs)."""
     import pyarrow as pa
-    from itertools import accumulate, chain
     if not any(heads):
         return pa.nulls(n, map_type)
     lens = [len(h) if h else 0 for h in heads]
@@ -263,10 +264,11 @@ def _headers(heads, n, map_type):
     values = list(chain.from_iterable(map(dict.values, present)))
     if not all(type(v) is str for v in values):
         values = [v if type(v) is str else str(v) if type(v) is int else _json(v) for v in values]
-    offsets = pa.array(list(accumulate(lens, initial=0)), pa.int32())
-    mask = pa.array([not x for x in lens], pa.bool_())
-    return pa.MapArray.from_arrays(offsets, pa.array(keys, pa.string()), pa.array(values, pa.string()),
-                                   type=map_type, mask=mask)
+    # array() takes a list of ints in C; pa.array() converts them one by one (slower).
+    offsets = array("i", list(accumulate(lens, initial=0)))
+    return pa.MapArray.from_arrays(pa.Array.from_buffers(pa.int32(), n + 1, [None, pa.py_buffer(offsets)]),
+                                   pa.array(keys, pa.string()), pa.array(values, pa.string()),
+                                   type=map_type, mask=pa.array([not x for x in lens], pa.bool_()))
 
 
 def _strings(values, n):
@@ -274,20 +276,27 @@ def _strings(values, n):
     return pa.array(values, pa.string()) if any(values) else pa.nulls(n, pa.string())
 
 
-def _to_arrow(pa_schema, topic, bucket, cols):
+def _to_arrow(pa_schema, topic, bucket, cols, cache=None):
+    """One record batch of SCHEMA from decode_entries' columns. ``cache``: a dict kept
+    by the caller for the constant columns (topic, bucket) per batch length."""
     import pyarrow as pa
-    import pyarrow.compute as pc
     n = len(cols["ts_ms"])
     f = pa_schema.field
-    ts = pc.multiply(pa.array(cols["ts_ms"], pa.int64()), 1000).cast(f("insertion_time").type)
+    const = cache.get((bucket, n)) if cache is not None else None
+    if const is None:
+        const = (pa.repeat(pa.scalar(topic, pa.string()), n), pa.repeat(pa.scalar(bucket, pa.int32()), n))
+        if cache is not None:
+            cache[(bucket, n)] = const
+    ts_ms = array("q", cols["ts_ms"])   # a list of ints into a buffer in C (pa.array: one by one)
+    ts = pa.Array.from_buffers(pa.timestamp("ms", tz="UTC"), n, [None, pa.py_buffer(ts_ms)])
     return pa.RecordBatch.from_arrays([
-        pa.repeat(pa.scalar(topic, pa.string()), n),
+        const[0],
         _ids(cols["vs"], n),
-        ts,
+        ts.cast(f("insertion_time").type),
         pa.array(cols["shard_key"], pa.string()),
         _headers(cols["headers"], n, f("headers").type),
         pa.array(cols["body"], pa.binary()),
-        pa.repeat(pa.scalar(bucket, pa.int32()), n),
+        const[1],
         _strings(cols["msg_id"], n),
         _strings(cols["replay_of"], n),
     ], schema=pa_schema)
@@ -314,6 +323,7 @@ def read_partition(o: dict, ranges, start_ms=None, end_ms=None, shard_keys=None)
     ts = Keyspace().topic(o["topic"])
     arrow = o["batch_format"] == "arrow"
     pa_schema = _arrow_schema() if arrow else None
+    cache = {}
     for bucket, begin, end in ranges:
         batches = log.scan_entries(db, ts, begin, end, o["batch_size"])
         while True:
@@ -327,7 +337,7 @@ def read_partition(o: dict, ranges, start_ms=None, end_ms=None, shard_keys=None)
                 del kv
                 if not cols["ts_ms"]:
                     continue
-                out = _to_arrow(pa_schema, o["topic"], bucket, cols) if arrow else None
+                out = _to_arrow(pa_schema, o["topic"], bucket, cols, cache) if arrow else None
             finally:
                 if paused:
                     gc.enable()
