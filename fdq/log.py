@@ -8,6 +8,7 @@ for more than a moment.
 from __future__ import annotations
 
 import heapq
+from itertools import chain
 from operator import itemgetter
 
 import msgpack
@@ -233,17 +234,17 @@ def decode_entries(db, ts: TopicSpace, keys, raws, start_ms=None, end_ms=None, s
     read back whole."""
     if not raws:
         return {c: b"" if c == "vs" else [] for c in _EMPTY_COLUMNS}
-    # The batch's records in one msgpack call: concatenated under one array header.
-    recs = msgpack.unpackb(b"\xdd" + len(raws).to_bytes(4, "big") + b"".join(raws), raw=False)
-    # A record drops trailing default fields; most keep exactly the first five.
-    try:
-        tss, sks, mids, hds, bodies = (list(map(itemgetter(i), recs)) for i in range(5))
-    except IndexError:
+    # The batch's records in one msgpack call: concatenated under one array header,
+    # each record a tuple; then column-wise in C (zip stops at the shortest record).
+    recs = msgpack.unpackb(b"".join(chain((b"\xdd" + len(raws).to_bytes(4, "big"),), raws)),
+                           raw=False, use_list=False)
+    cols = list(zip(*recs))
+    if len(cols) < 5:   # a record drops trailing default fields; most keep the first five
         pad = _RECORD_PAD
-        for r in recs:
-            if len(r) < 5:
-                r.extend(pad[len(r):5])
-        tss, sks, mids, hds, bodies = (list(map(itemgetter(i), recs)) for i in range(5))
+        recs = [r if len(r) >= 5 else r + tuple(pad[len(r):5]) for r in recs]
+        cols = list(zip(*recs))
+    tss, sks, mids, hds, bodies = cols[:5]
+    del cols
     n = len(recs)
     top = max(map(len, recs))
     nchunks = [r[6] if len(r) > 6 else 0 for r in recs] if top > 6 else None
@@ -260,6 +261,7 @@ def decode_entries(db, ts: TopicSpace, keys, raws, start_ms=None, end_ms=None, s
         if nchunks is not None:
             nchunks = [nchunks[i] for i in keep]
     if nchunks is not None and any(nchunks):
+        bodies = list(bodies)
         for i, nc in enumerate(nchunks):
             if nc:
                 vs = Versionstamp.from_bytes(keys[i][-12:])
