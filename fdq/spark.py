@@ -327,7 +327,7 @@ def read_partition(o: dict, ranges, start_ms=None, end_ms=None, shard_keys=None)
     for bucket, begin, end in ranges:
         batches = log.scan_entries(db, ts, begin, end, o["batch_size"])
         while True:
-            paused = gc.isenabled()
+            was_enabled = gc.isenabled()
             gc.disable()
             try:
                 kv = next(batches, None)
@@ -339,7 +339,7 @@ def read_partition(o: dict, ranges, start_ms=None, end_ms=None, shard_keys=None)
                     continue
                 out = _to_arrow(pa_schema, o["topic"], bucket, cols, cache) if arrow else None
             finally:
-                if paused:
+                if was_enabled:
                     gc.enable()
             if arrow:
                 yield out
