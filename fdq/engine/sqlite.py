@@ -771,7 +771,7 @@ class _Range:
     read that returned everything covers [begin, end); one stopped early (limit, or
     abandoned) covers up to the last row it read."""
 
-    def __init__(self, tr, begin, end, limit, reverse, snapshot):
+    def __init__(self, tr, begin, end, limit, reverse, snapshot, mode=StreamingMode.iterator):
         self._tr = tr
         self._begin = begin
         self._end = end
@@ -783,7 +783,9 @@ class _Range:
             self._conflict = [begin, begin] if not reverse else [end, end]
             tr._read_ranges.append(self._conflict)
         first = limit if 0 < limit < 1000 else 100
-        self._gen = self._batches(None, first)
+        if limit and mode in (StreamingMode.want_all, StreamingMode.exact):
+            first = min(limit, 4096)   # the caller wants every row up to the limit: no slow start
+        self._gen = self._batches(None, first, limit)
         self._done = False
         rows = self._first = []
         for batch in self._gen:
@@ -797,8 +799,9 @@ class _Range:
                 return
         self._exhausted()
 
-    def _batches(self, after, first):
-        """Lists of KeyValue in order, from after the key ``after`` (None: the start)."""
+    def _batches(self, after, first, wanted=0):
+        """Lists of KeyValue in order, from after the key ``after`` (None: the start);
+        ``wanted`` (0: all) bounds the rows read from the database for a limited read."""
         tr = self._tr
         b, e = self._begin, self._end
         if after is not None:
@@ -810,7 +813,7 @@ class _Range:
             return
         if tr._ryw_disabled or not (tr._writes or tr._clears):
             # Nothing of its own to merge: rows straight from each SQL batch.
-            yield from tr._db_batches(b, e, self._reverse, first)
+            yield from tr._db_batches(b, e, self._reverse, first, wanted)
             return
         rows = tr._merged_range(b, e, self._reverse)
         n = first
@@ -853,7 +856,7 @@ class _Range:
         tr = self._tr
         gen, self._gen = self._gen, None
         if gen is None:  # iterated before: read the rest again
-            gen = self._batches(first[-1].key, 256)
+            gen = self._batches(first[-1].key, 256, self._limit - len(first) if self._limit else 0)
         limit = self._limit
         count = len(first)
         while True:
@@ -912,7 +915,7 @@ class _ReadView:
         b = tr._range_bound(begin, b"", self._snap)
         e = tr._range_bound(end, tr._max_key(), self._snap)
         tr._check_read_range(b, e)
-        return _Range(tr, b, e, limit, bool(reverse), self._snap)
+        return _Range(tr, b, e, limit, bool(reverse), self._snap, streaming_mode)
 
     def get_range_startswith(self, prefix, *args, **kwargs):
         prefix = _key(prefix)
@@ -1191,18 +1194,24 @@ class Transaction(_ReadView):
             return None
         return self._db_get(key)
 
-    def _db_batches(self, b, e, reverse, first):
+    def _db_batches(self, b, e, reverse, first, wanted=0):
         """Rows of the snapshot in [b, e) as lists of KeyValue, one list per SQL batch
-        (only when the transaction has no writes or clears to merge)."""
+        (only when the transaction has no writes or clears to merge). ``wanted`` (0:
+        all): a limited read's rows still to return; no SQL batch reads beyond them."""
         batch = max(1, min(first, 4096))
         lo, hi = b, e
         q = _RANGE_DESC if reverse else _RANGE_ASC
         while lo < hi:
-            rows = self._ensure_snapshot().execute(q, (lo, hi, batch)).fetchall()
+            n = min(batch, wanted) if wanted else batch
+            rows = self._ensure_snapshot().execute(q, (lo, hi, n)).fetchall()
             if rows:
                 yield list(starmap(KeyValue, rows))
-            if len(rows) < batch:
+            if len(rows) < n:
                 return
+            if wanted:
+                wanted -= n
+                if wanted <= 0:
+                    return
             if reverse:
                 hi = rows[-1][0]
             else:
