@@ -113,7 +113,7 @@ def bench_push_single(url, n, seconds):
         if s > deadline:
             break
     el = perf_counter() - t0
-    return {"msgs_per_s": len(lat) / el, "per_cpu_s": len(lat) / (time.process_time() - c0_cpu),
+    return {"msgs_per_s": len(lat) / el, "msgs_per_cpu_s": len(lat) / (time.process_time() - c0_cpu),
             "p50_ms": _pct(lat, .5) * 1e3, "p99_ms": _pct(lat, .99) * 1e3,
             "tx_per_msg": (_COMMITS[0] - c0) / len(lat)}
 
@@ -145,7 +145,7 @@ def bench_push_threads(url, n, seconds, threads=8):
     el = perf_counter() - t0
     total = sum(counts)
     all_lat = [x for lst in lat for x in lst]
-    return {"msgs_per_s": total / el, "per_cpu_s": total / (time.process_time() - c0_cpu),
+    return {"msgs_per_s": total / el, "msgs_per_cpu_s": total / (time.process_time() - c0_cpu),
             "p50_ms": _pct(all_lat, .5) * 1e3, "p99_ms": _pct(all_lat, .99) * 1e3,
             "tx_per_msg": (_COMMITS[0] - c0) / total}
 
@@ -184,7 +184,7 @@ def bench_push_many(url, batches, seconds, procs=1):
         p.join(30)
     msgs = sum(r["msgs"] for r in res)
     span = max(r["t1"] for r in res) - min(r["t0"] for r in res)
-    return {"msgs_per_s": msgs / span, "per_cpu_s": msgs / sum(r["cpu"] for r in res),
+    return {"msgs_per_s": msgs / span, "msgs_per_cpu_s": msgs / sum(r["cpu"] for r in res),
             "p50_ms": statistics.median(r["p50_ms"] for r in res),
             "p99_ms": max(r["p99_ms"] for r in res), "tx_per_msg": sum(r["tx"] for r in res) / msgs}
 
@@ -255,7 +255,7 @@ def bench_raw(path, batches, seconds):
             break
     el = perf_counter() - t0
     conn.close()
-    return {"msgs_per_s": len(lat) * 100 / el, "per_cpu_s": len(lat) * 100 / (time.process_time() - c0_cpu),
+    return {"msgs_per_s": len(lat) * 100 / el, "msgs_per_cpu_s": len(lat) * 100 / (time.process_time() - c0_cpu),
             "p50_ms": _pct(lat, .5) * 1e3, "p99_ms": _pct(lat, .99) * 1e3, "tx_per_msg": 0.01}
 
 
@@ -312,7 +312,7 @@ def bench_raw_single(path, n, seconds):
             break
     el = perf_counter() - t0
     conn.close()
-    return {"msgs_per_s": len(lat) / el, "per_cpu_s": len(lat) / (time.process_time() - c0_cpu),
+    return {"msgs_per_s": len(lat) / el, "msgs_per_cpu_s": len(lat) / (time.process_time() - c0_cpu),
             "p50_ms": _pct(lat, .5) * 1e3, "p99_ms": _pct(lat, .99) * 1e3, "tx_per_msg": 1}
 
 
@@ -324,11 +324,14 @@ def _consume_worker(url, topic, mode, total, seconds, out):
     first, last, count = [None], [None], [0]
     lock = threading.Lock()
 
+    cpu0 = [None]
+
     def note():
         now = perf_counter()
         with lock:
             if first[0] is None:
                 first[0] = now
+                cpu0[0] = time.process_time()
             last[0] = now
             count[0] += 1
 
@@ -347,8 +350,9 @@ def _consume_worker(url, topic, mode, total, seconds, out):
         if sup.stats(topic)["subscriptions"]["default"]["backlog"] == 0:
             break
         time.sleep(0.05)
+    cpu = time.process_time() - cpu0[0] if cpu0[0] is not None else 0.0
     c.shutdown()
-    out.put({"first": first[0], "last": last[0], "count": count[0], "tx": _COMMITS[0],
+    out.put({"first": first[0], "last": last[0], "count": count[0], "tx": _COMMITS[0], "cpu_s": cpu,
              "wall_first": time.monotonic() - (perf_counter() - first[0]) if first[0] else None,
              "wall_last": time.monotonic() - (perf_counter() - last[0]) if last[0] else None})
 
@@ -381,7 +385,9 @@ def bench_consume(url, mode, total, procs, seconds):
     firsts = [r["wall_first"] for r in res if r["wall_first"]]
     lasts = [r["wall_last"] for r in res if r["wall_last"]]
     span = max(lasts) - min(firsts)
-    return {"msgs_per_s": got / span if span > 0 else float("nan"), "delivered": got, "pushed": total,
+    cpu = sum(r["cpu_s"] for r in res)
+    return {"msgs_per_s": got / span if span > 0 else float("nan"),
+            "msgs_per_cpu_s": got / cpu if cpu > 0 else float("nan"), "delivered": got, "pushed": total,
             "tx_per_msg": sum(r["tx"] for r in res) / max(got, 1)}
 
 
@@ -402,6 +408,7 @@ def _latency_producer(url, rate, seconds):
 
 
 def _latency_consumer(url, n, seconds, ready, out):
+    _count_commits()
     db = fdq.connect(url)
     lat = []
     done = threading.Event()
@@ -412,9 +419,11 @@ def _latency_consumer(url, n, seconds, ready, out):
             done.set()
     c = fdq.tail(db, "lat", handler, config=fdq.ConsumerConfig(**FAST))
     ready.set()
+    cpu0 = time.process_time()
     done.wait(seconds)
+    cpu = time.process_time() - cpu0
     c.shutdown()
-    out.put(lat)
+    out.put((lat, cpu, _COMMITS[0]))
 
 
 def bench_latency(url, rate, seconds):
@@ -428,11 +437,12 @@ def bench_latency(url, rate, seconds):
     time.sleep(0.5)   # let it take its shards and set its watches (not part of a test)
     prod = ctx.Process(target=_latency_producer, args=(url, rate, seconds))
     prod.start()
-    lat = q.get(timeout=seconds + 120)
+    lat, cpu, commits = q.get(timeout=seconds + 120)
     prod.join(30)
     cons.join(30)
     return {"p50_ms": _pct(lat, .5), "p99_ms": _pct(lat, .99), "max_ms": max(lat) if lat else float("nan"),
-            "delivered": len(lat), "pushed": n}
+            "delivered": len(lat), "pushed": n, "consumer_cpu_ms_per_msg": cpu * 1000 / max(len(lat), 1),
+            "tx_per_msg": commits / max(len(lat), 1)}
 
 
 # -- failover -------------------------------------------------------------------------
@@ -554,18 +564,18 @@ def main(argv=None):
     many = next((r for r in rows if r["case"] == "push_many of 100, 1 process"), None)
     if raw and many:
         many["of_raw"] = many["msgs_per_s"] / raw["msgs_per_s"]
-        many["of_raw_cpu"] = many["per_cpu_s"] / raw["per_cpu_s"]
+        many["of_raw_cpu"] = many["msgs_per_cpu_s"] / raw["msgs_per_cpu_s"]
     raw1 = next((r for r in rows if r["case"].startswith("raw sqlite3, a push")), None)
     single = next((r for r in rows if r["case"].startswith("push (single")), None)
     if raw1 and single:
         single["of_raw"] = single["msgs_per_s"] / raw1["msgs_per_s"]
-        single["of_raw_cpu"] = single["per_cpu_s"] / raw1["per_cpu_s"]
+        single["of_raw_cpu"] = single["msgs_per_cpu_s"] / raw1["msgs_per_cpu_s"]
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, SQLite {sqlite3.sqlite_version}"
     if args.json:
         print(json.dumps({"machine": machine, "rows": rows}, indent=1, default=str))
         return
-    cols = ["case", "msgs_per_s", "per_cpu_s", "p50_ms", "p99_ms", "tx_per_msg", "of_raw", "of_raw_cpu", "takeover_s", "drained_s",
-            "delivered", "target"]
+    cols = ["case", "msgs_per_s", "msgs_per_cpu_s", "p50_ms", "p99_ms", "consumer_cpu_ms_per_msg", "tx_per_msg",
+            "of_raw", "of_raw_cpu", "takeover_s", "drained_s", "delivered", "target"]
     used = [c for c in cols if any(c in r for r in rows)]
 
     def fmt(v):

@@ -8,12 +8,13 @@ from .config import ConsumerConfig, ProducerConfig, SubscriptionConfig, TopicCon
 from .consumer import Consumer, Message, tail
 from .producer import Envelope, Producer, PushResult
 from .supervisor import Supervisor
+from . import aio
 
 __version__ = "0.1.0"
 
 __all__ = [
     "connect", "transactional", "Producer", "Envelope", "PushResult", "Consumer", "Message",
-    "tail", "Supervisor", "ConsumerConfig", "ProducerConfig", "TopicConfig", "SubscriptionConfig",
+    "tail", "aio", "Supervisor", "ConsumerConfig", "ProducerConfig", "TopicConfig", "SubscriptionConfig",
     "FDQError", "ConfigError", "ConnectError", "EngineError", "FormatError", "InvalidName",
     "TopicNotFound", "TopicExists", "SubscriptionNotFound", "MessageTooLarge",
     "InvalidMessage", "InvalidHeader", "BacklogFull", "LeaseLost", "ConsumerStalled",

@@ -155,15 +155,20 @@ class ConsumerConfig:
 class ProducerConfig:
     """``linger_ms``: how long a group commit waits for more concurrent pushes (0: take
     what is queued, once the callers the previous commit released have queued again or a
-    fifth of a commit has passed). ``max_batch``: messages per commit."""
+    fifth of a commit has passed). ``max_batch``: messages per commit.
+    ``auto_create``: a push to a missing topic creates it (``True``: with the default
+    ``TopicConfig()``; a ``TopicConfig``: with that one) or raises ``TopicNotFound``
+    (``False``)."""
 
     linger_ms: float = 0.0
     max_batch: int = 1000
-    auto_create: bool = True
+    auto_create: bool | TopicConfig = True
 
     def __post_init__(self):
         _positive("linger_ms", self.linger_ms, zero=True)
         _positive("max_batch", self.max_batch, integer=True)
+        if not isinstance(self.auto_create, (bool, TopicConfig)):
+            raise ConfigError(f"auto_create must be True, False or a TopicConfig, not {self.auto_create!r}")
 
 
 ACK_POLICIES = ("explicit", "none")

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import fdb.tuple as fdbtuple
 
 from .engine import transactional
-from .keyspace import ShardSpace, TopicSpace, Versionstamp, counter, decode_counter
-from .keyspace.codec import Record, decode_dead, decode_lease, encode_dead, encode_lease
+from .keyspace import ShardSpace, TopicSpace, Versionstamp, counter, decode_counter, vs_from_bytes
+from .keyspace.codec import Record, decode_dead, decode_lease, encode_dead, encode_lease, has_chunks
 from .membership import ensure_owner, read_clock
 
 ONE, MINUS_ONE = counter(1), counter(-1)
@@ -60,7 +60,7 @@ def promote_due(tr, shard: ShardSpace, limit: int) -> int | None:
     ``membership.read_clock``) to the head of the ready queue. Returns the next due
     time still waiting, if any."""
     now = read_clock(tr, shard.clock_key)
-    r = shard.delayed.range()
+    r = shard.delayed_range
     moved = 0
     for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit + 1):
         due, vs = shard.delayed.unpack(kv.key)
@@ -132,7 +132,7 @@ def _select_ready(tr, shard: ShardSpace, limit: int, sel: Selection) -> list:
         page = list(tr.snapshot.get_range(begin, r.stop, limit=page_size))
         for kv in page:
             scanned += 1
-            vs = shard.ready.unpack(kv.key)[0]
+            vs = vs_from_bytes(kv.key[-12:])
             rec = Record.decode(kv.value)
             if sel.match is not None and not sel.match(rec):
                 tr.add_read_conflict_key(kv.key)
@@ -160,13 +160,19 @@ def _read_ready(tr, shard: ShardSpace, limit: int, sel: Selection | None = None)
     promote_due(tr, shard, limit)
     if sel is not None:
         return _select_ready(tr, shard, limit, sel)
-    r = shard.ready.range()
+    r = shard.ready_range
     out = []
-    for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit):
-        tr.add_read_conflict_key(kv.key)   # conflict only on what we take
-        vs = shard.ready.unpack(kv.key)[0]
+    snap = tr.snapshot
+    for kv in snap.get_range(r.start, r.stop, limit=limit):
+        vs = vs_from_bytes(kv.key[-12:])       # ready keys end in 0x33 + the 12-byte stamp
         rec = Record.decode(kv.value)
-        out.append(Taken(shard, vs, rec, _body(tr.snapshot, shard, vs, rec), kv.value))
+        out.append(Taken(shard, vs, rec, _body(snap, shard, vs, rec) if rec.nchunks else rec.body, kv.value))
+    if out:
+        # Conflict only on what we take: the head of the queue, first to last key taken
+        # (one range, not a key each; nothing else was between them at our snapshot, and
+        # a push commits above every key there).
+        first = shard.ready_key(out[0].vs)
+        tr.add_read_conflict_range(first, shard.ready_key(out[-1].vs) + b"\x00")
     return out
 
 
@@ -256,6 +262,37 @@ def _requeue(tr, shard: ShardSpace, vs, record_raw: bytes, delay_ms: int):
     tr.add(shard.stat("requeued"), ONE)
 
 
+def _read_leases(tr, items) -> dict:
+    """{leased key: lease record bytes or None} for settle ``items``, non-snapshot (a
+    conflict with an expiry or another settle). Per shard one range read from the first
+    key to the last instead of a point read per message: a batch's leases are neighbours
+    (it took the head of the ready queue). Other leases in between are read too, up to a
+    bound; keys past it get point reads."""
+    by_shard = {}
+    for shard, vs, _l, _a, _x in items:
+        by_shard.setdefault(shard.leased_prefix, []).append(shard.leased_key(vs))
+    found = {}
+    for keys in by_shard.values():
+        if len(keys) > 1:
+            keys.sort()
+            limit = 2 * len(keys) + 16
+            n, last = 0, None
+            for kv in tr.get_range(keys[0], keys[-1] + b"\x00", limit=limit):
+                found[kv.key] = kv.value
+                n += 1
+                last = kv.key
+            covered = keys[-1] if n < limit else last     # the range read saw every key up to here
+            rest = [k for k in keys if k > covered]
+            for k in keys:
+                if k <= covered and k not in found:
+                    found[k] = None
+        else:
+            rest = keys
+        for k, f in [(k, tr[k]) for k in rest]:
+            found[k] = None if f == None else bytes(f)  # noqa: E711
+    return found
+
+
 @transactional
 def settle(tr, ts: TopicSpace, items: list, max_deliver: int) -> list:
     """Apply settlements [(shard, vs, lease_id, action, arg)] in one transaction:
@@ -263,19 +300,23 @@ def settle(tr, ts: TopicSpace, items: list, max_deliver: int) -> list:
     (arg: reason); ``touch``. Returns the items whose lease was lost."""
     lost = []
     acked = {}      # counters summed per transaction: one atomic op per key, not per message
+    leases = _read_leases(tr, items)
     for shard, vs, lease_id, action, arg in items:
-        lease = _check_lease(tr, shard, vs, lease_id)
-        if lease is None:
+        key = shard.leased_key(vs)
+        raw = leases.get(key)
+        lease = decode_lease(raw) if raw is not None else None
+        if lease is None or lease[1] != lease_id:
             lost.append((shard, vs, lease_id, action, arg))
             continue
         record_raw, _lid, cid, ack_wait_ms, touches = lease
-        key = shard.leased_key(vs)
         if action == "touch":
-            tr[key] = encode_lease(record_raw, lease_id, cid, ack_wait_ms, touches + 1)
+            tr[key] = leases[key] = encode_lease(record_raw, lease_id, cid, ack_wait_ms, touches + 1)
             continue
         del tr[key]
+        leases[key] = None
         if action == "ack":
-            _clear_chunks(tr, shard, vs, Record.decode(record_raw))
+            if has_chunks(record_raw):
+                _clear_chunks(tr, shard, vs, Record.decode(record_raw))
             acked[shard] = acked.get(shard, 0) + 1
             continue
         tr.add(shard.stat("in_flight"), MINUS_ONE)
@@ -356,14 +397,20 @@ def fail_in_place(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch
 
 @transactional
 def dlq_list(tr, ts: TopicSpace, sub: str, limit: int = 100, after: bytes | None = None) -> list:
-    """[(vs, Record, reason, consumer_id)] of the DLQ, oldest first."""
+    """[(vs, Record, reason, consumer_id, key)] of the DLQ, oldest first; each
+    record's ``body`` is the whole body (a large one's chunks joined)."""
     space = ts.dlq(sub)
     r = space.range()
     begin = after + b"\x00" if after else r.start
     out = []
     for kv in tr.snapshot.get_range(begin, r.stop, limit=limit):
         raw, reason, cid = decode_dead(kv.value)
-        out.append((space.unpack(kv.key)[0], Record.decode(raw), reason, cid, kv.key))
+        vs = space.unpack(kv.key)[0]
+        rec = Record.decode(raw)
+        if rec.nchunks:     # the chunks stay in the subscription's chunk area (_dead_letter)
+            c = ts.subs[sub]["chunks"][vs].range()
+            rec.body = b"".join(c.value for c in tr.snapshot.get_range(c.start, c.stop))
+        out.append((vs, rec, reason, cid, kv.key))
     return out
 
 

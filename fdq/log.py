@@ -8,9 +8,12 @@ for more than a moment.
 from __future__ import annotations
 
 import heapq
+from itertools import chain
+from operator import itemgetter
 
 import msgpack
 
+from .engine import StreamingMode   # the same values as fdb.StreamingMode
 from .keyspace import TopicSpace, Versionstamp
 from .keyspace.codec import Record
 
@@ -205,50 +208,63 @@ def advance_positions(db, ts: TopicSpace, cursors: dict, limit: int) -> tuple:
 
 
 def scan_entries(db, ts: TopicSpace, begin: bytes, end: bytes, batch: int = 4096):
-    """Yield lists of (key, raw record) of the log entries in ``[begin, end)`` (one
-    bucket or several), at most ``batch`` per list, each list read in its own short
+    """Yield (keys, raw records) of the log entries in ``[begin, end)`` (one bucket or
+    several), two lists of at most ``batch`` each, each batch read in its own short
     snapshot transaction."""
     while begin < end:
         tr = db.create_transaction()
-        rows = [(kv.key, kv.value) for kv in tr.snapshot.get_range(begin, end, limit=batch)]
-        if rows:
-            yield rows
-        if len(rows) < batch:
+        kvs = list(tr.snapshot.get_range(begin, end, limit=batch, streaming_mode=StreamingMode.want_all))
+        if kvs:
+            yield [kv.key for kv in kvs], [kv.value for kv in kvs]
+        if len(kvs) < batch:
             return
-        begin = rows[-1][0] + b"\x00"
+        begin = kvs[-1].key + b"\x00"
 
 
-def decode_entries(db, ts: TopicSpace, rows, start_ms=None, end_ms=None, shard_keys=None) -> dict:
-    """Columns of the log entries ``rows`` [(key, raw record)] inserted in ``[start_ms,
-    end_ms)`` (and with a shard key in ``shard_keys``, a set, when given): {"id", "ts_ms",
-    "shard_key", "headers", "body", "msg_id", "replay_of"} lists (headers as dicts or
-    None). Bodies split into chunks are read back whole."""
-    if not rows:
-        return {"id": [], "ts_ms": [], "shard_key": [], "headers": [], "body": [], "msg_id": [],
-                "replay_of": []}
-    unpackb = msgpack.unpackb
-    recs = [unpackb(raw, raw=False) for _key, raw in rows]
-    pad = _RECORD_PAD
-    for r in recs:
-        if len(r) < 8:
-            r.extend(pad[len(r):])
-    # Column-wise, in C: one tuple per field.
-    tss, sks, mids, hds, bodies, _attempts, nchunks, reps = zip(*recs)
-    keys = [key for key, _raw in rows]
+_VS_OF_KEY = itemgetter(slice(-12, None))   # a log entry key ends with its position
+_EMPTY_COLUMNS = ("vs", "ts_ms", "shard_key", "headers", "body", "msg_id", "replay_of")
+
+
+def decode_entries(db, ts: TopicSpace, keys, raws, start_ms=None, end_ms=None, shard_keys=None) -> dict:
+    """Columns of the log entries (``keys``, ``raws``: their keys and raw records, as
+    ``scan_entries`` yields them) inserted in ``[start_ms, end_ms)`` (and with a shard
+    key in ``shard_keys``, a set, when given): {"ts_ms", "shard_key", "headers", "body",
+    "msg_id", "replay_of"} sequences (headers as dicts or None) and "vs": the entries'
+    positions (the message ids), 12 bytes each, joined. Bodies split into chunks are
+    read back whole."""
+    if not raws:
+        return {c: b"" if c == "vs" else [] for c in _EMPTY_COLUMNS}
+    # The batch's records in one msgpack call: concatenated under one array header,
+    # each record a tuple; then column-wise in C (zip stops at the shortest record).
+    recs = msgpack.unpackb(b"".join(chain((b"\xdd" + len(raws).to_bytes(4, "big"),), raws)),
+                           raw=False, use_list=False)
+    cols = list(zip(*recs))
+    if len(cols) < 5:   # a record drops trailing default fields; most keep the first five
+        pad = _RECORD_PAD
+        recs = [r if len(r) >= 5 else r + tuple(pad[len(r):5]) for r in recs]
+        cols = list(zip(*recs))
+    tss, sks, mids, hds, bodies = cols[:5]
+    del cols
+    n = len(recs)
+    top = max(map(len, recs))
+    nchunks = [r[6] if len(r) > 6 else 0 for r in recs] if top > 6 else None
+    reps = [r[7] if len(r) > 7 else None for r in recs] if top > 7 else [None] * n
     keep = None
     if (start_ms is not None and min(tss) < start_ms) or (end_ms is not None and max(tss) >= end_ms):
         keep = [i for i, t in enumerate(tss)
                 if (start_ms is None or t >= start_ms) and (end_ms is None or t < end_ms)]
     if shard_keys is not None:
-        keep = [i for i in (range(len(recs)) if keep is None else keep) if sks[i] in shard_keys]
+        keep = [i for i in (range(n) if keep is None else keep) if sks[i] in shard_keys]
     if keep is not None:
-        tss, sks, mids, hds, bodies, nchunks, reps, keys = (
-            [col[i] for i in keep] for col in (tss, sks, mids, hds, bodies, nchunks, reps, keys))
-    if any(nchunks):
+        tss, sks, mids, hds, bodies, reps, keys = (
+            [col[i] for i in keep] for col in (tss, sks, mids, hds, bodies, reps, keys))
+        if nchunks is not None:
+            nchunks = [nchunks[i] for i in keep]
+    if nchunks is not None and any(nchunks):
         bodies = list(bodies)
-        for i, n in enumerate(nchunks):
-            if n:
+        for i, nc in enumerate(nchunks):
+            if nc:
                 vs = Versionstamp.from_bytes(keys[i][-12:])
-                bodies[i] = body_of(db, ts, vs, Record(tss[i], nchunks=n))
-    return {"id": [key[-12:].hex() for key in keys], "ts_ms": tss, "shard_key": sks, "headers": hds,
-            "body": bodies, "msg_id": mids, "replay_of": reps}
+                bodies[i] = body_of(db, ts, vs, Record(tss[i], nchunks=nc))
+    return {"vs": b"".join(map(_VS_OF_KEY, keys)), "ts_ms": tss, "shard_key": sks,
+            "headers": hds, "body": bodies, "msg_id": mids, "replay_of": reps}

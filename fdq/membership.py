@@ -223,7 +223,7 @@ def declare_zombie(tr, ts: TopicSpace, sub: str, consumer_id: str, observed_hb: 
 def ensure_owner(tr, ts: TopicSpace, sub: str, shard_id, consumer_id: str, epoch: int):
     """The fence: a non-snapshot read of the shard record, so a transaction of a
     consumer that lost the shard conflicts or fails here."""
-    raw = tr[ts.shard_records[sub].pack(shard_id)]
+    raw = tr[ts.shard(sub, *shard_id).record]
     if raw == None:  # noqa: E711
         raise LeaseLost(f"shard {shard_id} of {ts.name}/{sub} has no owner record")
     owner, current = unpack(raw)

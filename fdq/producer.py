@@ -326,7 +326,7 @@ def _config_for_push(tr, ks, ts, auto_create) -> TopicConfig:
         if not auto_create:
             raise TopicNotFound(f"topic {ts.name!r} does not exist")
         check_name(ts.name)
-        config = TopicConfig()
+        config = auto_create if isinstance(auto_create, TopicConfig) else TopicConfig()
         write_topic_config(tr, ts, config)
     return config
 

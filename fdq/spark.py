@@ -22,9 +22,12 @@ this module only plans partitions and converts to and from Spark's types.
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import uuid
+from array import array
+from itertools import accumulate, chain
 
 from pyspark.sql.datasource import (DataSource, DataSourceArrowWriter, DataSourceReader,
                                     DataSourceStreamReader, EqualTo, GreaterThan,
@@ -131,7 +134,7 @@ def _common(options, known, what) -> dict:
     if fmt not in ("arrow", "tuples"):
         raise SparkOptionError(f"fdq: option 'batchFormat' must be 'arrow' or 'tuples', not {fmt!r}")
     return {"url": url, "topic": topic, "batch_format": fmt,
-            "batch_size": _int(options, "batchSize", 4096)}
+            "batch_size": _int(options, "batchSize", 2048)}
 
 
 def read_options(options) -> dict:
@@ -234,53 +237,112 @@ def _header_items(h):
     return [(k, v if type(v) is str else _json(v)) for k, v in h.items()]
 
 
-def _to_arrow(pa_schema, topic, bucket, cols):
+_id_offsets: dict = {}
+
+
+def _ids(vs: bytes, n: int):
+    """The message ids (hex of each 12-byte position) as an Arrow string array, built
+    from one hex string and fixed offsets (cached per batch length)."""
     import pyarrow as pa
-    import pyarrow.compute as pc
-    n = len(cols["id"])
+    offsets = _id_offsets.get(n)
+    if offsets is None:
+        offsets = pa.array(range(0, 24 * n + 1, 24), pa.int32()).buffers()[1]
+        if len(_id_offsets) < 64:
+            _id_offsets[n] = offsets
+    return pa.StringArray.from_buffers(n, offsets, pa.py_buffer(vs.hex().encode()))
+
+
+def _headers(heads, n, map_type):
+    """Header dicts (or None) as an Arrow map<string,string> array, built from flat key
+    and value lists and offsets (no per-row lists of pairs)."""
+    import pyarrow as pa
+    if not any(heads):
+        return pa.nulls(n, map_type)
+    lens = [len(h) if h else 0 for h in heads]
+    present = list(filter(None, heads))
+    keys = list(chain.from_iterable(present))
+    values = list(chain.from_iterable(map(dict.values, present)))
+    if not all(type(v) is str for v in values):
+        values = [v if type(v) is str else str(v) if type(v) is int else _json(v) for v in values]
+    # array() takes a list of ints in C; pa.array() converts them one by one (slower).
+    offsets = array("i", list(accumulate(lens, initial=0)))
+    return pa.MapArray.from_arrays(pa.Array.from_buffers(pa.int32(), n + 1, [None, pa.py_buffer(offsets)]),
+                                   pa.array(keys, pa.string()), pa.array(values, pa.string()),
+                                   type=map_type, mask=pa.array([not x for x in lens], pa.bool_()))
+
+
+def _strings(values, n):
+    import pyarrow as pa
+    return pa.array(values, pa.string()) if any(values) else pa.nulls(n, pa.string())
+
+
+def _to_arrow(pa_schema, topic, bucket, cols, cache=None):
+    """One record batch of SCHEMA from decode_entries' columns. ``cache``: a dict kept
+    by the caller for the constant columns (topic, bucket) per batch length."""
+    import pyarrow as pa
+    n = len(cols["ts_ms"])
     f = pa_schema.field
-    ts = pc.multiply(pa.array(cols["ts_ms"], pa.int64()), 1000).cast(f("insertion_time").type)
-    heads = cols["headers"]
-    if any(heads):
-        headers = pa.array([_header_items(h) if h else None for h in heads], type=f("headers").type)
-    else:
-        headers = pa.nulls(n, f("headers").type)
+    const = cache.get((bucket, n)) if cache is not None else None
+    if const is None:
+        const = (pa.repeat(pa.scalar(topic, pa.string()), n), pa.repeat(pa.scalar(bucket, pa.int32()), n))
+        if cache is not None:
+            cache[(bucket, n)] = const
+    ts_ms = array("q", cols["ts_ms"])   # a list of ints into a buffer in C (pa.array: one by one)
+    ts = pa.Array.from_buffers(pa.timestamp("ms", tz="UTC"), n, [None, pa.py_buffer(ts_ms)])
     return pa.RecordBatch.from_arrays([
-        pa.array([topic] * n, pa.string()),
-        pa.array(cols["id"], pa.string()),
-        ts,
+        const[0],
+        _ids(cols["vs"], n),
+        ts.cast(f("insertion_time").type),
         pa.array(cols["shard_key"], pa.string()),
-        headers,
+        _headers(cols["headers"], n, f("headers").type),
         pa.array(cols["body"], pa.binary()),
-        pa.array([bucket] * n, pa.int32()),
-        pa.array(cols["msg_id"], pa.string()),
-        pa.array(cols["replay_of"], pa.string()),
+        const[1],
+        _strings(cols["msg_id"], n),
+        _strings(cols["replay_of"], n),
     ], schema=pa_schema)
 
 
 def _to_tuples(topic, bucket, cols):
     utc = datetime.timezone.utc
+    vs = cols["vs"]
     for i, t in enumerate(cols["ts_ms"]):
         h = _header_items(cols["headers"][i])
-        yield (topic, cols["id"][i], datetime.datetime.fromtimestamp(t / 1000, utc),
+        yield (topic, vs[i * 12:i * 12 + 12].hex(), datetime.datetime.fromtimestamp(t / 1000, utc),
                cols["shard_key"][i], dict(h) if h else None, cols["body"][i], bucket,
                cols["msg_id"][i], cols["replay_of"][i])
 
 
 def read_partition(o: dict, ranges, start_ms=None, end_ms=None, shard_keys=None):
     """Rows (Arrow record batches or tuples) of the log entries in ``ranges``, read in
-    bounded batches, each in its own short transaction, on this process's connection."""
+    bounded batches, each in its own short transaction, on this process's connection.
+
+    The cyclic garbage collector is paused while a batch is read, decoded and converted
+    (as msgpack advises for large unpacks): those objects form no cycles, and the
+    collections their allocations trigger cost 15-20% of the read path."""
     db = _db(o["url"])
     ts = Keyspace().topic(o["topic"])
     arrow = o["batch_format"] == "arrow"
     pa_schema = _arrow_schema() if arrow else None
+    cache = {}
     for bucket, begin, end in ranges:
-        for rows in log.scan_entries(db, ts, begin, end, o["batch_size"]):
-            cols = log.decode_entries(db, ts, rows, start_ms, end_ms, shard_keys)
-            if not cols["id"]:
-                continue
+        batches = log.scan_entries(db, ts, begin, end, o["batch_size"])
+        while True:
+            was_enabled = gc.isenabled()
+            gc.disable()
+            try:
+                kv = next(batches, None)
+                if kv is None:
+                    break
+                cols = log.decode_entries(db, ts, kv[0], kv[1], start_ms, end_ms, shard_keys)
+                del kv
+                if not cols["ts_ms"]:
+                    continue
+                out = _to_arrow(pa_schema, o["topic"], bucket, cols, cache) if arrow else None
+            finally:
+                if was_enabled:
+                    gc.enable()
             if arrow:
-                yield _to_arrow(pa_schema, o["topic"], bucket, cols)
+                yield out
             else:
                 yield from _to_tuples(o["topic"], bucket, cols)
 
@@ -307,11 +369,16 @@ def plan_ranges(db, ts, buckets, start_vs: bytes | None, end_vs: bytes | None, p
             end = min(end, log.entry_key(ts, b, end_vs))
         if begin >= end:
             continue
+        if parts == 1:   # one partition: every range, no sizes to balance
+            spans.append((b, begin, end, 0))
+            continue
         size = int(tr.get_estimated_range_size_bytes(begin, end).wait())
         spans.append((b, begin, end, size))
         total += size
     if not spans:
         return []
+    if parts == 1:
+        return [[(b, begin, end) for b, begin, end, _size in spans]]
     chunk = max(64 << 10, total // (parts * 2) + 1)
     pieces = []   # (bucket, begin, end, estimated bytes)
     for b, begin, end, size in spans:

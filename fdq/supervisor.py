@@ -235,13 +235,15 @@ class Supervisor:
     def config(self, name: str) -> TopicConfig:
         return read_topic_config(self.db, self._ts(name), snapshot=True)
 
-    def create_topic(self, name: str, shards: int = 16, **options) -> TopicConfig:
-        """Create a topic (no-op if it exists with the same shard count)."""
+    def create_topic(self, name: str, shards: int | None = None, **options) -> TopicConfig:
+        """Create a topic (``shards`` defaults to 16). A no-op if it exists, unless
+        ``shards`` is given and differs from its count: that is ``TopicExists`` (change
+        a topic's shard count with ``rebalance``)."""
         try:
-            config = TopicConfig(shards=shards, **options)
+            config = TopicConfig(**options) if shards is None else TopicConfig(shards=shards, **options)
         except TypeError as e:
             raise ConfigError(f"unknown topic option: {e}") from None
-        result = create_topic(self.db, self.keyspace, check_name(name), config)
+        result = create_topic(self.db, self.keyspace, check_name(name), config, strict_shards=shards is not None)
         if config.extend and not result.extend:    # never a silent no-op: say how to get it
             raise TopicExists(f"topic {name!r} already exists without extend support: "
                               "upgrade it with upgrade_extend (one-way)")

@@ -11,10 +11,19 @@ from .keyspace import Keyspace, TopicSpace, ensure_format
 from .keyspace.codec import pack, unpack
 
 
+_LAST = [None, None]     # (raw, TopicConfig) last decoded: consumers decode it per shard visit
+
+
 def load_config(raw) -> TopicConfig | None:
     if raw == None:  # noqa: E711 - FDB's absent Value equals None
         return None
-    return TopicConfig.from_dict(unpack(raw))
+    raw = bytes(raw)
+    last = _LAST    # one read of the pair: another thread may replace it meanwhile
+    if last[0] == raw:
+        return last[1]
+    config = TopicConfig.from_dict(unpack(raw))     # frozen: safe to share
+    globals()["_LAST"] = [raw, config]
+    return config
 
 
 @transactional
@@ -28,15 +37,19 @@ def read_topic_config(tr, ts: TopicSpace, *, snapshot: bool = False) -> TopicCon
 
 
 @transactional
-def create_topic(tr, ks: Keyspace, name: str, config: TopicConfig, *, exist_ok: bool = True) -> TopicConfig:
-    """Create a topic; re-running with the same config is a no-op."""
+def create_topic(tr, ks: Keyspace, name: str, config: TopicConfig, *, exist_ok: bool = True,
+                 strict_shards: bool = False) -> TopicConfig:
+    """Create a topic; re-running with the same config is a no-op. An existing topic
+    with another shard count is an error when ``strict_shards`` (the caller asked for
+    that count) or the count asked for is not the default; otherwise it is returned."""
     check_name(name)
     ensure_format(tr, ks)
     ts = ks.topic(name)
     existing = load_config(tr[ts.config_key])
     if existing is not None:
-        if not exist_ok or (existing.shards != config.shards and config.shards != TopicConfig().shards):
-            raise TopicExists(f"topic {name!r} already exists with {existing.shards} shards")
+        if not exist_ok or (existing.shards != config.shards and (strict_shards or config.shards != TopicConfig().shards)):
+            raise TopicExists(f"topic {name!r} already exists with {existing.shards} shards, not {config.shards}"
+                              f" (change the count with rebalance)")
         return existing
     write_topic_config(tr, ts, config)
     return config

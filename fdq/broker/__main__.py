@@ -42,11 +42,43 @@ def build_options(args) -> BrokerOptions:
                       max_rdy_count=args.max_rdy_count, max_heartbeat_interval_ms=ms(args.max_heartbeat_interval),
                       max_req_timeout_ms=ms(args.max_req_timeout),
                       heartbeat_interval_ms=min(p.DEFAULTS["heartbeat_interval_ms"], ms(args.max_heartbeat_interval)),
-                      deflate=args.deflate, max_deflate_level=args.max_deflate_level)
+                      deflate=args.deflate, max_deflate_level=args.max_deflate_level, snappy=args.snappy,
+                      max_output_buffer_size=args.max_output_buffer_size,
+                      output_buffer_timeout_ms=ms(args.output_buffer_timeout),
+                      min_output_buffer_timeout_ms=ms(args.min_output_buffer_timeout),
+                      max_output_buffer_timeout_ms=ms(args.max_output_buffer_timeout))
     if limits.msg_timeout_ms > limits.max_msg_timeout_ms:
         raise ConfigError("--msg-timeout must not exceed --max-msg-timeout")
+    if not limits.min_output_buffer_timeout_ms <= limits.output_buffer_timeout_ms <= limits.max_output_buffer_timeout_ms:
+        raise ConfigError("--output-buffer-timeout must be within --min/--max-output-buffer-timeout")
+    if limits.max_output_buffer_size < 64:
+        raise ConfigError("--max-output-buffer-size must be at least 64")
+    percentiles = tuple(parse_percentiles(args.e2e_processing_latency_percentile or []))
+    if args.e2e_processing_latency_window_time <= 0:
+        raise ConfigError("--e2e-processing-latency-window-time must be > 0")
     return BrokerOptions(limits=limits, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                         tls_required=args.tls_required, auth_file=args.auth_file)
+                         tls_required=args.tls_required, auth_file=args.auth_file,
+                         e2e_percentiles=percentiles, e2e_window_s=args.e2e_processing_latency_window_time)
+
+
+def parse_percentiles(values) -> list:
+    """``--e2e-processing-latency-percentile`` values (each may be comma separated, as
+    nsqd's): quantiles in (0, 1], in the order given, without repeats."""
+    out = []
+    for v in values:
+        for part in str(v).split(","):
+            part = part.strip()
+            if not part:
+                continue
+            try:
+                q = float(part)
+            except ValueError:
+                raise ConfigError(f"e2e processing latency percentile {part!r} is not a number") from None
+            if not 0 < q <= 1:
+                raise ConfigError(f"e2e processing latency percentile {q} must be in (0, 1]")
+            if q not in out:
+                out.append(q)
+    return out
 
 
 def parser() -> argparse.ArgumentParser:
@@ -64,6 +96,23 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-req-timeout", type=parse_duration, default=d["max_req_timeout_ms"] / 1000)
     ap.add_argument("--max-deflate-level", type=int, default=d["max_deflate_level"])
     ap.add_argument("--deflate", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--snappy", action=argparse.BooleanOptionalAction, default=True,
+                    help="offer snappy compression (needs the cramjam package)")
+    ap.add_argument("--max-output-buffer-size", type=int, default=d["max_output_buffer_size"],
+                    help="largest output_buffer_size a client may ask for (bytes)")
+    ap.add_argument("--output-buffer-timeout", type=parse_duration, default=d["output_buffer_timeout_ms"] / 1000,
+                    help="default time buffered messages wait before they are flushed")
+    ap.add_argument("--min-output-buffer-timeout", type=parse_duration,
+                    default=d["min_output_buffer_timeout_ms"] / 1000,
+                    help="shortest output_buffer_timeout a client may ask for")
+    ap.add_argument("--max-output-buffer-timeout", type=parse_duration,
+                    default=d["max_output_buffer_timeout_ms"] / 1000,
+                    help="longest output_buffer_timeout a client may ask for")
+    ap.add_argument("--e2e-processing-latency-percentile", action="append", default=None,
+                    help="publish-to-FIN latency quantile to report in /stats, in (0, 1] (repeat or "
+                         "comma separate: 1.0,0.99,0.95); default none")
+    ap.add_argument("--e2e-processing-latency-window-time", type=parse_duration, default=600.0,
+                    help="window of those percentiles")
     ap.add_argument("--tls-cert")
     ap.add_argument("--tls-key")
     ap.add_argument("--tls-required", action="store_true")

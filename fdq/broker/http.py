@@ -17,7 +17,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from ..errors import FDQError, InvalidHeader, InvalidName, MessageTooLarge, TopicNotFound
 from ..headers import validate_headers
-from . import protocol as p
+from . import protocol as p, quantile
 
 log = logging.getLogger("fdq.broker.http")
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
@@ -43,6 +43,23 @@ class Request:
     def arg(self, name, default=None):
         v = self.query.get(name)
         return v[0] if v else default
+
+
+def _memory() -> dict:
+    """nsqd's ``memory`` stats (Go runtime fields), from what CPython has: the process's
+    resident set for the heap sizes, the garbage collector's counts for the GC fields."""
+    import gc
+    import resource
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        pass
+    counts = gc.get_count()
+    return {"heap_objects": sum(counts), "heap_idle_bytes": 0, "heap_in_use_bytes": rss,
+            "heap_released_bytes": 0, "gc_pause_usec_100": 0, "gc_pause_usec_99": 0, "gc_pause_usec_95": 0,
+            "next_gc_bytes": 0, "gc_total_runs": sum(g["collections"] for g in gc.get_stats())}
 
 
 class HTTPServer:
@@ -398,6 +415,8 @@ class HTTPServer:
             cfg = st["config"]
             paused_channels = b.paused_channels(name)
             channels = []
+            topic_e2e = []
+            pct = b.options.e2e_percentiles
             for sub, s in st["subscriptions"].items():
                 if channel_filter and sub != channel_filter:
                     continue
@@ -406,28 +425,39 @@ class HTTPServer:
                 for ch in local:
                     for conn in ch.conns:
                         clients.append(conn.stats())
+                cst = b.channel_stats.get((name, sub))
+                e2e = [cst.e2e.samples()] if cst is not None else []
+                topic_e2e += e2e
                 channels.append({
                     "channel_name": sub, "depth": s["backlog"], "backend_depth": 0,
                     "in_flight_count": s["in_flight"], "deferred_count": s["delayed"],
-                    "message_count": s["emitted"], "requeue_count": sum(ch.stats.requeue_count for ch in local),
-                    "timeout_count": sum(ch.stats.timeout_count for ch in local),
+                    "message_count": s["emitted"], "requeue_count": cst.requeue_count if cst else 0,
+                    "timeout_count": cst.timeout_count if cst else 0,
                     "client_count": len(clients), "clients": clients,
                     "paused": sub in paused_channels or s.get("paused", False),
                     "acked_count": s["acked"], "dlq_count": s["dlq"], "consumer_count": len(s["consumers"]),
-                    "e2e_processing_latency": {"count": 0, "percentiles": None},
+                    "e2e_processing_latency": quantile.result(pct, e2e),
                 })
             depth = st["counters"]["pending"]
             out.append({"topic_name": name, "channels": channels, "depth": depth, "backend_depth": 0,
                         "message_count": st["counters"]["inserted"], "message_bytes": 0,
                         "paused": bool(cfg.get("paused")), "extend": bool(cfg.get("extend")),
-                        "e2e_processing_latency": {"count": 0, "percentiles": None}})
+                        "e2e_processing_latency": quantile.result(pct, topic_e2e)})
         return out
 
     async def stats(self, req):
         topics = await self._collect(req.arg("topic"), req.arg("channel"))
         b = self.broker
+        if req.arg("include_clients") == "false":          # nsqd's include_clients / include_mem
+            for t in topics:
+                for c in t["channels"]:
+                    c["clients"] = []
         data = {"version": b.options.limits.version, "health": "OK", "start_time": b.start_time,
-                "topics": topics, "memory": {}, "producers": []}
+                "topics": topics, "memory": _memory() if req.arg("include_mem") != "false" else None,
+                "producers": [c.stats() for c in b.conns if c.published]
+                if req.arg("include_clients") != "false" else []}
+        if data["memory"] is None:
+            del data["memory"]                                # nsqd: "memory,omitempty"
         if req.arg("format") == "json":
             return data
         lines = [f"nsqd v{b.options.limits.version} (fdq broker)", f"start_time {b.start_time}", "",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 MAGIC_V2 = b"  V2"
 FRAME_RESPONSE, FRAME_ERROR, FRAME_MESSAGE = 0, 1, 2
@@ -33,6 +33,8 @@ _I32 = struct.Struct(">i")
 _U16 = struct.Struct(">H")
 _FRAME_HDR = struct.Struct(">Ii")
 _MSG_HDR = struct.Struct(">qH")
+# a whole message frame's head: [size][type 2][timestamp ns][attempts], then id and body
+MESSAGE_HEAD = struct.Struct(">IiqH")
 
 # nsqd's defaults (nsqd/options.go)
 DEFAULTS = {
@@ -44,9 +46,11 @@ DEFAULTS = {
     "max_heartbeat_interval_ms": 60_000,
     "max_req_timeout_ms": 60 * 60_000,
     "heartbeat_interval_ms": 30_000,
+    "output_buffer_size": 16 * 1024,
     "max_output_buffer_size": 64 * 1024,
-    "max_output_buffer_timeout_ms": 1000,
     "output_buffer_timeout_ms": 250,
+    "min_output_buffer_timeout_ms": 25,
+    "max_output_buffer_timeout_ms": 30_000,
     "max_deflate_level": 6,
 }
 
@@ -73,18 +77,23 @@ def nonfatal(code, desc=""):
     return ProtocolError(code, desc, False)
 
 
-@dataclass
 class Command:
     """One client command: ``name`` (bytes, e.g. b"PUB"), ``params`` (the line's other
     words), and its decoded payload: ``body`` (PUB, DPUB, AUTH), ``bodies`` (MPUB),
     ``identify`` (dict), ``ext`` (PUB_EXT's JSON header, dict)."""
 
-    name: bytes
-    params: list = field(default_factory=list)
-    body: bytes | None = None
-    bodies: list | None = None
-    identify: dict | None = None
-    ext: dict | None = None
+    __slots__ = ("name", "params", "body", "bodies", "identify", "ext")
+
+    def __init__(self, name: bytes, params: list | None = None, body: bytes | None = None):
+        self.name = name
+        self.params = [] if params is None else params
+        self.body = body
+        self.bodies = None
+        self.identify = None
+        self.ext = None
+
+    def __repr__(self):
+        return f"Command({self.name!r}, {self.params!r})"
 
 
 def valid_name(name: bytes) -> bool:
@@ -186,53 +195,61 @@ class Parser:
         self._buf = bytearray()
         self._need_magic = expect_magic
         self._pending = None     # a Command whose body we are waiting for
+        self._pos = 0            # parse offset in _buf during feed()
         self.dead = False
 
     def feed(self, data: bytes) -> list:
         """Append ``data``; return [Command | ProtocolError] in order."""
         if self.dead:
             return []
-        self._buf += data
+        buf = self._buf
+        buf += data
+        self._pos = 0            # parse by offset; consumed bytes are dropped once, at the end
         out = []
-        while not self.dead:
-            try:
-                item = self._next()
-            except ProtocolError as e:
-                out.append(e)
-                if e.fatal:
-                    self.dead = True
-                    self._buf.clear()
-                continue
-            if item is None:
-                break
-            out.append(item)
+        try:
+            while not self.dead:
+                try:
+                    item = self._next()
+                except ProtocolError as e:
+                    out.append(e)
+                    if e.fatal:
+                        self.dead = True
+                    continue
+                if item is None:
+                    break
+                out.append(item)
+        finally:
+            if self.dead:
+                buf.clear()
+            elif self._pos:
+                del buf[:self._pos]
+            self._pos = 0
         return out
 
     @property
     def buffered(self) -> int:
-        return len(self._buf)
+        return len(self._buf) - self._pos
 
     def _next(self):
         buf = self._buf
+        pos = self._pos
         if self._need_magic:
-            if len(buf) < 4:
+            if len(buf) - pos < 4:
                 return None
-            magic = bytes(buf[:4])
-            del buf[:4]
+            magic = bytes(buf[pos:pos + 4])
+            self._pos = pos = pos + 4
             if magic != MAGIC_V2:
                 raise fatal("E_BAD_PROTOCOL", f"bad protocol magic {magic!r}")
             self._need_magic = False
         if self._pending is None:
-            nl = buf.find(b"\n")
+            nl = buf.find(b"\n", pos)
             if nl < 0:
-                if len(buf) > MAX_LINE:
+                if len(buf) - pos > MAX_LINE:
                     raise fatal("E_INVALID", f"command line longer than {MAX_LINE} bytes")
                 return None
-            line = bytes(buf[:nl])
-            del buf[:nl + 1]
-            if line.endswith(b"\r"):
-                line = line[:-1]
-            parts = line.split(b" ")
+            end = nl - 1 if nl > pos and buf[nl - 1] == 13 else nl     # a trailing \r
+            parts = bytes(buf[pos:end]).split(b" ")
+            self._pos = nl + 1
             cmd = Command(parts[0], parts[1:])
             if cmd.name in _NO_BODY:
                 return cmd
@@ -254,10 +271,7 @@ class Parser:
                 raise fatal("E_INVALID", "DPUB insufficient number of parameters")
             if not valid_name(p[0]):
                 raise fatal("E_BAD_TOPIC", f"DPUB topic name {p[0]!r} is not valid")
-            try:
-                ms = int(p[1])
-            except ValueError:
-                raise fatal("E_INVALID", f"DPUB could not parse timeout {p[1]!r}") from None
+            ms = parse_int(p[1], "DPUB could not parse timeout")
             if ms < 0 or ms > self.max_req_timeout_ms:
                 raise fatal("E_INVALID", f"DPUB timeout {ms} out of range 0-{self.max_req_timeout_ms}")
         elif name == b"AUTH" and len(p) != 0:
@@ -265,9 +279,10 @@ class Parser:
 
     def _read_body(self, cmd: Command):
         buf = self._buf
-        if len(buf) < 4:
+        pos = self._pos
+        if len(buf) - pos < 4:
             return None
-        size = _I32.unpack_from(buf)[0]
+        size = _I32.unpack_from(buf, pos)[0]
         name = cmd.name
         what = name.decode()
         if name in (b"PUB", b"DPUB", b"PUB_EXT"):
@@ -286,10 +301,10 @@ class Parser:
                 raise fatal("E_BAD_BODY", f"{what} invalid body size {size}")
             if size > self.max_body_size:
                 raise fatal("E_BAD_BODY", f"{what} body too big {size} > {self.max_body_size}")
-        if len(buf) < 4 + size:
+        if len(buf) - pos < 4 + size:
             return None
-        body = bytes(buf[4:4 + size])
-        del buf[:4 + size]
+        body = bytes(buf[pos + 4:pos + 4 + size])
+        self._pos = pos + 4 + size
         self._pending = None
         if name == b"MPUB":
             cmd.bodies = self._split_mpub(body)
@@ -368,12 +383,14 @@ class Limits:
     max_req_timeout_ms: int = DEFAULTS["max_req_timeout_ms"]
     heartbeat_interval_ms: int = DEFAULTS["heartbeat_interval_ms"]
     max_output_buffer_size: int = DEFAULTS["max_output_buffer_size"]
+    output_buffer_timeout_ms: int = DEFAULTS["output_buffer_timeout_ms"]
+    min_output_buffer_timeout_ms: int = DEFAULTS["min_output_buffer_timeout_ms"]
     max_output_buffer_timeout_ms: int = DEFAULTS["max_output_buffer_timeout_ms"]
     max_deflate_level: int = DEFAULTS["max_deflate_level"]
     tls: bool = False
     tls_required: bool = False
     deflate: bool = True
-    snappy: bool = False
+    snappy: bool = True
     auth_required: bool = False
     version: str = "1.3.0"
 
@@ -387,7 +404,7 @@ class Identity:
     user_agent: str = ""
     heartbeat_interval_ms: int = DEFAULTS["heartbeat_interval_ms"]
     msg_timeout_ms: int = DEFAULTS["msg_timeout_ms"]
-    output_buffer_size: int = 16 * 1024
+    output_buffer_size: int = DEFAULTS["output_buffer_size"]
     output_buffer_timeout_ms: int = DEFAULTS["output_buffer_timeout_ms"]
     sample_rate: int = 0
     feature_negotiation: bool = False
@@ -427,20 +444,24 @@ def negotiate(data: dict, limits: Limits) -> tuple:
     else:
         ident.heartbeat_interval_ms = hb
 
-    obs = _int(data, "output_buffer_size", 0)
-    if obs == -1:
-        ident.output_buffer_size = 0
-    elif obs != 0:
-        if obs < 64 or obs > limits.max_output_buffer_size:
-            raise fatal("E_BAD_BODY", f"IDENTIFY output buffer size ({obs}) is invalid")
-        ident.output_buffer_size = obs
+    # output buffering as nsqd's clientV2.SetOutputBuffer: -1 disables (every write
+    # goes out at once), 0 keeps the default, otherwise within the broker's bounds
+    ident.output_buffer_timeout_ms = limits.output_buffer_timeout_ms
     obt = _int(data, "output_buffer_timeout", 0)
     if obt == -1:
         ident.output_buffer_timeout_ms = 0
     elif obt != 0:
-        if obt < 1 or obt > limits.max_output_buffer_timeout_ms:
+        if obt < limits.min_output_buffer_timeout_ms or obt > limits.max_output_buffer_timeout_ms:
             raise fatal("E_BAD_BODY", f"IDENTIFY output buffer timeout ({obt}) is invalid")
         ident.output_buffer_timeout_ms = obt
+    obs = _int(data, "output_buffer_size", 0)
+    if obs == -1:
+        ident.output_buffer_size = 1
+        ident.output_buffer_timeout_ms = 0
+    elif obs != 0:
+        if obs < 64 or obs > limits.max_output_buffer_size:
+            raise fatal("E_BAD_BODY", f"IDENTIFY output buffer size ({obs}) is invalid")
+        ident.output_buffer_size = obs
 
     sr = _int(data, "sample_rate", 0)
     if sr < 0 or sr > 99:
@@ -494,12 +515,13 @@ def negotiate(data: dict, limits: Limits) -> tuple:
     return ident, json.dumps(resp).encode()
 
 
-def parse_int(raw: bytes, what: str) -> int:
-    """An integer parameter, or a fatal E_INVALID naming ``what``."""
-    try:
-        return int(raw)
-    except ValueError:
-        raise fatal("E_INVALID", f"{what} {raw!r}") from None
+def parse_int(raw: bytes, what: str, signed: bool = False) -> int:
+    """A decimal parameter, or a fatal E_INVALID naming ``what``. Unsigned (nsqd's
+    ByteToBase10: digits only) unless ``signed`` (Go's strconv.Atoi, as for RDY)."""
+    digits = raw[1:] if signed and raw[:1] in (b"-", b"+") else raw
+    if not digits or not digits.isdigit():
+        raise fatal("E_INVALID", f"{what} {raw.decode('utf-8', 'replace')}")
+    return int(raw)
 
 
 __all__ = ["Parser", "Command", "ProtocolError", "Limits", "Identity", "negotiate", "frame", "response",

@@ -7,6 +7,13 @@ pull-style ``fdq.Consumer`` per (topic, channel, desired tag) it serves and disp
 its messages to the channel's connections by RDY. A message is leased for the
 receiving connection's ``msg_timeout``; FIN = ack, REQ = nak(delay), TOUCH =
 in_progress. Engine calls run in a thread pool; the event loop never blocks on them.
+
+As nsqd: a message that times out on its connection (``msg_timeout``, extended by
+TOUCH but never past ``--max-msg-timeout`` from its delivery) is requeued at once;
+message frames go through the connection's output buffer (IDENTIFY
+``output_buffer_size`` / ``output_buffer_timeout``), flushed when full, when the
+client reaches its RDY, on the timeout, and before any response, error or heartbeat;
+``deflate`` or ``snappy`` (``compress.py``) wrap the stream after IDENTIFY.
 """
 from __future__ import annotations
 
@@ -18,20 +25,25 @@ import random
 import signal
 import ssl
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .. import Consumer, ConsumerConfig, Producer, Supervisor, connect
-from ..config import DEFAULT_SUBSCRIPTION, SubscriptionConfig
+from ..config import DEFAULT_SUBSCRIPTION, ProducerConfig, SubscriptionConfig, TopicConfig
 from ..errors import ConfigError, FDQError, InvalidHeader, LeaseLost, MessageTooLarge, TopicNotFound
-from . import protocol as p
+from . import compress, protocol as p
+from .quantile import Quantile
 from .protocol import ProtocolError, fatal, nonfatal
 
 log = logging.getLogger("fdq.broker")
 
 INIT, SUBSCRIBED, CLOSING = "init", "subscribed", "closing"
 MAX_DELIVER = 0xFFFF           # NSQ never dead-letters: attempts is a uint16
+# Topics the broker creates (on PUB, SUB or /topic/create) have no FDQ ``default``
+# subscription: as on nsqd, messages go to channels only, and what is published before
+# the first channel exists is kept in the topic's log, which that channel starts from
+# (ensure_channel). A ``default`` subscription nobody reads would grow without bound.
+NEW_TOPIC = TopicConfig(subs=())
 FETCH_WAIT_S = 0.5
 
 
@@ -45,13 +57,18 @@ class BrokerOptions:
     tls_required: bool = False
     auth_file: str | None = None
     threads: int = 64
+    e2e_percentiles: tuple = ()      # --e2e-processing-latency-percentile (quantiles in (0, 1])
+    e2e_window_s: float = 600.0      # --e2e-processing-latency-window-time
     broadcast_address: str = "127.0.0.1"
 
 
 class ChannelStats:
-    def __init__(self):
+    def __init__(self, percentiles: tuple = (), window_s: float = 600.0):
+        self.e2e = Quantile(percentiles, window_s)
         self.message_count = 0
         self.requeue_count = 0
+        self.timeout_count = 0
+        self.published = {}        # topic -> messages published on this connection
         self.timeout_count = 0
         self.finish_count = 0
 
@@ -68,7 +85,7 @@ class Channel:
         self.extend = extend
         self.consumer = None
         self.conns = []
-        self.stats = ChannelStats()
+        self.stats = broker.stats_for(topic, name)
         self.wake = asyncio.Event()
         self._rr = 0
         self._settles = []
@@ -207,14 +224,19 @@ class Conn:
         self.auth = None           # granted permissions (auth.Grant) once AUTH succeeded
         self._next_id = random.getrandbits(40)
         self._out = asyncio.Queue()
-        self._compress = None
-        self._decompress = None
+        self._codec = None         # compress.Deflate / compress.Snappy once negotiated
+        self._obuf = []            # output buffer (message frames, then a flush)
+        self._olen = 0
+        self._flush_timer = None
+        self._last_hb = time.monotonic()      # the first heartbeat one interval after connecting
         self.closed = False
         self.remote = writer.get_extra_info("peername")
         self.connect_ts = int(time.time())
         self.message_count = 0
         self.finish_count = 0
         self.requeue_count = 0
+        self.timeout_count = 0
+        self.published = {}        # topic -> messages published on this connection
 
     def stats(self) -> dict:
         """nsqd's client stats fields."""
@@ -224,10 +246,23 @@ class Conn:
                 "ready_count": self.rdy, "in_flight_count": len(self.in_flight),
                 "message_count": self.message_count, "finish_count": self.finish_count,
                 "requeue_count": self.requeue_count, "connect_ts": self.connect_ts,
-                "sample_rate": self.ident.sample_rate, "deflate": self._compress is not None,
-                "snappy": False, "user_agent": self.ident.user_agent, "tls": self.ident.tls_v1,
+                "sample_rate": self.ident.sample_rate, "deflate": self.ident.deflate,
+                "snappy": self.ident.snappy, "user_agent": self.ident.user_agent, "tls": self.ident.tls_v1,
                 "authed": self.auth is not None, "msg_timeout": self.ident.msg_timeout_ms,
-                "heartbeat_interval": self.ident.heartbeat_interval_ms}
+                "heartbeat_interval": self.ident.heartbeat_interval_ms, "name": self.ident.client_id,
+                "timeout_count": self.timeout_count, "deferred_count": 0,
+                "auth_identity": self.auth.identity if self.auth is not None else "",
+                "output_buffer_size": self.ident.output_buffer_size,
+                "output_buffer_timeout": self.ident.output_buffer_timeout_ms,
+                "pub_counts": [{"topic": t, "count": n} for t, n in sorted(self.published.items())],
+                **self._tls_stats()}
+
+    def _tls_stats(self) -> dict:
+        obj = self.writer.get_extra_info("ssl_object") if self.ident.tls_v1 else None
+        cipher = obj.cipher() if obj is not None else None
+        return {"tls_cipher_suite": cipher[0] if cipher else "", "tls_version": obj.version() if obj else "",
+                "tls_negotiated_protocol": (obj.selected_alpn_protocol() or "") if obj else "",
+                "tls_negotiated_protocol_is_mutual": False}
 
     @property
     def capacity(self) -> int:
@@ -238,10 +273,37 @@ class Conn:
     # -- output ----------------------------------------------------------------------
 
     def _write(self, data: bytes):
+        """Send ``data`` now, after whatever messages are buffered (nsqd flushes on every
+        response, error and heartbeat)."""
+        self._obuf.append(data)
+        self._flush()
+
+    def _write_messages(self, data: bytes):
+        """Buffer message frames as nsqd's output buffer (IDENTIFY ``output_buffer_size``
+        / ``output_buffer_timeout``): sent once the buffer is full, when the client can
+        take no more (RDY reached), or when the timeout fires, whichever comes first."""
+        self._obuf.append(data)
+        self._olen += len(data)
+        ident = self.ident
+        if self._olen >= ident.output_buffer_size or ident.output_buffer_timeout_ms <= 0 or self.capacity <= 0:
+            self._flush()
+        elif self._flush_timer is None:
+            self._flush_timer = asyncio.get_running_loop().call_later(
+                ident.output_buffer_timeout_ms / 1000, self._flush)
+
+    def _flush(self):
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        if not self._obuf:
+            return
+        data = self._obuf[0] if len(self._obuf) == 1 else b"".join(self._obuf)
+        self._obuf.clear()
+        self._olen = 0
         if self.closed or self.writer.is_closing():
             return
-        if self._compress is not None:
-            data = self._compress.compress(data) + self._compress.flush(zlib.Z_SYNC_FLUSH)
+        if self._codec is not None:
+            data = self._codec.compress(data)
         self.writer.write(data)
 
     def send_error(self, err: ProtocolError):
@@ -252,25 +314,36 @@ class Conn:
     def deliver(self, msgs: list) -> list:
         """Send as many of ``msgs`` as RDY allows; return the rest."""
         n = max(0, self.capacity)
+        if n == 0:
+            return msgs
         now = time.monotonic()
-        timeout = self.ident.msg_timeout_ms / 1000
+        deadline = now + self.ident.msg_timeout_ms / 1000
         ch = self.channel
+        sample = self.ident.sample_rate
+        ext = self.ident.extend_support and ch.extend
+        in_flight = self.in_flight
+        next_id = self._next_id
         out = []
+        head = p.MESSAGE_HEAD.pack
         for m in msgs[:n]:
-            if self.ident.sample_rate and random.randrange(100) >= self.ident.sample_rate:
+            if sample and random.randrange(100) >= sample:
                 ch.settle(None, m, "ack")       # nsqd drops unsampled messages for this client
                 continue
-            self._next_id = (self._next_id + 1) & ((1 << 64) - 1)
-            nsq_id = b"%016x" % self._next_id
-            self.in_flight[nsq_id] = [m, now + timeout]
-            ext = None
-            if self.ident.extend_support and ch.extend:
-                ext = json.dumps(dict(m.headers), separators=(",", ":")).encode()
-            out.append(p.message(m.insertion_time * 1_000_000, m.attempts, nsq_id, m.body, ext))
-            self.message_count += 1
-            ch.stats.message_count += 1
+            next_id = (next_id + 1) & 0xFFFFFFFFFFFFFFFF
+            nsq_id = b"%016x" % next_id
+            in_flight[nsq_id] = [m, deadline, now]    # message, deadline, delivered at
+            if ext:
+                out.append(p.message(m.insertion_time * 1_000_000, m.attempts, nsq_id, m.body,
+                                     json.dumps(dict(m.headers), separators=(",", ":")).encode()))
+            else:
+                body = m.body
+                out.append(head(len(body) + 30, p.FRAME_MESSAGE, m.insertion_time * 1_000_000,
+                                min(m.attempts, 0xFFFF)) + nsq_id + body)
+        self._next_id = next_id
         if out:
-            self._write(b"".join(out))      # one send for the batch
+            self.message_count += len(out)
+            ch.stats.message_count += len(out)
+            self._write_messages(b"".join(out))
         return msgs[n:]
 
     async def _responder(self):
@@ -316,12 +389,13 @@ class Conn:
                     break
                 if not data:
                     break
-                if self._decompress is not None:
+                if self._codec is not None:
                     try:
-                        data = self._decompress.decompress(data)
-                    except zlib.error:
-                        self.send_error(fatal("E_INVALID", "bad deflate stream"))
+                        data = self._codec.decompress(data)
+                    except ValueError as e:
+                        self.send_error(fatal("E_INVALID", str(e)))
                         break
+                tls_gate = self.broker.options.limits.tls_required and not self.ident.tls_v1
                 for item in self.parser.feed(data):
                     if isinstance(item, ProtocolError):
                         self.send_error(item)
@@ -329,7 +403,11 @@ class Conn:
                             break
                         continue
                     try:
-                        await self._exec(item)
+                        sync = _SYNC_HANDLERS.get(item.name)
+                        if sync is not None and not tls_gate:
+                            sync(self, item)        # FIN, REQ, TOUCH, RDY, NOP: no await
+                        else:
+                            await self._exec(item)
                     except ProtocolError as e:
                         self.send_error(e)
                         if e.fatal:
@@ -354,9 +432,12 @@ class Conn:
         if self.closed:
             return
         self.closed = True
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
         ch = self.channel
         if ch is not None:
-            for nsq_id, (m, _d) in list(self.in_flight.items()):
+            for nsq_id, (m, _d, _t) in list(self.in_flight.items()):
                 ch.settle(None, m, "nak", 0)    # requeued at once, as nsqd
             self.in_flight.clear()
             await ch.remove(self)
@@ -371,14 +452,18 @@ class Conn:
             await asyncio.sleep(0.5)
             now = time.monotonic()
             hb = self.ident.heartbeat_interval_ms / 1000
-            if hb > 0 and now - getattr(self, "_last_hb", 0) >= hb:
+            if hb > 0 and now - self._last_hb >= hb:
                 self._last_hb = now
                 self._write(p.response(p.HEARTBEAT))
-            expired = [k for k, (_m, d) in self.in_flight.items() if d <= now]
-            for k in expired:       # the lease expired: FDQ redelivers it; free the RDY slot
-                del self.in_flight[k]
+            expired = [k for k, (_m, d, _t) in self.in_flight.items() if d <= now]
+            for k in expired:
+                # timed out: back to the queue now, as nsqd requeues at msg_timeout (FDQ
+                # would also redeliver it once its lease expires); frees the RDY slot
+                m = self.in_flight.pop(k)[0]
+                self.timeout_count += 1
                 if self.channel is not None:
                     self.channel.stats.timeout_count += 1
+                    self.channel.settle(None, m, "nak", 0)
             if expired and self.channel is not None:
                 self.channel.wake.set()
 
@@ -392,9 +477,11 @@ class Conn:
         lim = self.broker.options.limits
         if lim.tls_required and not self.ident.tls_v1 and name != b"IDENTIFY":
             raise fatal("E_INVALID", f"cannot {name.decode()} in current state (TLS required)")
-        await handler(self, cmd)
+        r = handler(self, cmd)
+        if r is not None:
+            await r
 
-    async def cmd_nop(self, cmd):
+    def cmd_nop(self, cmd):
         return None
 
     async def cmd_identify(self, cmd):
@@ -412,9 +499,11 @@ class Conn:
             except (ssl.SSLError, OSError, ConnectionError) as e:
                 raise fatal("E_IDENTIFY_FAILED", f"TLS handshake failed: {e}") from None
             self._write(p.response())
-        if ident.deflate:
-            self._compress = zlib.compressobj(ident.deflate_level, zlib.DEFLATED, -15)
-            self._decompress = zlib.decompressobj(-15)
+        if ident.snappy:
+            self._codec = compress.Snappy()
+            self._write(p.response())
+        elif ident.deflate:
+            self._codec = compress.Deflate(ident.deflate_level)
             self._write(p.response())
 
     async def cmd_auth(self, cmd):
@@ -468,16 +557,18 @@ class Conn:
         ch.add(self)
         self._out.put_nowait(p.response())
 
-    async def cmd_rdy(self, cmd):
+    def cmd_rdy(self, cmd):
         if self.state == CLOSING:
             return
         if self.state != SUBSCRIBED:
             raise fatal("E_INVALID", "cannot RDY in current state")
-        count = p.parse_int(cmd.params[0], "RDY could not parse count") if cmd.params else 1
+        count = p.parse_int(cmd.params[0], "RDY could not parse count", signed=True) if cmd.params else 1
         mx = self.broker.options.limits.max_rdy_count
         if count < 0 or count > mx:
             raise fatal("E_INVALID", f"RDY count {count} out of range 0-{mx}")
         self.rdy = count
+        if self.capacity <= 0:
+            self._flush()          # nsqd flushes a client that can take no more
         self.channel.wake.set()
 
     def _msg_id(self, cmd, verb, nparams):
@@ -490,7 +581,7 @@ class Conn:
             raise fatal("E_INVALID", "Invalid Message ID")
         return mid
 
-    async def cmd_fin(self, cmd):
+    def cmd_fin(self, cmd):
         mid = self._msg_id(cmd, "FIN", 1)
         entry = self.in_flight.pop(mid, None)
         if entry is None:
@@ -498,9 +589,12 @@ class Conn:
         self.finish_count += 1
         self.channel.stats.finish_count += 1
         self.channel.settle(self, entry[0], "ack", None, mid)
+        e2e = self.channel.stats.e2e
+        if e2e.percentiles:
+            e2e.add(time.time_ns() - entry[0].insertion_time * 1_000_000)
         self.channel.wake.set()
 
-    async def cmd_req(self, cmd):
+    def cmd_req(self, cmd):
         mid = self._msg_id(cmd, "REQ", 2)
         ms = p.parse_int(cmd.params[1], "REQ could not parse timeout")
         mx = self.broker.options.limits.max_req_timeout_ms
@@ -513,12 +607,16 @@ class Conn:
         self.channel.settle(self, entry[0], "nak", ms / 1000, mid)
         self.channel.wake.set()
 
-    async def cmd_touch(self, cmd):
+    def cmd_touch(self, cmd):
         mid = self._msg_id(cmd, "TOUCH", 1)
         entry = self.in_flight.get(mid)
         if entry is None:
             raise nonfatal("E_TOUCH_FAILED", f"TOUCH {mid.decode('ascii', 'replace')} failed ID not in flight")
-        entry[1] = time.monotonic() + self.ident.msg_timeout_ms / 1000
+        # as nsqd's Channel.TouchMessage: a message's total time on a client never
+        # exceeds --max-msg-timeout; past it the message times out (and is requeued)
+        lim = self.broker.options.limits
+        entry[1] = min(time.monotonic() + self.ident.msg_timeout_ms / 1000,
+                       entry[2] + lim.max_msg_timeout_ms / 1000)
         self.channel.settle(self, entry[0], "touch", None, mid)
 
     async def cmd_cls(self, cmd):
@@ -529,7 +627,7 @@ class Conn:
 
     # -- publishing ------------------------------------------------------------------
 
-    def _publish(self, fn, code: str, verb: str):
+    def _publish(self, topic: str, fn, code: str, verb: str):
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(self.broker.executor, fn)
 
@@ -541,6 +639,7 @@ class Conn:
             except FDQError as e:
                 raise fatal(code, f"{verb} failed {e}") from None
             self.broker.published += r
+            self.published[topic] = self.published.get(topic, 0) + r
             return p.response()
         self._out.put_nowait(result())
 
@@ -548,21 +647,21 @@ class Conn:
         topic = cmd.params[0].decode()
         self._check_auth(topic, None, "publish")
         body = cmd.body
-        self._publish(lambda: (self.broker.producer.push(topic, body), 1)[1], "E_PUB_FAILED", "PUB")
+        self._publish(topic, lambda: (self.broker.producer.push(topic, body), 1)[1], "E_PUB_FAILED", "PUB")
 
     async def cmd_dpub(self, cmd):
         topic = cmd.params[0].decode()
         ms = int(cmd.params[1])       # the parser checked its range
         self._check_auth(topic, None, "publish")
         body = cmd.body
-        self._publish(lambda: (self.broker.producer.push(topic, body, delay=ms / 1000), 1)[1],
+        self._publish(topic, lambda: (self.broker.producer.push(topic, body, delay=ms / 1000), 1)[1],
                       "E_DPUB_FAILED", "DPUB")
 
     async def cmd_mpub(self, cmd):
         topic = cmd.params[0].decode()
         self._check_auth(topic, None, "publish")
         bodies = cmd.bodies
-        self._publish(lambda: len(self.broker.producer.push_many(topic, bodies)), "E_MPUB_FAILED", "MPUB")
+        self._publish(topic, lambda: len(self.broker.producer.push_many(topic, bodies)), "E_MPUB_FAILED", "MPUB")
 
     async def cmd_pub_ext(self, cmd):
         topic = cmd.params[0].decode()
@@ -582,12 +681,15 @@ class Conn:
             except FDQError as e:
                 raise fatal("E_PUB_FAILED", f"PUB_EXT failed {e}") from None
             b.published += 1
+            self.published[topic] = self.published.get(topic, 0) + 1
             if r.trace_id is not None:
                 return p.response(p.trace_response(r.id, r.trace_id, len(body)))
             return p.response()
         self._out.put_nowait(result())
 
 
+_SYNC_HANDLERS = {b"NOP": Conn.cmd_nop, b"RDY": Conn.cmd_rdy, b"FIN": Conn.cmd_fin, b"REQ": Conn.cmd_req,
+                  b"TOUCH": Conn.cmd_touch}
 _HANDLERS = {
     b"NOP": Conn.cmd_nop, b"IDENTIFY": Conn.cmd_identify, b"AUTH": Conn.cmd_auth, b"SUB": Conn.cmd_sub,
     b"RDY": Conn.cmd_rdy, b"FIN": Conn.cmd_fin, b"REQ": Conn.cmd_req, b"TOUCH": Conn.cmd_touch,
@@ -604,9 +706,10 @@ class Broker:
         self.db = db
         self.options = options or BrokerOptions()
         self.executor = ThreadPoolExecutor(self.options.threads, thread_name_prefix="fdq-broker")
-        self.producer = Producer(db)
+        self.producer = Producer(db, config=ProducerConfig(auto_create=NEW_TOPIC))
         self.supervisor = Supervisor(db)
         self.channels = {}
+        self.channel_stats = {}      # (topic, channel) -> ChannelStats
         self.conns = set()
         self.published = 0
         self.start_time = int(time.time())
@@ -629,6 +732,11 @@ class Broker:
             from .auth import AuthFile
             self.auth = AuthFile.load(self.options.auth_file)
             lim.auth_required = True
+        if not compress.SNAPPY_AVAILABLE:
+            lim.snappy = False
+        for q in self.options.e2e_percentiles:
+            if not 0 < q <= 1:
+                raise ConfigError(f"e2e processing latency percentile must be in (0, 1], not {q}")
 
     async def run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -654,7 +762,7 @@ class Broker:
         try:
             return self.supervisor.config(topic)
         except TopicNotFound:
-            self.supervisor.create_topic(topic)
+            self.supervisor.create_topic(topic, subs=NEW_TOPIC.subs)
             return self.supervisor.config(topic)
 
     def ensure_channel(self, topic: str, channel: str):
@@ -672,6 +780,15 @@ class Broker:
         except ConfigError:
             if channel not in self.supervisor.config(topic).subs:   # not a race with another broker
                 raise
+
+    def stats_for(self, topic: str, channel: str) -> ChannelStats:
+        """The channel's counters on this broker (kept across its connections coming
+        and going, as nsqd's; shared by the channel's tags)."""
+        st = self.channel_stats.get((topic, channel))
+        if st is None:
+            o = self.options
+            st = self.channel_stats[(topic, channel)] = ChannelStats(o.e2e_percentiles, o.e2e_window_s)
+        return st
 
     async def is_extend(self, topic: str) -> bool:
         try:

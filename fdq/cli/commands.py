@@ -141,8 +141,9 @@ def _show_topic(state, name, as_json):
 
 @topics.command("create")
 @click.argument("name", type=TOPIC)
-@click.option("--shards", type=Shards(), default=TopicConfig().shards, show_default=True,
-              help="Number of shards.")
+@click.option("--shards", type=Shards(), default=None,
+              help=f"Number of shards [default: {TopicConfig().shards}]; an existing topic with "
+                   "another count is an error (use rebalance).")
 @click.option("--extend", is_flag=True, help="Extend support: headers and tag dispatch.")
 @click.option("--max-backlog", type=int, default=None, metavar="N", callback=topic_config_callback,
               help="Refuse pushes beyond this backlog per subscription.")
@@ -874,6 +875,24 @@ def _duration_default(name):
 @click.option("--max-deflate-level", type=click.IntRange(1, 9), default=_BROKER["max_deflate_level"],
               help="Highest deflate level a client may ask for.")
 @click.option("--deflate/--no-deflate", default=_BROKER["deflate"], help="Allow deflate compression.")
+@click.option("--snappy/--no-snappy", default=_BROKER["snappy"],
+              help="Allow snappy compression (framed; needs the cramjam package).")
+@click.option("--max-output-buffer-size", type=click.IntRange(min=64), default=_BROKER["max_output_buffer_size"],
+              help="Largest output_buffer_size a client may ask for in IDENTIFY, bytes.")
+@click.option("--output-buffer-timeout", type=Duration(), default=_duration_default("output_buffer_timeout"),
+              help="Default time buffered messages wait before they are sent.")
+@click.option("--min-output-buffer-timeout", type=Duration(),
+              default=_duration_default("min_output_buffer_timeout"),
+              help="Shortest output_buffer_timeout a client may ask for.")
+@click.option("--max-output-buffer-timeout", type=Duration(),
+              default=_duration_default("max_output_buffer_timeout"),
+              help="Longest output_buffer_timeout a client may ask for.")
+@click.option("--e2e-processing-latency-percentile", multiple=True,
+              help="Publish-to-FIN latency quantile reported in /stats, in (0, 1]; repeat or comma "
+                   "separate (1.0,0.99,0.95). Default: none.")
+@click.option("--e2e-processing-latency-window-time", type=Duration(),
+              default=_duration_default("e2e_processing_latency_window_time"),
+              help="Window of the e2e processing latency percentiles.")
 @click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False), default=None,
               help="TLS certificate (PEM).")
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None,

@@ -21,7 +21,7 @@ from . import sqlite
 from .futures import Value
 from .sqlite import KeySelector, KeyValue, StreamingMode, strinc
 
-__all__ = ["connect", "transactional", "retry_or_raise", "error_types", "is_transaction", "default_url", "KeySelector", "KeyValue",
+__all__ = ["connect", "transactional", "run_within", "retry_or_raise", "error_types", "is_transaction", "default_url", "KeySelector", "KeyValue",
            "StreamingMode", "strinc", "API_VERSION"]
 
 # 7.3 is FoundationDB's current production line; 730 brings 4-byte versionstamp
@@ -212,3 +212,20 @@ def transactional(func=None, *, parameter: str = "tr"):
         return wrapper
 
     return decorate(func) if func is not None else decorate
+
+
+def run_within(db, timeout_ms: int, func, *args, **kwargs):
+    """Run ``func(tr, *args, **kwargs)`` in a new transaction and commit, retrying as
+    ``transactional`` does, but for at most ``timeout_ms`` in all (the transaction's
+    timeout option, kept across retries): past it, ``EngineError`` 1031
+    (transaction_timed_out). For work that may be given up, such as a leaving
+    consumer's goodbye, whose effect others reach anyway by timeouts."""
+    tr = db.create_transaction()
+    tr.options.set_timeout(int(timeout_ms))
+    while True:
+        try:
+            result = _no_generator(func(tr, *args, **kwargs))
+            tr.commit().wait()
+            return result
+        except _ERROR_TYPES as e:
+            retry_or_raise(tr, e)

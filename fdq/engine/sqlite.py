@@ -375,9 +375,11 @@ class _Store:
         finally:
             fcntl.flock(self.writer_fd, fcntl.LOCK_UN)
 
-    def begin_immediate(self):
+    def begin_immediate(self, until: float | None = None):
         """Take SQLite's write lock. Spins with short sleeps (SQLite's own busy
-        handler sleeps 1 ms, 2 ms, 5 ms, ... which caps a 2-process write rate)."""
+        handler sleeps 1 ms, 2 ms, 5 ms, ... which caps a 2-process write rate).
+        ``until``: the transaction's timeout (``_clock()`` time): waiting past it is
+        ``transaction_timed_out``, as FDB's timeout bounds a commit."""
         deadline = None
         delay = 0.00005
         while True:
@@ -388,6 +390,8 @@ class _Store:
                 if "locked" not in str(e) and "busy" not in str(e):
                     raise
             now = _clock()
+            if until is not None and now > until:
+                raise EngineError(1031)
             if deadline is None:
                 deadline = now + LOCK_WAIT_S
             elif now > deadline:
@@ -789,7 +793,7 @@ class _Range:
     read that returned everything covers [begin, end); one stopped early (limit, or
     abandoned) covers up to the last row it read."""
 
-    def __init__(self, tr, begin, end, limit, reverse, snapshot):
+    def __init__(self, tr, begin, end, limit, reverse, snapshot, mode=StreamingMode.iterator):
         self._tr = tr
         self._begin = begin
         self._end = end
@@ -801,7 +805,9 @@ class _Range:
             self._conflict = [begin, begin] if not reverse else [end, end]
             tr._read_ranges.append(self._conflict)
         first = limit if 0 < limit < 1000 else 100
-        self._gen = self._batches(None, first)
+        if limit and mode in (StreamingMode.want_all, StreamingMode.exact):
+            first = min(limit, 4096)   # the caller wants every row up to the limit: no slow start
+        self._gen = self._batches(None, first, limit)
         self._done = False
         rows = self._first = []
         for batch in self._gen:
@@ -815,8 +821,9 @@ class _Range:
                 return
         self._exhausted()
 
-    def _batches(self, after, first):
-        """Lists of KeyValue in order, from after the key ``after`` (None: the start)."""
+    def _batches(self, after, first, wanted=0):
+        """Lists of KeyValue in order, from after the key ``after`` (None: the start);
+        ``wanted`` (0: all) bounds the rows read from the database for a limited read."""
         tr = self._tr
         b, e = self._begin, self._end
         if after is not None:
@@ -828,7 +835,7 @@ class _Range:
             return
         if tr._ryw_disabled or not (tr._writes or tr._clears):
             # Nothing of its own to merge: rows straight from each SQL batch.
-            yield from tr._db_batches(b, e, self._reverse, first)
+            yield from tr._db_batches(b, e, self._reverse, first, wanted)
             return
         rows = tr._merged_range(b, e, self._reverse)
         n = first
@@ -871,7 +878,7 @@ class _Range:
         tr = self._tr
         gen, self._gen = self._gen, None
         if gen is None:  # iterated before: read the rest again
-            gen = self._batches(first[-1].key, 256)
+            gen = self._batches(first[-1].key, 256, self._limit - len(first) if self._limit else 0)
         limit = self._limit
         count = len(first)
         while True:
@@ -930,7 +937,7 @@ class _ReadView:
         b = tr._range_bound(begin, b"", self._snap)
         e = tr._range_bound(end, tr._max_key(), self._snap)
         tr._check_read_range(b, e)
-        return _Range(tr, b, e, limit, bool(reverse), self._snap)
+        return _Range(tr, b, e, limit, bool(reverse), self._snap, streaming_mode)
 
     def get_range_startswith(self, prefix, *args, **kwargs):
         prefix = _key(prefix)
@@ -1223,18 +1230,24 @@ class Transaction(_ReadView):
             return None
         return self._db_get(key)
 
-    def _db_batches(self, b, e, reverse, first):
+    def _db_batches(self, b, e, reverse, first, wanted=0):
         """Rows of the snapshot in [b, e) as lists of KeyValue, one list per SQL batch
-        (only when the transaction has no writes or clears to merge)."""
+        (only when the transaction has no writes or clears to merge). ``wanted`` (0:
+        all): a limited read's rows still to return; no SQL batch reads beyond them."""
         batch = max(1, min(first, 4096))
         lo, hi = b, e
         q = _RANGE_DESC if reverse else _RANGE_ASC
         while lo < hi:
-            rows = self._ensure_snapshot().execute(q, (lo, hi, batch)).fetchall()
+            n = min(batch, wanted) if wanted else batch
+            rows = self._ensure_snapshot().execute(q, (lo, hi, n)).fetchall()
             if rows:
                 yield list(starmap(KeyValue, rows))
-            if len(rows) < batch:
+            if len(rows) < n:
                 return
+            if wanted:
+                wanted -= n
+                if wanted <= 0:
+                    return
             if reverse:
                 hi = rows[-1][0]
             else:
@@ -1379,6 +1392,18 @@ class Transaction(_ReadView):
     __setitem__ = set
 
     def clear(self, key):
+        if type(key) is bytes and len(key) <= KEY_SIZE_LIMIT and key < b"\xff" and self._state == "open" \
+                and not self._next_write_no_conflict and not self._pending_watches and not self._vs_keys:
+            # The common case inline (consumers clear a key per message): the same effects
+            # as the general path below.
+            writes = self._writes
+            if key not in writes:
+                self._sorted_keys = None
+            writes[key] = (_CLEAR, None)
+            self._write_ranges.append((key, key + b"\x00"))
+            self._mutation_bytes += len(key) + ENTRY_OVERHEAD_BYTES
+            self._mutations += 1
+            return
         self._check_writable()
         key = _key(key)
         if len(key) > KEY_SIZE_LIMIT and not key.startswith(b"\xff"):
@@ -1640,7 +1665,7 @@ class Transaction(_ReadView):
             self._release()
             jump = db._fault(0.05)
             with store.write_lock:
-                store.begin_immediate()
+                store.begin_immediate(self._created + self._timeout_ms / 1000 if self._timeout_ms else None)
                 fcntl.flock(store.writer_fd, fcntl.LOCK_EX)
                 try:
                     version = self._apply(store, rv, has_reads, jump)

@@ -44,8 +44,8 @@ from ..engine import transactional
 
 FORMAT_VERSION = 1
 
-__all__ = ["Keyspace", "TopicSpace", "ShardSpace", "Versionstamp", "FORMAT_VERSION", "vs_key",
-           "vs_key_parts", "counter", "decode_counter", "ensure_format", "message_id", "parse_message_id"]
+__all__ = ["Keyspace", "TopicSpace", "ShardSpace", "Versionstamp", "FORMAT_VERSION", "vs_key", "vs_key_parts",
+           "vs_from_bytes", "counter", "decode_counter", "ensure_format", "message_id", "parse_message_id"]
 
 _I64 = struct.Struct("<q")
 
@@ -61,6 +61,29 @@ def decode_counter(raw) -> int:
         return 0
     b = bytes(raw)
     return int.from_bytes(b[:8].ljust(8, b"\x00"), "little", signed=True) if b else 0
+
+
+class StoredVersionstamp(Versionstamp):
+    """A complete Versionstamp read from a key, keeping its 12 bytes: the consuming hot
+    path builds several keys and an id from each message's stamp (``to_bytes`` packs a
+    struct every time). Equal to, hashes as, and packs as a plain ``Versionstamp``."""
+
+    __slots__ = ("_bytes",)
+
+    def __init__(self, raw: bytes):
+        self.tr_version = raw[:10]
+        self.user_version = (raw[10] << 8) | raw[11]
+        self._bytes = raw
+
+    def to_bytes(self):
+        return self._bytes
+
+
+def vs_from_bytes(raw: bytes) -> Versionstamp:
+    """The complete Versionstamp of 12 stored bytes (a key's last 12, after 0x33)."""
+    if len(raw) != 12 or raw[:10] == b"\xff" * 10:
+        return Versionstamp.from_bytes(bytes(raw))
+    return StoredVersionstamp(bytes(raw))
 
 
 def message_id(vs: Versionstamp) -> str:
@@ -82,7 +105,8 @@ class ShardSpace:
     """The keys of one shard ``(tag, n)`` of one subscription."""
 
     __slots__ = ("topic", "sub", "tag", "n", "space", "ready", "delayed", "leased", "stats",
-                 "record", "chunks", "_stat_keys", "ready_prefix", "leased_prefix", "clock_key")
+                 "record", "chunks", "_stat_keys", "ready_prefix", "leased_prefix", "clock_key",
+                 "ready_range", "delayed_range")
 
     def __init__(self, ts: "TopicSpace", sub: str, tag: str, n: int):
         self.topic, self.sub, self.tag, self.n = ts.name, sub, tag, n
@@ -96,6 +120,8 @@ class ShardSpace:
         self.ready_prefix = self.ready.key()
         self.leased_prefix = self.leased.key()
         self.clock_key = ts.clock_key
+        self.ready_range = self.ready.range()       # read on every visit of the shard
+        self.delayed_range = self.delayed.range()
         self._stat_keys = {}
 
     # A complete Versionstamp packs as 0x33 + its 12 bytes: concatenating is what

@@ -52,6 +52,12 @@ class Record:
         return cls(*fields)
 
 
+def has_chunks(raw: bytes) -> bool:
+    """Whether an encoded record may have body chunks, without decoding it: a record of
+    fewer than 7 fields (a msgpack fixarray 0x90-0x96) has none."""
+    return not (0x90 <= raw[0] <= 0x96) and Record.decode(raw).nchunks > 0
+
+
 def encode_lease(record: bytes, lease_id: bytes, consumer_id: str, ack_wait_ms: int,
                  touches: int = 0) -> bytes:
     return packer()([record, lease_id, consumer_id, ack_wait_ms, touches])

@@ -16,10 +16,13 @@ import tornado.ioloop
 
 
 def conn_options() -> dict:
-    """PYNSQ_DEFLATE=1 / PYNSQ_TLS=1: negotiate deflate / TLS (certificate not verified)."""
+    """PYNSQ_DEFLATE=1 / PYNSQ_SNAPPY=1 / PYNSQ_TLS=1: negotiate deflate / snappy / TLS
+    (certificate not verified)."""
     opts = {}
     if os.environ.get("PYNSQ_DEFLATE"):
         opts.update(deflate=True, deflate_level=6)
+    if os.environ.get("PYNSQ_SNAPPY"):
+        opts.update(snappy=True)
     if os.environ.get("PYNSQ_TLS"):
         opts.update(tls_v1=True, tls_options={"cert_reqs": ssl.CERT_NONE})
     return opts
@@ -126,8 +129,11 @@ def sub(addr, topic, channel, n):
     loop.call_later(0.5, tick)
     loop.call_later(150, loop.stop)
     loop.start()
+    # which compressed socket pynsq switched to (after IDENTIFY negotiated it)
+    sockets = [type(getattr(c, "socket", None)).__name__ for c in r.conns.values()]
     r.close()
     print(json.dumps({"seen": seen, "finished": len(finished), "bad": bad,
+                      "snappy": "SnappySocket" in sockets, "deflate": "DeflateSocket" in sockets,
                       "ts_min": min(ts) if ts else None, "ts_max": max(ts) if ts else None}), flush=True)
 
 

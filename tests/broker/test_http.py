@@ -130,3 +130,31 @@ def test_ephemeral_channel_disappears_with_its_last_client(broker):
     assert channel(broker, "eph", "tmp#ephemeral") is not None      # one client left
     cs[1].close()
     wait_for(lambda: channel(broker, "eph", "tmp#ephemeral") is None, what="ephemeral channel deleted")
+
+
+def test_broker_topics_have_no_default_subscription(broker):
+    """A topic the broker creates has channels only (no FDQ "default" nobody reads, whose
+    backlog would grow without bound); what is published before the first channel is
+    delivered to it, as nsqd's topic buffer does; later channels start at their creation."""
+    import fdq
+    db = fdq.connect(broker.url)
+    assert broker.http_req("/mpub?topic=nodef", b"a\nb\nc\n") == (200, b"OK")   # creates the topic
+    assert broker.http_req("/topic/create?topic=nodef2", b"")[0] == 200
+    sup = fdq.Supervisor(db)
+    assert sup.config("nodef").subs == () and sup.config("nodef2").subs == ()
+    assert sup.stats("nodef")["counters"]["inserted"] == 3
+    c = RawClient(broker.tcp)
+    c.identify(heartbeat_interval=1000)
+    c.sub("nodef", "first", 10)
+    got = []
+    while len(got) < 3:
+        m = c.message(timeout=20)
+        got.append(m[3])
+        c.send(b"FIN " + m[2] + b"\n")
+    assert sorted(got) == [b"a", b"b", b"c"]
+    assert broker.http_req("/channel/create?topic=nodef&channel=second", b"")[0] == 200
+    assert broker.http_req("/pub?topic=nodef", b"d") == (200, b"OK")
+    assert c.message(timeout=20)[3] == b"d"
+    c.close()
+    assert sup.config("nodef").subs == ("first", "second")
+    wait_for(lambda: channel(broker, "nodef", "second")["depth"] == 1, what="d alone in the second channel")

@@ -148,3 +148,72 @@ def test_fuzz_parser_never_crashes(chunks, magic, step):
     data = (p.MAGIC_V2 if magic else b"") + b"".join(chunks)
     for item in feed_all(parser, data, step):
         assert isinstance(item, (p.Command, p.ProtocolError))
+
+
+def test_snappy_codec_streams_in_any_split():
+    snappy = pytest.importorskip("snappy", reason="python-snappy is not installed (pip install -e '.[test]')")
+    from fdq.broker.compress import Snappy
+    # client -> broker: a fresh stream identifier per command (pynsq's encoder), any split
+    data = b"".join(snappy.StreamCompressor().compress(c) for c in
+                    (b"NOP\n", b"PUB t\n\x00\x00\x01\x00" + bytes(range(256)), b"y" * 200_000))
+    plain = b"NOP\n" + b"PUB t\n\x00\x00\x01\x00" + bytes(range(256)) + b"y" * 200_000
+    for step in (1, 7, 4096, len(data)):
+        d = Snappy()
+        out = b"".join(d.decompress(data[i:i + step]) for i in range(0, len(data), step))
+        assert out == plain, step
+    # broker -> client: one stream, readable by python-snappy's decoder in any split
+    c = Snappy()
+    stream = c.compress(b"first") + c.compress(b"second" * 20_000)
+    dec = snappy.StreamDecompressor()
+    assert b"".join(dec.decompress(stream[i:i + 5]) for i in range(0, len(stream), 5)) == \
+        b"first" + b"second" * 20_000
+    # corrupt input is a ValueError (the connection sends E_INVALID and closes)
+    bad = bytearray(snappy.StreamCompressor().compress(b"abcdef" * 10))
+    bad[14] ^= 0xFF                           # inside the chunk's CRC
+    with pytest.raises(ValueError):
+        Snappy().decompress(bytes(bad))
+    with pytest.raises(ValueError):
+        Snappy().decompress(b"\x00\x09\x00\x00\x00\x00\x00\x00hello")    # no stream identifier
+
+
+def test_output_buffer_negotiation():
+    limits = p.Limits()
+    ident, _ = p.negotiate({"output_buffer_size": 64, "output_buffer_timeout": 25}, limits)
+    assert (ident.output_buffer_size, ident.output_buffer_timeout_ms) == (64, 25)
+    ident, _ = p.negotiate({"output_buffer_size": -1, "output_buffer_timeout": 500}, limits)
+    assert (ident.output_buffer_size, ident.output_buffer_timeout_ms) == (1, 0)
+    ident, _ = p.negotiate({"output_buffer_timeout": -1}, limits)
+    assert (ident.output_buffer_size, ident.output_buffer_timeout_ms) == (16 * 1024, 0)
+    for bad in (63, 64 * 1024 + 1):
+        with pytest.raises(p.ProtocolError, match=rf"IDENTIFY output buffer size \({bad}\) is invalid"):
+            p.negotiate({"output_buffer_size": bad}, limits)
+    for bad in (24, 30_001):
+        with pytest.raises(p.ProtocolError, match=rf"IDENTIFY output buffer timeout \({bad}\) is invalid"):
+            p.negotiate({"output_buffer_timeout": bad}, limits)
+
+
+def test_parse_int_as_nsqd():
+    assert p.parse_int(b"1500", "x") == 1500
+    for raw in (b"-1", b"+1", b"", b"1x", b" 1"):
+        with pytest.raises(p.ProtocolError, match="E_INVALID"):
+            p.parse_int(raw, "REQ could not parse timeout")
+    assert p.parse_int(b"-1", "RDY could not parse count", signed=True) == -1
+
+
+def test_e2e_quantile_result():
+    from fdq.broker.quantile import MAX_SAMPLES, Quantile, result
+    q = Quantile((1.0, 0.5, 0.99), window_s=600)
+    for v in range(1, 101):
+        q.add(v)
+    r = result(q.percentiles, [q.samples()])
+    assert r == {"count": 100, "percentiles": [{"quantile": 1.0, "value": 100.0}, {"quantile": 0.5, "value": 50.0},
+                                               {"quantile": 0.99, "value": 99.0}]}
+    assert result((), [q.samples()]) == {"count": 0, "percentiles": None}
+    off = Quantile((), 600)
+    off.add(5)
+    assert off.samples() == (0, [])
+    big = Quantile((0.5,), 600)
+    for v in range(3 * MAX_SAMPLES):
+        big.add(v)
+    count, samples = big.samples()
+    assert count == 3 * MAX_SAMPLES and len(samples) == MAX_SAMPLES     # bounded memory, exact count

@@ -63,9 +63,21 @@ def test_pynsq_with_deflate(broker):
     env = {"PYNSQ_DEFLATE": "1"}
     assert broker.http_req("/channel/create?topic=pyz&channel=c", b"")[0] == 200
     assert run_client("pub", broker.tcp, "pyz", 30, env=env)["ok"] == 30
-    check(run_client("sub", broker.tcp, "pyz", "c", 30, env=env), 30)
+    r = run_client("sub", broker.tcp, "pyz", "c", 30, env=env)
+    check(r, 30)
+    assert r["deflate"] is True, r
     st = json.loads(broker.http_req("/stats?format=json&topic=pyz")[1])
     assert st["topics"][0]["message_count"] == 30
+
+
+def test_pynsq_with_snappy(broker):
+    pytest.importorskip("snappy", reason="pynsq's snappy needs python-snappy (pip install -e '.[test]')")
+    env = {"PYNSQ_SNAPPY": "1"}
+    assert broker.http_req("/channel/create?topic=pys&channel=c", b"")[0] == 200
+    assert run_client("pub", broker.tcp, "pys", 30, env=env)["ok"] == 30
+    r = run_client("sub", broker.tcp, "pys", "c", 30, env=env)
+    check(r, 30)
+    assert r["snappy"] is True, r          # negotiated: pynsq upgraded its socket
 
 
 def test_pynsq_with_tls(broker_factory, tmp_path):

@@ -170,7 +170,7 @@ def test_wrong_magic(raw):
     (b"SUB t c!h\n", "E_BAD_CHANNEL"),
     (b"AUTH\n" + struct.pack(">i", 3) + b"abc", "E_AUTH_DISABLED"),
     (b"IDENTIFY\n" + struct.pack(">i", 2) + b"{]", "E_BAD_BODY"),
-    (b"IDENTIFY\n" + struct.pack(">i", 28) + b'{"heartbeat_interval": 10 }', "E_BAD_BODY"),
+    (b"IDENTIFY\n" + struct.pack(">i", 27) + b'{"heartbeat_interval": 10 }', "E_BAD_BODY"),
 ])
 def test_fatal_errors_close_the_connection(raw, data, code):
     c = raw()

@@ -3,6 +3,7 @@ process; a raw NSQ V2 client publishes; fdq's Python API sees the message. Bad f
 are usage errors (exit 2); a broker that cannot start is an error (exit 1)."""
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -38,7 +39,9 @@ def test_installed_fdq_broker_takes_an_nsq_pub(tmp_path, url, db, sup):
     assert FDQ.exists(), f"no console script at {FDQ}: pip install -e . first"
     env = {k: v for k, v in os.environ.items() if k not in ("FDQ_URL", "FDQ_HOME")}
     proc = subprocess.Popen([str(FDQ), "--url", url, "broker", "--tcp-address", "127.0.0.1:0",
-                             "--http-address", "127.0.0.1:0", "--msg-timeout", "30s"],
+                             "--http-address", "127.0.0.1:0", "--msg-timeout", "30s",
+                             "--e2e-processing-latency-percentile", "0.5,0.99", "--no-snappy",
+                             "--output-buffer-timeout", "100ms"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path)
     lines = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line.decode()) for line in proc.stderr], daemon=True).start()
@@ -67,9 +70,16 @@ def test_installed_fdq_broker_takes_an_nsq_pub(tmp_path, url, db, sup):
 
         with urllib.request.urlopen(f"http://{http_host}:{http_port}/ping", timeout=30) as r:
             assert r.read() == b"OK"
+        with urllib.request.urlopen(f"http://{http_host}:{http_port}/stats?format=json", timeout=30) as r:
+            [topic] = [t for t in json.loads(r.read())["topics"] if t["topic_name"] == "orders"]
+        # the flags reached the broker: percentiles tracked (nothing FINed yet)
+        assert topic["e2e_processing_latency"] == {"count": 0, "percentiles": [{"quantile": 0.5, "value": 0.0},
+                                                                              {"quantile": 0.99, "value": 0.0}]}
 
         assert sup.stats("orders")["counters"]["inserted"] == 1
-        with fdq.Consumer(db, "orders", create=False) as c:
+        # a broker topic has channels only (no "default"): read it as a new one from the start
+        with fdq.Consumer(db, "orders", subscription="reader",
+                          subscription_config=fdq.SubscriptionConfig(deliver_policy="all")) as c:
             [m] = c.fetch(10, timeout=10)
             c.ack_many([m])
         assert m.body == body and m.topic == "orders"
@@ -105,6 +115,10 @@ USAGE_ERRORS = [  # (flags, text of the one "Error:" line)
     (["--auth-file", "/nonexistent/auth.json"], "'/nonexistent/auth.json' does not exist"),
     (["--log-level", "LOUD"], "'LOUD' is not one of"),
     (["--max-msg-timeout", "1s"], "--msg-timeout must not exceed --max-msg-timeout"),
+    (["--e2e-processing-latency-percentile", "1.5"], "e2e processing latency percentile 1.5 must be in (0, 1]"),
+    (["--e2e-processing-latency-percentile", "p99"], "e2e processing latency percentile 'p99' is not a number"),
+    (["--output-buffer-timeout", "10ms"], "--output-buffer-timeout must be within --min/--max-output-buffer-timeout"),
+    (["--max-output-buffer-size", "10"], "10 is not in the range x>=64"),
     (["--frobnicate"], "No such option '--frobnicate'"),
 ]
 

@@ -88,7 +88,8 @@ FAILURES = [  # (argv, the whole stderr line after "fdq: error: ")
      "subscription 'other' of topic 'orders' does not exist (subscriptions: default)"),
     (["tail", "orders", "-s", "other", "--count", "1"],
      "subscription 'other' of topic 'orders' does not exist (subscriptions: default)"),
-    (["topics", "create", "orders", "--shards", "8"], "topic 'orders' already exists with 4 shards"),
+    (["topics", "create", "orders", "--shards", "8"],
+     "topic 'orders' already exists with 4 shards, not 8 (change the count with rebalance)"),
     (["push", "plain", "x", "--header", "a=1"],
      "topic 'plain' has no extend support: headers are refused (create it with extend=True or upgrade it)"),
 ]

@@ -46,6 +46,13 @@ def test_create_json_and_existing_topic(run, sup):
     assert r.stderr.startswith("fdq: error: ") and "already exists with 8 shards" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert sup.config("orders").shards == 8
+    # The default count is a request too when given: 16 against 8 is refused...
+    r = run("topics", "create", "orders", "--shards", 16, code=1)
+    assert "already exists with 8 shards, not 16" in r.stderr and "rebalance" in r.stderr
+    # ...while no --shards on an existing topic leaves it as it is.
+    r = run("topics", "create", "orders")
+    assert "already exists (8 shards" in r.stderr
+    assert sup.config("orders").shards == 8
 
 
 def test_delete(run, sup):

@@ -75,6 +75,13 @@ def test_ranges_forward_reverse_limit(eng):
     r = tr3.get_range_startswith(eng.k(b"big/"))
     assert keys(r) == big and keys(r) == big  # re-iterable past the first batch
     assert keys(tr3.get_range_startswith(eng.k(b"big/"), limit=2500)) == big[:2500]
+    r = tr3.get_range_startswith(eng.k(b"big/"), limit=2100)   # past the first batches, then again
+    assert keys(r) == big[:2100] and keys(r) == big[:2100]
+    from fdq.engine import StreamingMode   # the same values as fdb.StreamingMode
+    for limit, rev in ((2100, False), (1500, True), (5000, False), (3000, True)):
+        r = tr3.get_range_startswith(eng.k(b"big/"), limit=limit, reverse=rev, streaming_mode=StreamingMode.want_all)
+        want = (big[::-1] if rev else big)[:limit]
+        assert keys(r) == want and keys(r) == want
     assert keys(tr3.get_range_startswith(eng.k(b"big/"), reverse=True)) == big[::-1]
     assert keys(tr3.get_range_startswith(eng.k(b"big/"), limit=1500, reverse=True)) == big[::-1][:1500]
 

@@ -147,6 +147,27 @@ def test_short_range_read_conflicts_on_the_whole_range(eng, write, expected):
     assert code_of(lambda: t1.commit().wait()) == expected
 
 
+@pytest.mark.parametrize("mode", ["iterator", "want_all"])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("nth,expected", [(1099, 1020), (1300, None)])
+def test_long_range_read_stopped_at_its_limit(eng, mode, reverse, nth, expected):
+    # Past the first batches: a limited read covers the rows it returned, in either
+    # streaming mode (want_all reads up to the limit at once, iterator in growing batches).
+    from fdq.engine import StreamingMode   # the same values as fdb.StreamingMode
+    tr = eng.db.create_transaction()
+    for i in range(1500):
+        tr[eng.k(b"r/%05d" % i)] = b""
+    tr.commit().wait()
+    t1 = eng.db.create_transaction()
+    rows = list(t1.get_range(eng.k(b"r/"), eng.k(b"r0"), limit=1200, reverse=reverse,
+                             streaming_mode=getattr(StreamingMode, mode)))
+    assert len(rows) == 1200
+    t1[eng.k(b"other")] = b""
+    i = nth if not reverse else 1499 - nth
+    commit_by_other(eng, lambda t: t.set(eng.k(b"r/%05d" % i), b"w"))
+    assert code_of(lambda: t1.commit().wait()) == expected
+
+
 def test_explicit_conflict_ranges(eng):
     # add_read_conflict_key: as if read at the transaction's read version. (Without a
     # read version yet, commit would fetch one after the other commit: no conflict.)

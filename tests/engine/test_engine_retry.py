@@ -2,12 +2,14 @@
 transaction, ``on_error`` backoff, non-retryable errors (shared/fdb-semantics.md §2, §7)."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
 
 import fdq
-from fdq.engine import error_types
+from fdq.engine import error_types, run_within
 from enginehelpers import code_of
 
 
@@ -153,6 +155,41 @@ def test_transaction_timeout(eng):
     while time.monotonic() - t0 < 0.1:
         time.sleep(0.01)
     assert tr[eng.k(b"a")] == None  # noqa: E711
+
+
+def test_timeout_bounds_a_commit_waiting_for_the_write_lock(eng, tmp_path):
+    """A transaction's timeout also bounds its commit's wait for a writer that does not
+    finish (embedded: another process holding SQLite's write lock), and run_within
+    gives up after its timeout instead of retrying forever."""
+    if not eng.embedded:
+        pytest.skip("holding the write lock from outside is a property of the embedded engine")
+    path = eng.url.split("sqlite://", 1)[1]
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sqlite3, sys, time\n"
+         "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+         "c.execute('BEGIN IMMEDIATE'); print('held', flush=True); time.sleep(120)", path],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        tr = eng.db.create_transaction()
+        tr.options.set_timeout(300)
+        tr[eng.k(b"a")] = b"1"
+        t0 = time.monotonic()
+        assert code_of(lambda: tr.commit().wait()) == 1031
+        assert time.monotonic() - t0 < 3.0       # the lock wait alone is 10 s
+
+        def put(tr):
+            tr[eng.k(b"b")] = b"1"
+        t0 = time.monotonic()
+        assert code_of(lambda: run_within(eng.db, 500, put)) == 1031
+        assert time.monotonic() - t0 < 3.0
+        assert holder.poll() is None             # still holding: nothing waited it out
+    finally:
+        holder.kill()
+        holder.wait()
+    assert eng.items() == []
+    assert run_within(eng.db, 5000, put) is None
+    assert eng.items() == [(eng.k(b"b"), b"1")]
 
 
 def test_error_types_are_fdq_errors(eng):

@@ -219,6 +219,24 @@ def test_large_bodies_split_and_reassembled(db):
     assert p.replay("t", 0) == 3
 
 
+def test_large_dead_letter_listed_whole_and_redriven(db):
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    big = os.urandom(3 * CHUNK_BYTES + 7)
+    fdq.Producer(db).push("t", big, shard_key="big")
+    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+        [m] = _fetch_until(c, lambda g: len(g) >= 1, 30)
+        m.term("too big to handle")
+    [dead] = sup.dlq_list("t")
+    assert dead["body"] == big and dead["reason"] == "terminated: too big to handle"
+    assert sup.dlq_redrive("t") == 1
+    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+        [m] = _fetch_until(c, lambda g: len(g) >= 1, 30)
+        assert m.body == big
+        m.ack()
+    assert scan(db, Keyspace().topic("t").subs["default"]["chunks"].key()) == []
+
+
 def test_exactly_once_large_body(db):
     fdq.Supervisor(db).create_topic("t", shards=1)
     body = os.urandom(300_000)
@@ -401,3 +419,75 @@ def test_acks_under_fault_injection_are_not_reported_lost(db, url):
     assert acked == 200
     s = sub_stats(db, "t")
     assert (s["backlog"], s["in_flight"]) == (0, 0)
+
+
+def test_tail_acks_ride_the_next_lease_and_are_flushed_when_idle(db):
+    """At-least-once tail commits a batch's acks inside the next round's lease
+    transaction: when the handler sees a message, the previous batch's acks are committed
+    (in flight is at most one batch); when no more messages come, the last batch's acks
+    are committed while the consumer keeps running (not only at shutdown)."""
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"%d" % i) for i in range(95)])
+    seen_in_flight, handled, errors = [], [], []
+
+    def handler(m):
+        seen_in_flight.append(sub_stats(db, "t")["in_flight"])
+        handled.append(m.body)
+
+    # No sweep within the test (poll_interval_s): only the worker's flush before it waits
+    # can commit the last batch's acks in time.
+    c = fdq.tail(db, "t", handler, batch_size=10, on_error=errors.append,
+                 config=fdq.ConsumerConfig(ack_wait_s=60, **{**FAST, "poll_interval_s": 60}))
+    try:
+        wait_for(lambda: len(handled) >= 95, 60, what="every message handled")
+        wait_for(lambda: sub_stats(db, "t")["in_flight"] == 0, 10, what="the last batch's acks committed")
+        s = sub_stats(db, "t")
+        assert (s["backlog"], s["in_flight"]) == (0, 0)
+        assert c._worker.is_alive()
+    finally:
+        c.shutdown()
+    assert sorted(handled) == sorted(b"%d" % i for i in range(95))
+    assert max(seen_in_flight) <= 10, f"acks of an earlier batch were not committed: {max(seen_in_flight)}"
+    assert not [e for e in errors if not isinstance(e, fdq.ConsumerStalled)], errors
+    st = fdq.Supervisor(db).stats("t")
+    assert st["counters"]["acked"] == 95
+
+
+def test_tail_carried_settlements_under_fault_injection_are_exact(db, url):
+    """Acks, naks and terms carried into the next lease transaction, with injected
+    faults (commit_unknown_result after a real commit included): every message is
+    acked or dead-lettered exactly as the handler decided, none is reported lost, none
+    is left in flight."""
+    fdq.Supervisor(db).create_topic("t", shards=2)
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"%d" % i) for i in range(300)])
+    faulty = fdq.connect(f"{url}?fault_injection=0.2&seed=11")
+    attempts, lost = collections.Counter(), []
+
+    def handler(m):
+        attempts[m.body] += 1
+        i = int(m.body)
+        if i % 7 == 0:
+            m.term("sevens")
+        elif i % 5 == 0 and m.attempts == 1:
+            m.nak(0)
+
+    def on_error(e):
+        if isinstance(e, fdq.LeaseLost):
+            lost.append(e)
+
+    c = fdq.tail(faulty, "t", handler, batch_size=16, on_error=on_error,
+                 config=fdq.ConsumerConfig(ack_wait_s=60, **FAST))
+    try:
+        wait_for(lambda: (lambda s: s["backlog"] == 0 and s["in_flight"] == 0)(sub_stats(db, "t")), 60,
+                 what="everything settled")
+    finally:
+        c.shutdown()
+    assert lost == []
+    dead = {i for i in range(300) if i % 7 == 0}
+    assert set(attempts) == {b"%d" % i for i in range(300)}
+    for i in range(300):
+        want = 2 if (i % 5 == 0 and i not in dead) else 1
+        assert attempts[b"%d" % i] == want, (i, attempts[b"%d" % i])
+    st = fdq.Supervisor(db).stats("t")
+    assert st["counters"]["acked"] == 300 - len(dead)
+    assert st["subscriptions"]["default"]["dlq"] == len(dead)

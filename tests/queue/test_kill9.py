@@ -132,9 +132,19 @@ def _handled_lines(p):
 @pytest.mark.slow
 @pytest.mark.parametrize("faults", [False, True], ids=["clean", "fault_injection"])
 def test_at_least_once_kill9_3x3(procs, db, url, faults):
+    _at_least_once_kill9(procs, db, url, faults, "alo")
+
+
+@pytest.mark.slow
+def test_asyncio_at_least_once_kill9_3x3(procs, db, url):
+    """The same with fdq.aio.tail (coroutine handlers on an event loop)."""
+    _at_least_once_kill9(procs, db, url, False, "aio")
+
+
+def _at_least_once_kill9(procs, db, url, faults, mode):
     names = [f"c{i}" for i in range(4)] + [f"p{i}" for i in range(3)]
     seeds = {n: 2000 + i for i, n in enumerate(names)}
-    pushed, cons, victim = _run(procs, db, "alo", url=f"{url}?fault_injection=0.05" if faults else None,
+    pushed, cons, victim = _run(procs, db, mode, url=f"{url}?fault_injection=0.05" if faults else None,
                                 seeds=seeds)
     _check_push_stats(db, pushed)
     ids = {r["id"] for r in pushed}

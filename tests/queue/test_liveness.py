@@ -277,3 +277,42 @@ def test_version_jump_does_not_shorten_the_dedupe_window(procs, db, url):
     again = p.push("t", b"x", msg_id="order-1")
     assert again.duplicate and again.id == first.id
     assert sup.stats("t")["counters"]["inserted"] == 1
+
+
+def test_close_is_bounded_when_the_database_stalls(db, db_path, monkeypatch):
+    """A consumer closing while another process holds the database's write lock (a
+    stalled writer) gives up its goodbye (returning leases, leaving) after its bound
+    instead of hanging; the lease then expires and the message is redelivered."""
+    import subprocess
+    import sys
+    from fdq import consumer as consumer_mod
+
+    monkeypatch.setattr(consumer_mod, "_GOODBYE_MS", 1500)
+    fdq.Producer(db).push("t", b"x")
+    c = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=1.0, heartbeat_interval_s=0.2,
+                                                         zombie_timeout_s=1.0))
+    got = c.fetch(1, timeout=10)
+    assert [m.body for m in got] == [b"x"]
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sqlite3, sys, time\n"
+         "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+         "c.execute('BEGIN IMMEDIATE'); print('held', flush=True); time.sleep(120)", str(db_path)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        c.close()
+        took = time.monotonic() - t0
+        assert holder.poll() is None, "the lock holder ended: close may have waited for it"
+        # membership thread join (its heartbeat may wait out the 10 s lock wait) + goodbye
+        assert took < 14.0, f"close took {took:.1f} s"
+    finally:
+        holder.kill()
+        holder.wait()
+    with fdq.Consumer(db, "t") as again:     # the lease expires: redelivered, attempt 2
+        deadline = time.monotonic() + 30
+        got = []
+        while not got and time.monotonic() < deadline:
+            got = again.fetch(1, timeout=1.0)
+        assert [(m.body, m.attempts) for m in got] == [(b"x", 2)]
+        got[0].ack()

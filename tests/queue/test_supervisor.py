@@ -257,3 +257,28 @@ def test_replay_time_window(db):
     assert {i for i, _k, _b, _r in replayed}.isdisjoint(i for i, _k, _b in before + window + after)
     _check_order(window, replayed)
     assert sup.stats("t")["counters"]["inserted"] == 240
+
+
+def test_create_topic_existing_with_another_shard_count(db):
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=4)
+    assert sup.create_topic("t").shards == 4            # no count asked: the topic as it is
+    assert sup.create_topic("t", shards=4).shards == 4  # same count: no-op
+    with pytest.raises(fdq.TopicExists, match=r"already exists with 4 shards, not 16 \(change"):
+        sup.create_topic("t", shards=16)                # the default count, asked for explicitly
+    assert sup.config("t").shards == 4
+
+
+def test_producer_auto_create_options(db):
+    strict = fdq.Producer(db, config=fdq.ProducerConfig(auto_create=False))
+    with pytest.raises(fdq.TopicNotFound, match="'a' does not exist"):
+        strict.push("a", b"x")
+    shaped = fdq.Producer(db, config=fdq.ProducerConfig(auto_create=fdq.TopicConfig(shards=4, subs=())))
+    shaped.push_many("a", [fdq.Envelope(b"x"), fdq.Envelope(b"y")])
+    sup = fdq.Supervisor(db)
+    assert (sup.config("a").shards, sup.config("a").subs) == (4, ())
+    assert sup.stats("a")["counters"]["inserted"] == 2      # in the "all" log, no queue
+    fdq.Producer(db).push("b", b"z")                        # the default: 16 shards, "default"
+    assert (sup.config("b").shards, sup.config("b").subs) == (16, ("default",))
+    with pytest.raises(fdq.ConfigError, match="auto_create must be True, False or a TopicConfig"):
+        fdq.ProducerConfig(auto_create="yes")

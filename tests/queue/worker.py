@@ -151,6 +151,11 @@ def consumer(args):
     if args.mode == "eo":
         c = fdq.tail(db, args.topic, eo_handler, transactional=True, consumer_id=args.name,
                      config=config, batch_size=args.batch, on_error=on_error)
+    elif args.mode == "aio":
+        async def async_handler(m):
+            handler(m)
+        c = _AsyncTail(db, args.topic, async_handler, consumer_id=args.name, config=config,
+                       batch_size=args.batch, on_error=on_error)
     else:
         c = fdq.tail(db, args.topic, handler, acking=(args.mode == "alo"), consumer_id=args.name,
                      config=config, batch_size=args.batch, on_error=on_error)
@@ -169,6 +174,27 @@ def consumer(args):
         status()
     c.shutdown()
     status(final=True)
+
+
+class _AsyncTail:
+    """fdq.aio.tail on an event loop in its own thread, seen as fdq.tail's consumer is."""
+
+    def __init__(self, db, topic, handler, **kwargs):
+        import asyncio
+        import fdq.aio
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.tail = asyncio.run_coroutine_threadsafe(fdq.aio.tail(db, topic, handler, **kwargs),
+                                                     self.loop).result(60)
+
+    @property
+    def owned_shards(self):
+        return self.tail.consumer.owned_shards
+
+    def shutdown(self):
+        import asyncio
+        asyncio.run_coroutine_threadsafe(self.tail.shutdown(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 def play(args):
@@ -223,7 +249,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=10)
     ap.add_argument("--keys", type=int, default=10)
     ap.add_argument("--sleep", type=float, default=0.0)
-    ap.add_argument("--mode", choices=["eo", "alo", "amo"], default="eo")
+    ap.add_argument("--mode", choices=["eo", "alo", "amo", "aio"], default="eo")   # aio: fdq.aio, at least once
     ap.add_argument("--hb", type=float, default=0.2)
     ap.add_argument("--zombie", type=float, default=1.5)
     ap.add_argument("--ack-wait", type=float, default=30.0)

@@ -144,12 +144,15 @@ def test_large_bodies_and_empty_topic(spark, tmp_path):
     url = f"sqlite://{tmp_path}/fdq.db"
     db = fdq.connect(url)
     sup = fdq.Supervisor(db)
-    sup.create_topic("big-bodies")
+    sup.create_topic("big-bodies", extend=True)
     sup.create_topic("empty")
-    bodies = [bytes([i]) * (250_000 + i) for i in range(3)] + [b"small"]
-    fdq.Producer(db).push_many("big-bodies", bodies)
-    got = sorted(r.body for r in load(spark, url, "big-bodies").select("body").collect())
-    assert got == sorted(bodies)
+    # Chunked bodies (records of 7 fields), and empty ones (a record of 1 or 4 fields).
+    bodies = [bytes([i]) * (250_000 + i) for i in range(3)] + [b"small", b"", b""]
+    envs = [fdq.Envelope(b) for b in bodies[:-1]] + [fdq.Envelope(b"", headers={"h": 1})]
+    fdq.Producer(db).push_many("big-bodies", envs)
+    rows = load(spark, url, "big-bodies").select("body", "headers").collect()
+    assert sorted(r.body for r in rows) == sorted(bodies)
+    assert sorted(str(r.headers) for r in rows) == sorted(["None"] * 5 + [str({"h": "1"})])
     assert load(spark, url, "empty").count() == 0
 
 

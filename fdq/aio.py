@@ -1,0 +1,158 @@
+"""asyncio variants of ``tail`` and ``push``: coroutine handlers on the caller's event
+loop, every engine call in a worker thread, so the loop never blocks on the database.
+
+    async def handle(msg):
+        await store(msg.body)              # return = ack, raise = nak (with backoff)
+
+    t = await fdq.aio.tail(db, "orders", handle, config=fdq.ConsumerConfig(max_concurrency=8))
+    ...
+    await t.shutdown()
+
+Delivery is the pull consumer's (``fdq.Consumer``): each round leases a batch in one
+transaction, runs the handlers (never two of one shard at once, so per-key order is
+kept; up to ``max_concurrency`` shards at once), and commits the round's settlements in
+one transaction. ``msg.ack()``, ``msg.nak(delay)`` and ``msg.term(reason)`` inside a
+handler are recorded and committed with the round (they do not block the loop);
+``await t.in_progress(msg)`` extends a lease from the loop.
+
+At-most-once (``acking=False``) acks each batch before any handler runs. Exactly-once is
+not offered here: its handler runs inside the engine transaction, which is synchronous;
+use ``fdq.tail(..., transactional=True)``.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+
+from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig
+from .consumer import Consumer
+from .errors import ConfigError, LeaseLost
+
+log = logging.getLogger("fdq.aio")
+
+
+class AsyncTail:
+    """A running asyncio consumer (made by :func:`tail`)."""
+
+    def __init__(self, consumer: Consumer, handler, acking: bool, poll_s: float):
+        self.consumer = consumer
+        self.handler = handler
+        self._acking = acking
+        self._poll_s = poll_s
+        self._stopping = False
+        self._slots = asyncio.Semaphore(consumer.config.max_concurrency)
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"fdq-aio-{consumer.id}")
+
+    @property
+    def id(self) -> str:
+        return self.consumer.id
+
+    @property
+    def is_acking(self) -> bool:
+        return self._acking
+
+    @property
+    def batch_size(self) -> int:
+        return self.consumer.batch_size
+
+    async def _call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+
+    async def _run(self):
+        while not self._stopping:
+            try:
+                msgs = await self._call(self.consumer.fetch, self.batch_size, self._poll_s)
+                if msgs:
+                    await self._round(msgs)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:      # the database or the topic: report, pause, go on
+                self.consumer._report(e)
+                await asyncio.sleep(0.05)
+
+    async def _round(self, msgs):
+        if not self._acking:            # at most once: gone before any handler runs
+            try:
+                await self._call(self.consumer.ack_many, msgs)
+            except LeaseLost as e:      # not ours to handle: redelivered elsewhere
+                self.consumer._report(e)
+                msgs = [m for m in msgs if m.id not in e.ids]
+        pending = []
+        by_shard = {}
+        for m in msgs:
+            if self._acking:
+                m._deferred = pending
+            by_shard.setdefault((m.tag, m.shard), []).append(m)
+        await asyncio.gather(*(self._handle_in_order(ms) for ms in by_shard.values()))
+        if pending:
+            try:
+                await self._call(self.consumer.settle, pending)
+            except LeaseLost as e:
+                self.consumer._report(e)
+
+    async def _handle_in_order(self, msgs):
+        async with self._slots:
+            for m in msgs:
+                try:
+                    await self.handler(m)
+                    if self._acking and m._settled is None:
+                        m.ack()
+                except Exception as e:
+                    if self._acking and m._settled is None:
+                        m.nak()
+                    self.consumer._report(e)
+                finally:
+                    m._deferred = None
+
+    async def in_progress(self, msg):
+        """Extend ``msg``'s lease now (one transaction, off the loop)."""
+        await self._call(msg.in_progress)
+
+    async def shutdown(self):
+        """Finish the round in hand (its settlements committed), then leave: the shards
+        go to the other consumers at once."""
+        if not self._stopping:
+            self._stopping = True
+            try:
+                await self._task
+            finally:
+                await self._call(self.consumer.close)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.shutdown()
+
+
+async def tail(db, topic: str, handler, acking: bool | None = None, transactional: bool = False,
+               batch_size: int = 100, consumer_id: str | None = None,
+               subscription: str = DEFAULT_SUBSCRIPTION, config: ConsumerConfig | None = None,
+               **kwargs) -> AsyncTail:
+    """As :func:`fdq.tail`, with ``handler`` a coroutine function ``async def h(msg)``;
+    consumes on the running loop until ``await t.shutdown()``. ``acking=False`` is
+    at-most-once, otherwise at-least-once. Other keyword arguments go to
+    :class:`fdq.Consumer` (``extend_support``, ``desired_tag``, ``on_error``, ...)."""
+    if transactional:
+        raise ConfigError("fdq.aio.tail has no exactly-once mode: its handler runs inside the engine "
+                          "transaction, which is synchronous; use fdq.tail(..., transactional=True)")
+    if not asyncio.iscoroutinefunction(handler) and not asyncio.iscoroutinefunction(
+            getattr(handler, "__call__", None)):
+        raise ConfigError("fdq.aio.tail needs a coroutine function (async def handler(msg)); "
+                          "for a plain function use fdq.tail")
+    poll_s = (config or ConsumerConfig()).poll_interval_s
+    loop = asyncio.get_running_loop()
+    consumer = await loop.run_in_executor(None, functools.partial(
+        Consumer, db, topic, subscription=subscription, consumer_id=consumer_id, config=config,
+        batch_size=batch_size, **kwargs))
+    return AsyncTail(consumer, handler, acking is not False, poll_s)
+
+
+async def push(producer, topic: str, body: bytes, **kwargs):
+    """``await`` a push: :meth:`fdq.Producer.push_async` (group commit with the
+    producer's other pending pushes) without blocking the loop. Returns the PushResult."""
+    return await asyncio.wrap_future(producer.push_async(topic, body, **kwargs))
+
+
+__all__ = ["tail", "push", "AsyncTail"]

@@ -1,0 +1,147 @@
+"""fdq.aio: coroutine handlers on an event loop (the kill -9 run is in test_kill9.py)."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+
+import pytest
+
+import fdq
+import fdq.aio
+
+from qhelpers import sub_stats
+
+FAST = fdq.ConsumerConfig(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05,
+                          lease_check_interval_s=0.05, max_concurrency=4)
+
+
+async def _until(cond, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def test_at_least_once_order_concurrency_and_settlements(db):
+    fdq.Supervisor(db).create_topic("t", shards=8)
+    p = fdq.Producer(db)
+    p.push_many("t", [fdq.Envelope(f"{k}:{i}".encode(), shard_key=f"k{k}") for i in range(40) for k in range(10)])
+    p.push("t", b"fail-once", shard_key="x")
+    p.push("t", b"poison", shard_key="x")
+    p.push("t", b"retry-later", shard_key="y")
+    seen = collections.defaultdict(list)
+    attempts = collections.Counter()
+    running = {"now": 0, "max": 0}
+
+    async def handler(m):
+        attempts[m.body] += 1
+        running["now"] += 1
+        running["max"] = max(running["max"], running["now"])
+        try:
+            await asyncio.sleep(0.001)             # other shards' handlers run meanwhile
+            if m.body == b"fail-once" and m.attempts == 1:
+                raise RuntimeError("transient")    # raise = nak: redelivered
+            if m.body == b"poison":
+                m.term("cannot parse")             # explicit: dead-lettered with the round
+                return
+            if m.body == b"retry-later" and m.attempts == 1:
+                m.nak(delay=0.3)
+                return
+            k, i = m.body.decode().split(":") if b":" in m.body else (m.body.decode(), "0")
+            seen[k].append(int(i))
+        finally:
+            running["now"] -= 1
+
+    errors = []
+
+    async def main():
+        t = await fdq.aio.tail(db, "t", handler, config=FAST, batch_size=50, on_error=errors.append)
+        assert t.is_acking and t.batch_size == 50
+        try:
+            await _until(lambda: sub_stats(db, "t")["backlog"] == 0 and attempts[b"retry-later"] == 2
+                         and attempts[b"fail-once"] == 2, 60, "every message settled")
+        finally:
+            await t.shutdown()
+
+    asyncio.run(main())
+    assert {k: v for k, v in seen.items() if k.isdigit()} == {str(k): list(range(40)) for k in range(10)}
+    assert attempts[b"poison"] == 1 and attempts[b"fail-once"] == 2 and attempts[b"retry-later"] == 2
+    assert 1 < running["max"] <= FAST.max_concurrency
+    assert [type(e).__name__ for e in errors] == ["RuntimeError"]
+    [dead] = fdq.Supervisor(db).dlq_list("t")
+    assert dead["body"] == b"poison" and dead["reason"] == "terminated: cannot parse"
+    s = sub_stats(db, "t")
+    assert (s["backlog"], s["in_flight"], s["dlq"]) == (0, 0, 1)
+    assert s["consumers"] == []                    # shutdown left the subscription
+
+
+def test_at_most_once_acks_before_handling(db):
+    fdq.Supervisor(db).create_topic("t", shards=2)
+    fdq.Producer(db).push_many("t", [fdq.Envelope(str(i).encode()) for i in range(20)])
+    handled = []
+
+    async def handler(m):
+        handled.append(m.body)
+        assert sub_stats(db, "t")["in_flight"] == 0   # already gone from the queue
+        raise RuntimeError("not redelivered at most once")
+
+    async def main():
+        async with await fdq.aio.tail(db, "t", handler, acking=False, config=FAST,
+                                      on_error=lambda e: None) as t:
+            assert not t.is_acking
+            await _until(lambda: len(handled) == 20, 30, "20 messages handled")
+            await asyncio.sleep(0.3)                # a redelivery would show up here
+
+    asyncio.run(main())
+    assert sorted(handled, key=int) == [str(i).encode() for i in range(20)]
+    assert sub_stats(db, "t")["backlog"] == 0
+
+
+def test_in_progress_keeps_a_lease_and_push_awaits_its_commit(db):
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    config = fdq.ConsumerConfig(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05,
+                                lease_check_interval_s=0.05, ack_wait_s=0.5)
+    calls = []
+
+    async def main():
+        p = fdq.Producer(db)
+        rs = await asyncio.gather(*(fdq.aio.push(p, "t", f"m{i}".encode(), shard_key="k") for i in range(5)))
+        assert len({r.id for r in rs}) == 5
+        holder = {}
+
+        async def handler(m):
+            calls.append((m.body, m.attempts))
+            if m.body == b"m0":
+                for _ in range(6):                  # 3 × ack_wait, kept alive
+                    await holder["t"].in_progress(m)
+                    await asyncio.sleep(0.25)
+
+        # batch_size 1: the rest of a batch waits behind m0 with its own leases running
+        holder["t"] = t = await fdq.aio.tail(db, "t", handler, config=config, batch_size=1)
+        try:
+            await _until(lambda: sub_stats(db, "t")["backlog"] == 0, 30, "all acked")
+        finally:
+            await t.shutdown()
+
+    asyncio.run(main())
+    assert calls == [(f"m{i}".encode(), 1) for i in range(5)]   # in order, none redelivered
+
+
+def test_bad_arguments(db):
+    def plain(m):
+        pass
+
+    async def coro(tr, m):
+        pass
+
+    async def main():
+        with pytest.raises(fdq.ConfigError, match="coroutine function"):
+            await fdq.aio.tail(db, "t", plain)
+        with pytest.raises(fdq.ConfigError, match="no exactly-once mode"):
+            await fdq.aio.tail(db, "t", coro, transactional=True)
+        with pytest.raises(fdq.InvalidName):
+            await fdq.aio.tail(db, "bad name", coro)
+
+    asyncio.run(main())
