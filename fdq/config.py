@@ -154,7 +154,8 @@ class ConsumerConfig:
 @dataclass(frozen=True, kw_only=True)
 class ProducerConfig:
     """``linger_ms``: how long a group commit waits for more concurrent pushes (0: take
-    what is queued while the previous commit runs). ``max_batch``: messages per commit.
+    what is queued, once the callers the previous commit released have queued again or a
+    fifth of a commit has passed). ``max_batch``: messages per commit.
     ``auto_create``: a push to a missing topic creates it (``True``: with the default
     ``TopicConfig()``; a ``TopicConfig``: with that one) or raises ``TopicNotFound``
     (``False``)."""

@@ -30,8 +30,8 @@ from .engine import error_types, retry_or_raise, transactional
 from .errors import (BacklogFull, ConfigError, FDQError, InvalidHeader, InvalidMessage,
                      MessageTooLarge, TopicNotFound, is_maybe_committed)
 from .headers import dispatch_tag, trace_id, validate_headers
-from .keyspace import Keyspace, TopicSpace, counter, message_id, vs_key
-from .keyspace.codec import Record, pack, shard_of, split_body, unpack
+from .keyspace import Keyspace, TopicSpace, counter, message_id, vs_key, vs_key_parts
+from .keyspace.codec import CHUNK_BYTES, Record, pack, packer, shard_of, split_body, unpack
 from .membership import read_clock
 from .topic import load_config, write_topic_config
 
@@ -107,7 +107,6 @@ class _Item:
     event: threading.Event = field(default_factory=threading.Event)
     result: PushResult | None = None
     error: BaseException | None = None
-    promoted: bool = False
     future: _ConcurrentFuture | None = None
 
 
@@ -141,23 +140,45 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             return unpack(raw[10:]), raw[:10]
     rv = clock = None
     configs = {}
+    plans = {}
     results = []
     batch_ids = {}
     counters = defaultdict(int)
     tags_written = set()     # each tag's key once per transaction
+    packb = packer()
+    plain = defaultdict(int)     # (plan, shard) -> plain messages pushed there
     for uv, (topic, env) in enumerate(items):
-        ts = ks.topic(topic)
-        config = configs.get(topic)
-        if config is None:
+        plan = plans.get(topic)
+        if plan is None:
+            ts = ks.topic(topic)
             config = configs[topic] = _config_for_push(tr, ks, ts, auto_create)
-        if len(env.body) > config.max_message_bytes:
-            raise MessageTooLarge(f"message body of {len(env.body):,} bytes exceeds topic {topic!r}'s "
+            plan = plans[topic] = _push_plan(ts, config)
+        ts, config = plan.ts, plan.config
+        body = env.body
+        if len(body) > config.max_message_bytes:
+            raise MessageTooLarge(f"message body of {len(body):,} bytes exceeds topic {topic!r}'s "
                                   f"max_message_bytes ({config.max_message_bytes:,})")
+        n = shard_of(env.shard_key, config.shards) if env.shard_key is not None else \
+            (spread + uv // STICKY_RUN) % config.shards
+        if plan.routing and env.msg_id is None and not env.delay and not env.headers \
+                and 0 < len(body) <= CHUNK_BYTES and getattr(env, "replay_of", None) is None:
+            # The common message (what route_message does for it, with the keys'
+            # prefixes prepared once per transaction): its record into the log and into
+            # every subscription's ready queue of shard n.
+            record = packb([now_ms, env.shard_key, None, None, body])   # = Record(...).encode()
+            uvb = uv.to_bytes(2, "big")
+            for head, offset in plan.targets(n):
+                tr.set_versionstamped_key(head + uvb + offset, record)
+            plain[(plan, n)] += 1       # its counters, added below
+            minute = now_ms // 60000 * 60000
+            if time_index.get(topic) != minute:
+                time_index[topic] = minute   # a lost entry only makes a replay scan longer
+                tr.set_versionstamped_key(vs_key(ts.time_index.pack((minute,)), uv), b"")
+            results.append((topic, uv, n, None))
+            continue
         if env.headers and not config.extend:
             raise InvalidHeader(f"topic {topic!r} has no extend support: headers are refused "
                                 "(create it with extend=True or upgrade it)")
-        n = shard_of(env.shard_key, config.shards) if env.shard_key is not None else \
-            (spread + uv // STICKY_RUN) % config.shards
         if env.msg_id is not None:
             if (topic, env.msg_id) in batch_ids:
                 results.append((topic, uv, n, batch_ids[(topic, env.msg_id)]))
@@ -213,6 +234,9 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
                 tr[ts.tags.pack((tag,))] = b""
             tr.set_versionstamped_key(vs_key(ts.pending.key(), uv), pack([n, env.delay]))
         results.append((topic, uv, n, None))
+    for (plan, n), count in plain.items():
+        for key in plan.counter_keys(n):
+            counters[key] += count
     for key, amount in counters.items():
         tr.add(key, counter(amount))
     for topic, config in configs.items():
@@ -221,6 +245,46 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
     tr.set_versionstamped_value(marker_key, _PLACEHOLDER + pack(results) + _OFFSET0)
     tr.set_versionstamped_key(vs_key(first.marks_by_version.key(), 0), txid)
     return results, tr.get_versionstamp()
+
+
+class _PushPlan:
+    """What a plain message (no msg_id, delay, headers or chunks) of one topic under one
+    config writes, per shard: the stamped keys' prefixes (``vs_key_parts``: key = head +
+    user version + offset) of its log row and of every subscription's ready row, and
+    the counters it adds 1 to. Built once per topic, config and producer process."""
+
+    __slots__ = ("ts", "config", "routing", "_shards")
+
+    def __init__(self, ts: TopicSpace, config: TopicConfig):
+        self.ts, self.config, self.routing = ts, config, config.routing
+        self._shards = {}
+
+    def _shard(self, n: int):
+        got = self._shards.get(n)
+        if got is None:
+            ts = self.ts
+            shards = [ts.shard(sub, "", n) for sub in self.config.subs]
+            targets = [vs_key_parts(ts.log_prefix(n))] + [vs_key_parts(s.ready_prefix) for s in shards]
+            keys = [ts.stat("inserted"), ts.stat("routed")] + [s.stat("routed") for s in shards]
+            got = self._shards[n] = (targets, keys)
+        return got
+
+    def targets(self, n: int) -> list:
+        got = self._shards.get(n)
+        return (got or self._shard(n))[0]
+
+    def counter_keys(self, n: int) -> list:
+        return self._shard(n)[1]
+
+
+def _push_plan(ts: TopicSpace, config: TopicConfig) -> _PushPlan:
+    plans = ts.push_plans
+    plan = plans.get(config)
+    if plan is None:
+        if len(plans) > 16:
+            plans.clear()
+        plan = plans[config] = _PushPlan(ts, config)
+    return plan
 
 
 def route_message(tr, ts: TopicSpace, config: TopicConfig, tag: str, n: int, uv: int,
@@ -279,10 +343,12 @@ def _check_backlog(tr, ts, config):
 
 
 class _GroupCommit:
-    """Leader/follower group commit: the first caller commits what is queued; callers
-    arriving meanwhile wait and are committed together by the next leader. One thread
-    pays one transaction per push; eight threads share transactions. Asynchronous
-    pushes (no caller waiting) are led by one background flusher thread."""
+    """Group commit. A caller that finds nobody committing commits what is queued itself
+    (one thread: no hand-off, no wake-up); callers arriving meanwhile queue and wait. If
+    pushes are queued when its commit ends, it hands them to the producer's flusher
+    thread and returns (to push again): the flusher keeps committing while pushes keep
+    coming, each commit carrying every caller waiting, and gives up leading when the
+    queue stays empty. Asynchronous pushes (no caller waiting) are always led by it."""
 
     def __init__(self, flush, max_batch: int, linger_s: float):
         self._flush = flush
@@ -293,19 +359,25 @@ class _GroupCommit:
         self._leading = False
         self._flusher = None
         self._flusher_go = threading.Event()
+        self._commit_s = 0.0
+        self._callers = 0        # callers inside submit: queued, or released and not yet returned
 
     def submit(self, item: _Item):
         """Queue ``item`` and return once it is committed (or failed)."""
         with self._lock:
             self._queue.append(item)
+            self._callers += 1
             lead = not self._leading
             if lead:
                 self._leading = True
-        if not lead:
-            item.event.wait()
-            if not item.promoted:
+        try:
+            if not lead:
+                item.event.wait()
                 return
-        self._lead()
+            self._lead(rounds=1)
+        finally:
+            with self._lock:
+                self._callers -= 1
 
     def submit_async(self, item: _Item):
         """Queue ``item`` without waiting; its ``future`` resolves after the commit."""
@@ -328,39 +400,53 @@ class _GroupCommit:
             self._flusher_go.wait()
             self._flusher_go.clear()
             try:
-                self._lead()
+                self._lead(rounds=None)
             except BaseException:   # delivered to the items' futures by the flush
                 pass
 
-    def _lead(self):
-        # Lead a few rounds: handing leadership to a sleeping thread costs a wake-up.
-        for _round in range(16):
+    def _lead(self, rounds: int | None):
+        """Commit queued pushes, ``rounds`` times (None: until the queue stays empty),
+        then hand what is left to the flusher."""
+        last = 0
+        n = 0
+        while rounds is None or n < rounds:
+            n += 1
             if self._linger_s:
                 time.sleep(self._linger_s)
+            elif last and len(self._queue) < min(self._callers, self._max_batch):
+                self._gather()
             with self._lock:
                 batch = self._queue[:self._max_batch]
                 del self._queue[:self._max_batch]
                 if not batch:
                     self._leading = False
                     return
+            t0 = time.perf_counter()
             try:
                 self._flush(batch)
             except BaseException:
                 self._handoff()
                 raise
+            self._commit_s = time.perf_counter() - t0
+            last = len(batch)
         self._handoff()
+
+    def _gather(self):
+        """Give the callers the last commit released (waiting for the GIL meanwhile) the
+        time to push again before the next commit takes the queue: until every caller
+        inside ``submit`` has queued, for at most a fifth of the last commit's time (and
+        1 ms). Else the callers split into groups that alternate, each commit carrying
+        one group."""
+        deadline = time.perf_counter() + min(0.001, self._commit_s / 5)
+        while len(self._queue) < min(self._callers, self._max_batch) and time.perf_counter() < deadline:
+            time.sleep(0)
 
     def _handoff(self):
         with self._lock:
             if not self._queue:
                 self._leading = False
                 return
-            nxt = self._queue[0]
-            if nxt.future is not None:       # nobody waits on it: the flusher leads
-                self._wake_flusher()
-                return
-            nxt.promoted = True
-            nxt.event.set()
+        self._wake_flusher()
 
 
 class Producer:
@@ -464,7 +550,12 @@ class Producer:
                 retry_or_raise(tr, e)
         stamp = stamp if type(stamp) is bytes else bytes(stamp.wait())
         out = []
+        stamp_hex = stamp.hex()
         for (topic, uv, n, dup_of), (_t, env) in zip(results, items):
+            if dup_of is None and not env.headers:
+                # message_id(Versionstamp(stamp, uv)), without the objects
+                out.append(PushResult(f"{stamp_hex}{uv:04x}", topic, n))
+                continue
             if isinstance(dup_of, int):
                 dup_of = message_id(Versionstamp(stamp, dup_of))
             mid = dup_of or message_id(Versionstamp(stamp, uv))

@@ -250,6 +250,12 @@ _ATOMIC_UPSERT = ("INSERT INTO kv (key, value) VALUES (?1, fdq_atomic(NULL, ?2))
                   "ON CONFLICT(key) DO UPDATE SET value = fdq_atomic(value, ?2)")
 
 
+# A key's only atomic op is an add (counters: the common case): no ops to pack, and
+# an absent key takes the operand as it is (_op_add(None, p) is p).
+_ADD_UPSERT = ("INSERT INTO kv (key, value) VALUES (?1, ?2) "
+               "ON CONFLICT(key) DO UPDATE SET value = fdq_add(value, ?2)")
+
+
 def _apply_ops(base, ops):
     for name, param in ops:
         base = _ATOMIC[name](base, param)
@@ -315,6 +321,7 @@ class _Store:
                                timeout=timeout)
         conn.execute(f"PRAGMA synchronous={self.synchronous}")
         conn.create_function("fdq_atomic", 2, _sql_atomic, deterministic=True)
+        conn.create_function("fdq_add", 2, _op_add, deterministic=True)
         return conn
 
     def acquire_reader(self) -> sqlite3.Connection:
@@ -394,10 +401,25 @@ class _Store:
             delay = min(delay * 2, 0.002)
 
 
+_U32 = struct.Struct("<I")
+_NO_VERSION = b"\xff" * 10
+
 _LAST_VERSION = "SELECT version, clock FROM txlog ORDER BY version DESC LIMIT 1"
 _UPSERT = "INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)"
 _RANGE_ASC = "SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key ASC LIMIT ?"
 _RANGE_DESC = "SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key DESC LIMIT ?"
+
+
+_local = threading.local()
+
+
+def _packb(obj) -> bytes:
+    """``msgpack.packb(obj)`` with this thread's Packer (same bytes): ``packb`` builds a
+    Packer and its 256 KiB buffer on every call, a cost on every commit."""
+    pack = getattr(_local, "pack", None)
+    if pack is None:
+        pack = _local.pack = msgpack.Packer().pack
+    return pack(obj)
 
 
 def _pack_ranges(ranges) -> bytes:
@@ -406,7 +428,7 @@ def _pack_ranges(ranges) -> bytes:
     flat = []
     for b, e in ranges:
         flat += (b, e)
-    return msgpack.packb(flat)
+    return _packb(flat)
 
 
 def _version_at(last: int, last_clock: float, now: float) -> int:
@@ -1022,9 +1044,11 @@ class Transaction(_ReadView):
         self._clear_begins = []
         self._read_ranges = []
         self._write_ranges = []
-        self._vs_keys = []       # (key with placeholder, offset, value, clears before it)
+        # (key before its stamp, key after it, value, clears before it, read version then)
+        self._vs_keys = []
         self._clear_log = []     # every clear / clear_range in order (only read for _vs_keys)
         self._unreadable = []    # [begin, end) unreadable until commit (versionstamped keys)
+        self._unreadable_n = 0   # how many of _vs_keys _unreadable covers (built on a read)
         self._mutation_bytes = 0
         self._mutations = 0
         self._deferred = None
@@ -1106,16 +1130,28 @@ class Transaction(_ReadView):
         self._check_use()
         if key >= self._max_key() and key != b"\xff/metadataVersion":
             raise EngineError(2004)
-        if self._unreadable and not self._bypass_unreadable:
-            for b, e in self._unreadable:
+        if self._vs_keys and not self._bypass_unreadable:
+            for b, e in self._unreadable_ranges():
                 if b <= key < e:
                     raise EngineError(1036)
 
     def _check_read_range(self, b, e):
-        if self._unreadable and not self._bypass_unreadable:
-            for ub, ue in self._unreadable:
+        if self._vs_keys and not self._bypass_unreadable:
+            for ub, ue in self._unreadable_ranges():
                 if ub < e and b < ue:
                     raise EngineError(1036)
+
+    def _unreadable_ranges(self) -> list:
+        """Every key a versionstamped key of this transaction could become (from the
+        read version it had when set), unreadable until commit. Built when a read
+        needs it (most transactions that set them never read afterwards)."""
+        vs = self._vs_keys
+        if self._unreadable_n < len(vs):
+            for head, tail, _value, _clears, rv in islice(vs, self._unreadable_n, None):
+                self._unreadable.append((head + (rv or 0).to_bytes(8, "big") + b"\x00\x00" + tail,
+                                         head + _NO_VERSION + tail + b"\x00"))
+            self._unreadable_n = len(vs)
+        return self._unreadable
 
     def _range_bound(self, k, default, snap):
         if k is None:
@@ -1485,6 +1521,18 @@ class Transaction(_ReadView):
         return offset
 
     def set_versionstamped_key(self, key, value):
+        if type(key) is bytes and type(value) is bytes and self._state == "open" \
+                and len(value) <= VALUE_SIZE_LIMIT and 14 <= len(key) <= KEY_SIZE_LIMIT + 4:
+            # The common case inline (a push writes two per message): a legal user key
+            # with its placeholder inside; the same effects as the general path below.
+            offset = _U32.unpack_from(key, len(key) - 4)[0]
+            body = key[:-4]
+            if offset + 10 <= len(body) and body < b"\xff":
+                self._vs_keys.append((body[:offset], body[offset + 10:], value, len(self._clear_log),
+                                      self._rv))
+                self._mutation_bytes += len(key) + len(value) + ENTRY_OVERHEAD_BYTES
+                self._mutations += 1
+                return
         self._check_writable()
         key, value = _key(key), _value(value)
         offset = self._placeholder_offset(key, "key")
@@ -1493,11 +1541,8 @@ class Transaction(_ReadView):
         body = key[:-4]
         if not self._check_write_key(body):
             return
-        self._vs_keys.append((body, offset, value, len(self._clear_log)))
-        # Unreadable until commit: every key the stamp could produce.
-        lo = body[:offset] + (self._rv or 0).to_bytes(8, "big") + b"\x00\x00" + body[offset + 10:]
-        hi = body[:offset] + b"\xff" * 10 + body[offset + 10:] + b"\x00"
-        self._unreadable.append((lo, hi))
+        # Unreadable until commit: every key the stamp could produce (_unreadable_ranges).
+        self._vs_keys.append((body[:offset], body[offset + 10:], value, len(self._clear_log), self._rv))
         self._mutation_bytes += len(key) + len(value) + ENTRY_OVERHEAD_BYTES
         self._mutations += 1
 
@@ -1687,14 +1732,27 @@ class Transaction(_ReadView):
         write_ranges = self._write_ranges
         vs_sets = []
         if self._vs_keys:
-            vs_conflicts = []
-            for body, off, value, n_clears in self._vs_keys:
-                k = body[:off] + stamp + body[off + 10:]
-                vs_conflicts.append((k, k + b"\x00"))
+            # Conflict ranges: one per key prefix, from its lowest stamped key to its
+            # highest. Every key between them starts with that prefix and this commit's
+            # unique stamp, so the range adds no conflict with another transaction's
+            # writes (only keys no one else can have written), and the txlog row that
+            # every later conflict check reads stays small.
+            spans = {}
+            clear_log = self._clear_log
+            n_log = len(clear_log)
+            for head, tail, value, n_clears, _rv in self._vs_keys:
+                k = head + stamp + tail
+                span = spans.get(head)
+                if span is None:
+                    spans[head] = [k, k]
+                elif k < span[0]:
+                    span[0] = k
+                elif k > span[1]:
+                    span[1] = k
                 # FDB applies mutations in order: a clear issued after it removes it.
-                if not any(b <= k < e for b, e in self._clear_log[n_clears:]):
+                if n_clears == n_log or not any(b <= k < e for b, e in clear_log[n_clears:]):
                     vs_sets.append((k, value))
-            write_ranges = write_ranges + vs_conflicts
+            write_ranges = write_ranges + [(lo, hi + b"\x00") for lo, hi in spans.values()]
         w.execute("INSERT INTO txlog VALUES (?, ?, ?)", (version, now, _pack_ranges(write_ranges)))
         if has_reads:
             if rv < version - MVCC_WINDOW_VERSIONS:
@@ -1702,7 +1760,7 @@ class Transaction(_ReadView):
             self._check_conflicts(w, rv, version)
         for b, e in self._clears:
             w.execute("DELETE FROM kv WHERE key >= ? AND key < ?", (b, e))
-        sets, dels, atomics = [], [], []
+        sets, dels, atomics, adds = [], [], [], []
         may_clear = []
         for key, (kind, data) in self._writes.items():
             if kind == _SET:
@@ -1710,7 +1768,10 @@ class Transaction(_ReadView):
             elif kind == _CLEAR:
                 dels.append((key,))
             elif kind == _ATOMIC_OPS:
-                atomics.append((key, msgpack.packb(data)))
+                if len(data) == 1 and data[0][0] == "add":
+                    adds.append((key, data[0][1]))
+                    continue
+                atomics.append((key, _packb(data)))
                 if any(op == "compare_and_clear" for op, _ in data):
                     may_clear.append((key,))
             else:  # versionstamped value
@@ -1725,6 +1786,8 @@ class Transaction(_ReadView):
             w.execute(_UPSERT, sets[0])
         elif sets:
             w.executemany(_UPSERT, sets)
+        if adds:
+            w.executemany(_ADD_UPSERT, adds)
         if atomics:
             w.executemany(_ATOMIC_UPSERT, atomics)
             if may_clear:

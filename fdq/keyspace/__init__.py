@@ -44,8 +44,8 @@ from ..engine import transactional
 
 FORMAT_VERSION = 1
 
-__all__ = ["Keyspace", "TopicSpace", "ShardSpace", "Versionstamp", "FORMAT_VERSION", "vs_key", "vs_from_bytes",
-           "counter", "decode_counter", "ensure_format", "message_id", "parse_message_id"]
+__all__ = ["Keyspace", "TopicSpace", "ShardSpace", "Versionstamp", "FORMAT_VERSION", "vs_key", "vs_key_parts",
+           "vs_from_bytes", "counter", "decode_counter", "ensure_format", "message_id", "parse_message_id"]
 
 _I64 = struct.Struct("<q")
 
@@ -173,6 +173,7 @@ class TopicSpace:
         self._shards = {}
         self._stat_keys = {}
         self.log_prefixes = {}
+        self.push_plans = {}     # the producer's per-config cache (producer._PushPlan)
 
     def log_prefix(self, bucket: int) -> bytes:
         p = self.log_prefixes.get(bucket)
@@ -246,6 +247,12 @@ def vs_key(prefix: bytes, user_version: int, suffix: bytes = b"") -> bytes:
     re-encoding the prefix for every message."""
     return (prefix + _VS_PLACEHOLDER + user_version.to_bytes(2, "big") + suffix
             + struct.pack("<I", len(prefix) + 1))
+
+
+def vs_key_parts(prefix: bytes) -> tuple:
+    """``(head, offset)`` such that ``head + user_version.to_bytes(2, "big") + offset`` is
+    ``vs_key(prefix, user_version)``: for writing many stamped keys under one prefix."""
+    return prefix + _VS_PLACEHOLDER, struct.pack("<I", len(prefix) + 1)
 
 
 @transactional

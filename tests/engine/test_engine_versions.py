@@ -200,3 +200,32 @@ def test_transaction_too_old_after_5_seconds(eng):
     reader.commit().wait()
     th.join(30)
     assert outcome == [2] and eng.db[eng.k(b"slow")] == b"done"
+
+
+def test_versionstamped_keys_conflict_with_readers_of_their_keys_only(eng):
+    """The commit's write conflicts cover every stamped key it wrote (a reader of a range
+    holding them fails) and nothing another transaction could have written next to
+    them: a reader of the keys beside them (after every stamp, or before) commits."""
+    p = eng.k(b"vs/")
+
+    def vs_key(n, prefix=p):
+        return fdb.tuple.pack_with_versionstamp((fdb.tuple.Versionstamp(user_version=n),), prefix=prefix)
+
+    eng.db[eng.k(b"vs/", fdb.tuple.pack(("after",)))] = b"x"
+    eng.db[eng.k(b"vs/", fdb.tuple.pack((0,)))] = b"x"
+    readers = {name: eng.db.create_transaction() for name in ("all", "after", "before", "other")}
+    list(readers["all"].get_range_startswith(p))
+    list(readers["after"].get_range(p + b"\x34", p + b"\xff"))       # past every versionstamp (0x33)
+    list(readers["before"].get_range(p, p + b"\x33"))                # before every versionstamp
+    list(readers["other"].get_range_startswith(eng.k(b"vt/")))
+    for tr in readers.values():
+        tr[eng.k(b"out/", id(tr).to_bytes(8, "big"))] = b"1"
+    tr = eng.db.create_transaction()
+    for n in (5, 1, 300, 2):                                          # two prefixes, out of order
+        tr.set_versionstamped_key(vs_key(n), b"v")
+        tr.set_versionstamped_key(vs_key(n, prefix=eng.k(b"vt/")), b"v")
+    tr.commit().wait()
+    assert code_of(lambda: readers["all"].commit().wait()) == 1020
+    assert code_of(lambda: readers["other"].commit().wait()) == 1020
+    readers["after"].commit().wait()
+    readers["before"].commit().wait()
