@@ -121,7 +121,7 @@ def _spread_start() -> int:
 
 
 @transactional
-def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_create: bool,
+def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_create,
                now_ms: int, time_index: dict, check_marker: bool = True):
     """Push ``items`` [(topic, Envelope)] in this transaction. Returns ``(results,
     stamp)``: results [(topic, user_version, shard, dup_of)] and the commit's stamp: 10
