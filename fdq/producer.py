@@ -565,9 +565,11 @@ class Producer:
         return out
 
     def replay(self, topic: str, start, end=None, *, progress=None) -> int:
-        """Re-deliver the "all" log's messages with insertion time in ``[start, end)`` to
-        the topic's subscriptions, in order, as new messages (new ids; the record keeps
-        the original id in ``replay_of``). Returns how many were replayed."""
+        """Re-deliver the "all" log's messages with insertion time in ``[start, end)``
+        (committed before the replay began) to the topic's subscriptions, in order, as
+        new messages (new ids; the record keeps the original id in ``replay_of``).
+        Resumable: the same call after a crash continues where the first stopped, and
+        nothing is pushed twice. Returns how many this call replayed."""
         from .supervisor import replay_window
         return replay_window(self.db, self.keyspace, topic, to_ms(start), to_ms(end), progress=progress)
 

@@ -576,30 +576,83 @@ def _per_tag(shards: dict, owners: dict, members: dict) -> dict:
 
 
 def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None) -> int:
-    """Push again every logged message inserted in ``[start_ms, end_ms)``, in order,
-    ``CHUNK`` per transaction (each an idempotent push)."""
-    from .producer import Producer
+    """Push again every logged message inserted in ``[start_ms, end_ms)`` and committed
+    before the replay began, in log order, ``CHUNK`` per transaction. Resumable: the
+    replay of one window keeps its progress (``replay_begin``), each chunk pushes and
+    advances it in one transaction (``replay_chunk``), so running the same replay again
+    after a crash, or a retry after ``commit_unknown_result``, pushes nothing twice. A
+    finished replay removes its progress: the same window can be replayed again later.
+    Returns how many this call pushed (a resumed replay: what was left)."""
+    from .log import body_of
     ts = ks.topic(check_name(topic))
     read_topic_config(db, ts, snapshot=True)     # TopicNotFound for an unknown topic
-    producer = Producer(db, keyspace=ks)
-    from .log import body_of
-    batch, total = [], 0
+    replay_id = f"{start_ms}:{end_ms}"
+    state = replay_begin(db, ts, replay_id, start_ms, end_ms)
+    after = state["after"]
+    index = {}
+    batch, first, count = [], state["count"], state["count"]
 
     def flush():
-        nonlocal total
+        nonlocal count
         if batch:
-            producer._commit([(topic, e) for e in batch])
-            total += len(batch)
+            # the progress's count, not what the last attempt pushed: an attempt that
+            # committed and reported commit_unknown_result leaves its retry nothing to do
+            now = replay_chunk(db, ks, ts, replay_id, batch, os.urandom(16), int(time.time() * 1000), index)
             if progress:
-                progress(len(batch))
+                progress(now - count)
+            count = now
             batch.clear()
     for vs, _b, rec in iter_window(db, ts, log_buckets(db, ts), start_ms, end_ms):
-        batch.append(_ReplayEnvelope(body_of(db, ts, vs, rec), rec.shard_key, None, None, rec.headers,
-                                     replay_of=message_id(vs)))
+        if int.from_bytes(vs.tr_version[:8], "big") > state["stop"]:
+            break       # committed after the replay began (its own pushes among them)
+        if after is not None and vs.to_bytes() <= after:
+            continue    # replayed by an earlier run of this replay
+        batch.append((vs, _ReplayEnvelope(body_of(db, ts, vs, rec), rec.shard_key, None, None, rec.headers,
+                                          replay_of=message_id(vs))))
         if len(batch) >= CHUNK:
             flush()
     flush()
-    return total
+    replay_finish(db, ts, replay_id)
+    return count - first
+
+
+@transactional
+def replay_begin(tr, ts: TopicSpace, replay_id: str, start_ms, end_ms) -> dict:
+    """The progress of the replay ``replay_id``, created if new: it replays what was
+    committed up to this transaction's read version (``stop``)."""
+    key = ts.replays.pack((replay_id,))
+    raw = tr[key]
+    if raw != None:  # noqa: E711
+        return unpack(bytes(raw))
+    state = {"start": start_ms, "end": end_ms, "stop": tr.get_read_version().wait(), "after": None, "count": 0}
+    tr[key] = pack(state)
+    return state
+
+
+@transactional
+def replay_chunk(tr, ks: Keyspace, ts: TopicSpace, replay_id: str, entries: list, txid: bytes,
+                 now_ms: int, time_index: dict) -> int:
+    """Push the ``entries`` [(vs, envelope)] past the replay's progress and advance it,
+    in this one transaction. Returns how many the replay has pushed in all."""
+    from .producer import push_batch
+    key = ts.replays.pack((replay_id,))
+    raw = tr[key]
+    if raw == None:  # noqa: E711
+        raise ConfigError(f"replay {replay_id!r} of topic {ts.name!r} is not running")
+    state = unpack(bytes(raw))
+    todo = [(vs, env) for vs, env in entries if state["after"] is None or vs.to_bytes() > state["after"]]
+    if todo:
+        push_batch(tr, ks, [(ts.name, env) for _vs, env in todo], txid, int.from_bytes(txid[:4], "big"),
+                   False, now_ms, time_index, False)
+        state["after"] = todo[-1][0].to_bytes()
+        state["count"] += len(todo)
+        tr[key] = pack(state)
+    return state["count"]
+
+
+@transactional
+def replay_finish(tr, ts: TopicSpace, replay_id: str):
+    del tr[ts.replays.pack((replay_id,))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -612,5 +665,5 @@ class _ReplayEnvelope:
     replay_of: str | None = None
 
 
-__all__ = ["Supervisor", "replay_window", "play_chunk", "reshard_begin", "reshard_chunk",
+__all__ = ["Supervisor", "replay_window", "replay_begin", "replay_chunk", "replay_finish", "play_chunk", "reshard_begin", "reshard_chunk",
            "reshard_finish", "trim_bucket_chunk", "ConsumerConfig", "os", "Versionstamp"]

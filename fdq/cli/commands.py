@@ -488,7 +488,9 @@ def replay(state, topic, start, end, as_json):
     """Deliver again TOPIC's messages inserted in [--start, --end).
 
     In order, as new messages (new ids; each keeps the original's id in
-    replay_of). Times: epoch milliseconds or ISO-8601 (no zone = UTC)."""
+    replay_of), what was committed when the replay began. Resumable: after a
+    crash, run the same command again and it continues where it stopped.
+    Times: epoch milliseconds or ISO-8601 (no zone = UTC)."""
     if end is not None and end <= start:
         raise click.BadParameter(f"--end ({end}) must be after --start ({start})", param_hint="'--end'")
     state.supervisor.config(topic)

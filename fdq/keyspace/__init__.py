@@ -27,6 +27,7 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     topic/<topic>/tags/<tag>                              dispatch tags seen (blind set by push)
     topic/<topic>/marks/<txid>, marks_by_version/<vs>     push markers (1021-safe retries)
     topic/<topic>/dedupe/<msg_id>, dedupe_by_version/<vs> user msg_id dedupe window
+    topic/<topic>/replays/<replay_id>                     a replay's progress (while it runs)
 
 ``<vs>`` is a tuple-layer Versionstamp: the commit's 10-byte stamp plus the message's
 index in its transaction, so keys sort by commit order and are gap-free for readers.
@@ -170,6 +171,7 @@ class TopicSpace:
         self.marks_by_version = self.space["marks_by_version"]
         self.dedupe = self.space["dedupe"]
         self.dedupe_by_version = self.space["dedupe_by_version"]
+        self.replays = self.space["replays"]
         self._shards = {}
         self._stat_keys = {}
         self.log_prefixes = {}

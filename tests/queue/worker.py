@@ -215,6 +215,14 @@ def rebalance(args):
     print("done", flush=True)
 
 
+def replay(args):
+    import fdq
+    db = fdq.connect(args.url)
+    print("start", flush=True)
+    total = fdq.Producer(db).replay(args.topic, 0, progress=lambda n: print(f"chunk {n}", flush=True))
+    print(f"done {total}", flush=True)
+
+
 def jumper(args):
     """Commit tiny transactions on a fault-injecting connection until killed: the engine
     injects version jumps of 100,000,000 (an FDB recovery) into the shared database."""
@@ -239,7 +247,7 @@ def jumper(args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("role", choices=["producer", "consumer", "play", "rebalance", "jumper"])
+    ap.add_argument("role", choices=["producer", "consumer", "play", "rebalance", "replay", "jumper"])
     ap.add_argument("--url", required=True)
     ap.add_argument("--topic", default="t")
     ap.add_argument("--name", default="w")
@@ -257,7 +265,7 @@ def main(argv=None):
     ap.add_argument("--skew-s", type=float, default=0.0)
     args = ap.parse_args(argv)
     {"producer": producer, "consumer": consumer, "play": play, "rebalance": rebalance,
-     "jumper": jumper}[args.role](args)
+     "replay": replay, "jumper": jumper}[args.role](args)
 
 
 if __name__ == "__main__":
