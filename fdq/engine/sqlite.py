@@ -21,6 +21,7 @@ that passes here does not break on a cluster (see ``shared/fdb-semantics.md``):
 from __future__ import annotations
 
 import bisect
+import contextlib
 import fcntl
 import os
 import random
@@ -382,6 +383,8 @@ class _Store:
         ``transaction_timed_out``, as FDB's timeout bounds a commit."""
         deadline = None
         delay = 0.00005
+        if until is not None and _clock() > until:
+            raise EngineError(1031)
         while True:
             try:
                 self.writer.execute("BEGIN IMMEDIATE")
@@ -403,6 +406,21 @@ class _Store:
 
 _U32 = struct.Struct("<I")
 _NO_VERSION = b"\xff" * 10
+
+@contextlib.contextmanager
+def _held(lock: threading.Lock, until: float | None):
+    """``with lock`` waiting at most until ``until`` (``_clock()`` time; None: no
+    limit): past it, ``transaction_timed_out`` (another thread of this process may hold
+    the lock while it waits for another process's write lock)."""
+    if until is None:
+        lock.acquire()
+    elif not lock.acquire(timeout=max(0.0, until - _clock())):
+        raise EngineError(1031)
+    try:
+        yield
+    finally:
+        lock.release()
+
 
 _LAST_VERSION = "SELECT version, clock FROM txlog ORDER BY version DESC LIMIT 1"
 _UPSERT = "INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)"
@@ -1664,8 +1682,9 @@ class Transaction(_ReadView):
             rv = self._rv
             self._release()
             jump = db._fault(0.05)
-            with store.write_lock:
-                store.begin_immediate(self._created + self._timeout_ms / 1000 if self._timeout_ms else None)
+            until = self._created + self._timeout_ms / 1000 if self._timeout_ms else None
+            with _held(store.write_lock, until):
+                store.begin_immediate(until)
                 fcntl.flock(store.writer_fd, fcntl.LOCK_EX)
                 try:
                     version = self._apply(store, rv, has_reads, jump)

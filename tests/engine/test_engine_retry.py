@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 import fdq
 from fdq.engine import error_types, run_within
 from enginehelpers import code_of
+from fdqtest import wait_for
 
 
 def test_transactional_with_a_database_retries_a_conflict(eng):
@@ -164,6 +166,7 @@ def test_timeout_bounds_a_commit_waiting_for_the_write_lock(eng, tmp_path):
     if not eng.embedded:
         pytest.skip("holding the write lock from outside is a property of the embedded engine")
     path = eng.url.split("sqlite://", 1)[1]
+    waiting = None
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sqlite3, sys, time\n"
          "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
@@ -183,11 +186,21 @@ def test_timeout_bounds_a_commit_waiting_for_the_write_lock(eng, tmp_path):
         t0 = time.monotonic()
         assert code_of(lambda: run_within(eng.db, 500, put)) == 1031
         assert time.monotonic() - t0 < 3.0
+        # Also while another thread of this process is the one waiting for the lock.
+        waiting = threading.Thread(target=lambda: code_of(lambda: run_within(eng.db, 8000, put)))
+        waiting.start()
+        store = eng.db._get_store()
+        wait_for(store.write_lock.locked, 10, what="the other thread waiting for SQLite's lock")
+        t0 = time.monotonic()
+        assert code_of(lambda: run_within(eng.db, 300, put)) == 1031
+        assert time.monotonic() - t0 < 3.0
         assert holder.poll() is None             # still holding: nothing waited it out
     finally:
         holder.kill()
         holder.wait()
-    assert eng.items() == []
+    if waiting is not None:
+        waiting.join(30)
+    assert eng.items() in ([], [(eng.k(b"b"), b"1")])   # the 8 s one may commit once the lock is free
     assert run_within(eng.db, 5000, put) is None
     assert eng.items() == [(eng.k(b"b"), b"1")]
 
