@@ -50,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from time import perf_counter
 
 import msgpack
@@ -189,6 +190,27 @@ def bench_push_many(url, batches, seconds, procs=1):
             "p99_ms": max(r["p99_ms"] for r in res), "tx_per_msg": sum(r["tx"] for r in res) / msgs}
 
 
+def _raw_db(path):
+    """The raw references' database and keys: plain ``sqlite3`` with the engine's file
+    settings (WAL, synchronous=NORMAL, checkpoints by the caller), and the producer's
+    keys for topic "t". Returns (conn, upsert statement, keys)."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute("PRAGMA wal_autocheckpoint=0")
+    conn.execute("CREATE TABLE kv (key BLOB PRIMARY KEY, value BLOB NOT NULL) WITHOUT ROWID")
+    keys = types.SimpleNamespace(
+        config=fdb.tuple.pack(("fdq", "config", "topics", "t")),
+        topic_counters=[fdb.tuple.pack(("fdq", "topic", "t", "all", "stats", x)) for x in ("inserted", "routed")],
+        shard_counters=[fdb.tuple.pack(("fdq", "topic", "t", "subs", "default", "shards", "", s, "stats", "routed"))
+                        for s in range(SHARDS)],
+        log_prefixes=[fdb.tuple.pack(("fdq", "topic", "t", "all", "log", s)) for s in range(SHARDS)],
+        ready_prefixes=[fdb.tuple.pack(("fdq", "topic", "t", "subs", "default", "shards", "", s, "ready"))
+                        for s in range(SHARDS)],
+        marks_by_version=fdb.tuple.pack(("fdq", "topic", "t", "marks_by_version")))
+    return conn, "INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)", keys
+
+
 def bench_raw(path, batches, seconds):
     """Raw sqlite3 writing the rows a ``push_many`` of 100 writes, under the same keys:
     per message a log row and a ready row (the same msgpack record), on one shard per
@@ -199,19 +221,9 @@ def bench_raw(path, batches, seconds):
     checkpoint policy (no checkpoint inside COMMIT; PASSIVE every 128 commits or 4 MB,
     TRUNCATE past 4,096 frames). What it leaves out is the engine's own bookkeeping
     (the ``txlog`` row, the read snapshot, conflict ranges)."""
-    conn = sqlite3.connect(path, isolation_level=None)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=NORMAL")
-    conn.execute("PRAGMA wal_autocheckpoint=0")
-    conn.execute("CREATE TABLE kv (key BLOB PRIMARY KEY, value BLOB NOT NULL) WITHOUT ROWID")
-    upsert = "INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)"
-    topic_counters = [fdb.tuple.pack(("fdq", "topic", "t", "all", "stats", n)) for n in ("inserted", "routed")]
-    shard_counters = [fdb.tuple.pack(("fdq", "topic", "t", "subs", "default", "shards", "", n, "stats", "routed"))
-                      for n in range(SHARDS)]
-    log_prefixes = [fdb.tuple.pack(("fdq", "topic", "t", "all", "log", n)) for n in range(SHARDS)]
-    ready_prefixes = [fdb.tuple.pack(("fdq", "topic", "t", "subs", "default", "shards", "", n, "ready"))
-                      for n in range(SHARDS)]
-    marks_by_version = fdb.tuple.pack(("fdq", "topic", "t", "marks_by_version"))
+    conn, upsert, keys = _raw_db(path)
+    topic_counters, shard_counters = keys.topic_counters, keys.shard_counters
+    log_prefixes, ready_prefixes, marks_by_version = keys.log_prefixes, keys.ready_prefixes, keys.marks_by_version
     session = os.urandom(8)
     spread = random.randrange(1 << 30)
     lat = []
@@ -265,21 +277,11 @@ def bench_raw_single(path, n, seconds):
     the 3 counters (read-modify-write); the engine's checkpoint policy. The physical
     reference for a single push (what it leaves out: the engine's ``txlog`` row, its
     read snapshot on a second connection, the conflict check)."""
-    conn = sqlite3.connect(path, isolation_level=None)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=NORMAL")
-    conn.execute("PRAGMA wal_autocheckpoint=0")
-    conn.execute("CREATE TABLE kv (key BLOB PRIMARY KEY, value BLOB NOT NULL) WITHOUT ROWID")
-    upsert = "INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)"
-    config_key = fdb.tuple.pack(("fdq", "config", "topics", "t"))
+    conn, upsert, keys = _raw_db(path)
+    topic_counters, shard_counters = keys.topic_counters, keys.shard_counters
+    log_prefixes, ready_prefixes, marks_by_version = keys.log_prefixes, keys.ready_prefixes, keys.marks_by_version
+    config_key = keys.config
     conn.execute(upsert, (config_key, msgpack.packb({"shards": SHARDS, "subs": ["default"]})))
-    topic_counters = [fdb.tuple.pack(("fdq", "topic", "t", "all", "stats", x)) for x in ("inserted", "routed")]
-    shard_counters = [fdb.tuple.pack(("fdq", "topic", "t", "subs", "default", "shards", "", s, "stats", "routed"))
-                      for s in range(SHARDS)]
-    log_prefixes = [fdb.tuple.pack(("fdq", "topic", "t", "all", "log", s)) for s in range(SHARDS)]
-    ready_prefixes = [fdb.tuple.pack(("fdq", "topic", "t", "subs", "default", "shards", "", s, "ready"))
-                      for s in range(SHARDS)]
-    marks_by_version = fdb.tuple.pack(("fdq", "topic", "t", "marks_by_version"))
     session = os.urandom(8)
     spread = random.randrange(1 << 30)
     lat = []
