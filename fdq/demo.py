@@ -78,7 +78,7 @@ def main(argv=None):
     if args.role == "producer":
         return _producer(url, args.topic, args.name, args.messages)
 
-    db = fdq.connect(url)
+    db = fdq.connect(args.url)      # None: the default database, its directory created if new
     topic = f"demo-{int(time.time())}"
     sup = fdq.Supervisor(db)
     sup.create_topic(topic, shards=8)

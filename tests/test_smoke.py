@@ -101,12 +101,15 @@ def test_bad_input_is_refused_with_a_named_error(db):
 
 @pytest.mark.slow
 def test_demo_survives_a_kill_9_with_exactly_once_counts(tmp_path):
-    env = dict(os.environ, FDQ_URL=f"sqlite://{tmp_path / 'demo.db'}")
+    # As `make demo` on a new machine: the default database, in a home not created yet.
+    env = {k: v for k, v in os.environ.items() if k != "FDQ_URL"}
+    env["FDQ_HOME"] = str(tmp_path / "new" / "home")
     out = subprocess.run([sys.executable, "-m", "fdq.demo", "--messages", "600"], env=env,
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "OK: every message processed exactly once" in out.stdout
     assert "kill -9 consumer-0" in out.stdout
+    assert (tmp_path / "new" / "home" / "fdq.db").exists()
 
 
 def test_tail_shutdown_finishes_the_in_flight_batch(db):
