@@ -115,14 +115,15 @@ def _to_message(taken: delivery.Taken, topic: str, sub: str, consumer) -> Messag
 
 def _settle_rows(items: list) -> list:
     """``delivery.settle``'s rows for settlements [(message, action, arg)]."""
-    return [(m._taken.shard, m._taken.vs, m._taken.lease_id, action, arg) for m, action, arg in items]
+    return [(m._taken.shard, m._taken.vs, m._taken.lease_id, action, arg, m._taken.lease_key)
+            for m, action, arg in items]
 
 
 def _note_maybe_lost(maybe_lost: list, e, lost):
     """An attempt that settled and then failed with an error that may have committed:
     remember which leases it found lost (see ``Consumer._settled``)."""
     if is_maybe_committed(e) and lost is not None:
-        maybe_lost.append({(s.sub, s.tag, s.n, vs) for s, vs, _l, _a, _x in lost})
+        maybe_lost.append({(r[0].sub, r[0].tag, r[0].n, r[1]) for r in lost})
 
 
 def _raw(value):
@@ -184,7 +185,7 @@ class Consumer:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._watches = {}           # (tag, n) -> watch future on the shard's "routed" counter
-        self._leases = {}            # ((tag, n), vs) -> [lease_id, touches, since, ack_wait_s]
+        self._leases = {}            # ((tag, n), vs) -> [lease_id, touches, since, ack_wait_s, record key]
         self._leases_lock = threading.Lock()
         self._lease_prefix, self._lease_seq = os.urandom(8), 0
         self._peers = {}             # consumer id -> (heartbeat, since)
@@ -379,31 +380,36 @@ class Consumer:
                 self._refresh_owned()
 
     def _check_leases(self, now: float):
+        """Expire leases of owned shards seen unchanged (same lease, same touches) for
+        their ack wait on this host's monotonic clock: per lease record, one transaction
+        for all of its messages that are due (a batch nobody settled expires at once)."""
         with self._owned_lock:
             owned = dict(self._owned)
         for shard_id, epoch in owned.items():
             shard = self._ts.shard(self.subscription, *shard_id)
             current = delivery.scan_leases(self.db, shard)
             live_keys = set()
-            for vs, lease_id, touches, ack_wait_ms in current:
-                key = (shard_id, vs)
-                live_keys.add(key)
-                with self._leases_lock:
+            due = {}        # (record key, lease id) -> [(vs, touches)]
+            with self._leases_lock:
+                for rkey, vs, lease_id, touches, ack_wait_ms in current:
+                    key = (shard_id, vs)
+                    live_keys.add(key)
                     seen = self._leases.get(key)
                     if seen is None or seen[0] != lease_id or seen[1] != touches:
-                        self._leases[key] = [lease_id, touches, now, ack_wait_ms / 1000]
-                        continue
-                if now - seen[2] < seen[3]:
-                    continue
+                        self._leases[key] = [lease_id, touches, now, ack_wait_ms / 1000, rkey]
+                    elif now - seen[2] >= seen[3]:
+                        due.setdefault((rkey, lease_id), []).append((vs, touches))
+            for (rkey, lease_id), expiring in due.items():
                 try:
-                    outcome = delivery.expire_lease(self.db, self._ts, shard, self.id, epoch, vs, lease_id,
-                                                    touches, self.config.max_deliver, self.config.backoff_s)
+                    outcome = delivery.expire_leases(self.db, self._ts, shard, self.id, epoch, rkey, lease_id,
+                                                     expiring, self.config.max_deliver, self.config.backoff_s)
                 except LeaseLost:
                     self._refresh_owned()
                     return
                 with self._leases_lock:
-                    self._leases.pop(key, None)
-                if outcome != "changed":
+                    for vs, _t in expiring:
+                        self._leases.pop((shard_id, vs), None)
+                if any(o != "changed" for o in outcome.values()):
                     self._mark(shard_id)
             with self._leases_lock:
                 for key in [k for k in self._leases if k[0] == shard_id and k not in live_keys]:
@@ -532,7 +538,8 @@ class Consumer:
                 if taken:
                     vss = [t.vs for t in taken]
                     ok = (delivery.batch_taken(self.db, self._ts, spaces[shard_id], self.id, epochs[shard_id], vss)
-                          if none else delivery.batch_leased(self.db, spaces[shard_id], vss, lease_id))
+                          if none else delivery.batch_leased(self.db, spaces[shard_id],
+                                                             {t.lease_key for t in taken}, lease_id))
                     if not ok:
                         return False
             return True
@@ -569,7 +576,7 @@ class Consumer:
             if not none:
                 with self._leases_lock:
                     for t in taken:
-                        self._leases[(shard_id, t.vs)] = [lease_id, 0, now, ack_wait_s]
+                        self._leases[(shard_id, t.vs)] = [lease_id, 0, now, ack_wait_s, t.lease_key]
             out += [_to_message(t, self.topic, self.subscription, self) for t in taken]
         if lost:
             self._refresh_owned()
@@ -680,7 +687,7 @@ class Consumer:
             if action != "ack" or self._sel is not None:
                 self._mark((m.tag, m.shard))
         if lost:
-            ids = [message_id(vs) for _s, vs, _l, _a, _x in lost]
+            ids = [message_id(r[1]) for r in lost]
             return LeaseLost(f"lease lost (expired and redelivered, or settled elsewhere): {', '.join(ids)}", ids)
         return None
 
@@ -713,8 +720,8 @@ class Consumer:
         with self._leases_lock:
             mine = [(k, v) for k, v in self._leases.items()]
         rows = []
-        for (shard_id, vs), (lease_id, _t, _s, _w) in mine:
-            rows.append((self._ts.shard(self.subscription, *shard_id), vs, lease_id, "nak", 0))
+        for (shard_id, vs), (lease_id, _t, _s, _w, key) in mine:
+            rows.append((self._ts.shard(self.subscription, *shard_id), vs, lease_id, "nak", 0, key))
         if rows:
             try:
                 run_within(self.db, _ms_until(deadline), delivery.settle, self._ts, rows, 1 << 30)

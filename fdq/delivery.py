@@ -5,6 +5,12 @@
                             --nak / expire--> ready (same key: first in line) or delayed
                             --term / max_deliver--> dead-letter queue
 
+A leased batch is one lease record per shard (``leased/<first vs>/<lease id>``, split in
+parts of ``LEASE_RECORD_BYTES``), not a row per message: acking a whole batch deletes one
+row. Settling or expiring part of a batch rewrites its record without those messages;
+``in_progress()`` counts a touch on its own message inside the record (its siblings' ack
+wait does not restart). A message's settle names its record's key (``Taken.lease_key``).
+
 Consumers read the ready queue with snapshot range reads plus a read conflict on each
 key they take, so pushes into the same shard never abort them; every consuming
 transaction reads the shard record first (the owner-epoch fence).
@@ -17,7 +23,8 @@ import fdb.tuple as fdbtuple
 
 from .engine import transactional
 from .keyspace import ShardSpace, TopicSpace, Versionstamp, counter, decode_counter, vs_from_bytes
-from .keyspace.codec import Record, decode_dead, decode_lease, encode_dead, encode_lease, has_chunks
+from .keyspace.codec import (LEASE_ENTRY_OVERHEAD, LEASE_RECORD_BYTES, LeaseRecord, Record, decode_dead,
+                             decode_leases, encode_dead, encode_leases, has_chunks)
 from .membership import ensure_owner, read_clock
 
 ONE, MINUS_ONE = counter(1), counter(-1)
@@ -33,6 +40,7 @@ class Taken:
     body: bytes
     raw: bytes          # the encoded record as stored
     lease_id: bytes | None = None
+    lease_key: bytes | None = None      # the key of the lease record holding it
 
 
 def _body(reader, shard: ShardSpace, vs, record: Record) -> bytes:
@@ -99,12 +107,20 @@ class Selection:
 SCAN_LIMIT = 10_000   # ready entries one take may skip over (held keys) before giving up
 
 
+def read_leases(reader, shard: ShardSpace, limit: int = 0) -> list:
+    """[(key, LeaseRecord)] of the shard's lease records in key order, read through
+    ``reader`` (a transaction: conflicts with any lease change of the shard; or its
+    snapshot). ``limit``: records, 0 for all."""
+    r = shard.leased.range()
+    return [(kv.key, decode_leases(kv.key, kv.value)) for kv in reader.get_range(r.start, r.stop, limit=limit)]
+
+
 def _held_keys(tr, shard: ShardSpace) -> set:
     """Shard keys with a message leased or delayed (waiting for redelivery or due)."""
     held = set()
-    r = shard.leased.range()
-    for kv in tr.snapshot.get_range(r.start, r.stop, limit=SCAN_LIMIT):
-        held.add(Record.decode(decode_lease(kv.value)[0]).shard_key)
+    for _key, lr in read_leases(tr.snapshot, shard, SCAN_LIMIT):
+        for e in lr.entries:
+            held.add(Record.decode(e[1]).shard_key)
     r = shard.delayed.range()
     for kv in tr.snapshot.get_range(r.start, r.stop, limit=SCAN_LIMIT):
         held.add(Record.decode(kv.value).shard_key)
@@ -208,41 +224,53 @@ def batch_taken(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: 
 
 
 @transactional
-def batch_leased(tr, shard: ShardSpace, vss: list, lease_id: bytes) -> bool:
-    """After ``commit_unknown_result`` on ``lease_batch``: True if the messages ``vss``
-    are leased under ``lease_id`` (a random id per attempt series: our commit did it)."""
-    futures = [tr[shard.leased_key(vs)] for vs in vss]
-    return all(f != None and decode_lease(f)[1] == lease_id for f in futures)  # noqa: E711
+def batch_leased(tr, shard: ShardSpace, keys, lease_id: bytes) -> bool:
+    """After ``commit_unknown_result`` on ``lease_batch``: True if the lease records
+    ``keys`` (``Taken.lease_key`` of its messages) exist under ``lease_id`` (a random id
+    per attempt series, part of the key: our commit wrote them)."""
+    futures = [(k, tr[k]) for k in keys]
+    return all(f != None and decode_leases(k, f).lease_id == lease_id for k, f in futures)  # noqa: E711
 
 
 @transactional
 def lease_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, limit: int,
                 lease_id: bytes, ack_wait_ms: int, *, sel: Selection | None = None) -> list:
-    """Lease up to ``limit`` ready messages (at-least-once): each moves to ``leased``
-    with ``attempts + 1``, the lease id and its ack wait."""
+    """Lease up to ``limit`` ready messages (at-least-once): they move into one lease
+    record (several if their records exceed ``LEASE_RECORD_BYTES``) under ``lease_id``,
+    with the consumer and its ack wait; each delivery counts ``attempts + 1``."""
     ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
     if not _consumable(tr, ts, shard.sub):
         return []
     taken = _read_ready(tr, shard, limit, sel)
+    if not taken:
+        return taken
+    if sel is None:
+        # The head of the queue, first to last key: ``_read_ready`` read it all and holds
+        # a read conflict on it, so one range clear removes exactly what it took.
+        tr.clear_range(shard.ready_key(taken[0].vs), shard.ready_key(taken[-1].vs) + b"\x00")
+    else:
+        for t in taken:
+            tr.clear(shard.ready_key(t.vs))
+    packed_id = fdbtuple.pack((lease_id,))
+    budget = LEASE_RECORD_BYTES - 64 - len(consumer_id)
+    flat, size, key = [], 0, None
     for t in taken:
-        t.record.attempts += 1
+        t.record.attempts += 1      # what the handler sees; the record keeps its queued bytes
         t.lease_id = lease_id
-        tr.clear(shard.ready_key(t.vs))
-        tr[shard.leased_key(t.vs)] = encode_lease(t.record.encode(), lease_id, consumer_id, ack_wait_ms)
-    if taken:
-        k = len(taken)
-        _add(tr, {shard.stat("emitted"): k, shard.stat("in_flight"): k, ts.stat("emitted"): k})
+        vs12 = t.vs.to_bytes()
+        n = len(t.raw) + LEASE_ENTRY_OVERHEAD
+        if flat and size + n > budget:
+            tr[key] = encode_leases(lease_id, consumer_id, ack_wait_ms, flat)
+            flat, size = [], 0
+        if not flat:
+            key = shard.lease_key(vs12, packed_id)
+        t.lease_key = key
+        flat += (vs12, t.raw, 0)
+        size += n
+    tr[key] = encode_leases(lease_id, consumer_id, ack_wait_ms, flat)
+    k = len(taken)
+    _add(tr, {shard.stat("emitted"): k, shard.stat("in_flight"): k, ts.stat("emitted"): k})
     return taken
-
-
-def _check_lease(tr, shard: ShardSpace, vs, lease_id: bytes):
-    """The lease record if ``lease_id`` still holds it (non-snapshot: conflicts with an
-    expiry or another settle), else None."""
-    raw = tr[shard.leased_key(vs)]
-    if raw == None:  # noqa: E711
-        return None
-    lease = decode_lease(raw)
-    return lease if lease[1] == lease_id else None
 
 
 def _dead_letter(tr, ts: TopicSpace, shard: ShardSpace, vs, record_raw: bytes, reason: str,
@@ -262,74 +290,81 @@ def _requeue(tr, shard: ShardSpace, vs, record_raw: bytes, delay_ms: int):
     tr.add(shard.stat("requeued"), ONE)
 
 
-def _read_leases(tr, items) -> dict:
-    """{leased key: lease record bytes or None} for settle ``items``, non-snapshot (a
-    conflict with an expiry or another settle). Per shard one range read from the first
-    key to the last instead of a point read per message: a batch's leases are neighbours
-    (it took the head of the ready queue). Other leases in between are read too, up to a
-    bound; keys past it get point reads."""
-    by_shard = {}
-    for shard, vs, _l, _a, _x in items:
-        by_shard.setdefault(shard.leased_prefix, []).append(shard.leased_key(vs))
-    found = {}
-    for keys in by_shard.values():
-        if len(keys) > 1:
-            keys.sort()
-            limit = 2 * len(keys) + 16
-            n, last = 0, None
-            for kv in tr.get_range(keys[0], keys[-1] + b"\x00", limit=limit):
-                found[kv.key] = kv.value
-                n += 1
-                last = kv.key
-            covered = keys[-1] if n < limit else last     # the range read saw every key up to here
-            rest = [k for k in keys if k > covered]
-            for k in keys:
-                if k <= covered and k not in found:
-                    found[k] = None
-        else:
-            rest = keys
-        for k, f in [(k, tr[k]) for k in rest]:
-            found[k] = None if f == None else bytes(f)  # noqa: E711
-    return found
+def _read_records(tr, items) -> dict:
+    """{lease record key: LeaseRecord or None} for settle ``items`` (non-snapshot: a
+    conflict with an expiry or another settle of the same record)."""
+    futures = {}
+    for it in items:
+        key = it[5]
+        if key not in futures:
+            futures[key] = tr[key]
+    return {k: None if f == None else decode_leases(k, f) for k, f in futures.items()}  # noqa: E711
+
+
+def _put_record(tr, key: bytes, lr: LeaseRecord, gone: set):
+    """Write back a lease record without the entries whose vs is in ``gone`` (delete it
+    if none is left)."""
+    lr.entries = [e for e in lr.entries if e[0] not in gone]
+    if lr.entries:
+        tr[key] = lr.encode()
+    else:
+        del tr[key]
 
 
 @transactional
 def settle(tr, ts: TopicSpace, items: list, max_deliver: int) -> list:
-    """Apply settlements [(shard, vs, lease_id, action, arg)] in one transaction:
-    ``ack``; ``nak`` (arg: delay s; to the DLQ after max_deliver attempts); ``term``
-    (arg: reason); ``touch``. Returns the items whose lease was lost."""
+    """Apply settlements [(shard, vs, lease_id, action, arg, lease_key)] in one
+    transaction: ``ack``; ``nak`` (arg: delay s; to the DLQ after max_deliver attempts);
+    ``term`` (arg: reason); ``touch`` (restarts that message's ack wait only). Each lease
+    record named is read once and written back once (deleted when its last message is
+    settled: a whole batch acked is one delete). Returns the items whose lease was lost;
+    a retry after ``commit_unknown_result`` finds what the first attempt settled gone
+    (lost), so nothing is applied twice."""
     lost = []
     acked = {}      # counters summed per transaction: one atomic op per key, not per message
-    leases = _read_leases(tr, items)
-    for shard, vs, lease_id, action, arg in items:
-        key = shard.leased_key(vs)
-        raw = leases.get(key)
-        lease = decode_lease(raw) if raw is not None else None
-        if lease is None or lease[1] != lease_id:
-            lost.append((shard, vs, lease_id, action, arg))
+    records = _read_records(tr, items)
+    index, gone, touched = {}, {}, set()
+    for key, lr in records.items():
+        if lr is not None:
+            index[key] = {e[0]: e for e in lr.entries}
+            gone[key] = set()
+    for item in items:
+        shard, vs, lease_id, action, arg, key = item
+        lr = records[key]
+        entry = None
+        if lr is not None and lr.lease_id == lease_id:
+            vs12 = vs.to_bytes()
+            entry = index[key].get(vs12)
+            if entry is not None and vs12 in gone[key]:
+                entry = None
+        if entry is None:
+            lost.append(item)
             continue
-        record_raw, _lid, cid, ack_wait_ms, touches = lease
         if action == "touch":
-            tr[key] = leases[key] = encode_lease(record_raw, lease_id, cid, ack_wait_ms, touches + 1)
+            entry[2] += 1
+            touched.add(key)
             continue
-        del tr[key]
-        leases[key] = None
+        gone[key].add(vs12)
         if action == "ack":
-            if has_chunks(record_raw):
-                _clear_chunks(tr, shard, vs, Record.decode(record_raw))
+            if has_chunks(entry[1]):
+                _clear_chunks(tr, shard, vs, Record.decode(entry[1]))
             acked[shard] = acked.get(shard, 0) + 1
             continue
         tr.add(shard.stat("in_flight"), MINUS_ONE)
+        rec = lr.delivered(entry)
         if action == "term":
-            _dead_letter(tr, ts, shard, vs, record_raw, f"terminated: {arg}", cid)
+            _dead_letter(tr, ts, shard, vs, rec.encode(), f"terminated: {arg}", lr.consumer_id)
         elif action == "nak":
-            if Record.decode(record_raw).attempts >= max_deliver:
-                _dead_letter(tr, ts, shard, vs, record_raw,
-                             f"max_deliver ({max_deliver}) reached: last attempt nak'd", cid)
+            if rec.attempts >= max_deliver:
+                _dead_letter(tr, ts, shard, vs, rec.encode(),
+                             f"max_deliver ({max_deliver}) reached: last attempt nak'd", lr.consumer_id)
             else:
-                _requeue(tr, shard, vs, record_raw, int((arg or 0) * 1000))
+                _requeue(tr, shard, vs, rec.encode(), int((arg or 0) * 1000))
         else:
             raise ValueError(f"unknown settlement {action!r}")
+    for key, done in gone.items():
+        if done or key in touched:
+            _put_record(tr, key, records[key], done)
     total = 0
     for shard, n in acked.items():
         _add(tr, {shard.stat("in_flight"): -n, shard.stat("done"): n, shard.stat("acked"): n})
@@ -341,36 +376,50 @@ def settle(tr, ts: TopicSpace, items: list, max_deliver: int) -> list:
 
 @transactional
 def scan_leases(tr, shard: ShardSpace, limit: int = 10_000) -> list:
-    """[(vs, lease_id, touches, ack_wait_ms)] of the shard's leases (snapshot)."""
-    r = shard.leased.range()
+    """[(lease record key, vs, lease_id, touches, ack_wait_ms)] of every message leased
+    in the shard, from up to ``limit`` records (snapshot)."""
     out = []
-    for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit):
-        _rec, lease_id, _cid, ack_wait_ms, touches = decode_lease(kv.value)
-        out.append((shard.leased.unpack(kv.key)[0], lease_id, touches, ack_wait_ms))
+    for key, lr in read_leases(tr.snapshot, shard, limit):
+        for vs12, _rec, touches in lr.entries:
+            out.append((key, vs_from_bytes(vs12), lr.lease_id, touches, lr.ack_wait_ms))
     return out
 
 
 @transactional
-def expire_lease(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, vs,
-                 lease_id: bytes, touches: int, max_deliver: int, backoff_s: tuple = ()) -> str:
-    """Redeliver a lease its owner observed unchanged for its ack wait: back to ready
-    (or delayed by the ``backoff_s`` entry for its attempts), or to the DLQ after
-    ``max_deliver`` attempts. Fenced by shard ownership. Returns what happened."""
+def expire_leases(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, key: bytes,
+                  lease_id: bytes, expiring: list, max_deliver: int, backoff_s: tuple = ()) -> dict:
+    """Redeliver messages of lease record ``key`` that the shard's owner observed
+    unchanged for their ack wait, ``expiring`` [(vs, touches)]: each back to ready (or
+    delayed by the ``backoff_s`` entry for its attempts), or to the DLQ after
+    ``max_deliver`` attempts; the record keeps the others. Fenced by shard ownership. A
+    message settled, touched or expired meanwhile (a retry after
+    ``commit_unknown_result`` included) is left alone. Returns {vs: "requeued" | "dead" |
+    "changed"}."""
     ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
-    lease = _check_lease(tr, shard, vs, lease_id)
-    if lease is None or lease[4] != touches:
-        return "changed"
-    record_raw, _lid, cid, _w, _t = lease
-    del tr[shard.leased_key(vs)]
-    tr.add(shard.stat("in_flight"), MINUS_ONE)
-    attempts = Record.decode(record_raw).attempts
-    if attempts >= max_deliver:
-        _dead_letter(tr, ts, shard, vs, record_raw,
-                     f"max_deliver ({max_deliver}) reached: lease expired", cid)
-        return "dead"
-    delay = backoff_s[min(attempts, len(backoff_s)) - 1] if backoff_s and attempts else 0
-    _requeue(tr, shard, vs, record_raw, int(delay * 1000))
-    return "requeued"
+    raw = tr[key]
+    lr = decode_leases(key, raw) if raw != None else None  # noqa: E711
+    index = {e[0]: e for e in lr.entries} if lr is not None and lr.lease_id == lease_id else {}
+    out, gone = {}, set()
+    for vs, touches in expiring:
+        entry = index.get(vs.to_bytes())
+        if entry is None or entry[2] != touches or entry[0] in gone:
+            out[vs] = "changed"
+            continue
+        gone.add(entry[0])
+        tr.add(shard.stat("in_flight"), MINUS_ONE)
+        rec = lr.delivered(entry)
+        if rec.attempts >= max_deliver:
+            _dead_letter(tr, ts, shard, vs, rec.encode(),
+                         f"max_deliver ({max_deliver}) reached: lease expired", lr.consumer_id)
+            out[vs] = "dead"
+            continue
+        attempts = rec.attempts
+        delay = backoff_s[min(attempts, len(backoff_s)) - 1] if backoff_s and attempts else 0
+        _requeue(tr, shard, vs, rec.encode(), int(delay * 1000))
+        out[vs] = "requeued"
+    if gone:
+        _put_record(tr, key, lr, gone)
+    return out
 
 
 @transactional
@@ -458,6 +507,6 @@ def dlq_size(reader, ts: TopicSpace, sub: str) -> int:
 
 
 __all__ = ["Taken", "Selection", "take_batch", "batch_taken", "batch_leased", "lease_batch", "settle",
-           "scan_leases", "expire_lease",
+           "scan_leases", "expire_leases", "read_leases",
            "promote_due", "fail_in_place", "dlq_list", "dlq_redrive_chunk", "dlq_purge_chunk",
            "dlq_size", "fdbtuple"]

@@ -30,7 +30,7 @@ from .engine import transactional
 from .errors import ConfigError, SubscriptionNotFound
 from .headers import dispatch_tag
 from .keyspace import TopicSpace, Versionstamp, counter
-from .keyspace.codec import Record, pack, shard_of, unpack
+from .keyspace.codec import Record, decode_leases, pack, shard_of, unpack
 from .log import SLACK_MS
 from .topic import read_topic_config, write_topic_config
 
@@ -295,13 +295,26 @@ def _position_for_time(tr, ts: TopicSpace, t_ms: int) -> Versionstamp | None:
     return None
 
 
+def _leased(tr, shard, leases: dict) -> set:
+    """The 12-byte stamps of the messages leased in ``shard``, read once per transaction
+    into ``leases`` (non-snapshot: a lease settled or expired meanwhile conflicts)."""
+    got = leases.get(shard)
+    if got is None:
+        r = shard.leased.range()
+        got = leases[shard] = {e[0] for kv in tr.get_range(r.start, r.stop)
+                               for e in decode_leases(kv.key, kv.value).entries}
+    return got
+
+
 def _copy(tr, ts: TopicSpace, topic_config: TopicConfig, sub: str, bucket: int, vs, raw, routed: dict,
-          leases: bool = False):
+          leases: dict | None = None):
+    """Copy a log entry into ``sub``'s shard queue; with ``leases`` (a reset: a cache for
+    ``_leased``) not if it is leased."""
     rec = Record.decode(raw)
     tag = dispatch_tag(rec.headers)
     n = shard_of(rec.shard_key, topic_config.shards) if rec.shard_key is not None else bucket % topic_config.shards
     shard = ts.shard(sub, tag, n)
-    if leases and tr[shard.leased_key(vs)] != None:  # noqa: E711
+    if leases is not None and vs.to_bytes() in _leased(tr, shard, leases):
         return      # a reset leaves leases alone: the leased copy is the one delivered
     tr[shard.ready_key(vs)] = bytes(raw)
     if rec.nchunks:
@@ -339,6 +352,7 @@ def catch_up_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
         policy, min_ts = config.deliver_policy, config.start_time_ms
     cursors = _cursors(ts, sub)
     routed = {}
+    leases = {} if reset is not None else None
     read = 0
     if policy == "last":
         last = None
@@ -348,7 +362,7 @@ def catch_up_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
                 if last is None or vs > last[1]:
                     last = (b, vs, kv.value)
         if last is not None:
-            _copy(tr, ts, topic_config, sub, *last, routed, leases=reset is not None)
+            _copy(tr, ts, topic_config, sub, *last, routed, leases)
             read = 1
     elif policy in ("all", "by_start_time"):
         start = _position_for_time(tr, ts, min_ts) if min_ts is not None else None
@@ -368,7 +382,7 @@ def catch_up_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
             for kv in rows:
                 vs = space.unpack(kv.key)[0]
                 if min_ts is None or Record.decode(kv.value).ts_ms >= min_ts:
-                    _copy(tr, ts, topic_config, sub, b, vs, kv.value, routed, leases=reset is not None)
+                    _copy(tr, ts, topic_config, sub, b, vs, kv.value, routed, leases)
             read += len(rows)
             if len(rows) < want:
                 tr[cursors.pack((b,))] = _DONE

@@ -16,8 +16,8 @@ from .config import ConsumerConfig, TopicConfig, check_name
 from .engine import transactional
 from .errors import ConfigError, TopicExists, TopicNotFound
 from .headers import dispatch_tag
-from .keyspace import Keyspace, TopicSpace, Versionstamp, counter, decode_counter, message_id
-from .keyspace.codec import CHUNK_BYTES, Record, decode_lease, pack, shard_of, unpack
+from .keyspace import Keyspace, TopicSpace, Versionstamp, counter, decode_counter, message_id, vs_from_bytes
+from .keyspace.codec import CHUNK_BYTES, LeaseRecord, Record, decode_leases, pack, shard_of, unpack
 from .log import iter_window, log_buckets, read_chunk
 from .stats import shard_counters
 from .topic import (create_topic, list_topics, load_config, read_topic_config,
@@ -104,35 +104,71 @@ def reshard_begin(tr, ts: TopicSpace, shards: int) -> TopicConfig:
 def reshard_chunk(tr, ts: TopicSpace, sub: str, tag: str, old_n: int, area: str, new_shards: int,
                   limit: int, after: bytes | None = None) -> tuple:
     """Move the entries of one queue area (ready, delayed, leased) of shard ``(tag,
-    old_n)`` whose new shard differs, reading up to ``limit`` entries after the key
-    ``after``. Keys keep their versionstamp, so each new shard's queue stays in push order
-    per shard key. Returns ``(entries read, last key read)``: entries that stay put are
-    skipped by the next chunk's ``after``, so a long run of them cannot loop forever."""
+    old_n)`` whose new shard differs, reading up to ``limit`` entries (lease records)
+    after the key ``after``. Keys keep their versionstamp, so each new shard's queue stays
+    in push order per shard key. Returns ``(entries read, last key read)``: entries that
+    stay put are skipped by the next chunk's ``after``, so a long run of them cannot loop
+    forever."""
     src = ts.shard(sub, tag, old_n)
     space = getattr(src, area)
     r = space.range()
     begin = after + b"\x00" if after is not None else r.start
     read = 0
     last = None
+    moves = {}      # new shard n -> messages moved there
     for kv in tr.get_range(begin, r.stop, limit=limit):
         read += 1
         last = kv.key
+        if area == "leased":
+            _reshard_lease_record(tr, ts, src, kv.key, kv.value, new_shards, moves)
+            continue
         parts = space.unpack(kv.key)
-        vs = parts[-1]
-        raw = decode_lease(kv.value)[0] if area == "leased" else kv.value
-        new_n = _shard_for(Record.decode(raw), vs, new_shards)
+        new_n = _shard_for(Record.decode(kv.value), parts[-1], new_shards)
         if new_n == old_n:
             continue
-        dst = ts.shard(sub, tag, new_n)
-        tr[getattr(dst, area).pack(parts)] = kv.value
+        tr[getattr(ts.shard(sub, tag, new_n), area).pack(parts)] = kv.value
         del tr[kv.key]
-        tr.add(src.stat("routed"), counter(-1))
-        tr.add(dst.stat("routed"), counter(1))
+        moves[new_n] = moves.get(new_n, 0) + 1
+    for new_n, k in moves.items():
+        dst = ts.shard(sub, tag, new_n)
+        tr.add(src.stat("routed"), counter(-k))
+        tr.add(dst.stat("routed"), counter(k))
         if area != "ready":
             name = "in_flight" if area == "leased" else "delayed"
-            tr.add(src.stat(name), counter(-1))
-            tr.add(dst.stat(name), counter(1))
+            tr.add(src.stat(name), counter(-k))
+            tr.add(dst.stat(name), counter(k))
     return read, last
+
+
+def _reshard_lease_record(tr, ts: TopicSpace, src, key: bytes, raw, new_shards: int, moves: dict):
+    """Split lease record ``key`` of shard ``src`` by its messages' new shards: those
+    that move go to a record under the same key suffix (lease id and first stamp) in
+    their new shard, merged with one already there (a part of the same record moved by
+    an earlier reshard: disjoint messages of one batch, so the merge is no larger than
+    the batch's record was); the rest stay."""
+    lr = decode_leases(key, raw)
+    groups = {}
+    for e in lr.entries:
+        n = _shard_for(Record.decode(e[1]), vs_from_bytes(e[0]), new_shards)
+        groups.setdefault(n, []).append(e)
+    if list(groups) == [src.n]:
+        return
+    suffix = key[len(src.leased_prefix):]
+    for n, entries in groups.items():
+        if n == src.n:
+            continue
+        dst = ts.shard(src.sub, src.tag, n)
+        dkey = dst.leased_prefix + suffix
+        there = tr[dkey]
+        if there != None:  # noqa: E711
+            entries = sorted(decode_leases(dkey, there).entries + entries)
+        tr[dkey] = LeaseRecord(lr.lease_id, lr.consumer_id, lr.ack_wait_ms, entries, lr.bump).encode()
+        moves[n] = moves.get(n, 0) + len(groups[n])
+    stay = groups.get(src.n)
+    if stay:
+        tr[key] = LeaseRecord(lr.lease_id, lr.consumer_id, lr.ack_wait_ms, stay, lr.bump).encode()
+    else:
+        del tr[key]
 
 
 @transactional

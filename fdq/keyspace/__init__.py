@@ -19,7 +19,9 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     topic/<topic>/all/pending/<vs>                        pushed while paused, not yet routed
     topic/<topic>/subs/<sub>/shards/<tag>/<n>/ready/<vs>             ready queue
     topic/<topic>/subs/<sub>/shards/<tag>/<n>/delayed/<due>/<vs>     due = database clock ms
-    topic/<topic>/subs/<sub>/shards/<tag>/<n>/leased/<vs>            lease records
+    topic/<topic>/subs/<sub>/shards/<tag>/<n>/leased/<vs>/<lease_id> a leased batch (or part):
+                                                          vs = its first message's
+    topic/<topic>/subs/<sub>/shards/<tag>/<n>/leased/<vs>            format 1: one leased message
     topic/<topic>/subs/<sub>/shards/<tag>/<n>/stats/<name>           per-shard counters
     topic/<topic>/subs/<sub>/chunks/<vs>/<i>              body chunks of queued messages
     topic/<topic>/subs/<sub>/dlq/<vs>                     dead letters, with the reason
@@ -130,8 +132,13 @@ class ShardSpace:
     def ready_key(self, vs: Versionstamp) -> bytes:
         return self.ready_prefix + b"\x33" + vs.to_bytes()
 
-    def leased_key(self, vs: Versionstamp) -> bytes:
-        return self.leased_prefix + b"\x33" + vs.to_bytes()
+    def lease_key(self, vs12: bytes, packed_lease_id: bytes) -> bytes:
+        """A lease record's key: ``leased.pack((vs, lease_id))`` from the first message's
+        12-byte stamp and ``fdb.tuple.pack((lease_id,))``. The lease id makes it unique: a
+        message nak'd out of a batch whose record lives on may lead a later batch. (Format
+        1 kept a row per message under ``leased.pack((vs,))``; codec.decode_leases reads
+        both.)"""
+        return self.leased_prefix + b"\x33" + vs12 + packed_lease_id
 
     def delayed_key(self, due: int, vs: Versionstamp) -> bytes:
         return self.delayed.pack((due, vs))

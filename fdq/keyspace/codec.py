@@ -58,14 +58,70 @@ def has_chunks(raw: bytes) -> bool:
     return not (0x90 <= raw[0] <= 0x96) and Record.decode(raw).nchunks > 0
 
 
-def encode_lease(record: bytes, lease_id: bytes, consumer_id: str, ack_wait_ms: int,
-                 touches: int = 0) -> bytes:
-    return packer()([record, lease_id, consumer_id, ack_wait_ms, touches])
+# -- lease records ----------------------------------------------------------------------
+#
+# One record per leased batch (or part of one, see LEASE_RECORD_BYTES), under
+# ``leased/<first vs>/<lease id>``: ``[2, lease_id, consumer_id, ack_wait_ms, vs_0, record_0,
+# touches_0, vs_1, ...]`` (a flat msgpack array). ``vs_i`` is the message's 12-byte
+# versionstamp, ``record_i`` its record as it was queued: this lease is delivery
+# ``attempts + 1``. ``touches_i`` counts ``in_progress()`` calls of that message alone, so a
+# touch restarts its own ack wait and not its siblings'.
+#
+# Format 1 (before batch records) kept one row per message under ``leased/<vs>``:
+# ``[record, lease_id, consumer_id, ack_wait_ms, touches]`` with the attempt already
+# counted in the record. Such a row still reads as a one-message batch (``bump`` 0).
+
+LEASE_FORMAT = 2
+# A batch's records are split into parts of about this many bytes each (a part holds at
+# least one message, and one message's record always fits a value, as it did in a
+# per-message lease row): under FDB's 100,000-byte value limit, and small enough that a
+# partial settle (one FIN of a broker's batch) rewrites a few pages, not a whole batch.
+LEASE_RECORD_BYTES = 16_000
+LEASE_ENTRY_OVERHEAD = 24     # msgpack framing of one entry (vs, record, touches), rounded up
 
 
-def decode_lease(raw):
-    """-> (record bytes, lease_id, consumer_id, ack_wait_ms, touches)"""
-    return tuple(msgpack.unpackb(bytes(raw), raw=False))
+@dataclass
+class LeaseRecord:
+    """A decoded lease record: ``entries`` are ``[vs12, record, touches]`` lists; ``bump``
+    is what a record's ``attempts`` lacks to count this delivery (1, or 0 for format 1)."""
+
+    lease_id: bytes
+    consumer_id: str
+    ack_wait_ms: int
+    entries: list
+    bump: int = 1
+
+    def encode(self) -> bytes:
+        """Its value: format 2, or format 1 for a format-1 row (one message, its attempt
+        counted in the record) being rewritten (a touch)."""
+        if not self.bump:
+            (_vs, record, touches), = self.entries
+            return packer()([record, self.lease_id, self.consumer_id, self.ack_wait_ms, touches])
+        flat = [LEASE_FORMAT, self.lease_id, self.consumer_id, self.ack_wait_ms]
+        for e in self.entries:
+            flat += e
+        return packer()(flat)
+
+    def delivered(self, entry) -> "Record":
+        """The entry's record with this delivery counted in ``attempts``."""
+        rec = Record.decode(entry[1])
+        rec.attempts += self.bump
+        return rec
+
+
+def encode_leases(lease_id: bytes, consumer_id: str, ack_wait_ms: int, flat_entries: list) -> bytes:
+    """A format-2 lease record of ``flat_entries`` ``[vs12, record, touches, ...]``."""
+    return packer()([LEASE_FORMAT, lease_id, consumer_id, ack_wait_ms] + flat_entries)
+
+
+def decode_leases(key: bytes, raw) -> LeaseRecord:
+    """A lease record (either format); ``key`` is its key (a format-1 row's versionstamp
+    is the key's last 12 bytes)."""
+    v = msgpack.unpackb(bytes(raw), raw=False)
+    if v[0] == LEASE_FORMAT:
+        return LeaseRecord(v[1], v[2], v[3], [v[i:i + 3] for i in range(4, len(v), 3)], 1)
+    record, lease_id, consumer_id, ack_wait_ms, touches = v
+    return LeaseRecord(lease_id, consumer_id, ack_wait_ms, [[bytes(key[-12:]), record, touches]], 0)
 
 
 def encode_dead(record: bytes, reason: str, consumer_id: str | None) -> bytes:

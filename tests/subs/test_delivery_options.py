@@ -79,8 +79,7 @@ def _leased_per_shard(db, ts, sub, shards):
     tr = db.create_transaction()
     out = {}
     for n in range(shards):
-        r = ts.shard(sub, "", n).leased.range()
-        out[n] = len(list(tr.snapshot.get_range(r.start, r.stop)))
+        out[n] = sum(len(lr.entries) for _k, lr in fdq.delivery.read_leases(tr.snapshot, ts.shard(sub, "", n)))
     tr.cancel()
     return out
 
