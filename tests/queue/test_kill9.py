@@ -136,6 +136,15 @@ def test_at_least_once_kill9_3x3(procs, db, url, faults):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("faults", [False, True], ids=["clean", "fault_injection"])
+def test_pull_at_least_once_kill9_3x3(procs, db, url, faults):
+    """The pull consumer settling each batch in pieces (acks of single messages rewrite
+    the batch's lease record, touches, then the rest acked together), one killed while
+    it holds partly settled batches."""
+    _at_least_once_kill9(procs, db, url, faults, "pull")
+
+
+@pytest.mark.slow
 def test_asyncio_at_least_once_kill9_3x3(procs, db, url):
     """The same with fdq.aio.tail (coroutine handlers on an event loop)."""
     _at_least_once_kill9(procs, db, url, False, "aio")
