@@ -33,7 +33,7 @@ from .engine import error_types, retry_or_raise, run_within
 from .errors import (ConfigError, ConsumerStalled, EngineError, FDQError, LeaseLost, TopicNotFound,
                      is_maybe_committed)
 from .headers import check_tag
-from .keyspace import Keyspace, message_id
+from .keyspace import Keyspace, message_id, vs_from_bytes
 from .topic import create_topic, read_topic_config
 
 log = logging.getLogger("fdq.consumer")
@@ -185,7 +185,9 @@ class Consumer:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._watches = {}           # (tag, n) -> watch future on the shard's "routed" counter
-        self._leases = {}            # ((tag, n), vs) -> [lease_id, touches, since, ack_wait_s, record key]
+        # ((tag, n), 12-byte vs) -> [lease_id, touches, since, ack_wait_s, record key]; bytes,
+        # not the Versionstamp: its hash is Python code, two per message on the hot path
+        self._leases = {}
         self._leases_lock = threading.Lock()
         self._lease_prefix, self._lease_seq = os.urandom(8), 0
         self._peers = {}             # consumer id -> (heartbeat, since)
@@ -392,7 +394,7 @@ class Consumer:
             due = {}        # (record key, lease id) -> [(vs, touches)]
             with self._leases_lock:
                 for rkey, vs, lease_id, touches, ack_wait_ms in current:
-                    key = (shard_id, vs)
+                    key = (shard_id, vs.to_bytes())
                     live_keys.add(key)
                     seen = self._leases.get(key)
                     if seen is None or seen[0] != lease_id or seen[1] != touches:
@@ -408,7 +410,7 @@ class Consumer:
                     return
                 with self._leases_lock:
                     for vs, _t in expiring:
-                        self._leases.pop((shard_id, vs), None)
+                        self._leases.pop((shard_id, vs.to_bytes()), None)
                 if any(o != "changed" for o in outcome.values()):
                     self._mark(shard_id)
             with self._leases_lock:
@@ -576,7 +578,7 @@ class Consumer:
             if not none:
                 with self._leases_lock:
                     for t in taken:
-                        self._leases[(shard_id, t.vs)] = [lease_id, 0, now, ack_wait_s, t.lease_key]
+                        self._leases[(shard_id, t.vs.to_bytes())] = [lease_id, 0, now, ack_wait_s, t.lease_key]
             out += [_to_message(t, self.topic, self.subscription, self) for t in taken]
         if lost:
             self._refresh_owned()
@@ -674,7 +676,7 @@ class Consumer:
         now = _monotonic()
         with self._leases_lock:
             for m, action, _arg in items:
-                key = ((m.tag, m.shard), m._taken.vs)
+                key = ((m.tag, m.shard), m._taken.vs.to_bytes())
                 if action == "touch":
                     seen = self._leases.get(key)
                     if seen is not None:
@@ -720,8 +722,8 @@ class Consumer:
         with self._leases_lock:
             mine = [(k, v) for k, v in self._leases.items()]
         rows = []
-        for (shard_id, vs), (lease_id, _t, _s, _w, key) in mine:
-            rows.append((self._ts.shard(self.subscription, *shard_id), vs, lease_id, "nak", 0, key))
+        for (shard_id, vs12), (lease_id, _t, _s, _w, key) in mine:
+            rows.append((self._ts.shard(self.subscription, *shard_id), vs_from_bytes(vs12), lease_id, "nak", 0, key))
         if rows:
             try:
                 run_within(self.db, _ms_until(deadline), delivery.settle, self._ts, rows, 1 << 30)

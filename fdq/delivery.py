@@ -290,17 +290,6 @@ def _requeue(tr, shard: ShardSpace, vs, record_raw: bytes, delay_ms: int):
     tr.add(shard.stat("requeued"), ONE)
 
 
-def _read_records(tr, items) -> dict:
-    """{lease record key: LeaseRecord or None} for settle ``items`` (non-snapshot: a
-    conflict with an expiry or another settle of the same record)."""
-    futures = {}
-    for it in items:
-        key = it[5]
-        if key not in futures:
-            futures[key] = tr[key]
-    return {k: None if f == None else decode_leases(k, f) for k, f in futures.items()}  # noqa: E711
-
-
 def _put_record(tr, key: bytes, lr: LeaseRecord, gone: set):
     """Write back a lease record without the entries whose vs is in ``gone`` (delete it
     if none is left)."""
@@ -311,60 +300,83 @@ def _put_record(tr, key: bytes, lr: LeaseRecord, gone: set):
         del tr[key]
 
 
+def _acks_all(lr: LeaseRecord, items: list) -> bool:
+    """Whether ``items`` ack every message of lease record ``lr``, each once (the common
+    case: a handler returned for each message of its batch)."""
+    if len(items) != len(lr.entries):
+        return False
+    for it in items:
+        if it[3] != "ack" or it[2] != lr.lease_id:
+            return False
+    return {it[1].to_bytes() for it in items} == {e[0] for e in lr.entries}
+
+
 @transactional
 def settle(tr, ts: TopicSpace, items: list, max_deliver: int) -> list:
     """Apply settlements [(shard, vs, lease_id, action, arg, lease_key)] in one
     transaction: ``ack``; ``nak`` (arg: delay s; to the DLQ after max_deliver attempts);
     ``term`` (arg: reason); ``touch`` (restarts that message's ack wait only). Each lease
-    record named is read once and written back once (deleted when its last message is
-    settled: a whole batch acked is one delete). Returns the items whose lease was lost;
-    a retry after ``commit_unknown_result`` finds what the first attempt settled gone
-    (lost), so nothing is applied twice."""
+    record named is read once (non-snapshot: a conflict with an expiry or another settle
+    of it) and written back once, or deleted when its last message is settled: a whole
+    batch acked is one delete. Returns the items whose lease was lost; a retry after
+    ``commit_unknown_result`` finds what the first attempt settled gone (lost), so
+    nothing is applied twice."""
+    by_key = {}
+    for it in items:
+        group = by_key.get(it[5])
+        if group is None:
+            group = by_key[it[5]] = []
+        group.append(it)
+    futures = [(key, tr[key]) for key in by_key]
     lost = []
     acked = {}      # counters summed per transaction: one atomic op per key, not per message
-    records = _read_records(tr, items)
-    index, gone, touched = {}, {}, set()
-    for key, lr in records.items():
-        if lr is not None:
-            index[key] = {e[0]: e for e in lr.entries}
-            gone[key] = set()
-    for item in items:
-        shard, vs, lease_id, action, arg, key = item
-        lr = records[key]
-        entry = None
-        if lr is not None and lr.lease_id == lease_id:
+    for key, raw in futures:
+        group = by_key[key]
+        if raw == None:  # noqa: E711
+            lost += group
+            continue
+        lr = decode_leases(key, raw)
+        shard = group[0][0]
+        if _acks_all(lr, group):
+            del tr[key]
+            for e in lr.entries:
+                if has_chunks(e[1]):
+                    _clear_chunks(tr, shard, vs_from_bytes(e[0]), Record.decode(e[1]))
+            acked[shard] = acked.get(shard, 0) + len(group)
+            continue
+        index = {e[0]: e for e in lr.entries}
+        gone, touched = set(), False
+        for item in group:
+            _shard, vs, lease_id, action, arg, _key = item
             vs12 = vs.to_bytes()
-            entry = index[key].get(vs12)
-            if entry is not None and vs12 in gone[key]:
-                entry = None
-        if entry is None:
-            lost.append(item)
-            continue
-        if action == "touch":
-            entry[2] += 1
-            touched.add(key)
-            continue
-        gone[key].add(vs12)
-        if action == "ack":
-            if has_chunks(entry[1]):
-                _clear_chunks(tr, shard, vs, Record.decode(entry[1]))
-            acked[shard] = acked.get(shard, 0) + 1
-            continue
-        tr.add(shard.stat("in_flight"), MINUS_ONE)
-        rec = lr.delivered(entry)
-        if action == "term":
-            _dead_letter(tr, ts, shard, vs, rec.encode(), f"terminated: {arg}", lr.consumer_id)
-        elif action == "nak":
-            if rec.attempts >= max_deliver:
-                _dead_letter(tr, ts, shard, vs, rec.encode(),
-                             f"max_deliver ({max_deliver}) reached: last attempt nak'd", lr.consumer_id)
+            entry = index.get(vs12) if lr.lease_id == lease_id and vs12 not in gone else None
+            if entry is None:
+                lost.append(item)
+                continue
+            if action == "touch":
+                entry[2] += 1
+                touched = True
+                continue
+            gone.add(vs12)
+            if action == "ack":
+                if has_chunks(entry[1]):
+                    _clear_chunks(tr, shard, vs, Record.decode(entry[1]))
+                acked[shard] = acked.get(shard, 0) + 1
+                continue
+            tr.add(shard.stat("in_flight"), MINUS_ONE)
+            rec = lr.delivered(entry)
+            if action == "term":
+                _dead_letter(tr, ts, shard, vs, rec.encode(), f"terminated: {arg}", lr.consumer_id)
+            elif action == "nak":
+                if rec.attempts >= max_deliver:
+                    _dead_letter(tr, ts, shard, vs, rec.encode(),
+                                 f"max_deliver ({max_deliver}) reached: last attempt nak'd", lr.consumer_id)
+                else:
+                    _requeue(tr, shard, vs, rec.encode(), int((arg or 0) * 1000))
             else:
-                _requeue(tr, shard, vs, rec.encode(), int((arg or 0) * 1000))
-        else:
-            raise ValueError(f"unknown settlement {action!r}")
-    for key, done in gone.items():
-        if done or key in touched:
-            _put_record(tr, key, records[key], done)
+                raise ValueError(f"unknown settlement {action!r}")
+        if gone or touched:
+            _put_record(tr, key, lr, gone)
     total = 0
     for shard, n in acked.items():
         _add(tr, {shard.stat("in_flight"): -n, shard.stat("done"): n, shard.stat("acked"): n})
