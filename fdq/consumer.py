@@ -98,7 +98,8 @@ class Message:
         self._settle("nak", delay)
 
     def term(self, reason: str = "terminated by consumer"):
-        """Never redeliver: move it to the subscription's dead-letter queue with ``reason``."""
+        """Never redeliver: move it to the subscription's dead-letter queue with ``reason``
+        (cut to 1,000 characters)."""
         self._settle("term", str(reason))
 
     def in_progress(self):
@@ -167,6 +168,9 @@ class Consumer:
             raise ConfigError(f"batch_size must be an integer >= 1, not {batch_size!r}")
         self.batch_size = batch_size
         self.keyspace = keyspace or Keyspace()
+        if consumer_id is not None and (not isinstance(consumer_id, str) or not 0 < len(consumer_id) <= 128
+                                        or not consumer_id.isprintable()):
+            raise ConfigError(f"consumer_id must be a printable str of 1 to 128 characters, not {consumer_id!r:.80}")
         self.id = consumer_id or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
         self.on_error = on_error
         self._ts = self.keyspace.topic(self.topic)

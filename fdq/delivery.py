@@ -273,8 +273,13 @@ def lease_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: 
     return taken
 
 
+MAX_REASON_CHARS = 1000    # a dead letter's reason is cut to this (a record plus it fits a value)
+
+
 def _dead_letter(tr, ts: TopicSpace, shard: ShardSpace, vs, record_raw: bytes, reason: str,
                  consumer_id: str | None):
+    if len(reason) > MAX_REASON_CHARS:
+        reason = reason[:MAX_REASON_CHARS - 1] + "…"
     tr[ts.dlq(shard.sub).pack((vs,))] = encode_dead(record_raw, reason, consumer_id)
     # Chunks of large bodies stay in the subscription's chunk area with the DLQ entry.
     _add(tr, {shard.stat("done"): 1, shard.stat("dead"): 1, ts.sub_stat(shard.sub, "dead"): 1})

@@ -31,7 +31,7 @@ from .errors import (BacklogFull, ConfigError, FDQError, InvalidHeader, InvalidM
                      MessageTooLarge, TopicNotFound, is_maybe_committed)
 from .headers import dispatch_tag, trace_id, validate_headers
 from .keyspace import Keyspace, TopicSpace, counter, message_id, vs_key, vs_key_parts
-from .keyspace.codec import CHUNK_BYTES, Record, pack, packer, shard_of, split_body, unpack
+from .keyspace.codec import CHUNK_BYTES, RECORD_BYTES, Record, pack, packer, shard_of, split_body, unpack
 from .membership import read_clock
 from .topic import load_config, write_topic_config
 
@@ -39,6 +39,7 @@ VERSIONS_PER_S = 1_000_000
 MARKER_TTL_S = 600.0          # push markers outlive any commit_unknown_result retry
 _OFFSET0 = struct.pack("<I", 0)
 _PLACEHOLDER = b"\x00" * 10
+MAX_SHARD_KEY_BYTES = 1024    # a shard key is stored with every copy of its message
 
 
 def to_ms(t) -> int | None:
@@ -56,7 +57,9 @@ def to_ms(t) -> int | None:
 
 @dataclass(frozen=True)
 class Envelope:
-    """What a producer pushes. ``headers`` is a read-only mapping (extend topics only)."""
+    """What a producer pushes. ``headers`` is a read-only mapping (extend topics only).
+    Limits: ``shard_key`` at most ``MAX_SHARD_KEY_BYTES`` (UTF-8), ``msg_id`` 256
+    characters, the body the topic's ``max_message_bytes``."""
 
     body: bytes
     shard_key: str | None = None
@@ -70,8 +73,12 @@ class Envelope:
         if not isinstance(self.body, bytes):
             raise InvalidMessage(f"message body must be bytes, not {type(self.body).__name__}"
                                  + (" (encode the str first)" if isinstance(self.body, str) else ""))
-        if self.shard_key is not None and not isinstance(self.shard_key, str):
-            raise InvalidMessage(f"shard_key must be a str, not {type(self.shard_key).__name__}")
+        if self.shard_key is not None:
+            if not isinstance(self.shard_key, str):
+                raise InvalidMessage(f"shard_key must be a str, not {type(self.shard_key).__name__}")
+            if len(self.shard_key) > MAX_SHARD_KEY_BYTES // 4 and len(self.shard_key.encode()) > MAX_SHARD_KEY_BYTES:
+                raise InvalidMessage(f"shard_key of {len(self.shard_key.encode()):,} bytes (UTF-8) exceeds "
+                                     f"the limit of {MAX_SHARD_KEY_BYTES:,}")
         if self.msg_id is not None and (not isinstance(self.msg_id, str) or not 0 < len(self.msg_id) <= 256):
             raise InvalidMessage(f"msg_id must be a non-empty str of at most 256 characters, not {self.msg_id!r}")
         if isinstance(self.delay, datetime.timedelta):
@@ -208,6 +215,10 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             headers = dict(env.headers)
         record = Record(now_ms, env.shard_key, env.msg_id, headers, inline, 0, len(chunks),
                         getattr(env, "replay_of", None)).encode()
+        if len(record) > RECORD_BYTES:      # the body fits a value, not with its headers and keys
+            inline, chunks = split_body(env.body, force=True)
+            record = Record(now_ms, env.shard_key, env.msg_id, headers, inline, 0, len(chunks),
+                            getattr(env, "replay_of", None)).encode()
         tr.set_versionstamped_key(vs_key(ts.log_prefix(n), uv), record)
         for i, chunk in enumerate(chunks):
             tr.set_versionstamped_key(vs_key(ts.all_chunks.key(), uv, fdbtuple.pack((i,))), chunk)

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 import msgpack
 
 CHUNK_BYTES = 90_000  # under FDB's 100,000-byte value limit, with room for the record
+# A record (its inline body, headers, keys) is at most this big: a body that fits
+# CHUNK_BYTES alone but not with the rest is chunked too. The room left under the value
+# limit is for what wraps a record: a lease entry, a dead letter with its reason.
+RECORD_BYTES = 92_000
 _DEFAULTS = (None, None, None, None, b"", 0, 0, None)
 _local = threading.local()
 
@@ -147,8 +151,9 @@ def shard_of(shard_key: str, shards: int) -> int:
     return int.from_bytes(digest, "big") % shards
 
 
-def split_body(body: bytes):
-    """-> (inline body, [chunks]) with chunks only for bodies over CHUNK_BYTES."""
-    if len(body) <= CHUNK_BYTES:
+def split_body(body: bytes, force: bool = False):
+    """-> (inline body, [chunks]) with chunks only for bodies over CHUNK_BYTES (or, with
+    ``force``, for any non-empty body: one that fits alone but not with its record)."""
+    if len(body) <= CHUNK_BYTES and not (force and body):
         return body, []
     return b"", [body[i:i + CHUNK_BYTES] for i in range(0, len(body), CHUNK_BYTES)]

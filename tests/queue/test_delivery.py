@@ -237,6 +237,36 @@ def test_large_dead_letter_listed_whole_and_redriven(db):
     assert scan(db, Keyspace().topic("t").subs["default"]["chunks"].key()) == []
 
 
+def test_records_at_the_value_limit_lease_and_dead_letter(db):
+    """A body that fits one value alone but not with its headers and a long shard key is
+    chunked; leased and then dead-lettered with a 200,000-character reason (cut), it stays
+    whole (before: a lease or dead letter over FDB's value limit failed every attempt)."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=1, extend=True)
+    key = "k" * 1024
+    headers = {f"h{i}": "v" * 1000 for i in range(8)}
+    bodies = [os.urandom(CHUNK_BYTES), os.urandom(CHUNK_BYTES - 100), b"small"]
+    p = fdq.Producer(db)
+    for b in bodies:
+        p.push("t", b, shard_key=key, headers=headers)
+    p.push("t", os.urandom(CHUNK_BYTES), shard_key=key)      # no headers: fits inline
+    cfg = fdq.ConsumerConfig(**FAST)
+    with fdq.Consumer(db, "t", config=cfg, extend_support=True) as c:
+        got = _fetch_until(c, lambda g: len(g) >= 4, 30)
+        assert [m.body for m in got[:3]] == bodies and dict(got[0].headers) == headers
+        for m in got:
+            m.term("r" * 200_000)
+    dead = sup.dlq_list("t")
+    assert [d["body"] for d in dead[:3]] == bodies and len(dead) == 4
+    assert all(len(d["reason"]) == 1000 and d["reason"].startswith("terminated: rrr") for d in dead)
+    assert sup.dlq_redrive("t") == 4
+    with fdq.Consumer(db, "t", config=cfg, extend_support=True) as c:
+        again = _fetch_until(c, lambda g: len(g) >= 4, 30)
+        assert [m.body for m in again] == [m.body for m in got]
+        c.ack_many(again)
+    assert sub_stats(db, "t")["backlog"] == 0
+
+
 def test_exactly_once_large_body(db):
     fdq.Supervisor(db).create_topic("t", shards=1)
     body = os.urandom(300_000)
@@ -273,6 +303,13 @@ def test_bad_input_is_refused_clearly_and_harms_nothing(db):
             p.push_many("t", [fdq.Envelope(b"ok"), fdq.Envelope(body)])
     with pytest.raises(fdq.InvalidMessage, match="shard_key"):
         p.push("t", b"x", shard_key=5)
+    with pytest.raises(fdq.InvalidMessage, match="shard_key of 1,025 bytes"):
+        p.push("t", b"x", shard_key="k" * 1025)
+    with pytest.raises(fdq.InvalidMessage, match="shard_key of 200,001 bytes"):
+        p.push_many("t", [fdq.Envelope(b"ok"), fdq.Envelope(b"x", shard_key="é" * 100_000 + "k")])
+    for cid in ("", "x" * 129, "a\nb", 7):
+        with pytest.raises(fdq.ConfigError, match="consumer_id"):
+            fdq.Consumer(db, "t", consumer_id=cid)
     with pytest.raises(fdq.InvalidMessage, match="delay"):
         p.push("t", b"x", delay=-1)
     with pytest.raises(fdq.MessageTooLarge):
