@@ -201,9 +201,17 @@ def take_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: i
     if not _consumable(tr, ts, shard.sub):
         return []
     taken = _read_ready(tr, shard, limit, sel)
-    for t in taken:
-        tr.clear(shard.ready_key(t.vs))
-        _clear_chunks(tr, shard, t.vs, t.record)
+    if taken and sel is None:
+        # The head of the queue, first to last key: ``_read_ready`` read it all and holds
+        # a read conflict on it, so one range clear removes exactly what it took.
+        tr.clear_range(shard.ready_key(taken[0].vs), shard.ready_key(taken[-1].vs) + b"\x00")
+        for t in taken:
+            if t.record.nchunks:
+                _clear_chunks(tr, shard, t.vs, t.record)
+    else:
+        for t in taken:
+            tr.clear(shard.ready_key(t.vs))
+            _clear_chunks(tr, shard, t.vs, t.record)
     if taken:
         k = len(taken)
         _add(tr, {shard.stat("emitted"): k, shard.stat("done"): k if finish else 0,
