@@ -301,13 +301,9 @@ class _Store:
         # No checkpoint inside COMMIT: SQLite's automatic one runs in the COMMIT that
         # crosses its threshold, with the version clock lock held, so every reader and
         # writer of every process waited for its fsyncs (10-15 ms, more under load:
-        # the p99 of a push and of end-to-end latency). Every CHECKPOINT_EVERY commits
-        # Transaction._commit starts a PASSIVE checkpoint in a background thread
-        # (start_checkpoint): its cost is the database file's fsync (~10-20 ms of
-        # waiting, ~1.5 ms of CPU), which the committing thread no longer waits for.
+        # the p99 of a push and of end-to-end latency). Transaction._commit runs a
+        # PASSIVE checkpoint every CHECKPOINT_EVERY commits after releasing that lock.
         self.writer.execute("PRAGMA wal_autocheckpoint=0")
-        self.checkpointing = False
-        self.checkpoint_conn = None
         self.commits_since_checkpoint = 0
         self.bytes_since_checkpoint = 0
         self.commits_since_prune = 0
@@ -364,34 +360,6 @@ class _Store:
             with self.pool_lock:
                 self.fd_pool.append(fd)
         return version, clock, now
-
-    def start_checkpoint(self):
-        """Run a PASSIVE checkpoint in a background thread (one at a time per process),
-        on its own connection: it copies WAL frames into the database file while
-        commits go on (a PASSIVE checkpoint never blocks writers or readers). Past
-        WAL_RESTART_FRAMES it restarts the WAL under the write lock (restart_wal): a
-        checkpoint that runs while commits append frames cannot restart it itself."""
-        if self.checkpointing:
-            return
-        self.checkpointing = True
-        try:
-            threading.Thread(target=self._checkpoint, name="fdq-checkpoint", daemon=True).start()
-        except BaseException:
-            self.checkpointing = False
-            raise
-
-    def _checkpoint(self):
-        try:
-            if self.checkpoint_conn is None:
-                self.checkpoint_conn = self._open()
-            _busy, frames, _done = self.checkpoint_conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-            if frames >= WAL_RESTART_FRAMES and self.pid == os.getpid():
-                with self.write_lock:   # no write of this process meanwhile
-                    self.restart_wal()
-        except sqlite3.Error:
-            pass    # busy (another process checkpoints): the next one catches up
-        finally:
-            self.checkpointing = False
 
     def restart_wal(self):
         """Checkpoint starvation guard. A PASSIVE checkpoint cannot restart the WAL while
@@ -1740,7 +1708,19 @@ class Transaction(_ReadView):
                 if (store.commits_since_checkpoint >= CHECKPOINT_EVERY
                         or store.bytes_since_checkpoint >= CHECKPOINT_BYTES):
                     store.commits_since_checkpoint = store.bytes_since_checkpoint = 0
-                    store.start_checkpoint()
+                    # Still under write_lock (no other write of this process may run
+                    # meanwhile, or the WAL could not restart), not under the clock lock.
+                    # (Tried: the checkpoint in a background thread on its own
+                    # connection. The WAL then cannot restart while commits go on, so a
+                    # TRUNCATE under the lock replaces ~4 PASSIVE ones, and the thread
+                    # competes for the GIL and the cores: push_many 10-30% slower, a
+                    # single push no faster in CPU; see bench/RESULTS.md.)
+                    try:
+                        _busy, frames, _done = store.writer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                        if frames >= WAL_RESTART_FRAMES:
+                            store.restart_wal()
+                    except sqlite3.Error:
+                        pass    # busy: the next one catches up
             finally:
                 lock.release()
         except EngineError as e:
