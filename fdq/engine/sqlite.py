@@ -1774,19 +1774,26 @@ class Transaction(_ReadView):
             spans = {}
             clear_log = self._clear_log
             n_log = len(clear_log)
-            for head, tail, value, n_clears, _rv in self._vs_keys:
-                k = head + stamp + tail
+            vs_keys = self._vs_keys
+            # Within one prefix, keys order as their tails (the stamp is the same).
+            for head, tail, _value, _n, _rv in vs_keys:
                 span = spans.get(head)
                 if span is None:
-                    spans[head] = [k, k]
-                elif k < span[0]:
-                    span[0] = k
-                elif k > span[1]:
-                    span[1] = k
-                # FDB applies mutations in order: a clear issued after it removes it.
-                if n_clears == n_log or not any(b <= k < e for b, e in clear_log[n_clears:]):
-                    vs_sets.append((k, value))
-            write_ranges = write_ranges + [(lo, hi + b"\x00") for lo, hi in spans.values()]
+                    spans[head] = [tail, tail]
+                elif tail < span[0]:
+                    span[0] = tail
+                elif tail > span[1]:
+                    span[1] = tail
+            if not n_log:
+                vs_sets = [(head + stamp + tail, value) for head, tail, value, _n, _rv in vs_keys]
+            else:
+                for head, tail, value, n_clears, _rv in vs_keys:
+                    k = head + stamp + tail
+                    # FDB applies mutations in order: a clear issued after it removes it.
+                    if n_clears == n_log or not any(b <= k < e for b, e in clear_log[n_clears:]):
+                        vs_sets.append((k, value))
+            write_ranges = write_ranges + [(head + stamp + lo, head + stamp + hi + b"\x00")
+                                           for head, (lo, hi) in spans.items()]
         w.execute("INSERT INTO txlog VALUES (?, ?, ?)", (version, now, _pack_ranges(write_ranges)))
         if has_reads:
             if rv < version - MVCC_WINDOW_VERSIONS:
