@@ -20,6 +20,7 @@ from _thread import allocate_lock as _allocate_lock
 from collections import defaultdict
 from collections.abc import Mapping
 from concurrent.futures import Future as _ConcurrentFuture
+from concurrent.futures import InvalidStateError
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -506,7 +507,8 @@ class Producer:
                    headers: Mapping | None = None) -> _ConcurrentFuture:
         """As ``push`` without waiting: returns a ``concurrent.futures.Future`` of the
         ``PushResult``, resolved after the commit. Pending pushes share transactions
-        (committed by one background thread per producer)."""
+        (committed by one background thread per producer). Cancelling the future does
+        not recall the push."""
         item = _Item(check_name(topic), Envelope(body, shard_key, delay, msg_id, headers),
                      future=_ConcurrentFuture())
         self._group.submit_async(item)
@@ -528,11 +530,15 @@ class Producer:
                 if it.result is None and it.error is None:
                     it.error = e
         for it in batch:
-            if it.future is not None:
-                if it.error is not None:
-                    it.future.set_exception(it.error)
-                else:
-                    it.future.set_result(it.result)
+            future = it.future
+            if future is not None:
+                try:
+                    if it.error is not None:
+                        future.set_exception(it.error)
+                    else:
+                        future.set_result(it.result)
+                except InvalidStateError:
+                    pass    # cancelled by its owner: the push is stored all the same
             it.done.release()
 
     def _commit_group(self, batch: list):
