@@ -220,28 +220,46 @@ class Key(_BytesFuture):
     __slots__ = ()
 
 
-class VersionstampFuture(_BytesFuture):
-    """``tr.get_versionstamp()``: resolves to 10 bytes after a successful commit."""
+_vs_guard = threading.Lock()
 
-    __slots__ = ("_event",)
+
+class VersionstampFuture(_BytesFuture):
+    """``tr.get_versionstamp()``: resolves to 10 bytes after a successful commit. Its
+    Event is built only if someone waits before the commit ends (most callers ask
+    after ``commit()`` returns: one Event less per push)."""
+
+    __slots__ = ("_event", "_done")
 
     def __init__(self):
         super().__init__(None)
-        self._event = threading.Event()
+        self._event = None
+        self._done = False
 
     def _resolve(self, value=None, error=None):
         self._v, self._error = value, error
-        self._event.set()
+        with _vs_guard:
+            self._done = True
+            event = self._event
+        if event is not None:
+            event.set()
 
     def is_ready(self):
-        return self._event.is_set()
+        return self._done
 
     def block_until_ready(self):
-        self._event.wait()
+        if self._done:
+            return
+        with _vs_guard:
+            if self._done:
+                return
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        event.wait()
 
     @property
     def value(self):
-        self._event.wait()
+        self.block_until_ready()
         if self._error is not None:
             raise self._error
         return self._v

@@ -21,7 +21,6 @@ that passes here does not break on a cluster (see ``shared/fdb-semantics.md``):
 from __future__ import annotations
 
 import bisect
-import contextlib
 import fcntl
 import os
 import random
@@ -406,21 +405,6 @@ class _Store:
 
 _U32 = struct.Struct("<I")
 _NO_VERSION = b"\xff" * 10
-
-@contextlib.contextmanager
-def _held(lock: threading.Lock, until: float | None):
-    """``with lock`` waiting at most until ``until`` (``_clock()`` time; None: no
-    limit): past it, ``transaction_timed_out`` (another thread of this process may hold
-    the lock while it waits for another process's write lock)."""
-    if until is None:
-        lock.acquire()
-    elif not lock.acquire(timeout=max(0.0, until - _clock())):
-        raise EngineError(1031)
-    try:
-        yield
-    finally:
-        lock.release()
-
 
 _LAST_VERSION = "SELECT version, clock FROM txlog ORDER BY version DESC LIMIT 1"
 _UPSERT = "INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)"
@@ -1497,6 +1481,25 @@ class Transaction(_ReadView):
             self._touch_watches(key)
 
     def add(self, key, param):
+        if type(key) is bytes and type(param) is bytes and len(key) <= KEY_SIZE_LIMIT \
+                and len(param) <= VALUE_SIZE_LIMIT and key < b"\xff" and self._state == "open" \
+                and not self._next_write_no_conflict and not self._pending_watches:
+            # The common case inline (a push adds to 3 counters): a legal user key and
+            # parameter; the same effects as the general path (_atomic).
+            writes = self._writes
+            entry = writes.get(key)
+            if entry is None and not self._clears:
+                self._sorted_keys = None
+                writes[key] = (_ATOMIC_OPS, [("add", param)])
+            elif entry is not None and entry[0] == _ATOMIC_OPS:
+                entry[1].append(("add", param))
+            else:
+                self._atomic("add", key, param)
+                return
+            self._write_ranges.append((key, key + b"\x00"))
+            self._mutation_bytes += len(key) + len(param) + ENTRY_OVERHEAD_BYTES
+            self._mutations += 1
+            return
         self._atomic("add", key, param)
 
     def bit_and(self, key, param):
@@ -1683,7 +1686,12 @@ class Transaction(_ReadView):
             self._release()
             jump = db._fault(0.05)
             until = self._created + self._timeout_ms / 1000 if self._timeout_ms else None
-            with _held(store.write_lock, until):
+            lock = store.write_lock
+            if until is None:
+                lock.acquire()
+            elif not lock.acquire(timeout=max(0.0, until - _clock())):
+                raise EngineError(1031)
+            try:
                 store.begin_immediate(until)
                 fcntl.flock(store.writer_fd, fcntl.LOCK_EX)
                 try:
@@ -1699,15 +1707,22 @@ class Transaction(_ReadView):
                 store.bytes_since_checkpoint += self._mutation_bytes
                 if (store.commits_since_checkpoint >= CHECKPOINT_EVERY
                         or store.bytes_since_checkpoint >= CHECKPOINT_BYTES):
+                    store.commits_since_checkpoint = store.bytes_since_checkpoint = 0
                     # Still under write_lock (no other write of this process may run
                     # meanwhile, or the WAL could not restart), not under the clock lock.
-                    store.commits_since_checkpoint = store.bytes_since_checkpoint = 0
+                    # (Tried: the checkpoint in a background thread on its own
+                    # connection. The WAL then cannot restart while commits go on, so a
+                    # TRUNCATE under the lock replaces ~4 PASSIVE ones, and the thread
+                    # competes for the GIL and the cores: push_many 10-30% slower, a
+                    # single push no faster in CPU; see bench/RESULTS.md.)
                     try:
                         _busy, frames, _done = store.writer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
                         if frames >= WAL_RESTART_FRAMES:
                             store.restart_wal()
                     except sqlite3.Error:
                         pass    # busy: the next one catches up
+            finally:
+                lock.release()
         except EngineError as e:
             self._fail(e)
             raise
@@ -1759,24 +1774,32 @@ class Transaction(_ReadView):
             spans = {}
             clear_log = self._clear_log
             n_log = len(clear_log)
-            for head, tail, value, n_clears, _rv in self._vs_keys:
-                k = head + stamp + tail
+            vs_keys = self._vs_keys
+            # Within one prefix, keys order as their tails (the stamp is the same).
+            for head, tail, _value, _n, _rv in vs_keys:
                 span = spans.get(head)
                 if span is None:
-                    spans[head] = [k, k]
-                elif k < span[0]:
-                    span[0] = k
-                elif k > span[1]:
-                    span[1] = k
-                # FDB applies mutations in order: a clear issued after it removes it.
-                if n_clears == n_log or not any(b <= k < e for b, e in clear_log[n_clears:]):
-                    vs_sets.append((k, value))
-            write_ranges = write_ranges + [(lo, hi + b"\x00") for lo, hi in spans.values()]
+                    spans[head] = [tail, tail]
+                elif tail < span[0]:
+                    span[0] = tail
+                elif tail > span[1]:
+                    span[1] = tail
+            if not n_log:
+                vs_sets = [(head + stamp + tail, value) for head, tail, value, _n, _rv in vs_keys]
+            else:
+                for head, tail, value, n_clears, _rv in vs_keys:
+                    k = head + stamp + tail
+                    # FDB applies mutations in order: a clear issued after it removes it.
+                    if n_clears == n_log or not any(b <= k < e for b, e in clear_log[n_clears:]):
+                        vs_sets.append((k, value))
+            write_ranges = write_ranges + [(head + stamp + lo, head + stamp + hi + b"\x00")
+                                           for head, (lo, hi) in spans.items()]
         w.execute("INSERT INTO txlog VALUES (?, ?, ?)", (version, now, _pack_ranges(write_ranges)))
         if has_reads:
             if rv < version - MVCC_WINDOW_VERSIONS:
                 raise EngineError(1007)
-            self._check_conflicts(w, rv, version)
+            if last > rv:   # else no commit since the read version: nothing to check
+                self._check_conflicts(w, rv, version)
         for b, e in self._clears:
             w.execute("DELETE FROM kv WHERE key >= ? AND key < ?", (b, e))
         sets, dels, atomics, adds = [], [], [], []

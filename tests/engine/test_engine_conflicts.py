@@ -223,3 +223,40 @@ def test_bank_transfers_keep_the_total_across_processes_under_fault_injection(en
         for code, c in r["errors"].items():
             errors[code] = errors.get(code, 0) + c
     assert errors.get("1021", 0) > 0, errors
+
+
+@pytest.mark.parametrize("other_commit", ["none", "unrelated", "same_key"])
+def test_conflict_across_processes_with_and_without_commits_since_the_read(eng, other_commit):
+    # A read-then-write transaction whose read version is still the latest commit has
+    # nothing to check (the engine skips its conflict query then); one that another
+    # process wrote under since its read must fail with 1020, one with only unrelated
+    # commits since must commit.
+    setup(eng, k=b"0", other=b"0")
+    k = eng.k(b"k")
+    tr = eng.db.create_transaction()
+    assert tr[k] == b"0"
+    if other_commit != "none":
+        key = k if other_commit == "same_key" else eng.k(b"other")
+        assert collect(spawn("set", eng.url, key=key.hex(), value=b"9".hex())) == {"ok": True}
+    tr[k] = b"1"
+    tr.add(eng.k(b"count"), struct.pack("<q", 1))
+    code = code_of(lambda: tr.commit().wait())
+    assert code == (1020 if other_commit == "same_key" else None)
+    assert eng.db[k] == {"none": b"1", "unrelated": b"1", "same_key": b"9"}[other_commit]
+
+
+def test_add_after_clears_and_sets_in_one_transaction(eng):
+    # add() has an inline path for a key the transaction has not touched; after a
+    # clear_range over the key or a set of it, it folds into a plain value.
+    a, b, c = eng.k(b"a"), eng.k(b"b"), eng.k(b"c")
+    setup(eng, a=struct.pack("<q", 5), b=struct.pack("<q", 5), c=struct.pack("<q", 5))
+    tr = eng.db.create_transaction()
+    tr.clear_range(a, b)
+    tr.add(a, struct.pack("<q", 2))          # the cleared value counts as 0
+    tr[b] = struct.pack("<q", 10)
+    tr.add(b, struct.pack("<q", 2))
+    tr.add(c, struct.pack("<q", 2))
+    tr.add(c, struct.pack("<q", 3))          # chained on the stored value
+    assert tr[a] == struct.pack("<q", 2) and tr[b] == struct.pack("<q", 12)
+    tr.commit().wait()
+    assert [struct.unpack("<q", eng.db[x])[0] for x in (a, b, c)] == [2, 12, 10]

@@ -194,6 +194,21 @@ def test_auto_batching_from_8_threads(db):
     assert transactions < total
 
 
+def test_a_cancelled_push_async_future_does_not_strand_the_other_pushes_of_its_commit(db):
+    # concurrent.futures lets its owner cancel a pending future; the group commit must
+    # still release every other push of that commit (a caller of push() returns), and
+    # the cancelled push is stored all the same (a cancel cannot recall it).
+    p = fdq.Producer(db, config=fdq.ProducerConfig(linger_ms=500))
+    f = p.push_async("t", b"async")            # the flusher lingers 500 ms, then commits
+    assert f.cancel()
+    result = []
+    t = threading.Thread(target=lambda: result.append(p.push("t", b"sync")), daemon=True)
+    t.start()
+    t.join(30)
+    assert result and result[0].id, "push() never returned"
+    assert fdq.Supervisor(db).stats("t")["counters"]["inserted"] == 2
+
+
 def test_large_bodies_split_and_reassembled(db):
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=2)
