@@ -57,7 +57,7 @@ ENTRY_OVERHEAD_BYTES = 24  # FDB adds a few dozen bytes of struct overhead per e
 
 WATCH_POLL_S = 0.001  # cross-process watch latency: about this, plus scheduling
 CHECKPOINT_EVERY = 128  # commits of this process between WAL checkpoints (SQLite's own: 1,000 pages)
-WAL_RESTART_FRAMES = 4096  # past this many WAL frames (~16 MB), force the WAL to restart
+WAL_RESTART_FRAMES = 16384  # past this many WAL frames (~64 MB), force the WAL to restart
 CHECKPOINT_BYTES = 4_000_000  # ... or after this many bytes of mutations (SQLite's 1,000 pages)
 WATCH_LINGER_S = 2.0  # the poll thread outlives its last watch this long (re-arming is common)
 LOCK_WAIT_S = 10.0
@@ -302,11 +302,15 @@ class _Store:
         # No checkpoint inside COMMIT: SQLite's automatic one runs in the COMMIT that
         # crosses its threshold, with the version clock lock held, so every reader and
         # writer of every process waited for its fsyncs (10-15 ms, more under load:
-        # the p99 of a push and of end-to-end latency). Transaction._commit runs a
-        # PASSIVE checkpoint every CHECKPOINT_EVERY commits after releasing that lock.
+        # the p99 of a push and of end-to-end latency). Transaction._commit asks for a
+        # PASSIVE checkpoint every CHECKPOINT_EVERY commits, run by request_checkpoint's
+        # thread, off every transaction's path.
         self.writer.execute("PRAGMA wal_autocheckpoint=0")
         self.commits_since_checkpoint = 0
         self.bytes_since_checkpoint = 0
+        self.ckpt_cond = threading.Condition()
+        self.ckpt_due = False
+        self.ckpt_thread = None
         self.commits_since_prune = 0
         # The version clock lock (flock on a side file, so it also orders threads of
         # one process): a writer holds it exclusively from reading the clock for its
@@ -362,17 +366,62 @@ class _Store:
                 self.fd_pool.append(fd)
         return version, clock, now
 
-    def restart_wal(self):
+    def request_checkpoint(self):
+        """Run a PASSIVE checkpoint soon, in this store's checkpoint thread. Not in the
+        committing thread: a checkpoint copies WAL pages and fsyncs the database file,
+        7-45 ms on this VM, which made it the p99 of a push and of end-to-end latency
+        when it ran inside the commit of whichever transaction crossed the threshold
+        (bench/RESULTS.md, Queue: "Wake"). The thread runs on its own connection without
+        the version clock lock or ``write_lock``: readers and writers of every process
+        go on meanwhile (the GIL is released inside SQLite)."""
+        with self.ckpt_cond:
+            self.ckpt_due = True
+            if self.ckpt_thread is None:
+                self.ckpt_thread = threading.Thread(target=self._checkpoint_loop, name="fdq-checkpoint",
+                                                    daemon=True)
+                self.ckpt_thread.start()
+            self.ckpt_cond.notify()
+
+    def _checkpoint_loop(self):
+        conn = None
+        try:
+            conn = self._open()
+            conn.execute("PRAGMA busy_timeout=0")
+            while True:
+                with self.ckpt_cond:
+                    if not self.ckpt_due:
+                        self.ckpt_cond.wait(WATCH_LINGER_S)
+                    if not self.ckpt_due:   # idle: exit (a Database is never closed)
+                        self.ckpt_thread = None
+                        return
+                    self.ckpt_due = False
+                try:
+                    _busy, frames, _done = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                    if frames >= WAL_RESTART_FRAMES:
+                        self.restart_wal(conn)
+                except sqlite3.Error:
+                    pass    # busy: the next one catches up
+        except BaseException:
+            with self.ckpt_cond:
+                self.ckpt_thread = None
+            raise
+        finally:
+            if conn is not None:
+                conn.close()
+
+    def restart_wal(self, conn: sqlite3.Connection):
         """Checkpoint starvation guard. A PASSIVE checkpoint cannot restart the WAL while
         readers keep opening snapshots on its frames, so under steady reads it grows
-        without bound. Past WAL_RESTART_FRAMES: hold the version clock lock (no snapshot
-        opens meanwhile, in any process) and TRUNCATE without waiting: if a reader is
-        still in flight it fails at once and the next checkpoint tries again, so new
-        transactions pause only for the checkpoint's own copy, as inside SQLite's
-        automatic checkpoint."""
+        without bound. Past WAL_RESTART_FRAMES (the checkpoint thread, right after a
+        PASSIVE one: little is left to copy): hold the version clock lock (no snapshot
+        opens or commits meanwhile, in any process) and RESTART without waiting: if a
+        reader is still in flight it fails at once and the next checkpoint tries again.
+        Everyone pauses for this one (5-15 ms here), so it is rare: ~64 MB of WAL.
+        RESTART, not TRUNCATE: truncating the file (and growing it again, commit by
+        commit) cost 30-75 ms under the lock; the file is reused from its start."""
         fcntl.flock(self.writer_fd, fcntl.LOCK_EX)
         try:
-            self.writer.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
         finally:
             fcntl.flock(self.writer_fd, fcntl.LOCK_UN)
 
@@ -1699,15 +1748,8 @@ class Transaction(_ReadView):
                 store.bytes_since_checkpoint += self._mutation_bytes
                 if (store.commits_since_checkpoint >= CHECKPOINT_EVERY
                         or store.bytes_since_checkpoint >= CHECKPOINT_BYTES):
-                    # Still under write_lock (no other write of this process may run
-                    # meanwhile, or the WAL could not restart), not under the clock lock.
                     store.commits_since_checkpoint = store.bytes_since_checkpoint = 0
-                    try:
-                        _busy, frames, _done = store.writer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-                        if frames >= WAL_RESTART_FRAMES:
-                            store.restart_wal()
-                    except sqlite3.Error:
-                        pass    # busy: the next one catches up
+                    store.request_checkpoint()
         except EngineError as e:
             self._fail(e)
             raise
