@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import ctypes
+import errno
 import fcntl
 import os
 import random
+import select
 import sqlite3
 import struct
 import threading
@@ -55,7 +58,8 @@ TRANSACTION_SIZE_LIMIT = 10_000_000
 DEFAULT_MAX_WATCHES = 10_000
 ENTRY_OVERHEAD_BYTES = 24  # FDB adds a few dozen bytes of struct overhead per entry
 
-WATCH_POLL_S = 0.001  # cross-process watch latency: about this, plus scheduling
+WATCH_POLL_S = 0.001  # cross-process watch latency without commit signals: about this, plus scheduling
+WATCH_FALLBACK_POLL_S = 0.05  # with commit signals (inotify), the poll that remains: a safety net
 CHECKPOINT_EVERY = 128  # commits of this process between WAL checkpoints (SQLite's own: 1,000 pages)
 WAL_RESTART_FRAMES = 16384  # past this many WAL frames (~64 MB), force the WAL to restart
 CHECKPOINT_BYTES = 4_000_000  # ... or after this many bytes of mutations (SQLite's 1,000 pages)
@@ -366,6 +370,15 @@ class _Store:
                 self.fd_pool.append(fd)
         return version, clock, now
 
+    def signal_commit(self):
+        """Tell watchers in every process that a commit is visible: one byte written to
+        the clock file after COMMIT, which inotify reports to them (``_CommitSignal``).
+        A failure only costs latency: watchers also poll."""
+        try:
+            os.pwrite(self.writer_fd, b"\0", 0)
+        except OSError:
+            pass
+
     def request_checkpoint(self):
         """Run a PASSIVE checkpoint soon, in this store's checkpoint thread. Not in the
         committing thread: a checkpoint copies WAL pages and fsyncs the database file,
@@ -507,30 +520,104 @@ def _version_at(last: int, last_clock: float, now: float) -> int:
 # Watches
 
 
+_IN_MODIFY = 0x00000002
+_IN_Q_OVERFLOW = 0x00004000
+_IN_IGNORED = 0x00008000
+_IN_NONBLOCK = os.O_NONBLOCK
+_IN_CLOEXEC = getattr(os, "O_CLOEXEC", 0o2000000)
+_libc = None
+
+
+class _CommitSignal:
+    """inotify (Linux; ctypes, the stdlib has none) on the database's clock file, to
+    which every commit of this engine writes a byte once it is visible
+    (``_Store.signal_commit``): a watch thread sleeps until a commit happened in any
+    process instead of polling ``data_version`` every millisecond. ``open`` returns None
+    where inotify is unavailable (another OS, no ``libc``, out of inotify instances or
+    watches): the caller polls as before."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    @classmethod
+    def open(cls, path: str):
+        global _libc
+        if os.environ.get("FDQ_ENGINE_NO_INOTIFY"):    # tests: force the fallback poll
+            return None
+        try:
+            if _libc is None:
+                _libc = ctypes.CDLL(None, use_errno=True)
+                _libc.inotify_init1.argtypes = [ctypes.c_int]
+                _libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+            fd = _libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+        except (OSError, AttributeError):
+            return None
+        if fd < 0:
+            return None
+        if _libc.inotify_add_watch(fd, os.fsencode(path), _IN_MODIFY) < 0:
+            os.close(fd)
+            return None
+        return cls(fd)
+
+    def drain(self) -> bool:
+        """Read the pending events; False if the watch is gone (the file was deleted
+        or moved: the caller falls back to polling)."""
+        ok = True
+        while True:
+            try:
+                data = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return ok
+            except OSError as e:
+                if e.errno == errno.EINTR:
+                    continue
+                return False
+            if not data:
+                return ok
+            i = 0
+            while i + 16 <= len(data):
+                _wd, mask, _cookie, n = _INOTIFY_EVENT.unpack_from(data, i)
+                if mask & _IN_IGNORED:
+                    ok = False
+                i += 16 + n
+
+    def close(self):
+        os.close(self.fd)
+
+
+_INOTIFY_EVENT = struct.Struct("iIII")
+
+
 class _WatchManager:
-    """Watches registered after commit; one thread per Database and process polls
-    ``PRAGMA data_version`` (changes on any other connection's commit) and re-reads the
-    watched keys. Commits in this process wake it at once."""
+    """Watches registered after commit; one thread per Database and process re-reads
+    the watched keys when ``PRAGMA data_version`` (changes on any other connection's
+    commit) moved. It sleeps until a commit signal (``_CommitSignal``: any process's
+    commit; commits of this process also kick it directly) or, as a safety net, the
+    fallback poll; without inotify it polls every WATCH_POLL_S as before. A watch fires
+    at the latest when the check after its key's change runs, never misses it (the
+    signal comes after the commit is visible; the baseline is compared at registration
+    too), and may fire spuriously, as in FDB."""
 
     def __init__(self, db: "Database"):
         self.db_ref = weakref.ref(db)
         self.path = db._path
+        self.clock_path = db._path + "-fdqclock"
         self.cond = threading.Condition()
         self.watches = {}  # key -> list of (baseline, future)
         self.count = 0
         self.thread = None
         self.kick = False
+        self.poke_w = None  # write end of the pipe that wakes the thread's select()
 
     def register(self, key: bytes, baseline, future: Future):
         with self.cond:
             self.watches.setdefault(key, []).append((baseline, future))
             self.count += 1
             future._on_cancel = self._cancelled
-            self.kick = True
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name="fdq-watches", daemon=True)
                 self.thread.start()
-            self.cond.notify()
+            self._kick()
 
     def _cancelled(self, future):
         with self.cond:
@@ -546,11 +633,48 @@ class _WatchManager:
     def notify_commit(self):
         if self.count:
             with self.cond:
-                self.kick = True
-                self.cond.notify()
+                self._kick()
+
+    def _kick(self):   # under self.cond
+        self.kick = True
+        self.cond.notify()
+        if self.poke_w is not None:
+            try:
+                os.write(self.poke_w, b"\0")
+            except OSError:     # full (a wake is pending anyway) or closed
+                pass
+
+    def _sleep(self, signal, poller, poke_r, timeout: float):
+        """Until a commit signal, a kick or ``timeout``; -> the signal, or None if it
+        broke (then the caller polls)."""
+        try:
+            ready = [fd for fd, _ev in poller.poll(timeout * 1000)]
+        except OSError:
+            signal.close()
+            return None
+        if poke_r in ready:
+            try:
+                os.read(poke_r, 4096)
+            except OSError:
+                pass
+        if signal.fd in ready and not signal.drain():
+            signal.close()
+            return None
+        return signal
 
     def _run(self):
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        signal = _CommitSignal.open(self.clock_path)
+        poke_r = poke_w = poller = None
+        if signal is not None:
+            poke_r, poke_w = os.pipe()
+            os.set_blocking(poke_r, False)
+            os.set_blocking(poke_w, False)
+            poller = select.poll()
+            poller.register(signal.fd, select.POLLIN)
+            poller.register(poke_r, select.POLLIN)
+            with self.cond:
+                self.poke_w = poke_w
         last_dv = None
         try:
             while True:
@@ -562,10 +686,17 @@ class _WatchManager:
                         if not self.kick:
                             self.cond.wait(WATCH_LINGER_S)
                         if not self.watches:
-                            self.thread = None
+                            self._detach(poke_w)
                             return
-                    if not self.kick:
+                    if signal is None and not self.kick:
                         self.cond.wait(WATCH_POLL_S)
+                    sleep = signal is not None and not self.kick
+                if sleep:
+                    signal = self._sleep(signal, poller, poke_r, WATCH_FALLBACK_POLL_S)
+                    if signal is None:
+                        with self.cond:
+                            self._detach(poke_w, keep_thread=True)
+                with self.cond:
                     kicked, self.kick = self.kick, False
                     keys = list(self.watches)
                 dv = conn.execute("PRAGMA data_version").fetchone()[0]
@@ -594,7 +725,22 @@ class _WatchManager:
                 for f in fired:
                     f._resolve(None)
         finally:
+            with self.cond:
+                self._detach(poke_w)
+            for fd in (poke_r, poke_w):
+                if fd is not None:
+                    os.close(fd)
+            if signal is not None:
+                signal.close()
             conn.close()
+
+    def _detach(self, poke_w, keep_thread=False):
+        """Under self.cond: forget this thread's pipe (a new thread may have its own)
+        and, unless ``keep_thread``, the thread itself."""
+        if poke_w is not None and self.poke_w == poke_w:
+            self.poke_w = None
+        if not keep_thread and self.thread is threading.current_thread():
+            self.thread = None
 
 
 # ---------------------------------------------------------------------------------
@@ -1761,6 +1907,7 @@ class Transaction(_ReadView):
         self._end_versionstamp(version.to_bytes(8, "big") + b"\x00\x00", None)
         self._state = "committed"
         watches, self._pending_watches = self._pending_watches, []
+        store.signal_commit()
         mgr = db._watches
         if mgr is not None:
             mgr.notify_commit()
