@@ -607,7 +607,8 @@ class _WatchManager:
         self.count = 0
         self.thread = None
         self.kick = False
-        self.poke_w = None  # write end of the pipe that wakes the thread's select()
+        self.poke_w = None  # write end of the pipe that wakes the thread's poll()
+        self.sleeping = False   # the thread is in (or about to enter) that poll()
 
     def register(self, key: bytes, baseline, future: Future):
         with self.cond:
@@ -638,7 +639,7 @@ class _WatchManager:
     def _kick(self):   # under self.cond
         self.kick = True
         self.cond.notify()
-        if self.poke_w is not None:
+        if self.sleeping and self.poke_w is not None:
             try:
                 os.write(self.poke_w, b"\0")
             except OSError:     # full (a wake is pending anyway) or closed
@@ -690,13 +691,14 @@ class _WatchManager:
                             return
                     if signal is None and not self.kick:
                         self.cond.wait(WATCH_POLL_S)
-                    sleep = signal is not None and not self.kick
+                    sleep = self.sleeping = signal is not None and not self.kick
                 if sleep:
                     signal = self._sleep(signal, poller, poke_r, WATCH_FALLBACK_POLL_S)
                     if signal is None:
                         with self.cond:
                             self._detach(poke_w, keep_thread=True)
                 with self.cond:
+                    self.sleeping = False
                     kicked, self.kick = self.kick, False
                     keys = list(self.watches)
                 dv = conn.execute("PRAGMA data_version").fetchone()[0]
