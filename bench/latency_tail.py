@@ -146,8 +146,17 @@ def _consumer_proc(url, n, seconds, ready, out, switch_interval):
     cpu0 = time.process_time()
     done.wait(seconds)
     cpu = time.process_time() - cpu0
+    threads = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for t in threading.enumerate():
+        try:
+            with open(f"/proc/self/task/{t.native_id}/stat") as f:
+                st = f.read().rsplit(")", 1)[1].split()
+            threads[t.name[:12]] = round((int(st[11]) + int(st[12])) / tick, 2)
+        except (OSError, IndexError, TypeError):
+            pass
     c.shutdown()
-    out.put((recs, fires, ev, worker_ss, cpu))
+    out.put((recs, fires, ev, worker_ss, cpu, threads))
 
 def run(rate=1000, seconds=4.0, switch_interval=None):
     base = tempfile.mkdtemp(prefix="fdq-tail-")
@@ -161,9 +170,10 @@ def run(rate=1000, seconds=4.0, switch_interval=None):
     la0 = os.getloadavg()[0]
     prod = ctx.Process(target=_producer, args=(url, rate, seconds, pq)); prod.start()
     done, pev, late50, late99 = pq.get(timeout=seconds + 120)
-    recs, fires, ev, wss, cpu = q.get(timeout=seconds + 120)
+    recs, fires, ev, wss, cpu, threads = q.get(timeout=seconds + 120)
     prod.join(); cons.join(); shutil.rmtree(base, ignore_errors=True)
-    print(f"load {la0:.2f}; producer lateness p50 {late50*1e3:.2f} p99 {late99*1e3:.2f} ms; consumer cpu {cpu:.2f}s")
+    print(f"load {la0:.2f}; producer lateness p50 {late50*1e3:.2f} p99 {late99*1e3:.2f} ms; consumer cpu {cpu:.2f}s; "
+          f"CPU s per consumer thread (whole process life): {threads}")
     tot = sorted(((t_h - t_p) / 1e6, i, t_p, t_h, ls, le, sh) for i, t_p, t_h, ls, le, sh in recs)
     print("total p50 %.2f p99 %.2f" % (_pct([x[0] for x in tot], .5), _pct([x[0] for x in tot], .99)))
     allev = [(k, "P:" + th, s, e) for k, th, s, e in pev] + [(k, "C:" + th, s, e) for k, th, s, e in ev]
