@@ -431,12 +431,18 @@ class _Store:
         reader is still in flight it fails at once and the next checkpoint tries again.
         Everyone pauses for this one (5-15 ms here), so it is rare: ~64 MB of WAL.
         RESTART, not TRUNCATE: truncating the file (and growing it again, commit by
-        commit) cost 30-75 ms under the lock; the file is reused from its start."""
-        fcntl.flock(self.writer_fd, fcntl.LOCK_EX)
+        commit) cost 30-75 ms under the lock; the file is reused from its start.
+
+        The lock is taken on a descriptor of its own: flock locks belong to an open file
+        description, so on ``writer_fd`` a commit of another thread of this process would
+        take it "again" at once, and the unlock here would release it in the middle of
+        that commit (a snapshot opened then could miss a commit below its read version)."""
+        fd = os.open(self.clock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
             conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
         finally:
-            fcntl.flock(self.writer_fd, fcntl.LOCK_UN)
+            os.close(fd)    # releases the lock
 
     def begin_immediate(self, until: float | None = None):
         """Take SQLite's write lock. Spins with short sleeps (SQLite's own busy
@@ -521,8 +527,8 @@ def _version_at(last: int, last_clock: float, now: float) -> int:
 
 
 _IN_MODIFY = 0x00000002
-_IN_Q_OVERFLOW = 0x00004000
 _IN_IGNORED = 0x00008000
+_INOTIFY_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes of name)
 _IN_NONBLOCK = os.O_NONBLOCK
 _IN_CLOEXEC = getattr(os, "O_CLOEXEC", 0o2000000)
 _libc = None
@@ -583,9 +589,6 @@ class _CommitSignal:
 
     def close(self):
         os.close(self.fd)
-
-
-_INOTIFY_EVENT = struct.Struct("iIII")
 
 
 class _WatchManager:
