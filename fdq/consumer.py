@@ -189,6 +189,7 @@ class Consumer:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._watches = {}           # (tag, n) -> watch future on the shard's "routed" counter
+        self._unarmed = []           # a round's watches still to set (``_lease_many(defer_arm=True)``)
         # ((tag, n), 12-byte vs) -> [lease_id, touches, since, ack_wait_s, record key]; bytes,
         # not the Versionstamp: its hash is Python code, two per message on the hot path
         self._leases = {}
@@ -472,7 +473,7 @@ class Consumer:
             return self._lease_prefix + self._lease_seq.to_bytes(8, "big")
 
     def _lease_many(self, shards, limit: int, ack_wait_s: float | None = None, take: bool = False,
-                    settlements: list = ()) -> list:
+                    settlements: list = (), defer_arm: bool = False) -> list:
         """Lease (or, with ack policy "none", take) up to ``limit`` messages from
         ``shards`` [(shard_id, epoch)], in that order, in ONE transaction: a transaction
         per shard made the worker's round cost a commit per dirty shard, which bounded
@@ -493,7 +494,12 @@ class Consumer:
         ``settlements`` [(message, action, arg)] (the previous round's, see
         ``TailConsumer._process_at_least_once``) commit first in the same transaction: one
         commit per round. A lease lost among them is reported (``on_error``), not raised:
-        this round's messages are leased and handed over."""
+        this round's messages are leased and handed over.
+
+        ``defer_arm``: leave ``_arm``'s transaction to the caller (``_arm_pending``, after
+        the handlers ran and before the next round or an idle wait), so the round's
+        messages reach the handler without waiting for it; a push it detects is then
+        found by the next round just the same."""
         if not shards:
             if settlements:
                 try:
@@ -572,11 +578,15 @@ class Consumer:
                 self._report(error)
         out = []
         now = _monotonic()
-        got = self._arm(got)
+        if not defer_arm:
+            got = self._arm(got)
         for shard_id, taken, drained, watch in got:
-            self._keep_watch(shard_id, watch)
-            if not drained:
-                self._mark(shard_id)
+            if type(watch) is tuple:        # deferred: (key, counter as the lease saw it)
+                self._unarmed.append((shard_id, None, drained, watch))
+            else:
+                self._keep_watch(shard_id, watch)
+                if not drained:
+                    self._mark(shard_id)
             if not taken:
                 continue
             if not none:
@@ -610,6 +620,18 @@ class Consumer:
             s, t, _d, _w = got[i]
             got[i] = (s, t, now == before, watch)
         return got
+
+    def _arm_pending(self):
+        """Set the watches a ``_lease_many(defer_arm=True)`` round left (see ``_arm``)."""
+        if not self._unarmed:
+            return
+        pending, self._unarmed = self._unarmed, []
+        with self._owned_lock:      # a shard lost meanwhile needs no watch
+            pending = [p for p in pending if p[0] in self._owned]
+        for shard_id, _t, drained, watch in self._arm(pending):
+            self._keep_watch(shard_id, watch)
+            if not drained:
+                self._mark(shard_id)
 
     def _watch_key(self, shard_id):
         w = self._watches.get(shard_id)
@@ -839,12 +861,17 @@ class TailConsumer(Consumer):
     def _process_at_most_once(self, shards) -> int:
         # After commit_unknown_result: if the batch is gone while the shard is still
         # ours, our commit took it: hand it over (else it would be lost unhandled).
-        msgs = self._lease_many(shards, self.batch_size, take=True)
-        for m in msgs:
-            try:
-                self.handler(m)
-            except Exception as e:  # at most once: the message is gone either way
-                self._report(e)
+        defer = self._pool is None
+        msgs = self._lease_many(shards, self.batch_size, take=True, defer_arm=defer)
+        try:
+            for m in msgs:
+                try:
+                    self.handler(m)
+                except Exception as e:  # at most once: the message is gone either way
+                    self._report(e)
+        finally:
+            if defer:
+                self._arm_pending()
         return len(msgs)
 
     def _process_at_least_once(self, shards) -> int:
@@ -859,25 +886,30 @@ class TailConsumer(Consumer):
         message (at least once). Explicit ``ack()`` etc. after the handler returned
         commit at once."""
         carried, self._carried = self._carried, []
+        defer = self._pool is None
         try:
-            msgs = self._lease_many(shards, self.batch_size, settlements=carried)
+            msgs = self._lease_many(shards, self.batch_size, settlements=carried, defer_arm=defer)
         except BaseException:
             self._carried = carried + self._carried    # not committed: settle them later
             raise
         pending = []
-        for m in msgs:
-            m._deferred = pending
-            try:
-                self.handler(m)
-                if m._settled is None:
-                    m.ack()
-            except Exception as e:
-                if m._settled is None:
-                    m.nak()
-                self._report(e)
-            m._deferred = None
-            if self._stop.is_set():
-                break
+        try:
+            for m in msgs:
+                m._deferred = pending
+                try:
+                    self.handler(m)
+                    if m._settled is None:
+                        m.ack()
+                except Exception as e:
+                    if m._settled is None:
+                        m.nak()
+                    self._report(e)
+                m._deferred = None
+                if self._stop.is_set():
+                    break
+        finally:
+            if defer:
+                self._arm_pending()
         if self._pool is None and not self._stop.is_set():
             self._carried = pending
             return len(msgs)

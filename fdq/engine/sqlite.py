@@ -21,9 +21,12 @@ that passes here does not break on a cluster (see ``shared/fdb-semantics.md``):
 from __future__ import annotations
 
 import bisect
+import ctypes
+import errno
 import fcntl
 import os
 import random
+import select
 import sqlite3
 import struct
 import threading
@@ -54,9 +57,10 @@ TRANSACTION_SIZE_LIMIT = 10_000_000
 DEFAULT_MAX_WATCHES = 10_000
 ENTRY_OVERHEAD_BYTES = 24  # FDB adds a few dozen bytes of struct overhead per entry
 
-WATCH_POLL_S = 0.001  # cross-process watch latency: about this, plus scheduling
+WATCH_POLL_S = 0.001  # cross-process watch latency without commit signals: about this, plus scheduling
+WATCH_FALLBACK_POLL_S = 0.05  # with commit signals (inotify), the poll that remains: a safety net
 CHECKPOINT_EVERY = 128  # commits of this process between WAL checkpoints (SQLite's own: 1,000 pages)
-WAL_RESTART_FRAMES = 4096  # past this many WAL frames (~16 MB), force the WAL to restart
+WAL_RESTART_FRAMES = 16384  # past this many WAL frames (~64 MB), force the WAL to restart
 CHECKPOINT_BYTES = 4_000_000  # ... or after this many bytes of mutations (SQLite's 1,000 pages)
 WATCH_LINGER_S = 2.0  # the poll thread outlives its last watch this long (re-arming is common)
 LOCK_WAIT_S = 10.0
@@ -301,11 +305,15 @@ class _Store:
         # No checkpoint inside COMMIT: SQLite's automatic one runs in the COMMIT that
         # crosses its threshold, with the version clock lock held, so every reader and
         # writer of every process waited for its fsyncs (10-15 ms, more under load:
-        # the p99 of a push and of end-to-end latency). Transaction._commit runs a
-        # PASSIVE checkpoint every CHECKPOINT_EVERY commits after releasing that lock.
+        # the p99 of a push and of end-to-end latency). Transaction._commit asks for a
+        # PASSIVE checkpoint every CHECKPOINT_EVERY commits, run by request_checkpoint's
+        # thread, off every transaction's path.
         self.writer.execute("PRAGMA wal_autocheckpoint=0")
         self.commits_since_checkpoint = 0
         self.bytes_since_checkpoint = 0
+        self.ckpt_cond = threading.Condition()
+        self.ckpt_due = False
+        self.ckpt_thread = None
         self.commits_since_prune = 0
         # The version clock lock (flock on a side file, so it also orders threads of
         # one process): a writer holds it exclusively from reading the clock for its
@@ -361,19 +369,79 @@ class _Store:
                 self.fd_pool.append(fd)
         return version, clock, now
 
-    def restart_wal(self):
+    def signal_commit(self):
+        """Tell watchers in every process that a commit is visible: one byte written to
+        the clock file after COMMIT, which inotify reports to them (``_CommitSignal``).
+        A failure only costs latency: watchers also poll."""
+        try:
+            os.pwrite(self.writer_fd, b"\0", 0)
+        except OSError:
+            pass
+
+    def request_checkpoint(self):
+        """Run a PASSIVE checkpoint soon, in this store's checkpoint thread. Not in the
+        committing thread: a checkpoint copies WAL pages and fsyncs the database file,
+        7-45 ms on this VM, which made it the p99 of a push and of end-to-end latency
+        when it ran inside the commit of whichever transaction crossed the threshold
+        (bench/RESULTS.md, Queue: "Wake"). The thread runs on its own connection without
+        the version clock lock or ``write_lock``: readers and writers of every process
+        go on meanwhile (the GIL is released inside SQLite)."""
+        with self.ckpt_cond:
+            self.ckpt_due = True
+            if self.ckpt_thread is None:
+                self.ckpt_thread = threading.Thread(target=self._checkpoint_loop, name="fdq-checkpoint",
+                                                    daemon=True)
+                self.ckpt_thread.start()
+            self.ckpt_cond.notify()
+
+    def _checkpoint_loop(self):
+        conn = None
+        try:
+            conn = self._open()
+            conn.execute("PRAGMA busy_timeout=0")
+            while True:
+                with self.ckpt_cond:
+                    if not self.ckpt_due:
+                        self.ckpt_cond.wait(WATCH_LINGER_S)
+                    if not self.ckpt_due:   # idle: exit (a Database is never closed)
+                        self.ckpt_thread = None
+                        return
+                    self.ckpt_due = False
+                try:
+                    _busy, frames, _done = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                    if frames >= WAL_RESTART_FRAMES:
+                        self.restart_wal(conn)
+                except sqlite3.Error:
+                    pass    # busy: the next one catches up
+        except BaseException:
+            with self.ckpt_cond:
+                self.ckpt_thread = None
+            raise
+        finally:
+            if conn is not None:
+                conn.close()
+
+    def restart_wal(self, conn: sqlite3.Connection):
         """Checkpoint starvation guard. A PASSIVE checkpoint cannot restart the WAL while
         readers keep opening snapshots on its frames, so under steady reads it grows
-        without bound. Past WAL_RESTART_FRAMES: hold the version clock lock (no snapshot
-        opens meanwhile, in any process) and TRUNCATE without waiting: if a reader is
-        still in flight it fails at once and the next checkpoint tries again, so new
-        transactions pause only for the checkpoint's own copy, as inside SQLite's
-        automatic checkpoint."""
-        fcntl.flock(self.writer_fd, fcntl.LOCK_EX)
+        without bound. Past WAL_RESTART_FRAMES (the checkpoint thread, right after a
+        PASSIVE one: little is left to copy): hold the version clock lock (no snapshot
+        opens or commits meanwhile, in any process) and RESTART without waiting: if a
+        reader is still in flight it fails at once and the next checkpoint tries again.
+        Everyone pauses for this one (5-15 ms here), so it is rare: ~64 MB of WAL.
+        RESTART, not TRUNCATE: truncating the file (and growing it again, commit by
+        commit) cost 30-75 ms under the lock; the file is reused from its start.
+
+        The lock is taken on a descriptor of its own: flock locks belong to an open file
+        description, so on ``writer_fd`` a commit of another thread of this process would
+        take it "again" at once, and the unlock here would release it in the middle of
+        that commit (a snapshot opened then could miss a commit below its read version)."""
+        fd = os.open(self.clock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            self.writer.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
         finally:
-            fcntl.flock(self.writer_fd, fcntl.LOCK_UN)
+            os.close(fd)    # releases the lock
 
     def begin_immediate(self, until: float | None = None):
         """Take SQLite's write lock. Spins with short sleeps (SQLite's own busy
@@ -442,30 +510,102 @@ def _version_at(last: int, last_clock: float, now: float) -> int:
 # Watches
 
 
+_IN_MODIFY = 0x00000002
+_IN_IGNORED = 0x00008000
+_INOTIFY_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes of name)
+_IN_NONBLOCK = os.O_NONBLOCK
+_IN_CLOEXEC = getattr(os, "O_CLOEXEC", 0o2000000)
+_libc = None
+
+
+class _CommitSignal:
+    """inotify (Linux; ctypes, the stdlib has none) on the database's clock file, to
+    which every commit of this engine writes a byte once it is visible
+    (``_Store.signal_commit``): a watch thread sleeps until a commit happened in any
+    process instead of polling ``data_version`` every millisecond. ``open`` returns None
+    where inotify is unavailable (another OS, no ``libc``, out of inotify instances or
+    watches): the caller polls as before."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    @classmethod
+    def open(cls, path: str):
+        global _libc
+        if os.environ.get("FDQ_ENGINE_NO_INOTIFY"):    # tests: force the fallback poll
+            return None
+        try:
+            if _libc is None:
+                _libc = ctypes.CDLL(None, use_errno=True)
+                _libc.inotify_init1.argtypes = [ctypes.c_int]
+                _libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+            fd = _libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+        except (OSError, AttributeError):
+            return None
+        if fd < 0:
+            return None
+        if _libc.inotify_add_watch(fd, os.fsencode(path), _IN_MODIFY) < 0:
+            os.close(fd)
+            return None
+        return cls(fd)
+
+    def drain(self) -> bool:
+        """Read the pending events; False if the watch is gone (the file was deleted
+        or moved: the caller falls back to polling)."""
+        ok = True
+        while True:
+            try:
+                data = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return ok
+            except OSError as e:
+                if e.errno == errno.EINTR:
+                    continue
+                return False
+            if not data:
+                return ok
+            i = 0
+            while i + 16 <= len(data):
+                _wd, mask, _cookie, n = _INOTIFY_EVENT.unpack_from(data, i)
+                if mask & _IN_IGNORED:
+                    ok = False
+                i += 16 + n
+
+    def close(self):
+        os.close(self.fd)
+
+
 class _WatchManager:
-    """Watches registered after commit; one thread per Database and process polls
-    ``PRAGMA data_version`` (changes on any other connection's commit) and re-reads the
-    watched keys. Commits in this process wake it at once."""
+    """Watches registered after commit; one thread per Database and process re-reads
+    the watched keys when ``PRAGMA data_version`` (changes on any other connection's
+    commit) moved. It sleeps until a commit signal (``_CommitSignal``: any process's
+    commit; commits of this process also kick it directly) or, as a safety net, the
+    fallback poll; without inotify it polls every WATCH_POLL_S as before. A watch fires
+    at the latest when the check after its key's change runs, never misses it (the
+    signal comes after the commit is visible; the baseline is compared at registration
+    too), and may fire spuriously, as in FDB."""
 
     def __init__(self, db: "Database"):
         self.db_ref = weakref.ref(db)
         self.path = db._path
+        self.clock_path = db._path + "-fdqclock"
         self.cond = threading.Condition()
         self.watches = {}  # key -> list of (baseline, future)
         self.count = 0
         self.thread = None
         self.kick = False
+        self.poke_w = None  # write end of the pipe that wakes the thread's poll()
+        self.sleeping = False   # the thread is in (or about to enter) that poll()
 
     def register(self, key: bytes, baseline, future: Future):
         with self.cond:
             self.watches.setdefault(key, []).append((baseline, future))
             self.count += 1
             future._on_cancel = self._cancelled
-            self.kick = True
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name="fdq-watches", daemon=True)
                 self.thread.start()
-            self.cond.notify()
+            self._kick()
 
     def _cancelled(self, future):
         with self.cond:
@@ -481,11 +621,48 @@ class _WatchManager:
     def notify_commit(self):
         if self.count:
             with self.cond:
-                self.kick = True
-                self.cond.notify()
+                self._kick()
+
+    def _kick(self):   # under self.cond
+        self.kick = True
+        self.cond.notify()
+        if self.sleeping and self.poke_w is not None:
+            try:
+                os.write(self.poke_w, b"\0")
+            except OSError:     # full (a wake is pending anyway) or closed
+                pass
+
+    def _sleep(self, signal, poller, poke_r, timeout: float):
+        """Until a commit signal, a kick or ``timeout``; -> the signal, or None if it
+        broke (then the caller polls)."""
+        try:
+            ready = [fd for fd, _ev in poller.poll(timeout * 1000)]
+        except OSError:
+            signal.close()
+            return None
+        if poke_r in ready:
+            try:
+                os.read(poke_r, 4096)
+            except OSError:
+                pass
+        if signal.fd in ready and not signal.drain():
+            signal.close()
+            return None
+        return signal
 
     def _run(self):
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        signal = _CommitSignal.open(self.clock_path)
+        poke_r = poke_w = poller = None
+        if signal is not None:
+            poke_r, poke_w = os.pipe()
+            os.set_blocking(poke_r, False)
+            os.set_blocking(poke_w, False)
+            poller = select.poll()
+            poller.register(signal.fd, select.POLLIN)
+            poller.register(poke_r, select.POLLIN)
+            with self.cond:
+                self.poke_w = poke_w
         last_dv = None
         try:
             while True:
@@ -497,10 +674,18 @@ class _WatchManager:
                         if not self.kick:
                             self.cond.wait(WATCH_LINGER_S)
                         if not self.watches:
-                            self.thread = None
+                            self._detach(poke_w)
                             return
-                    if not self.kick:
+                    if signal is None and not self.kick:
                         self.cond.wait(WATCH_POLL_S)
+                    sleep = self.sleeping = signal is not None and not self.kick
+                if sleep:
+                    signal = self._sleep(signal, poller, poke_r, WATCH_FALLBACK_POLL_S)
+                    if signal is None:
+                        with self.cond:
+                            self._detach(poke_w, keep_thread=True)
+                with self.cond:
+                    self.sleeping = False
                     kicked, self.kick = self.kick, False
                     keys = list(self.watches)
                 dv = conn.execute("PRAGMA data_version").fetchone()[0]
@@ -529,7 +714,22 @@ class _WatchManager:
                 for f in fired:
                     f._resolve(None)
         finally:
+            with self.cond:
+                self._detach(poke_w)
+            for fd in (poke_r, poke_w):
+                if fd is not None:
+                    os.close(fd)
+            if signal is not None:
+                signal.close()
             conn.close()
+
+    def _detach(self, poke_w, keep_thread=False):
+        """Under self.cond: forget this thread's pipe (a new thread may have its own)
+        and, unless ``keep_thread``, the thread itself."""
+        if poke_w is not None and self.poke_w == poke_w:
+            self.poke_w = None
+        if not keep_thread and self.thread is threading.current_thread():
+            self.thread = None
 
 
 # ---------------------------------------------------------------------------------
@@ -1708,19 +1908,7 @@ class Transaction(_ReadView):
                 if (store.commits_since_checkpoint >= CHECKPOINT_EVERY
                         or store.bytes_since_checkpoint >= CHECKPOINT_BYTES):
                     store.commits_since_checkpoint = store.bytes_since_checkpoint = 0
-                    # Still under write_lock (no other write of this process may run
-                    # meanwhile, or the WAL could not restart), not under the clock lock.
-                    # (Tried: the checkpoint in a background thread on its own
-                    # connection. The WAL then cannot restart while commits go on, so a
-                    # TRUNCATE under the lock replaces ~4 PASSIVE ones, and the thread
-                    # competes for the GIL and the cores: push_many 10-30% slower, a
-                    # single push no faster in CPU; see bench/RESULTS.md.)
-                    try:
-                        _busy, frames, _done = store.writer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-                        if frames >= WAL_RESTART_FRAMES:
-                            store.restart_wal()
-                    except sqlite3.Error:
-                        pass    # busy: the next one catches up
+                    store.request_checkpoint()
             finally:
                 lock.release()
         except EngineError as e:
@@ -1734,6 +1922,7 @@ class Transaction(_ReadView):
         self._end_versionstamp(version.to_bytes(8, "big") + b"\x00\x00", None)
         self._state = "committed"
         watches, self._pending_watches = self._pending_watches, []
+        store.signal_commit()
         mgr = db._watches
         if mgr is not None:
             mgr.notify_commit()

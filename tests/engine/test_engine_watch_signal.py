@@ -1,0 +1,137 @@
+"""The embedded engine's commit signal: watches sleep until a commit in any process
+(inotify on the clock file, written after every commit) instead of polling every
+millisecond, and still fire by polling when the signal is unavailable or not sent.
+
+Each test makes the poll that would otherwise find the change far slower than the test's
+bound, so it fails if the path under test does not work."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import fdq
+from fdq.engine import sqlite as engine
+
+from enginehelpers import collect, spawn, wait_ready
+
+SLOW_POLL_S = 60.0   # a poll this slow cannot be what fired a watch within FIRE_BOUND_S
+FIRE_BOUND_S = 20.0
+
+
+@pytest.fixture
+def embedded(eng):
+    if not eng.embedded:
+        pytest.skip("the embedded engine's own wake mechanism")
+    return eng
+
+
+def _watch(db, key):
+    tr = db.create_transaction()
+    f = tr.watch(key)
+    tr.commit().wait()
+    return f
+
+
+def _set(db, key, value):
+    tr = db.create_transaction()
+    tr[key] = value
+    tr.commit().wait()
+
+
+def _signal_works(db) -> bool:
+    db._get_store()     # creates the clock file
+    s = engine._CommitSignal.open(db.path + "-fdqclock")
+    if s is None:
+        return False
+    s.close()
+    return True
+
+
+def test_a_commit_of_another_database_object_wakes_a_watch_by_signal(embedded, monkeypatch):
+    monkeypatch.setattr(engine, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    if not _signal_works(embedded.db):
+        pytest.skip("no inotify here")
+    other = fdq.connect(embedded.url, check_format=False)   # own store: no in-process kick
+    k = embedded.k(b"sig")
+    f = _watch(embedded.db, k)
+    mgr = embedded.db._watches
+    deadline = time.monotonic() + FIRE_BOUND_S
+    while mgr.kick and time.monotonic() < deadline:    # the registration's check is taken
+        time.sleep(0.001)
+    assert not f.is_ready()
+    t0 = time.monotonic()
+    _set(other, k, b"1")
+    assert wait_ready(f, FIRE_BOUND_S)
+    assert time.monotonic() - t0 < FIRE_BOUND_S
+
+
+@pytest.mark.slow
+def test_a_commit_in_another_process_wakes_a_watch_by_signal(embedded, monkeypatch):
+    monkeypatch.setattr(engine, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    if not _signal_works(embedded.db):
+        pytest.skip("no inotify here")
+    k = embedded.k(b"xsig")
+    for i in range(3):      # and again: the thread sleeps on the signal between them
+        f = _watch(embedded.db, k)
+        collect(spawn("set", embedded.url, key=k.hex(), value=(b"v%d" % i).hex()))
+        assert wait_ready(f, FIRE_BOUND_S)
+        assert embedded.db[k] == b"v%d" % i
+
+
+@pytest.mark.slow
+def test_without_inotify_a_watch_still_fires_across_processes(embedded, monkeypatch):
+    monkeypatch.setenv("FDQ_ENGINE_NO_INOTIFY", "1")        # forced fallback: the 1 ms poll
+    monkeypatch.setattr(engine, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    assert engine._CommitSignal.open(embedded.db.path + "-fdqclock") is None
+    k = embedded.k(b"nosig")
+    f = _watch(embedded.db, k)
+    collect(spawn("set", embedded.url, key=k.hex(), value=b"x".hex()))
+    assert wait_ready(f, FIRE_BOUND_S)
+
+
+_SILENT_WRITER = """
+import sys
+import fdq
+from fdq.engine import sqlite as engine
+engine._Store.signal_commit = lambda self: None    # a writer that sends no commit signal
+db = fdq.connect(sys.argv[1], check_format=False)
+tr = db.create_transaction()
+tr[bytes.fromhex(sys.argv[2])] = b"silent"
+tr.commit().wait()
+"""
+
+
+@pytest.mark.slow
+def test_a_commit_without_a_signal_is_found_by_the_fallback_poll(embedded, monkeypatch):
+    monkeypatch.setattr(engine, "WATCH_FALLBACK_POLL_S", 0.2)
+    k = embedded.k(b"silent")
+    f = _watch(embedded.db, k)
+    subprocess.run([sys.executable, "-c", _SILENT_WRITER, embedded.url, k.hex()], check=True, timeout=60)
+    assert wait_ready(f, FIRE_BOUND_S)
+    assert embedded.db[k] == b"silent"
+
+
+def test_the_signal_reports_a_watched_file_gone(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"")
+    s = engine._CommitSignal.open(str(path))
+    if s is None:
+        pytest.skip("no inotify here")
+    try:
+        assert s.drain()        # nothing pending
+        with open(path, "r+b") as fh:
+            fh.write(b"\0")
+        assert s.drain()        # a write: an event, the watch intact
+        os.unlink(path)
+        deadline = time.monotonic() + FIRE_BOUND_S
+        gone = False
+        while not gone and time.monotonic() < deadline:
+            gone = not s.drain()
+            time.sleep(0.01)
+        assert gone, "deleting the watched file was not reported"
+    finally:
+        s.close()

@@ -1,0 +1,70 @@
+"""A tail consumer is woken by new messages, not found by its sweep: with a sweep far
+longer than the waits here, a message on a quiet shard arrives promptly both while the
+worker goes round after round for a busy shard (its rounds check the shards whose
+watches they left unarmed) and after it went idle (it armed them before waiting)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import fdq
+
+SLOW_SWEEP = fdq.ConsumerConfig(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=60.0,
+                                lease_check_interval_s=0.2)
+WAIT_S = 5.0     # far below the 60 s sweep: only a watch or a round's check can deliver in time
+
+
+@pytest.mark.parametrize("acking", [True, False])
+def test_quiet_shard_messages_arrive_without_the_sweep(db, acking):
+    fdq.Supervisor(db).create_topic("t", shards=8)
+    p = fdq.Producer(db)
+    got = {}
+    cond = threading.Condition()
+
+    def handler(m):
+        with cond:
+            got[m.body] = time.monotonic()
+            cond.notify_all()
+
+    def wait_for(body):
+        with cond:
+            assert cond.wait_for(lambda: body in got, WAIT_S), f"{body!r} not delivered within {WAIT_S} s"
+
+    c = fdq.tail(db, "t", handler, acking=acking, config=SLOW_SWEEP)
+    try:
+        deadline = time.monotonic() + 10
+        while len(c.owned_shards) < 8:        # it owns every shard (and swept them once)
+            assert time.monotonic() < deadline, "consumer never owned the shards"
+            time.sleep(0.02)
+        for i in range(16):                       # every shard has had a lease round
+            b = f"warm-{i}".encode()
+            p.push("t", b, shard_key=f"q{i}")
+            wait_for(b)
+
+        stop = threading.Event()
+
+        pushed = [0]
+
+        def busy():                               # keeps the worker going round after round
+            while not stop.is_set() and pushed[0] < 5000:
+                p.push("t", f"busy-{pushed[0]}".encode(), shard_key="busy")
+                pushed[0] += 1
+        t = threading.Thread(target=busy)
+        t.start()
+        try:
+            for i in range(16):
+                b = f"during-{i}".encode()
+                p.push("t", b, shard_key=f"q{i}")
+                wait_for(b)
+        finally:
+            stop.set()
+            t.join(30)
+        wait_for(f"busy-{pushed[0] - 1}".encode())    # drained: the worker waits now
+        for i in range(16):
+            b = f"after-{i}".encode()
+            p.push("t", b, shard_key=f"q{i}")
+            wait_for(b)
+    finally:
+        c.shutdown()
