@@ -17,7 +17,12 @@ def broker(shared_broker):
 
 def consumer(raw, topic, channel="ch", rdy=None, **ident):
     c = raw()
-    ident.setdefault("heartbeat_interval", 1000)
+    # Long heartbeats: a test reading its connections in turn answers one's heartbeats
+    # only while reading it; with 1 s, a slow round under load got a connection closed
+    # for two missed heartbeats, and the message it had not read yet was requeued to
+    # another (a duplicate in test_connections_share_a_channel, ~1 run in 20 under load).
+    # The heartbeat tests set their own interval.
+    ident.setdefault("heartbeat_interval", 30000)
     c.identify(**ident)
     c.sub(topic, channel, rdy)
     return c
