@@ -1,0 +1,43 @@
+"""Review: a nak committed during a reshard, after the reshard's pass over that shard's
+ready area and before its pass over the leased area, requeues the message into the old
+shard's ready queue, which the reshard never visits again: with fewer shards the old
+shard is gone and the message is never delivered (lost)."""
+from __future__ import annotations
+
+import fdq
+from fdq import supervisor as sv
+from fdq.keyspace import Keyspace
+from fdq.keyspace.codec import shard_of
+
+from qhelpers import sub_stats
+
+
+def test_nak_during_reshard_is_not_stranded_in_a_removed_shard(db):
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    key = next(f"k{i}" for i in range(100) if shard_of(f"k{i}", 2) == 1)
+    [pushed] = fdq.Producer(db).push_many("t", [fdq.Envelope(b"x", shard_key=key)])
+    c = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
+    got = []
+    for _ in range(50):
+        got += c.fetch(1, timeout=0.2)
+        if got:
+            break
+    [m] = got
+    ts = Keyspace().topic("t")
+    sv.reshard_begin(db, ts, 1)
+    for n in range(2):
+        sv.reshard_chunk(db, ts, "default", "", n, "ready", 1, 500)
+    m.nak()                                   # the handler gives up meanwhile
+    for n in range(2):
+        for area in ("delayed", "leased"):
+            sv.reshard_chunk(db, ts, "default", "", n, area, 1, 500)
+    sv.reshard_finish(db, ts)
+    sup.play("t")
+    back = []
+    for _ in range(25):
+        back += c.fetch(10, timeout=0.2)
+        if back:
+            break
+    c.close()
+    assert [b.id for b in back] == [pushed.id], f"message stranded; stats {sub_stats(db, 't')}"
