@@ -24,7 +24,7 @@ import fdb.tuple as fdbtuple
 from .engine import transactional
 from .keyspace import ShardSpace, TopicSpace, Versionstamp, counter, decode_counter, vs_from_bytes
 from .keyspace.codec import (LEASE_ENTRY_OVERHEAD, LEASE_RECORD_BYTES, LeaseRecord, Record, decode_dead,
-                             decode_leases, encode_dead, encode_leases, has_chunks)
+                             decode_leases, encode_dead, encode_leases, has_chunks, reshard_shard)
 from .membership import ensure_owner, read_clock
 
 ONE, MINUS_ONE = counter(1), counter(-1)
@@ -69,18 +69,19 @@ def promote_due(tr, shard: ShardSpace, limit: int) -> int | None:
     time still waiting, if any."""
     now = read_clock(tr, shard.clock_key)
     r = shard.delayed_range
-    moved = 0
+    moved, waiting = 0, None
     for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit + 1):
         due, vs = shard.delayed.unpack(kv.key)
         if due > now or moved >= limit:
-            return due
+            waiting = due
+            break
         tr.add_read_conflict_key(kv.key)
         tr.clear(kv.key)
         tr[shard.ready_key(vs)] = kv.value
         moved += 1
     if moved:
         tr.add(shard.stat("delayed"), counter(-moved))
-    return None
+    return waiting
 
 
 def _consumable(tr, ts: TopicSpace, sub: str | None = None) -> bool:
@@ -293,7 +294,21 @@ def _dead_letter(tr, ts: TopicSpace, shard: ShardSpace, vs, record_raw: bytes, r
     _add(tr, {shard.stat("done"): 1, shard.stat("dead"): 1, ts.sub_stat(shard.sub, "dead"): 1})
 
 
-def _requeue(tr, shard: ShardSpace, vs, record_raw: bytes, delay_ms: int):
+def _requeue(tr, ts: TopicSpace, shard: ShardSpace, vs, record_raw: bytes, delay_ms: int):
+    """Back to ``shard``'s ready queue (its original key) or, with a delay, its delayed
+    area. While the topic is resharding, to the shard the reshard moves it to instead: a
+    reshard may have passed this shard's ready and delayed areas already (and removes
+    the shard when the count shrinks). The topic config is read non-snapshot, so a
+    reshard that begins or ends meanwhile makes this transaction conflict."""
+    from .topic import load_config
+    config = load_config(tr[ts.config_key])
+    if config is not None and config.resharding_to is not None:
+        n = reshard_shard(Record.decode(record_raw), vs, config.resharding_to)
+        if n != shard.n:
+            dst = ts.shard(shard.sub, shard.tag, n)
+            tr.add(shard.stat("routed"), MINUS_ONE)
+            tr.add(dst.stat("routed"), ONE)
+            shard = dst
     if delay_ms > 0:
         due = read_clock(tr, shard.clock_key) + delay_ms
         tr[shard.delayed_key(due, vs)] = record_raw
@@ -385,7 +400,7 @@ def settle(tr, ts: TopicSpace, items: list, max_deliver: int) -> list:
                     _dead_letter(tr, ts, shard, vs, rec.encode(),
                                  f"max_deliver ({max_deliver}) reached: last attempt nak'd", lr.consumer_id)
                 else:
-                    _requeue(tr, shard, vs, rec.encode(), int((arg or 0) * 1000))
+                    _requeue(tr, ts, shard, vs, rec.encode(), int((arg or 0) * 1000))
             else:
                 raise ValueError(f"unknown settlement {action!r}")
         if gone or touched:
@@ -440,7 +455,7 @@ def expire_leases(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch
             continue
         attempts = rec.attempts
         delay = backoff_s[min(attempts, len(backoff_s)) - 1] if backoff_s and attempts else 0
-        _requeue(tr, shard, vs, rec.encode(), int(delay * 1000))
+        _requeue(tr, ts, shard, vs, rec.encode(), int(delay * 1000))
         out[vs] = "requeued"
     if gone:
         _put_record(tr, key, lr, gone)
@@ -489,14 +504,18 @@ def dlq_list(tr, ts: TopicSpace, sub: str, limit: int = 100, after: bytes | None
 
 
 @transactional
-def dlq_redrive_chunk(tr, ts: TopicSpace, sub: str, config, limit: int) -> int:
-    """Move up to ``limit`` dead letters back to their shard's ready queue (attempts
-    reset). Resumable: each chunk removes what it moved."""
-    from .keyspace.codec import shard_of
+def dlq_redrive_chunk(tr, ts: TopicSpace, sub: str, config, limit: int) -> tuple:
+    """Move up to ``limit`` dead letters (or ``CHUNK_WRITE_BYTES`` of them) back to their
+    shard's ready queue (attempts reset). Resumable: each chunk removes what it moved.
+    Returns ``(moved, done)``."""
+    from .keyspace.codec import CHUNK_WRITE_BYTES, shard_of
     space = ts.dlq(sub)
     r = space.range()
-    moved = 0
+    moved = written = 0
     for kv in tr.get_range(r.start, r.stop, limit=limit):
+        if written >= CHUNK_WRITE_BYTES:
+            return moved, False
+        written += len(kv.value)
         vs = space.unpack(kv.key)[0]
         raw, _reason, _cid = decode_dead(kv.value)
         rec = Record.decode(raw)
@@ -509,7 +528,7 @@ def dlq_redrive_chunk(tr, ts: TopicSpace, sub: str, config, limit: int) -> int:
         del tr[kv.key]
         _add(tr, {shard.stat("routed"): 1, ts.sub_stat(sub, "dead"): -1})
         moved += 1
-    return moved
+    return moved, moved < limit
 
 
 @transactional

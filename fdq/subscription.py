@@ -30,7 +30,7 @@ from .engine import transactional
 from .errors import ConfigError, SubscriptionNotFound
 from .headers import dispatch_tag
 from .keyspace import TopicSpace, Versionstamp, counter
-from .keyspace.codec import Record, decode_leases, pack, shard_of, unpack
+from .keyspace.codec import CHUNK_WRITE_BYTES, Record, decode_leases, pack, shard_of, unpack
 from .log import SLACK_MS
 from .topic import read_topic_config, write_topic_config
 
@@ -315,13 +315,16 @@ def _copy(tr, ts: TopicSpace, topic_config: TopicConfig, sub: str, bucket: int, 
     n = shard_of(rec.shard_key, topic_config.shards) if rec.shard_key is not None else bucket % topic_config.shards
     shard = ts.shard(sub, tag, n)
     if leases is not None and vs.to_bytes() in _leased(tr, shard, leases):
-        return      # a reset leaves leases alone: the leased copy is the one delivered
+        return 0    # a reset leaves leases alone: the leased copy is the one delivered
     tr[shard.ready_key(vs)] = bytes(raw)
+    written = len(raw)
     if rec.nchunks:
         r = ts.all_chunks[vs].range()
         for i, kv in enumerate(tr.snapshot.get_range(r.start, r.stop)):
             tr[shard.chunks.pack((vs, i))] = kv.value
+            written += len(kv.value)
     routed[shard.stat("routed")] = routed.get(shard.stat("routed"), 0) + 1
+    return written
 
 
 @transactional
@@ -353,7 +356,8 @@ def catch_up_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
     cursors = _cursors(ts, sub)
     routed = {}
     leases = {} if reset is not None else None
-    read = 0
+    read = written = 0
+    full = False
     if policy == "last":
         last = None
         for b in _buckets(tr, ts):
@@ -379,19 +383,24 @@ def catch_up_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
                 begin = space.range().start
             want = limit - read
             rows = list(tr.snapshot.get_range(begin, ts.log_key(b, end), limit=want))
+            copied = 0
             for kv in rows:
+                if written >= CHUNK_WRITE_BYTES:
+                    full = True     # large messages: the rest in the next chunk
+                    break
                 vs = space.unpack(kv.key)[0]
                 if min_ts is None or Record.decode(kv.value).ts_ms >= min_ts:
-                    _copy(tr, ts, topic_config, sub, b, vs, kv.value, routed, leases)
-            read += len(rows)
-            if len(rows) < want:
-                tr[cursors.pack((b,))] = _DONE
-            else:
-                tr[cursors.pack((b,))] = space.unpack(rows[-1].key)[0].to_bytes()
+                    written += _copy(tr, ts, topic_config, sub, b, vs, kv.value, routed, leases)
+                copied += 1
+            read += copied
+            if full or copied == want:
+                if copied:
+                    tr[cursors.pack((b,))] = space.unpack(rows[copied - 1].key)[0].to_bytes()
                 break
+            tr[cursors.pack((b,))] = _DONE
     for key, k in routed.items():
         tr.add(key, counter(k))
-    if read and read >= limit:
+    if full or (read and read >= limit):
         return read
     # Done: deliver from now on. Rewriting the config makes in-flight pushes retry.
     rec.pop("reset", None)

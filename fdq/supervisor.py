@@ -17,7 +17,7 @@ from .engine import transactional
 from .errors import ConfigError, TopicExists, TopicNotFound
 from .headers import dispatch_tag
 from .keyspace import Keyspace, TopicSpace, Versionstamp, counter, decode_counter, message_id, vs_from_bytes
-from .keyspace.codec import CHUNK_BYTES, LeaseRecord, Record, decode_leases, pack, shard_of, unpack
+from .keyspace.codec import CHUNK_BYTES, CHUNK_WRITE_BYTES, LeaseRecord, Record, decode_leases, pack, reshard_shard, shard_of, unpack
 from .log import iter_window, log_buckets, read_chunk
 from .stats import shard_counters
 from .topic import (create_topic, list_topics, load_config, read_topic_config,
@@ -48,38 +48,38 @@ def _route_existing(tr, ts: TopicSpace, config: TopicConfig, n: int, vs, raw: by
             tr[shard.chunks.pack((vs, i))] = c
         tr.add(shard.stat("routed"), counter(1))
     tr.add(ts.stat("routed"), counter(1))
+    return len(config.subs) * (len(raw) + sum(map(len, chunks)))
 
 
 @transactional
-def play_chunk(tr, ts: TopicSpace, limit: int, *, resume: bool = True) -> int:
-    """Route up to ``limit`` messages pushed while paused (or resharding), in order.
-    When none are left and ``resume``, clear ``paused`` in the same transaction.
-    Returns how many were routed. Does nothing while a reshard is in progress."""
+def play_chunk(tr, ts: TopicSpace, limit: int, *, resume: bool = True) -> tuple:
+    """Route up to ``limit`` messages (or ``CHUNK_WRITE_BYTES`` of them) pushed while
+    paused (or resharding), in order. When none are left and ``resume``, clear
+    ``paused`` in the same transaction. Returns ``(routed, done)``. Does nothing while a
+    reshard is in progress."""
     config = read_topic_config(tr, ts)
     if config.resharding_to is not None:
-        return 0
+        return 0, True
     clock = membership.read_clock(tr, ts.clock_key)
     r = ts.pending.range()
-    moved = 0
+    moved = written = 0
     for kv in tr.get_range(r.start, r.stop, limit=limit):
+        if written >= CHUNK_WRITE_BYTES:
+            return moved, False
         vs = ts.pending.unpack(kv.key)[0]
         n, delay_s = unpack(kv.value)
         raw = tr.snapshot[ts.log_key(n, vs)]
         if raw != None:  # noqa: E711 - trimmed meanwhile: nothing to route
             rec = Record.decode(raw)
             target = shard_of(rec.shard_key, config.shards) if rec.shard_key is not None else n % config.shards
-            _route_existing(tr, ts, config, target, vs, bytes(raw), delay_s, clock)
+            written += _route_existing(tr, ts, config, target, vs, bytes(raw), delay_s, clock)
         del tr[kv.key]
         moved += 1
-    if moved < limit and resume and config.paused:
+    if moved == limit:
+        return moved, False
+    if resume and config.paused:
         tr[ts.config_key] = pack(dataclasses.replace(config, paused=False).as_dict())
-    return moved
-
-
-def _shard_for(rec: Record, vs, shards: int) -> int:
-    if rec.shard_key is not None:
-        return shard_of(rec.shard_key, shards)
-    return int.from_bytes(vs.to_bytes()[-6:], "big") % shards
+    return moved, True
 
 
 # -- resharding ---------------------------------------------------------------------
@@ -105,25 +105,28 @@ def reshard_chunk(tr, ts: TopicSpace, sub: str, tag: str, old_n: int, area: str,
                   limit: int, after: bytes | None = None) -> tuple:
     """Move the entries of one queue area (ready, delayed, leased) of shard ``(tag,
     old_n)`` whose new shard differs, reading up to ``limit`` entries (lease records)
-    after the key ``after``. Keys keep their versionstamp, so each new shard's queue stays
-    in push order per shard key. Returns ``(entries read, last key read)``: entries that
-    stay put are skipped by the next chunk's ``after``, so a long run of them cannot loop
-    forever."""
+    or ``CHUNK_WRITE_BYTES`` of them after the key ``after``. Keys keep their
+    versionstamp, so each new shard's queue stays in push order per shard key. Returns
+    ``(entries read, last key read, done)``: entries that stay put are skipped by the
+    next chunk's ``after``, so a long run of them cannot loop forever."""
     src = ts.shard(sub, tag, old_n)
     space = getattr(src, area)
     r = space.range()
     begin = after + b"\x00" if after is not None else r.start
-    read = 0
+    read = size = 0
     last = None
     moves = {}      # new shard n -> messages moved there
     for kv in tr.get_range(begin, r.stop, limit=limit):
+        if size >= CHUNK_WRITE_BYTES:
+            break       # what it moved, written again elsewhere: under FDB's 10 MB per transaction
         read += 1
         last = kv.key
+        size += len(kv.key) + len(kv.value)
         if area == "leased":
             _reshard_lease_record(tr, ts, src, kv.key, kv.value, new_shards, moves)
             continue
         parts = space.unpack(kv.key)
-        new_n = _shard_for(Record.decode(kv.value), parts[-1], new_shards)
+        new_n = reshard_shard(Record.decode(kv.value), parts[-1], new_shards)
         if new_n == old_n:
             continue
         tr[getattr(ts.shard(sub, tag, new_n), area).pack(parts)] = kv.value
@@ -137,7 +140,7 @@ def reshard_chunk(tr, ts: TopicSpace, sub: str, tag: str, old_n: int, area: str,
             name = "in_flight" if area == "leased" else "delayed"
             tr.add(src.stat(name), counter(-k))
             tr.add(dst.stat(name), counter(k))
-    return read, last
+    return read, last, read < limit and size < CHUNK_WRITE_BYTES
 
 
 def _reshard_lease_record(tr, ts: TopicSpace, src, key: bytes, raw, new_shards: int, moves: dict):
@@ -149,7 +152,7 @@ def _reshard_lease_record(tr, ts: TopicSpace, src, key: bytes, raw, new_shards: 
     lr = decode_leases(key, raw)
     groups = {}
     for e in lr.entries:
-        n = _shard_for(Record.decode(e[1]), vs_from_bytes(e[0]), new_shards)
+        n = reshard_shard(Record.decode(e[1]), vs_from_bytes(e[0]), new_shards)
         groups.setdefault(n, []).append(e)
     if list(groups) == [src.n]:
         return
@@ -319,11 +322,11 @@ class Supervisor:
         self.config(name)
         total = 0
         while True:
-            n = play_chunk(self.db, ts, CHUNK)
+            n, done = play_chunk(self.db, ts, CHUNK)
             total += n
             if progress:
                 progress(n)
-            if n < CHUNK:
+            if done:
                 if self.config(name).paused:     # pushes landed while we routed
                     continue
                 return total
@@ -349,10 +352,10 @@ class Supervisor:
                     for area in ("ready", "delayed", "leased"):
                         after = None
                         while True:
-                            read, after = reshard_chunk(self.db, ts, sub, tag, n, area, shards, CHUNK, after)
+                            read, after, done = reshard_chunk(self.db, ts, sub, tag, n, area, shards, CHUNK, after)
                             if progress:
                                 progress(read)
-                            if read < CHUNK:
+                            if done:
                                 break
         config = reshard_finish(self.db, ts)
         if not config.paused:
@@ -570,11 +573,11 @@ class Supervisor:
         config = self.config(name)
         total = 0
         while True:
-            n = delivery.dlq_redrive_chunk(self.db, ts, subscription, config, CHUNK)
+            n, done = delivery.dlq_redrive_chunk(self.db, ts, subscription, config, CHUNK)
             total += n
             if progress:
                 progress(n)
-            if n < CHUNK:
+            if done:
                 return total
 
     def dlq_purge(self, name: str, subscription: str = "default") -> int:
@@ -621,12 +624,12 @@ def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None)
     Returns how many this call pushed (a resumed replay: what was left)."""
     from .log import body_of
     ts = ks.topic(check_name(topic))
-    read_topic_config(db, ts, snapshot=True)     # TopicNotFound for an unknown topic
+    config = read_topic_config(db, ts, snapshot=True)     # TopicNotFound for an unknown topic
     replay_id = f"{start_ms}:{end_ms}"
     state = replay_begin(db, ts, replay_id, start_ms, end_ms)
     after = state["after"]
     index = {}
-    batch, first, count = [], state["count"], state["count"]
+    batch, first, count, size = [], state["count"], state["count"], 0
 
     def flush():
         nonlocal count
@@ -643,10 +646,13 @@ def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None)
             break       # committed after the replay began (its own pushes among them)
         if after is not None and vs.to_bytes() <= after:
             continue    # replayed by an earlier run of this replay
-        batch.append((vs, _ReplayEnvelope(body_of(db, ts, vs, rec), rec.shard_key, None, None, rec.headers,
-                                          replay_of=message_id(vs))))
-        if len(batch) >= CHUNK:
+        env = _ReplayEnvelope(body_of(db, ts, vs, rec), rec.shard_key, None, None, rec.headers,
+                              replay_of=message_id(vs))
+        batch.append((vs, env))
+        size += len(env.body)
+        if len(batch) >= CHUNK or size * (1 + len(config.subs)) >= CHUNK_WRITE_BYTES:
             flush()
+            size = 0
     flush()
     replay_finish(db, ts, replay_id)
     return count - first

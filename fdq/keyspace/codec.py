@@ -18,6 +18,10 @@ CHUNK_BYTES = 90_000  # under FDB's 100,000-byte value limit, with room for the 
 # CHUNK_BYTES alone but not with the rest is chunked too. The room left under the value
 # limit is for what wraps a record: a lease entry, a dead letter with its reason.
 RECORD_BYTES = 92_000
+# A chunk of a long operation (play, reshard, replay, DLQ redrive, a subscription's
+# catch-up) stops once it has written about this much, whatever its message count:
+# large messages must not take a chunk past FDB's 10 MB per transaction.
+CHUNK_WRITE_BYTES = 2_000_000
 _DEFAULTS = (None, None, None, None, b"", 0, 0, None)
 _local = threading.local()
 
@@ -149,6 +153,14 @@ def shard_of(shard_key: str, shards: int) -> int:
     """blake2b-64 of the UTF-8 shard key, mod the shard count (design §3)."""
     digest = hashlib.blake2b(shard_key.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "big") % shards
+
+
+def reshard_shard(rec: Record, vs, shards: int) -> int:
+    """The shard a queued message moves to when the shard count changes to ``shards``:
+    its shard key's, or (no key) one spread by its versionstamp."""
+    if rec.shard_key is not None:
+        return shard_of(rec.shard_key, shards)
+    return int.from_bytes(vs.to_bytes()[-6:], "big") % shards
 
 
 def split_body(body: bytes, force: bool = False):

@@ -1,6 +1,6 @@
-"""Review: promote_due returns early at the first delayed message not yet due without
-subtracting the ones it already moved: the shard's ``delayed`` counter drifts upward
-(stats show delayed messages that do not exist). Pre-existing (not from 18b8c05..main)."""
+"""promote_due returned early at the first delayed message not yet due without
+subtracting the ones it had already moved: the shard's ``delayed`` counter drifted
+upward (stats showed delayed messages that did not exist; found in review)."""
 from __future__ import annotations
 
 import time
