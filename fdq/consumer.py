@@ -548,8 +548,7 @@ class Consumer:
         def committed(got):
             for shard_id, taken, _d, _w in got:
                 if taken:
-                    vss = [t.vs for t in taken]
-                    ok = (delivery.batch_taken(self.db, self._ts, spaces[shard_id], self.id, epochs[shard_id], vss)
+                    ok = (delivery.batch_taken(self.db, self._ts, spaces[shard_id], self.id, epochs[shard_id], taken)
                           if none else delivery.batch_leased(self.db, spaces[shard_id],
                                                              {t.lease_key for t in taken}, lease_id))
                     if not ok:

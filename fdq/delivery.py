@@ -41,6 +41,7 @@ class Taken:
     raw: bytes          # the encoded record as stored
     lease_id: bytes | None = None
     lease_key: bytes | None = None      # the key of the lease record holding it
+    delayed_key: bytes | None = None    # its delayed key, if this transaction promoted it
 
 
 def _body(reader, shard: ShardSpace, vs, record: Record) -> bytes:
@@ -63,10 +64,10 @@ def _add(tr, counters: dict):
 
 
 @transactional
-def promote_due(tr, shard: ShardSpace, limit: int) -> int | None:
+def promote_due(tr, shard: ShardSpace, limit: int, promoted: dict | None = None) -> int | None:
     """Move delayed messages that are due (due <= the database clock, see
     ``membership.read_clock``) to the head of the ready queue. Returns the next due
-    time still waiting, if any."""
+    time still waiting, if any; ``promoted`` collects {12-byte stamp: delayed key}."""
     now = read_clock(tr, shard.clock_key)
     r = shard.delayed_range
     moved, waiting = 0, None
@@ -78,6 +79,8 @@ def promote_due(tr, shard: ShardSpace, limit: int) -> int | None:
         tr.add_read_conflict_key(kv.key)
         tr.clear(kv.key)
         tr[shard.ready_key(vs)] = kv.value
+        if promoted is not None:
+            promoted[vs.to_bytes()] = kv.key
         moved += 1
     if moved:
         tr.add(shard.stat("delayed"), counter(-moved))
@@ -174,9 +177,16 @@ def _select_ready(tr, shard: ShardSpace, limit: int, sel: Selection) -> list:
 
 
 def _read_ready(tr, shard: ShardSpace, limit: int, sel: Selection | None = None):
-    promote_due(tr, shard, limit)
-    if sel is not None:
-        return _select_ready(tr, shard, limit, sel)
+    promoted = {}
+    promote_due(tr, shard, limit, promoted)
+    out = _select_ready(tr, shard, limit, sel) if sel is not None else _read_head(tr, shard, limit)
+    if promoted:
+        for t in out:
+            t.delayed_key = promoted.get(t.vs.to_bytes())
+    return out
+
+
+def _read_head(tr, shard: ShardSpace, limit: int):
     r = shard.ready_range
     out = []
     snap = tr.snapshot
@@ -222,13 +232,15 @@ def take_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: i
 
 
 @transactional
-def batch_taken(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, vss: list) -> bool:
-    """After ``commit_unknown_result`` on ``take_batch``: True if the messages ``vss``
-    are gone from the ready queue while the shard is still ours at ``epoch`` (only its
-    owner's take removes ready messages, so our commit did). Raises LeaseLost if the
-    shard moved (then nobody can tell: at most once, the batch is dropped)."""
+def batch_taken(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, taken: list) -> bool:
+    """After ``commit_unknown_result`` on ``take_batch``: True if the messages ``taken``
+    are gone from the ready queue, and those it promoted from the delayed area gone from
+    there too (their ready keys did not exist before), while the shard is still ours at
+    ``epoch`` (only its owner's take removes them, so our commit did). Raises LeaseLost
+    if the shard moved (then nobody can tell: at most once, the batch is dropped)."""
     ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
-    futures = [tr[shard.ready_key(vs)] for vs in vss]
+    keys = [shard.ready_key(t.vs) for t in taken] + [t.delayed_key for t in taken if t.delayed_key is not None]
+    futures = [tr[k] for k in keys]
     return all(f == None for f in futures)  # noqa: E711
 
 

@@ -1,0 +1,54 @@
+"""Promotion of due delayed messages: the shard's ``delayed`` counter stays exact when
+only some are due, and a take that promoted messages is recognised after
+``commit_unknown_result`` only if it really committed (both found in review)."""
+from __future__ import annotations
+
+import time
+
+import fdq
+
+from qhelpers import sub_stats
+
+FAST = dict(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05, lease_check_interval_s=0.05)
+
+
+def test_delayed_counter_exact_when_only_some_are_due(db):
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    p = fdq.Producer(db)
+    p.push("t", b"soon", delay=0.2)
+    p.push("t", b"later", delay=600)
+    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+        got = []
+        deadline = time.monotonic() + 20
+        while not got and time.monotonic() < deadline:
+            got = c.fetch(10, timeout=0.2)
+        assert [m.body for m in got] == [b"soon"]
+        c.ack_many(got)
+        assert sub_stats(db, "t")["delayed"] == 1       # only "later" is delayed
+
+
+def test_batch_taken_is_false_for_an_uncommitted_take_of_promoted_messages(db):
+    """After commit_unknown_result an at-most-once consumer asks ``batch_taken`` whether
+    its attempt committed: the taken ready keys gone. A message that attempt promoted
+    from the delayed area never had a ready key, so an attempt that did not commit
+    looked committed (on FoundationDB, where 1021 can follow a failed commit: handed
+    over while still delayed, delivered again). Found in review."""
+    from fdq import delivery
+    from fdq.keyspace import Keyspace
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    fdq.Producer(db).push("t", b"due", delay=0.05)
+    ts = Keyspace().topic("t")
+    shard = ts.shard("default", "", 0)
+    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:   # owns the shard
+        deadline = time.monotonic() + 20
+        while True:
+            epoch = c._owned.get(("", 0))
+            tr = db.create_transaction()
+            taken = delivery.take_batch(tr, ts, shard, c.id, epoch, 10) if epoch is not None else []
+            if taken or time.monotonic() > deadline:
+                break
+            tr.cancel()
+            time.sleep(0.05)
+        assert [t.body for t in taken] == [b"due"] and taken[0].delayed_key is not None
+        tr.cancel()                                   # this attempt never commits
+        assert not delivery.batch_taken(db, ts, shard, c.id, epoch, taken)
