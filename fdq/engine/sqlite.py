@@ -1035,8 +1035,9 @@ class _Range:
                 b = after + b"\x00"
         if b >= e:
             return
-        if tr._ryw_disabled or not (tr._writes or tr._clears):
-            # Nothing of its own to merge: rows straight from each SQL batch.
+        if tr._ryw_disabled or not (tr._writes or tr._clears) or tr._untouched(b, e):
+            # Nothing of its own to merge (in this range): rows straight from each SQL
+            # batch. A lease round writes to one shard, then reads the next one's ranges.
             yield from tr._db_batches(b, e, self._reverse, first, wanted)
             return
         rows = tr._merged_range(b, e, self._reverse)
@@ -1398,6 +1399,22 @@ class Transaction(_ReadView):
         row = conn.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
         v = self._db_values[key] = None if row is None else row[0]
         return v
+
+    def _untouched(self, b, e) -> bool:
+        """No write or clear of this transaction falls in [b, e): a range read there
+        is the snapshot's rows as they are."""
+        if self._writes:
+            if self._sorted_keys is None:
+                self._sorted_keys = sorted(self._writes)
+            sk = self._sorted_keys
+            i = bisect.bisect_left(sk, b)
+            if i < len(sk) and sk[i] < e:
+                return False
+        if self._clears:
+            i = bisect.bisect_left(self._clear_begins, e) - 1
+            if i >= 0 and self._clears[i][1] > b:
+                return False
+        return True
 
     def _in_clears(self, key):
         i = bisect.bisect_right(self._clear_begins, key) - 1
