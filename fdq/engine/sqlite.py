@@ -475,6 +475,9 @@ _U32 = struct.Struct("<I")
 _NO_VERSION = b"\xff" * 10
 
 _LAST_VERSION = "SELECT version, clock FROM txlog ORDER BY version DESC LIMIT 1"
+_WATCH_CHECK = "SELECT key, value FROM kv WHERE key IN (%s)"
+_WATCH_CHECK_FIRST = ("SELECT NULL, (SELECT max(version) FROM txlog) UNION ALL "
+                      "SELECT key, value FROM kv WHERE key IN (%s)")
 _UPSERT = "INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)"
 _RANGE_ASC = "SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key ASC LIMIT ?"
 _RANGE_DESC = "SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key DESC LIMIT ?"
@@ -552,6 +555,9 @@ class _CommitSignal:
     def drain(self) -> bool:
         """Read the pending events; False if the watch is gone (the file was deleted
         or moved: the caller falls back to polling)."""
+        # One read takes every event queued (16 bytes each); one that comes after it
+        # is a commit after it, which the next poll() reports: no second read (a
+        # syscall and an exception per wake) to find the queue empty.
         ok = True
         while True:
             try:
@@ -562,14 +568,13 @@ class _CommitSignal:
                 if e.errno == errno.EINTR:
                     continue
                 return False
-            if not data:
-                return ok
             i = 0
             while i + 16 <= len(data):
                 _wd, mask, _cookie, n = _INOTIFY_EVENT.unpack_from(data, i)
                 if mask & _IN_IGNORED:
                     ok = False
                 i += 16 + n
+            return ok
 
     def close(self):
         os.close(self.fd)
@@ -702,23 +707,31 @@ class _WatchManager:
                     self.sleeping = False
                     kicked, self.kick = self.kick, False
                     keys = list(self.watches)
-                dv = conn.execute("PRAGMA data_version").fetchone()[0]
-                if dv == last_dv and not kicked:
-                    continue
-                last_dv = dv
+                if signal is None:  # polling: most polls find no commit
+                    dv = conn.execute("PRAGMA data_version").fetchone()[0]
+                    if dv == last_dv and not kicked:
+                        continue
+                    last_dv = dv
+                # One statement per 500 keys, each its own snapshot, the first with the
+                # last commit version (every key is read at a state that includes it).
+                # Few SQLite calls: each releases and retakes the GIL, which a busy
+                # thread of this process (a consumer's worker) holds for up to the
+                # switch interval; at one check per commit of any process that cost
+                # more than the queries.
                 current = {}
-                conn.execute("BEGIN")   # the keys and the version they are at: one snapshot
-                try:
-                    row = conn.execute(_LAST_VERSION).fetchone()
-                    for i in range(0, len(keys), 500):
-                        chunk = keys[i:i + 500]
-                        q = "SELECT key, value FROM kv WHERE key IN (%s)" % ",".join("?" * len(chunk))
-                        current.update(conn.execute(q, chunk).fetchall())
-                finally:
-                    conn.execute("COMMIT")
+                version = None
+                for i in range(0, len(keys), 500):
+                    chunk = keys[i:i + 500]
+                    q = _WATCH_CHECK_FIRST if i == 0 else _WATCH_CHECK
+                    q = q % ",".join("?" * len(chunk))
+                    for k, v in conn.execute(q, chunk).fetchall():
+                        if k is None:
+                            version = v
+                        else:
+                            current[k] = v
                 fired = []
                 with self.cond:
-                    self.checked_version = row[0] if row is not None else None
+                    self.checked_version = version
                     for key in keys:
                         lst = self.watches.get(key)
                         if not lst:
