@@ -683,6 +683,7 @@ class _WatchManager:
             with self.cond:
                 self.poke_w = poke_w
         last_dv = None
+        queries = {}    # (first, number of keys) -> the check's SQL
         try:
             while True:
                 with self.cond:
@@ -722,8 +723,10 @@ class _WatchManager:
                 version = None
                 for i in range(0, len(keys), 500):
                     chunk = keys[i:i + 500]
-                    q = _WATCH_CHECK_FIRST if i == 0 else _WATCH_CHECK
-                    q = q % ",".join("?" * len(chunk))
+                    q = queries.get((i == 0, len(chunk)))
+                    if q is None:
+                        q = queries[i == 0, len(chunk)] = ((_WATCH_CHECK_FIRST if i == 0 else _WATCH_CHECK)
+                                                            % ",".join("?" * len(chunk)))
                     for k, v in conn.execute(q, chunk).fetchall():
                         if k is None:
                             version = v
@@ -732,11 +735,14 @@ class _WatchManager:
                 fired = []
                 with self.cond:
                     self.checked_version = version
+                    watches = self.watches
                     for key in keys:
-                        lst = self.watches.get(key)
+                        lst = watches.get(key)
                         if not lst:
                             continue
                         now = current.get(key)
+                        if len(lst) == 1 and lst[0][0] == now and not lst[0][1].is_ready():
+                            continue    # the common case, unchanged: no lists built
                         keep = [(b, f) for b, f in lst if b == now and not f.is_ready()]
                         fired += [f for b, f in lst if b != now]
                         self.count -= len(lst) - len(keep)
