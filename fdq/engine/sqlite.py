@@ -476,8 +476,6 @@ _NO_VERSION = b"\xff" * 10
 
 _LAST_VERSION = "SELECT version, clock FROM txlog ORDER BY version DESC LIMIT 1"
 _WATCH_CHECK = "SELECT key, value FROM kv WHERE key IN (%s)"
-_WATCH_CHECK_FIRST = ("SELECT NULL, (SELECT max(version) FROM txlog) UNION ALL "
-                      "SELECT key, value FROM kv WHERE key IN (%s)")
 _UPSERT = "INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)"
 _RANGE_ASC = "SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key ASC LIMIT ?"
 _RANGE_DESC = "SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key DESC LIMIT ?"
@@ -601,17 +599,8 @@ class _WatchManager:
         self.kick = False
         self.poke_w = None  # write end of the pipe that wakes the thread's poll()
         self.sleeping = False   # the thread is in (or about to enter) that poll()
-        self.checked_version = None  # the last commit version the thread's last check read
 
-    def register(self, key: bytes, baseline, future: Future, seen_version: int | None = None):
-        """``seen_version``: the last commit version of the snapshot ``baseline`` was
-        read from (a read-only transaction's), if known. A new watch is compared with
-        the key as it is now by a check of the thread (a kick) unless no such check is
-        needed: the thread sleeps on commit signals and its last check read nothing newer
-        than that snapshot. Then every commit the baseline missed is newer than that
-        check, so its signal is still to come and wakes the thread, which then checks
-        this key with the others: a kick (a pipe write and a check, ~0.1 ms of this
-        process per lease round of a consumer) would find nothing."""
+    def register(self, key: bytes, baseline, future: Future):
         with self.cond:
             self.watches.setdefault(key, []).append((baseline, future))
             self.count += 1
@@ -619,9 +608,6 @@ class _WatchManager:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name="fdq-watches", daemon=True)
                 self.thread.start()
-            if (seen_version is not None and self.sleeping and self.poke_w is not None
-                    and self.checked_version is not None and self.checked_version <= seen_version):
-                return
             self._kick()
 
     def _cancelled(self, future):
@@ -636,9 +622,7 @@ class _WatchManager:
                         return
 
     def notify_commit(self):
-        """A commit of this process: wake the thread, unless it sleeps on commit
-        signals (the commit's own signal wakes it; a kick as well made two checks)."""
-        if self.count and self.poke_w is None:
+        if self.count:
             with self.cond:
                 self._kick()
 
@@ -683,7 +667,7 @@ class _WatchManager:
             with self.cond:
                 self.poke_w = poke_w
         last_dv = None
-        queries = {}    # (first, number of keys) -> the check's SQL
+        queries = {}    # number of keys -> the check's SQL
         try:
             while True:
                 with self.cond:
@@ -713,28 +697,19 @@ class _WatchManager:
                     if dv == last_dv and not kicked:
                         continue
                     last_dv = dv
-                # One statement per 500 keys, each its own snapshot, the first with the
-                # last commit version (every key is read at a state that includes it).
-                # Few SQLite calls: each releases and retakes the GIL, which a busy
+                # One statement per 500 keys. Few SQLite calls: each releases and retakes the GIL, which a busy
                 # thread of this process (a consumer's worker) holds for up to the
                 # switch interval; at one check per commit of any process that cost
                 # more than the queries.
                 current = {}
-                version = None
                 for i in range(0, len(keys), 500):
                     chunk = keys[i:i + 500]
-                    q = queries.get((i == 0, len(chunk)))
+                    q = queries.get(len(chunk))
                     if q is None:
-                        q = queries[i == 0, len(chunk)] = ((_WATCH_CHECK_FIRST if i == 0 else _WATCH_CHECK)
-                                                            % ",".join("?" * len(chunk)))
-                    for k, v in conn.execute(q, chunk).fetchall():
-                        if k is None:
-                            version = v
-                        else:
-                            current[k] = v
+                        q = queries[len(chunk)] = _WATCH_CHECK % ",".join("?" * len(chunk))
+                    current.update(conn.execute(q, chunk).fetchall())
                 fired = []
                 with self.cond:
-                    self.checked_version = version
                     watches = self.watches
                     for key in keys:
                         lst = watches.get(key)
@@ -1279,7 +1254,6 @@ class Transaction(_ReadView):
         self._release()
         self._rv = None
         self._rv_clock = None
-        self._snap_last = None   # the last commit version in the snapshot (watches, below)
         self._db_values = {}     # key -> value read from this attempt's snapshot
         self._writes = {}
         self._sorted_keys = None
@@ -1342,7 +1316,6 @@ class Transaction(_ReadView):
             conn = store.acquire_reader()
             last, last_clock, now = store.begin_snapshot(conn)
             self._conn = conn
-            self._snap_last = last
             self._rv = _version_at(last, last_clock, now)
             self._rv_clock = now
         elif _clock() - self._rv_clock > MVCC_WINDOW_S:
@@ -1924,7 +1897,7 @@ class Transaction(_ReadView):
             self._committed_version = -1
             self._end_versionstamp(None, EngineError(2021))
             for key, base, f in self._pending_watches:
-                self._register_watch(key, base, f, self._snap_last)
+                self._register_watch(key, base, f)
             self._pending_watches = []
             self._state = "committed"
             return
@@ -1998,10 +1971,10 @@ class Transaction(_ReadView):
             f._resolve(None, err)
         self._pending_watches = []
 
-    def _register_watch(self, key, baseline, f, seen_version=None):
+    def _register_watch(self, key, baseline, f):
         if f.is_ready():
             return
-        self.db._watch_manager().register(key, baseline, f, seen_version)
+        self.db._watch_manager().register(key, baseline, f)
 
     def _apply(self, store, rv, has_reads, jump) -> int:
         w = store.writer
