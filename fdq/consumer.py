@@ -389,12 +389,16 @@ class Consumer:
     def _check_leases(self, now: float):
         """Expire leases of owned shards seen unchanged (same lease, same touches) for
         their ack wait on this host's monotonic clock: per lease record, one transaction
-        for all of its messages that are due (a batch nobody settled expires at once)."""
+        for all of its messages that are due (a batch nobody settled expires at once).
+        The owned shards' lease records are read in one snapshot transaction (one per
+        shard was a burst of 16 transactions every check, competing with the worker)."""
         with self._owned_lock:
             owned = dict(self._owned)
+        spaces = {shard_id: self._ts.shard(self.subscription, *shard_id) for shard_id in owned}
+        scans = delivery.scan_shards_leases(self.db, spaces) if spaces else {}
         for shard_id, epoch in owned.items():
-            shard = self._ts.shard(self.subscription, *shard_id)
-            current = delivery.scan_leases(self.db, shard)
+            shard = spaces[shard_id]
+            current = scans[shard_id]
             live_keys = set()
             due = {}        # (record key, lease id) -> [(vs, touches)]
             with self._leases_lock:

@@ -475,6 +475,7 @@ _U32 = struct.Struct("<I")
 _NO_VERSION = b"\xff" * 10
 
 _LAST_VERSION = "SELECT version, clock FROM txlog ORDER BY version DESC LIMIT 1"
+_WATCH_CHECK = "SELECT key, value FROM kv WHERE key IN (%s)"
 _UPSERT = "INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)"
 _RANGE_ASC = "SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key ASC LIMIT ?"
 _RANGE_DESC = "SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key DESC LIMIT ?"
@@ -552,6 +553,9 @@ class _CommitSignal:
     def drain(self) -> bool:
         """Read the pending events; False if the watch is gone (the file was deleted
         or moved: the caller falls back to polling)."""
+        # One read takes every event queued (16 bytes each); one that comes after it
+        # is a commit after it, which the next poll() reports: no second read (a
+        # syscall and an exception per wake) to find the queue empty.
         ok = True
         while True:
             try:
@@ -562,14 +566,13 @@ class _CommitSignal:
                 if e.errno == errno.EINTR:
                     continue
                 return False
-            if not data:
-                return ok
             i = 0
             while i + 16 <= len(data):
                 _wd, mask, _cookie, n = _INOTIFY_EVENT.unpack_from(data, i)
                 if mask & _IN_IGNORED:
                     ok = False
                 i += 16 + n
+            return ok
 
     def close(self):
         os.close(self.fd)
@@ -664,6 +667,7 @@ class _WatchManager:
             with self.cond:
                 self.poke_w = poke_w
         last_dv = None
+        queries = {}    # number of keys -> the check's SQL
         try:
             while True:
                 with self.cond:
@@ -688,22 +692,32 @@ class _WatchManager:
                     self.sleeping = False
                     kicked, self.kick = self.kick, False
                     keys = list(self.watches)
-                dv = conn.execute("PRAGMA data_version").fetchone()[0]
-                if dv == last_dv and not kicked:
-                    continue
-                last_dv = dv
+                if signal is None:  # polling: most polls find no commit
+                    dv = conn.execute("PRAGMA data_version").fetchone()[0]
+                    if dv == last_dv and not kicked:
+                        continue
+                    last_dv = dv
+                # One statement per 500 keys. Few SQLite calls: each releases and retakes the GIL, which a busy
+                # thread of this process (a consumer's worker) holds for up to the
+                # switch interval; at one check per commit of any process that cost
+                # more than the queries.
                 current = {}
                 for i in range(0, len(keys), 500):
                     chunk = keys[i:i + 500]
-                    q = "SELECT key, value FROM kv WHERE key IN (%s)" % ",".join("?" * len(chunk))
+                    q = queries.get(len(chunk))
+                    if q is None:
+                        q = queries[len(chunk)] = _WATCH_CHECK % ",".join("?" * len(chunk))
                     current.update(conn.execute(q, chunk).fetchall())
                 fired = []
                 with self.cond:
+                    watches = self.watches
                     for key in keys:
-                        lst = self.watches.get(key)
+                        lst = watches.get(key)
                         if not lst:
                             continue
                         now = current.get(key)
+                        if len(lst) == 1 and lst[0][0] == now and not lst[0][1].is_ready():
+                            continue    # the common case, unchanged: no lists built
                         keep = [(b, f) for b, f in lst if b == now and not f.is_ready()]
                         fired += [f for b, f in lst if b != now]
                         self.count -= len(lst) - len(keep)
@@ -1035,8 +1049,9 @@ class _Range:
                 b = after + b"\x00"
         if b >= e:
             return
-        if tr._ryw_disabled or not (tr._writes or tr._clears):
-            # Nothing of its own to merge: rows straight from each SQL batch.
+        if tr._ryw_disabled or not (tr._writes or tr._clears) or tr._untouched(b, e):
+            # Nothing of its own to merge (in this range): rows straight from each SQL
+            # batch. A lease round writes to one shard, then reads the next one's ranges.
             yield from tr._db_batches(b, e, self._reverse, first, wanted)
             return
         rows = tr._merged_range(b, e, self._reverse)
@@ -1398,6 +1413,22 @@ class Transaction(_ReadView):
         row = conn.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
         v = self._db_values[key] = None if row is None else row[0]
         return v
+
+    def _untouched(self, b, e) -> bool:
+        """No write or clear of this transaction falls in [b, e): a range read there
+        is the snapshot's rows as they are."""
+        if self._writes:
+            if self._sorted_keys is None:
+                self._sorted_keys = sorted(self._writes)
+            sk = self._sorted_keys
+            i = bisect.bisect_left(sk, b)
+            if i < len(sk) and sk[i] < e:
+                return False
+        if self._clears:
+            i = bisect.bisect_left(self._clear_begins, e) - 1
+            if i >= 0 and self._clears[i][1] > b:
+                return False
+        return True
 
     def _in_clears(self, key):
         i = bisect.bisect_right(self._clear_begins, key) - 1

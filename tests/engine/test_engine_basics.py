@@ -225,3 +225,31 @@ def test_range_split_points_and_estimated_size(eng):
         assert sum(chunks) == 2000 and len(chunks) >= 8 and max(chunks) <= 250
     with pytest.raises(Exception):
         tr.get_range_split_points(b, e, 0)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_range_reads_beside_and_across_own_writes_and_clears(eng, reverse):
+    """A transaction with writes and clears elsewhere reads an untouched range as stored
+    (the embedded engine skips its merge there), and still merges where they fall: at a
+    range's edges, inside it, a clear ending exactly at its start or beginning at its end."""
+    fill(eng, [b"a1", b"a2", b"b1", b"b2", b"c1", b"c2", b"d1"])
+    tr = eng.db.create_transaction()
+    tr[eng.k(b"a3")] = b"new"          # in [a, b)
+    tr.clear_range(eng.k(b"c"), eng.k(b"c2"))   # clears c1
+    tr.clear_range(eng.k(b"a\xff"), eng.k(b"b"))    # ends where [b, c) starts
+    tr.clear_range(eng.k(b"c\xff"), eng.k(b"d1"))  # begins after [c, c\xff)
+
+    def rng(b, e, **kw):
+        return keys(tr.get_range(eng.k(b), eng.k(e), reverse=reverse, **kw))
+
+    def want(*s):
+        out = [eng.k(x) for x in s]
+        return out[::-1] if reverse else out
+    assert rng(b"b", b"c") == want(b"b1", b"b2")               # untouched
+    assert rng(b"b", b"c", limit=1) == want(b"b1", b"b2")[:1]
+    assert rng(b"a", b"b") == want(b"a1", b"a2", b"a3")        # own write inside
+    assert rng(b"c", b"d") == want(b"c2")                      # own clear inside
+    assert rng(b"d", b"e") == want(b"d1")                      # a clear ends at d1
+    tr[eng.k(b"b3")] = b"later"                                # a write after the first read
+    assert rng(b"b", b"c") == want(b"b1", b"b2", b"b3")
+    assert keys(tr.snapshot.get_range(eng.k(b"b"), eng.k(b"c"))) == [eng.k(b"b1"), eng.k(b"b2"), eng.k(b"b3")]
