@@ -47,6 +47,10 @@ ACK_LINGER_S = 0.005
 # stalled database must not hang shutdown, and what it would have done happens anyway
 # (leases expire, peers time the consumer out as a zombie).
 _GOODBYE_MS = 10_000
+# A lease check reads this many shards' lease records per transaction: one transaction
+# per shard cost 16 every check interval; all of a consumer's shards in one could
+# outlast FDB's 5 s with large backlogs in flight.
+LEASE_SCAN_SHARDS = 4
 
 
 def _ms_until(deadline: float) -> int:
@@ -395,7 +399,9 @@ class Consumer:
         with self._owned_lock:
             owned = dict(self._owned)
         spaces = {shard_id: self._ts.shard(self.subscription, *shard_id) for shard_id in owned}
-        scans = delivery.scan_shards_leases(self.db, spaces) if spaces else {}
+        scans, ids = {}, list(spaces)
+        for i in range(0, len(ids), LEASE_SCAN_SHARDS):     # a few shards per read-only transaction
+            scans.update(delivery.scan_shards_leases(self.db, {s: spaces[s] for s in ids[i:i + LEASE_SCAN_SHARDS]}))
         for shard_id, epoch in owned.items():
             shard = spaces[shard_id]
             current = scans[shard_id]
