@@ -1,9 +1,9 @@
 """The supervisor: topics, pause / play, rebalance and reshard, stats, retention, replay.
 
 Long operations (play, reshard, replay, trim, DLQ redrive/purge) run as a series of
-transactions of at most ``CHUNK`` messages (and ``CHUNK_WRITE_BYTES``) each, well under FDB's 5 s and 10 MB, and are
-resumable: each chunk removes what it has done, so a killed run finishes when run again,
-with nothing lost or doubled.
+transactions of at most ``CHUNK`` messages (and ``CHUNK_WRITE_BYTES``) each, well under
+FDB's 5 s and 10 MB, and are resumable: each chunk removes what it has done, so a killed
+run finishes when run again, with nothing lost or doubled.
 """
 from __future__ import annotations
 
