@@ -183,7 +183,6 @@ class Consumer:
             raise ConfigError(f"topic {self.topic!r} has no extend support: connect without extend_support")
         if self._topic_config.extend and not extend_support:
             raise ConfigError(f"topic {self.topic!r} has extend support: consumers must set extend_support=True")
-        self._bind_subscription(create, subscription_config, ephemeral)
         self.extend_support = extend_support
         if desired_tag is not None and self._topic_config.extend:
             check_tag(desired_tag)
@@ -213,14 +212,23 @@ class Consumer:
         self._reaper = _subs.Reaper(self.config.zombie_after_s)
         self._closed = False
         self._clock_base = None      # (database clock ms, this host's monotonic s) last seen
-        self._join()
-        self._tick_clock(_monotonic())
-        self._thread = threading.Thread(target=self._membership_loop, name=f"fdq-member-{self.id}",
-                                        daemon=True)
-        self._thread.start()
-        self._watchdog = threading.Thread(target=self._stall_watch, name=f"fdq-watchdog-{self.id}",
-                                          daemon=True)
-        self._watchdog.start()
+        self._thread = None
+        if self._bind_subscription(create, subscription_config, ephemeral):
+            self._refresh_owned()
+        else:
+            self._join()
+        try:
+            self._tick_clock(_monotonic())
+            self._thread = threading.Thread(target=self._membership_loop, name=f"fdq-member-{self.id}",
+                                            daemon=True)
+            self._thread.start()
+            self._watchdog = threading.Thread(target=self._stall_watch, name=f"fdq-watchdog-{self.id}",
+                                              daemon=True)
+            self._watchdog.start()
+            self._finish_catch_up()
+        except BaseException:
+            Consumer.close(self)
+            raise
 
     # -- membership --------------------------------------------------------------------
 
@@ -235,22 +243,42 @@ class Consumer:
             config = create_topic(self.db, self.keyspace, self.topic, TopicConfig(extend=bool(extend)))
         return config
 
-    def _bind_subscription(self, create: bool, given: SubscriptionConfig | None, ephemeral: bool):
+    def _bind_subscription(self, create: bool, given: SubscriptionConfig | None, ephemeral: bool) -> bool:
         """Bind to the subscription (creating it if ``create``; a given config must
-        equal the stored one), finish its catch-up if one is pending, and apply its
-        config: redelivery policy, ack policy, flow control, order, filter."""
+        equal the stored one) and apply its config: redelivery policy, ack policy, flow
+        control, order, filter. Returns True if it joined as well: an ephemeral
+        subscription is created and joined in one transaction, so it never exists
+        without a member (its creator killed in between left one no reaper deletes:
+        reapers look for zombie members)."""
         if given is not None and not isinstance(given, SubscriptionConfig):
             raise ConfigError(f"subscription_config must be a fdq.SubscriptionConfig, not {type(given).__name__}")
         if ephemeral and not (given and given.ephemeral):
             given = dataclasses.replace(given or SubscriptionConfig(), ephemeral=True)
+        joined = False
         if self.subscription not in self._topic_config.subs:
             if not create:
                 _subs.read_subscription(self.db, self._ts, self.subscription)  # raises
-            _subs.create_subscription(self.db, self._ts, self.subscription, given)
-        self._apply_subscription(_subs.read_subscription(self.db, self._ts, self.subscription))
-        if given is not None and given != self.sub_config:
-            raise _subs._diff_error(self._ts, self.subscription, self.sub_config, given)
-        self._topic_config = read_topic_config(self.db, self._ts)
+            if _subs.is_ephemeral(self.subscription, given or SubscriptionConfig()):
+                _subs.create_and_join(self.db, self._ts, self.subscription, given, self.id, self._record())
+                joined = True
+            else:
+                _subs.create_subscription(self.db, self._ts, self.subscription, given)
+        try:
+            self._apply_subscription(_subs.read_subscription(self.db, self._ts, self.subscription))
+            if given is not None and given != self.sub_config:
+                raise _subs._diff_error(self._ts, self.subscription, self.sub_config, given)
+            self._topic_config = read_topic_config(self.db, self._ts)
+        except BaseException:
+            if joined:
+                self._leave()
+            raise
+        return joined
+
+    def _finish_catch_up(self):
+        """Copy the subscription's start point into its queues if that is pending (a
+        new subscription, a reset). After joining and with heartbeats running: a long
+        catch-up must not look like a dead member (an ephemeral subscription's would be
+        deleted under it)."""
         if self.subscription in self._topic_config.catchup:
             _subs.catch_up(self.db, self._ts, self.subscription)
             self._topic_config = read_topic_config(self.db, self._ts)
@@ -274,6 +302,13 @@ class Consumer:
                                  self._topic_config)
         self._refresh_owned()
         return plan
+
+    def _leave(self):
+        try:
+            run_within(self.db, _GOODBYE_MS, _subs.leave, self._ts, self.subscription, self.id,
+                       self._topic_config)
+        except FDQError as e:
+            self._report(e)
 
     def _refresh_owned(self):
         owners = membership.read_owners(self.db, self._ts, self.subscription)
@@ -741,7 +776,8 @@ class Consumer:
         self._closed = True
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=10)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
         deadline = _monotonic() + _GOODBYE_MS / 1000
         self._return_leases(deadline)
         for w in self._watches.values():

@@ -465,6 +465,16 @@ def join(tr, ts: TopicSpace, sub: str, consumer_id: str, record: dict, topic_con
 
 
 @transactional
+def create_and_join(tr, ts: TopicSpace, sub: str, config: SubscriptionConfig | None, consumer_id: str,
+                    record: dict) -> dict:
+    """``create_subscription`` (or bind to the existing one) and ``join`` it, in one
+    transaction: how a consumer creates an ephemeral subscription, which so never
+    exists without a member for a reaper to find dead."""
+    create_subscription(tr, ts, sub, config)
+    return membership.join(tr, ts, sub, consumer_id, record, read_topic_config(tr, ts))
+
+
+@transactional
 def leave(tr, ts: TopicSpace, sub: str, consumer_id: str, topic_config) -> bool:
     """``membership.leave``; an ephemeral subscription left without members is deleted
     in the same transaction. Returns True if it was deleted."""
@@ -541,5 +551,5 @@ def effective_consumer_config(consumer_config, config: SubscriptionConfig):
 
 __all__ = ["read_subscription", "subscription_info", "create_subscription", "delete_subscription",
            "update_subscription", "begin_reset", "purge_chunk", "catch_up_chunk", "catch_up",
-           "matcher", "join", "leave", "declare_zombie", "Reaper", "effective_consumer_config",
+           "matcher", "create_and_join", "join", "leave", "declare_zombie", "Reaper", "effective_consumer_config",
            "is_ephemeral", "DEFAULT_SUBSCRIPTION"]

@@ -1,5 +1,8 @@
 """Ephemeral subscriptions: deleted when the LAST consumer leaves or becomes a zombie,
 never when the first of two leaves (JetStream ADR-15's drain problem)."""
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -115,3 +118,71 @@ def test_ephemeral_in_process_and_supervisor_reap(db):
     c4._thread.join(timeout=10)
     assert sup.reap("events", zombie_after_s=1.0) == []
     assert "durable" in sup.config("events").subs
+
+
+_DIE_AT_JOIN = """
+import os, signal, sys
+import fdq
+from fdq import membership
+
+def die(*args, **kwargs):          # the process is killed where it joins the subscription
+    os.kill(os.getpid(), signal.SIGKILL)
+
+membership.join = die
+db = fdq.connect(sys.argv[1])
+fdq.Consumer(db, "events", subscription=sys.argv[2], config=fdq.ConsumerConfig(heartbeat_interval_s=0.2,
+             zombie_timeout_s=1.5), subscription_config=fdq.SubscriptionConfig(deliver_policy=sys.argv[3]))
+"""
+
+
+@pytest.mark.parametrize("policy", ["new", "all"])
+def test_ephemeral_creator_killed_before_joining_leaves_nothing(db, url, tmp_path, policy):
+    """A consumer creating an ephemeral subscription and killed before it joined must not
+    leave a subscription without members: no reaper would ever delete it (they look for
+    zombie members), and every push would fan out to it forever."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("events", shards=2)
+    push(db, 5, "before")
+    sub = "gone#ephemeral"
+    script = tmp_path / "die_at_join.py"
+    script.write_text(_DIE_AT_JOIN)
+    proc = subprocess.run([sys.executable, str(script), url, sub, policy], timeout=60, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    assert sub not in sup.config("events").subs
+    assert sub_keys(db, sup, sub) == 0
+    push(db, 5, "after")    # pushes fan out to the default subscription only
+    assert set(sup.stats("events")["subscriptions"]) == {"default"}
+
+
+def test_ephemeral_long_catch_up_is_not_reaped(db, monkeypatch):
+    """The creator of an ephemeral subscription joins before it copies the backlog (its
+    catch-up) and heartbeats meanwhile: a catch-up longer than the zombie timeout does
+    not get the subscription reaped under it by another consumer of the topic."""
+    from fdq import subscription as subs
+    sup = fdq.Supervisor(db)
+    sup.create_topic("events", shards=2)
+    ids = push(db, 40, "x")
+    cfg = fdq.ConsumerConfig(heartbeat_interval_s=0.1, zombie_timeout_s=0.5, lease_check_interval_s=0.1,
+                             poll_interval_s=0.1)
+    observer = fdq.tail(db, "events", lambda m: None, config=cfg)    # runs a reaper
+    chunk = subs.catch_up_chunk
+    monkeypatch.setattr(subs, "CHUNK", 5)
+    calls = []
+
+    def slow_chunk(*args, **kwargs):     # 8+ chunks, ~1.6 s: 3 zombie timeouts
+        calls.append(1)
+        time.sleep(0.2)
+        return chunk(*args, **kwargs)
+    monkeypatch.setattr(subs, "catch_up_chunk", slow_chunk)
+    try:
+        c = fdq.Consumer(db, "events", subscription="slow#ephemeral", config=cfg)
+        assert len(calls) >= 8
+        assert "slow#ephemeral" in sup.config("events").subs
+        got = []
+        wait_for(lambda: got.extend(c.fetch(50, timeout=0.1)) or len(got) >= len(ids), what="the backlog")
+        assert sorted(m.id for m in got) == sorted(ids)
+        c.ack_many(got)
+        c.close()
+        assert "slow#ephemeral" not in sup.config("events").subs
+    finally:
+        observer.shutdown()
