@@ -99,8 +99,17 @@ class Channel:
         kwargs = dict(subscription=self.name, config=cfg, create=False, batch_size=100)
         if self.extend:
             kwargs.update(extend_support=True, desired_tag=self.tag)
-        await b.run(b.ensure_channel, self.topic, self.name)
-        self.consumer = await b.run(functools.partial(Consumer, b.db, self.topic, **kwargs))
+        new = await b.run(b.ensure_channel, self.topic, self.name, not self.name.endswith("#ephemeral"))
+        if new is not None:     # an ephemeral channel: created and joined in one transaction
+            kwargs.update(create=True, subscription_config=new, ephemeral=True)
+        try:
+            self.consumer = await b.run(functools.partial(Consumer, b.db, self.topic, **kwargs))
+        except ConfigError:
+            if new is None:
+                raise
+            # another broker created it meanwhile, with the start point of a later channel
+            kwargs.update(create=False, subscription_config=None)
+            self.consumer = await b.run(functools.partial(Consumer, b.db, self.topic, **kwargs))
         self._task = asyncio.get_running_loop().create_task(self._pump())
 
     def add(self, conn):
@@ -765,16 +774,21 @@ class Broker:
             self.supervisor.create_topic(topic, subs=NEW_TOPIC.subs)
             return self.supervisor.config(topic)
 
-    def ensure_channel(self, topic: str, channel: str):
+    def ensure_channel(self, topic: str, channel: str, create: bool = True) -> SubscriptionConfig | None:
         """Create the channel's subscription if it is new. As nsqd, where a topic
         buffers messages until its first channel exists, the topic's first channel
         (other than FDQ's ``default``) starts from every message still in the topic's
-        log; later channels get messages published from their creation on."""
+        log; later channels get messages published from their creation on.
+        ``create=False``: return the config a new channel gets (None if it exists), for
+        the consumer that creates it and joins it at once (an ephemeral channel: one
+        created by a broker killed before its consumer joined would never be deleted)."""
         config = self.ensure_topic(topic)
         if channel in config.subs:
-            return
+            return None
         first = not [s for s in config.subs if s != DEFAULT_SUBSCRIPTION]
         sub = SubscriptionConfig(deliver_policy="all" if first else "new")
+        if not create:
+            return sub
         try:
             self.supervisor.create_subscription(topic, channel, sub, ephemeral=channel.endswith("#ephemeral"))
         except ConfigError:

@@ -1,12 +1,19 @@
 """nsqd's HTTP API: /ping /info /stats /pub /mpub /topic/* /channel/* and /metrics."""
 import json
+import os
+import signal
 import struct
+import subprocess
+import sys
 import time
 
 import pytest
 
+import fdq
 from fdqtest import wait_for
 from nsqclient import RawClient
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = pytest.mark.slow
 
@@ -136,7 +143,6 @@ def test_broker_topics_have_no_default_subscription(broker):
     """A topic the broker creates has channels only (no FDQ "default" nobody reads, whose
     backlog would grow without bound); what is published before the first channel is
     delivered to it, as nsqd's topic buffer does; later channels start at their creation."""
-    import fdq
     db = fdq.connect(broker.url)
     assert broker.http_req("/mpub?topic=nodef", b"a\nb\nc\n") == (200, b"OK")   # creates the topic
     assert broker.http_req("/topic/create?topic=nodef2", b"")[0] == 200
@@ -158,3 +164,34 @@ def test_broker_topics_have_no_default_subscription(broker):
     c.close()
     assert sup.config("nodef").subs == ("first", "second")
     wait_for(lambda: channel(broker, "nodef", "second")["depth"] == 1, what="d alone in the second channel")
+
+
+def test_ephemeral_channel_of_a_broker_killed_while_subscribing_is_not_left_behind(db_url):
+    """A broker killed between creating an ephemeral channel's subscription and joining
+    it as a consumer must not leave the subscription without members: no reaper deletes
+    one (they look for zombie members) and every publish would fan out to it forever.
+    The broker here dies exactly there (``membership.join`` kills its process)."""
+    code = ("import os, signal, runpy; from fdq import membership; "
+            "membership.join = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL); "
+            "runpy.run_module('fdq.broker', run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", code, "--url", db_url, "--tcp-address", "127.0.0.1:0",
+                             "--http-address", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=_ROOT, env=os.environ.copy(), text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("fdq-broker"), (line, proc.stderr.read()[-2000:] if proc.poll() is not None else "")
+        tcp = dict(kv.split("=") for kv in line.split()[1:])["tcp"]
+        sup = fdq.Supervisor(fdq.connect(db_url))
+        sup.create_topic("eph2", shards=2, subs=("keep",))
+        c = RawClient(tcp)
+        c.identify(heartbeat_interval=1000)
+        c.send(b"SUB eph2 tmp#ephemeral\n")
+        assert proc.wait(60) == -signal.SIGKILL
+        c.close()
+        assert sup.config("eph2").subs == ("keep",)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stdout.close()
+        proc.stderr.close()
