@@ -475,6 +475,7 @@ _U32 = struct.Struct("<I")
 _NO_VERSION = b"\xff" * 10
 
 _LAST_VERSION = "SELECT version, clock FROM txlog ORDER BY version DESC LIMIT 1"
+_WATCH_CHECK = "SELECT (SELECT max(version) FROM txlog),"
 _WATCH_VALUE = "(SELECT value FROM kv WHERE key = ?)"
 _UPSERT = "INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)"
 _RANGE_ASC = "SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key ASC LIMIT ?"
@@ -599,15 +600,40 @@ class _WatchManager:
         self.kick = False
         self.poke_w = None  # write end of the pipe that wakes the thread's poll()
         self.sleeping = False   # the thread is in (or about to enter) that poll()
+        self.lingering = False  # the thread waits on ``cond`` with no watch (not on signals)
+        self.checking = False   # a check has taken its keys and not yet recorded its version
+        self.checked_version = None  # the last commit in the last recorded check's snapshot
 
-    def register(self, key: bytes, baseline, future: Future):
+    def register(self, key: bytes, baseline, future: Future, read_version: int | None = None):
+        """``read_version``: that of the snapshot ``baseline`` was read from, if any.
+
+        A new watch must be compared with its key's value after every commit the
+        baseline did not see. Those with a commit signal still to come (or queued) wake
+        the thread, whose next check takes its keys after this registration: no kick is
+        needed for them. The others are those the thread's checks already consumed: a
+        consumed signal is followed by a read that sees its commit, so they are all at
+        most ``checked_version``, and the registration asks for a check (a kick) unless
+        ``checked_version <= read_version`` (the baseline saw them all). Not skipped:
+        while a check is under way (``checking``: it took its keys before this one and
+        may have consumed signals of commits the baseline missed), while the thread
+        lingers with no watch or polls without signals (no signal wakes it), before the
+        thread's first check, or without a read version (a baseline from the
+        transaction's own writes alone). The kick a consumer's re-armed watch used to
+        cost (a pipe write, then a check taking the GIL from its worker, ~0.1 ms per
+        lease round) finds nothing in the common case."""
         with self.cond:
             self.watches.setdefault(key, []).append((baseline, future))
             self.count += 1
             future._on_cancel = self._cancelled
             if self.thread is None:
+                self.checking = self.lingering = False
+                self.checked_version = None
                 self.thread = threading.Thread(target=self._run, name="fdq-watches", daemon=True)
                 self.thread.start()
+            elif (read_version is not None and self.poke_w is not None and not self.lingering
+                    and not self.checking and self.checked_version is not None
+                    and self.checked_version <= read_version):
+                return
             self._kick()
 
     def _cancelled(self, future):
@@ -622,7 +648,12 @@ class _WatchManager:
                         return
 
     def notify_commit(self):
-        if self.count:
+        """A commit of this process is visible. While the thread has its commit signal
+        (``poke_w`` set) the commit's own signal (``signal_commit``, already written)
+        wakes it: a kick too was a second check for the same commit (a pipe write here
+        and the GIL handed to the watch thread and back). Polling, the kick saves the
+        poll interval."""
+        if self.count and self.poke_w is None:
             with self.cond:
                 self._kick()
 
@@ -676,7 +707,11 @@ class _WatchManager:
                         # thread and its connection (opening one costs up to tens of ms
                         # on a loaded host) rather than exit and start again.
                         if not self.kick:
-                            self.cond.wait(WATCH_LINGER_S)
+                            self.lingering = True
+                            try:
+                                self.cond.wait(WATCH_LINGER_S)
+                            finally:
+                                self.lingering = False
                         if not self.watches:
                             self._detach(poke_w)
                             return
@@ -692,26 +727,36 @@ class _WatchManager:
                     self.sleeping = False
                     kicked, self.kick = self.kick, False
                     keys = list(self.watches)
+                    self.checking = signal is not None
                 if signal is None:  # polling: most polls find no commit
                     dv = conn.execute("PRAGMA data_version").fetchone()[0]
                     if dv == last_dv and not kicked:
                         continue
                     last_dv = dv
-                # One statement per 500 keys, and one row: each key's value a column
-                # (a scalar subquery). Few SQLite calls: each step (one per row, plus
-                # the reset) releases and retakes the GIL, which a busy thread of this
-                # process (a consumer's worker) holds until its own next SQLite call
-                # or the switch interval; at one check per commit of any process the
-                # handoffs (16 rows: 18 of them) cost more than the queries.
+                # One statement per 500 keys, and one row: the last commit version in
+                # its snapshot, then each key's value a column (a scalar subquery). Few
+                # SQLite calls: each step (one per row, plus the reset) releases and
+                # retakes the GIL, which a busy thread of this process (a consumer's
+                # worker) holds until its own next SQLite call or the switch interval;
+                # at one check per commit of any process the handoffs (16 rows: 18 of
+                # them) cost more than the queries.
                 current = {}
+                version = None
                 for i in range(0, len(keys), 500):
                     chunk = keys[i:i + 500]
                     q = queries.get(len(chunk))
                     if q is None:
-                        q = queries[len(chunk)] = "SELECT " + ",".join([_WATCH_VALUE] * len(chunk))
-                    current.update(zip(chunk, conn.execute(q, chunk).fetchone()))
+                        q = queries[len(chunk)] = _WATCH_CHECK + ",".join([_WATCH_VALUE] * len(chunk))
+                    row = conn.execute(q, chunk).fetchone()
+                    # Each chunk its own snapshot: the oldest bounds what the check saw.
+                    if version is None or (row[0] is not None and row[0] < version):
+                        version = row[0]
+                    current.update(zip(chunk, row[1:]))
                 fired = []
                 with self.cond:
+                    if self.checking:
+                        self.checked_version = version
+                        self.checking = False
                     watches = self.watches
                     for key in keys:
                         lst = watches.get(key)
@@ -1976,7 +2021,7 @@ class Transaction(_ReadView):
     def _register_watch(self, key, baseline, f):
         if f.is_ready():
             return
-        self.db._watch_manager().register(key, baseline, f)
+        self.db._watch_manager().register(key, baseline, f, self._rv)
 
     def _apply(self, store, rv, has_reads, jump) -> int:
         w = store.writer

@@ -135,3 +135,75 @@ def test_the_signal_reports_a_watched_file_gone(tmp_path):
         assert gone, "deleting the watched file was not reported"
     finally:
         s.close()
+
+
+def _settled(mgr):
+    """Until the watch thread sleeps on the signal with nothing left to check."""
+    deadline = time.monotonic() + FIRE_BOUND_S
+    while time.monotonic() < deadline:
+        with mgr.cond:
+            if mgr.sleeping and not mgr.kick and not mgr.checking and mgr.checked_version is not None:
+                return
+        time.sleep(0.001)
+    raise AssertionError("the watch thread did not settle")
+
+
+def test_a_watch_whose_snapshot_missed_a_checked_commit_fires(embedded, monkeypatch):
+    """A transaction reads a key; another Database commits a change to it, which the
+    sleeping watch thread checks (the key not yet watched: that commit's signal is
+    consumed); then the watch is registered with the stale baseline and no signal is
+    still to come. The registration must make the thread check it (the thread's last
+    check is newer than the watch's snapshot)."""
+    monkeypatch.setattr(engine, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    if not _signal_works(embedded.db):
+        pytest.skip("no inotify here")
+    other = fdq.connect(embedded.url, check_format=False)   # own store: no in-process kick
+    keep = _watch(embedded.db, embedded.k(b"keep"))    # keeps the thread and its checks
+    mgr = embedded.db._watches
+    k = embedded.k(b"stale")
+    for i in range(5):
+        _settled(mgr)
+        tr = embedded.db.create_transaction()
+        tr[k]       # opens the snapshot: the baseline
+        _set(other, k, b"v%d" % i)
+        deadline = time.monotonic() + FIRE_BOUND_S     # the thread checks that commit
+        while time.monotonic() < deadline:
+            with mgr.cond:
+                if mgr.sleeping and not mgr.kick and not mgr.checking \
+                        and mgr.checked_version is not None and mgr.checked_version > tr._rv:
+                    break
+            time.sleep(0.001)
+        else:
+            raise AssertionError("the watch thread did not check the commit")
+        f = tr.watch(k)
+        tr.commit().wait()
+        assert wait_ready(f, FIRE_BOUND_S), i
+    assert not keep.is_ready()
+
+
+@pytest.mark.parametrize("where", ["other database", "this database", "other process"])
+def test_a_watch_registered_without_a_check_fires_on_the_next_commit(embedded, monkeypatch, where):
+    """The registration asked for no check (the thread's last check is no newer than
+    the watch's snapshot): the next commit that changes the key fires it by its signal,
+    whether it comes from another Database, another process, or this Database (whose
+    own commits no longer kick the thread while the signal works)."""
+    monkeypatch.setattr(engine, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    if not _signal_works(embedded.db):
+        pytest.skip("no inotify here")
+    other = fdq.connect(embedded.url, check_format=False)
+    keep = _watch(embedded.db, embedded.k(b"keep"))
+    mgr = embedded.db._watches
+    k = embedded.k(b"later")
+    for i in range(3):
+        _settled(mgr)
+        f = _watch(embedded.db, k)
+        with mgr.cond:
+            assert not mgr.kick     # no check asked for: the path under test
+        value = b"v%d" % i
+        if where == "other process":
+            collect(spawn("set", embedded.url, key=k.hex(), value=value.hex()))
+        else:
+            _set(other if where == "other database" else embedded.db, k, value)
+        assert wait_ready(f, FIRE_BOUND_S), i
+    assert not keep.is_ready()
+
