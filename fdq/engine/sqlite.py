@@ -603,6 +603,7 @@ class _WatchManager:
         self.lingering = False  # the thread waits on ``cond`` with no watch (not on signals)
         self.checking = False   # a check has taken its keys and not yet recorded its version
         self.checked_version = None  # the last commit in the last recorded check's snapshot
+        self.unverified = None  # lowest read version of the watches registered during a check
 
     def register(self, key: bytes, baseline, future: Future, read_version: int | None = None):
         """``read_version``: that of the snapshot ``baseline`` was read from, if any.
@@ -613,26 +614,34 @@ class _WatchManager:
         needed for them. The others are those the thread's checks already consumed: a
         consumed signal is followed by a read that sees its commit, so they are all at
         most ``checked_version``, and the registration asks for a check (a kick) unless
-        ``checked_version <= read_version`` (the baseline saw them all). Not skipped:
-        while a check is under way (``checking``: it took its keys before this one and
-        may have consumed signals of commits the baseline missed), while the thread
-        lingers with no watch or polls without signals (no signal wakes it), before the
-        thread's first check, or without a read version (a baseline from the
+        ``checked_version <= read_version`` (the baseline saw them all). While a check
+        is under way (``checking``: it took its keys before this watch and may consume
+        signals of commits the baseline missed) the same test is made when it records
+        its version (``unverified``). A thread lingering with no watch waits on
+        ``cond``, not on signals, and leaves them queued: it is woken (no check asked
+        for) to sleep on them again. Always a check: when the thread polls without
+        signals, before its first check, or without a read version (a baseline from the
         transaction's own writes alone). The kick a consumer's re-armed watch used to
         cost (a pipe write, then a check taking the GIL from its worker, ~0.1 ms per
-        lease round) finds nothing in the common case."""
+        lease round) found nothing in the common case."""
         with self.cond:
             self.watches.setdefault(key, []).append((baseline, future))
             self.count += 1
             future._on_cancel = self._cancelled
             if self.thread is None:
                 self.checking = self.lingering = False
-                self.checked_version = None
+                self.checked_version = self.unverified = None
                 self.thread = threading.Thread(target=self._run, name="fdq-watches", daemon=True)
                 self.thread.start()
-            elif (read_version is not None and self.poke_w is not None and not self.lingering
-                    and not self.checking and self.checked_version is not None
-                    and self.checked_version <= read_version):
+            elif read_version is None or self.poke_w is None or self.checked_version is None:
+                pass
+            elif self.checking:
+                if self.unverified is None or read_version < self.unverified:
+                    self.unverified = read_version
+                return
+            elif self.checked_version <= read_version:
+                if self.lingering:
+                    self.cond.notify()
                 return
             self._kick()
 
@@ -757,6 +766,10 @@ class _WatchManager:
                     if self.checking:
                         self.checked_version = version
                         self.checking = False
+                        if self.unverified is not None:     # see register
+                            if version is None or version > self.unverified:
+                                self.kick = True
+                            self.unverified = None
                     watches = self.watches
                     for key in keys:
                         lst = watches.get(key)

@@ -7,8 +7,10 @@ bound, so it fails if the path under test does not work."""
 from __future__ import annotations
 
 import os
+import sqlite3
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -207,3 +209,80 @@ def test_a_watch_registered_without_a_check_fires_on_the_next_commit(embedded, m
         assert wait_ready(f, FIRE_BOUND_S), i
     assert not keep.is_ready()
 
+
+
+
+class _GatedConnection(sqlite3.Connection):
+    """A real connection whose watch checks can be held at their start (test hook):
+    the thread has then taken its keys and consumed the signals that woke it."""
+    gate = None     # (entered, release) events while armed
+
+    def execute(self, sql, *args):
+        gate = _GatedConnection.gate
+        if gate is not None and sql.startswith(engine._WATCH_CHECK):
+            _GatedConnection.gate = None
+            gate[0].set()
+            gate[1].wait(FIRE_BOUND_S)
+        return super().execute(sql, *args)
+
+
+def test_a_watch_registered_during_a_check_that_consumed_its_commit_fires(embedded, monkeypatch):
+    """A transaction reads a key; another Database commits a change to it; the watch
+    thread wakes on that commit's signal and is held inside its check (keys taken, the
+    signal consumed); the watch is registered then. The check's end must ask for
+    another check: no signal is still to come for that commit."""
+    monkeypatch.setattr(engine, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    if not _signal_works(embedded.db):
+        pytest.skip("no inotify here")
+    real_connect = sqlite3.connect
+    monkeypatch.setattr(engine.sqlite3, "connect",
+                        lambda *a, **kw: real_connect(*a, factory=_GatedConnection, **kw))
+    other = fdq.connect(embedded.url, check_format=False)
+    keep = _watch(embedded.db, embedded.k(b"keep"))    # starts the thread (gated connection)
+    mgr = embedded.db._watches
+    k = embedded.k(b"held")
+    try:
+        for i in range(3):
+            _settled(mgr)
+            tr = embedded.db.create_transaction()
+            tr[k]       # the baseline's snapshot
+            entered, release = threading.Event(), threading.Event()
+            _GatedConnection.gate = (entered, release)
+            _set(other, k, b"v%d" % i)
+            assert entered.wait(FIRE_BOUND_S)
+            with mgr.cond:
+                assert mgr.checking
+            f = tr.watch(k)
+            tr.commit().wait()
+            release.set()
+            assert wait_ready(f, FIRE_BOUND_S), i
+    finally:
+        _GatedConnection.gate = None
+    assert not keep.is_ready()
+
+
+def test_a_watch_registered_while_the_thread_lingers_fires_on_the_next_commit(embedded, monkeypatch):
+    """With no watch left the thread waits (lingers) on its condition, not on signals;
+    a registration that needs no check must still wake it to sleep on them again."""
+    monkeypatch.setattr(engine, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    monkeypatch.setattr(engine, "WATCH_LINGER_S", SLOW_POLL_S)
+    if not _signal_works(embedded.db):
+        pytest.skip("no inotify here")
+    other = fdq.connect(embedded.url, check_format=False)
+    mgr = embedded.db._watch_manager()
+    k = embedded.k(b"linger")
+    for i in range(3):
+        f = _watch(embedded.db, k)
+        if i:
+            with mgr.cond:
+                assert not mgr.kick     # registered while lingering: no check asked for
+        _set(other, k, b"v%d" % i)
+        assert wait_ready(f, FIRE_BOUND_S), i
+        deadline = time.monotonic() + FIRE_BOUND_S
+        while time.monotonic() < deadline:      # the thread lingers, no watch left
+            with mgr.cond:
+                if mgr.lingering:
+                    break
+            time.sleep(0.001)
+        else:
+            raise AssertionError("the watch thread did not linger")
