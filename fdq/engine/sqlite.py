@@ -29,6 +29,7 @@ import random
 import select
 import sqlite3
 import struct
+import sys
 import threading
 import time
 import weakref
@@ -323,6 +324,8 @@ class _Store:
         self.clock_path = path + "-fdqclock"
         self.writer_fd = os.open(self.clock_path, os.O_RDWR | os.O_CREAT, 0o644)
         self.fd_pool = []
+        self.watchers_fd = None     # the probe's descriptor (``others_watch``); never closed
+        self.local_key = _local_key(path)   # this process's watch managers of the file
 
     def _open(self, timeout: float = LOCK_WAIT_S) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
@@ -369,14 +372,36 @@ class _Store:
                 self.fd_pool.append(fd)
         return version, clock, now
 
-    def signal_commit(self):
-        """Tell watchers in every process that a commit is visible: one byte written to
-        the clock file after COMMIT, which inotify reports to them (``_CommitSignal``).
-        A failure only costs latency: watchers also poll."""
+    def signal_commit(self) -> bool:
+        """Tell watchers in other processes that a commit is visible: one byte written
+        to the clock file after COMMIT, which inotify reports to them (``_CommitSignal``);
+        -> whether it was written. Not when no other process sleeps on the signal
+        (``others_watch``): the watch threads of this process hear of the commit from
+        ``_WatchManager.notify_commit`` instead, without a wake when it changes none of
+        their keys (a consumer's own lease and settle commits woke its watch thread for a
+        check each). A failure only costs latency: watchers also poll."""
+        if not self.others_watch():
+            return False
         try:
             os.pwrite(self.writer_fd, b"\0", 0)
         except OSError:
-            pass
+            return False
+        return True
+
+    def others_watch(self) -> bool:
+        """Whether another process holds its watcher lock (``_hold_watcher_lock``): a
+        POSIX record lock, which F_GETLK reports only when another process holds it.
+        True when that cannot be told."""
+        if _FLOCK is None:
+            return True
+        try:
+            if self.watchers_fd is None:
+                self.watchers_fd = os.open(self.path + _WATCHERS_SUFFIX, os.O_RDWR | os.O_CREAT | _IN_CLOEXEC,
+                                           0o644)
+            got = fcntl.fcntl(self.watchers_fd, fcntl.F_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+            return _FLOCK.unpack(got)[0] != fcntl.F_UNLCK
+        except (OSError, struct.error):
+            return True
 
     def request_checkpoint(self):
         """Run a PASSIVE checkpoint soon, in this store's checkpoint thread. Not in the
@@ -520,6 +545,61 @@ _IN_CLOEXEC = getattr(os, "O_CLOEXEC", 0o2000000)
 _libc = None
 
 
+# Which processes sleep on the commit signal: each holds a POSIX read lock on
+# "<database>-fdqwatch" while a watch thread of it does (``_hold_watcher_lock``), so a
+# commit signals only when another process watches (``_Store.others_watch``). POSIX
+# record locks belong to the process and all of its locks on a file go when it closes
+# any descriptor of that file: one descriptor per process and file, counted, and the
+# probe's own descriptor is never closed. A process killed loses its lock with it.
+_WATCHERS_SUFFIX = "-fdqwatch"
+# struct flock as Linux lays it out on 64-bit (short, short, off_t, off_t, pid_t): the
+# F_GETLK probe; elsewhere commits always signal.
+_FLOCK = struct.Struct("hhqqi4x") if sys.platform.startswith("linux") and struct.calcsize("P") == 8 else None
+_registry_lock = threading.Lock()
+_held = {}          # _local_key -> [descriptor, holders]
+_local_managers = {}    # _local_key -> WeakSet of this process's _WatchManager
+
+
+def _local_key(path: str):
+    return os.getpid(), os.path.realpath(path)
+
+
+def _hold_watcher_lock(path: str) -> bool:
+    key = _local_key(path)
+    with _registry_lock:
+        held = _held.get(key)
+        if held is None:
+            try:
+                fd = os.open(path + _WATCHERS_SUFFIX, os.O_RDWR | os.O_CREAT | _IN_CLOEXEC, 0o644)
+            except OSError:
+                return False
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                return False
+            held = _held[key] = [fd, 0]
+        held[1] += 1
+        return True
+
+
+def _release_watcher_lock(path: str):
+    key = _local_key(path)
+    with _registry_lock:
+        held = _held.get(key)
+        if held is not None:
+            held[1] -= 1
+            if not held[1]:
+                del _held[key]
+                os.close(held[0])
+
+
+def _managers_of(store) -> list:
+    with _registry_lock:
+        managers = _local_managers.get(store.local_key)
+        return list(managers) if managers else []
+
+
 class _CommitSignal:
     """inotify (Linux; ctypes, the stdlib has none) on the database's clock file, to
     which every commit of this engine writes a byte once it is visible
@@ -604,6 +684,13 @@ class _WatchManager:
         self.checking = False   # a check has taken its keys and not yet recorded its version
         self.checked_version = None  # the last commit in the last recorded check's snapshot
         self.unverified = None  # lowest read version of the watches registered during a check
+        self.unsignaled = None  # the last own commit that sent no signal (``notify_commit``)
+        with _registry_lock:
+            key = _local_key(self.path)
+            managers = _local_managers.get(key)
+            if managers is None:
+                managers = _local_managers[key] = weakref.WeakSet()
+            managers.add(self)
 
     def register(self, key: bytes, baseline, future: Future, read_version: int | None = None):
         """``read_version``: that of the snapshot ``baseline`` was read from, if any.
@@ -635,6 +722,8 @@ class _WatchManager:
                 self.thread.start()
             elif read_version is None or self.poke_w is None or self.checked_version is None:
                 pass
+            elif self.unsignaled is not None and self.unsignaled > read_version:
+                pass    # a commit of this process the baseline missed sent no signal
             elif self.checking:
                 if self.unverified is None or read_version < self.unverified:
                     self.unverified = read_version
@@ -656,14 +745,23 @@ class _WatchManager:
                             del self.watches[key]
                         return
 
-    def notify_commit(self):
-        """A commit of this process is visible. While the thread has its commit signal
-        (``poke_w`` set) the commit's own signal (``signal_commit``, already written)
-        wakes it: a kick too was a second check for the same commit (a pipe write here
-        and the GIL handed to the watch thread and back). Polling, the kick saves the
-        poll interval."""
-        if self.count and self.poke_w is None:
-            with self.cond:
+    def notify_commit(self, tr: "Transaction", version: int, signalled: bool):
+        """Commit ``version`` of ``tr``, a transaction of this process, is visible.
+        Polling (or before the thread sleeps on signals): a kick saves the poll
+        interval. Signalled: the signal wakes the thread (a kick as well was a second
+        check). Not signalled (no other process watches): the thread is kicked only if
+        ``tr`` wrote one of its keys, and the version is kept for ``register``: a watch
+        whose baseline missed this commit is checked (no signal is to come for it)."""
+        if signalled and self.poke_w is not None:
+            return
+        with self.cond:
+            if self.poke_w is None:
+                if self.count:
+                    self._kick()
+                return
+            if self.unsignaled is None or version > self.unsignaled:
+                self.unsignaled = version
+            if self.count and tr._writes_any(self.watches):
                 self._kick()
 
     def _kick(self):   # under self.cond
@@ -696,6 +794,13 @@ class _WatchManager:
     def _run(self):
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         signal = _CommitSignal.open(self.clock_path)
+        # Held while this thread lives: other processes' commits signal while it does.
+        # Taken after the signal is open and before the first check, so a commit that
+        # found no lock is visible to that check.
+        locked = signal is not None and _hold_watcher_lock(self.path)
+        if signal is not None and not locked:
+            signal.close()      # no one would signal it: poll
+            signal = None
         poke_r = poke_w = poller = None
         if signal is not None:
             poke_r, poke_w = os.pipe()
@@ -795,6 +900,8 @@ class _WatchManager:
                     os.close(fd)
             if signal is not None:
                 signal.close()
+            if locked:
+                _release_watcher_lock(self.path)
             conn.close()
 
     def _detach(self, poke_w, keep_thread=False):
@@ -2013,10 +2120,9 @@ class Transaction(_ReadView):
         self._end_versionstamp(version.to_bytes(8, "big") + b"\x00\x00", None)
         self._state = "committed"
         watches, self._pending_watches = self._pending_watches, []
-        store.signal_commit()
-        mgr = db._watches
-        if mgr is not None:
-            mgr.notify_commit()
+        signalled = store.signal_commit()
+        for mgr in _managers_of(store):
+            mgr.notify_commit(self, version, signalled)
         for key, base, f in watches:
             if not f.is_ready():
                 self._register_watch(key, base, f)
@@ -2030,6 +2136,17 @@ class Transaction(_ReadView):
         for key, base, f in self._pending_watches:
             f._resolve(None, err)
         self._pending_watches = []
+
+    def _writes_any(self, keys) -> bool:
+        """Whether this transaction's mutations may have changed one of ``keys``."""
+        if self._vs_keys or len(keys) > 256:
+            return True
+        writes = self._writes
+        clears = self._clears
+        for k in keys:
+            if k in writes or (clears and self._in_clears(k)):
+                return True
+        return False
 
     def _register_watch(self, key, baseline, f):
         if f.is_ready():
