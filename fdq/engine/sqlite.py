@@ -29,6 +29,7 @@ import random
 import select
 import sqlite3
 import struct
+import sys
 import threading
 import time
 import weakref
@@ -323,6 +324,8 @@ class _Store:
         self.clock_path = path + "-fdqclock"
         self.writer_fd = os.open(self.clock_path, os.O_RDWR | os.O_CREAT, 0o644)
         self.fd_pool = []
+        self.watchers_fd = None     # the probe's descriptor (``others_watch``); never closed
+        self.local_key = _local_key(path)   # this process's watch managers of the file
 
     def _open(self, timeout: float = LOCK_WAIT_S) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
@@ -369,14 +372,36 @@ class _Store:
                 self.fd_pool.append(fd)
         return version, clock, now
 
-    def signal_commit(self):
-        """Tell watchers in every process that a commit is visible: one byte written to
-        the clock file after COMMIT, which inotify reports to them (``_CommitSignal``).
-        A failure only costs latency: watchers also poll."""
+    def signal_commit(self) -> bool:
+        """Tell watchers in other processes that a commit is visible: one byte written
+        to the clock file after COMMIT, which inotify reports to them (``_CommitSignal``);
+        -> whether it was written. Not when no other process sleeps on the signal
+        (``others_watch``): the watch threads of this process hear of the commit from
+        ``_WatchManager.notify_commit`` instead, without a wake when it changes none of
+        their keys (a consumer's own lease and settle commits woke its watch thread for a
+        check each). A failure only costs latency: watchers also poll."""
+        if not self.others_watch():
+            return False
         try:
             os.pwrite(self.writer_fd, b"\0", 0)
         except OSError:
-            pass
+            return False
+        return True
+
+    def others_watch(self) -> bool:
+        """Whether another process holds its watcher lock (``_hold_watcher_lock``): a
+        POSIX record lock, which F_GETLK reports only when another process holds it.
+        True when that cannot be told."""
+        if _FLOCK is None:
+            return True
+        try:
+            if self.watchers_fd is None:
+                self.watchers_fd = os.open(self.path + _WATCHERS_SUFFIX, os.O_RDWR | os.O_CREAT | _IN_CLOEXEC,
+                                           0o644)
+            got = fcntl.fcntl(self.watchers_fd, fcntl.F_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+            return _FLOCK.unpack(got)[0] != fcntl.F_UNLCK
+        except (OSError, struct.error):
+            return True
 
     def request_checkpoint(self):
         """Run a PASSIVE checkpoint soon, in this store's checkpoint thread. Not in the
@@ -475,7 +500,8 @@ _U32 = struct.Struct("<I")
 _NO_VERSION = b"\xff" * 10
 
 _LAST_VERSION = "SELECT version, clock FROM txlog ORDER BY version DESC LIMIT 1"
-_WATCH_CHECK = "SELECT key, value FROM kv WHERE key IN (%s)"
+_WATCH_CHECK = "SELECT (SELECT max(version) FROM txlog),"
+_WATCH_VALUE = "(SELECT value FROM kv WHERE key = ?)"
 _UPSERT = "INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)"
 _RANGE_ASC = "SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key ASC LIMIT ?"
 _RANGE_DESC = "SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key DESC LIMIT ?"
@@ -517,6 +543,61 @@ _INOTIFY_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (then len bytes 
 _IN_NONBLOCK = os.O_NONBLOCK
 _IN_CLOEXEC = getattr(os, "O_CLOEXEC", 0o2000000)
 _libc = None
+
+
+# Which processes sleep on the commit signal: each holds a POSIX read lock on
+# "<database>-fdqwatch" while a watch thread of it does (``_hold_watcher_lock``), so a
+# commit signals only when another process watches (``_Store.others_watch``). POSIX
+# record locks belong to the process and all of its locks on a file go when it closes
+# any descriptor of that file: one descriptor per process and file, counted, and the
+# probe's own descriptor is never closed. A process killed loses its lock with it.
+_WATCHERS_SUFFIX = "-fdqwatch"
+# struct flock as Linux lays it out on 64-bit (short, short, off_t, off_t, pid_t): the
+# F_GETLK probe; elsewhere commits always signal.
+_FLOCK = struct.Struct("hhqqi4x") if sys.platform.startswith("linux") and struct.calcsize("P") == 8 else None
+_registry_lock = threading.Lock()
+_held = {}          # _local_key -> [descriptor, holders]
+_local_managers = {}    # _local_key -> WeakSet of this process's _WatchManager
+
+
+def _local_key(path: str):
+    return os.getpid(), os.path.realpath(path)
+
+
+def _hold_watcher_lock(path: str) -> bool:
+    key = _local_key(path)
+    with _registry_lock:
+        held = _held.get(key)
+        if held is None:
+            try:
+                fd = os.open(path + _WATCHERS_SUFFIX, os.O_RDWR | os.O_CREAT | _IN_CLOEXEC, 0o644)
+            except OSError:
+                return False
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                return False
+            held = _held[key] = [fd, 0]
+        held[1] += 1
+        return True
+
+
+def _release_watcher_lock(path: str):
+    key = _local_key(path)
+    with _registry_lock:
+        held = _held.get(key)
+        if held is not None:
+            held[1] -= 1
+            if not held[1]:
+                del _held[key]
+                os.close(held[0])
+
+
+def _managers_of(store) -> list:
+    with _registry_lock:
+        managers = _local_managers.get(store.local_key)
+        return list(managers) if managers else []
 
 
 class _CommitSignal:
@@ -599,15 +680,58 @@ class _WatchManager:
         self.kick = False
         self.poke_w = None  # write end of the pipe that wakes the thread's poll()
         self.sleeping = False   # the thread is in (or about to enter) that poll()
+        self.lingering = False  # the thread waits on ``cond`` with no watch (not on signals)
+        self.checking = False   # a check has taken its keys and not yet recorded its version
+        self.checked_version = None  # the last commit in the last recorded check's snapshot
+        self.unverified = None  # lowest read version of the watches registered during a check
+        self.unsignaled = None  # the last own commit that sent no signal (``notify_commit``)
+        with _registry_lock:
+            key = _local_key(self.path)
+            managers = _local_managers.get(key)
+            if managers is None:
+                managers = _local_managers[key] = weakref.WeakSet()
+            managers.add(self)
 
-    def register(self, key: bytes, baseline, future: Future):
+    def register(self, key: bytes, baseline, future: Future, read_version: int | None = None):
+        """``read_version``: that of the snapshot ``baseline`` was read from, if any.
+
+        A new watch must be compared with its key's value after every commit the
+        baseline did not see. Those with a commit signal still to come (or queued) wake
+        the thread, whose next check takes its keys after this registration: no kick is
+        needed for them. The others are those the thread's checks already consumed: a
+        consumed signal is followed by a read that sees its commit, so they are all at
+        most ``checked_version``, and the registration asks for a check (a kick) unless
+        ``checked_version <= read_version`` (the baseline saw them all). While a check
+        is under way (``checking``: it took its keys before this watch and may consume
+        signals of commits the baseline missed) the same test is made when it records
+        its version (``unverified``). A thread lingering with no watch waits on
+        ``cond``, not on signals, and leaves them queued: it is woken (no check asked
+        for) to sleep on them again. Always a check: when the thread polls without
+        signals, before its first check, or without a read version (a baseline from the
+        transaction's own writes alone). The kick a consumer's re-armed watch used to
+        cost (a pipe write, then a check taking the GIL from its worker, ~0.1 ms per
+        lease round) found nothing in the common case."""
         with self.cond:
             self.watches.setdefault(key, []).append((baseline, future))
             self.count += 1
             future._on_cancel = self._cancelled
             if self.thread is None:
+                self.checking = self.lingering = False
+                self.checked_version = self.unverified = None
                 self.thread = threading.Thread(target=self._run, name="fdq-watches", daemon=True)
                 self.thread.start()
+            elif read_version is None or self.poke_w is None or self.checked_version is None:
+                pass
+            elif self.unsignaled is not None and self.unsignaled > read_version:
+                pass    # a commit of this process the baseline missed sent no signal
+            elif self.checking:
+                if self.unverified is None or read_version < self.unverified:
+                    self.unverified = read_version
+                return
+            elif self.checked_version <= read_version:
+                if self.lingering:
+                    self.cond.notify()
+                return
             self._kick()
 
     def _cancelled(self, future):
@@ -621,9 +745,23 @@ class _WatchManager:
                             del self.watches[key]
                         return
 
-    def notify_commit(self):
-        if self.count:
-            with self.cond:
+    def notify_commit(self, tr: "Transaction", version: int, signalled: bool):
+        """Commit ``version`` of ``tr``, a transaction of this process, is visible.
+        Polling (or before the thread sleeps on signals): a kick saves the poll
+        interval. Signalled: the signal wakes the thread (a kick as well was a second
+        check). Not signalled (no other process watches): the thread is kicked only if
+        ``tr`` wrote one of its keys, and the version is kept for ``register``: a watch
+        whose baseline missed this commit is checked (no signal is to come for it)."""
+        if signalled and self.poke_w is not None:
+            return
+        with self.cond:
+            if self.poke_w is None:
+                if self.count:
+                    self._kick()
+                return
+            if self.unsignaled is None or version > self.unsignaled:
+                self.unsignaled = version
+            if self.count and tr._writes_any(self.watches):
                 self._kick()
 
     def _kick(self):   # under self.cond
@@ -656,6 +794,13 @@ class _WatchManager:
     def _run(self):
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         signal = _CommitSignal.open(self.clock_path)
+        # Held while this thread lives: other processes' commits signal while it does.
+        # Taken after the signal is open and before the first check, so a commit that
+        # found no lock is visible to that check.
+        locked = signal is not None and _hold_watcher_lock(self.path)
+        if signal is not None and not locked:
+            signal.close()      # no one would signal it: poll
+            signal = None
         poke_r = poke_w = poller = None
         if signal is not None:
             poke_r, poke_w = os.pipe()
@@ -676,7 +821,11 @@ class _WatchManager:
                         # thread and its connection (opening one costs up to tens of ms
                         # on a loaded host) rather than exit and start again.
                         if not self.kick:
-                            self.cond.wait(WATCH_LINGER_S)
+                            self.lingering = True
+                            try:
+                                self.cond.wait(WATCH_LINGER_S)
+                            finally:
+                                self.lingering = False
                         if not self.watches:
                             self._detach(poke_w)
                             return
@@ -692,24 +841,40 @@ class _WatchManager:
                     self.sleeping = False
                     kicked, self.kick = self.kick, False
                     keys = list(self.watches)
+                    self.checking = signal is not None
                 if signal is None:  # polling: most polls find no commit
                     dv = conn.execute("PRAGMA data_version").fetchone()[0]
                     if dv == last_dv and not kicked:
                         continue
                     last_dv = dv
-                # One statement per 500 keys. Few SQLite calls: each releases and retakes the GIL, which a busy
-                # thread of this process (a consumer's worker) holds for up to the
-                # switch interval; at one check per commit of any process that cost
-                # more than the queries.
+                # One statement per 500 keys, and one row: the last commit version in
+                # its snapshot, then each key's value a column (a scalar subquery). Few
+                # SQLite calls: each step (one per row, plus the reset) releases and
+                # retakes the GIL, which a busy thread of this process (a consumer's
+                # worker) holds until its own next SQLite call or the switch interval;
+                # at one check per commit of any process the handoffs (16 rows: 18 of
+                # them) cost more than the queries.
                 current = {}
+                version = None
                 for i in range(0, len(keys), 500):
                     chunk = keys[i:i + 500]
                     q = queries.get(len(chunk))
                     if q is None:
-                        q = queries[len(chunk)] = _WATCH_CHECK % ",".join("?" * len(chunk))
-                    current.update(conn.execute(q, chunk).fetchall())
+                        q = queries[len(chunk)] = _WATCH_CHECK + ",".join([_WATCH_VALUE] * len(chunk))
+                    row = conn.execute(q, chunk).fetchone()
+                    # Each chunk its own snapshot: the oldest bounds what the check saw.
+                    if version is None or (row[0] is not None and row[0] < version):
+                        version = row[0]
+                    current.update(zip(chunk, row[1:]))
                 fired = []
                 with self.cond:
+                    if self.checking:
+                        self.checked_version = version
+                        self.checking = False
+                        if self.unverified is not None:     # see register
+                            if version is None or version > self.unverified:
+                                self.kick = True
+                            self.unverified = None
                     watches = self.watches
                     for key in keys:
                         lst = watches.get(key)
@@ -735,6 +900,8 @@ class _WatchManager:
                     os.close(fd)
             if signal is not None:
                 signal.close()
+            if locked:
+                _release_watcher_lock(self.path)
             conn.close()
 
     def _detach(self, poke_w, keep_thread=False):
@@ -1953,10 +2120,9 @@ class Transaction(_ReadView):
         self._end_versionstamp(version.to_bytes(8, "big") + b"\x00\x00", None)
         self._state = "committed"
         watches, self._pending_watches = self._pending_watches, []
-        store.signal_commit()
-        mgr = db._watches
-        if mgr is not None:
-            mgr.notify_commit()
+        signalled = store.signal_commit()
+        for mgr in _managers_of(store):
+            mgr.notify_commit(self, version, signalled)
         for key, base, f in watches:
             if not f.is_ready():
                 self._register_watch(key, base, f)
@@ -1971,10 +2137,21 @@ class Transaction(_ReadView):
             f._resolve(None, err)
         self._pending_watches = []
 
+    def _writes_any(self, keys) -> bool:
+        """Whether this transaction's mutations may have changed one of ``keys``."""
+        if self._vs_keys or len(keys) > 256:
+            return True
+        writes = self._writes
+        clears = self._clears
+        for k in keys:
+            if k in writes or (clears and self._in_clears(k)):
+                return True
+        return False
+
     def _register_watch(self, key, baseline, f):
         if f.is_ready():
             return
-        self.db._watch_manager().register(key, baseline, f)
+        self.db._watch_manager().register(key, baseline, f, self._rv)
 
     def _apply(self, store, rv, has_reads, jump) -> int:
         w = store.writer

@@ -7,8 +7,10 @@ bound, so it fails if the path under test does not work."""
 from __future__ import annotations
 
 import os
+import sqlite3
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -135,3 +137,209 @@ def test_the_signal_reports_a_watched_file_gone(tmp_path):
         assert gone, "deleting the watched file was not reported"
     finally:
         s.close()
+
+
+def _settled(mgr):
+    """Until the watch thread sleeps on the signal with nothing left to check."""
+    deadline = time.monotonic() + FIRE_BOUND_S
+    while time.monotonic() < deadline:
+        with mgr.cond:
+            if mgr.sleeping and not mgr.kick and not mgr.checking and mgr.checked_version is not None:
+                return
+        time.sleep(0.001)
+    raise AssertionError("the watch thread did not settle")
+
+
+@pytest.mark.slow
+def test_a_watch_whose_snapshot_missed_a_checked_commit_fires(embedded, monkeypatch):
+    """A transaction reads a key; another process commits a change to it, which the
+    sleeping watch thread checks (the key not yet watched: that commit's signal is
+    consumed); then the watch is registered with the stale baseline and no signal is
+    still to come. The registration must make the thread check it (the thread's last
+    check is newer than the watch's snapshot)."""
+    monkeypatch.setattr(engine, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    if not _signal_works(embedded.db):
+        pytest.skip("no inotify here")
+    keep = _watch(embedded.db, embedded.k(b"keep"))    # keeps the thread and its checks
+    mgr = embedded.db._watches
+    k = embedded.k(b"stale")
+    for i in range(5):
+        _settled(mgr)
+        tr = embedded.db.create_transaction()
+        tr[k]       # opens the snapshot: the baseline
+        collect(spawn("set", embedded.url, key=k.hex(), value=(b"v%d" % i).hex()))
+        deadline = time.monotonic() + FIRE_BOUND_S     # the thread checks that commit
+        while time.monotonic() < deadline:
+            with mgr.cond:
+                if mgr.sleeping and not mgr.kick and not mgr.checking \
+                        and mgr.checked_version is not None and mgr.checked_version > tr._rv:
+                    break
+            time.sleep(0.001)
+        else:
+            raise AssertionError("the watch thread did not check the commit")
+        f = tr.watch(k)
+        tr.commit().wait()
+        assert wait_ready(f, FIRE_BOUND_S), i
+    assert not keep.is_ready()
+
+
+@pytest.mark.parametrize("where", ["other database", "this database", "other process"])
+def test_a_watch_registered_without_a_check_fires_on_the_next_commit(embedded, monkeypatch, where):
+    """The registration asked for no check (the thread's last check is no newer than
+    the watch's snapshot): the next commit that changes the key fires it by its signal,
+    whether it comes from another Database, another process, or this Database (whose
+    own commits no longer kick the thread while the signal works)."""
+    monkeypatch.setattr(engine, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    if not _signal_works(embedded.db):
+        pytest.skip("no inotify here")
+    other = fdq.connect(embedded.url, check_format=False)
+    keep = _watch(embedded.db, embedded.k(b"keep"))
+    mgr = embedded.db._watches
+    k = embedded.k(b"later")
+    for i in range(3):
+        _settled(mgr)
+        f = _watch(embedded.db, k)
+        with mgr.cond:
+            assert not mgr.kick     # no check asked for: the path under test
+        value = b"v%d" % i
+        if where == "other process":
+            collect(spawn("set", embedded.url, key=k.hex(), value=value.hex()))
+        else:
+            _set(other if where == "other database" else embedded.db, k, value)
+        assert wait_ready(f, FIRE_BOUND_S), i
+    assert not keep.is_ready()
+
+
+
+
+class _GatedConnection(sqlite3.Connection):
+    """A real connection whose watch checks can be held at their start (test hook):
+    the thread has then taken its keys and consumed the signals that woke it."""
+    gate = None     # (entered, release) events while armed
+
+    def execute(self, sql, *args):
+        gate = _GatedConnection.gate
+        if gate is not None and sql.startswith(engine._WATCH_CHECK):
+            _GatedConnection.gate = None
+            gate[0].set()
+            gate[1].wait(FIRE_BOUND_S)
+        return super().execute(sql, *args)
+
+
+@pytest.mark.slow
+def test_a_watch_registered_during_a_check_that_consumed_its_commit_fires(embedded, monkeypatch):
+    """A transaction reads a key; another process commits a change to it; the watch
+    thread wakes on that commit's signal and is held inside its check (keys taken, the
+    signal consumed); the watch is registered then. The check's end must ask for
+    another check: no signal is still to come for that commit."""
+    monkeypatch.setattr(engine, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    if not _signal_works(embedded.db):
+        pytest.skip("no inotify here")
+    real_connect = sqlite3.connect
+    monkeypatch.setattr(engine.sqlite3, "connect",
+                        lambda *a, **kw: real_connect(*a, factory=_GatedConnection, **kw))
+    keep = _watch(embedded.db, embedded.k(b"keep"))    # starts the thread (gated connection)
+    mgr = embedded.db._watches
+    k = embedded.k(b"held")
+    try:
+        for i in range(3):
+            _settled(mgr)
+            tr = embedded.db.create_transaction()
+            tr[k]       # the baseline's snapshot
+            entered, release = threading.Event(), threading.Event()
+            _GatedConnection.gate = (entered, release)
+            collect(spawn("set", embedded.url, key=k.hex(), value=(b"v%d" % i).hex()))
+            assert entered.wait(FIRE_BOUND_S)
+            with mgr.cond:
+                assert mgr.checking
+            f = tr.watch(k)
+            tr.commit().wait()
+            release.set()
+            assert wait_ready(f, FIRE_BOUND_S), i
+    finally:
+        _GatedConnection.gate = None
+    assert not keep.is_ready()
+
+
+def test_a_watch_registered_while_the_thread_lingers_fires_on_the_next_commit(embedded, monkeypatch):
+    """With no watch left the thread waits (lingers) on its condition, not on signals;
+    a registration that needs no check must still wake it to sleep on them again."""
+    monkeypatch.setattr(engine, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    monkeypatch.setattr(engine, "WATCH_LINGER_S", SLOW_POLL_S)
+    if not _signal_works(embedded.db):
+        pytest.skip("no inotify here")
+    other = fdq.connect(embedded.url, check_format=False)
+    mgr = embedded.db._watch_manager()
+    k = embedded.k(b"linger")
+    for i in range(3):
+        f = _watch(embedded.db, k)
+        if i:
+            with mgr.cond:
+                assert not mgr.kick     # registered while lingering: no check asked for
+        _set(other, k, b"v%d" % i)
+        assert wait_ready(f, FIRE_BOUND_S), i
+        deadline = time.monotonic() + FIRE_BOUND_S
+        while time.monotonic() < deadline:      # the thread lingers, no watch left
+            with mgr.cond:
+                if mgr.lingering:
+                    break
+            time.sleep(0.001)
+        else:
+            raise AssertionError("the watch thread did not linger")
+
+
+def test_a_watch_whose_snapshot_missed_an_unsignalled_own_commit_fires(embedded, monkeypatch):
+    """A commit of this process sends no signal when no other process watches, and
+    kicks the thread only if it wrote a watched key. A watch whose baseline missed
+    such a commit (the key not yet watched then) must still be checked."""
+    monkeypatch.setattr(engine, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    if not _signal_works(embedded.db):
+        pytest.skip("no inotify here")
+    keep = _watch(embedded.db, embedded.k(b"keep"))
+    mgr = embedded.db._watches
+    k = embedded.k(b"own")
+    for i, writer in enumerate([embedded.db, fdq.connect(embedded.url, check_format=False)] * 2):
+        _settled(mgr)
+        tr = embedded.db.create_transaction()
+        tr[k]       # the baseline's snapshot
+        _set(writer, k, b"v%d" % i)     # no signal, no kick: the key is not watched yet
+        f = tr.watch(k)
+        tr.commit().wait()
+        assert wait_ready(f, FIRE_BOUND_S), i
+    assert not keep.is_ready()
+
+
+def test_an_own_commit_of_unwatched_keys_does_not_wake_the_thread(embedded, monkeypatch):
+    monkeypatch.setattr(engine, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    if not _signal_works(embedded.db):
+        pytest.skip("no inotify here")
+    keep = _watch(embedded.db, embedded.k(b"keep"))
+    mgr = embedded.db._watches
+    _settled(mgr)
+    checked = mgr.checked_version
+    for i in range(5):
+        _set(embedded.db, embedded.k(b"elsewhere"), b"%d" % i)
+        with mgr.cond:
+            assert not mgr.kick
+    time.sleep(0.2)     # a wake, had there been one, would have checked by now
+    with mgr.cond:
+        assert mgr.checked_version == checked and not mgr.kick
+    _set(embedded.db, embedded.k(b"keep"), b"x")   # one that writes a watched key does
+    assert wait_ready(keep, FIRE_BOUND_S)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("watch_here", [False, True])
+def test_a_watch_in_another_process_is_woken_by_this_ones_commit(embedded, monkeypatch, watch_here):
+    """The other process holds its watcher lock: this process's commits signal it
+    (whether or not this process watches too, which it must not mistake for it)."""
+    if not _signal_works(embedded.db):
+        pytest.skip("no inotify here")
+    k = embedded.k(b"theirs")
+    keep = _watch(embedded.db, embedded.k(b"keep")) if watch_here else None
+    for i in range(3):
+        proc = spawn("watch", embedded.url, key=k.hex(), timeout=FIRE_BOUND_S, fallback_poll_s=SLOW_POLL_S)
+        assert proc.stdout.readline().strip() == "armed"
+        _set(embedded.db, k, b"v%d" % i)
+        assert collect(proc) == {"fired": True, "value": (b"v%d" % i).hex()}, i
+    assert keep is None or not keep.is_ready()
