@@ -89,7 +89,7 @@ class Message:
         if self._deferred is not None and action != "touch":
             self._deferred.append((self, action, arg))   # committed with the batch
             return
-        self._consumer.settle([(self, action, arg)])
+        self._consumer._settle_group.submit((self, action, arg))
 
     def ack(self):
         """Done: remove it for good."""
@@ -109,6 +109,71 @@ class Message:
     def in_progress(self):
         """Still working on it: restart its lease."""
         self._settle("touch")
+
+
+_LEAD = object()     # a waiting settle's turn to commit the queue (``_SettleGroup``)
+
+
+class _SettleGroup:
+    """Settles of one consumer's messages made one by one (``ack()`` and the others
+    outside a handler's round: pull style, often from several threads) commit together
+    when they come at once: the first caller commits every settle queued meanwhile in one
+    transaction, the others wait for it, then the next waiting caller commits what queued
+    during that commit. Each call still returns after its own settle committed, and fails
+    alone when its lease was lost. One at a time, siblings of a leased batch each rewrote
+    the batch's lease record and conflicted with each other."""
+
+    def __init__(self, commit):
+        self._commit = commit       # commit(items): Consumer.settle
+        self._lock = threading.Lock()
+        self._queue = []            # [item, done lock, outcome]
+        self._leading = False
+
+    def submit(self, item):
+        entry = [item, threading.Lock(), None]
+        entry[1].acquire()
+        with self._lock:
+            self._queue.append(entry)
+            lead = not self._leading
+            self._leading = True
+        if not lead:
+            entry[1].acquire()      # released with its outcome, or with _LEAD: commit
+            if entry[2] is not _LEAD:
+                if entry[2] is not None:
+                    raise entry[2]
+                return
+        self._lead()
+        if entry[2] is not None:
+            raise entry[2]
+
+    def _lead(self):
+        with self._lock:
+            batch, seen = [], set()
+            for entry in self._queue:   # one settle per message id per transaction (a
+                mid = entry[0][0].id    # lost lease is reported by id)
+                if mid in seen:
+                    break
+                seen.add(mid)
+                batch.append(entry)
+            del self._queue[:len(batch)]
+        try:
+            self._commit([e[0] for e in batch])
+            outcomes = [None] * len(batch)
+        except LeaseLost as e:      # the others committed
+            lost = set(e.ids)
+            outcomes = [LeaseLost(f"lease lost (expired and redelivered, or settled elsewhere): {m.id}", [m.id])
+                        if m.id in lost else None for (m, _a, _g), _l, _o in batch]
+        except BaseException as e:
+            outcomes = [e] * len(batch)
+        with self._lock:
+            nxt = self._queue[0] if self._queue else None
+            self._leading = nxt is not None
+        for entry, outcome in zip(batch, outcomes):
+            entry[2] = outcome
+            entry[1].release()
+        if nxt is not None:
+            nxt[2] = _LEAD
+            nxt[1].release()
 
 
 def _to_message(taken: delivery.Taken, topic: str, sub: str, consumer) -> Message:
@@ -197,6 +262,7 @@ class Consumer:
         # not the Versionstamp: its hash is Python code, two per message on the hot path
         self._leases = {}
         self._leases_lock = threading.Lock()
+        self._settle_group = _SettleGroup(self.settle)
         self._lease_prefix, self._lease_seq = os.urandom(8), 0
         self._peers = {}             # consumer id -> (heartbeat, since)
         self._rr = 0
