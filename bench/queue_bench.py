@@ -24,6 +24,8 @@ Cases (100-byte bodies, fresh database per case, each bounded in count and secon
   for a single push.
 * ``consume``: drain a preloaded backlog in each delivery mode with 1 and 2 consumer
   processes (msgs/s from the first delivery to the last).
+* ``pull``: a pull ``Consumer`` fetching batches of 100 and acking each message with its
+  own ``ack()``, from 1 thread and from 4 (concurrent settles share a transaction).
 * ``latency``: a producer process pushing single messages at 1,000/s, a consumer process
   (at-least-once) recording push-to-handler latency on CLOCK_MONOTONIC (one clock for
   every process of the machine): p50/p99.
@@ -49,6 +51,7 @@ import statistics
 import sys
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 import types
 from time import perf_counter
@@ -393,6 +396,42 @@ def bench_consume(url, mode, total, procs, seconds):
             "tx_per_msg": sum(r["tx"] for r in res) / max(got, 1)}
 
 
+# -- pull consumer, per-message acks -----------------------------------------------------
+
+def bench_pull(url, total, threads, seconds):
+    db = fdq.connect(url)
+    fdq.Supervisor(db).create_topic("pull", shards=SHARDS)
+    p = fdq.Producer(db)
+    for i in range(0, total, 100):
+        p.push_many("pull", [fdq.Envelope(BODY, shard_key=f"k{i + j}") for j in range(100)])
+    pool = ThreadPoolExecutor(threads) if threads > 1 else None
+    lat = []
+
+    def ack(m):
+        s = perf_counter()
+        m.ack()
+        lat.append(perf_counter() - s)
+    got = 0
+    with fdq.Consumer(db, "pull", config=fdq.ConsumerConfig(ack_wait_s=60)) as c:
+        c0, c0_cpu = _COMMITS[0], time.process_time()
+        t0 = perf_counter()
+        while got < total and perf_counter() - t0 < seconds:
+            msgs = c.fetch(100, timeout=1.0)
+            if pool is not None:
+                list(pool.map(ack, msgs))
+            else:
+                for m in msgs:
+                    ack(m)
+            got += len(msgs)
+        el = perf_counter() - t0
+        cpu = time.process_time() - c0_cpu
+        commits = _COMMITS[0] - c0
+    if pool is not None:
+        pool.shutdown()
+    return {"msgs_per_s": got / el, "msgs_per_cpu_s": got / cpu, "p50_ms": _pct(lat, .5) * 1e3,
+            "p99_ms": _pct(lat, .99) * 1e3, "tx_per_msg": commits / max(got, 1), "delivered": got}
+
+
 # -- end-to-end latency ---------------------------------------------------------------
 
 def _latency_producer(url, rate, seconds):
@@ -519,7 +558,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--markdown", action="store_true")
-    ap.add_argument("--cases", default="push,raw,consume,latency,failover")
+    ap.add_argument("--cases", default="push,raw,consume,pull,latency,failover")
     ap.add_argument("--dir", default=None)
     args = ap.parse_args(argv)
     _count_commits()
@@ -555,6 +594,10 @@ def main(argv=None):
                 for procs in (1, 2):
                     row(f"consume {mode}, {procs} process{'es' if procs > 1 else ''}",
                         bench_consume(url(), mode, total, procs, 120), targets[mode] if procs == 1 else "")
+        if "pull" in cases:
+            for threads in (1, 4):
+                row(f"pull: fetch 100, ack() each, {threads} thread{'s' if threads > 1 else ''}",
+                    bench_pull(url(), 2000 if q else 8000, threads, secs))
         if "latency" in cases:
             row("end-to-end at 1,000 msgs/s (2 processes)", bench_latency(url(), 1000, 3 if q else 8),
                 "p50 ≤ 2 ms, p99 ≤ 10 ms")
