@@ -97,6 +97,9 @@ class Message:
 
     def nak(self, delay: float | None = None):
         """Redeliver it, after ``delay`` seconds (default: the consumer's backoff)."""
+        if delay is not None and (isinstance(delay, bool) or not isinstance(delay, (int, float))
+                                  or not 0 <= delay < 1e9):
+            raise ConfigError(f"nak delay must be a number of seconds >= 0, not {delay!r}")
         if delay is None and self._consumer is not None:
             delay = self._consumer.config.backoff_for(self.attempts)
         self._settle("nak", delay)
@@ -137,7 +140,18 @@ class _SettleGroup:
             lead = not self._leading
             self._leading = True
         if not lead:
-            entry[1].acquire()      # released with its outcome, or with _LEAD: commit
+            try:
+                entry[1].acquire()      # released with its outcome, or with _LEAD: commit
+            except BaseException:       # interrupted (a signal handler raised): unqueue
+                with self._lock:        # it, or pass on the turn it was given
+                    lead = entry[2] is _LEAD
+                    if not lead and entry in self._queue:
+                        self._queue.remove(entry)
+                        if entry[0][1] != "touch":
+                            entry[0][0]._settled = None     # not committed: may settle again
+                if lead:
+                    self._lead()
+                raise
             if entry[2] is not _LEAD:
                 if entry[2] is not None:
                     raise entry[2]
@@ -156,24 +170,40 @@ class _SettleGroup:
                 seen.add(mid)
                 batch.append(entry)
             del self._queue[:len(batch)]
+        outcomes = None
+        try:
+            outcomes = self._outcomes(batch)
+        except BaseException as e:     # KeyboardInterrupt, SystemExit: this thread's
+            outcomes = [e] + [FDQError(f"settle of {m.id} not committed: the thread committing it was "
+                                       f"interrupted ({type(e).__name__})") for (m, _a, _g), _l, _o in batch[1:]]
+        finally:
+            if outcomes is None:
+                outcomes = [FDQError("settle not committed: interrupted")] * len(batch)
+            with self._lock:
+                nxt = self._queue[0] if self._queue else None
+                self._leading = nxt is not None
+                if nxt is not None:
+                    nxt[2] = _LEAD
+            for entry, outcome in zip(batch, outcomes):
+                entry[2] = outcome
+                entry[1].release()
+            if nxt is not None:
+                nxt[1].release()
+
+    def _outcomes(self, batch) -> list:
+        """Commit ``batch``; -> each entry's error or None."""
         try:
             self._commit([e[0] for e in batch])
-            outcomes = [None] * len(batch)
+            return [None] * len(batch)
         except LeaseLost as e:      # the others committed
             lost = set(e.ids)
-            outcomes = [LeaseLost(f"lease lost (expired and redelivered, or settled elsewhere): {m.id}", [m.id])
-                        if m.id in lost else None for (m, _a, _g), _l, _o in batch]
-        except BaseException as e:
-            outcomes = [e] * len(batch)
-        with self._lock:
-            nxt = self._queue[0] if self._queue else None
-            self._leading = nxt is not None
-        for entry, outcome in zip(batch, outcomes):
-            entry[2] = outcome
-            entry[1].release()
-        if nxt is not None:
-            nxt[2] = _LEAD
-            nxt[1].release()
+            return [LeaseLost(f"lease lost (expired and redelivered, or settled elsewhere): {m.id}", [m.id])
+                    if m.id in lost else None for (m, _a, _g), _l, _o in batch]
+        except Exception as e:
+            if len(batch) == 1:
+                return [e]
+        # Not committed: each alone, so that an error is its own settle's only.
+        return [self._outcomes([entry])[0] for entry in batch]
 
 
 def _to_message(taken: delivery.Taken, topic: str, sub: str, consumer) -> Message:
@@ -279,11 +309,12 @@ class Consumer:
         self._closed = False
         self._clock_base = None      # (database clock ms, this host's monotonic s) last seen
         self._thread = None
-        if self._bind_subscription(create, subscription_config, ephemeral):
-            self._refresh_owned()
-        else:
+        joined = self._bind_subscription(create, subscription_config, ephemeral)
+        if not joined:
             self._join()
         try:
+            if joined:
+                self._refresh_owned()
             self._tick_clock(_monotonic())
             self._thread = threading.Thread(target=self._membership_loop, name=f"fdq-member-{self.id}",
                                             daemon=True)

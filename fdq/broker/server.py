@@ -105,10 +105,10 @@ class Channel:
         try:
             self.consumer = await b.run(functools.partial(Consumer, b.db, self.topic, **kwargs))
         except ConfigError:
-            if new is None:
+            if new is None or self.name not in (await b.run(b.supervisor.config, self.topic)).subs:
                 raise
             # another broker created it meanwhile, with the start point of a later channel
-            kwargs.update(create=False, subscription_config=None)
+            kwargs.update(create=False, subscription_config=None, ephemeral=False)
             self.consumer = await b.run(functools.partial(Consumer, b.db, self.topic, **kwargs))
         self._task = asyncio.get_running_loop().create_task(self._pump())
 

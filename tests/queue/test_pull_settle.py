@@ -101,3 +101,19 @@ def test_settle_twice_is_refused_before_anything_commits(db):
         m.ack()
         with pytest.raises(fdq.FDQError, match="already settled"):
             m.ack()
+
+
+def test_a_bad_nak_delay_is_refused_at_the_call(db):
+    """Refused before it is queued with other threads' settles (it failed their commit)."""
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"a"), fdq.Envelope(b"b")])
+    with fdq.Consumer(db, "t") as c:
+        a, b = c.fetch(2, timeout=5)
+        for bad in ("5", -1, True, float("nan"), float("inf")):
+            with pytest.raises(fdq.ConfigError, match="nak delay"):
+                a.nak(bad)
+        a.nak(0)
+        b.ack()
+        again = c.fetch(1, timeout=5)
+        assert [m.id for m in again] == [a.id]
+        again[0].ack()
