@@ -1503,6 +1503,7 @@ class Transaction(_ReadView):
             # As FDB: every later use (on_error included) fails with 1031 until reset().
             self._release()
             self._state = "timed_out"
+            self._abandon(1031)
             raise EngineError(1031)
         if self._deferred is not None:
             raise self._deferred
@@ -2275,16 +2276,26 @@ class Transaction(_ReadView):
         if self._vs_future is not None:
             self._vs_future._resolve(stamp, error)
 
+    def _abandon(self, code):
+        """As FDB's RYW reset (and its timeout): the watches and the versionstamp
+        future this attempt left pending fail with ``code`` (1025 reset, retry or
+        cancel; 1031 timeout), so no one waits on them forever. A versionstamp the
+        attempt's commit already settled stays as it is."""
+        watches, self._pending_watches = self._pending_watches, []
+        if watches:
+            err = EngineError(code)
+            for _k, _b, f in watches:
+                f._resolve(None, err)
+        if self._vs_result is None and self._vs_future is not None:
+            self._end_versionstamp(None, EngineError(code))
+
     def reset(self):
-        for _k, _b, f in self._pending_watches:
-            f._resolve(None, EngineError(1025))
+        self._abandon(1025)
         self._reset_state()
         self._reset_options()
 
     def cancel(self):
-        for _k, _b, f in self._pending_watches:
-            f._resolve(None, EngineError(1025))
-        self._pending_watches = []
+        self._abandon(1025)
         self._release()
         self._state = "cancelled"
 
@@ -2299,6 +2310,7 @@ class Transaction(_ReadView):
         if self._state in _CLOSED_STATE_ERRORS:
             return Future.ready(None, EngineError(_CLOSED_STATE_ERRORS[self._state]))
         if self._timeout_ms and (_clock() - self._created) * 1000 > self._timeout_ms:
+            self._abandon(1031)
             self.cancel()
             self._state = "timed_out"
             return Future.ready(None, EngineError(1031))
@@ -2313,6 +2325,7 @@ class Transaction(_ReadView):
             self._backoff = min(self._backoff * 2, max_delay)
         keep = (self._timeout_ms, self._retry_limit, self._max_retry_delay_ms, self._created,
                 self._retries + 1, self._backoff)
+        self._abandon(1025)
         self._reset_state()
         (self._timeout_ms, self._retry_limit, self._max_retry_delay_ms, self._created,
          self._retries, self._backoff) = keep
