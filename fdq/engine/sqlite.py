@@ -2117,18 +2117,23 @@ class Transaction(_ReadView):
             err = EngineError(4100, f"SQLite: {e}")
             self._fail(err)
             raise err from e
+        signalled = store.signal_commit()
+        for mgr in _managers_of(store):
+            mgr.notify_commit(self, version, signalled)
+        if db._fault():
+            # After a real commit: the caller cannot know. As FDB, a failed commit
+            # for this transaction's futures: no stamp (2020), the watches fail with
+            # the error, no committed version.
+            err = EngineError(1021)
+            self._fail(err)
+            raise err
         self._committed_version = version
         self._end_versionstamp(version.to_bytes(8, "big") + b"\x00\x00", None)
         self._state = "committed"
         watches, self._pending_watches = self._pending_watches, []
-        signalled = store.signal_commit()
-        for mgr in _managers_of(store):
-            mgr.notify_commit(self, version, signalled)
         for key, base, f in watches:
             if not f.is_ready():
                 self._register_watch(key, base, f)
-        if db._fault():
-            raise EngineError(1021)  # after a real commit: the caller cannot know
 
     def _fail(self, err):
         self._state = "failed"

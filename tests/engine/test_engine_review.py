@@ -48,3 +48,30 @@ def test_on_error_reset_and_cancel_fail_what_the_attempt_left_pending(eng):
     tr.commit().wait()
     tr.reset()
     assert len(bytes(vs.wait())) == 10
+
+
+def test_commit_unknown_result_settles_nothing_of_the_attempt(eng):
+    """FDB's commit that ends in 1021 is a failed commit for its futures: the
+    versionstamp future fails (2020: the stamp is unknown), the watches fail with
+    1021 (they were never set up) and get_committed_version() stays -1. The injected
+    1021 handed out the real stamp and kept the watches."""
+    db = eng.open(eng.fault_url(0.5, 7))
+    seen = 0
+    for i in range(400):
+        tr = db.create_transaction()
+        w = tr.watch(eng.k(b"w"))
+        tr[eng.k(b"a%d" % i)] = b"1"
+        vs = tr.get_versionstamp()
+        try:
+            tr.commit().wait()
+            continue
+        except Exception as e:  # noqa: BLE001 - the engine's error type
+            if getattr(e, "code", None) != 1021:
+                continue
+        seen += 1
+        assert tr.get_committed_version() == -1
+        assert code_of(vs.wait) == 2020
+        assert wait_ready(w, 5) and code_of(w.wait) == 1021
+        if seen >= 5:
+            break
+    assert seen >= 5
