@@ -1751,6 +1751,13 @@ class Transaction(_ReadView):
             result = rows[n - 1].key if len(rows) >= n else b""
             if not snap:
                 self._read_ranges.append([result, max(stop, result + b"\x00")])
+        if self._vs_keys and not self._bypass_unreadable:
+            # As a range read: resolving across keys this transaction's versionstamped
+            # writes may become is accessed_unreadable (FDB's RYW iterator).
+            if offset >= 1:
+                self._check_read_range(start, result + b"\x00" if result != top else top)
+            else:
+                self._check_read_range(result, stop)
         return result
 
     # -- writes --------------------------------------------------------------------

@@ -75,3 +75,29 @@ def test_commit_unknown_result_settles_nothing_of_the_attempt(eng):
         if seen >= 5:
             break
     assert seen >= 5
+
+
+def _stamped_key(prefix: bytes, tail: bytes = b"") -> bytes:
+    return prefix + b"\x00" * 10 + tail + struct.pack("<I", len(prefix))
+
+
+def test_get_key_across_an_own_versionstamped_key_is_unreadable(eng):
+    """A key selector resolved across keys a versionstamped key of the transaction may
+    become is accessed_unreadable (1036) in FDB, as a range read there is; the engine
+    resolved it past them as if they did not exist."""
+    KS = eng.KeySelector
+    p = eng.k(b"p/")
+    tr = eng.db.create_transaction()
+    tr[eng.k(b"a")] = b"1"
+    tr[eng.k(b"z")] = b"1"
+    tr.commit().wait()
+    tr = eng.db.create_transaction()
+    tr.set_versionstamped_key(_stamped_key(p), b"v")
+    assert code_of(lambda: tr.get_key(KS.first_greater_or_equal(p)).wait()) == 1036
+    assert code_of(lambda: tr.get_key(KS.last_less_than(eng.k(b"z"))).wait()) == 1036
+    assert code_of(lambda: tr.snapshot.get_key(KS.first_greater_than(eng.k(b"a"))).wait()) == 1036
+    # selectors that resolve without crossing them are readable
+    assert tr.get_key(KS.first_greater_or_equal(eng.k(b"a"))).wait() == eng.k(b"a")
+    assert tr.get_key(KS.last_less_or_equal(eng.k(b"a"))).wait() == eng.k(b"a")
+    tr.commit().wait()
+
