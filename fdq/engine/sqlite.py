@@ -1433,6 +1433,9 @@ class Transaction(_ReadView):
         self._clear_log = []     # every clear / clear_range in order (only read for _vs_keys)
         self._unreadable = []    # [begin, end) unreadable until commit (versionstamped keys)
         self._unreadable_n = 0   # how many of _vs_keys _unreadable covers (built on a read)
+        # Keys of versionstamped values: unreadable until commit even if written again
+        # later (their [k, k+\x00) ranges are in _unreadable).
+        self._vs_values = 0
         self._mutation_bytes = 0
         self._mutations = 0
         self._deferred = None
@@ -1515,13 +1518,13 @@ class Transaction(_ReadView):
         self._check_use()
         if key >= self._max_key() and key != b"\xff/metadataVersion":
             raise EngineError(2004)
-        if self._vs_keys and not self._bypass_unreadable:
+        if (self._vs_keys or self._vs_values) and not self._bypass_unreadable:
             for b, e in self._unreadable_ranges():
                 if b <= key < e:
                     raise EngineError(1036)
 
     def _check_read_range(self, b, e):
-        if self._vs_keys and not self._bypass_unreadable:
+        if (self._vs_keys or self._vs_values) and not self._bypass_unreadable:
             for ub, ue in self._unreadable_ranges():
                 if ub < e and b < ue:
                     raise EngineError(1036)
@@ -1751,7 +1754,7 @@ class Transaction(_ReadView):
             result = rows[n - 1].key if len(rows) >= n else b""
             if not snap:
                 self._read_ranges.append([result, max(stop, result + b"\x00")])
-        if self._vs_keys and not self._bypass_unreadable:
+        if (self._vs_keys or self._vs_values) and not self._bypass_unreadable:
             # As a range read: resolving across keys this transaction's versionstamped
             # writes may become is accessed_unreadable (FDB's RYW iterator).
             if offset >= 1:
@@ -1873,6 +1876,8 @@ class Transaction(_ReadView):
         entry = self._writes.get(key)
         if entry is not None and entry[0] == _ATOMIC_OPS:
             entry[1].append((name, param))
+        elif entry is not None and entry[0] == _VSVALUE:
+            entry[1][2].append((name, param))   # on the stamped value, at commit
         elif (entry is not None and entry[0] in (_SET, _CLEAR)) or (
                 entry is None and self._clears and self._in_clears(key)):
             # The base value is known in the transaction: the result is a plain set.
@@ -1986,7 +1991,9 @@ class Transaction(_ReadView):
         body = value[:-4]
         if not self._check_value(body):
             return
-        self._put(key, (_VSVALUE, (body, offset)))
+        self._put(key, (_VSVALUE, (body, offset, [])))
+        self._unreadable.append((key, key + b"\x00"))
+        self._vs_values += 1
         self._note_write(key)
         self._mutation_bytes += len(key) + len(value) + ENTRY_OVERHEAD_BYTES
         self._mutations += 1
@@ -2226,11 +2233,17 @@ class Transaction(_ReadView):
                 atomics.append((key, _packb(data)))
                 if any(op == "compare_and_clear" for op, _ in data):
                     may_clear.append((key,))
-            else:  # versionstamped value
-                body, off = data
+            else:  # versionstamped value, then any atomic ops on it
+                body, off, ops = data
                 if key == b"\xff/metadataVersion":
                     continue
-                sets.append((key, body[:off] + stamp + body[off + 10:]))
+                v = body[:off] + stamp + body[off + 10:]
+                if ops:
+                    v = _apply_ops(v, ops)
+                if v is None:
+                    dels.append((key,))
+                else:
+                    sets.append((key, v))
         sets.extend(vs_sets)
         if dels:
             w.executemany("DELETE FROM kv WHERE key = ?", dels)

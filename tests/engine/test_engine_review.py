@@ -101,3 +101,34 @@ def test_get_key_across_an_own_versionstamped_key_is_unreadable(eng):
     assert tr.get_key(KS.last_less_or_equal(eng.k(b"a"))).wait() == eng.k(b"a")
     tr.commit().wait()
 
+
+def test_a_versionstamped_value_stays_unreadable_and_atomic_ops_apply_on_it(eng):
+    """FDB: the key of a versionstamped value is unreadable in its transaction even if
+    written again later (set, clear, atomic op); and an atomic op after it applies to
+    the stamped value at commit. The engine read the later value, and an atomic op
+    replaced the stamped value with the op's result on the stored one."""
+    k = eng.k(b"q")
+    for later in ("set", "clear", "byte_max"):
+        tr = eng.db.create_transaction()
+        tr.set_versionstamped_value(k, b"ab" + b"\x00" * 10 + struct.pack("<I", 2))
+        if later == "set":
+            tr[k] = b"x"
+        elif later == "clear":
+            tr.clear(k)
+        else:
+            tr.byte_max(k, b"a")
+        assert code_of(lambda: tr[k].wait()) == 1036, later
+        assert code_of(lambda: list(tr.get_range(eng.k(b"p"), eng.k(b"r")))) == 1036, later
+        tr.reset()
+    tr = eng.db.create_transaction()
+    tr.set_versionstamped_value(k, b"ab" + b"\x00" * 10 + struct.pack("<I", 2))
+    tr.byte_max(k, b"a")      # b"ab" + stamp > b"a": the stamped value stays
+    vs = tr.get_versionstamp()
+    tr.commit().wait()
+    assert eng.db[k] == b"ab" + bytes(vs.wait())
+    tr = eng.db.create_transaction()
+    tr.set_versionstamped_value(k, b"\x00" * 10 + b"\x01" + struct.pack("<I", 0))
+    tr.bit_or(k, b"\x00" * 10 + b"\x02")
+    vs = tr.get_versionstamp()
+    tr.commit().wait()
+    assert eng.db[k] == bytes(vs.wait()) + b"\x03"
