@@ -497,6 +497,8 @@ class _Store:
 
 
 _U32 = struct.Struct("<I")
+_METADATA_VERSION_KEY = b"\xff/metadataVersion"
+_METADATA_VERSION_VALUE = b"\x00" * 14    # the only value it takes: a placeholder at offset 0
 _NO_VERSION = b"\xff" * 10
 
 _LAST_VERSION = "SELECT version, clock FROM txlog ORDER BY version DESC LIMIT 1"
@@ -1555,7 +1557,10 @@ class Transaction(_ReadView):
         if self._deferred is None:
             self._deferred = EngineError(code, message)
 
-    def _check_write_key(self, key):
+    def _check_write_key(self, key, clear=False):
+        if key == _METADATA_VERSION_KEY and not clear:
+            self._defer(2000, "the metadata version key takes only set_versionstamped_value")
+            return False
         limit = SYSTEM_KEY_SIZE_LIMIT if key.startswith(b"\xff") else KEY_SIZE_LIMIT
         if len(key) > limit:
             self._defer(2102, f"Key length {len(key):,} exceeds limit ({limit:,} bytes)")
@@ -1819,7 +1824,7 @@ class Transaction(_ReadView):
         key = _key(key)
         if len(key) > KEY_SIZE_LIMIT and not key.startswith(b"\xff"):
             return  # clearing an oversized key is a no-op, as FDB
-        if not self._check_write_key(key):
+        if not self._check_write_key(key, clear=True):
             return
         self._put(key, (_CLEAR, None))
         if self._vs_keys:
@@ -1954,7 +1959,7 @@ class Transaction(_ReadView):
 
     def set_versionstamped_key(self, key, value):
         if type(key) is bytes and type(value) is bytes and self._state == "open" \
-                and len(value) <= VALUE_SIZE_LIMIT and 14 <= len(key) <= KEY_SIZE_LIMIT + 4:
+                and len(value) <= VALUE_SIZE_LIMIT and 14 <= len(key) <= KEY_SIZE_LIMIT:
             # The common case inline (a push writes two per message): a legal user key
             # with its placeholder inside; the same effects as the general path below.
             offset = _U32.unpack_from(key, len(key) - 4)[0]
@@ -1970,6 +1975,9 @@ class Transaction(_ReadView):
         offset = self._placeholder_offset(key, "key")
         if offset is None or not self._check_value(value):
             return
+        # As FDB: the size limit counts the key as given, its 4-byte offset included.
+        if not self._check_write_key(key):
+            return
         body = key[:-4]
         if not self._check_write_key(body):
             return
@@ -1984,12 +1992,15 @@ class Transaction(_ReadView):
         offset = self._placeholder_offset(value, "value")
         if offset is None:
             return
-        if key == b"\xff/metadataVersion":
-            pass
+        if key == _METADATA_VERSION_KEY:
+            if value != _METADATA_VERSION_VALUE:
+                self._defer(2000, "the metadata version key takes only a versionstamped value of 14 zero bytes")
+                return
         elif not self._check_write_key(key):
             return
         body = value[:-4]
-        if not self._check_value(body):
+        # As FDB: the size limit counts the value as given, its 4-byte offset included.
+        if not self._check_value(value):
             return
         self._put(key, (_VSVALUE, (body, offset, [])))
         self._unreadable.append((key, key + b"\x00"))
@@ -2003,6 +2014,8 @@ class Transaction(_ReadView):
         b, e = _key(begin), _key(end)
         if b > e:
             raise EngineError(2005)
+        if e > self._max_key() and (b != _METADATA_VERSION_KEY or e != _METADATA_VERSION_KEY + b"\x00"):
+            raise EngineError(2004)
         if b < e:
             self._read_ranges.append([b, e])
 
@@ -2015,6 +2028,8 @@ class Transaction(_ReadView):
         b, e = _key(begin), _key(end)
         if b > e:
             raise EngineError(2005)
+        if e > self._max_key():
+            raise EngineError(2004)
         if b < e:
             self._write_ranges.append((b, e))
 

@@ -132,3 +132,40 @@ def test_a_versionstamped_value_stays_unreadable_and_atomic_ops_apply_on_it(eng)
     vs = tr.get_versionstamp()
     tr.commit().wait()
     assert eng.db[k] == bytes(vs.wait()) + b"\x03"
+
+
+def test_versionstamp_operands_metadata_version_and_conflict_range_limits(eng):
+    """FDB (ReadYourWrites atomicOp, set, add_*_conflict_range): a versionstamped key's
+    size and a versionstamped value's size count their 4-byte offset; the metadata
+    version key takes only set_versionstamped_value of 14 zero bytes (else 2000, set
+    included); conflict ranges past the legal key space are 2004 at once. The engine
+    allowed 4 bytes more, any write of the metadata version key given system-key
+    access, and any conflict range."""
+    from fdq.engine.sqlite import KEY_SIZE_LIMIT, VALUE_SIZE_LIMIT
+
+    def deferred(write) -> int | None:
+        tr = eng.db.create_transaction()
+        tr.options.set_access_system_keys()
+        write(tr)
+        return code_of(lambda: tr.commit().wait())
+
+    p = eng.k(b"v/")
+    key = p + b"\x00" * 10 + b"k" * (KEY_SIZE_LIMIT - len(p) - 14) + struct.pack("<I", len(p))
+    assert len(key) == KEY_SIZE_LIMIT
+    assert deferred(lambda tr: tr.set_versionstamped_key(key, b"")) is None
+    longer = key[:-4] + b"k" + key[-4:]
+    assert deferred(lambda tr: tr.set_versionstamped_key(longer, b"")) == 2102
+    value = b"\x00" * (VALUE_SIZE_LIMIT - 4) + struct.pack("<I", 0)
+    assert deferred(lambda tr: tr.set_versionstamped_value(eng.k(b"x"), value)) is None
+    longer = b"\x00" + value
+    assert deferred(lambda tr: tr.set_versionstamped_value(eng.k(b"x"), longer)) == 2103
+    mv = b"\xff/metadataVersion"
+    assert deferred(lambda tr: tr.set_versionstamped_value(mv, b"\x00" * 14)) is None
+    assert deferred(lambda tr: tr.set_versionstamped_value(mv, b"\x00" * 15 + struct.pack("<I", 0))) == 2000
+    assert deferred(lambda tr: tr.set(mv, b"x" * 10)) == 2000
+    assert deferred(lambda tr: tr.add(mv, b"\x01")) == 2000
+    tr = eng.db.create_transaction()
+    assert code_of(lambda: tr.add_read_conflict_range(b"\xff", b"\xff\x01")) == 2004
+    assert code_of(lambda: tr.add_write_conflict_range(eng.k(b"a"), b"\xff\x01")) == 2004
+    tr.add_read_conflict_range(eng.k(b"a"), b"\xff")    # ends at exactly \xff: legal
+    tr.add_read_conflict_key(mv)                        # the metadata version key: legal
