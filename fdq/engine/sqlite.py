@@ -15,8 +15,8 @@ that passes here does not break on a cluster (see ``shared/fdb-semantics.md``):
   increase per commit and start at an arbitrary value; versionstamps are FDB's 10 bytes;
 * FDB's limits (key, value, transaction size, watches), deferred as FDB defers them;
 * watches fire after a commit changes the key, in any process on the machine;
-* fault injection: retryable errors before commit, ``commit_unknown_result`` after a real
-  commit, version jumps of 100,000,000 as an FDB recovery.
+* fault injection: retryable errors before commit, ``commit_unknown_result`` both after a
+  real commit and instead of one, version jumps of 100,000,000 as an FDB recovery.
 """
 from __future__ import annotations
 
@@ -2105,7 +2105,9 @@ class Transaction(_ReadView):
                                         f"this one is ~{size:,})")
             db = self.db
             if db._fault():
-                raise EngineError(db._rng.choice((1020, 1020, 1007, 1037)))
+                # 1021 here: a commit_unknown_result that did not apply (the other
+                # kind, after a real commit, is below): on FDB it may be either.
+                raise EngineError(db._rng.choice((1020, 1020, 1007, 1037, 1021, 1021)))
             store = db._get_store()
             has_reads = bool(self._read_ranges)
             if has_reads and self._rv is None:

@@ -42,9 +42,10 @@ def test_a_non_idempotent_function_double_applies_under_1021(eng):
     for _ in range(60):
         _r, errors = run_counted(db, increment)
         unknown += errors.get(1021, 0)
-    # every commit_unknown_result here followed a real commit, and the retry applied it again
+    # a commit_unknown_result may follow a real commit (then the retry applied it again)
+    # or not (as on FoundationDB): some of each here
     assert unknown > 0
-    assert counter(eng.db, key) == 60 + unknown
+    assert 60 < counter(eng.db, key) < 60 + unknown
 
     # fdq.transactional retries 1021 blindly, as fdb.transactional does
     key2 = eng.k(b"n2")
