@@ -353,14 +353,15 @@ class _Store:
                 return
         conn.close()
 
-    def begin_snapshot(self, conn: sqlite3.Connection):
-        """Open a read snapshot on ``conn``; -> (last commit version, its clock, now)."""
+    def begin_snapshot(self, conn: sqlite3.Connection, until: float | None = None):
+        """Open a read snapshot on ``conn``; -> (last commit version, its clock, now).
+        ``until``: the transaction's timeout (``_flock``)."""
         with self.pool_lock:
             fd = self.fd_pool.pop() if self.fd_pool else None
         if fd is None:
             fd = os.open(self.clock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
+            _flock(fd, fcntl.LOCK_SH, until)
             try:
                 now = _clock()
                 conn.execute("BEGIN")
@@ -494,6 +495,28 @@ class _Store:
                                         f"{LOCK_WAIT_S:.0f} s")
             _sleep(delay)
             delay = min(delay * 2, 0.002)
+
+
+def _flock(fd: int, mode: int, until: float | None):
+    """Take the version clock lock. ``until`` (``_clock()`` time, a transaction's
+    timeout): waiting past it is ``transaction_timed_out`` (1031), as FDB's timeout
+    bounds every wait, so a process stopped while it holds the lock (SIGSTOP, a frozen
+    container) does not hang transactions that set one. Without a timeout, a plain
+    blocking wait (as FDB without one waits for an unavailable cluster)."""
+    if until is None:
+        fcntl.flock(fd, mode)
+        return
+    delay = 0.00005
+    while True:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        if _clock() > until:
+            raise EngineError(1031)
+        _sleep(delay)
+        delay = min(delay * 2, 0.002)
 
 
 _U32 = struct.Struct("<I")
@@ -1486,7 +1509,12 @@ class Transaction(_ReadView):
                 raise EngineError(1007)
             store = self.db._get_store()
             conn = store.acquire_reader()
-            last, last_clock, now = store.begin_snapshot(conn)
+            until = self._created + self._timeout_ms / 1000 if self._timeout_ms else None
+            try:
+                last, last_clock, now = store.begin_snapshot(conn, until)
+            except BaseException:
+                store.release_reader(conn)
+                raise
             self._conn = conn
             self._rv = _version_at(last, last_clock, now)
             self._rv_clock = now
@@ -2123,7 +2151,11 @@ class Transaction(_ReadView):
                 raise EngineError(1031)
             try:
                 store.begin_immediate(until)
-                fcntl.flock(store.writer_fd, fcntl.LOCK_EX)
+                try:
+                    _flock(store.writer_fd, fcntl.LOCK_EX, until)
+                except BaseException:
+                    store.writer.execute("ROLLBACK")
+                    raise
                 try:
                     version = self._apply(store, rv, has_reads, jump)
                     store.writer.execute("COMMIT")

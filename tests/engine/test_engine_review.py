@@ -193,3 +193,60 @@ def test_injected_commit_unknown_result_may_or_may_not_have_applied(eng):
         if applied >= 3 and not_applied >= 3:
             break
     assert applied >= 3 and not_applied >= 3, (applied, not_applied)
+
+
+_HOLD_CLOCK_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def test_timeout_bounds_waiting_for_a_stalled_committer(eng):
+    """A process stopped in the middle of a commit (SIGSTOP, a frozen container) holds
+    the engine's version clock lock: a transaction with a timeout must still end with
+    transaction_timed_out (1031), for its reads and its commit, as FDB's timeout bounds
+    every wait of the transaction. The engine waited for the lock without bound."""
+    import subprocess
+    import sys
+    import threading
+
+    if not eng.embedded:
+        import pytest
+        pytest.skip("the version clock lock is the embedded engine's")
+    eng.db[eng.k(b"a")] = b"1"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_CLOCK_LOCK, eng.db.path + "-fdqclock"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        results = {}
+
+        def read():
+            tr = eng.db.create_transaction()
+            tr.options.set_timeout(300)
+            results["read"] = code_of(lambda: tr[eng.k(b"a")].wait())
+
+        def commit():
+            tr = eng.db.create_transaction()
+            tr.options.set_timeout(300)
+            tr[eng.k(b"b")] = b"1"
+            results["commit"] = code_of(lambda: tr.commit().wait())
+
+        threads = [threading.Thread(target=f, daemon=True) for f in (read, commit)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert results == {"read": 1031, "commit": 1031}
+    finally:
+        holder.kill()
+        holder.wait(10)
+    # the lock released, both work again (the commit's SQLite write lock was let go)
+    for t in threads:
+        t.join(10)
+    tr = eng.db.create_transaction()
+    tr[eng.k(b"b")] = b"2"
+    tr.commit().wait()
+    assert eng.db[eng.k(b"b")] == b"2"
