@@ -2086,6 +2086,10 @@ class Transaction(_ReadView):
             key = _key(key)
             if self._ryw_disabled:
                 raise EngineError(1034)
+            if key >= self._max_key() and key != _METADATA_VERSION_KEY:
+                raise EngineError(2004)
+            if len(key) > (SYSTEM_KEY_SIZE_LIMIT if key.startswith(b"\xff") else KEY_SIZE_LIMIT):
+                raise EngineError(2102)
             mgr = self.db._watch_manager()
             if mgr.count + len(self._pending_watches) >= self.db._max_watches:
                 raise EngineError(1032, f"Too many watches currently set (limit "

@@ -250,3 +250,20 @@ def test_timeout_bounds_waiting_for_a_stalled_committer(eng):
     tr[eng.k(b"b")] = b"2"
     tr.commit().wait()
     assert eng.db[eng.k(b"b")] == b"2"
+
+
+def test_watch_checks_its_key_as_fdb(eng):
+    """FDB's watch(): a key outside the legal range is 2004 (the metadata version key
+    excepted), an oversized one 2102. The engine watched them."""
+    from fdq.engine.sqlite import KEY_SIZE_LIMIT
+
+    tr = eng.db.create_transaction()
+    w = tr.watch(b"\xff\x01")
+    assert wait_ready(w, 5) and code_of(w.wait) == 2004
+    tr = eng.db.create_transaction()
+    w = tr.watch(eng.k(b"k" * KEY_SIZE_LIMIT))
+    assert wait_ready(w, 5) and code_of(w.wait) == 2102
+    tr = eng.db.create_transaction()
+    w = tr.watch(b"\xff/metadataVersion")
+    tr.commit().wait()
+    w.cancel()
