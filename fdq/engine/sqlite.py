@@ -16,7 +16,8 @@ that passes here does not break on a cluster (see ``shared/fdb-semantics.md``):
 * FDB's limits (key, value, transaction size, watches), deferred as FDB defers them;
 * watches fire after a commit changes the key, in any process on the machine;
 * fault injection: retryable errors before commit, ``commit_unknown_result`` both after a
-  real commit and instead of one, version jumps of 100,000,000 as an FDB recovery.
+  real commit and instead of one (with a timeout set, ``transaction_timed_out`` after a
+  real commit too), version jumps of 100,000,000 as an FDB recovery.
 """
 from __future__ import annotations
 
@@ -1104,6 +1105,11 @@ class Database:
         with self._rng_lock:
             return self._rng.random() < self._fault_p * p_scale
 
+    def _chance(self, p: float) -> bool:
+        """A draw of the fault injection's generator (reproducible for a seed)."""
+        with self._rng_lock:
+            return self._rng.random() < p
+
     def create_transaction(self) -> "Transaction":
         return Transaction(self)
 
@@ -2190,9 +2196,14 @@ class Transaction(_ReadView):
         if db._fault():
             # After a real commit: the caller cannot know. As FDB, a failed commit
             # for this transaction's futures: no stamp (2020), the watches fail with
-            # the error, no committed version.
-            err = EngineError(1021)
+            # the error, no committed version. With a timeout set, it may as well be
+            # that timeout (1031) firing while the commit was in flight, which FDB
+            # reports the same way (and every later use then fails with 1031).
+            timed_out = self._timeout_ms and db._chance(0.5)
+            err = EngineError(1031 if timed_out else 1021)
             self._fail(err)
+            if timed_out:
+                self._state = "timed_out"
             raise err
         self._committed_version = version
         self._end_versionstamp(version.to_bytes(8, "big") + b"\x00\x00", None)

@@ -267,3 +267,31 @@ def test_watch_checks_its_key_as_fdb(eng):
     w = tr.watch(b"\xff/metadataVersion")
     tr.commit().wait()
     w.cancel()
+
+
+def test_a_timed_out_commit_may_have_applied(eng):
+    """FDB: transaction_timed_out (1031) from a commit "may have committed" (a commit
+    in flight when the timeout fires still lands; FDB's client simulates exactly that).
+    Under fault injection the engine's 1031 never followed a real commit, so code that
+    takes a timed-out commit for "not committed" passed."""
+    db = eng.open(eng.fault_url(0.3, 9))
+    applied = 0
+    for i in range(400):
+        key = eng.k(b"t%04d" % i)
+        tr = db.create_transaction()
+        tr.options.set_timeout(60_000)
+        tr[key] = b"1"
+        try:
+            tr.commit().wait()
+            continue
+        except Exception as e:  # noqa: BLE001 - the engine's error type
+            if getattr(e, "code", None) != 1031:
+                continue
+        # as FDB after a timeout: every later use is 1031, on_error included
+        assert code_of(lambda: tr.on_error(1031).wait()) == 1031
+        assert code_of(lambda: tr[key].wait()) == 1031
+        if eng.db[key] is not None:
+            applied += 1
+            if applied >= 3:
+                break
+    assert applied >= 3
