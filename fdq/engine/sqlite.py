@@ -1053,6 +1053,8 @@ class Database:
         self._rng_lock = threading.Lock()
         self._defaults = {}
         self._max_watches = DEFAULT_MAX_WATCHES
+        self._pending_watch_n = 0   # watches of open transactions (``Transaction.watch``)
+        self._pending_lock = threading.Lock()
         self.options = _DatabaseOptions(self)
         self._init_lock = threading.Lock()
         self._store = None
@@ -1088,6 +1090,7 @@ class Database:
                     if store is not None:  # forked: never use or close the parent's
                         _leaked_after_fork.append(store)
                         self._watches = None
+                        self._pending_watch_n = 0   # the parent's transactions'
                     store = self._store = _Store(self._path, self._synchronous)
         return store
 
@@ -1493,10 +1496,21 @@ class Transaction(_ReadView):
     def __del__(self):
         try:
             self._release()
-            for _key_, _base, f in getattr(self, "_pending_watches", ()):
-                f._resolve(None, EngineError(1025))
+            if getattr(self, "_pending_watches", None):
+                for _key_, _base, f in self._take_pending():
+                    f._resolve(None, EngineError(1025))
         except Exception:
             pass
+
+    def _take_pending(self) -> list:
+        """This transaction's pending watches, which stop counting toward the
+        Database's limit (``watch``): registered, failed or abandoned by the caller."""
+        watches, self._pending_watches = self._pending_watches, []
+        if watches:
+            db = self.db
+            with db._pending_lock:
+                db._pending_watch_n -= len(watches)
+        return watches
 
     # -- snapshot management -------------------------------------------------------
 
@@ -2097,10 +2111,15 @@ class Transaction(_ReadView):
             if len(key) > (SYSTEM_KEY_SIZE_LIMIT if key.startswith(b"\xff") else KEY_SIZE_LIMIT):
                 raise EngineError(2102)
             mgr = self.db._watch_manager()
-            if mgr.count + len(self._pending_watches) >= self.db._max_watches:
-                raise EngineError(1032, f"Too many watches currently set (limit "
-                                        f"{self.db._max_watches:,} per database)")
             baseline = self._get(key, False)
+            # As FDB: a watch counts toward the Database's limit from this call, pending
+            # in any of its transactions or registered after a commit.
+            db = self.db
+            with db._pending_lock:
+                if mgr.count + db._pending_watch_n >= db._max_watches:
+                    raise EngineError(1032, f"Too many watches currently set (limit "
+                                            f"{db._max_watches:,} per database)")
+                db._pending_watch_n += 1
         except EngineError as e:
             f._resolve(None, e)
             return f
@@ -2131,9 +2150,8 @@ class Transaction(_ReadView):
             self._release()
             self._committed_version = -1
             self._end_versionstamp(None, EngineError(2021))
-            for key, base, f in self._pending_watches:
+            for key, base, f in self._take_pending():
                 self._register_watch(key, base, f)
-            self._pending_watches = []
             self._state = "committed"
             return
         try:
@@ -2208,7 +2226,7 @@ class Transaction(_ReadView):
         self._committed_version = version
         self._end_versionstamp(version.to_bytes(8, "big") + b"\x00\x00", None)
         self._state = "committed"
-        watches, self._pending_watches = self._pending_watches, []
+        watches = self._take_pending() if self._pending_watches else ()
         for key, base, f in watches:
             if not f.is_ready():
                 self._register_watch(key, base, f)
@@ -2217,9 +2235,9 @@ class Transaction(_ReadView):
         self._state = "failed"
         self._release()
         self._end_versionstamp(None, EngineError(2020))
-        for key, base, f in self._pending_watches:
-            f._resolve(None, err)
-        self._pending_watches = []
+        if self._pending_watches:
+            for key, base, f in self._take_pending():
+                f._resolve(None, err)
 
     def _writes_any(self, keys) -> bool:
         """Whether this transaction's mutations may have changed one of ``keys``."""
@@ -2370,7 +2388,7 @@ class Transaction(_ReadView):
         future this attempt left pending fail with ``code`` (1025 reset, retry or
         cancel; 1031 timeout), so no one waits on them forever. A versionstamp the
         attempt's commit already settled stays as it is."""
-        watches, self._pending_watches = self._pending_watches, []
+        watches = self._take_pending() if self._pending_watches else ()
         if watches:
             err = EngineError(code)
             for _k, _b, f in watches:

@@ -295,3 +295,26 @@ def test_a_timed_out_commit_may_have_applied(eng):
             if applied >= 3:
                 break
     assert applied >= 3
+
+
+def test_watches_pending_in_other_transactions_count_toward_the_limit(eng):
+    """FDB counts a watch toward max_watches from the call (the RYW layer hands it to
+    the native transaction before commit), across every transaction of the Database.
+    The engine counted only the calling transaction's own pending watches."""
+    eng.db.options.set_max_watches(3)
+    try:
+        t1 = eng.db.create_transaction()
+        w1 = [t1.watch(eng.k(b"w%d" % i)) for i in range(2)]
+        t2 = eng.db.create_transaction()
+        ok = t2.watch(eng.k(b"x"))
+        over = t2.watch(eng.k(b"y"))
+        assert wait_ready(over, 5) and code_of(over.wait) == 1032
+        assert not ok.is_ready() and not any(w.is_ready() for w in w1)
+        t1.reset()          # its watches fail (1025) and stop counting
+        t3 = eng.db.create_transaction()
+        again = t3.watch(eng.k(b"y"))
+        assert not (again.is_ready() and code_of(again.wait) == 1032)
+        t2.cancel()
+        t3.cancel()
+    finally:
+        eng.db.options.set_max_watches(10_000)
