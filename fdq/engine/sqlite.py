@@ -374,6 +374,25 @@ class _Store:
                 self.fd_pool.append(fd)
         return version, clock, now
 
+    # Fault injection's recoveries (version jumps): the last one's version, 8 bytes at
+    # this offset of the clock file, written under the version clock lock. A read at
+    # a read version below it fails with 1007, as storage has moved past it on FDB.
+    # Read by Databases with fault injection only (the check costs a syscall per read).
+    _RECOVERY_AT = 8
+
+    def note_recovery(self, version: int):
+        try:
+            os.pwrite(self.writer_fd, version.to_bytes(8, "big"), self._RECOVERY_AT)
+        except OSError:
+            pass
+
+    def recovered_after(self, read_version: int) -> bool:
+        try:
+            got = os.pread(self.writer_fd, 8, self._RECOVERY_AT)
+        except OSError:
+            return False
+        return len(got) == 8 and int.from_bytes(got, "big") > read_version
+
     def signal_commit(self) -> bool:
         """Tell watchers in other processes that a commit is visible: one byte written
         to the clock file after COMMIT, which inotify reports to them (``_CommitSignal``);
@@ -1538,7 +1557,8 @@ class Transaction(_ReadView):
             self._conn = conn
             self._rv = _version_at(last, last_clock, now)
             self._rv_clock = now
-        elif _clock() - self._rv_clock > MVCC_WINDOW_S:
+        elif _clock() - self._rv_clock > MVCC_WINDOW_S or (
+                self.db._fault_p and self.db._get_store().recovered_after(self._rv)):
             self._release()
             raise EngineError(1007)
         return self._conn
@@ -2187,6 +2207,8 @@ class Transaction(_ReadView):
                 try:
                     version = self._apply(store, rv, has_reads, jump)
                     store.writer.execute("COMMIT")
+                    if jump:
+                        store.note_recovery(version)
                 except BaseException:
                     if store.writer.in_transaction:
                         store.writer.execute("ROLLBACK")

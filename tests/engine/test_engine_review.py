@@ -318,3 +318,27 @@ def test_watches_pending_in_other_transactions_count_toward_the_limit(eng):
         t3.cancel()
     finally:
         eng.db.options.set_max_watches(10_000)
+
+
+def test_an_injected_recovery_fails_reads_at_an_older_read_version(eng):
+    """A version jump is an FDB recovery: storage moves 100,000,000 versions on, so a
+    transaction still reading at a read version from before it fails with
+    transaction_too_old (1007) (cached reads aside). The engine let it read on from
+    its snapshot for up to 5 s."""
+    db = eng.open(eng.fault_url(0.3, 21))
+    tr = db.create_transaction()
+    tr.snapshot[eng.k(b"a")].wait()
+    rv = tr.get_read_version().wait()
+    for i in range(3000):
+        w = db.create_transaction()
+        w[eng.k(b"b")] = b"%d" % i
+        try:
+            w.commit().wait()
+        except Exception:  # noqa: BLE001 - injected errors: go on
+            pass
+        if eng.db.create_transaction().get_read_version().wait() > rv + 100_000_000:
+            break
+    else:
+        raise AssertionError("no version jump in 3000 commits")
+    assert code_of(lambda: tr[eng.k(b"c")].wait()) == 1007
+    assert code_of(lambda: list(tr.snapshot.get_range(eng.k(b""), eng.k(b"\xff")))) == 1007
