@@ -322,7 +322,7 @@ class _Store:
         # commit version until COMMIT; a reader holds it shared while it reads the clock
         # for its read version and opens its snapshot. So a commit that a snapshot does
         # not see always gets a version above that snapshot's read version.
-        self.clock_path = path + "-fdqclock"
+        self.clock_path = _side_file(path, "-fdqclock")
         self.writer_fd = os.open(self.clock_path, os.O_RDWR | os.O_CREAT, 0o644)
         self.fd_pool = []
         self.watchers_fd = None     # the probe's descriptor (``others_watch``); never closed
@@ -417,7 +417,7 @@ class _Store:
             return True
         try:
             if self.watchers_fd is None:
-                self.watchers_fd = os.open(self.path + _WATCHERS_SUFFIX, os.O_RDWR | os.O_CREAT | _IN_CLOEXEC,
+                self.watchers_fd = os.open(_side_file(self.path, _WATCHERS_SUFFIX), os.O_RDWR | os.O_CREAT | _IN_CLOEXEC,
                                            0o644)
             got = fcntl.fcntl(self.watchers_fd, fcntl.F_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
             return _FLOCK.unpack(got)[0] != fcntl.F_UNLCK
@@ -605,6 +605,13 @@ _held = {}          # _local_key -> [descriptor, holders]
 _local_managers = {}    # _local_key -> WeakSet of this process's _WatchManager
 
 
+def _side_file(path: str, suffix: str) -> str:
+    """The engine's file ``suffix`` beside the database: named after its real path, as
+    SQLite names its WAL (it follows a symlink to the file), so processes that open the
+    database by different names share the version clock lock and the watch signals."""
+    return os.path.realpath(path) + suffix
+
+
 def _local_key(path: str):
     return os.getpid(), os.path.realpath(path)
 
@@ -615,7 +622,7 @@ def _hold_watcher_lock(path: str) -> bool:
         held = _held.get(key)
         if held is None:
             try:
-                fd = os.open(path + _WATCHERS_SUFFIX, os.O_RDWR | os.O_CREAT | _IN_CLOEXEC, 0o644)
+                fd = os.open(_side_file(path, _WATCHERS_SUFFIX), os.O_RDWR | os.O_CREAT | _IN_CLOEXEC, 0o644)
             except OSError:
                 return False
             try:
@@ -717,7 +724,7 @@ class _WatchManager:
     def __init__(self, db: "Database"):
         self.db_ref = weakref.ref(db)
         self.path = db._path
-        self.clock_path = db._path + "-fdqclock"
+        self.clock_path = _side_file(db._path, "-fdqclock")
         self.cond = threading.Condition()
         self.watches = {}  # key -> list of (baseline, future)
         self.count = 0
