@@ -75,6 +75,29 @@ CREATE TABLE IF NOT EXISTS txlog (version INTEGER PRIMARY KEY, clock REAL NOT NU
 
 _SYNC_MODES = {"OFF", "NORMAL", "FULL", "EXTRA"}
 _leaked_after_fork = []  # connections inherited over fork(): never touched, never closed
+_stores = weakref.WeakSet()     # every _Store of this process (``_close_inherited_locks``)
+
+
+def _close_inherited_locks():
+    """In a forked child: close the parent's version clock lock descriptors. A flock
+    lock belongs to the open file, which the child's copies keep open: had the parent
+    been killed while holding it (mid-commit), it stayed held for as long as the child
+    lived, and every process of the database waited on it. Closing (never unlocking:
+    that would release the parent's lock) drops the child's share. No lock is taken:
+    another thread of the parent may have held one at the fork."""
+    for store in list(_stores):
+        fds = [store.writer_fd] + list(store.fd_pool)
+        store.writer_fd = -1
+        store.fd_pool = []
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited_locks)
 
 
 def _key(k) -> bytes:
@@ -327,6 +350,7 @@ class _Store:
         self.fd_pool = []
         self.watchers_fd = None     # the probe's descriptor (``others_watch``); never closed
         self.local_key = _local_key(path)   # this process's watch managers of the file
+        _stores.add(self)
 
     def _open(self, timeout: float = LOCK_WAIT_S) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
@@ -485,9 +509,14 @@ class _Store:
         fd = os.open(self.clock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
+            try:
+                conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
+            finally:
+                # Unlocked, not only closed: a child forked meanwhile shares the open
+                # file, and closing would leave the lock held while it lives.
+                fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
-            os.close(fd)    # releases the lock
+            os.close(fd)
 
     def begin_immediate(self, until: float | None = None):
         """Take SQLite's write lock. Spins with short sleeps (SQLite's own busy

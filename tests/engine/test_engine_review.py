@@ -374,3 +374,52 @@ def test_a_symlinked_path_shares_the_version_clock_lock(eng, tmp_path):
         holder.kill()
         holder.wait(10)
     assert via_link[eng.k(b"a")] == b"1"
+
+
+_FORK_THEN_DIE_MID_COMMIT = """
+import fcntl, os, sys, time
+from fdq.engine.sqlite import Database
+db = Database(sys.argv[1])
+db[b"t/x"] = b"1"
+child = os.fork()
+if child == 0:          # a forked worker that outlives its parent
+    time.sleep(60)
+    os._exit(0)
+# the version clock lock as a commit holds it (the window a kill -9 can hit)
+fcntl.flock(db._get_store().writer_fd, fcntl.LOCK_EX)
+print(child, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_process_killed_mid_commit_releases_the_lock_though_a_forked_child_lives(eng):
+    """flock locks belong to the open file, which a forked child shares: a process
+    killed -9 while it held the version clock lock (in the middle of a commit) left
+    it held for as long as any child forked earlier lived, and every other process
+    waited for it without bound (or timed out)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import pytest
+
+    if not eng.embedded:
+        pytest.skip("the version clock lock is the embedded engine's")
+    proc = subprocess.Popen([sys.executable, "-c", _FORK_THEN_DIE_MID_COMMIT, eng.db.path],
+                            stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(proc.stdout.readline())
+        proc.kill()
+        proc.wait(10)
+        tr = eng.db.create_transaction()
+        tr.options.set_timeout(3000)
+        assert tr[b"t/x"].wait() == b"1"
+    finally:
+        proc.kill()
+        if child is not None:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
