@@ -2375,8 +2375,6 @@ class Transaction(_ReadView):
                     may_clear.append((key,))
             else:  # versionstamped value, then any atomic ops on it
                 body, off, ops = data
-                if key == b"\xff/metadataVersion":
-                    continue
                 v = body[:off] + stamp + body[off + 10:]
                 if ops:
                     v = _apply_ops(v, ops)

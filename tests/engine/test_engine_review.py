@@ -423,3 +423,23 @@ def test_a_process_killed_mid_commit_releases_the_lock_though_a_forked_child_liv
                 os.kill(child, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_metadata_version_reads_the_stamp_of_its_last_bump(eng):
+    """FDB: ``\\xff/metadataVersion`` reads as the 10-byte versionstamp of the last bump
+    (None if never bumped), and a reader of it conflicts with a bump. The engine never
+    stored the bump: it read None forever, so a layer's metadata cache keyed on it would
+    never be dropped."""
+    mv = b"\xff/metadataVersion"
+    before = eng.db.create_transaction()[mv].wait()
+    reader = eng.db.create_transaction()
+    reader[mv].wait()
+    reader[eng.k(b"r")] = b"1"
+    tr = eng.db.create_transaction()
+    tr.set_versionstamped_value(mv, b"\x00" * 14)
+    vs = tr.get_versionstamp()
+    tr.commit().wait()
+    after = eng.db.create_transaction()[mv].wait()
+    assert after != before
+    assert bytes(after) == bytes(vs.wait())
+    assert code_of(lambda: reader.commit().wait()) == 1020
