@@ -1582,7 +1582,12 @@ class Transaction(_ReadView):
             if self._rv is not None:
                 # The snapshot was released (too old): FDB fails such reads.
                 raise EngineError(1007)
-            store = self.db._get_store()
+            db = self.db
+            if db._fault_p and db._fault(0.1):
+                # A storage read failing as FDB's can (retryable, not committed): the
+                # attempt's first read, so an attempt sees one at most.
+                raise EngineError(db._rng.choice((1009, 1037)))
+            store = db._get_store()
             conn = store.acquire_reader()
             until = self._created + self._timeout_ms / 1000 if self._timeout_ms else None
             try:

@@ -443,3 +443,20 @@ def test_metadata_version_reads_the_stamp_of_its_last_bump(eng):
     assert after != before
     assert bytes(after) == bytes(vs.wait())
     assert code_of(lambda: reader.commit().wait()) == 1020
+
+
+def test_fault_injection_fails_reads_too(eng):
+    """FDB's reads fail with retryable errors (future_version 1009, process_behind
+    1037, ...), not only its commits; injected faults were at commit only, so a read
+    outside a retry loop passed every fault-injection test."""
+    db = eng.open(eng.fault_url(0.3, 4))
+    seen = set()
+    for i in range(600):
+        tr = db.create_transaction()
+        code = code_of(lambda: tr[eng.k(b"a")].wait())
+        if code is not None:
+            seen.add(code)
+            assert tr.on_error(code).wait() is None     # retryable
+        if {1009, 1037} <= seen:
+            break
+    assert {1009, 1037} <= seen, seen
