@@ -1109,7 +1109,9 @@ class Database:
         self._defaults = {}
         self._max_watches = DEFAULT_MAX_WATCHES
         self._pending_watch_n = 0   # watches of open transactions (``Transaction.watch``)
-        self._pending_lock = threading.Lock()
+        # Reentrant: Transaction.__del__ takes it, and the cyclic GC can run it inside
+        # watch() on the thread that holds it.
+        self._pending_lock = threading.RLock()
         self.options = _DatabaseOptions(self)
         self._init_lock = threading.Lock()
         self._store = None
