@@ -29,7 +29,7 @@ from fdb.tuple import Versionstamp
 
 from .config import ProducerConfig, TopicConfig, check_name
 from .engine import error_types, retry_or_raise, transactional
-from .errors import (BacklogFull, ConfigError, FDQError, InvalidHeader, InvalidMessage,
+from .errors import (BacklogFull, ConfigError, EngineError, FDQError, InvalidHeader, InvalidMessage,
                      MessageTooLarge, TopicNotFound, is_maybe_committed)
 from .headers import dispatch_tag, trace_id, validate_headers
 from .keyspace import Keyspace, TopicSpace, counter, message_id, vs_key, vs_key_parts
@@ -559,8 +559,11 @@ class Producer:
         try:
             results = self._commit([(it.topic, it.env) for it in batch])
         except FDQError as e:
-            if len(batch) == 1:
-                batch[0].error = e
+            if len(batch) == 1 or is_maybe_committed(e):
+                # Maybe committed: the whole batch shares the outcome; pushing halves
+                # again would store its messages twice.
+                for it in batch:
+                    it.error = e
                 return
             half = len(batch) // 2
             self._commit_group(batch[:half])
@@ -576,16 +579,31 @@ class Producer:
             txid = self._session + self._seq.to_bytes(8, "big")
         spread = _spread_start()
         tr = self.db.create_transaction()
-        maybe_committed = False
+        maybe_committed = in_flight = False
         while True:
+            committing = False
             try:
                 results, stamp = push_batch(tr, self.keyspace, items, txid, spread, self.config.auto_create,
                                             now_ms, self._time_index, maybe_committed)
+                committing = True
                 tr.commit().wait()
                 break
             except error_types() as e:
-                maybe_committed = maybe_committed or is_maybe_committed(e)
-                retry_or_raise(tr, e)
+                # 1021/1039: may have committed, no longer in flight; 1031 during the
+                # commit (a timeout): may have committed, maybe still in flight (FDB).
+                in_flight = in_flight or (committing and getattr(e, "code", None) == 1031)
+                maybe_committed = maybe_committed or is_maybe_committed(e) or in_flight
+                try:
+                    retry_or_raise(tr, e)
+                except FDQError as final:
+                    if not maybe_committed:
+                        raise
+                    # Given up (retry limit, timeout) after an attempt that may have
+                    # committed: its marker says whether it did. Never report such a
+                    # push as not committed (the caller, or the group commit's split,
+                    # would push it again).
+                    results, stamp = self._resolve(items[0][0], txid, in_flight, final)
+                    break
         stamp = stamp if type(stamp) is bytes else bytes(stamp.wait())
         out = []
         stamp_hex = stamp.hex()
@@ -601,6 +619,32 @@ class Producer:
             out.append(PushResult(mid, topic, n, dup_of is not None, trace,
                                   mid if trace is not None else None))
         return out
+
+    def _resolve(self, topic: str, txid: bytes, in_flight: bool, final: Exception):
+        """The outcome of a push transaction that gave up after an attempt that may have
+        committed: ``(results, stamp)`` from its marker if it committed; ``final`` if it
+        surely did not (its unknown attempts are no longer in flight, and the marker is
+        absent); else a ``commit_unknown_result`` EngineError (maybe committed)."""
+        key = self.keyspace.topic(topic).marks.pack((txid,))
+        tr = self.db.create_transaction()
+        try:
+            while True:
+                try:
+                    marker = tr[key]
+                    present = marker != None  # noqa: E711 - resolves the read (errors here)
+                    break
+                except error_types() as e:
+                    retry_or_raise(tr, e)
+        except FDQError as e:
+            raise EngineError(1021, f"push gave up ({final}) after an attempt that may have committed; "
+                                    f"its outcome could not be read ({e})") from final
+        if present:
+            raw = bytes(marker)
+            return unpack(raw[10:]), raw[:10]
+        if in_flight:
+            raise EngineError(1021, f"push gave up ({final}) while a commit may still be in flight: "
+                                    "it may have committed") from final
+        raise final
 
     def replay(self, topic: str, start, end=None, *, progress=None) -> int:
         """Re-deliver the "all" log's messages with insertion time in ``[start, end)``
