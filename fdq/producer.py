@@ -220,10 +220,13 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
                 raw = bytes(seen)
                 first_vs = Versionstamp.from_bytes(raw[:12])
                 # Within the window by versions, or by the producers' clock: a version
-                # jump (FDB recovery, ~100 s) must not make a recent id look old.
+                # jump (FDB recovery, ~100 s) must not make a recent id look old. Clocks
+                # disagree both ways: a first push "in the future" beyond the window is
+                # a skewed clock, not a young id (else the id stays a duplicate for as
+                # long as that clock is ahead).
                 young = int.from_bytes(first_vs.tr_version[:8], "big") >= rv - int(config.dedupe_window_s * VERSIONS_PER_S)
                 if not young and len(raw) >= 20:
-                    young = now_ms - int.from_bytes(raw[12:20], "big") < config.dedupe_window_s * 1000
+                    young = abs(now_ms - int.from_bytes(raw[12:20], "big")) < config.dedupe_window_s * 1000
                 if young:
                     results.append((topic, uv, n, message_id(first_vs)))
                     continue

@@ -54,3 +54,45 @@ def test_a_group_commit_that_gives_up_after_a_maybe_committed_attempt_pushes_not
     wrong = [b for b, r in outcome.items() if isinstance(r, EngineError) and not is_maybe_committed(r) and stored[b]]
     assert not wrong, f"{len(wrong)} pushes reported not committed are stored, e.g. {wrong[:3]}"
     assert sum(isinstance(r, EngineError) for r in outcome.values()), "the scenario made no push give up"
+
+
+_SKEWED_PUSH = """
+import sys, time
+real = time.time
+time.time = lambda: real() + float(sys.argv[2])
+import fdq
+p = fdq.Producer(fdq.connect(sys.argv[1]))
+print(*[p.push("t", b"skewed", msg_id=m).id for m in sys.argv[3:]])
+"""
+
+
+def test_a_producer_clock_days_ahead_neither_stalls_dedupe_cleanup_nor_stretches_the_window(db, url):
+    # Dedupe entries keep their producer's clock (so a version jump cannot shorten the
+    # window). A producer whose clock is a day ahead must not make its entry young for
+    # a day: trim stopped at it (cleanup of every later id stalled) and the id counted
+    # as a duplicate for a day.
+    import subprocess
+    import sys
+    from fdqtest import wait_for
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=1, dedupe_window_s=0.5)
+    out = subprocess.run([sys.executable, "-c", _SKEWED_PUSH, url, str(86400), "id-skewed", "id-only-skewed"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.split()[0]
+    p = fdq.Producer(db)
+    for i in range(5):
+        p.push("t", b"x", msg_id=f"id-{i}")
+    ts = Keyspace().topic("t")
+    first_version = int(first[:16], 16)
+    wait_for(lambda: db.create_transaction().get_read_version().wait() - first_version > 600_000,
+             timeout=10, what="the window to pass by versions")
+    # Past the window by versions and by this producer's clock: the id is new again
+    # (and id-only-skewed, never pushed again, must not stop the cleanup below).
+    r = p.push("t", b"again", msg_id="id-skewed")
+    assert not r.duplicate and r.id != first
+
+    def cleaned():
+        sup.trim("t")
+        return not scan(db, ts.dedupe.key()) and not scan(db, ts.dedupe_by_version.key())
+    wait_for(cleaned, timeout=10, what="trim to expire every dedupe entry past its window", interval=0.2)
