@@ -445,26 +445,28 @@ class _GroupCommit:
         then hand what is left to the flusher."""
         last = 0
         n = 0
-        while rounds is None or n < rounds:
-            n += 1
-            if self._linger_s:
-                time.sleep(self._linger_s)
-            elif last and len(self._queue) < min(self._callers, self._max_batch):
-                self._gather()
-            with self._lock:
-                batch = self._queue[:self._max_batch]
-                del self._queue[:self._max_batch]
-                if not batch:
-                    self._leading = False
-                    return
-            t0 = time.perf_counter()
-            try:
+        try:
+            while rounds is None or n < rounds:
+                n += 1
+                if self._linger_s:
+                    time.sleep(self._linger_s)
+                elif last and len(self._queue) < min(self._callers, self._max_batch):
+                    self._gather()
+                with self._lock:
+                    batch = self._queue[:self._max_batch]
+                    del self._queue[:self._max_batch]
+                    if not batch:
+                        self._leading = False
+                        return
+                t0 = time.perf_counter()
                 self._flush(batch)
-            except BaseException:
-                self._handoff()
-                raise
-            self._commit_s = time.perf_counter() - t0
-            last = len(batch)
+                self._commit_s = time.perf_counter() - t0
+                last = len(batch)
+        except BaseException:
+            # Interrupted (a signal handler's exception while lingering, say): the
+            # flusher takes over what is queued, or nobody would lead it again.
+            self._handoff()
+            raise
         self._handoff()
 
     def _gather(self):
@@ -509,7 +511,8 @@ class Producer:
 
     def push(self, topic: str, body: bytes, *, shard_key: str | None = None, msg_id: str | None = None,
              delay: float | None = None, headers: Mapping | None = None) -> PushResult:
-        """Push one message; returns after it is committed."""
+        """Push one message; returns after it is committed. A call interrupted (by a
+        signal handler's exception) may still commit its push, as a cancelled future."""
         item = _Item(check_name(topic), Envelope(body, shard_key, delay, msg_id, headers))
         self._group.submit(item)
         if item.error is not None:

@@ -96,3 +96,38 @@ def test_a_producer_clock_days_ahead_neither_stalls_dedupe_cleanup_nor_stretches
         sup.trim("t")
         return not scan(db, ts.dedupe.key()) and not scan(db, ts.dedupe_by_version.key())
     wait_for(cleaned, timeout=10, what="trim to expire every dedupe entry past its window", interval=0.2)
+
+
+class _Interrupt(BaseException):
+    pass
+
+
+def test_a_leader_interrupted_while_lingering_does_not_strand_later_pushes(db):
+    # A push interrupted by a signal handler's exception (KeyboardInterrupt, say) while
+    # it leads a group commit must hand the queue on: else the group stays "led" by
+    # nobody and every later push() waits forever.
+    import signal
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    p = fdq.Producer(db, config=fdq.ProducerConfig(linger_ms=1000))
+
+    def interrupt(_sig, _frame):
+        raise _Interrupt()
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        try:
+            p.push("t", b"interrupted")
+        except _Interrupt:
+            pass
+        else:
+            raise AssertionError("the alarm did not interrupt the lingering push")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    p2 = fdq.Producer(db)   # (another producer works meanwhile: the database is fine)
+    p2.push("t", b"other")
+    got = []
+    th = threading.Thread(target=lambda: got.append(p.push("t", b"later")), daemon=True)
+    th.start()
+    th.join(15)
+    assert got, "push() after an interrupted leader never returned"
