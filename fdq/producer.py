@@ -10,12 +10,14 @@ retry after ``commit_unknown_result`` finds it and returns the first commit's id
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import random
 import struct
 import threading
 import time
+import weakref
 from _thread import allocate_lock as _allocate_lock
 from collections import defaultdict
 from collections.abc import Mapping
@@ -397,6 +399,9 @@ class _GroupCommit:
         self._flusher_go = threading.Event()
         self._commit_s = 0.0
         self._callers = 0        # callers inside submit: queued, or released and not yet returned
+        self._async_pending = 0  # asynchronous pushes queued or being committed
+        self._idle = threading.Condition(self._lock)
+        _LIVE_GROUPS.add(self)
 
     def submit(self, item: _Item):
         """Queue ``item`` and return once it is committed (or failed)."""
@@ -419,10 +424,17 @@ class _GroupCommit:
         """Queue ``item`` without waiting; its ``future`` resolves after the commit."""
         with self._lock:
             self._queue.append(item)
+            self._async_pending += 1
             if self._leading:
                 return
             self._leading = True
         self._wake_flusher()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every asynchronous push queued so far is committed or failed
+        (and those queued meanwhile); False if ``timeout`` passed first."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._async_pending, timeout)
 
     def _wake_flusher(self):
         if self._flusher is None or not self._flusher.is_alive():
@@ -459,7 +471,15 @@ class _GroupCommit:
                         self._leading = False
                         return
                 t0 = time.perf_counter()
-                self._flush(batch)
+                try:
+                    self._flush(batch)
+                finally:
+                    done = sum(it.future is not None for it in batch)
+                    if done:
+                        with self._lock:
+                            self._async_pending -= done
+                            if not self._async_pending:
+                                self._idle.notify_all()
                 self._commit_s = time.perf_counter() - t0
                 last = len(batch)
         except BaseException:
@@ -485,6 +505,19 @@ class _GroupCommit:
                 self._leading = False
                 return
         self._wake_flusher()
+
+
+_LIVE_GROUPS = weakref.WeakSet()
+EXIT_FLUSH_S = 60.0     # at interpreter exit, how long pending push_async calls may take
+
+
+@atexit.register
+def _flush_at_exit():
+    """The flusher is a daemon thread (it must not keep a process alive): at a normal
+    exit, commit what ``push_async`` callers left queued before it is stopped."""
+    deadline = time.monotonic() + EXIT_FLUSH_S
+    for group in list(_LIVE_GROUPS):
+        group.flush(max(0.0, deadline - time.monotonic()))
 
 
 class Producer:
@@ -530,6 +563,12 @@ class Producer:
                      future=_ConcurrentFuture())
         self._group.submit_async(item)
         return item.future
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every ``push_async`` made so far is committed (or failed); False
+        if ``timeout`` (seconds) passed first. Also done at a normal interpreter exit
+        (for up to ``EXIT_FLUSH_S``), so queued pushes are not dropped with the process."""
+        return self._group.flush(timeout)
 
     def push_many(self, topic: str, envelopes) -> list:
         """Push several messages in one transaction (all or none)."""

@@ -131,3 +131,36 @@ def test_a_leader_interrupted_while_lingering_does_not_strand_later_pushes(db):
     th.start()
     th.join(15)
     assert got, "push() after an interrupted leader never returned"
+
+
+_ASYNC_THEN_EXIT = """
+import sys, fdq
+p = fdq.Producer(fdq.connect(sys.argv[1]), config=fdq.ProducerConfig(linger_ms=float(sys.argv[3])))
+for i in range(int(sys.argv[2])):
+    p.push_async("t", b"m%d" % i)
+"""
+
+
+def test_push_async_futures_left_pending_at_a_normal_exit_are_committed(db, url):
+    # push_async hands back futures; a process that exits normally without waiting for
+    # them must not drop its queued pushes (the flusher thread is a daemon: it was
+    # stopped with the interpreter, and every queued push was silently lost).
+    import subprocess
+    import sys
+    fdq.Supervisor(db).create_topic("t", shards=2)
+    for linger in (0, 5):
+        before = fdq.Supervisor(db).stats("t")["counters"]["inserted"]
+        out = subprocess.run([sys.executable, "-c", _ASYNC_THEN_EXIT, url, "500", str(linger)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert fdq.Supervisor(db).stats("t")["counters"]["inserted"] - before == 500
+
+
+def test_producer_flush_waits_for_its_pending_async_pushes(db):
+    fdq.Supervisor(db).create_topic("t", shards=2)
+    p = fdq.Producer(db, config=fdq.ProducerConfig(linger_ms=200))
+    futures = [p.push_async("t", b"m%d" % i) for i in range(50)]
+    assert p.flush(timeout=30)
+    assert all(f.done() for f in futures)
+    assert fdq.Supervisor(db).stats("t")["counters"]["inserted"] == 50
+    assert p.flush(timeout=0)     # nothing pending: at once
