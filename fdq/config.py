@@ -44,7 +44,9 @@ class TopicConfig:
     producers' clock, so a version jump (an FDB recovery) cannot shorten it; ``trim``
     removes entries past it.
     ``retention_s`` / ``retention_bytes``: what ``trim`` keeps of the "all" log.
-    ``max_message_bytes``: the largest body (split into chunks above 90,000 bytes).
+    ``max_message_bytes``: the largest body (split into chunks above 90,000 bytes); a
+    push also refuses a body whose copies (the log's, one per subscription) exceed
+    ``fdq.producer.MAX_COPIES_BYTES`` (9 MB: they are written in one transaction).
     """
 
     shards: int = 16

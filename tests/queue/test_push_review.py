@@ -164,3 +164,22 @@ def test_producer_flush_waits_for_its_pending_async_pushes(db):
     assert all(f.done() for f in futures)
     assert fdq.Supervisor(db).stats("t")["counters"]["inserted"] == 50
     assert p.flush(timeout=0)     # nothing pending: at once
+
+
+def test_a_body_the_config_allows_but_no_transaction_can_hold_is_refused_clearly(db):
+    # max_message_bytes may be set up to 8 MiB, but a push writes the body to the log
+    # and to every subscription's queue in one transaction (10 MB): a 6 MiB body must be
+    # a MessageTooLarge naming why, not a raw transaction_too_large engine error.
+    import os
+    import pytest
+    sup = fdq.Supervisor(db)
+    sup.create_topic("big", shards=1, max_message_bytes=8 << 20)
+    p = fdq.Producer(db)
+    with pytest.raises(fdq.MessageTooLarge, match="subscription"):
+        p.push("big", os.urandom(6 << 20))
+    f = p.push_async("big", os.urandom(6 << 20))
+    with pytest.raises(fdq.MessageTooLarge):
+        f.result(60)
+    body = os.urandom(4 << 20)
+    p.push("big", body)
+    assert sup.stats("big")["counters"]["inserted"] == 1
