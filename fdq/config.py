@@ -169,6 +169,8 @@ class ProducerConfig:
     def __post_init__(self):
         _positive("linger_ms", self.linger_ms, zero=True)
         _positive("max_batch", self.max_batch, integer=True)
+        if self.max_batch > 1 << 16:
+            raise ConfigError(f"max_batch must be at most 65,536 (messages per transaction), not {self.max_batch}")
         if not isinstance(self.auto_create, (bool, TopicConfig)):
             raise ConfigError(f"auto_create must be True, False or a TopicConfig, not {self.auto_create!r}")
 

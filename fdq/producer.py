@@ -48,6 +48,7 @@ MAX_SHARD_KEY_BYTES = 1024    # a shard key is stored with every copy of its mes
 # transaction (push, or play after a pause): they must fit FDB's 10,000,000 bytes with
 # room for keys and the rest of the message.
 MAX_COPIES_BYTES = 9_000_000
+MAX_PER_TRANSACTION = 1 << 16   # a versionstamp's user version (2 bytes) numbers them
 
 
 def to_ms(t) -> int | None:
@@ -584,6 +585,9 @@ class Producer:
         envs = [e if isinstance(e, Envelope) else Envelope(e) for e in envelopes]
         if not envs:
             return []
+        if len(envs) > MAX_PER_TRANSACTION:
+            raise InvalidMessage(f"push_many of {len(envs):,} messages: one transaction holds at most "
+                                 f"{MAX_PER_TRANSACTION:,} (a message id numbers it in 2 bytes)")
         return self._commit([(topic, e) for e in envs])
 
     def _flush(self, batch: list):

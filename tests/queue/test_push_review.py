@@ -183,3 +183,17 @@ def test_a_body_the_config_allows_but_no_transaction_can_hold_is_refused_clearly
     body = os.urandom(4 << 20)
     p.push("big", body)
     assert sup.stats("big")["counters"]["inserted"] == 1
+
+
+def test_more_messages_than_a_versionstamp_can_number_are_refused_clearly(db):
+    # A message's id is its commit's versionstamp plus a 2-byte index in the
+    # transaction: one transaction holds at most 65,536 messages. Beyond that, an
+    # OverflowError escaped (not an FDQError); a max_batch beyond it broke every push.
+    import pytest
+    p = fdq.Producer(db)
+    with pytest.raises(fdq.InvalidMessage, match="65,536"):
+        p.push_many("t", [fdq.Envelope(b"x") for _ in range(65_537)])
+    with pytest.raises(fdq.ConfigError, match="max_batch"):
+        fdq.ProducerConfig(max_batch=100_000)
+    assert fdq.ProducerConfig(max_batch=65_536).max_batch == 65_536
+
