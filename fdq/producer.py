@@ -41,6 +41,11 @@ from .topic import load_config, write_topic_config
 
 VERSIONS_PER_S = 1_000_000
 MARKER_TTL_S = 600.0          # push markers outlive any commit_unknown_result retry
+# A marker holds its transaction's results: over this, its payload is split into parts
+# at marks/<txid>/<i> (FDB's value limit is 100,000 bytes); its value then starts with
+# _SPLIT (a byte msgpack never uses) and the part count.
+MARKER_PART_BYTES = 90_000
+_SPLIT = b"\xc1"
 _OFFSET0 = struct.pack("<I", 0)
 _PLACEHOLDER = b"\x00" * 10
 MAX_SHARD_KEY_BYTES = 1024    # a shard key is stored with every copy of its message
@@ -165,10 +170,9 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
     first = ks.topic(items[0][0])
     marker_key = first.marks.pack((txid,))
     if check_marker:
-        marker = tr[marker_key]
-        if marker != None:  # noqa: E711 - committed before: return what it returned
-            raw = bytes(marker)
-            return unpack(raw[10:]), raw[:10]
+        found = read_marker(tr, first, txid)
+        if found is not None:   # committed before: return what it returned
+            return found
     rv = clock = None
     configs = {}
     plans = {}
@@ -289,9 +293,31 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
     for topic, config in configs.items():
         if config.max_backlog is not None:
             _check_backlog(tr, ks.topic(topic), config)
-    tr.set_versionstamped_value(marker_key, _PLACEHOLDER + pack(results) + _OFFSET0)
+    payload = pack(results)
+    if len(payload) <= MARKER_PART_BYTES:
+        tr.set_versionstamped_value(marker_key, _PLACEHOLDER + payload + _OFFSET0)
+    else:   # over one value: the rest in parts beside it (read_marker)
+        parts = [payload[i:i + MARKER_PART_BYTES] for i in range(0, len(payload), MARKER_PART_BYTES)]
+        tr.set_versionstamped_value(marker_key, _PLACEHOLDER + _SPLIT + len(parts).to_bytes(4, "big")
+                                    + parts[0] + _OFFSET0)
+        for i, part in enumerate(parts[1:], 1):
+            tr[first.marks.pack((txid, i))] = part
     tr.set_versionstamped_key(vs_key(first.marks_by_version.key(), 0), txid)
     return results, tr.get_versionstamp()
+
+
+def read_marker(tr, ts: TopicSpace, txid: bytes):
+    """``(results, stamp)`` of the push transaction ``txid`` if it committed (its
+    marker, under the topic of its first message), else None."""
+    marker = tr[ts.marks.pack((txid,))]
+    if marker == None:  # noqa: E711
+        return None
+    raw = bytes(marker)
+    stamp, payload = raw[:10], raw[10:]
+    if payload[:1] == _SPLIT:
+        r = ts.marks[txid].range()
+        payload = payload[5:] + b"".join(bytes(kv.value) for kv in tr.get_range(r.start, r.stop))
+    return unpack(payload), stamp
 
 
 class _PushPlan:
@@ -682,22 +708,20 @@ class Producer:
         committed: ``(results, stamp)`` from its marker if it committed; ``final`` if it
         surely did not (its unknown attempts are no longer in flight, and the marker is
         absent); else a ``commit_unknown_result`` EngineError (maybe committed)."""
-        key = self.keyspace.topic(topic).marks.pack((txid,))
+        ts = self.keyspace.topic(topic)
         tr = self.db.create_transaction()
         try:
             while True:
                 try:
-                    marker = tr[key]
-                    present = marker != None  # noqa: E711 - resolves the read (errors here)
+                    found = read_marker(tr, ts, txid)
                     break
                 except error_types() as e:
                     retry_or_raise(tr, e)
         except FDQError as e:
             raise EngineError(1021, f"push gave up ({final}) after an attempt that may have committed; "
                                     f"its outcome could not be read ({e})") from final
-        if present:
-            raw = bytes(marker)
-            return unpack(raw[10:]), raw[:10]
+        if found is not None:
+            return found
         if in_flight:
             raise EngineError(1021, f"push gave up ({final}) while a commit may still be in flight: "
                                     "it may have committed") from final

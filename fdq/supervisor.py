@@ -240,7 +240,8 @@ def expire_index_chunk(tr, space, older_than_version: int, limit: int, target=No
         if int.from_bytes(vs.tr_version[:8], "big") >= older_than_version:
             break
         if target is not None:
-            tkey = target.pack((bytes(kv.value).decode() if text else bytes(kv.value),))
+            tid = bytes(kv.value).decode() if text else bytes(kv.value)
+            tkey = target.pack((tid,))
             current = tr[tkey]
             if current != None:  # noqa: E711
                 cur = bytes(current)
@@ -249,6 +250,9 @@ def expire_index_chunk(tr, space, older_than_version: int, limit: int, target=No
                             keep_after_ms <= int.from_bytes(cur[12:20], "big") < (keep_before_ms or 1 << 63):
                         break
                     del tr[tkey]
+                    if not text:   # a push marker's parts, if split (producer.read_marker)
+                        pr = target[tid].range()
+                        tr.clear_range(pr.start, pr.stop)
         del tr[kv.key]
         n += 1
     return n

@@ -197,3 +197,34 @@ def test_more_messages_than_a_versionstamp_can_number_are_refused_clearly(db):
         fdq.ProducerConfig(max_batch=100_000)
     assert fdq.ProducerConfig(max_batch=65_536).max_batch == 65_536
 
+
+def test_push_many_of_thousands_fits_its_retry_marker(db, url):
+    # A push transaction's retry marker (its results, read back after
+    # commit_unknown_result) is one value: it overflowed FDB's 100,000-byte limit from
+    # ~1,400 messages on a topic with a 64-character name, ~20,000 on any topic, and
+    # ~3,000 re-sent msg_ids (each a duplicate naming its first id): the push could
+    # never commit. Large markers are split over several keys, read back whole on a
+    # retry and removed whole by trim.
+    name = "n" * 64
+    fdq.Supervisor(db).create_topic(name, shards=4, dedupe_window_s=600)
+    p = fdq.Producer(db)
+    first = p.push_many(name, [fdq.Envelope(b"b%d" % i, msg_id=f"id-{i}") for i in range(5000)])
+    again = p.push_many(name, [fdq.Envelope(b"b%d" % i, msg_id=f"id-{i}") for i in range(5000)])
+    assert all(r.duplicate for r in again) and [r.id for r in again] == [r.id for r in first]
+    assert len(p.push_many("t", [fdq.Envelope(b"x") for _ in range(30_000)])) == 30_000
+    # Retries after commit_unknown_result read the split marker back: exact results.
+    faulty = fdq.Producer(fdq.connect(f"{url}?fault_injection=0.3&seed=5"))
+    for k in range(6):
+        envs = [fdq.Envelope(f"{k}:{i}".encode(), msg_id=f"f{k}-{i % 3000}") for i in range(4000)]
+        rs = faulty.push_many(name, envs)
+        assert [r.duplicate for r in rs] == [i >= 3000 for i in range(4000)]
+        assert [r.id for r in rs[3000:]] == [r.id for r in rs[:1000]]
+    stored = _stored_bodies(db, name)
+    assert max(stored.values()) == 1 and len(stored) == 5000 + 6 * 3000
+    # Expiry (what trim does once markers are 600 s old) removes every part.
+    from fdq.supervisor import expire_index_chunk
+    ts = Keyspace().topic(name)
+    assert len(scan(db, ts.marks.key())) > len(scan(db, ts.marks_by_version.key()))   # split ones
+    while expire_index_chunk(db, ts.marks_by_version, 1 << 62, 100, ts.marks) == 100:
+        pass
+    assert scan(db, ts.marks.key()) == [] and scan(db, ts.marks_by_version.key()) == []
