@@ -228,3 +228,43 @@ def test_push_many_of_thousands_fits_its_retry_marker(db, url):
     while expire_index_chunk(db, ts.marks_by_version, 1 << 62, 100, ts.marks) == 100:
         pass
     assert scan(db, ts.marks.key()) == [] and scan(db, ts.marks_by_version.key()) == []
+
+
+_DEDUPE_WORKER = """
+import json, sys, threading, fdq
+url, name, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+p = fdq.Producer(fdq.connect(url))
+out = {}
+def run(t):
+    for i in range(t, n, 4):      # 4 threads: auto-batched pushes of the shared ids
+        r = p.push("t", f"{name}:{i}".encode(), msg_id=f"id-{i}")
+        out[f"id-{i}"] = r.id
+ths = [threading.Thread(target=run, args=(t,)) for t in range(4)]
+[t.start() for t in ths]
+[t.join(120) for t in ths]
+rs = p.push_many("t", [fdq.Envelope(f"{name}:many{i}".encode(), msg_id=f"m-{i}") for i in range(n)])
+out.update({f"m-{i}": r.id for i, r in enumerate(rs)})
+print(json.dumps(out))
+"""
+
+
+def test_the_same_msg_ids_pushed_by_concurrent_processes_under_faults_are_stored_once(db, url):
+    import json
+    import subprocess
+    import sys
+    fdq.Supervisor(db).create_topic("t", shards=4, dedupe_window_s=600)
+    n = 150
+    procs = [subprocess.Popen([sys.executable, "-c", _DEDUPE_WORKER, f"{url}?fault_injection=0.2&seed={s}",
+                               f"p{s}", str(n)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for s in range(3)]
+    outs = []
+    for pr in procs:
+        so, se = pr.communicate(timeout=300)
+        assert pr.returncode == 0, se[-2000:]
+        outs.append(json.loads(so))
+    ts = Keyspace().topic("t")
+    recs = [Record.decode(v) for _k, v in scan(db, ts.log.key())]
+    per_id = collections.Counter(r.msg_id for r in recs)
+    assert len(per_id) == 2 * n and max(per_id.values()) == 1, per_id.most_common(3)
+    for mid in outs[0]:
+        assert outs[0][mid] == outs[1][mid] == outs[2][mid], mid    # every process was told the stored id
