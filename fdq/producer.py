@@ -34,7 +34,7 @@ from .engine import error_types, retry_or_raise, transactional
 from .errors import (BacklogFull, ConfigError, EngineError, FDQError, InvalidHeader, InvalidMessage,
                      MessageTooLarge, TopicNotFound, is_maybe_committed)
 from .headers import dispatch_tag, trace_id, validate_headers
-from .keyspace import Keyspace, TopicSpace, counter, message_id, vs_key, vs_key_parts
+from .keyspace import Keyspace, TopicSpace, counter, ensure_format, message_id, vs_key, vs_key_parts
 from .keyspace.codec import CHUNK_BYTES, RECORD_BYTES, Record, pack, packer, shard_of, split_body, unpack
 from .membership import read_clock
 from .topic import load_config, write_topic_config
@@ -399,6 +399,7 @@ def _config_for_push(tr, ks, ts, auto_create) -> TopicConfig:
         if not auto_create:
             raise TopicNotFound(f"topic {ts.name!r} does not exist")
         check_name(ts.name)
+        ensure_format(tr, ks)     # as create_topic: the first topic records the layout
         config = auto_create if isinstance(auto_create, TopicConfig) else TopicConfig()
         write_topic_config(tr, ts, config)
     return config

@@ -268,3 +268,14 @@ def test_the_same_msg_ids_pushed_by_concurrent_processes_under_faults_are_stored
     assert len(per_id) == 2 * n and max(per_id.values()) == 1, per_id.most_common(3)
     for mid in outs[0]:
         assert outs[0][mid] == outs[1][mid] == outs[2][mid], mid    # every process was told the stored id
+
+
+def test_a_topic_auto_created_by_a_push_records_the_layout_format(tmp_path):
+    # Creating a topic writes meta/format (the layout version a later FDQ checks and
+    # migrates from); a push that auto-creates the first topic of a fresh database did
+    # not, so a later version would take the database for an empty one.
+    db = fdq.connect(f"sqlite://{tmp_path / 'fresh.db'}")
+    fdq.Producer(db).push("t", b"x")
+    ks = Keyspace()
+    raw = db.create_transaction()[ks.format_key]
+    assert raw != None  # noqa: E711
