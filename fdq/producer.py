@@ -48,6 +48,7 @@ MARKER_PART_BYTES = 90_000
 _SPLIT = b"\xc1"
 _OFFSET0 = struct.pack("<I", 0)
 _PLACEHOLDER = b"\x00" * 10
+MAX_DELAY_S = 10 * 365 * 86400   # (NaN, inf and overflowing delays are refused at the call)
 MAX_SHARD_KEY_BYTES = 1024    # a shard key is stored with every copy of its message
 # A large body's copies (the log's and one per subscription) are written in one
 # transaction (push, or play after a pause): they must fit FDB's 10,000,000 bytes with
@@ -98,8 +99,8 @@ class Envelope:
         if isinstance(self.delay, datetime.timedelta):
             object.__setattr__(self, "delay", self.delay.total_seconds())
         if self.delay is not None and (isinstance(self.delay, bool) or not isinstance(self.delay, (int, float))
-                                       or self.delay < 0 or self.delay != self.delay):
-            raise InvalidMessage(f"delay must be seconds >= 0, not {self.delay!r}")
+                                       or not 0 <= self.delay <= MAX_DELAY_S):
+            raise InvalidMessage(f"delay must be seconds from 0 to {MAX_DELAY_S:,}, not {self.delay!r}")
         if self.headers is not None:
             plain = validate_headers(self.headers)
             object.__setattr__(self, "headers", MappingProxyType(plain))

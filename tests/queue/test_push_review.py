@@ -279,3 +279,17 @@ def test_a_topic_auto_created_by_a_push_records_the_layout_format(tmp_path):
     ks = Keyspace()
     raw = db.create_transaction()[ks.format_key]
     assert raw != None  # noqa: E711
+
+
+def test_an_infinite_delay_is_refused_at_the_call_and_fails_no_other_push(db):
+    # delay=inf (or one whose milliseconds overflow a float) passed validation, then
+    # raised OverflowError inside the group commit: every push of that transaction,
+    # other callers' included, failed with it.
+    import pytest
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    p = fdq.Producer(db, config=fdq.ProducerConfig(linger_ms=300))
+    good = [p.push_async("t", b"ok%d" % i) for i in range(3)]
+    for bad in (float("inf"), 1e307):
+        with pytest.raises(fdq.InvalidMessage, match="delay"):
+            p.push_async("t", b"bad", delay=bad).result(30)
+    assert [f.result(30).topic for f in good] == ["t"] * 3
