@@ -70,6 +70,15 @@ def to_ms(t) -> int | None:
     return int(t)
 
 
+def _utf8(what: str, text: str):
+    """Refuse a str that has no UTF-8 form (lone surrogates): caught at the call, it
+    cannot fail the other pushes of a shared transaction."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidMessage(f"{what} must be valid Unicode (it has no UTF-8 form): {text!r}") from None
+
+
 @dataclass(frozen=True)
 class Envelope:
     """What a producer pushes. ``headers`` is a read-only mapping (extend topics only).
@@ -91,11 +100,15 @@ class Envelope:
         if self.shard_key is not None:
             if not isinstance(self.shard_key, str):
                 raise InvalidMessage(f"shard_key must be a str, not {type(self.shard_key).__name__}")
+            if not self.shard_key.isascii():
+                _utf8("shard_key", self.shard_key)
             if len(self.shard_key) > MAX_SHARD_KEY_BYTES // 4 and len(self.shard_key.encode()) > MAX_SHARD_KEY_BYTES:
                 raise InvalidMessage(f"shard_key of {len(self.shard_key.encode()):,} bytes (UTF-8) exceeds "
                                      f"the limit of {MAX_SHARD_KEY_BYTES:,}")
         if self.msg_id is not None and (not isinstance(self.msg_id, str) or not 0 < len(self.msg_id) <= 256):
             raise InvalidMessage(f"msg_id must be a non-empty str of at most 256 characters, not {self.msg_id!r}")
+        if self.msg_id is not None and not self.msg_id.isascii():
+            _utf8("msg_id", self.msg_id)
         if isinstance(self.delay, datetime.timedelta):
             object.__setattr__(self, "delay", self.delay.total_seconds())
         if self.delay is not None and (isinstance(self.delay, bool) or not isinstance(self.delay, (int, float))

@@ -293,3 +293,16 @@ def test_an_infinite_delay_is_refused_at_the_call_and_fails_no_other_push(db):
         with pytest.raises(fdq.InvalidMessage, match="delay"):
             p.push_async("t", b"bad", delay=bad).result(30)
     assert [f.result(30).topic for f in good] == ["t"] * 3
+
+
+def test_a_shard_key_or_msg_id_without_utf8_form_is_refused_at_the_call(db):
+    # A lone surrogate passed validation, then raised UnicodeEncodeError inside the
+    # group commit: every other push of that transaction failed with it.
+    import pytest
+    fdq.Supervisor(db).create_topic("t", shards=2)
+    p = fdq.Producer(db, config=fdq.ProducerConfig(linger_ms=300))
+    good = [p.push_async("t", b"ok%d" % i, shard_key="clé", msg_id=f"ïd-{i}") for i in range(3)]
+    for kw in (dict(msg_id="\ud800"), dict(shard_key="k\udc00")):
+        with pytest.raises(fdq.InvalidMessage, match="UTF-8"):
+            p.push_async("t", b"bad", **kw).result(30)
+    assert [f.result(30).duplicate for f in good] == [False] * 3
