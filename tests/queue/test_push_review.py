@@ -306,3 +306,45 @@ def test_a_shard_key_or_msg_id_without_utf8_form_is_refused_at_the_call(db):
         with pytest.raises(fdq.InvalidMessage, match="UTF-8"):
             p.push_async("t", b"bad", **kw).result(30)
     assert [f.result(30).duplicate for f in good] == [False] * 3
+
+
+_AUTOCREATE_WORKER = """
+import sys, fdq
+url, name, shards = sys.argv[1], sys.argv[2], int(sys.argv[3])
+p = fdq.Producer(fdq.connect(url), config=fdq.ProducerConfig(auto_create=fdq.TopicConfig(shards=shards)))
+for i in range(40):
+    topic = f"new-{i % 5}"
+    if i % 2:
+        p.push(topic, f"{name}:{i}".encode(), shard_key=f"k{i}")
+    else:
+        p.push_many(topic, [fdq.Envelope(f"{name}:{i}:{j}".encode()) for j in range(3)])
+print("done")
+"""
+
+
+def test_topics_auto_created_by_racing_processes_have_one_config_and_every_message(db, url):
+    # Three processes push (with different auto_create shard counts) into five topics
+    # none of them exists yet, under fault injection: each topic is created once (the
+    # losers of the race retry with the winner's config) and keeps every message.
+    import subprocess
+    import sys
+    procs = [subprocess.Popen([sys.executable, "-c", _AUTOCREATE_WORKER, f"{url}?fault_injection=0.2&seed={s}",
+                               f"p{s}", str(2 + s)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for s in range(3)]
+    for pr in procs:
+        so, se = pr.communicate(timeout=300)
+        assert pr.returncode == 0 and so.strip() == "done", se[-2000:]
+    sup = fdq.Supervisor(db)
+    assert sorted(name for name, _c in sup.topics()) == [f"new-{i}" for i in range(5)]
+    total = 0
+    for i in range(5):
+        topic = f"new-{i}"
+        shards = sup.config(topic).shards
+        stored = _stored_bodies(db, topic)
+        assert max(stored.values()) == 1
+        total += len(stored)
+        ts = Keyspace().topic(topic)
+        # every message is in a ready queue of a shard the topic's config has
+        ready = sum(len(scan(db, ts.shard("default", "", n).ready_prefix)) for n in range(shards))
+        assert ready == len(stored) == sup.stats(topic)["counters"]["inserted"]
+    assert total == 3 * (20 * 1 + 20 * 3)
