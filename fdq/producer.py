@@ -632,12 +632,24 @@ class Producer:
         return self._commit([(topic, e) for e in envs])
 
     def _flush(self, batch: list):
+        interrupted = None
         try:
             self._commit_group(batch)
-        except BaseException as e:
+        except Exception as e:
             for it in batch:
                 if it.result is None and it.error is None:
                     it.error = e
+        except BaseException as e:
+            # The committing thread was interrupted (KeyboardInterrupt, a signal
+            # handler's exception): that is its own to raise, once every push of the
+            # batch is released with an error of its own, which cannot say more than
+            # "may have committed" (the interrupt may have come after the commit).
+            interrupted = e
+            err = EngineError(1021, f"the thread committing this push was interrupted ({e!r}): "
+                                    "it may have committed")
+            for it in batch:
+                if it.result is None and it.error is None:
+                    it.error = err
         for it in batch:
             future = it.future
             if future is not None:
@@ -649,6 +661,8 @@ class Producer:
                 except InvalidStateError:
                     pass    # cancelled by its owner: the push is stored all the same
             it.done.release()
+        if interrupted is not None:
+            raise interrupted
 
     def _commit_group(self, batch: list):
         """Commit queued pushes together. One bad push must not fail the others: a

@@ -348,3 +348,50 @@ def test_topics_auto_created_by_racing_processes_have_one_config_and_every_messa
         ready = sum(len(scan(db, ts.shard("default", "", n).ready_prefix)) for n in range(shards))
         assert ready == len(stored) == sup.stats(topic)["counters"]["inserted"]
     assert total == 3 * (20 * 1 + 20 * 3)
+
+
+
+def test_an_interrupt_of_the_committing_thread_is_not_raised_in_the_other_callers(db, db_path):
+    # The thread leading a group commit is interrupted (a signal handler's exception,
+    # KeyboardInterrupt say) while its commit waits for SQLite's write lock. The other
+    # callers of that transaction got the interrupt raised in their own threads; they
+    # must get an error of their own that says the push may have committed.
+    import signal
+    import sqlite3
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    p = fdq.Producer(db, config=fdq.ProducerConfig(linger_ms=300))
+    blocker = sqlite3.connect(str(db_path), isolation_level=None, timeout=0)
+    other = []
+
+    def push_other():
+        try:
+            other.append(p.push("t", b"other"))
+        except BaseException as e:
+            other.append(e)
+    th = threading.Thread(target=push_other, daemon=True)
+
+    def interrupt(_sig, _frame):
+        raise _Interrupt()
+
+    def start_other(_sig, _frame):    # while the leader lingers: the other push joins it
+        th.start()
+        signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.6)   # then interrupt the leader's commit
+    old = signal.signal(signal.SIGALRM, start_other)
+    try:
+        blocker.execute("BEGIN IMMEDIATE")          # another writer holds the database
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        try:
+            p.push("t", b"leader")
+        except _Interrupt:
+            pass
+        else:
+            raise AssertionError("the alarm did not interrupt the leader's commit")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    th.join(30)
+    assert len(other) == 1
+    assert isinstance(other[0], EngineError) and is_maybe_committed(other[0]), repr(other[0])
