@@ -290,13 +290,13 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             tag = dispatch_tag(headers)
             if tag and (topic, tag) not in tags_written:
                 tags_written.add((topic, tag))
-                tr[ts.tags.pack((tag,))] = b""   # blind: lets consumers find the tag's shards
+                _note_tag(tr, ts, tag)
             route_message(tr, ts, config, tag, n, uv, record, chunks, due, counters)
         else:
             tag = dispatch_tag(headers)
             if tag and (topic, tag) not in tags_written:
                 tags_written.add((topic, tag))
-                tr[ts.tags.pack((tag,))] = b""
+                _note_tag(tr, ts, tag)
             tr.set_versionstamped_key(vs_key(ts.pending.key(), uv), pack([n, env.delay]))
         results.append((topic, uv, n, None))
     for (plan, n), count in plain.items():
@@ -332,6 +332,16 @@ def read_marker(tr, ts: TopicSpace, txid: bytes):
         r = ts.marks[txid].range()
         payload = payload[5:] + b"".join(bytes(kv.value) for kv in tr.get_range(r.start, r.stop))
     return unpack(payload), stamp
+
+
+def _note_tag(tr, ts: TopicSpace, tag: str):
+    """Record a dispatch tag (lets consumers find the tag's shards) if it is new. Read
+    by snapshot, written only when absent: shard assignment reads the tags with a
+    conflict range, so a tag key rewritten by every push made each assignment conflict
+    with a tagged push stream."""
+    key = ts.tags.pack((tag,))
+    if tr.snapshot[key] == None:  # noqa: E711
+        tr[key] = b""
 
 
 class _PushPlan:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 
 import fdq
 from fdq.errors import EngineError, is_maybe_committed
@@ -395,3 +396,54 @@ def test_an_interrupt_of_the_committing_thread_is_not_raised_in_the_other_caller
     th.join(30)
     assert len(other) == 1
     assert isinstance(other[0], EngineError) and is_maybe_committed(other[0]), repr(other[0])
+
+
+_TAGGED_STREAM = """
+import sys, time, fdq
+p = fdq.Producer(fdq.connect(sys.argv[1]))
+print("ready", flush=True)
+deadline = time.monotonic() + float(sys.argv[2])
+n = 0
+while time.monotonic() < deadline and n < 200_000:
+    p.push("t", b"x", headers={"##client_dispatch_tag": "blue"})
+    n += 1
+"""
+
+
+def test_a_steady_stream_of_tagged_pushes_does_not_conflict_with_shard_assignment(db, url):
+    # A tagged push wrote the topic's tag key blind in every transaction; shard
+    # assignment reads the tags (to give each tag's shards owners) with a conflict
+    # range, so every assignment attempt conflicted with the stream: consumers could
+    # not join or take over while tagged messages kept coming.
+    import subprocess
+    import sys
+    from fdq import membership
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2, extend=True)
+    fdq.Producer(db).push("t", b"first", headers={"##client_dispatch_tag": "blue"})
+    ts = Keyspace().topic("t")
+    config = sup.config("t")
+    stream = subprocess.Popen([sys.executable, "-c", _TAGGED_STREAM, url, "20"], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert stream.stdout.readline().strip() == "ready"
+        before = sup.stats("t")["counters"]["inserted"]
+        from fdqtest import wait_for
+        wait_for(lambda: sup.stats("t")["counters"]["inserted"] > before + 50, timeout=20, what="the stream")
+        conflicts = 0
+        for _ in range(20):
+            tr = db.create_transaction()
+            while True:
+                try:
+                    membership.assign_shards(tr, ts, "default", config)
+                    time.sleep(0.005)     # a transaction that takes a few ms, as under load
+                    tr.commit().wait()
+                    break
+                except EngineError as e:
+                    assert e.code == 1020, e
+                    conflicts += 1
+                    assert conflicts < 20, "shard assignment keeps conflicting with tagged pushes"
+                    tr.on_error(e).wait()
+    finally:
+        stream.kill()
+        stream.wait(30)
