@@ -44,7 +44,9 @@ class TopicConfig:
     producers' clock, so a version jump (an FDB recovery) cannot shorten it; ``trim``
     removes entries past it.
     ``retention_s`` / ``retention_bytes``: what ``trim`` keeps of the "all" log.
-    ``max_message_bytes``: the largest body (split into chunks above 90,000 bytes).
+    ``max_message_bytes``: the largest body (split into chunks above 90,000 bytes); a
+    push also refuses a body whose copies (the log's, one per subscription) exceed
+    ``fdq.producer.MAX_COPIES_BYTES`` (9 MB: they are written in one transaction).
     """
 
     shards: int = 16
@@ -167,6 +169,8 @@ class ProducerConfig:
     def __post_init__(self):
         _positive("linger_ms", self.linger_ms, zero=True)
         _positive("max_batch", self.max_batch, integer=True)
+        if self.max_batch > 1 << 16:
+            raise ConfigError(f"max_batch must be at most 65,536 (messages per transaction), not {self.max_batch}")
         if not isinstance(self.auto_create, (bool, TopicConfig)):
             raise ConfigError(f"auto_create must be True, False or a TopicConfig, not {self.auto_create!r}")
 

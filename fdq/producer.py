@@ -10,12 +10,14 @@ retry after ``commit_unknown_result`` finds it and returns the first commit's id
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import random
 import struct
 import threading
 import time
+import weakref
 from _thread import allocate_lock as _allocate_lock
 from collections import defaultdict
 from collections.abc import Mapping
@@ -29,19 +31,30 @@ from fdb.tuple import Versionstamp
 
 from .config import ProducerConfig, TopicConfig, check_name
 from .engine import error_types, retry_or_raise, transactional
-from .errors import (BacklogFull, ConfigError, FDQError, InvalidHeader, InvalidMessage,
+from .errors import (BacklogFull, ConfigError, EngineError, FDQError, InvalidHeader, InvalidMessage,
                      MessageTooLarge, TopicNotFound, is_maybe_committed)
 from .headers import dispatch_tag, trace_id, validate_headers
-from .keyspace import Keyspace, TopicSpace, counter, message_id, vs_key, vs_key_parts
+from .keyspace import Keyspace, TopicSpace, counter, ensure_format, message_id, vs_key, vs_key_parts
 from .keyspace.codec import CHUNK_BYTES, RECORD_BYTES, Record, pack, packer, shard_of, split_body, unpack
 from .membership import read_clock
 from .topic import load_config, write_topic_config
 
 VERSIONS_PER_S = 1_000_000
 MARKER_TTL_S = 600.0          # push markers outlive any commit_unknown_result retry
+# A marker holds its transaction's results: over this, its payload is split into parts
+# at marks/<txid>/<i> (FDB's value limit is 100,000 bytes); its value then starts with
+# _SPLIT (a byte msgpack never uses) and the part count.
+MARKER_PART_BYTES = 90_000
+_SPLIT = b"\xc1"
 _OFFSET0 = struct.pack("<I", 0)
 _PLACEHOLDER = b"\x00" * 10
+MAX_DELAY_S = 10 * 365 * 86400   # (NaN, inf and overflowing delays are refused at the call)
 MAX_SHARD_KEY_BYTES = 1024    # a shard key is stored with every copy of its message
+# A large body's copies (the log's and one per subscription) are written in one
+# transaction (push, or play after a pause): they must fit FDB's 10,000,000 bytes with
+# room for keys and the rest of the message.
+MAX_COPIES_BYTES = 9_000_000
+MAX_PER_TRANSACTION = 1 << 16   # a versionstamp's user version (2 bytes) numbers them
 
 
 def to_ms(t) -> int | None:
@@ -55,6 +68,15 @@ def to_ms(t) -> int | None:
     if isinstance(t, bool) or not isinstance(t, (int, float)):
         raise ConfigError(f"time must be epoch milliseconds or a datetime, not {t!r}")
     return int(t)
+
+
+def _utf8(what: str, text: str):
+    """Refuse a str that has no UTF-8 form (lone surrogates): caught at the call, it
+    cannot fail the other pushes of a shared transaction."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidMessage(f"{what} must be valid Unicode (it has no UTF-8 form): {text!r}") from None
 
 
 @dataclass(frozen=True)
@@ -78,16 +100,20 @@ class Envelope:
         if self.shard_key is not None:
             if not isinstance(self.shard_key, str):
                 raise InvalidMessage(f"shard_key must be a str, not {type(self.shard_key).__name__}")
+            if not self.shard_key.isascii():
+                _utf8("shard_key", self.shard_key)
             if len(self.shard_key) > MAX_SHARD_KEY_BYTES // 4 and len(self.shard_key.encode()) > MAX_SHARD_KEY_BYTES:
                 raise InvalidMessage(f"shard_key of {len(self.shard_key.encode()):,} bytes (UTF-8) exceeds "
                                      f"the limit of {MAX_SHARD_KEY_BYTES:,}")
         if self.msg_id is not None and (not isinstance(self.msg_id, str) or not 0 < len(self.msg_id) <= 256):
             raise InvalidMessage(f"msg_id must be a non-empty str of at most 256 characters, not {self.msg_id!r}")
+        if self.msg_id is not None and not self.msg_id.isascii():
+            _utf8("msg_id", self.msg_id)
         if isinstance(self.delay, datetime.timedelta):
             object.__setattr__(self, "delay", self.delay.total_seconds())
         if self.delay is not None and (isinstance(self.delay, bool) or not isinstance(self.delay, (int, float))
-                                       or self.delay < 0 or self.delay != self.delay):
-            raise InvalidMessage(f"delay must be seconds >= 0, not {self.delay!r}")
+                                       or not 0 <= self.delay <= MAX_DELAY_S):
+            raise InvalidMessage(f"delay must be seconds from 0 to {MAX_DELAY_S:,}, not {self.delay!r}")
         if self.headers is not None:
             plain = validate_headers(self.headers)
             object.__setattr__(self, "headers", MappingProxyType(plain))
@@ -158,10 +184,9 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
     first = ks.topic(items[0][0])
     marker_key = first.marks.pack((txid,))
     if check_marker:
-        marker = tr[marker_key]
-        if marker != None:  # noqa: E711 - committed before: return what it returned
-            raw = bytes(marker)
-            return unpack(raw[10:]), raw[:10]
+        found = read_marker(tr, first, txid)
+        if found is not None:   # committed before: return what it returned
+            return found
     rv = clock = None
     configs = {}
     plans = {}
@@ -184,6 +209,10 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
         if len(body) > config.max_message_bytes:
             raise MessageTooLarge(f"message body of {len(body):,} bytes exceeds topic {topic!r}'s "
                                   f"max_message_bytes ({config.max_message_bytes:,})")
+        if len(body) > CHUNK_BYTES and len(body) * (1 + len(config.subs)) > MAX_COPIES_BYTES:
+            raise MessageTooLarge(f"message body of {len(body):,} bytes is stored once in topic {topic!r}'s log "
+                                  f"and once per subscription ({len(config.subs)}) in one transaction: at most "
+                                  f"{MAX_COPIES_BYTES // (1 + len(config.subs)):,} bytes fit")
         n = shard_of(env.shard_key, config.shards) if env.shard_key is not None else \
             (spread + uv // STICKY_RUN) % config.shards
         if plan.routing and env.msg_id is None and not env.delay and not env.headers \
@@ -220,10 +249,13 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
                 raw = bytes(seen)
                 first_vs = Versionstamp.from_bytes(raw[:12])
                 # Within the window by versions, or by the producers' clock: a version
-                # jump (FDB recovery, ~100 s) must not make a recent id look old.
+                # jump (FDB recovery, ~100 s) must not make a recent id look old. Clocks
+                # disagree both ways: a first push "in the future" beyond the window is
+                # a skewed clock, not a young id (else the id stays a duplicate for as
+                # long as that clock is ahead).
                 young = int.from_bytes(first_vs.tr_version[:8], "big") >= rv - int(config.dedupe_window_s * VERSIONS_PER_S)
                 if not young and len(raw) >= 20:
-                    young = now_ms - int.from_bytes(raw[12:20], "big") < config.dedupe_window_s * 1000
+                    young = abs(now_ms - int.from_bytes(raw[12:20], "big")) < config.dedupe_window_s * 1000
                 if young:
                     results.append((topic, uv, n, message_id(first_vs)))
                     continue
@@ -258,13 +290,13 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             tag = dispatch_tag(headers)
             if tag and (topic, tag) not in tags_written:
                 tags_written.add((topic, tag))
-                tr[ts.tags.pack((tag,))] = b""   # blind: lets consumers find the tag's shards
+                _note_tag(tr, ts, tag)
             route_message(tr, ts, config, tag, n, uv, record, chunks, due, counters)
         else:
             tag = dispatch_tag(headers)
             if tag and (topic, tag) not in tags_written:
                 tags_written.add((topic, tag))
-                tr[ts.tags.pack((tag,))] = b""
+                _note_tag(tr, ts, tag)
             tr.set_versionstamped_key(vs_key(ts.pending.key(), uv), pack([n, env.delay]))
         results.append((topic, uv, n, None))
     for (plan, n), count in plain.items():
@@ -275,9 +307,41 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
     for topic, config in configs.items():
         if config.max_backlog is not None:
             _check_backlog(tr, ks.topic(topic), config)
-    tr.set_versionstamped_value(marker_key, _PLACEHOLDER + pack(results) + _OFFSET0)
+    payload = pack(results)
+    if len(payload) <= MARKER_PART_BYTES:
+        tr.set_versionstamped_value(marker_key, _PLACEHOLDER + payload + _OFFSET0)
+    else:   # over one value: the rest in parts beside it (read_marker)
+        parts = [payload[i:i + MARKER_PART_BYTES] for i in range(0, len(payload), MARKER_PART_BYTES)]
+        tr.set_versionstamped_value(marker_key, _PLACEHOLDER + _SPLIT + len(parts).to_bytes(4, "big")
+                                    + parts[0] + _OFFSET0)
+        for i, part in enumerate(parts[1:], 1):
+            tr[first.marks.pack((txid, i))] = part
     tr.set_versionstamped_key(vs_key(first.marks_by_version.key(), 0), txid)
     return results, tr.get_versionstamp()
+
+
+def read_marker(tr, ts: TopicSpace, txid: bytes):
+    """``(results, stamp)`` of the push transaction ``txid`` if it committed (its
+    marker, under the topic of its first message), else None."""
+    marker = tr[ts.marks.pack((txid,))]
+    if marker == None:  # noqa: E711
+        return None
+    raw = bytes(marker)
+    stamp, payload = raw[:10], raw[10:]
+    if payload[:1] == _SPLIT:
+        r = ts.marks[txid].range()
+        payload = payload[5:] + b"".join(bytes(kv.value) for kv in tr.get_range(r.start, r.stop))
+    return unpack(payload), stamp
+
+
+def _note_tag(tr, ts: TopicSpace, tag: str):
+    """Record a dispatch tag (lets consumers find the tag's shards) if it is new. Read
+    by snapshot, written only when absent: shard assignment reads the tags with a
+    conflict range, so a tag key rewritten by every push made each assignment conflict
+    with a tagged push stream."""
+    key = ts.tags.pack((tag,))
+    if tr.snapshot[key] == None:  # noqa: E711
+        tr[key] = b""
 
 
 class _PushPlan:
@@ -359,6 +423,7 @@ def _config_for_push(tr, ks, ts, auto_create) -> TopicConfig:
         if not auto_create:
             raise TopicNotFound(f"topic {ts.name!r} does not exist")
         check_name(ts.name)
+        ensure_format(tr, ks)     # as create_topic: the first topic records the layout
         config = auto_create if isinstance(auto_create, TopicConfig) else TopicConfig()
         write_topic_config(tr, ts, config)
     return config
@@ -394,6 +459,9 @@ class _GroupCommit:
         self._flusher_go = threading.Event()
         self._commit_s = 0.0
         self._callers = 0        # callers inside submit: queued, or released and not yet returned
+        self._async_pending = 0  # asynchronous pushes queued or being committed
+        self._idle = threading.Condition(self._lock)
+        _LIVE_GROUPS.add(self)
 
     def submit(self, item: _Item):
         """Queue ``item`` and return once it is committed (or failed)."""
@@ -416,10 +484,17 @@ class _GroupCommit:
         """Queue ``item`` without waiting; its ``future`` resolves after the commit."""
         with self._lock:
             self._queue.append(item)
+            self._async_pending += 1
             if self._leading:
                 return
             self._leading = True
         self._wake_flusher()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every asynchronous push queued so far is committed or failed
+        (and those queued meanwhile); False if ``timeout`` passed first."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._async_pending, timeout)
 
     def _wake_flusher(self):
         if self._flusher is None or not self._flusher.is_alive():
@@ -442,26 +517,36 @@ class _GroupCommit:
         then hand what is left to the flusher."""
         last = 0
         n = 0
-        while rounds is None or n < rounds:
-            n += 1
-            if self._linger_s:
-                time.sleep(self._linger_s)
-            elif last and len(self._queue) < min(self._callers, self._max_batch):
-                self._gather()
-            with self._lock:
-                batch = self._queue[:self._max_batch]
-                del self._queue[:self._max_batch]
-                if not batch:
-                    self._leading = False
-                    return
-            t0 = time.perf_counter()
-            try:
-                self._flush(batch)
-            except BaseException:
-                self._handoff()
-                raise
-            self._commit_s = time.perf_counter() - t0
-            last = len(batch)
+        try:
+            while rounds is None or n < rounds:
+                n += 1
+                if self._linger_s:
+                    time.sleep(self._linger_s)
+                elif last and len(self._queue) < min(self._callers, self._max_batch):
+                    self._gather()
+                with self._lock:
+                    batch = self._queue[:self._max_batch]
+                    del self._queue[:self._max_batch]
+                    if not batch:
+                        self._leading = False
+                        return
+                t0 = time.perf_counter()
+                try:
+                    self._flush(batch)
+                finally:
+                    done = sum(it.future is not None for it in batch)
+                    if done:
+                        with self._lock:
+                            self._async_pending -= done
+                            if not self._async_pending:
+                                self._idle.notify_all()
+                self._commit_s = time.perf_counter() - t0
+                last = len(batch)
+        except BaseException:
+            # Interrupted (a signal handler's exception while lingering, say): the
+            # flusher takes over what is queued, or nobody would lead it again.
+            self._handoff()
+            raise
         self._handoff()
 
     def _gather(self):
@@ -480,6 +565,19 @@ class _GroupCommit:
                 self._leading = False
                 return
         self._wake_flusher()
+
+
+_LIVE_GROUPS = weakref.WeakSet()
+EXIT_FLUSH_S = 60.0     # at interpreter exit, how long pending push_async calls may take
+
+
+@atexit.register
+def _flush_at_exit():
+    """The flusher is a daemon thread (it must not keep a process alive): at a normal
+    exit, commit what ``push_async`` callers left queued before it is stopped."""
+    deadline = time.monotonic() + EXIT_FLUSH_S
+    for group in list(_LIVE_GROUPS):
+        group.flush(max(0.0, deadline - time.monotonic()))
 
 
 class Producer:
@@ -506,7 +604,8 @@ class Producer:
 
     def push(self, topic: str, body: bytes, *, shard_key: str | None = None, msg_id: str | None = None,
              delay: float | None = None, headers: Mapping | None = None) -> PushResult:
-        """Push one message; returns after it is committed."""
+        """Push one message; returns after it is committed. A call interrupted (by a
+        signal handler's exception) may still commit its push, as a cancelled future."""
         item = _Item(check_name(topic), Envelope(body, shard_key, delay, msg_id, headers))
         self._group.submit(item)
         if item.error is not None:
@@ -525,21 +624,42 @@ class Producer:
         self._group.submit_async(item)
         return item.future
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every ``push_async`` made so far is committed (or failed); False
+        if ``timeout`` (seconds) passed first. Also done at a normal interpreter exit
+        (for up to ``EXIT_FLUSH_S``), so queued pushes are not dropped with the process."""
+        return self._group.flush(timeout)
+
     def push_many(self, topic: str, envelopes) -> list:
         """Push several messages in one transaction (all or none)."""
         check_name(topic)
         envs = [e if isinstance(e, Envelope) else Envelope(e) for e in envelopes]
         if not envs:
             return []
+        if len(envs) > MAX_PER_TRANSACTION:
+            raise InvalidMessage(f"push_many of {len(envs):,} messages: one transaction holds at most "
+                                 f"{MAX_PER_TRANSACTION:,} (a message id numbers it in 2 bytes)")
         return self._commit([(topic, e) for e in envs])
 
     def _flush(self, batch: list):
+        interrupted = None
         try:
             self._commit_group(batch)
-        except BaseException as e:
+        except Exception as e:
             for it in batch:
                 if it.result is None and it.error is None:
                     it.error = e
+        except BaseException as e:
+            # The committing thread was interrupted (KeyboardInterrupt, a signal
+            # handler's exception): that is its own to raise, once every push of the
+            # batch is released with an error of its own, which cannot say more than
+            # "may have committed" (the interrupt may have come after the commit).
+            interrupted = e
+            err = EngineError(1021, f"the thread committing this push was interrupted ({e!r}): "
+                                    "it may have committed")
+            for it in batch:
+                if it.result is None and it.error is None:
+                    it.error = err
         for it in batch:
             future = it.future
             if future is not None:
@@ -551,6 +671,8 @@ class Producer:
                 except InvalidStateError:
                     pass    # cancelled by its owner: the push is stored all the same
             it.done.release()
+        if interrupted is not None:
+            raise interrupted
 
     def _commit_group(self, batch: list):
         """Commit queued pushes together. One bad push must not fail the others: a
@@ -559,8 +681,11 @@ class Producer:
         try:
             results = self._commit([(it.topic, it.env) for it in batch])
         except FDQError as e:
-            if len(batch) == 1:
-                batch[0].error = e
+            if len(batch) == 1 or is_maybe_committed(e):
+                # Maybe committed: the whole batch shares the outcome; pushing halves
+                # again would store its messages twice.
+                for it in batch:
+                    it.error = e
                 return
             half = len(batch) // 2
             self._commit_group(batch[:half])
@@ -576,16 +701,31 @@ class Producer:
             txid = self._session + self._seq.to_bytes(8, "big")
         spread = _spread_start()
         tr = self.db.create_transaction()
-        maybe_committed = False
+        maybe_committed = in_flight = False
         while True:
+            committing = False
             try:
                 results, stamp = push_batch(tr, self.keyspace, items, txid, spread, self.config.auto_create,
                                             now_ms, self._time_index, maybe_committed)
+                committing = True
                 tr.commit().wait()
                 break
             except error_types() as e:
-                maybe_committed = maybe_committed or is_maybe_committed(e)
-                retry_or_raise(tr, e)
+                # 1021/1039: may have committed, no longer in flight; 1031 during the
+                # commit (a timeout): may have committed, maybe still in flight (FDB).
+                in_flight = in_flight or (committing and getattr(e, "code", None) == 1031)
+                maybe_committed = maybe_committed or is_maybe_committed(e) or in_flight
+                try:
+                    retry_or_raise(tr, e)
+                except FDQError as final:
+                    if not maybe_committed:
+                        raise
+                    # Given up (retry limit, timeout) after an attempt that may have
+                    # committed: its marker says whether it did. Never report such a
+                    # push as not committed (the caller, or the group commit's split,
+                    # would push it again).
+                    results, stamp = self._resolve(items[0][0], txid, in_flight, final)
+                    break
         stamp = stamp if type(stamp) is bytes else bytes(stamp.wait())
         out = []
         stamp_hex = stamp.hex()
@@ -601,6 +741,30 @@ class Producer:
             out.append(PushResult(mid, topic, n, dup_of is not None, trace,
                                   mid if trace is not None else None))
         return out
+
+    def _resolve(self, topic: str, txid: bytes, in_flight: bool, final: Exception):
+        """The outcome of a push transaction that gave up after an attempt that may have
+        committed: ``(results, stamp)`` from its marker if it committed; ``final`` if it
+        surely did not (its unknown attempts are no longer in flight, and the marker is
+        absent); else a ``commit_unknown_result`` EngineError (maybe committed)."""
+        ts = self.keyspace.topic(topic)
+        tr = self.db.create_transaction()
+        try:
+            while True:
+                try:
+                    found = read_marker(tr, ts, txid)
+                    break
+                except error_types() as e:
+                    retry_or_raise(tr, e)
+        except FDQError as e:
+            raise EngineError(1021, f"push gave up ({final}) after an attempt that may have committed; "
+                                    f"its outcome could not be read ({e})") from final
+        if found is not None:
+            return found
+        if in_flight:
+            raise EngineError(1021, f"push gave up ({final}) while a commit may still be in flight: "
+                                    "it may have committed") from final
+        raise final
 
     def replay(self, topic: str, start, end=None, *, progress=None) -> int:
         """Re-deliver the "all" log's messages with insertion time in ``[start, end)``

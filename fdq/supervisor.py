@@ -225,12 +225,14 @@ def _range(r):
 
 @transactional
 def expire_index_chunk(tr, space, older_than_version: int, limit: int, target=None, text=False,
-                       keep_after_ms: int | None = None) -> int:
+                       keep_after_ms: int | None = None, keep_before_ms: int | None = None) -> int:
     """Delete up to ``limit`` by-version index entries older than a version, and the
     entries they point to in ``target`` (markers, dedupe ids) if they still belong to
     that index entry (an id pushed again since keeps its newer entry). With
-    ``keep_after_ms``, a dedupe entry whose producer time is at or after it is kept:
-    old by versions but young by the clock means a version jump, not age."""
+    ``keep_after_ms``, a dedupe entry whose producer time is at or after it (and before
+    ``keep_before_ms``, if given) is kept: old by versions but young by the clock means
+    a version jump, not age; a time past ``keep_before_ms`` is a producer's clock ahead
+    (kept, it would stop the cleanup of every later entry while that clock is ahead)."""
     r = space.range()
     n = 0
     for kv in tr.get_range(r.start, r.stop, limit=limit):
@@ -238,15 +240,19 @@ def expire_index_chunk(tr, space, older_than_version: int, limit: int, target=No
         if int.from_bytes(vs.tr_version[:8], "big") >= older_than_version:
             break
         if target is not None:
-            tkey = target.pack((bytes(kv.value).decode() if text else bytes(kv.value),))
+            tid = bytes(kv.value).decode() if text else bytes(kv.value)
+            tkey = target.pack((tid,))
             current = tr[tkey]
             if current != None:  # noqa: E711
                 cur = bytes(current)
                 if cur[:10] == vs.tr_version:
                     if keep_after_ms is not None and len(cur) >= 20 and \
-                            int.from_bytes(cur[12:20], "big") >= keep_after_ms:
+                            keep_after_ms <= int.from_bytes(cur[12:20], "big") < (keep_before_ms or 1 << 63):
                         break
                     del tr[tkey]
+                    if not text:   # a push marker's parts, if split (producer.read_marker)
+                        pr = target[tid].range()
+                        tr.clear_range(pr.start, pr.stop)
         del tr[kv.key]
         n += 1
     return n
@@ -445,8 +451,9 @@ class Supervisor:
         for space, target, window, text in ((ts.marks_by_version, ts.marks, 600.0, False),
                                             (ts.dedupe_by_version, ts.dedupe, config.dedupe_window_s, True)):
             keep_after = now_ms - int(window * 1000) if text else None
+            keep_before = now_ms + int(window * 1000) if text else None   # as push judges a dedupe id
             while expire_index_chunk(self.db, space, rv - int(window * VERSIONS_PER_S), CHUNK,
-                                     target, text, keep_after) == CHUNK:
+                                     target, text, keep_after, keep_before) == CHUNK:
                 pass
         return deleted
 
