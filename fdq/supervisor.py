@@ -190,16 +190,19 @@ def reshard_finish(tr, ts: TopicSpace) -> TopicConfig:
 
 @transactional
 def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: int) -> tuple:
-    """Delete up to ``limit`` log entries of ``bucket`` inserted before ``before_ms``.
-    -> (deleted, done)."""
+    """Delete up to ``limit`` log entries of ``bucket`` inserted before ``before_ms``,
+    never one not yet routed (``first_pending``). -> (deleted, done)."""
     space = ts.log[bucket]
     r = space.range()
     deleted = 0
+    pending = first_pending(tr, ts)
     for kv in tr.get_range(r.start, r.stop, limit=limit):
         rec = Record.decode(kv.value)
         if rec.ts_ms >= before_ms:
             return deleted, True
         vs = space.unpack(kv.key)[0]
+        if pending is not None and vs >= pending:
+            return deleted, True
         del tr[kv.key]
         if rec.nchunks:
             cr = ts.all_chunks[vs].range()
@@ -208,9 +211,22 @@ def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: in
     return deleted, deleted < limit
 
 
+def first_pending(tr, ts: TopicSpace):
+    """The oldest message pushed while paused or resharding and not routed yet (its log
+    entry is its only copy: retention must keep it and every later one), or None. Not a
+    snapshot: a play routing it, or a push adding the first one, conflicts."""
+    r = ts.pending.range()
+    for kv in tr.get_range(r.start, r.stop, limit=1):
+        return ts.pending.unpack(kv.key)[0]
+    return None
+
+
 @transactional
 def delete_log_entries(tr, ts: TopicSpace, entries: list) -> int:
-    """Delete log entries [(bucket, vs, nchunks)] and their body chunks. Safe to re-run."""
+    """Delete log entries [(bucket, vs, nchunks)] and their body chunks, except those
+    not routed yet (``first_pending``). Safe to re-run."""
+    pending = first_pending(tr, ts)
+    entries = [e for e in entries if pending is None or e[1] < pending]
     for bucket, vs, nchunks in entries:
         del tr[ts.log_key(bucket, vs)]
         if nchunks:
@@ -415,7 +431,8 @@ class Supervisor:
         """Apply retention to the "all" log: delete what was inserted before ``before_ms``
         (default: ``retention_s`` of the config), then, with ``retention_bytes``, the oldest
         entries (in log order) until the log fits; and expire push markers and dedupe ids
-        past their windows. Returns the log entries deleted. Queued messages are untouched."""
+        past their windows. Returns the log entries deleted. Queued messages are untouched, and
+        so is every entry from the oldest one not routed yet (pushed while paused) on."""
         ts = self._ts(name)
         config = self.config(name)
         if before_ms is None and config.retention_s is not None:
@@ -469,9 +486,12 @@ class Supervisor:
                 excess -= len(ts.log_key(b, vs)) + len(raw) + rec.nchunks * CHUNK_BYTES
                 if excess <= 0:
                     break
-            deleted += delete_log_entries(self.db, ts, batch)
+            n = delete_log_entries(self.db, ts, batch)
+            deleted += n
             if progress:
-                progress(len(batch))
+                progress(n)
+            if n < len(batch):
+                break       # reached messages not routed yet: they and later ones stay
         return deleted
 
     # -- subscriptions (see fdq.subscription) -----------------------------------------
