@@ -54,11 +54,12 @@ def _route_existing(tr, ts: TopicSpace, config: TopicConfig, n: int, vs, raw: by
 @transactional
 def play_chunk(tr, ts: TopicSpace, limit: int, *, resume: bool = True) -> tuple:
     """Route up to ``limit`` messages (or ``CHUNK_WRITE_BYTES`` of them) pushed while
-    paused (or resharding), in order. When none are left and ``resume``, clear
-    ``paused`` in the same transaction. Returns ``(routed, done)``. Does nothing while a
-    reshard is in progress."""
+    paused (or resharding), in order. When none are left, end a finished reshard's
+    drain (``reshard_finish``) and, with ``resume``, clear ``paused``, in the same
+    transaction: no push can route before an older pending one. Returns ``(routed,
+    done)``. Does nothing while a reshard is still moving queues (``resharding``)."""
     config = read_topic_config(tr, ts)
-    if config.resharding_to is not None:
+    if resharding(config):
         return 0, True
     clock = membership.read_clock(tr, ts.clock_key)
     r = ts.pending.range()
@@ -77,9 +78,22 @@ def play_chunk(tr, ts: TopicSpace, limit: int, *, resume: bool = True) -> tuple:
         moved += 1
     if moved == limit:
         return moved, False
+    changes = {}
+    if config.resharding_to is not None:     # drained: route pushes again
+        changes["resharding_to"] = None
     if resume and config.paused:
-        tr[ts.config_key] = pack(dataclasses.replace(config, paused=False).as_dict())
+        changes["paused"] = False
+    if changes:
+        tr[ts.config_key] = pack(dataclasses.replace(config, **changes).as_dict())
     return moved, True
+
+
+def resharding(config: TopicConfig) -> bool:
+    """Whether a shard-count change is moving queues (``reshard_begin`` until
+    ``reshard_finish``). After the finish, ``resharding_to == shards`` while the
+    messages pushed meanwhile (the pending area) are routed: pushes still go there, so
+    none overtakes an older message of its key."""
+    return config.resharding_to is not None and config.resharding_to != config.shards
 
 
 # -- resharding ---------------------------------------------------------------------
@@ -89,6 +103,8 @@ def reshard_begin(tr, ts: TopicSpace, shards: int) -> TopicConfig:
     """Start changing the shard count: pushes go to the pending area; every shard's
     owner is fenced off (epoch bump, no owner) until ``reshard_finish``."""
     config = read_topic_config(tr, ts)
+    if shards == config.shards and config.resharding_to in (None, shards):
+        return config       # nothing to move (or moved: its pending area left to route)
     if config.resharding_to not in (None, shards):
         raise ConfigError(f"topic {ts.name!r} is already being resharded to {config.resharding_to} shards")
     config = dataclasses.replace(config, resharding_to=shards)
@@ -176,10 +192,15 @@ def _reshard_lease_record(tr, ts: TopicSpace, src, key: bytes, raw, new_shards: 
 
 @transactional
 def reshard_finish(tr, ts: TopicSpace) -> TopicConfig:
+    """Adopt the new shard count. A playing topic keeps ``resharding_to`` (now equal
+    to ``shards``) until ``play_chunk`` has routed what was pushed meanwhile, so pushes
+    keep going to the pending area after the older ones; a paused one routes nothing
+    until its play anyway."""
     config = read_topic_config(tr, ts)
-    if config.resharding_to is None:
+    if not resharding(config):
         return config
-    config = dataclasses.replace(config, shards=config.resharding_to, resharding_to=None)
+    config = dataclasses.replace(config, shards=config.resharding_to,
+                                 resharding_to=None if config.paused else config.resharding_to)
     tr[ts.config_key] = pack(config.as_dict())
     for sub in config.subs:
         membership.assign_shards(tr, ts, sub, config)
@@ -343,8 +364,12 @@ class Supervisor:
             if progress:
                 progress(n)
             if done:
-                if self.config(name).paused:     # pushes landed while we routed
-                    continue
+                config = self.config(name)
+                if resharding(config):
+                    raise ConfigError(f"topic {name!r} is being resharded to {config.resharding_to} shards: "
+                                      "finish that first (run rebalance again)")
+                if config.paused or config.resharding_to is not None:   # pushes landed while
+                    continue                                            # we routed
                 return total
 
     def rebalance(self, name: str, shards: int | None = None, progress=None) -> TopicConfig:
@@ -352,12 +377,14 @@ class Supervisor:
         count, re-routing every backlog with each shard key's order kept. Resumable."""
         ts = self._ts(name)
         config = self.config(name)
-        if shards is None or (shards == config.shards and config.resharding_to is None):
+        if shards is None and config.resharding_to is not None:
+            shards = config.resharding_to      # finish a reshard a killed run left
+        if shards is None or (shards == config.shards and not resharding(config)):
             for sub in config.subs:
                 membership.assign_shards(self.db, ts, sub, config)
-            if not config.paused:
+            if not config.paused or config.resharding_to is not None:
                 self.play(name)   # a rerun after a reshard killed before its play
-            return config
+            return self.config(name)
         TopicConfig(shards=shards)   # validates
         config = reshard_begin(self.db, ts, shards)
         old = max(config.shards, shards)

@@ -65,3 +65,60 @@ def test_trim_keeps_messages_pushed_while_paused(db, how):
         cons.close()
     assert sorted(i for i, _k, _b in got) == sorted(before + paused)
     assert [b for i, _k, b in got if i == paused[-1]] == [big]
+
+
+def test_reshard_killed_after_finish_keeps_key_order(db):
+    """Messages pushed during a reshard wait in the pending area until the play that
+    follows ``reshard_finish``. The finish made the topic route again at once, so a push
+    between the finish and that play (or after a kill between them) went straight to
+    a ready queue and was consumed before the older pending message of its key, which
+    stayed stranded until someone ran rebalance again."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    ts = Keyspace().topic("t")
+    key = next(f"k{i}" for i in range(100) if shard_of(f"k{i}", 2) != shard_of(f"k{i}", 3))
+    p = fdq.Producer(db)
+    sv.reshard_begin(db, ts, 3)
+    first = p.push("t", b"first", shard_key=key).id      # during the reshard: pending
+    _reshard_steps(db, ts, 3, 2)                          # ... and killed before its play
+    second = p.push("t", b"second", shard_key=key).id
+    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
+    try:
+        early = _fetch_until(cons, 1, 1.5)     # nothing may overtake the pending message
+        sup.rebalance("t", shards=3)            # the rerun finishes the job
+        got = early + _fetch_until(cons, 2 - len(early), 30)
+    finally:
+        cons.close()
+    assert [i for i, _k, _b in got] == [first, second], "per-key order broken"
+    c = sup.stats("t")["counters"]
+    assert (c["inserted"], c["routed"]) == (2, 2)
+    assert sup.config("t").resharding_to is None and sup.config("t").shards == 3
+
+
+def test_play_during_unfinished_reshard_does_not_spin(procs, db):
+    """``play`` of a paused topic whose reshard was killed midway looped forever (each
+    play chunk returns at once while resharding, the topic stays paused); and
+    ``rebalance`` without a count (the CLI's plain ``fdq rebalance``) left the reshard
+    unfinished, the topic consuming nothing. Play now says to finish the reshard, and
+    an argument-less rebalance finishes it."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    p = fdq.Producer(db)
+    ids = [r.id for r in p.push_many("t", [fdq.Envelope(b"m", shard_key=f"k{j}") for j in range(20)])]
+    sup.pause("t")
+    ts = Keyspace().topic("t")
+    sv.reshard_begin(db, ts, 3)                # a rebalance killed right after it began
+    ids.append(p.push("t", b"late", shard_key="k1").id)
+    w = procs.start("play", "play", "--topic", "t")
+    rc = w.wait(timeout=30)                   # the old code never returns (killed at teardown)
+    assert rc != 0 and "rebalance" in procs.stderr(w), procs.stderr(w)
+    sup.rebalance("t")                         # no count: finishes the reshard to 3
+    config = sup.config("t")
+    assert (config.shards, config.resharding_to, config.paused) == (3, None, True)
+    assert sup.play("t") == 1
+    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
+    try:
+        got = _fetch_until(cons, 21, 30)
+    finally:
+        cons.close()
+    assert sorted(i for i, _k, _b in got) == sorted(ids)
