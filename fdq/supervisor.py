@@ -19,7 +19,7 @@ from .headers import dispatch_tag
 from .keyspace import Keyspace, TopicSpace, Versionstamp, counter, decode_counter, message_id, vs_from_bytes
 from .keyspace.codec import CHUNK_BYTES, CHUNK_WRITE_BYTES, LeaseRecord, Record, decode_leases, pack, reshard_shard, shard_of, unpack
 from .log import iter_window, log_buckets, read_chunk
-from .stats import shard_counters
+from .stats import SHARD_COUNTERS, shard_counters
 from .topic import (create_topic, list_topics, load_config, read_topic_config,
                     update_topic_config)
 
@@ -188,6 +188,24 @@ def _reshard_lease_record(tr, ts: TopicSpace, src, key: bytes, raw, new_shards: 
         tr[key] = LeaseRecord(lr.lease_id, lr.consumer_id, lr.ack_wait_ms, stay, lr.bump).encode()
     else:
         del tr[key]
+
+
+@transactional
+def fold_shard_counters(tr, ts: TopicSpace, sub: str, tag: str, old_n: int, new_shards: int) -> dict:
+    """Move the counters of shard ``(tag, old_n)``, which a reshard to ``new_shards``
+    removes (its queues already moved), into shard ``old_n % new_shards``: the
+    subscription's stats sum its shards' counters, so its emitted, acked, done... must
+    not vanish with the shard (backlog = routed - done stays as it was). Safe to
+    re-run: a folded shard's counters are 0. Returns what it moved."""
+    if old_n < new_shards:
+        return {}
+    src, dst = ts.shard(sub, tag, old_n), ts.shard(sub, tag, old_n % new_shards)
+    values = {name: decode_counter(tr[src.stat(name)]) for name in SHARD_COUNTERS}
+    moved = {name: v for name, v in values.items() if v}
+    for name, v in moved.items():
+        tr.add(src.stat(name), counter(-v))
+        tr.add(dst.stat(name), counter(v))
+    return moved
 
 
 @transactional
@@ -400,6 +418,8 @@ class Supervisor:
                                 progress(read)
                             if done:
                                 break
+                    if n >= shards:
+                        fold_shard_counters(self.db, ts, sub, tag, n, shards)
         config = reshard_finish(self.db, ts)
         if not config.paused:
             self.play(name)

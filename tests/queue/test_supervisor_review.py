@@ -122,3 +122,26 @@ def test_play_during_unfinished_reshard_does_not_spin(procs, db):
     finally:
         cons.close()
     assert sorted(i for i, _k, _b in got) == sorted(ids)
+
+
+def test_shrinking_reshard_keeps_subscription_counters(db):
+    """The subscription's emitted / acked / done counters are sums over the current
+    shards: a reshard to fewer shards dropped those of the removed shards from stats."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=4)
+    p = fdq.Producer(db)
+    p.push_many("t", [fdq.Envelope(b"m", shard_key=f"k{j}") for j in range(40)])
+    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
+    try:
+        assert len(_fetch_until(cons, 30, 30)) == 30
+    finally:
+        cons.close()
+    p.push_many("t", [fdq.Envelope(b"n", shard_key=f"k{j}") for j in range(5)])
+    before = sub_stats(db, "t")
+    assert (before["emitted"], before["acked"], before["backlog"]) == (30, 30, 15)
+    sup.rebalance("t", shards=2)
+    after = sub_stats(db, "t")
+    assert (after["emitted"], after["acked"], after["backlog"], after["in_flight"]) == (30, 30, 15, 0)
+    assert sum(s["done"] for s in after["shards"]) == 30
+    sup.rebalance("t", shards=2)              # a rerun changes nothing
+    assert sub_stats(db, "t")["acked"] == 30
