@@ -145,3 +145,40 @@ def test_shrinking_reshard_keeps_subscription_counters(db):
     assert sum(s["done"] for s in after["shards"]) == 30
     sup.rebalance("t", shards=2)              # a rerun changes nothing
     assert sub_stats(db, "t")["acked"] == 30
+
+
+def test_dlq_redrive_during_reshard_is_not_stranded(db):
+    """A DLQ redrive committed during a reshard, after the reshard's pass over the
+    message's old shard, put it in that shard's ready queue by the old count: with
+    fewer shards that shard is gone and the message was never delivered again."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    key = next(f"k{i}" for i in range(100) if shard_of(f"k{i}", 2) == 1)
+    pushed = fdq.Producer(db).push("t", b"x", shard_key=key).id
+    c = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
+    try:
+        [m] = _fetch_until_leased(c, 1, 30)
+        m.term("bad")
+        assert sub_stats(db, "t")["dlq"] == 1
+        ts = Keyspace().topic("t")
+        sv.reshard_begin(db, ts, 1)
+        for n in range(2):
+            for area in ("ready", "delayed", "leased"):
+                sv.reshard_chunk(db, ts, "default", "", n, area, 1, sv.CHUNK)
+        assert sup.dlq_redrive("t") == 1          # while the reshard runs
+        sv.reshard_finish(db, ts)                 # the reshard's own next steps
+        sup.play("t")
+        got = _fetch_until(c, 1, 10)
+    finally:
+        c.close()
+    assert [i for i, _k, _b in got] == [pushed], f"stranded; stats {sub_stats(db, 't')}"
+    s = sub_stats(db, "t")
+    assert (s["dlq"], s["backlog"]) == (0, 0)
+
+
+def _fetch_until_leased(c, want: int, timeout: float) -> list:
+    got = []
+    deadline = time.monotonic() + timeout
+    while len(got) < want and time.monotonic() < deadline:
+        got += c.fetch(want - len(got), timeout=0.2)
+    return got
