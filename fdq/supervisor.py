@@ -216,6 +216,9 @@ def reshard_finish(tr, ts: TopicSpace) -> TopicConfig:
     until its play anyway."""
     config = read_topic_config(tr, ts)
     if not resharding(config):
+        if config.paused and config.resharding_to is not None:    # paused while draining:
+            config = dataclasses.replace(config, resharding_to=None)  # its play routes them
+            tr[ts.config_key] = pack(config.as_dict())
         return config
     config = dataclasses.replace(config, shards=config.resharding_to,
                                  resharding_to=None if config.paused else config.resharding_to)
@@ -398,9 +401,10 @@ class Supervisor:
         if shards is None and config.resharding_to is not None:
             shards = config.resharding_to      # finish a reshard a killed run left
         if shards is None or (shards == config.shards and not resharding(config)):
+            config = reshard_finish(self.db, ts)    # no-op unless paused while draining
             for sub in config.subs:
                 membership.assign_shards(self.db, ts, sub, config)
-            if not config.paused or config.resharding_to is not None:
+            if not config.paused:
                 self.play(name)   # a rerun after a reshard killed before its play
             return self.config(name)
         TopicConfig(shards=shards)   # validates

@@ -182,3 +182,28 @@ def _fetch_until_leased(c, want: int, timeout: float) -> list:
     while len(got) < want and time.monotonic() < deadline:
         got += c.fetch(want - len(got), timeout=0.2)
     return got
+
+
+def test_rerun_of_a_drain_keeps_a_later_pause(db):
+    """A reshard killed after its finish, before routing what was pushed meanwhile, and
+    the topic paused since: running rebalance again leaves it paused (the pending
+    messages wait for its play), and play routes them."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    ts = Keyspace().topic("t")
+    p = fdq.Producer(db)
+    sv.reshard_begin(db, ts, 3)
+    first = p.push("t", b"first", shard_key="a").id
+    _reshard_steps(db, ts, 3, 2)
+    sup.pause("t")
+    sup.rebalance("t")
+    config = sup.config("t")
+    assert (config.shards, config.resharding_to, config.paused) == (3, None, True)
+    assert sup.stats("t")["counters"]["pending"] == 1
+    assert sup.play("t") == 1
+    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
+    try:
+        got = _fetch_until(cons, 1, 30)
+    finally:
+        cons.close()
+    assert [i for i, _k, _b in got] == [first]
