@@ -408,6 +408,10 @@ class Supervisor:
                 self.play(name)   # a rerun after a reshard killed before its play
             return self.config(name)
         TopicConfig(shards=shards)   # validates
+        if config.resharding_to is not None and not resharding(config):
+            # the last reshard's drain, unfinished (killed): end it before this one
+            if reshard_finish(self.db, ts).resharding_to is not None:
+                self.play(name)
         config = reshard_begin(self.db, ts, shards)
         old = max(config.shards, shards)
         tags = membership.read_tags(self.db, ts)

@@ -207,3 +207,31 @@ def test_rerun_of_a_drain_keeps_a_later_pause(db):
     finally:
         cons.close()
     assert [i for i, _k, _b in got] == [first]
+
+
+def test_new_reshard_after_an_unfinished_drain(db):
+    """A reshard killed before routing what was pushed meanwhile, then a reshard to yet
+    another count: it finishes the first one's routing, then changes the count."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    ts = Keyspace().topic("t")
+    p = fdq.Producer(db)
+    ids = [r.id for r in p.push_many("t", [fdq.Envelope(b"a", shard_key=f"k{j}") for j in range(20)])]
+    sv.reshard_begin(db, ts, 3)
+    ids += [r.id for r in p.push_many("t", [fdq.Envelope(b"b", shard_key=f"k{j}") for j in range(20)])]
+    _reshard_steps(db, ts, 3, 2)
+    assert sup.rebalance("t", shards=5).shards == 5
+    config = sup.config("t")
+    assert (config.shards, config.resharding_to, config.paused) == (5, None, False)
+    c = sup.stats("t")["counters"]
+    assert (c["inserted"], c["routed"]) == (40, 40)
+    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
+    try:
+        got = _fetch_until(cons, 40, 30)
+    finally:
+        cons.close()
+    assert sorted(i for i, _k, _b in got) == sorted(ids)
+    want = {}
+    for i, k, _b in got:
+        want.setdefault(k, []).append(i)
+    assert all(v == sorted(v) for v in want.values()), "per-key order broken"
