@@ -200,7 +200,7 @@ def fold_shard_counters(tr, ts: TopicSpace, sub: str, tag: str, old_n: int, new_
     if old_n < new_shards:
         return {}
     src, dst = ts.shard(sub, tag, old_n), ts.shard(sub, tag, old_n % new_shards)
-    values = {name: decode_counter(tr[src.stat(name)]) for name in SHARD_COUNTERS}
+    values = {name: decode_counter(tr[src.stat(name)]) for name in SHARD_COUNTERS + ("filtered",)}
     moved = {name: v for name, v in values.items() if v}
     for name, v in moved.items():
         tr.add(src.stat(name), counter(-v))
