@@ -375,22 +375,21 @@ class Supervisor:
         return update_topic_config(self.db, self._ts(name), paused=True)
 
     def play(self, name: str, progress=None) -> int:
-        """Route what arrived while paused, in order, then resume. Resumable."""
+        """Route what arrived while paused, in order, then resume. Resumable. Refused
+        while a reshard is moving queues (run rebalance again to finish it); a reshard
+        that begins meanwhile routes the rest at its end."""
         ts = self._ts(name)
-        self.config(name)
+        config = self.config(name)
+        if resharding(config):
+            raise ConfigError(f"topic {name!r} is being resharded to {config.resharding_to} shards: "
+                              "finish that first (run rebalance again)")
         total = 0
         while True:
             n, done = play_chunk(self.db, ts, CHUNK)
             total += n
             if progress:
                 progress(n)
-            if done:
-                config = self.config(name)
-                if resharding(config):
-                    raise ConfigError(f"topic {name!r} is being resharded to {config.resharding_to} shards: "
-                                      "finish that first (run rebalance again)")
-                if config.paused or config.resharding_to is not None:   # pushes landed while
-                    continue                                            # we routed
+            if done:     # resumed in the chunk that routed the last one: a pause since holds
                 return total
 
     def rebalance(self, name: str, shards: int | None = None, progress=None) -> TopicConfig:

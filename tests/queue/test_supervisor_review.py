@@ -235,3 +235,22 @@ def test_new_reshard_after_an_unfinished_drain(db):
     for i, k, _b in got:
         want.setdefault(k, []).append(i)
     assert all(v == sorted(v) for v in want.values()), "per-key order broken"
+
+
+def test_pause_right_after_play_routed_everything_holds(db):
+    """A pause committed just after play's last chunk (which resumes the topic) was
+    undone: play took the topic still paused for pushes that landed meanwhile and
+    played it again."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    sup.pause("t")
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"m", shard_key=f"k{j}") for j in range(10)])
+
+    paused_again = []
+
+    def progress(_n):
+        if not paused_again and not sup.config("t").paused:   # play has just resumed it:
+            paused_again.append(sup.pause("t"))                # an operator pauses
+    assert sup.play("t", progress=progress) == 10
+    assert paused_again
+    assert sup.config("t").paused, "the later pause was undone"
