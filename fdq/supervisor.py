@@ -720,8 +720,10 @@ def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None)
             break       # committed after the replay began (its own pushes among them)
         if after is not None and vs.to_bytes() <= after:
             continue    # replayed by an earlier run of this replay
-        env = _ReplayEnvelope(body_of(db, ts, vs, rec), rec.shard_key, None, None, rec.headers,
-                              replay_of=message_id(vs))
+        body = body_of(db, ts, vs, rec, strict=True)
+        if body is None:
+            continue    # trimmed since read: no longer in the log, not replayed
+        env = _ReplayEnvelope(body, rec.shard_key, None, None, rec.headers, replay_of=message_id(vs))
         batch.append((vs, env))
         size += len(env.body)
         if len(batch) >= CHUNK or size * (1 + len(config.subs)) >= CHUNK_WRITE_BYTES:

@@ -254,3 +254,30 @@ def test_pause_right_after_play_routed_everything_holds(db):
     assert sup.play("t", progress=progress) == 10
     assert paused_again
     assert sup.config("t").paused, "the later pause was undone"
+
+
+def test_replay_racing_a_trim_pushes_no_empty_bodies(db):
+    """A replay reads the log in pages and each large body's chunks apart: a trim
+    committed in between (here: after the replay's first chunk) left entries the replay
+    had read whose chunks were gone, and it replayed them with an empty body."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    big = [bytes([65 + i]) * 150_000 for i in range(20)]
+    p = fdq.Producer(db)
+    for b in big:
+        p.push("t", b, shard_key="k")
+    trimmed = []
+
+    def progress(_n):
+        if not trimmed:
+            trimmed.append(sup.trim("t", before_ms=2 ** 62))
+    n = p.replay("t", 0, progress=progress)
+    assert trimmed[0] > 20      # the originals and what the replay pushed so far
+    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
+    try:
+        got = _fetch_until(cons, 20 + n, 30)
+    finally:
+        cons.close()
+    assert len(got) == 20 + n
+    assert all(b in big for _i, _k, b in got), "a replayed message lost its body"
+    assert 0 < n < 20       # those trimmed before the replay reached them are not replayed
