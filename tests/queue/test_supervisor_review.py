@@ -281,3 +281,29 @@ def test_replay_racing_a_trim_pushes_no_empty_bodies(db):
     assert len(got) == 20 + n
     assert all(b in big for _i, _k, b in got), "a replayed message lost its body"
     assert 0 < n < 20       # those trimmed before the replay reached them are not replayed
+
+
+def test_push_while_paused_that_play_could_never_route_is_refused(db):
+    """A push while paused writes the log only, so it took a body that routing to every
+    subscription cannot write in one transaction: play then failed on it forever
+    (transaction_too_large), the topic stuck paused with everything behind it. Such a
+    push is refused now, with a clear error; the rest plays."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    for i in range(9):
+        sup.create_subscription("t", f"s{i}")
+    sup.pause("t")
+    p = fdq.Producer(db)
+    with pytest.raises(fdq.MessageTooLarge, match="too large to route"):
+        p.push("t", b"y" * (1 << 20))
+    small = p.push("t", b"z", shard_key="a").id
+    assert sup.play("t") == 1
+    assert not sup.config("t").paused
+    c = sup.stats("t")["counters"]
+    assert (c["inserted"], c["routed"]) == (1, 1)
+    cons = fdq.Consumer(db, "t", subscription="s3", config=fdq.ConsumerConfig(ack_wait_s=600))
+    try:
+        got = _fetch_until(cons, 1, 30)
+    finally:
+        cons.close()
+    assert [i for i, _k, _b in got] == [small]
