@@ -59,7 +59,8 @@ class TopicConfig:
     retention_bytes: int | None = None
     max_message_bytes: int = 1 << 20
     subs: tuple = (DEFAULT_SUBSCRIPTION,)
-    resharding_to: int | None = None   # set while a shard-count change is in progress
+    resharding_to: int | None = None   # set while a shard-count change is in progress (== shards:
+                                       # moved, routing what was pushed meanwhile)
     catchup: tuple = ()                # subscriptions copying their start from the log
     paused_subs: tuple = ()            # subscriptions paused on their own (NSQ channel pause)
 

@@ -527,8 +527,14 @@ def dlq_list(tr, ts: TopicSpace, sub: str, limit: int = 100, after: bytes | None
 def dlq_redrive_chunk(tr, ts: TopicSpace, sub: str, config, limit: int) -> tuple:
     """Move up to ``limit`` dead letters (or ``CHUNK_WRITE_BYTES`` of them) back to their
     shard's ready queue (attempts reset). Resumable: each chunk removes what it moved.
-    Returns ``(moved, done)``."""
+    Returns ``(moved, done)``. The shard count is the topic config's as this
+    transaction reads it (not snapshot: a reshard beginning or ending meanwhile
+    conflicts), the new count while a reshard runs, as ``_requeue``: the reshard may have
+    passed the old shard already, or remove it. ``config`` is unused (kept for callers)."""
     from .keyspace.codec import CHUNK_WRITE_BYTES, shard_of
+    from .topic import read_topic_config
+    config = read_topic_config(tr, ts)
+    shards = config.resharding_to if config.resharding_to is not None else config.shards
     space = ts.dlq(sub)
     r = space.range()
     moved = written = 0
@@ -540,8 +546,8 @@ def dlq_redrive_chunk(tr, ts: TopicSpace, sub: str, config, limit: int) -> tuple
         raw, _reason, _cid = decode_dead(kv.value)
         rec = Record.decode(raw)
         rec.attempts = 0
-        n = shard_of(rec.shard_key, config.shards) if rec.shard_key is not None else \
-            int.from_bytes(vs.to_bytes()[-4:], "big") % config.shards
+        n = shard_of(rec.shard_key, shards) if rec.shard_key is not None else \
+            int.from_bytes(vs.to_bytes()[-4:], "big") % shards
         from .headers import dispatch_tag
         shard = ts.shard(sub, dispatch_tag(rec.headers), n)
         tr[shard.ready_key(vs)] = rec.encode()

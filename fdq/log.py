@@ -77,12 +77,18 @@ def read_chunk(db, ts: TopicSpace, buckets, cursors: dict, limit: int):
     return out
 
 
-def body_of(db, ts: TopicSpace, vs, record: Record) -> bytes:
+def body_of(db, ts: TopicSpace, vs, record: Record, *, strict: bool = False) -> bytes | None:
+    """The body of the log entry ``record`` at ``vs``, its chunks read in a new
+    transaction. A trim may have deleted them since the record was read: with
+    ``strict``, None then (not a partial or empty body)."""
     if not record.nchunks:
         return record.body
     tr = db.create_transaction()
     r = ts.all_chunks[vs].range()
-    return b"".join(kv.value for kv in tr.snapshot.get_range(r.start, r.stop))
+    chunks = [kv.value for kv in tr.snapshot.get_range(r.start, r.stop)]
+    if strict and len(chunks) != record.nchunks:
+        return None
+    return b"".join(chunks)
 
 
 def iter_window(db, ts: TopicSpace, buckets, start_ms: int | None, end_ms: int | None,

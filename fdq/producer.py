@@ -35,7 +35,8 @@ from .errors import (BacklogFull, ConfigError, EngineError, FDQError, InvalidHea
                      MessageTooLarge, TopicNotFound, is_maybe_committed)
 from .headers import dispatch_tag, trace_id, validate_headers
 from .keyspace import Keyspace, TopicSpace, counter, ensure_format, message_id, vs_key, vs_key_parts
-from .keyspace.codec import CHUNK_BYTES, RECORD_BYTES, Record, pack, packer, shard_of, split_body, unpack
+from .keyspace.codec import (CHUNK_BYTES, RECORD_BYTES, ROUTE_BYTES, Record, pack, packer, shard_of, split_body,
+                             unpack)
 from .membership import read_clock
 from .topic import load_config, write_topic_config
 
@@ -273,6 +274,12 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             inline, chunks = split_body(env.body, force=True)
             record = Record(now_ms, env.shard_key, env.msg_id, headers, inline, 0, len(chunks),
                             getattr(env, "replay_of", None)).encode()
+        if not config.routing and len(config.subs) * (len(record) + len(env.body)) > ROUTE_BYTES:
+            # play routes it alone, to every subscription, in one transaction: refuse what
+            # could never be routed (it would block the play, and every message behind it)
+            raise MessageTooLarge(f"message body of {len(env.body):,} bytes is too large to route to "
+                                  f"topic {topic!r}'s {len(config.subs)} subscriptions in one transaction "
+                                  f"(at most {ROUTE_BYTES:,} bytes in all)")
         tr.set_versionstamped_key(vs_key(ts.log_prefix(n), uv), record)
         for i, chunk in enumerate(chunks):
             tr.set_versionstamped_key(vs_key(ts.all_chunks.key(), uv, fdbtuple.pack((i,))), chunk)

@@ -19,7 +19,7 @@ from .headers import dispatch_tag
 from .keyspace import Keyspace, TopicSpace, Versionstamp, counter, decode_counter, message_id, vs_from_bytes
 from .keyspace.codec import CHUNK_BYTES, CHUNK_WRITE_BYTES, LeaseRecord, Record, decode_leases, pack, reshard_shard, shard_of, unpack
 from .log import iter_window, log_buckets, read_chunk
-from .stats import shard_counters
+from .stats import SHARD_COUNTERS, shard_counters
 from .topic import (create_topic, list_topics, load_config, read_topic_config,
                     update_topic_config)
 
@@ -54,11 +54,12 @@ def _route_existing(tr, ts: TopicSpace, config: TopicConfig, n: int, vs, raw: by
 @transactional
 def play_chunk(tr, ts: TopicSpace, limit: int, *, resume: bool = True) -> tuple:
     """Route up to ``limit`` messages (or ``CHUNK_WRITE_BYTES`` of them) pushed while
-    paused (or resharding), in order. When none are left and ``resume``, clear
-    ``paused`` in the same transaction. Returns ``(routed, done)``. Does nothing while a
-    reshard is in progress."""
+    paused (or resharding), in order. When none are left, end a finished reshard's
+    drain (``reshard_finish``) and, with ``resume``, clear ``paused``, in the same
+    transaction: no push can route before an older pending one. Returns ``(routed,
+    done)``. Does nothing while a reshard is still moving queues (``resharding``)."""
     config = read_topic_config(tr, ts)
-    if config.resharding_to is not None:
+    if resharding(config):
         return 0, True
     clock = membership.read_clock(tr, ts.clock_key)
     r = ts.pending.range()
@@ -77,9 +78,22 @@ def play_chunk(tr, ts: TopicSpace, limit: int, *, resume: bool = True) -> tuple:
         moved += 1
     if moved == limit:
         return moved, False
+    changes = {}
+    if config.resharding_to is not None:     # drained: route pushes again
+        changes["resharding_to"] = None
     if resume and config.paused:
-        tr[ts.config_key] = pack(dataclasses.replace(config, paused=False).as_dict())
+        changes["paused"] = False
+    if changes:
+        tr[ts.config_key] = pack(dataclasses.replace(config, **changes).as_dict())
     return moved, True
+
+
+def resharding(config: TopicConfig) -> bool:
+    """Whether a shard-count change is moving queues (``reshard_begin`` until
+    ``reshard_finish``). After the finish, ``resharding_to == shards`` while the
+    messages pushed meanwhile (the pending area) are routed: pushes still go there, so
+    none overtakes an older message of its key."""
+    return config.resharding_to is not None and config.resharding_to != config.shards
 
 
 # -- resharding ---------------------------------------------------------------------
@@ -89,6 +103,8 @@ def reshard_begin(tr, ts: TopicSpace, shards: int) -> TopicConfig:
     """Start changing the shard count: pushes go to the pending area; every shard's
     owner is fenced off (epoch bump, no owner) until ``reshard_finish``."""
     config = read_topic_config(tr, ts)
+    if shards == config.shards and config.resharding_to in (None, shards):
+        return config       # nothing to move (or moved: its pending area left to route)
     if config.resharding_to not in (None, shards):
         raise ConfigError(f"topic {ts.name!r} is already being resharded to {config.resharding_to} shards")
     config = dataclasses.replace(config, resharding_to=shards)
@@ -175,11 +191,37 @@ def _reshard_lease_record(tr, ts: TopicSpace, src, key: bytes, raw, new_shards: 
 
 
 @transactional
+def fold_shard_counters(tr, ts: TopicSpace, sub: str, tag: str, old_n: int, new_shards: int) -> dict:
+    """Move the counters of shard ``(tag, old_n)``, which a reshard to ``new_shards``
+    removes (its queues already moved), into shard ``old_n % new_shards``: the
+    subscription's stats sum its shards' counters, so its emitted, acked, done... must
+    not vanish with the shard (backlog = routed - done stays as it was). Safe to
+    re-run: a folded shard's counters are 0. Returns what it moved."""
+    if old_n < new_shards:
+        return {}
+    src, dst = ts.shard(sub, tag, old_n), ts.shard(sub, tag, old_n % new_shards)
+    values = {name: decode_counter(tr[src.stat(name)]) for name in SHARD_COUNTERS + ("filtered",)}
+    moved = {name: v for name, v in values.items() if v}
+    for name, v in moved.items():
+        tr.add(src.stat(name), counter(-v))
+        tr.add(dst.stat(name), counter(v))
+    return moved
+
+
+@transactional
 def reshard_finish(tr, ts: TopicSpace) -> TopicConfig:
+    """Adopt the new shard count. A playing topic keeps ``resharding_to`` (now equal
+    to ``shards``) until ``play_chunk`` has routed what was pushed meanwhile, so pushes
+    keep going to the pending area after the older ones; a paused one routes nothing
+    until its play anyway."""
     config = read_topic_config(tr, ts)
-    if config.resharding_to is None:
+    if not resharding(config):
+        if config.paused and config.resharding_to is not None:    # paused while draining:
+            config = dataclasses.replace(config, resharding_to=None)  # its play routes them
+            tr[ts.config_key] = pack(config.as_dict())
         return config
-    config = dataclasses.replace(config, shards=config.resharding_to, resharding_to=None)
+    config = dataclasses.replace(config, shards=config.resharding_to,
+                                 resharding_to=None if config.paused else config.resharding_to)
     tr[ts.config_key] = pack(config.as_dict())
     for sub in config.subs:
         membership.assign_shards(tr, ts, sub, config)
@@ -190,16 +232,19 @@ def reshard_finish(tr, ts: TopicSpace) -> TopicConfig:
 
 @transactional
 def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: int) -> tuple:
-    """Delete up to ``limit`` log entries of ``bucket`` inserted before ``before_ms``.
-    -> (deleted, done)."""
+    """Delete up to ``limit`` log entries of ``bucket`` inserted before ``before_ms``,
+    never one not yet routed (``first_pending``). -> (deleted, done)."""
     space = ts.log[bucket]
     r = space.range()
     deleted = 0
+    pending = first_pending(tr, ts)
     for kv in tr.get_range(r.start, r.stop, limit=limit):
         rec = Record.decode(kv.value)
         if rec.ts_ms >= before_ms:
             return deleted, True
         vs = space.unpack(kv.key)[0]
+        if pending is not None and vs >= pending:
+            return deleted, True
         del tr[kv.key]
         if rec.nchunks:
             cr = ts.all_chunks[vs].range()
@@ -208,9 +253,22 @@ def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: in
     return deleted, deleted < limit
 
 
+def first_pending(tr, ts: TopicSpace):
+    """The oldest message pushed while paused or resharding and not routed yet (its log
+    entry is its only copy: retention must keep it and every later one), or None. Not a
+    snapshot: a play routing it, or a push adding the first one, conflicts."""
+    r = ts.pending.range()
+    for kv in tr.get_range(r.start, r.stop, limit=1):
+        return ts.pending.unpack(kv.key)[0]
+    return None
+
+
 @transactional
 def delete_log_entries(tr, ts: TopicSpace, entries: list) -> int:
-    """Delete log entries [(bucket, vs, nchunks)] and their body chunks. Safe to re-run."""
+    """Delete log entries [(bucket, vs, nchunks)] and their body chunks, except those
+    not routed yet (``first_pending``). Safe to re-run."""
+    pending = first_pending(tr, ts)
+    entries = [e for e in entries if pending is None or e[1] < pending]
     for bucket, vs, nchunks in entries:
         del tr[ts.log_key(bucket, vs)]
         if nchunks:
@@ -323,18 +381,21 @@ class Supervisor:
         return update_topic_config(self.db, self._ts(name), paused=True)
 
     def play(self, name: str, progress=None) -> int:
-        """Route what arrived while paused, in order, then resume. Resumable."""
+        """Route what arrived while paused, in order, then resume. Resumable. Refused
+        while a reshard is moving queues (run rebalance again to finish it); a reshard
+        that begins meanwhile routes the rest at its end."""
         ts = self._ts(name)
-        self.config(name)
+        config = self.config(name)
+        if resharding(config):
+            raise ConfigError(f"topic {name!r} is being resharded to {config.resharding_to} shards: "
+                              "finish that first (run rebalance again)")
         total = 0
         while True:
             n, done = play_chunk(self.db, ts, CHUNK)
             total += n
             if progress:
                 progress(n)
-            if done:
-                if self.config(name).paused:     # pushes landed while we routed
-                    continue
+            if done:     # resumed in the chunk that routed the last one: a pause since holds
                 return total
 
     def rebalance(self, name: str, shards: int | None = None, progress=None) -> TopicConfig:
@@ -342,13 +403,20 @@ class Supervisor:
         count, re-routing every backlog with each shard key's order kept. Resumable."""
         ts = self._ts(name)
         config = self.config(name)
-        if shards is None or (shards == config.shards and config.resharding_to is None):
+        if shards is None and config.resharding_to is not None:
+            shards = config.resharding_to      # finish a reshard a killed run left
+        if shards is None or (shards == config.shards and not resharding(config)):
+            config = reshard_finish(self.db, ts)    # no-op unless paused while draining
             for sub in config.subs:
                 membership.assign_shards(self.db, ts, sub, config)
             if not config.paused:
                 self.play(name)   # a rerun after a reshard killed before its play
-            return config
+            return self.config(name)
         TopicConfig(shards=shards)   # validates
+        if config.resharding_to is not None and not resharding(config):
+            # the last reshard's drain, unfinished (killed): end it before this one
+            if reshard_finish(self.db, ts).resharding_to is not None:
+                self.play(name)
         config = reshard_begin(self.db, ts, shards)
         old = max(config.shards, shards)
         tags = membership.read_tags(self.db, ts)
@@ -363,6 +431,8 @@ class Supervisor:
                                 progress(read)
                             if done:
                                 break
+                    if n >= shards:
+                        fold_shard_counters(self.db, ts, sub, tag, n, shards)
         config = reshard_finish(self.db, ts)
         if not config.paused:
             self.play(name)
@@ -421,7 +491,8 @@ class Supervisor:
         """Apply retention to the "all" log: delete what was inserted before ``before_ms``
         (default: ``retention_s`` of the config), then, with ``retention_bytes``, the oldest
         entries (in log order) until the log fits; and expire push markers and dedupe ids
-        past their windows. Returns the log entries deleted. Queued messages are untouched."""
+        past their windows. Returns the log entries deleted. Queued messages are untouched, and
+        so is every entry from the oldest one not routed yet (pushed while paused) on."""
         ts = self._ts(name)
         config = self.config(name)
         if before_ms is None and config.retention_s is not None:
@@ -476,9 +547,12 @@ class Supervisor:
                 excess -= len(ts.log_key(b, vs)) + len(raw) + rec.nchunks * CHUNK_BYTES
                 if excess <= 0:
                     break
-            deleted += delete_log_entries(self.db, ts, batch)
+            n = delete_log_entries(self.db, ts, batch)
+            deleted += n
             if progress:
-                progress(len(batch))
+                progress(n)
+            if n < len(batch):
+                break       # reached messages not routed yet: they and later ones stay
         return deleted
 
     # -- subscriptions (see fdq.subscription) -----------------------------------------
@@ -653,8 +727,10 @@ def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None)
             break       # committed after the replay began (its own pushes among them)
         if after is not None and vs.to_bytes() <= after:
             continue    # replayed by an earlier run of this replay
-        env = _ReplayEnvelope(body_of(db, ts, vs, rec), rec.shard_key, None, None, rec.headers,
-                              replay_of=message_id(vs))
+        body = body_of(db, ts, vs, rec, strict=True)
+        if body is None:
+            continue    # trimmed since read: no longer in the log, not replayed
+        env = _ReplayEnvelope(body, rec.shard_key, None, None, rec.headers, replay_of=message_id(vs))
         batch.append((vs, env))
         size += len(env.body)
         if len(batch) >= CHUNK or size * (1 + len(config.subs)) >= CHUNK_WRITE_BYTES:

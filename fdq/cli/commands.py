@@ -100,7 +100,8 @@ def cli(ctx, url):
 
 TOPIC_COLUMNS = [
     ("topic", lambda r: r["name"]),
-    ("shards", lambda r: r["shards"] if r["resharding_to"] is None else f"{r['shards']}→{r['resharding_to']}"),
+    ("shards", lambda r: r["shards"] if r["resharding_to"] in (None, r["shards"])
+        else f"{r['shards']}→{r['resharding_to']}"),
     ("extend", lambda r: r["extend"]),
     ("paused", lambda r: r["paused"]),
     ("subscriptions", lambda r: ", ".join(r["subscriptions"])),
@@ -226,7 +227,9 @@ def stats(state, topic, as_json):
         render.emit_json(data)
         return
     state_text = "paused" if data["paused"] else "running"
-    if data["resharding_to"] is not None:
+    if data["resharding_to"] == data["shards"]:     # reshard_finish done, not its play
+        state_text += ", resharded: routing what was pushed meanwhile (run rebalance if stuck)"
+    elif data["resharding_to"] is not None:
         state_text += f", resharding to {data['resharding_to']}"
     render.table(f"topic {topic}: {data['shards']} shards, extend {'on' if data['extend'] else 'off'}, "
                  f"{state_text}",

@@ -22,6 +22,9 @@ RECORD_BYTES = 92_000
 # catch-up) stops once it has written about this much, whatever its message count:
 # large messages must not take a chunk past FDB's 10 MB per transaction.
 CHUNK_WRITE_BYTES = 2_000_000
+# What routing one message to every subscription may write in one transaction (play
+# routes a message pushed while paused alone if need be): under 10 MB with room for keys.
+ROUTE_BYTES = 9_000_000
 _DEFAULTS = (None, None, None, None, b"", 0, 0, None)
 _local = threading.local()
 

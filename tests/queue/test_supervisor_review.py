@@ -1,0 +1,309 @@
+"""Supervisor operations interrupted or overlapping (found in review): retention that
+would delete messages not yet routed, the window between a reshard's finish and its
+play, a play or argument-less rebalance run while a reshard is unfinished, and the
+counters of shards a shrinking reshard removes."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import fdq
+from fdq import supervisor as sv
+from fdq.keyspace import Keyspace
+from fdq.keyspace.codec import shard_of
+
+from qhelpers import sub_stats
+
+
+def _fetch_until(c, want: int, timeout: float) -> list:
+    """Fetch (and ack) until ``want`` messages came or ``timeout`` passed."""
+    got = []
+    deadline = time.monotonic() + timeout
+    while len(got) < want and time.monotonic() < deadline:
+        for m in c.fetch(want - len(got), timeout=0.2):
+            got.append((m.id, m.shard_key, m.body))
+            m.ack()
+    return got
+
+
+def _reshard_steps(db, ts, shards: int, old: int):
+    """What ``rebalance(shards=...)`` commits before its play: begin, every chunk, finish
+    (a run kill -9'd right after ``reshard_finish`` leaves exactly this state)."""
+    sv.reshard_begin(db, ts, shards)
+    for n in range(max(old, shards)):
+        for area in ("ready", "delayed", "leased"):
+            after = None
+            while True:
+                _r, after, done = sv.reshard_chunk(db, ts, "default", "", n, area, shards, sv.CHUNK, after)
+                if done:
+                    break
+    sv.reshard_finish(db, ts)
+
+
+@pytest.mark.parametrize("how", ["age", "size"])
+def test_trim_keeps_messages_pushed_while_paused(db, how):
+    """Retention deleted log entries still waiting in the pending area (pushed while
+    paused): play then found no entry and dropped them, lost for good (inserted >
+    routed forever). Big bodies too: their chunks are needed to route them."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=4, retention_bytes=1000 if how == "size" else None)
+    p = fdq.Producer(db)
+    before = [r.id for r in p.push_many("t", [fdq.Envelope(b"o" * 300, shard_key=f"k{j}") for j in range(10)])]
+    sup.pause("t")
+    paused = [r.id for r in p.push_many("t", [fdq.Envelope(b"x" * 300, shard_key=f"k{j}") for j in range(10)])]
+    big = b"B" * 250_000    # split into body chunks
+    paused.append(p.push("t", big, shard_key="k0").id)
+    sup.trim("t", before_ms=2 ** 62 if how == "age" else None)
+    assert sup.play("t") == len(paused)
+    c = sup.stats("t")["counters"]
+    assert (c["inserted"], c["routed"], c["pending"]) == (21, 21, 0)
+    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
+    try:
+        got = _fetch_until(cons, 21, 30)
+    finally:
+        cons.close()
+    assert sorted(i for i, _k, _b in got) == sorted(before + paused)
+    assert [b for i, _k, b in got if i == paused[-1]] == [big]
+
+
+def test_reshard_killed_after_finish_keeps_key_order(db):
+    """Messages pushed during a reshard wait in the pending area until the play that
+    follows ``reshard_finish``. The finish made the topic route again at once, so a push
+    between the finish and that play (or after a kill between them) went straight to
+    a ready queue and was consumed before the older pending message of its key, which
+    stayed stranded until someone ran rebalance again."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    ts = Keyspace().topic("t")
+    key = next(f"k{i}" for i in range(100) if shard_of(f"k{i}", 2) != shard_of(f"k{i}", 3))
+    p = fdq.Producer(db)
+    sv.reshard_begin(db, ts, 3)
+    first = p.push("t", b"first", shard_key=key).id      # during the reshard: pending
+    _reshard_steps(db, ts, 3, 2)                          # ... and killed before its play
+    second = p.push("t", b"second", shard_key=key).id
+    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
+    try:
+        early = _fetch_until(cons, 1, 1.5)     # nothing may overtake the pending message
+        sup.rebalance("t", shards=3)            # the rerun finishes the job
+        got = early + _fetch_until(cons, 2 - len(early), 30)
+    finally:
+        cons.close()
+    assert [i for i, _k, _b in got] == [first, second], "per-key order broken"
+    c = sup.stats("t")["counters"]
+    assert (c["inserted"], c["routed"]) == (2, 2)
+    assert sup.config("t").resharding_to is None and sup.config("t").shards == 3
+
+
+def test_play_during_unfinished_reshard_does_not_spin(procs, db):
+    """``play`` of a paused topic whose reshard was killed midway looped forever (each
+    play chunk returns at once while resharding, the topic stays paused); and
+    ``rebalance`` without a count (the CLI's plain ``fdq rebalance``) left the reshard
+    unfinished, the topic consuming nothing. Play now says to finish the reshard, and
+    an argument-less rebalance finishes it."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    p = fdq.Producer(db)
+    ids = [r.id for r in p.push_many("t", [fdq.Envelope(b"m", shard_key=f"k{j}") for j in range(20)])]
+    sup.pause("t")
+    ts = Keyspace().topic("t")
+    sv.reshard_begin(db, ts, 3)                # a rebalance killed right after it began
+    ids.append(p.push("t", b"late", shard_key="k1").id)
+    w = procs.start("play", "play", "--topic", "t")
+    rc = w.wait(timeout=30)                   # the old code never returns (killed at teardown)
+    assert rc != 0 and "rebalance" in procs.stderr(w), procs.stderr(w)
+    sup.rebalance("t")                         # no count: finishes the reshard to 3
+    config = sup.config("t")
+    assert (config.shards, config.resharding_to, config.paused) == (3, None, True)
+    assert sup.play("t") == 1
+    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
+    try:
+        got = _fetch_until(cons, 21, 30)
+    finally:
+        cons.close()
+    assert sorted(i for i, _k, _b in got) == sorted(ids)
+
+
+def test_shrinking_reshard_keeps_subscription_counters(db):
+    """The subscription's emitted / acked / done counters are sums over the current
+    shards: a reshard to fewer shards dropped those of the removed shards from stats."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=4)
+    p = fdq.Producer(db)
+    p.push_many("t", [fdq.Envelope(b"m", shard_key=f"k{j}") for j in range(40)])
+    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
+    try:
+        assert len(_fetch_until(cons, 30, 30)) == 30
+    finally:
+        cons.close()
+    p.push_many("t", [fdq.Envelope(b"n", shard_key=f"k{j}") for j in range(5)])
+    before = sub_stats(db, "t")
+    assert (before["emitted"], before["acked"], before["backlog"]) == (30, 30, 15)
+    sup.rebalance("t", shards=2)
+    after = sub_stats(db, "t")
+    assert (after["emitted"], after["acked"], after["backlog"], after["in_flight"]) == (30, 30, 15, 0)
+    assert sum(s["done"] for s in after["shards"]) == 30
+    sup.rebalance("t", shards=2)              # a rerun changes nothing
+    assert sub_stats(db, "t")["acked"] == 30
+
+
+def test_dlq_redrive_during_reshard_is_not_stranded(db):
+    """A DLQ redrive committed during a reshard, after the reshard's pass over the
+    message's old shard, put it in that shard's ready queue by the old count: with
+    fewer shards that shard is gone and the message was never delivered again."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    key = next(f"k{i}" for i in range(100) if shard_of(f"k{i}", 2) == 1)
+    pushed = fdq.Producer(db).push("t", b"x", shard_key=key).id
+    c = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
+    try:
+        [m] = _fetch_until_leased(c, 1, 30)
+        m.term("bad")
+        assert sub_stats(db, "t")["dlq"] == 1
+        ts = Keyspace().topic("t")
+        sv.reshard_begin(db, ts, 1)
+        for n in range(2):
+            for area in ("ready", "delayed", "leased"):
+                sv.reshard_chunk(db, ts, "default", "", n, area, 1, sv.CHUNK)
+        assert sup.dlq_redrive("t") == 1          # while the reshard runs
+        sv.reshard_finish(db, ts)                 # the reshard's own next steps
+        sup.play("t")
+        got = _fetch_until(c, 1, 10)
+    finally:
+        c.close()
+    assert [i for i, _k, _b in got] == [pushed], f"stranded; stats {sub_stats(db, 't')}"
+    s = sub_stats(db, "t")
+    assert (s["dlq"], s["backlog"]) == (0, 0)
+
+
+def _fetch_until_leased(c, want: int, timeout: float) -> list:
+    got = []
+    deadline = time.monotonic() + timeout
+    while len(got) < want and time.monotonic() < deadline:
+        got += c.fetch(want - len(got), timeout=0.2)
+    return got
+
+
+def test_rerun_of_a_drain_keeps_a_later_pause(db):
+    """A reshard killed after its finish, before routing what was pushed meanwhile, and
+    the topic paused since: running rebalance again leaves it paused (the pending
+    messages wait for its play), and play routes them."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    ts = Keyspace().topic("t")
+    p = fdq.Producer(db)
+    sv.reshard_begin(db, ts, 3)
+    first = p.push("t", b"first", shard_key="a").id
+    _reshard_steps(db, ts, 3, 2)
+    sup.pause("t")
+    sup.rebalance("t")
+    config = sup.config("t")
+    assert (config.shards, config.resharding_to, config.paused) == (3, None, True)
+    assert sup.stats("t")["counters"]["pending"] == 1
+    assert sup.play("t") == 1
+    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
+    try:
+        got = _fetch_until(cons, 1, 30)
+    finally:
+        cons.close()
+    assert [i for i, _k, _b in got] == [first]
+
+
+def test_new_reshard_after_an_unfinished_drain(db):
+    """A reshard killed before routing what was pushed meanwhile, then a reshard to yet
+    another count: it finishes the first one's routing, then changes the count."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    ts = Keyspace().topic("t")
+    p = fdq.Producer(db)
+    ids = [r.id for r in p.push_many("t", [fdq.Envelope(b"a", shard_key=f"k{j}") for j in range(20)])]
+    sv.reshard_begin(db, ts, 3)
+    ids += [r.id for r in p.push_many("t", [fdq.Envelope(b"b", shard_key=f"k{j}") for j in range(20)])]
+    _reshard_steps(db, ts, 3, 2)
+    assert sup.rebalance("t", shards=5).shards == 5
+    config = sup.config("t")
+    assert (config.shards, config.resharding_to, config.paused) == (5, None, False)
+    c = sup.stats("t")["counters"]
+    assert (c["inserted"], c["routed"]) == (40, 40)
+    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
+    try:
+        got = _fetch_until(cons, 40, 30)
+    finally:
+        cons.close()
+    assert sorted(i for i, _k, _b in got) == sorted(ids)
+    want = {}
+    for i, k, _b in got:
+        want.setdefault(k, []).append(i)
+    assert all(v == sorted(v) for v in want.values()), "per-key order broken"
+
+
+def test_pause_right_after_play_routed_everything_holds(db):
+    """A pause committed just after play's last chunk (which resumes the topic) was
+    undone: play took the topic still paused for pushes that landed meanwhile and
+    played it again."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    sup.pause("t")
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"m", shard_key=f"k{j}") for j in range(10)])
+
+    paused_again = []
+
+    def progress(_n):
+        if not paused_again and not sup.config("t").paused:   # play has just resumed it:
+            paused_again.append(sup.pause("t"))                # an operator pauses
+    assert sup.play("t", progress=progress) == 10
+    assert paused_again
+    assert sup.config("t").paused, "the later pause was undone"
+
+
+def test_replay_racing_a_trim_pushes_no_empty_bodies(db):
+    """A replay reads the log in pages and each large body's chunks apart: a trim
+    committed in between (here: after the replay's first chunk) left entries the replay
+    had read whose chunks were gone, and it replayed them with an empty body."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    big = [bytes([65 + i]) * 150_000 for i in range(20)]
+    p = fdq.Producer(db)
+    for b in big:
+        p.push("t", b, shard_key="k")
+    trimmed = []
+
+    def progress(_n):
+        if not trimmed:
+            trimmed.append(sup.trim("t", before_ms=2 ** 62))
+    n = p.replay("t", 0, progress=progress)
+    assert trimmed[0] > 20      # the originals and what the replay pushed so far
+    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
+    try:
+        got = _fetch_until(cons, 20 + n, 30)
+    finally:
+        cons.close()
+    assert len(got) == 20 + n
+    assert all(b in big for _i, _k, b in got), "a replayed message lost its body"
+    assert 0 < n < 20       # those trimmed before the replay reached them are not replayed
+
+
+def test_push_while_paused_that_play_could_never_route_is_refused(db):
+    """A push while paused writes the log only, so it took a body that routing to every
+    subscription cannot write in one transaction: play then failed on it forever
+    (transaction_too_large), the topic stuck paused with everything behind it. Such a
+    push is refused now, with a clear error; the rest plays."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    for i in range(9):
+        sup.create_subscription("t", f"s{i}")
+    sup.pause("t")
+    p = fdq.Producer(db)
+    with pytest.raises(fdq.MessageTooLarge, match="too large to route"):
+        p.push("t", b"y" * (1 << 20))
+    small = p.push("t", b"z", shard_key="a").id
+    assert sup.play("t") == 1
+    assert not sup.config("t").paused
+    c = sup.stats("t")["counters"]
+    assert (c["inserted"], c["routed"]) == (1, 1)
+    cons = fdq.Consumer(db, "t", subscription="s3", config=fdq.ConsumerConfig(ack_wait_s=600))
+    try:
+        got = _fetch_until(cons, 1, 30)
+    finally:
+        cons.close()
+    assert [i for i, _k, _b in got] == [small]
