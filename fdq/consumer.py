@@ -886,9 +886,12 @@ class Consumer:
             self._report(e)
 
     def _return_leases(self, deadline):
-        """Nak (delay 0) what this consumer leased and did not settle."""
+        """Nak (delay 0) what this consumer leased and did not settle. Only its own
+        leases (its lease-id prefix): ``_leases`` also holds what its lease check observes
+        of other consumers' leases in its shards (a live previous owner's, still being
+        worked on), and returning those would redeliver them before their ack wait."""
         with self._leases_lock:
-            mine = [(k, v) for k, v in self._leases.items()]
+            mine = [(k, v) for k, v in self._leases.items() if v[0][:8] == self._lease_prefix]
         rows = []
         for (shard_id, vs12), (lease_id, _t, _s, _w, key) in mine:
             rows.append((self._ts.shard(self.subscription, *shard_id), vs_from_bytes(vs12), lease_id, "nak", 0, key))
