@@ -484,15 +484,20 @@ def expire_leases(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch
 
 @transactional
 def fail_in_place(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, vs,
-                  max_deliver: int, reason: str) -> str:
+                  max_deliver: int, reason: str, seen_attempts: int | None = None) -> str:
     """Exactly-once: a handler failed on the message at the head of the queue. Count
-    the attempt on its ready record; after ``max_deliver`` attempts, dead-letter it."""
+    the attempt on its ready record; after ``max_deliver`` attempts, dead-letter it.
+    ``seen_attempts``: the record's attempts when the failed handler got it; a record
+    counted past that already (a retry after ``commit_unknown_result`` whose first
+    attempt committed) is left alone: the attempt counts once."""
     ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
     key = shard.ready_key(vs)
     raw = tr[key]
     if raw == None:  # noqa: E711
         return "gone"
     rec = Record.decode(raw)
+    if seen_attempts is not None and rec.attempts != seen_attempts:
+        return "retry"
     rec.attempts += 1
     if rec.attempts >= max_deliver:
         del tr[key]

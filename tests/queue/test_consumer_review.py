@@ -39,3 +39,27 @@ def test_close_returns_only_its_own_leases(db):
         assert (s["backlog"], s["in_flight"]) == (0, 0)
     finally:
         holder.close()
+
+
+def test_exactly_once_failed_attempts_count_once_under_commit_unknown_result(url):
+    """Exactly-once: a handler failure counts one attempt on the ready record
+    (``fail_in_place``). A retry after ``commit_unknown_result`` whose first attempt
+    committed must not count it again: the handler sees every attempt number, and the
+    message is dead-lettered after ``max_deliver`` of them, not fewer."""
+    fdq.Supervisor(fdq.connect(url)).create_topic("t", shards=1)
+    fdq.Producer(fdq.connect(url)).push("t", b"poison", shard_key="k")
+    db = fdq.connect(url + "?fault_injection=0.4&seed=3")
+    seen = []
+
+    def handler(tr, m):
+        seen.append(m.attempts)
+        raise RuntimeError("cannot handle")
+    c = fdq.tail(db, "t", handler, transactional=True,
+                 config=fdq.ConsumerConfig(max_deliver=8, **FAST), on_error=lambda e: None)
+    try:
+        wait_for(lambda: sub_stats(fdq.connect(url), "t")["dlq"] == 1, 60, what="the message dead-lettered")
+    finally:
+        c.shutdown()
+    assert sorted(set(seen)) == list(range(8)), f"attempts counted twice: the handler saw {sorted(set(seen))}"
+    [dead] = fdq.Supervisor(fdq.connect(url)).dlq_list("t")
+    assert dead["attempts"] == 8
