@@ -1050,7 +1050,10 @@ class TailConsumer(Consumer):
                         m.nak()
                     self._report(e)
                 m._deferred = None
-                if self._stop.is_set():
+                if self._stop.is_set():     # shutting down: the rest go back uncounted
+                    for rest in msgs[msgs.index(m) + 1:]:
+                        rest._settled = "release"
+                        pending.append((rest, "release", None))
                     break
         finally:
             if defer:

@@ -355,7 +355,8 @@ def _acks_all(lr: LeaseRecord, items: list) -> bool:
 def settle(tr, ts: TopicSpace, items: list, max_deliver: int) -> list:
     """Apply settlements [(shard, vs, lease_id, action, arg, lease_key)] in one
     transaction: ``ack``; ``nak`` (arg: delay s; to the DLQ after max_deliver attempts);
-    ``term`` (arg: reason); ``touch`` (restarts that message's ack wait only). Each lease
+    ``term`` (arg: reason); ``touch`` (restarts that message's ack wait only);
+    ``release`` (back to ready uncounted: leased but never handed to a handler). Each lease
     record named is read once (non-snapshot: a conflict with an expiry or another settle
     of it) and written back once, or deleted when its last message is settled: a whole
     batch acked is one delete. Returns the items whose lease was lost; a retry after
@@ -404,6 +405,9 @@ def settle(tr, ts: TopicSpace, items: list, max_deliver: int) -> list:
                 acked[shard] = acked.get(shard, 0) + 1
                 continue
             tr.add(shard.stat("in_flight"), MINUS_ONE)
+            if action == "release":     # never handed to a handler: back, no attempt counted
+                _requeue(tr, ts, shard, vs, entry[1], 0)
+                continue
             rec = lr.delivered(entry)
             if action == "term":
                 _dead_letter(tr, ts, shard, vs, rec.encode(), f"terminated: {arg}", lr.consumer_id)

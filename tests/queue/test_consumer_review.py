@@ -15,7 +15,7 @@ def test_close_returns_only_its_own_leases(db):
     leases it took itself: naking the other's would redeliver them long before their ack
     wait, while their holder is still working on them (and its ack then fails)."""
     fdq.Supervisor(db).create_topic("t", shards=2)
-    fdq.Producer(db).push_many("t", [fdq.Envelope(b"%d" % i) for i in range(20)])
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"%d" % i, shard_key=f"k{i}") for i in range(20)])
     holder = fdq.Consumer(db, "t", consumer_id="holder", config=fdq.ConsumerConfig(ack_wait_s=600, **FAST))
     try:
         held = []
@@ -63,3 +63,38 @@ def test_exactly_once_failed_attempts_count_once_under_commit_unknown_result(url
     assert sorted(set(seen)) == list(range(8)), f"attempts counted twice: the handler saw {sorted(set(seen))}"
     [dead] = fdq.Supervisor(fdq.connect(url)).dlq_list("t")
     assert dead["attempts"] == 8
+
+
+def test_shutdown_returns_unhandled_messages_without_counting_an_attempt(db):
+    """``shutdown()`` mid-batch: the messages of the batch its handler never saw go back
+    to the queue. They were not delivered: they must not count an attempt, else the next
+    consumer gives them fewer than ``max_deliver`` handler attempts before the DLQ."""
+    import threading
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"%d" % i) for i in range(5)])
+    first, started = [], threading.Event()
+
+    def stopping(m):
+        first.append(m.body)
+        if len(first) == 1:     # shut down while the batch is in hand
+            assert started.wait(30)
+            threading.Thread(target=c1.shutdown, daemon=True).start()
+            wait_for(c1._stop.is_set, 30, what="the shutdown starting")
+    c1 = fdq.tail(db, "t", stopping, batch_size=10, config=fdq.ConsumerConfig(ack_wait_s=600, **FAST))
+    started.set()
+    wait_for(lambda: c1._closed and not c1._thread.is_alive(), 60, what="the first consumer closed")
+    assert first == [b"0"]
+    s = sub_stats(db, "t")
+    assert (s["backlog"], s["in_flight"]) == (4, 0), "the unhandled messages were not returned at once"
+    calls = {}
+
+    def failing(m):
+        calls.setdefault(m.body, []).append(m.attempts)
+        raise RuntimeError("cannot handle")
+    c2 = fdq.tail(db, "t", failing, config=fdq.ConsumerConfig(max_deliver=2, ack_wait_s=600, **FAST),
+                  on_error=lambda e: None)
+    try:
+        wait_for(lambda: sub_stats(db, "t")["dlq"] == 4, 30, what="the four dead-lettered")
+    finally:
+        c2.shutdown()
+    assert calls == {b"%d" % i: [1, 2] for i in range(1, 5)}, f"handler attempts before the DLQ: {calls}"
