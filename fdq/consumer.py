@@ -1115,7 +1115,7 @@ class TailConsumer(Consumer):
     def _fail_head(self, shard, epoch, taken, reason, dead=False):
         max_deliver = 1 if dead else self.config.max_deliver
         delivery.fail_in_place(self.db, self._ts, shard, self.id, epoch, taken.vs, max_deliver, reason,
-                               taken.record.attempts)
+                               taken.record.attempts, taken.delayed_key)
 
     def close(self):
         if self._closed:

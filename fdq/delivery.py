@@ -488,15 +488,24 @@ def expire_leases(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch
 
 @transactional
 def fail_in_place(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, vs,
-                  max_deliver: int, reason: str, seen_attempts: int | None = None) -> str:
+                  max_deliver: int, reason: str, seen_attempts: int | None = None,
+                  delayed_key: bytes | None = None) -> str:
     """Exactly-once: a handler failed on the message at the head of the queue. Count
     the attempt on its ready record; after ``max_deliver`` attempts, dead-letter it.
     ``seen_attempts``: the record's attempts when the failed handler got it; a record
     counted past that already (a retry after ``commit_unknown_result`` whose first
-    attempt committed) is left alone: the attempt counts once."""
+    attempt committed) is left alone: the attempt counts once. ``delayed_key``: the
+    message's delayed key if the failed transaction promoted it (``Taken.delayed_key``):
+    that promotion was discarded with the transaction, so it is promoted here."""
     ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
     key = shard.ready_key(vs)
     raw = tr[key]
+    if raw == None and delayed_key is not None:  # noqa: E711
+        raw = tr[delayed_key]
+        if raw != None:  # noqa: E711
+            del tr[delayed_key]
+            tr.add(shard.stat("delayed"), MINUS_ONE)
+            tr[key] = raw
     if raw == None:  # noqa: E711
         return "gone"
     rec = Record.decode(raw)

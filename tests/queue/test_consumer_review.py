@@ -98,3 +98,30 @@ def test_shutdown_returns_unhandled_messages_without_counting_an_attempt(db):
     finally:
         c2.shutdown()
     assert calls == {b"%d" % i: [1, 2] for i in range(1, 5)}, f"handler attempts before the DLQ: {calls}"
+
+
+def test_exactly_once_poison_delayed_message_is_dead_lettered(db):
+    """Exactly-once: a delayed message is promoted to the ready queue by the transaction
+    that takes it. When its handler fails, that transaction is discarded, promotion
+    included: the failure must still count on the message (and dead-letter it after
+    ``max_deliver``), not find it "gone" and retry it forever, blocking its shard."""
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    p = fdq.Producer(db)
+    p.push("t", b"poison", shard_key="k", delay=0.2)
+    seen = []
+
+    def handler(tr, m):
+        seen.append(m.body)
+        if m.body == b"poison":
+            raise RuntimeError("cannot handle")
+    c = fdq.tail(db, "t", handler, transactional=True,
+                 config=fdq.ConsumerConfig(max_deliver=3, **FAST), on_error=lambda e: None)
+    try:
+        wait_for(lambda: b"poison" in seen, 30, what="the delayed message delivered")
+        p.push_many("t", [fdq.Envelope(b"after%d" % i, shard_key="k") for i in range(3)])
+        wait_for(lambda: sub_stats(db, "t")["dlq"] == 1, 30, what="the poison message dead-lettered")
+        wait_for(lambda: sum(1 for b in seen if b.startswith(b"after")) == 3, 30, what="the messages behind it")
+    finally:
+        c.shutdown()
+    [dead] = fdq.Supervisor(db).dlq_list("t")
+    assert dead["body"] == b"poison" and dead["attempts"] == 3
