@@ -1039,7 +1039,7 @@ class TailConsumer(Consumer):
             raise
         pending = []
         try:
-            for m in msgs:
+            for i, m in enumerate(msgs):
                 m._deferred = pending
                 try:
                     self.handler(m)
@@ -1051,7 +1051,7 @@ class TailConsumer(Consumer):
                     self._report(e)
                 m._deferred = None
                 if self._stop.is_set():     # shutting down: the rest go back uncounted
-                    for rest in msgs[msgs.index(m) + 1:]:
+                    for rest in msgs[i + 1:]:
                         rest._settled = "release"
                         pending.append((rest, "release", None))
                     break
