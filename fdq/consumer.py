@@ -534,6 +534,11 @@ class Consumer:
         scans, ids = {}, list(spaces)
         for i in range(0, len(ids), LEASE_SCAN_SHARDS):     # a few shards per read-only transaction
             scans.update(delivery.scan_shards_leases(self.db, {s: spaces[s] for s in ids[i:i + LEASE_SCAN_SHARDS]}))
+        # A lease state first seen now is timed from after the read that saw it: ``now``
+        # was taken before this round's heartbeat and these reads, which a database stall
+        # can hold up for seconds while a touch commits (timed from ``now``, it expired
+        # early by the stall). Due checks keep ``now``: they err late, never early.
+        seen_at = max(now, _monotonic())
         for shard_id, epoch in owned.items():
             shard = spaces[shard_id]
             current = scans[shard_id]
@@ -545,7 +550,7 @@ class Consumer:
                     live_keys.add(key)
                     seen = self._leases.get(key)
                     if seen is None or seen[0] != lease_id or seen[1] != touches:
-                        self._leases[key] = [lease_id, touches, now, ack_wait_ms / 1000, rkey]
+                        self._leases[key] = [lease_id, touches, seen_at, ack_wait_ms / 1000, rkey]
                     elif now - seen[2] >= seen[3]:
                         due.setdefault((rkey, lease_id), []).append((vs, touches))
             for (rkey, lease_id), expiring in due.items():

@@ -125,3 +125,50 @@ def test_exactly_once_poison_delayed_message_is_dead_lettered(db):
         c.shutdown()
     [dead] = fdq.Supervisor(db).dlq_list("t")
     assert dead["body"] == b"poison" and dead["attempts"] == 3
+
+
+def test_touch_during_a_database_stall_restarts_the_full_ack_wait(db, db_path):
+    """The shard owner times a lease from when it first sees its current state. A
+    lease check that started before a database stall (its heartbeat waiting on the
+    write lock) and then read a touch committed after the stall must time the touch from
+    when it read it, not from when the check started: else the lease expires early by
+    the length of the stall, while its holder is working on it."""
+    import sqlite3
+    import threading
+    import time
+    fdq.Supervisor(db).create_topic("t", shards=2)
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"%d" % i, shard_key=f"k{i}") for i in range(20)])
+    cfg = dict(FAST, heartbeat_interval_s=0.2, lease_check_interval_s=0.2)
+    holder = fdq.Consumer(db, "t", consumer_id="holder", config=fdq.ConsumerConfig(ack_wait_s=3.0, **cfg))
+    owner = None
+    try:
+        held = []
+        wait_for(lambda: held.extend(holder.fetch(100, timeout=0.2)) or len(held) == 20, 30,
+                 what="the holder leasing every message")
+        owner = fdq.Consumer(db, "t", consumer_id="owner", config=fdq.ConsumerConfig(ack_wait_s=3.0, **cfg))
+        [(_tag, n)] = owner.owned_shards
+        m = next(m for m in held if m.shard == n)
+        key = (("", n), m._taken.vs.to_bytes())
+        wait_for(lambda: key in owner._leases, 30, what="the owner observing the lease")
+        stall = sqlite3.connect(str(db_path), timeout=30)
+        stall.execute("BEGIN IMMEDIATE")        # the database stalls: no commit for 2 s
+        try:
+            toucher = threading.Thread(target=m.in_progress)
+            time.sleep(0.3)
+            toucher.start()                     # the holder extends the lease: waits too
+            time.sleep(1.7)
+        finally:
+            stall.rollback()
+            stall.close()
+        toucher.join(30)
+        touched = time.monotonic()
+        assert not toucher.is_alive()
+        leased = lambda: m._taken.lease_key is not None and db.create_transaction()[m._taken.lease_key].present()  # noqa: E731
+        while time.monotonic() < touched + 2.0:     # 1 s short of the ack wait the touch restarted
+            assert leased(), f"lease expired {time.monotonic() - touched:.2f}s after its touch (ack wait 3s)"
+            time.sleep(0.05)
+        m.ack()     # its siblings, untouched, expired meanwhile: they were due
+    finally:
+        if owner is not None:
+            owner.close()
+        holder.close()
