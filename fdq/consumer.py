@@ -927,6 +927,8 @@ class TailConsumer(Consumer):
         self.mode = mode
         explicit_acking = kwargs.pop("_explicit_acking", False)
         self._carried = []      # the last batch's settlements, committed by the next round
+        self._in_round = threading.local()  # .active: this thread runs a round (and handlers)
+        self._close_in_worker = False       # shutdown() came from a handler: the worker closes
         super().__init__(db, topic, **kwargs)
         if self.sub_config.ack_policy == "none" and self.mode == AT_LEAST_ONCE:
             if explicit_acking:
@@ -963,6 +965,8 @@ class TailConsumer(Consumer):
                     self._idle(self._idle_for())
         finally:
             self._flush_carried()
+            if self._close_in_worker:
+                self._finish_close()
 
     def _has_dirty(self) -> bool:
         with self._owned_lock:
@@ -982,6 +986,7 @@ class TailConsumer(Consumer):
         """Process shards [(shard_id, epoch)] (several only in one transaction: not
         exactly-once). A shard that filled its batch (or failed) is visited again next
         round; one it drained waits for its watch or the next sweep."""
+        self._in_round.active = True
         try:
             return self._process(shards)
         except Exception as e:
@@ -990,6 +995,8 @@ class TailConsumer(Consumer):
                 self._mark(shard_id)
             self._stop.wait(0.05)
             return 0
+        finally:
+            self._in_round.active = False
 
     def _process(self, shards) -> int:
         if self._stop.is_set():
@@ -1123,11 +1130,22 @@ class TailConsumer(Consumer):
                                taken.record.attempts, taken.delayed_key)
 
     def close(self):
+        """Stop consuming and leave. Called by a handler (``shutdown()`` from inside a
+        round: the worker or a pool thread, which cannot wait for itself), it returns at
+        once; the worker finishes the round (the message in hand settled as usual, the
+        rest of the batch given back) and then closes the consumer."""
         if self._closed:
             return
         self._stop.set()
         self._wake.set()
-        self._worker.join(timeout=max(30.0, self.config.ack_wait_s))
+        if getattr(self._in_round, "active", False):
+            self._close_in_worker = True
+            return
+        self._finish_close()
+
+    def _finish_close(self):
+        if threading.current_thread() is not self._worker:
+            self._worker.join(timeout=max(30.0, self.config.ack_wait_s))
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         super().close()

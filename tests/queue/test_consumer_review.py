@@ -1,6 +1,8 @@
 """Consumer-side guarantees found wanting in review: each test failed before its fix."""
 from __future__ import annotations
 
+import pytest
+
 import fdq
 from fdq.errors import LeaseLost
 
@@ -172,3 +174,31 @@ def test_touch_during_a_database_stall_restarts_the_full_ack_wait(db, db_path):
         if owner is not None:
             owner.close()
         holder.close()
+
+
+@pytest.mark.parametrize("max_concurrency", [1, 2])
+def test_shutdown_called_by_the_handler(db, max_concurrency):
+    """``shutdown()`` from inside a handler ("stop after this one"): the message in hand
+    is acked (not nak'd by an error and redelivered), the rest of the batch goes back,
+    and the consumer leaves at once (its shards are not held until it times out)."""
+    import threading
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"%d" % i) for i in range(5)])
+    got, errors, started = [], [], threading.Event()
+
+    def handler(m):
+        got.append(m.body)
+        if len(got) == 2:
+            assert started.wait(30)
+            c.shutdown()
+    c = fdq.tail(db, "t", handler, batch_size=10, on_error=errors.append,
+                 config=fdq.ConsumerConfig(max_concurrency=max_concurrency, **FAST))
+    started.set()
+    wait_for(lambda: not sub_stats(db, "t")["consumers"], 30, what="the consumer leaving")
+    assert errors == [] and got == [b"0", b"1"]
+    s = sub_stats(db, "t")
+    assert (s["backlog"], s["in_flight"], s["acked"]) == (3, 0, 2)
+    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as again:
+        rest = again.fetch(10, timeout=5)
+        assert [(m.body, m.attempts) for m in rest] == [(b"2", 1), (b"3", 1), (b"4", 1)]
+        again.ack_many(rest)
