@@ -534,6 +534,11 @@ class Consumer:
         scans, ids = {}, list(spaces)
         for i in range(0, len(ids), LEASE_SCAN_SHARDS):     # a few shards per read-only transaction
             scans.update(delivery.scan_shards_leases(self.db, {s: spaces[s] for s in ids[i:i + LEASE_SCAN_SHARDS]}))
+        # A lease state first seen now is timed from after the read that saw it: ``now``
+        # was taken before this round's heartbeat and these reads, which a database stall
+        # can hold up for seconds while a touch commits (timed from ``now``, it expired
+        # early by the stall). Due checks keep ``now``: they err late, never early.
+        seen_at = max(now, _monotonic())
         for shard_id, epoch in owned.items():
             shard = spaces[shard_id]
             current = scans[shard_id]
@@ -545,7 +550,7 @@ class Consumer:
                     live_keys.add(key)
                     seen = self._leases.get(key)
                     if seen is None or seen[0] != lease_id or seen[1] != touches:
-                        self._leases[key] = [lease_id, touches, now, ack_wait_ms / 1000, rkey]
+                        self._leases[key] = [lease_id, touches, seen_at, ack_wait_ms / 1000, rkey]
                     elif now - seen[2] >= seen[3]:
                         due.setdefault((rkey, lease_id), []).append((vs, touches))
             for (rkey, lease_id), expiring in due.items():
@@ -886,9 +891,12 @@ class Consumer:
             self._report(e)
 
     def _return_leases(self, deadline):
-        """Nak (delay 0) what this consumer leased and did not settle."""
+        """Nak (delay 0) what this consumer leased and did not settle. Only its own
+        leases (its lease-id prefix): ``_leases`` also holds what its lease check observes
+        of other consumers' leases in its shards (a live previous owner's, still being
+        worked on), and returning those would redeliver them before their ack wait."""
         with self._leases_lock:
-            mine = [(k, v) for k, v in self._leases.items()]
+            mine = [(k, v) for k, v in self._leases.items() if v[0][:8] == self._lease_prefix]
         rows = []
         for (shard_id, vs12), (lease_id, _t, _s, _w, key) in mine:
             rows.append((self._ts.shard(self.subscription, *shard_id), vs_from_bytes(vs12), lease_id, "nak", 0, key))
@@ -919,6 +927,8 @@ class TailConsumer(Consumer):
         self.mode = mode
         explicit_acking = kwargs.pop("_explicit_acking", False)
         self._carried = []      # the last batch's settlements, committed by the next round
+        self._in_round = threading.local()  # .active: this thread runs a round (and handlers)
+        self._close_in_worker = False       # shutdown() came from a handler: the worker closes
         super().__init__(db, topic, **kwargs)
         if self.sub_config.ack_policy == "none" and self.mode == AT_LEAST_ONCE:
             if explicit_acking:
@@ -955,6 +965,8 @@ class TailConsumer(Consumer):
                     self._idle(self._idle_for())
         finally:
             self._flush_carried()
+            if self._close_in_worker:
+                self._finish_close()
 
     def _has_dirty(self) -> bool:
         with self._owned_lock:
@@ -974,6 +986,7 @@ class TailConsumer(Consumer):
         """Process shards [(shard_id, epoch)] (several only in one transaction: not
         exactly-once). A shard that filled its batch (or failed) is visited again next
         round; one it drained waits for its watch or the next sweep."""
+        self._in_round.active = True
         try:
             return self._process(shards)
         except Exception as e:
@@ -982,6 +995,8 @@ class TailConsumer(Consumer):
                 self._mark(shard_id)
             self._stop.wait(0.05)
             return 0
+        finally:
+            self._in_round.active = False
 
     def _process(self, shards) -> int:
         if self._stop.is_set():
@@ -1036,7 +1051,7 @@ class TailConsumer(Consumer):
             raise
         pending = []
         try:
-            for m in msgs:
+            for i, m in enumerate(msgs):
                 m._deferred = pending
                 try:
                     self.handler(m)
@@ -1047,7 +1062,10 @@ class TailConsumer(Consumer):
                         m.nak()
                     self._report(e)
                 m._deferred = None
-                if self._stop.is_set():
+                if self._stop.is_set():     # shutting down: the rest go back uncounted
+                    for rest in msgs[i + 1:]:
+                        rest._settled = "release"
+                        pending.append((rest, "release", None))
                     break
         finally:
             if defer:
@@ -1108,14 +1126,26 @@ class TailConsumer(Consumer):
 
     def _fail_head(self, shard, epoch, taken, reason, dead=False):
         max_deliver = 1 if dead else self.config.max_deliver
-        delivery.fail_in_place(self.db, self._ts, shard, self.id, epoch, taken.vs, max_deliver, reason)
+        delivery.fail_in_place(self.db, self._ts, shard, self.id, epoch, taken.vs, max_deliver, reason,
+                               taken.record.attempts, taken.delayed_key)
 
     def close(self):
+        """Stop consuming and leave. Called by a handler (``shutdown()`` from inside a
+        round: the worker or a pool thread, which cannot wait for itself), it returns at
+        once; the worker finishes the round (the message in hand settled as usual, the
+        rest of the batch given back) and then closes the consumer."""
         if self._closed:
             return
         self._stop.set()
         self._wake.set()
-        self._worker.join(timeout=max(30.0, self.config.ack_wait_s))
+        if getattr(self._in_round, "active", False):
+            self._close_in_worker = True
+            return
+        self._finish_close()
+
+    def _finish_close(self):
+        if threading.current_thread() is not self._worker:
+            self._worker.join(timeout=max(30.0, self.config.ack_wait_s))
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         super().close()

@@ -355,7 +355,8 @@ def _acks_all(lr: LeaseRecord, items: list) -> bool:
 def settle(tr, ts: TopicSpace, items: list, max_deliver: int) -> list:
     """Apply settlements [(shard, vs, lease_id, action, arg, lease_key)] in one
     transaction: ``ack``; ``nak`` (arg: delay s; to the DLQ after max_deliver attempts);
-    ``term`` (arg: reason); ``touch`` (restarts that message's ack wait only). Each lease
+    ``term`` (arg: reason); ``touch`` (restarts that message's ack wait only);
+    ``release`` (back to ready uncounted: leased but never handed to a handler). Each lease
     record named is read once (non-snapshot: a conflict with an expiry or another settle
     of it) and written back once, or deleted when its last message is settled: a whole
     batch acked is one delete. Returns the items whose lease was lost; a retry after
@@ -404,6 +405,9 @@ def settle(tr, ts: TopicSpace, items: list, max_deliver: int) -> list:
                 acked[shard] = acked.get(shard, 0) + 1
                 continue
             tr.add(shard.stat("in_flight"), MINUS_ONE)
+            if action == "release":     # never handed to a handler: back, no attempt counted
+                _requeue(tr, ts, shard, vs, entry[1], 0)
+                continue
             rec = lr.delivered(entry)
             if action == "term":
                 _dead_letter(tr, ts, shard, vs, rec.encode(), f"terminated: {arg}", lr.consumer_id)
@@ -484,15 +488,29 @@ def expire_leases(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch
 
 @transactional
 def fail_in_place(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, vs,
-                  max_deliver: int, reason: str) -> str:
+                  max_deliver: int, reason: str, seen_attempts: int | None = None,
+                  delayed_key: bytes | None = None) -> str:
     """Exactly-once: a handler failed on the message at the head of the queue. Count
-    the attempt on its ready record; after ``max_deliver`` attempts, dead-letter it."""
+    the attempt on its ready record; after ``max_deliver`` attempts, dead-letter it.
+    ``seen_attempts``: the record's attempts when the failed handler got it; a record
+    counted past that already (a retry after ``commit_unknown_result`` whose first
+    attempt committed) is left alone: the attempt counts once. ``delayed_key``: the
+    message's delayed key if the failed transaction promoted it (``Taken.delayed_key``):
+    that promotion was discarded with the transaction, so it is promoted here."""
     ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
     key = shard.ready_key(vs)
     raw = tr[key]
+    if raw == None and delayed_key is not None:  # noqa: E711
+        raw = tr[delayed_key]
+        if raw != None:  # noqa: E711
+            del tr[delayed_key]
+            tr.add(shard.stat("delayed"), MINUS_ONE)
+            tr[key] = raw
     if raw == None:  # noqa: E711
         return "gone"
     rec = Record.decode(raw)
+    if seen_attempts is not None and rec.attempts != seen_attempts:
+        return "retry"
     rec.attempts += 1
     if rec.attempts >= max_deliver:
         del tr[key]
