@@ -1524,6 +1524,7 @@ class Transaction(_ReadView):
         self._clear_log = []     # every clear / clear_range in order (only read for _vs_keys)
         self._unreadable = []    # [begin, end) unreadable until commit (versionstamped keys)
         self._unreadable_n = 0   # how many of _vs_keys _unreadable covers (built on a read)
+        self._unreadable_by_head = {}   # the same ranges by the prefix every key in them has
         # Keys of versionstamped values: unreadable until commit even if written again
         # later (their [k, k+\x00) ranges are in _unreadable).
         self._vs_values = 0
@@ -1632,9 +1633,14 @@ class Transaction(_ReadView):
         if key >= self._max_key() and key != b"\xff/metadataVersion":
             raise EngineError(2004)
         if (self._vs_keys or self._vs_values) and not self._bypass_unreadable:
-            for b, e in self._unreadable_ranges():
-                if b <= key < e:
-                    raise EngineError(1036)
+            self._unreadable_ranges()
+            # By prefix: a transaction of n versionstamped keys and n point reads (a
+            # push_many of msg_ids reads each id's dedupe entry) is not O(n^2).
+            for head, ranges in self._unreadable_by_head.items():
+                if key.startswith(head):
+                    for b, e in ranges:
+                        if b <= key < e:
+                            raise EngineError(1036)
 
     def _check_read_range(self, b, e):
         if (self._vs_keys or self._vs_values) and not self._bypass_unreadable:
@@ -1648,9 +1654,11 @@ class Transaction(_ReadView):
         needs it (most transactions that set them never read afterwards)."""
         vs = self._vs_keys
         if self._unreadable_n < len(vs):
+            by_head = self._unreadable_by_head
             for head, tail, _value, _clears, rv in islice(vs, self._unreadable_n, None):
-                self._unreadable.append((head + (rv or 0).to_bytes(8, "big") + b"\x00\x00" + tail,
-                                         head + _NO_VERSION + tail + b"\x00"))
+                r = (head + (rv or 0).to_bytes(8, "big") + b"\x00\x00" + tail, head + _NO_VERSION + tail + b"\x00")
+                self._unreadable.append(r)
+                by_head.setdefault(head, []).append(r)
             self._unreadable_n = len(vs)
         return self._unreadable
 
@@ -2115,6 +2123,7 @@ class Transaction(_ReadView):
             return
         self._put(key, (_VSVALUE, (body, offset, [])))
         self._unreadable.append((key, key + b"\x00"))
+        self._unreadable_by_head.setdefault(key, []).append((key, key + b"\x00"))
         self._vs_values += 1
         self._note_write(key)
         self._mutation_bytes += len(key) + len(value) + ENTRY_OVERHEAD_BYTES
