@@ -46,7 +46,7 @@ class TopicConfig:
     ``retention_s`` / ``retention_bytes``: what ``trim`` keeps of the "all" log.
     ``max_message_bytes``: the largest body (split into chunks above 90,000 bytes); a
     push also refuses a body whose copies (the log's, one per subscription) exceed
-    ``fdq.producer.MAX_COPIES_BYTES`` (9 MB: they are written in one transaction).
+    ``fdq.keyspace.codec.ROUTE_BYTES`` (9 MB: they are written in one transaction).
     """
 
     shards: int = 16

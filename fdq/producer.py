@@ -51,10 +51,6 @@ _OFFSET0 = struct.pack("<I", 0)
 _PLACEHOLDER = b"\x00" * 10
 MAX_DELAY_S = 10 * 365 * 86400   # (NaN, inf and overflowing delays are refused at the call)
 MAX_SHARD_KEY_BYTES = 1024    # a shard key is stored with every copy of its message
-# A large body's copies (the log's and one per subscription) are written in one
-# transaction (push, or play after a pause): they must fit FDB's 10,000,000 bytes with
-# room for keys and the rest of the message.
-MAX_COPIES_BYTES = 9_000_000
 MAX_PER_TRANSACTION = 1 << 16   # a versionstamp's user version (2 bytes) numbers them
 
 
@@ -210,10 +206,11 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
         if len(body) > config.max_message_bytes:
             raise MessageTooLarge(f"message body of {len(body):,} bytes exceeds topic {topic!r}'s "
                                   f"max_message_bytes ({config.max_message_bytes:,})")
-        if len(body) > CHUNK_BYTES and len(body) * (1 + len(config.subs)) > MAX_COPIES_BYTES:
-            raise MessageTooLarge(f"message body of {len(body):,} bytes is stored once in topic {topic!r}'s log "
-                                  f"and once per subscription ({len(config.subs)}) in one transaction: at most "
-                                  f"{MAX_COPIES_BYTES // (1 + len(config.subs)):,} bytes fit")
+        if len(body) > CHUNK_BYTES and len(body) * (1 + len(config.subs)) > ROUTE_BYTES:
+            # its copies (the log's, one per subscription) are written in one transaction
+            raise MessageTooLarge(f"message body of {len(body):,} bytes is too large to route to topic {topic!r}'s "
+                                  f"log and its {len(config.subs)} subscriptions in one transaction (at most "
+                                  f"{ROUTE_BYTES // (1 + len(config.subs)):,} bytes each)")
         n = shard_of(env.shard_key, config.shards) if env.shard_key is not None else \
             (spread + uv // STICKY_RUN) % config.shards
         if plan.routing and env.msg_id is None and not env.delay and not env.headers \
