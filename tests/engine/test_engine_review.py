@@ -8,6 +8,21 @@ import time
 from enginehelpers import code_of, wait_ready
 
 
+def _failed_commits(db, code: int, attempts: int, setup):
+    """Yields ``(tr, setup(tr, i))`` for each of ``attempts`` transactions whose commit
+    failed with ``code`` (fault injection decides; other outcomes are skipped)."""
+    for i in range(attempts):
+        tr = db.create_transaction()
+        got = setup(tr, i)
+        try:
+            tr.commit().wait()
+            continue
+        except Exception as e:  # noqa: BLE001 - the engine's error type
+            if getattr(e, "code", None) != code:
+                continue
+        yield tr, got
+
+
 def test_on_error_reset_and_cancel_fail_what_the_attempt_left_pending(eng):
     """As FDB's RYW reset (on_error, reset, cancel: 1025; timeout: 1031): a watch or
     versionstamp future of an abandoned attempt fails; it is never left pending (a
@@ -56,18 +71,12 @@ def test_commit_unknown_result_settles_nothing_of_the_attempt(eng):
     1021 (they were never set up) and get_committed_version() stays -1. The injected
     1021 handed out the real stamp and kept the watches."""
     db = eng.open(eng.fault_url(0.5, 7))
-    seen = 0
-    for i in range(400):
-        tr = db.create_transaction()
+    def setup(tr, i):
         w = tr.watch(eng.k(b"w"))
         tr[eng.k(b"a%d" % i)] = b"1"
-        vs = tr.get_versionstamp()
-        try:
-            tr.commit().wait()
-            continue
-        except Exception as e:  # noqa: BLE001 - the engine's error type
-            if getattr(e, "code", None) != 1021:
-                continue
+        return w, tr.get_versionstamp()
+    seen = 0
+    for tr, (w, vs) in _failed_commits(db, 1021, 400, setup):
         seen += 1
         assert tr.get_committed_version() == -1
         assert code_of(vs.wait) == 2020
@@ -175,17 +184,11 @@ def test_injected_commit_unknown_result_may_or_may_not_have_applied(eng):
     """FDB's 1021 means the commit may or may not have happened. Injected only after a
     real commit, it let code that takes 1021 for "it committed" pass every test."""
     db = eng.open(eng.fault_url(0.3, 5))
+    def setup(tr, i):
+        tr[eng.k(b"u%04d" % i)] = b"1"
+        return eng.k(b"u%04d" % i)
     applied = not_applied = 0
-    for i in range(600):
-        key = eng.k(b"u%04d" % i)
-        tr = db.create_transaction()
-        tr[key] = b"1"
-        try:
-            tr.commit().wait()
-            continue
-        except Exception as e:  # noqa: BLE001 - the engine's error type
-            if getattr(e, "code", None) != 1021:
-                continue
+    for _tr, key in _failed_commits(db, 1021, 600, setup):
         if eng.db[key] is None:
             not_applied += 1
         else:
@@ -275,18 +278,12 @@ def test_a_timed_out_commit_may_have_applied(eng):
     Under fault injection the engine's 1031 never followed a real commit, so code that
     takes a timed-out commit for "not committed" passed."""
     db = eng.open(eng.fault_url(0.3, 9))
-    applied = 0
-    for i in range(400):
-        key = eng.k(b"t%04d" % i)
-        tr = db.create_transaction()
+    def setup(tr, i):
         tr.options.set_timeout(60_000)
-        tr[key] = b"1"
-        try:
-            tr.commit().wait()
-            continue
-        except Exception as e:  # noqa: BLE001 - the engine's error type
-            if getattr(e, "code", None) != 1031:
-                continue
+        tr[eng.k(b"t%04d" % i)] = b"1"
+        return eng.k(b"t%04d" % i)
+    applied = 0
+    for tr, key in _failed_commits(db, 1031, 400, setup):
         # as FDB after a timeout: every later use is 1031, on_error included
         assert code_of(lambda: tr.on_error(1031).wait()) == 1031
         assert code_of(lambda: tr[key].wait()) == 1031

@@ -12,7 +12,7 @@ import pytest
 
 import fdq
 
-from qhelpers import read_json, read_lines, scan, sub_stats, wait_for
+from qhelpers import read_lines, scan, sub_stats, wait_for
 
 CONSUMER_ARGS = ("--mode", "eo", "--hb", 0.2, "--zombie", 1.5, "--batch", 20)
 
