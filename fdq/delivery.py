@@ -577,6 +577,8 @@ def dlq_redrive_chunk(tr, ts: TopicSpace, sub: str, config, limit: int) -> tuple
 
 @transactional
 def dlq_purge_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
+    """Delete up to ``limit`` dead letters, oldest first, with the body chunks a large
+    one keeps in the subscription's chunk area (_dead_letter). Returns how many."""
     space = ts.dlq(sub)
     r = space.range()
     n = 0
@@ -584,6 +586,9 @@ def dlq_purge_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
     for kv in tr.get_range(r.start, r.stop, limit=limit):
         last = kv.key
         n += 1
+        if has_chunks(decode_dead(kv.value)[0]):
+            c = ts.subs[sub]["chunks"][space.unpack(kv.key)[0]].range()
+            tr.clear_range(c.start, c.stop)
     if last is not None:
         tr.clear_range(r.start, last + b"\x00")
         tr.add(ts.sub_stat(sub, "dead"), counter(-n))

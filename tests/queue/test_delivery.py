@@ -252,6 +252,29 @@ def test_large_dead_letter_listed_whole_and_redriven(db):
     assert scan(db, Keyspace().topic("t").subs["default"]["chunks"].key()) == []
 
 
+def test_dlq_purge_removes_large_bodies_chunks(db):
+    """A purged dead letter of a large body leaves nothing behind: its chunks (kept in
+    the subscription's chunk area with the DLQ entry) go with it; other chunks stay."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=1)
+    big, kept = os.urandom(2 * CHUNK_BYTES + 1), os.urandom(CHUNK_BYTES + 9)
+    p = fdq.Producer(db)
+    p.push("t", big, shard_key="k")
+    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+        [m] = _fetch_until(c, lambda g: len(g) >= 1, 30)
+        m.term("purge me")
+    p.push("t", kept, shard_key="k")         # queued: its chunks must survive the purge
+    chunks = Keyspace().topic("t").subs["default"]["chunks"]
+    assert len(scan(db, chunks.key())) == 3 + 2
+    assert sup.dlq_purge("t") == 1
+    assert sup.dlq_list("t") == [] and len(scan(db, chunks.key())) == 2
+    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+        [m] = _fetch_until(c, lambda g: len(g) >= 1, 30)
+        assert m.body == kept
+        m.ack()
+    assert scan(db, chunks.key()) == []
+
+
 def test_records_at_the_value_limit_lease_and_dead_letter(db):
     """A body that fits one value alone but not with its headers and a long shard key is
     chunked; leased and then dead-lettered with a 200,000-character reason (cut), it stays
