@@ -36,7 +36,8 @@ class TopicConfig:
     """A topic's stored configuration (``config/topics/<topic>``).
 
     ``shards``: fixed virtual shards, shared by the topic's subscriptions.
-    ``max_backlog``: optional cap on a subscription's backlog; pushes beyond it fail with
+    ``max_backlog``: optional cap on a subscription's backlog (messages pushed while paused or
+    resharding count for every subscription); pushes beyond it fail with
     ``BacklogFull``. Checked against a snapshot of the counters, so concurrent producers
     may overshoot it by at most their in-flight batches.
     ``dedupe_window_s``: how long a user ``msg_id`` is remembered, at least: an id is a

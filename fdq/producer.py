@@ -34,7 +34,8 @@ from .engine import error_types, retry_or_raise, transactional
 from .errors import (BacklogFull, ConfigError, EngineError, FDQError, InvalidHeader, InvalidMessage,
                      MessageTooLarge, TopicNotFound, is_maybe_committed)
 from .headers import dispatch_tag, trace_id, validate_headers
-from .keyspace import Keyspace, TopicSpace, counter, ensure_format, message_id, vs_key, vs_key_parts
+from .keyspace import (Keyspace, TopicSpace, counter, decode_counter, ensure_format, message_id, vs_key,
+                       vs_key_parts)
 from .keyspace.codec import (CHUNK_BYTES, RECORD_BYTES, ROUTE_BYTES, Record, pack, packer, shard_of, split_body,
                              unpack)
 from .membership import read_clock
@@ -435,10 +436,12 @@ def _config_for_push(tr, ks, ts, auto_create) -> TopicConfig:
 
 def _check_backlog(tr, ts, config):
     """Snapshot reads of the shard counters: pushes never conflict over the backlog, so
-    concurrent producers may overshoot max_backlog by their in-flight batches."""
+    concurrent producers may overshoot max_backlog by their in-flight batches. What is
+    not routed yet (pushed while paused or resharding) counts for every subscription."""
     from .stats import shard_counters
+    pending = decode_counter(tr.snapshot[ts.stat("inserted")]) - decode_counter(tr.snapshot[ts.stat("routed")])
     for sub in config.subs:
-        backlog = sum(c["backlog"] for c in shard_counters(tr.snapshot, ts, sub, config).values())
+        backlog = pending + sum(c["backlog"] for c in shard_counters(tr.snapshot, ts, sub, config).values())
         if backlog > config.max_backlog:
             raise BacklogFull(f"topic {ts.name!r} subscription {sub!r} would have a backlog of "
                               f"{backlog:,} (max_backlog {config.max_backlog:,}): push refused")

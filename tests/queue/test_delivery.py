@@ -252,6 +252,27 @@ def test_large_dead_letter_listed_whole_and_redriven(db):
     assert scan(db, Keyspace().topic("t").subs["default"]["chunks"].key()) == []
 
 
+def test_max_backlog_holds_while_paused(db):
+    """A push while paused only lands in the log (routed later by play): it counts
+    toward every subscription's backlog all the same, else a paused topic took pushes
+    without bound and play then routed far past max_backlog."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2, max_backlog=10)
+    sup.create_subscription("t", "other")
+    p = fdq.Producer(db)
+    p.push_many("t", [fdq.Envelope(f"{i}".encode()) for i in range(6)])
+    sup.pause("t")
+    p.push_many("t", [fdq.Envelope(f"p{i}".encode()) for i in range(4)])
+    with pytest.raises(fdq.BacklogFull, match="max_backlog"):
+        p.push("t", b"one too many")
+    assert sup.stats("t")["counters"]["inserted"] == 10
+    sup.play("t")
+    with pytest.raises(fdq.BacklogFull):
+        p.push("t", b"still full")
+    subs = sup.stats("t")["subscriptions"]
+    assert subs["default"]["backlog"] == subs["other"]["backlog"] == 10
+
+
 def test_dlq_purge_removes_large_bodies_chunks(db):
     """A purged dead letter of a large body leaves nothing behind: its chunks (kept in
     the subscription's chunk area with the DLQ entry) go with it; other chunks stay."""
