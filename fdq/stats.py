@@ -23,7 +23,7 @@ def shard_counters(reader, ts: TopicSpace, sub: str, config, tags=None) -> dict:
         tags = [""] + [ts.tags.unpack(kv.key)[0] for kv in reader.get_range(r.start, r.stop)]
     futures = {}
     for tag in tags:
-        for n in range(config.shards):
+        for n in range(max(config.shards, config.resharding_to or 0)):   # a growing reshard: the new ones too
             shard = ts.shard(sub, tag, n)
             futures[(tag, n)] = {name: reader[shard.stat(name)] for name in SHARD_COUNTERS}
     out = {}

@@ -147,6 +147,28 @@ def test_shrinking_reshard_keeps_subscription_counters(db):
     assert sub_stats(db, "t")["acked"] == 30
 
 
+def test_stats_and_max_backlog_count_a_growing_reshards_new_shards(db):
+    """Midway through a reshard to more shards, the messages already moved sit in shards
+    beyond the old count: stats' backlog and max_backlog counted only the old ones."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2, max_backlog=40)
+    p = fdq.Producer(db)
+    p.push_many("t", [fdq.Envelope(b"m", shard_key=f"k{j}") for j in range(40)])
+    ts = Keyspace().topic("t")
+    sv.reshard_begin(db, ts, 6)
+    after = None
+    while True:       # shard 0's ready queue moved to the new layout, shard 1's not yet
+        _r, after, done = sv.reshard_chunk(db, ts, "default", "", 0, "ready", 6, sv.CHUNK, after)
+        if done:
+            break
+    st = sub_stats(db, "t")
+    assert st["backlog"] == 40 and any(s["backlog"] for s in st["shards"] if s["shard"] >= 2)
+    with pytest.raises(fdq.BacklogFull):
+        p.push("t", b"over", shard_key="k0")
+    sup.rebalance("t")                         # finishes the reshard
+    assert sup.config("t").shards == 6 and sub_stats(db, "t")["backlog"] == 40
+
+
 def test_dlq_redrive_during_reshard_is_not_stranded(db):
     """A DLQ redrive committed during a reshard, after the reshard's pass over the
     message's old shard, put it in that shard's ready queue by the old count: with
