@@ -64,6 +64,8 @@ class TopicConfig:
                                        # moved, routing what was pushed meanwhile)
     catchup: tuple = ()                # subscriptions copying their start from the log
     paused_subs: tuple = ()            # subscriptions paused on their own (NSQ channel pause)
+    held_at: int | None = None         # a play's last step: the version from which pushes
+                                       # wait a moment (``fdq.supervisor.play_chunk``)
 
     def __post_init__(self):
         _positive("shards", self.shards, integer=True)

@@ -54,6 +54,11 @@ class BacklogFull(FDQError):
     """The topic's max_backlog would be exceeded; nothing was written."""
 
 
+class TopicHeld(FDQError):
+    """A push met a play's brief hold (``fdq.supervisor.play_chunk``): nothing was
+    written. Producers and replay wait it out and retry; it does not reach callers."""
+
+
 class LeaseLost(FDQError):
     """The message's lease or the shard's ownership moved to another consumer."""
 

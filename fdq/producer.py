@@ -32,14 +32,14 @@ from fdb.tuple import Versionstamp
 from .config import ProducerConfig, TopicConfig, check_name
 from .engine import error_types, retry_or_raise, transactional
 from .errors import (BacklogFull, ConfigError, EngineError, FDQError, InvalidHeader, InvalidMessage,
-                     MessageTooLarge, TopicNotFound, is_maybe_committed)
+                     MessageTooLarge, TopicHeld, TopicNotFound, is_maybe_committed)
 from .headers import dispatch_tag, trace_id, validate_headers
 from .keyspace import (Keyspace, TopicSpace, counter, decode_counter, ensure_format, message_id, vs_key,
                        vs_key_parts)
 from .keyspace.codec import (CHUNK_BYTES, RECORD_BYTES, ROUTE_BYTES, Record, pack, packer, shard_of, split_body,
                              unpack)
 from .membership import read_clock
-from .topic import load_config, write_topic_config
+from .topic import HOLD_WAIT_S, check_hold, load_config, write_topic_config
 
 VERSIONS_PER_S = 1_000_000
 MARKER_TTL_S = 600.0          # push markers outlive any commit_unknown_result retry
@@ -201,6 +201,8 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
         if plan is None:
             ts = ks.topic(topic)
             config = configs[topic] = _config_for_push(tr, ks, ts, auto_create)
+            if not config.routing and config.held_at is not None:
+                check_hold(tr, ts, config)      # TopicHeld: the caller waits and retries
             plan = plans[topic] = _push_plan(ts, config)
         ts, config = plan.ts, plan.config
         body = env.body
@@ -717,6 +719,10 @@ class Producer:
                 committing = True
                 tr.commit().wait()
                 break
+            except TopicHeld:       # a play finishing (~ms; lapses by itself): not written
+                tr.reset()
+                time.sleep(HOLD_WAIT_S)
+                continue
             except error_types() as e:
                 # 1021/1039: may have committed, no longer in flight; 1031 during the
                 # commit (a timeout): may have committed, maybe still in flight (FDB).

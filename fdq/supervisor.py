@@ -14,13 +14,13 @@ import time
 from . import delivery, membership
 from .config import ConsumerConfig, TopicConfig, check_name
 from .engine import transactional
-from .errors import ConfigError, TopicExists, TopicNotFound
+from .errors import ConfigError, TopicExists, TopicHeld, TopicNotFound
 from .headers import dispatch_tag
 from .keyspace import Keyspace, TopicSpace, Versionstamp, counter, decode_counter, message_id, vs_from_bytes
 from .keyspace.codec import CHUNK_BYTES, CHUNK_WRITE_BYTES, LeaseRecord, Record, decode_leases, pack, reshard_shard, shard_of, unpack
 from .log import iter_window, log_buckets, read_chunk
 from .stats import SHARD_COUNTERS, shard_counters
-from .topic import (create_topic, list_topics, load_config, read_topic_config,
+from .topic import (HOLD_VERSIONS, HOLD_WAIT_S, create_topic, list_topics, load_config, read_topic_config,
                     update_topic_config)
 
 CHUNK = 500
@@ -52,21 +52,31 @@ def _route_existing(tr, ts: TopicSpace, config: TopicConfig, n: int, vs, raw: by
 
 
 @transactional
-def play_chunk(tr, ts: TopicSpace, limit: int, *, resume: bool = True) -> tuple:
+def play_chunk(tr, ts: TopicSpace, limit: int, hold: int | None = None) -> tuple:
     """Route up to ``limit`` messages (or ``CHUNK_WRITE_BYTES`` of them) pushed while
-    paused (or resharding), in order. When none are left, end a finished reshard's
-    drain (``reshard_finish``) and, with ``resume``, clear ``paused``, in the same
-    transaction: no push can route before an older pending one. Returns ``(routed,
-    done)``. Does nothing while a reshard is still moving queues (``resharding``)."""
+    paused (or resharding), in order. Returns ``(routed, done, hold)``; the caller
+    passes ``hold`` back. Does nothing while a reshard is still moving queues.
+
+    The topic resumes (and a finished reshard's drain ends) in the transaction that
+    finds nothing left pending, so no push routes before an older pending one. Under
+    a steady stream of pushes that transaction would conflict with every push landing
+    in the pending area and never commit, so first the topic is *held*: a chunk that
+    reaches the end records ``held_at`` (its read version), and pushes from then on
+    wait (``fdq.producer.TopicHeld``) instead of writing. The next chunk routes what
+    landed before the hold and resumes, unless the hold is gone (a pause or another
+    play since: done, the pause stands) or older than ``HOLD_VERSIONS`` (a play that
+    died: pushes went on, hold again)."""
     config = read_topic_config(tr, ts)
     if resharding(config):
-        return 0, True
+        return 0, True, None
     clock = membership.read_clock(tr, ts.clock_key)
     r = ts.pending.range()
     moved = written = 0
-    for kv in tr.get_range(r.start, r.stop, limit=limit):
+    last = None
+    for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit):
         if written >= CHUNK_WRITE_BYTES:
-            return moved, False
+            break
+        last = kv.key
         vs = ts.pending.unpack(kv.key)[0]
         n, delay_s = unpack(kv.value)
         raw = tr.snapshot[ts.log_key(n, vs)]
@@ -76,16 +86,28 @@ def play_chunk(tr, ts: TopicSpace, limit: int, *, resume: bool = True) -> tuple:
             written += _route_existing(tr, ts, config, target, vs, bytes(raw), delay_s, clock)
         del tr[kv.key]
         moved += 1
-    if moved == limit:
-        return moved, False
-    changes = {}
+    if moved == limit or written >= CHUNK_WRITE_BYTES:
+        # what it routed conflicts with another play routing it; later pushes do not
+        tr.add_read_conflict_range(r.start, last + b"\x00")
+        return moved, False, hold
+    rv = tr.get_read_version().wait()
+    if config.held_at is None and hold is not None:
+        return moved, True, None            # paused since the hold (or resumed by another play)
+    if config.held_at is None or rv - config.held_at >= HOLD_VERSIONS:
+        tr.add_read_conflict_range(r.start, last + b"\x00" if last is not None else r.start)
+        tr[ts.config_key] = pack(dataclasses.replace(config, held_at=rv).as_dict())
+        return moved, False, rv
+    # Held: no push wrote the pending area since the hold committed (each one read the
+    # config before it, or conflicts with the hold's write), so reading all of it
+    # conflicts only with what this chunk missed.
+    tr.add_read_conflict_range(r.start, r.stop)
+    changes = {"held_at": None}
     if config.resharding_to is not None:     # drained: route pushes again
         changes["resharding_to"] = None
-    if resume and config.paused:
+    if config.paused:
         changes["paused"] = False
-    if changes:
-        tr[ts.config_key] = pack(dataclasses.replace(config, **changes).as_dict())
-    return moved, True
+    tr[ts.config_key] = pack(dataclasses.replace(config, **changes).as_dict())
+    return moved, True, None
 
 
 def resharding(config: TopicConfig) -> bool:
@@ -378,7 +400,7 @@ class Supervisor:
 
     def pause(self, name: str) -> TopicConfig:
         """Stop routing and consumption: pushes still land in the "all" log."""
-        return update_topic_config(self.db, self._ts(name), paused=True)
+        return update_topic_config(self.db, self._ts(name), paused=True, held_at=None)   # (ends a play's hold)
 
     def play(self, name: str, progress=None) -> int:
         """Route what arrived while paused, in order, then resume. Resumable. Refused
@@ -390,8 +412,9 @@ class Supervisor:
             raise ConfigError(f"topic {name!r} is being resharded to {config.resharding_to} shards: "
                               "finish that first (run rebalance again)")
         total = 0
+        hold = None
         while True:
-            n, done = play_chunk(self.db, ts, CHUNK)
+            n, done, hold = play_chunk(self.db, ts, CHUNK, hold)
             total += n
             if progress:
                 progress(n)
@@ -717,7 +740,12 @@ def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None)
         if batch:
             # the progress's count, not what the last attempt pushed: an attempt that
             # committed and reported commit_unknown_result leaves its retry nothing to do
-            now = replay_chunk(db, ks, ts, replay_id, batch, os.urandom(16), int(time.time() * 1000), index)
+            while True:
+                try:
+                    now = replay_chunk(db, ks, ts, replay_id, batch, os.urandom(16), int(time.time() * 1000), index)
+                    break
+                except TopicHeld:      # a play finishing: nothing written, try again
+                    time.sleep(HOLD_WAIT_S)
             if progress:
                 progress(now - count)
             count = now

@@ -6,11 +6,13 @@ import dataclasses
 
 from .config import TopicConfig, check_name
 from .engine import transactional
-from .errors import TopicExists, TopicNotFound
+from .errors import TopicExists, TopicHeld, TopicNotFound
 from .keyspace import Keyspace, TopicSpace, ensure_format
 from .keyspace.codec import pack, unpack
 
 
+HOLD_VERSIONS = 1_000_000   # a play's hold on pushes (play_chunk) lapses after ~1 s of versions
+HOLD_WAIT_S = 0.002         # a push the hold refused (TopicHeld) tries again after this
 _LAST = [None, None]     # (raw, TopicConfig) last decoded: consumers decode it per shard visit
 
 
@@ -34,6 +36,13 @@ def read_topic_config(tr, ts: TopicSpace, *, snapshot: bool = False) -> TopicCon
     if config is None:
         raise TopicNotFound(f"topic {ts.name!r} does not exist")
     return config
+
+
+def check_hold(tr, ts: TopicSpace, config: TopicConfig):
+    """Raise ``TopicHeld`` if a play holds the topic's pushes now (``held_at`` within
+    ``HOLD_VERSIONS`` of this transaction's read version)."""
+    if config.held_at is not None and tr.get_read_version().wait() - config.held_at < HOLD_VERSIONS:
+        raise TopicHeld(f"topic {ts.name!r} is held by a play finishing: retry")
 
 
 @transactional

@@ -4,6 +4,9 @@ play, a play or argument-less rebalance run while a reshard is unfinished, and t
 counters of shards a shrinking reshard removes."""
 from __future__ import annotations
 
+import collections
+import json
+import threading
 import time
 
 import pytest
@@ -13,7 +16,7 @@ from fdq import supervisor as sv
 from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import shard_of
 
-from qhelpers import sub_stats
+from qhelpers import read_lines, sub_stats, wait_for
 
 
 def _fetch_until(c, want: int, timeout: float) -> list:
@@ -329,3 +332,48 @@ def test_push_while_paused_that_play_could_never_route_is_refused(db):
     finally:
         cons.close()
     assert [i for i, _k, _b in got] == [small]
+
+
+def test_play_finishes_under_a_steady_push_stream(procs, db, monkeypatch):
+    """``play``'s last chunk reads the whole pending area to resume the topic in the
+    same transaction; every push landing there meanwhile made it conflict, so under a
+    steady stream play retried until a gap in the pushes (forever, for a service that
+    keeps pushing hard). Its brief hold lets it finish, without one conflict, while 3
+    producer processes push (pushes landed after it returned), nothing lost, each key
+    in push order."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=4)
+    sup.pause("t")
+    prods = [procs.start("producer", f"p{i}", "--count", 4000, "--batch", 1, "--keys", 5) for i in range(3)]
+    wait_for(lambda: sup.stats("t")["counters"]["inserted"] >= 600, 60, what="pushes under way")
+    retries = collections.Counter()     # this process's retries: the play's (producers are processes)
+    real = fdq.engine.retry_or_raise
+
+    def counted(tr, e):
+        retries[getattr(e, "code", None)] += 1
+        return real(tr, e)
+    monkeypatch.setattr(fdq.engine, "retry_or_raise", counted)
+    done = []
+    player = threading.Thread(target=lambda: done.append(sup.play("t")), daemon=True)
+    player.start()
+    player.join(60)
+    assert done, "play did not finish within 60 s"
+    at_play = sup.stats("t")["counters"]["inserted"]
+    assert not retries, f"play retried: {dict(retries)}"
+    assert not sup.config("t").paused
+    for p in prods:
+        procs.wait(p, 120)
+    pushed = [json.loads(line) for p in prods for line in read_lines(p.out)]
+    assert len(pushed) == 12000 and at_play < 12000, "play finished only once the pushes stopped"
+    c = sup.stats("t")["counters"]
+    assert (c["inserted"], c["routed"], c["pending"]) == (12000, 12000, 0)
+    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
+    try:
+        got = _fetch_until(cons, 12000, 60)
+    finally:
+        cons.close()
+    assert sorted(i for i, _k, _b in got) == sorted(x["id"] for x in pushed)
+    order = collections.defaultdict(list)
+    for _i, key, body in got:
+        order[key].append(int(body.decode().rsplit(":", 1)[1]))
+    assert all(seqs == sorted(seqs) for seqs in order.values()), "a key out of push order"
