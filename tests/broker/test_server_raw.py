@@ -276,6 +276,16 @@ def test_deflate(raw):
     assert data == p.response()
 
 
+def test_compression_and_tls_need_feature_negotiation(raw):
+    # nsqd answers OK and keeps the stream plain when the client does not negotiate;
+    # the broker switched deflate on behind a client that then spoke plain bytes.
+    for ask in ({"deflate": True}, {"snappy": True}, {"deflate": True, "snappy": True}):
+        c = raw()
+        assert c.identify(feature_negotiation=False, **ask) == p.OK
+        c.send(p.encode_command(b"PUB", b"nofn", body=b"plain"))
+        c.expect()
+
+
 def test_garbage_does_not_hurt_other_clients(raw):
     import random
     rng = random.Random(7)
