@@ -135,14 +135,15 @@ class Channel:
         if self.consumer is not None:
             await self.broker.run(self.consumer.close)
 
-    def _pick(self, batch: bool = True):
+    def _pick(self, batch: bool = True, max_timeout_ms: int | None = None):
         if (self.topic, self.name) in self.broker.paused:
             return None
         # A connection is served when a worthwhile batch fits (a quarter of its RDY, at
         # most 50) or it has nothing in flight: one lease transaction per FIN would
         # otherwise bound throughput at one message per transaction.
         ready = [c for c in self.conns
-                 if c.capacity > 0 and (not batch or not c.in_flight or c.capacity >= min(50, max(1, c.rdy // 4)))]
+                 if c.capacity > 0 and (not batch or not c.in_flight or c.capacity >= min(50, max(1, c.rdy // 4)))
+                 and (max_timeout_ms is None or c.ident.msg_timeout_ms <= max_timeout_ms)]
         if not ready:
             return None
         self._rr = (self._rr + 1) % len(ready)
@@ -158,9 +159,10 @@ class Channel:
                     await self.wake.wait()
                 continue
             n = min(target.capacity, 500)
+            lease_ms = target.ident.msg_timeout_ms
             try:
                 msgs = await b.run(functools.partial(self.consumer.fetch, n, FETCH_WAIT_S,
-                                                     ack_wait_s=target.ident.msg_timeout_ms / 1000))
+                                                     ack_wait_s=lease_ms / 1000))
             except Exception as e:      # keep serving: the consumer retries, leases expire
                 log.warning("channel %s/%s: fetch failed: %s: %s", self.topic, self.name, type(e).__name__, e)
                 await asyncio.sleep(0.2)
@@ -172,7 +174,9 @@ class Channel:
             else:
                 rest = target.deliver(msgs) if target.capacity > 0 else msgs
             while rest:
-                other = self._pick(batch=False)
+                # only to a connection whose msg_timeout fits in these leases: a longer
+                # one would see them expire and be redelivered while it still holds them
+                other = self._pick(batch=False, max_timeout_ms=lease_ms)
                 if other is None:
                     break
                 rest = other.deliver(rest)

@@ -118,6 +118,33 @@ def test_close_requeues_in_flight_at_once(raw):
     assert body == b"held" and attempts == 2 and time.monotonic() - t0 < 30
 
 
+def test_no_redelivery_while_a_longer_msg_timeout_holds_it(raw):
+    # A fetch for a connection with msg_timeout 1 s that loses its RDY meanwhile must
+    # not hand its 1 s leases to a connection with msg_timeout 60 s: they expired under
+    # it and were delivered again while it still held them (and its FIN then failed).
+    for i in range(3):
+        topic = f"mixed-timeouts{i}"
+        short = consumer(raw, topic, rdy=1, msg_timeout=1000)
+        long = consumer(raw, topic, msg_timeout=60_000)
+        raw().pub(topic, b"warm-up")
+        short.send(b"FIN " + short.message(timeout=30)[2] + b"\n")
+        # a round trip after the FIN: the channel is now in a fetch for `short`, which
+        # loses its RDY (and `long` gets one) before that fetch returns the next message
+        short.send(b"TOUCH 0000000000000000\n")
+        assert short.error().startswith("E_TOUCH_FAILED")
+        short.send(b"RDY 0\n")
+        long.send(b"RDY 1\n")
+        raw().pub(topic, b"only")
+        _ts, _attempts, mid, body, _ = long.message(timeout=30)
+        assert body == b"only"
+        other = consumer(raw, topic, rdy=5, msg_timeout=60_000)
+        with pytest.raises(TimeoutError):               # 1 s lease + expiry check, well past
+            other.frame(timeout=4)
+        long.send(b"FIN " + mid + b"\n")
+        for c in (short, long, other):
+            c.close()
+
+
 def test_connections_share_a_channel(raw):
     pub = raw()
     pub.send(p.encode_mpub(b"sh", [b"%d" % i for i in range(40)]))
