@@ -2,6 +2,7 @@
 import json
 import os
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -36,6 +37,35 @@ def channel(broker, topic, ch):
             if c["channel_name"] == ch:
                 return c
     return None
+
+
+class RawHTTP:
+    """One keep-alive HTTP connection on a plain socket (what urllib hides: interim
+    responses, chunked bodies, what is left on the connection); every read bounded."""
+
+    def __init__(self, broker, timeout=10):
+        self.sock = socket.create_connection(("127.0.0.1", broker.http_port), timeout=timeout)
+        self.buf = b""
+
+    def _fill(self):
+        chunk = self.sock.recv(65536)       # socket.timeout past the bound fails the test
+        assert chunk, "the broker closed the connection"
+        self.buf += chunk
+
+    def response(self):
+        """(status, body) of the next response (interim ones included)."""
+        while b"\r\n\r\n" not in self.buf:
+            self._fill()
+        head, self.buf = self.buf.split(b"\r\n\r\n", 1)
+        lines = head.decode("latin-1").split("\r\n")
+        n = int(next((v for k, v in (x.split(":", 1) for x in lines[1:]) if k.lower() == "content-length"), 0))
+        while len(self.buf) < n:
+            self._fill()
+        body, self.buf = self.buf[:n], self.buf[n:]
+        return int(lines[0].split()[1]), body
+
+    def close(self):
+        self.sock.close()
 
 
 def test_ping_info_and_errors(broker):
@@ -195,3 +225,17 @@ def test_ephemeral_channel_of_a_broker_killed_while_subscribing_is_not_left_behi
             proc.wait(10)
         proc.stdout.close()
         proc.stderr.close()
+
+
+def test_expect_100_continue_is_answered(broker):
+    # curl sends "Expect: 100-continue" with a body over 1 MiB and waits a second for
+    # the interim answer before sending the body anyway; nsqd (Go) answers at once.
+    c = RawHTTP(broker, timeout=5)
+    body = b"a\nb\n"
+    c.sock.sendall(b"POST /mpub?topic=expect HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                   b"Content-Length: %d\r\n\r\n" % len(body))
+    assert c.response() == (100, b"")
+    c.sock.sendall(body)
+    assert c.response() == (200, b"OK")
+    c.close()
+    assert stats(broker, topic="expect")["topics"][0]["message_count"] == 2
