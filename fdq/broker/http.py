@@ -123,20 +123,63 @@ class HTTPServer:
             if ":" in line:
                 k, v = line.split(":", 1)
                 headers[k.strip().lower()] = v.strip()
-        n = int(headers.get("content-length", "0") or 0)
         limit = self.broker.options.limits.max_body_size
-        if n > limit:
-            writer.write(b"HTTP/1.1 413 Request Entity Too Large\r\nContent-Type: application/json\r\n"
-                         b"Connection: close\r\nContent-Length: 26\r\n\r\n{\"message\":\"BODY_TOO_BIG\"}")
-            await writer.drain()
+        chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+        length = headers.get("content-length", "0").strip() or "0"
+        if not chunked and not length.isdigit():
+            await self._refuse(writer, 400, "INVALID_REQUEST")
             return None
-        if n and headers.get("expect", "").lower() == "100-continue":
+        n = 0 if chunked else int(length)
+        if n > limit:
+            await self._refuse(writer, 413, "BODY_TOO_BIG")
+            return None
+        if (n or chunked) and headers.get("expect", "").lower() == "100-continue":
             # as Go's server: without it curl waits a second before sending a body > 1 MiB
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             await writer.drain()
-        body = await reader.readexactly(n) if n else b""
+        if chunked:
+            body = await self._read_chunked(reader, writer, limit)
+            if body is None:
+                return None
+        else:
+            body = await reader.readexactly(n) if n else b""
         url = urlsplit(target)
         return Request(method.upper(), url.path, parse_qs(url.query, keep_blank_values=True), headers, body)
+
+    @staticmethod
+    async def _refuse(writer, status: int, message: str):
+        """Answer a request whose body cannot be read, and close the connection."""
+        body = json.dumps({"message": message}).encode()
+        writer.write(f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: application/json\r\n"
+                     f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        await writer.drain()
+
+    async def _read_chunked(self, reader, writer, limit: int):
+        """A ``Transfer-Encoding: chunked`` body (what clients send when they do not know
+        its length), at most ``limit`` bytes; None (answered and to be closed) if bad."""
+        parts, total = [], 0
+        while True:
+            line = await reader.readuntil(b"\r\n")
+            size = line.split(b";", 1)[0].strip()
+            try:
+                n = int(size, 16)
+            except ValueError:
+                n = -1
+            if n < 0 or not size.isalnum():
+                await self._refuse(writer, 400, "INVALID_REQUEST")
+                return None
+            total += n
+            if total > limit:
+                await self._refuse(writer, 413, "BODY_TOO_BIG")
+                return None
+            if n == 0:
+                while await reader.readuntil(b"\r\n") != b"\r\n":     # trailers
+                    pass
+                return b"".join(parts)
+            parts.append(await reader.readexactly(n))
+            if await reader.readexactly(2) != b"\r\n":
+                await self._refuse(writer, 400, "INVALID_REQUEST")
+                return None
 
     async def _dispatch(self, req: Request):
         handler = self._routes.get(req.path)

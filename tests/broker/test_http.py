@@ -239,3 +239,35 @@ def test_expect_100_continue_is_answered(broker):
     assert c.response() == (200, b"OK")
     c.close()
     assert stats(broker, topic="expect")["topics"][0]["message_count"] == 2
+
+
+def test_chunked_request_bodies(broker):
+    # Clients that do not know a body's length send it chunked (Go's http.Client with a
+    # plain io.Reader, requests with a generator). The broker ignored the chunks: a 400
+    # MSG_EMPTY, then the chunks parsed as the next request, whose stray 404 answered
+    # the client's next request on the connection.
+    c = RawHTTP(broker)
+    c.sock.sendall(b"POST /pub?topic=chunked HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                   b"5\r\nhello\r\n7;ext=1\r\n, world\r\n0\r\n\r\n")
+    assert c.response() == (200, b"OK")
+    c.sock.sendall(b"POST /mpub?topic=chunked HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                   b"3\r\na\nb\r\n2\r\n\nc\r\n0\r\nX-Trailer: 1\r\n\r\n")
+    assert c.response() == (200, b"OK")
+    c.sock.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert c.response() == (200, b"OK")
+    c.close()
+    assert stats(broker, topic="chunked")["topics"][0]["message_count"] == 4
+    sub = RawClient(broker.tcp)
+    sub.identify()
+    sub.send(b"SUB chunked c\n")      # the first channel starts from the topic's log
+    sub.expect()
+    sub.send(b"RDY 10\n")
+    assert sorted(sub.message(timeout=30)[3] for _ in range(4)) == [b"a", b"b", b"c", b"hello, world"]
+    sub.close()
+    for bad, status in ((b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
+                        (b"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % (6 * 1024 * 1024), 413),
+                        (b"Content-Length: abc\r\n\r\n", 400)):
+        c = RawHTTP(broker)
+        c.sock.sendall(b"POST /pub?topic=chunked HTTP/1.1\r\nHost: x\r\n" + bad)
+        assert c.response()[0] == status
+        c.close()
