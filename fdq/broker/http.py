@@ -302,23 +302,23 @@ class HTTPServer:
         self._post(req)
         topic = self._topic(req)
         lim = self.broker.options.limits
-        if req.arg("binary") in ("true", "1"):
+        # as nsqd: binary unless absent, "false" or "0"; a bad binary body is 413 with
+        # the TCP MPUB's code less "E_" (BAD_BODY, BAD_MESSAGE)
+        if req.arg("binary") not in (None, "false", "0"):
             body = req.body
             if len(body) < 4:
-                raise HTTPError(400, "INVALID_BODY")
+                raise HTTPError(413, "BAD_BODY")
             n = struct.unpack_from(">i", body)[0]
             if n <= 0:
-                raise HTTPError(400, "INVALID_BODY")
+                raise HTTPError(413, "BAD_BODY")
             pos, msgs = 4, []
             for _ in range(n):
                 if pos + 4 > len(body):
-                    raise HTTPError(400, "INVALID_BODY")
+                    raise HTTPError(413, "BAD_MESSAGE")
                 size = struct.unpack_from(">i", body, pos)[0]
                 pos += 4
-                if size <= 0 or pos + size > len(body):
-                    raise HTTPError(400, "INVALID_MESSAGE")
-                if size > lim.max_msg_size:
-                    raise HTTPError(413, "MSG_TOO_BIG")
+                if size <= 0 or size > lim.max_msg_size or pos + size > len(body):
+                    raise HTTPError(413, "BAD_MESSAGE")
                 msgs.append(body[pos:pos + size])
                 pos += size
         else:
@@ -326,8 +326,9 @@ class HTTPServer:
             for m in msgs:
                 if len(m) > lim.max_msg_size:
                     raise HTTPError(413, "MSG_TOO_BIG")
-        if not msgs:
-            raise HTTPError(400, "MSG_EMPTY")
+        if not msgs:            # nsqd: empty lines are skipped, and none at all is OK
+            await self.run(self.broker.ensure_topic, topic)
+            return b"OK"
         await self._push(self.broker.producer.push_many, topic, msgs)
         self.broker.published += len(msgs)
         return b"OK"

@@ -271,3 +271,28 @@ def test_chunked_request_bodies(broker):
         c.sock.sendall(b"POST /pub?topic=chunked HTTP/1.1\r\nHost: x\r\n" + bad)
         assert c.response()[0] == status
         c.close()
+
+
+def test_mpub_errors_as_nsqd(broker):
+    # nsqd answers a bad binary /mpub body with 413 and the TCP MPUB's code less "E_";
+    # any binary value but "false"/"0" means binary (the broker published "binary=yes"
+    # bodies, length prefixes included, as one text message); an empty text body is OK.
+    one = struct.pack(">i", 1)
+    for body, message in ((b"", "BAD_BODY"), (struct.pack(">i", 0), "BAD_BODY"),
+                          (struct.pack(">i", 2) + one + b"a", "BAD_MESSAGE"),
+                          (one + struct.pack(">i", 0), "BAD_MESSAGE"),
+                          (one + struct.pack(">i", 1024 * 1024 + 1) + b"a", "BAD_MESSAGE"),
+                          (one + struct.pack(">i", 5) + b"abc", "BAD_MESSAGE")):
+        assert broker.http_req("/mpub?topic=mpe&binary=true", body) == (413, json.dumps({"message": message}).encode())
+    assert broker.http_req("/mpub?topic=mpe&binary=yes", one + one + b"z") == (200, b"OK")
+    assert broker.http_req("/mpub?topic=mpe&binary=0", b"p\nq") == (200, b"OK")
+    assert broker.http_req("/mpub?topic=mpe", b"\n\n") == (200, b"OK")
+    assert broker.http_req("/mpub?topic=mpe", b"x" * (1024 * 1024 + 1)) == (413, b'{"message": "MSG_TOO_BIG"}')
+    assert stats(broker, topic="mpe")["topics"][0]["message_count"] == 3
+    sub = RawClient(broker.tcp)
+    sub.identify()
+    sub.send(b"SUB mpe c\n")
+    sub.expect()
+    sub.send(b"RDY 10\n")
+    assert sorted(sub.message(timeout=30)[3] for _ in range(3)) == [b"p", b"q", b"z"]
+    sub.close()
