@@ -97,7 +97,7 @@ class Command:
 
 
 def valid_name(name: bytes) -> bool:
-    return 1 <= len(name) <= 64 and NAME_RE.match(name) is not None
+    return 1 <= len(name) <= 64 and NAME_RE.fullmatch(name) is not None     # "$" would let "a\n" by
 
 
 def frame(frame_type: int, data: bytes) -> bytes:

@@ -296,3 +296,12 @@ def test_mpub_errors_as_nsqd(broker):
     sub.send(b"RDY 10\n")
     assert sorted(sub.message(timeout=30)[3] for _ in range(3)) == [b"p", b"q", b"z"]
     sub.close()
+
+
+def test_name_with_a_trailing_newline_is_invalid(broker):
+    # Python's "$" matches before a final newline: "c\n" passed the broker's check, the
+    # topic was created, and the channel's creation then failed as INVALID_TOPIC.
+    assert broker.http_req("/channel/create?topic=nl-fresh&channel=c%0A", b"") == \
+        (400, b'{"message": "INVALID_CHANNEL"}')
+    assert broker.http_req("/pub?topic=nl-fresh%0A", b"x") == (400, b'{"message": "INVALID_TOPIC"}')
+    assert stats(broker, topic="nl-fresh")["topics"] == []

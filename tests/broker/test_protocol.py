@@ -135,6 +135,7 @@ def test_names():
     assert p.valid_name(b"a.b-c_d") and p.valid_name(b"x" * 64) and p.valid_name(b"ch#ephemeral")
     assert not p.valid_name(b"") and not p.valid_name(b"x" * 65) and not p.valid_name(b"a b")
     assert not p.valid_name(b"a#b")
+    assert not p.valid_name(b"abc\n") and not p.valid_name(b"ch#ephemeral\n")    # Go's $ is end of text
 
 
 @settings(max_examples=400, deadline=None)
