@@ -380,6 +380,9 @@ class HTTPServer:
         self._post(req)
         topic = self._topic(req)
         await self._existing(topic)
+        # its channels' clients here would otherwise stay connected to consumers of a
+        # deleted topic, and a new SUB to the same channel would join their dead channel
+        await self.broker.drop_channel_conns(topic)
         await self.run(self.broker.supervisor.delete_topic, topic)
         return b""
 

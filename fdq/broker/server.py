@@ -855,10 +855,11 @@ class Broker:
     def paused_channels(self, topic: str) -> set:
         return {c for t, c in self.paused if t == topic}
 
-    async def drop_channel_conns(self, topic: str, channel: str):
-        """Close this broker's connections to a channel (before it is deleted)."""
+    async def drop_channel_conns(self, topic: str, channel: str | None = None):
+        """Close this broker's connections to a channel, or to every channel of the
+        topic (before it is deleted: as nsqd, its clients are disconnected)."""
         for (t, c, _tag), ch in list(self.channels.items()):
-            if (t, c) == (topic, channel):
+            if t == topic and channel in (None, c):
                 for conn in list(ch.conns):
                     await conn._close()
 

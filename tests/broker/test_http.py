@@ -305,3 +305,22 @@ def test_name_with_a_trailing_newline_is_invalid(broker):
         (400, b'{"message": "INVALID_CHANNEL"}')
     assert broker.http_req("/pub?topic=nl-fresh%0A", b"x") == (400, b'{"message": "INVALID_TOPIC"}')
     assert stats(broker, topic="nl-fresh")["topics"] == []
+
+
+def test_topic_delete_disconnects_its_subscribers(broker):
+    # As nsqd. The broker kept them connected to a consumer of the deleted topic: they
+    # got nothing more, and a new SUB to the same channel joined that dead channel and
+    # never got what was published to the recreated topic.
+    old = RawClient(broker.tcp)
+    old.identify()
+    old.sub("tdel", "c", 1)
+    assert broker.http_req("/pub?topic=tdel", b"before") == (200, b"OK")
+    assert old.message(timeout=30)[3] == b"before"
+    assert broker.http_req("/topic/delete?topic=tdel", b"") == (200, b"")
+    assert old.closed(timeout=30)
+    assert broker.http_req("/pub?topic=tdel", b"after") == (200, b"OK")
+    new = RawClient(broker.tcp)
+    new.identify()
+    new.sub("tdel", "c", 1)
+    assert new.message(timeout=30)[3] == b"after"
+    new.close()
