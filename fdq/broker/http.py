@@ -33,8 +33,9 @@ class HTTPError(Exception):
 
 
 class Request:
-    def __init__(self, method, path, query, headers, body):
+    def __init__(self, method, path, query, headers, body, version="HTTP/1.1"):
         self.method = method
+        self.version = version
         self.path = path
         self.query = query
         self.headers = headers
@@ -96,7 +97,10 @@ class HTTPServer:
                 if req is None:
                     break
                 status, ctype, body = await self._dispatch(req)
-                keep = req.headers.get("connection", "").lower() != "close"
+                # HTTP/1.0 closes unless asked to keep alive (monitoring probes such as
+                # check_http read a 1.0 answer until the connection closes)
+                conn = req.headers.get("connection", "").lower()
+                keep = conn == "keep-alive" if req.version.upper() == "HTTP/1.0" else conn != "close"
                 head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'OK')}\r\nContent-Type: {ctype}\r\n"
                         f"Content-Length: {len(body)}\r\nX-Nsq-Content-Type: nsq; version=1.0\r\n"
                         f"Connection: {'keep-alive' if keep else 'close'}\r\n\r\n")
@@ -117,7 +121,7 @@ class HTTPServer:
         if len(raw) > MAX_HEADER_BYTES:
             return None
         lines = raw.decode("latin-1").split("\r\n")
-        method, target, _version = (lines[0].split(" ") + ["", "", ""])[:3]
+        method, target, version = (lines[0].split(" ") + ["", "", ""])[:3]
         headers = {}
         for line in lines[1:]:
             if ":" in line:
@@ -144,7 +148,8 @@ class HTTPServer:
         else:
             body = await reader.readexactly(n) if n else b""
         url = urlsplit(target)
-        return Request(method.upper(), url.path, parse_qs(url.query, keep_blank_values=True), headers, body)
+        return Request(method.upper(), url.path, parse_qs(url.query, keep_blank_values=True), headers, body,
+                       version)
 
     @staticmethod
     async def _refuse(writer, status: int, message: str):

@@ -324,3 +324,19 @@ def test_topic_delete_disconnects_its_subscribers(broker):
     new.sub("tdel", "c", 1)
     assert new.message(timeout=30)[3] == b"after"
     new.close()
+
+
+def test_http_1_0_request_gets_the_connection_closed(broker):
+    # An HTTP/1.0 client without keep-alive (check_http, ab) reads the answer until the
+    # connection closes: the broker kept it open, so such a /ping probe timed out.
+    c = RawHTTP(broker, timeout=10)
+    c.sock.sendall(b"GET /ping HTTP/1.0\r\n\r\n")
+    assert c.response() == (200, b"OK")
+    assert c.sock.recv(100) == b""          # closed (a timeout past 10 s fails the test)
+    c.close()
+    c = RawHTTP(broker, timeout=10)
+    c.sock.sendall(b"GET /ping HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+    assert c.response() == (200, b"OK")
+    c.sock.sendall(b"GET /ping HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+    assert c.response() == (200, b"OK")
+    c.close()
