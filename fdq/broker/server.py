@@ -400,7 +400,7 @@ class Conn:
                     break
                 except (ConnectionError, ssl.SSLError, OSError):
                     break
-                if not data:
+                if not data or self.closed:     # closed meanwhile (a fatal error): read no more
                     break
                 if self._codec is not None:
                     try:
@@ -424,6 +424,7 @@ class Conn:
                     except ProtocolError as e:
                         self.send_error(e)
                         if e.fatal:
+                            self.parser.dead = True     # as nsqd: nothing after it is executed
                             break
                 if self.parser.dead:
                     break

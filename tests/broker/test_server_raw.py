@@ -1,5 +1,6 @@
 """The broker over raw sockets: every command, nsqd's error codes, partial frames,
 oversize bodies, wrong magic, heartbeats, RDY limits, requeue on close."""
+import json
 import struct
 import time
 
@@ -311,6 +312,22 @@ def test_compression_and_tls_need_feature_negotiation(raw):
         assert c.identify(feature_negotiation=False, **ask) == p.OK
         c.send(p.encode_command(b"PUB", b"nofn", body=b"plain"))
         c.expect()
+
+
+def test_nothing_after_a_fatal_error_is_executed(raw, broker):
+    # nsqd closes at a fatal error and reads nothing more. The broker went on reading:
+    # a PUB completed by a later read (here, one larger than a read) was published
+    # though the client got the fatal error and no OK (it would publish it again).
+    for i in range(3):
+        topic = f"after-fatal{i}"
+        c = raw()
+        c.send(b"RDY 1\n" + p.encode_command(b"PUB", topic.encode(), body=b"x" * 100_000))
+        assert c.error().startswith("E_INVALID")
+        assert c.closed()
+        c = raw()
+        c.pub(topic + "-probe", b"y")         # a round trip after the close
+        status, body = broker.http_req(f"/stats?format=json&topic={topic}")
+        assert status == 200 and json.loads(body)["topics"] == [], body
 
 
 def test_garbage_does_not_hurt_other_clients(raw):
