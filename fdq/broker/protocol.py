@@ -482,7 +482,7 @@ def negotiate(data: dict, limits: Limits) -> tuple:
     if ident.feature_negotiation:
         ident.snappy = bool(data.get("snappy")) and limits.snappy
         ident.deflate = bool(data.get("deflate")) and limits.deflate
-        if data.get("snappy") and data.get("deflate"):
+        if ident.snappy and ident.deflate:     # as enabled here: one the broker lacks is no conflict
             raise fatal("E_IDENTIFY_FAILED", "cannot enable both deflate and snappy compression")
     if ident.deflate:
         level = _int(data, "deflate_level", 6)
