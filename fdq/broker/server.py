@@ -242,6 +242,7 @@ class Conn:
         self._olen = 0
         self._flush_timer = None
         self._last_hb = time.monotonic()      # the first heartbeat one interval after connecting
+        self._upgrading = False    # TLS handshake under way: nothing may be written
         self.closed = False
         self.remote = writer.get_extra_info("peername")
         self.connect_ts = int(time.time())
@@ -466,7 +467,7 @@ class Conn:
             await asyncio.sleep(0.5)
             now = time.monotonic()
             hb = self.ident.heartbeat_interval_ms / 1000
-            if hb > 0 and now - self._last_hb >= hb:
+            if hb > 0 and now - self._last_hb >= hb and not self._upgrading:
                 self._last_hb = now
                 self._write(p.response(p.HEARTBEAT))
             expired = [k for k, (_m, d, _t) in self.in_flight.items() if d <= now]
@@ -508,10 +509,13 @@ class Conn:
         self._write(p.response(resp))
         if ident.tls_v1:
             await self.writer.drain()
+            self._upgrading = True      # a heartbeat written now would go in clear, into the handshake
             try:
                 await self.writer.start_tls(self.broker.ssl_context)
             except (ssl.SSLError, OSError, ConnectionError) as e:
                 raise fatal("E_IDENTIFY_FAILED", f"TLS handshake failed: {e}") from None
+            finally:
+                self._upgrading = False
             self._write(p.response())
         if ident.snappy:
             self._codec = compress.Snappy()
