@@ -18,6 +18,7 @@ client reaches its RDY, on the timeout, and before any response, error or heartb
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import json
 import logging
@@ -218,6 +219,13 @@ class Channel:
             self._flushing = None
 
 
+def nsq_message_id(fdq_id: str) -> bytes:
+    """The NSQ id of FDQ message ``fdq_id`` (12 bytes): its 16-character URL-safe base64
+    (printable, no space). As nsqd's, a message keeps its id when it is requeued or
+    redelivered (here on any broker), so clients can recognise a redelivery by it."""
+    return base64.urlsafe_b64encode(bytes.fromhex(fdq_id))
+
+
 class Conn:
     """One client connection."""
 
@@ -235,7 +243,6 @@ class Conn:
         self.in_flight = {}        # nsq id -> (fdq Message, deadline)
         self.channel = None
         self.auth = None           # granted permissions (auth.Grant) once AUTH succeeded
-        self._next_id = random.getrandbits(40)
         self._out = asyncio.Queue()
         self._codec = None         # compress.Deflate / compress.Snappy once negotiated
         self._obuf = []            # output buffer (message frames, then a flush)
@@ -336,15 +343,13 @@ class Conn:
         sample = self.ident.sample_rate
         ext = self.ident.extend_support and ch.extend
         in_flight = self.in_flight
-        next_id = self._next_id
         out = []
         head = p.MESSAGE_HEAD.pack
         for m in msgs[:n]:
             if sample and random.randrange(100) >= sample:
                 ch.settle(None, m, "ack")       # nsqd drops unsampled messages for this client
                 continue
-            next_id = (next_id + 1) & 0xFFFFFFFFFFFFFFFF
-            nsq_id = b"%016x" % next_id
+            nsq_id = nsq_message_id(m.id)
             in_flight[nsq_id] = [m, deadline, now]    # message, deadline, delivered at
             if ext:
                 out.append(p.message(m.insertion_time * 1_000_000, m.attempts, nsq_id, m.body,
@@ -353,7 +358,6 @@ class Conn:
                 body = m.body
                 out.append(head(len(body) + 30, p.FRAME_MESSAGE, m.insertion_time * 1_000_000,
                                 min(m.attempts, 0xFFFF)) + nsq_id + body)
-        self._next_id = next_id
         if out:
             self.message_count += len(out)
             ch.stats.message_count += len(out)

@@ -83,10 +83,28 @@ def test_msg_timeout_redelivers(raw):
     c = consumer(raw, "mt", rdy=5, msg_timeout=1000)
     _ts, a1, mid, _b, _ = c.message()
     _ts, a2, mid2, body, _ = c.message(timeout=30)      # not FIN'd: redelivered after ~1 s
-    assert body == b"x" and a2 == 2 and mid2 != mid
-    c.send(b"FIN " + mid + b"\n")
-    assert c.error().startswith("E_FIN_FAILED")
+    assert body == b"x" and a2 == 2 and mid2 == mid     # as nsqd, under the same id
     c.send(b"FIN " + mid2 + b"\n")
+    c.send(b"FIN " + mid + b"\n")                      # finished once
+    assert c.error().startswith("E_FIN_FAILED")
+
+
+def test_a_message_keeps_its_id_when_redelivered(raw):
+    # nsqd's message id is fixed at publish: REQ, timeouts and requeues on close
+    # redeliver it under the same id, which clients may use to recognise redeliveries.
+    # The broker numbered each delivery afresh.
+    raw().pub("ids", b"m")
+    c = consumer(raw, "ids", rdy=1, msg_timeout=60_000)
+    _ts, a1, mid, _b, _ = c.message()
+    assert len(mid) == 16 and mid.isascii() and b" " not in mid
+    c.send(b"REQ " + mid + b" 0\n")
+    _ts, a2, mid2, _b, _ = c.message(timeout=30)
+    assert (a1, a2) == (1, 2) and mid2 == mid
+    c.close()                                            # requeued at once, to another client
+    c = consumer(raw, "ids", rdy=1, msg_timeout=60_000)
+    _ts, a3, mid3, body, _ = c.message(timeout=30)
+    assert body == b"m" and a3 == 3 and mid3 == mid
+    c.send(b"FIN " + mid3 + b"\n")
 
 
 def test_never_more_in_flight_than_rdy(raw):
