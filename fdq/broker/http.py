@@ -33,8 +33,9 @@ class HTTPError(Exception):
 
 
 class Request:
-    def __init__(self, method, path, query, headers, body):
+    def __init__(self, method, path, query, headers, body, version="HTTP/1.1"):
         self.method = method
+        self.version = version
         self.path = path
         self.query = query
         self.headers = headers
@@ -96,7 +97,10 @@ class HTTPServer:
                 if req is None:
                     break
                 status, ctype, body = await self._dispatch(req)
-                keep = req.headers.get("connection", "").lower() != "close"
+                # HTTP/1.0 closes unless asked to keep alive (monitoring probes such as
+                # check_http read a 1.0 answer until the connection closes)
+                conn = req.headers.get("connection", "").lower()
+                keep = conn == "keep-alive" if req.version.upper() == "HTTP/1.0" else conn != "close"
                 head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'OK')}\r\nContent-Type: {ctype}\r\n"
                         f"Content-Length: {len(body)}\r\nX-Nsq-Content-Type: nsq; version=1.0\r\n"
                         f"Connection: {'keep-alive' if keep else 'close'}\r\n\r\n")
@@ -117,22 +121,70 @@ class HTTPServer:
         if len(raw) > MAX_HEADER_BYTES:
             return None
         lines = raw.decode("latin-1").split("\r\n")
-        method, target, _version = (lines[0].split(" ") + ["", "", ""])[:3]
+        method, target, version = (lines[0].split(" ") + ["", "", ""])[:3]
         headers = {}
         for line in lines[1:]:
             if ":" in line:
                 k, v = line.split(":", 1)
                 headers[k.strip().lower()] = v.strip()
-        n = int(headers.get("content-length", "0") or 0)
         limit = self.broker.options.limits.max_body_size
-        if n > limit:
-            writer.write(b"HTTP/1.1 413 Request Entity Too Large\r\nContent-Type: application/json\r\n"
-                         b"Connection: close\r\nContent-Length: 26\r\n\r\n{\"message\":\"BODY_TOO_BIG\"}")
-            await writer.drain()
+        chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+        length = headers.get("content-length", "0").strip() or "0"
+        if not chunked and not length.isdigit():
+            await self._refuse(writer, 400, "INVALID_REQUEST")
             return None
-        body = await reader.readexactly(n) if n else b""
+        n = 0 if chunked else int(length)
+        if n > limit:
+            await self._refuse(writer, 413, "BODY_TOO_BIG")
+            return None
+        if (n or chunked) and headers.get("expect", "").lower() == "100-continue":
+            # as Go's server: without it curl waits a second before sending a body > 1 MiB
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await writer.drain()
+        if chunked:
+            body = await self._read_chunked(reader, writer, limit)
+            if body is None:
+                return None
+        else:
+            body = await reader.readexactly(n) if n else b""
         url = urlsplit(target)
-        return Request(method.upper(), url.path, parse_qs(url.query, keep_blank_values=True), headers, body)
+        return Request(method.upper(), url.path, parse_qs(url.query, keep_blank_values=True), headers, body,
+                       version)
+
+    @staticmethod
+    async def _refuse(writer, status: int, message: str):
+        """Answer a request whose body cannot be read, and close the connection."""
+        body = json.dumps({"message": message}).encode()
+        writer.write(f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: application/json\r\n"
+                     f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        await writer.drain()
+
+    async def _read_chunked(self, reader, writer, limit: int):
+        """A ``Transfer-Encoding: chunked`` body (what clients send when they do not know
+        its length), at most ``limit`` bytes; None (answered and to be closed) if bad."""
+        parts, total = [], 0
+        while True:
+            line = await reader.readuntil(b"\r\n")
+            size = line.split(b";", 1)[0].strip()
+            try:
+                n = int(size, 16)
+            except ValueError:
+                n = -1
+            if n < 0 or not size.isalnum():
+                await self._refuse(writer, 400, "INVALID_REQUEST")
+                return None
+            total += n
+            if total > limit:
+                await self._refuse(writer, 413, "BODY_TOO_BIG")
+                return None
+            if n == 0:
+                while await reader.readuntil(b"\r\n") != b"\r\n":     # trailers
+                    pass
+                return b"".join(parts)
+            parts.append(await reader.readexactly(n))
+            if await reader.readexactly(2) != b"\r\n":
+                await self._refuse(writer, 400, "INVALID_REQUEST")
+                return None
 
     async def _dispatch(self, req: Request):
         handler = self._routes.get(req.path)
@@ -255,23 +307,23 @@ class HTTPServer:
         self._post(req)
         topic = self._topic(req)
         lim = self.broker.options.limits
-        if req.arg("binary") in ("true", "1"):
+        # as nsqd: binary unless absent, "false" or "0"; a bad binary body is 413 with
+        # the TCP MPUB's code less "E_" (BAD_BODY, BAD_MESSAGE)
+        if req.arg("binary") not in (None, "false", "0"):
             body = req.body
             if len(body) < 4:
-                raise HTTPError(400, "INVALID_BODY")
+                raise HTTPError(413, "BAD_BODY")
             n = struct.unpack_from(">i", body)[0]
             if n <= 0:
-                raise HTTPError(400, "INVALID_BODY")
+                raise HTTPError(413, "BAD_BODY")
             pos, msgs = 4, []
             for _ in range(n):
                 if pos + 4 > len(body):
-                    raise HTTPError(400, "INVALID_BODY")
+                    raise HTTPError(413, "BAD_MESSAGE")
                 size = struct.unpack_from(">i", body, pos)[0]
                 pos += 4
-                if size <= 0 or pos + size > len(body):
-                    raise HTTPError(400, "INVALID_MESSAGE")
-                if size > lim.max_msg_size:
-                    raise HTTPError(413, "MSG_TOO_BIG")
+                if size <= 0 or size > lim.max_msg_size or pos + size > len(body):
+                    raise HTTPError(413, "BAD_MESSAGE")
                 msgs.append(body[pos:pos + size])
                 pos += size
         else:
@@ -279,8 +331,9 @@ class HTTPServer:
             for m in msgs:
                 if len(m) > lim.max_msg_size:
                     raise HTTPError(413, "MSG_TOO_BIG")
-        if not msgs:
-            raise HTTPError(400, "MSG_EMPTY")
+        if not msgs:            # nsqd: empty lines are skipped, and none at all is OK
+            await self.run(self.broker.ensure_topic, topic)
+            return b"OK"
         await self._push(self.broker.producer.push_many, topic, msgs)
         self.broker.published += len(msgs)
         return b"OK"
@@ -332,6 +385,9 @@ class HTTPServer:
         self._post(req)
         topic = self._topic(req)
         await self._existing(topic)
+        # its channels' clients here would otherwise stay connected to consumers of a
+        # deleted topic, and a new SUB to the same channel would join their dead channel
+        await self.broker.drop_channel_conns(topic)
         await self.run(self.broker.supervisor.delete_topic, topic)
         return b""
 

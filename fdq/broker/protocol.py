@@ -97,7 +97,7 @@ class Command:
 
 
 def valid_name(name: bytes) -> bool:
-    return 1 <= len(name) <= 64 and NAME_RE.match(name) is not None
+    return 1 <= len(name) <= 64 and NAME_RE.fullmatch(name) is not None     # "$" would let "a\n" by
 
 
 def frame(frame_type: int, data: bytes) -> bytes:
@@ -474,13 +474,16 @@ def negotiate(data: dict, limits: Limits) -> tuple:
             raise fatal("E_BAD_BODY", f"IDENTIFY msg timeout ({mt}) is invalid")
         ident.msg_timeout_ms = mt
 
-    ident.tls_v1 = bool(data.get("tls_v1")) and limits.tls
+    # As nsqd: TLS and compression are upgrades of feature negotiation only; a client
+    # that does not negotiate gets OK and a plain stream, whatever else it sent.
+    ident.tls_v1 = ident.feature_negotiation and bool(data.get("tls_v1")) and limits.tls
     if limits.tls_required and not ident.tls_v1:
         raise fatal("E_INVALID", "TLS is required by this broker: IDENTIFY with tls_v1")
-    ident.snappy = bool(data.get("snappy")) and limits.snappy
-    ident.deflate = bool(data.get("deflate")) and limits.deflate
-    if data.get("snappy") and data.get("deflate"):
-        raise fatal("E_IDENTIFY_FAILED", "cannot enable both deflate and snappy compression")
+    if ident.feature_negotiation:
+        ident.snappy = bool(data.get("snappy")) and limits.snappy
+        ident.deflate = bool(data.get("deflate")) and limits.deflate
+        if ident.snappy and ident.deflate:     # as enabled here: one the broker lacks is no conflict
+            raise fatal("E_IDENTIFY_FAILED", "cannot enable both deflate and snappy compression")
     if ident.deflate:
         level = _int(data, "deflate_level", 6)
         if level <= 0:

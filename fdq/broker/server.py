@@ -18,6 +18,7 @@ client reaches its RDY, on the timeout, and before any response, error or heartb
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import json
 import logging
@@ -135,14 +136,15 @@ class Channel:
         if self.consumer is not None:
             await self.broker.run(self.consumer.close)
 
-    def _pick(self, batch: bool = True):
+    def _pick(self, batch: bool = True, max_timeout_ms: int | None = None):
         if (self.topic, self.name) in self.broker.paused:
             return None
         # A connection is served when a worthwhile batch fits (a quarter of its RDY, at
         # most 50) or it has nothing in flight: one lease transaction per FIN would
         # otherwise bound throughput at one message per transaction.
         ready = [c for c in self.conns
-                 if c.capacity > 0 and (not batch or not c.in_flight or c.capacity >= min(50, max(1, c.rdy // 4)))]
+                 if c.capacity > 0 and (not batch or not c.in_flight or c.capacity >= min(50, max(1, c.rdy // 4)))
+                 and (max_timeout_ms is None or c.ident.msg_timeout_ms <= max_timeout_ms)]
         if not ready:
             return None
         self._rr = (self._rr + 1) % len(ready)
@@ -158,9 +160,10 @@ class Channel:
                     await self.wake.wait()
                 continue
             n = min(target.capacity, 500)
+            lease_ms = target.ident.msg_timeout_ms
             try:
                 msgs = await b.run(functools.partial(self.consumer.fetch, n, FETCH_WAIT_S,
-                                                     ack_wait_s=target.ident.msg_timeout_ms / 1000))
+                                                     ack_wait_s=lease_ms / 1000))
             except Exception as e:      # keep serving: the consumer retries, leases expire
                 log.warning("channel %s/%s: fetch failed: %s: %s", self.topic, self.name, type(e).__name__, e)
                 await asyncio.sleep(0.2)
@@ -172,7 +175,9 @@ class Channel:
             else:
                 rest = target.deliver(msgs) if target.capacity > 0 else msgs
             while rest:
-                other = self._pick(batch=False)
+                # only to a connection whose msg_timeout fits in these leases: a longer
+                # one would see them expire and be redelivered while it still holds them
+                other = self._pick(batch=False, max_timeout_ms=lease_ms)
                 if other is None:
                     break
                 rest = other.deliver(rest)
@@ -214,6 +219,13 @@ class Channel:
             self._flushing = None
 
 
+def nsq_message_id(fdq_id: str) -> bytes:
+    """The NSQ id of FDQ message ``fdq_id`` (12 bytes): its 16-character URL-safe base64
+    (printable, no space). As nsqd's, a message keeps its id when it is requeued or
+    redelivered (here on any broker), so clients can recognise a redelivery by it."""
+    return base64.urlsafe_b64encode(bytes.fromhex(fdq_id))
+
+
 class Conn:
     """One client connection."""
 
@@ -231,13 +243,13 @@ class Conn:
         self.in_flight = {}        # nsq id -> (fdq Message, deadline)
         self.channel = None
         self.auth = None           # granted permissions (auth.Grant) once AUTH succeeded
-        self._next_id = random.getrandbits(40)
         self._out = asyncio.Queue()
         self._codec = None         # compress.Deflate / compress.Snappy once negotiated
         self._obuf = []            # output buffer (message frames, then a flush)
         self._olen = 0
         self._flush_timer = None
         self._last_hb = time.monotonic()      # the first heartbeat one interval after connecting
+        self._upgrading = False    # TLS handshake under way: nothing may be written
         self.closed = False
         self.remote = writer.get_extra_info("peername")
         self.connect_ts = int(time.time())
@@ -331,15 +343,13 @@ class Conn:
         sample = self.ident.sample_rate
         ext = self.ident.extend_support and ch.extend
         in_flight = self.in_flight
-        next_id = self._next_id
         out = []
         head = p.MESSAGE_HEAD.pack
         for m in msgs[:n]:
             if sample and random.randrange(100) >= sample:
                 ch.settle(None, m, "ack")       # nsqd drops unsampled messages for this client
                 continue
-            next_id = (next_id + 1) & 0xFFFFFFFFFFFFFFFF
-            nsq_id = b"%016x" % next_id
+            nsq_id = nsq_message_id(m.id)
             in_flight[nsq_id] = [m, deadline, now]    # message, deadline, delivered at
             if ext:
                 out.append(p.message(m.insertion_time * 1_000_000, m.attempts, nsq_id, m.body,
@@ -348,7 +358,6 @@ class Conn:
                 body = m.body
                 out.append(head(len(body) + 30, p.FRAME_MESSAGE, m.insertion_time * 1_000_000,
                                 min(m.attempts, 0xFFFF)) + nsq_id + body)
-        self._next_id = next_id
         if out:
             self.message_count += len(out)
             ch.stats.message_count += len(out)
@@ -396,7 +405,7 @@ class Conn:
                     break
                 except (ConnectionError, ssl.SSLError, OSError):
                     break
-                if not data:
+                if not data or self.closed:     # closed meanwhile (a fatal error): read no more
                     break
                 if self._codec is not None:
                     try:
@@ -420,6 +429,7 @@ class Conn:
                     except ProtocolError as e:
                         self.send_error(e)
                         if e.fatal:
+                            self.parser.dead = True     # as nsqd: nothing after it is executed
                             break
                 if self.parser.dead:
                     break
@@ -461,7 +471,7 @@ class Conn:
             await asyncio.sleep(0.5)
             now = time.monotonic()
             hb = self.ident.heartbeat_interval_ms / 1000
-            if hb > 0 and now - self._last_hb >= hb:
+            if hb > 0 and now - self._last_hb >= hb and not self._upgrading:
                 self._last_hb = now
                 self._write(p.response(p.HEARTBEAT))
             expired = [k for k, (_m, d, _t) in self.in_flight.items() if d <= now]
@@ -503,10 +513,13 @@ class Conn:
         self._write(p.response(resp))
         if ident.tls_v1:
             await self.writer.drain()
+            self._upgrading = True      # a heartbeat written now would go in clear, into the handshake
             try:
                 await self.writer.start_tls(self.broker.ssl_context)
             except (ssl.SSLError, OSError, ConnectionError) as e:
                 raise fatal("E_IDENTIFY_FAILED", f"TLS handshake failed: {e}") from None
+            finally:
+                self._upgrading = False
             self._write(p.response())
         if ident.snappy:
             self._codec = compress.Snappy()
@@ -851,10 +864,11 @@ class Broker:
     def paused_channels(self, topic: str) -> set:
         return {c for t, c in self.paused if t == topic}
 
-    async def drop_channel_conns(self, topic: str, channel: str):
-        """Close this broker's connections to a channel (before it is deleted)."""
+    async def drop_channel_conns(self, topic: str, channel: str | None = None):
+        """Close this broker's connections to a channel, or to every channel of the
+        topic (before it is deleted: as nsqd, its clients are disconnected)."""
         for (t, c, _tag), ch in list(self.channels.items()):
-            if (t, c) == (topic, channel):
+            if t == topic and channel in (None, c):
                 for conn in list(ch.conns):
                     await conn._close()
 

@@ -1,5 +1,6 @@
 """youzan's PUB_EXT and tag dispatch, /pub_ext; AUTH allow/deny (TCP and HTTP); TLS."""
 import json
+import select
 import ssl
 import struct
 import subprocess
@@ -173,3 +174,21 @@ def test_tls_upgrade_and_required(broker_factory, cert):
     c.pub("tls", b"secret body")
     c.sub("tls", "c", 1)
     assert c.message()[3] == b"secret body"
+
+
+def test_no_heartbeat_in_clear_during_a_slow_tls_handshake(broker_factory, cert):
+    # A client that starts its handshake a little late (more than a heartbeat interval
+    # after the IDENTIFY answer) got a clear heartbeat frame where the ServerHello
+    # belongs, and the handshake failed. nsqd holds its writes during the upgrade.
+    crt, key = cert
+    b = broker_factory("--tls-cert", crt, "--tls-key", key)
+    c = RawClient(b.tcp)
+    assert c.identify(tls_v1=True, heartbeat_interval=1000)["tls_v1"] is True
+    assert not c.buf
+    readable, _, _ = select.select([c.sock], [], [], 3)      # three heartbeat intervals
+    assert not readable, c.sock.recv(100)
+    ctx = ssl.create_default_context(cafile=crt)
+    ctx.check_hostname = False
+    c.sock = ctx.wrap_socket(c.sock, server_hostname="127.0.0.1")
+    c.expect()                                      # OK, over TLS
+    c.pub("slow-tls", b"body")

@@ -2,6 +2,7 @@
 import json
 import os
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -36,6 +37,35 @@ def channel(broker, topic, ch):
             if c["channel_name"] == ch:
                 return c
     return None
+
+
+class RawHTTP:
+    """One keep-alive HTTP connection on a plain socket (what urllib hides: interim
+    responses, chunked bodies, what is left on the connection); every read bounded."""
+
+    def __init__(self, broker, timeout=10):
+        self.sock = socket.create_connection(("127.0.0.1", broker.http_port), timeout=timeout)
+        self.buf = b""
+
+    def _fill(self):
+        chunk = self.sock.recv(65536)       # socket.timeout past the bound fails the test
+        assert chunk, "the broker closed the connection"
+        self.buf += chunk
+
+    def response(self):
+        """(status, body) of the next response (interim ones included)."""
+        while b"\r\n\r\n" not in self.buf:
+            self._fill()
+        head, self.buf = self.buf.split(b"\r\n\r\n", 1)
+        lines = head.decode("latin-1").split("\r\n")
+        n = int(next((v for k, v in (x.split(":", 1) for x in lines[1:]) if k.lower() == "content-length"), 0))
+        while len(self.buf) < n:
+            self._fill()
+        body, self.buf = self.buf[:n], self.buf[n:]
+        return int(lines[0].split()[1]), body
+
+    def close(self):
+        self.sock.close()
 
 
 def test_ping_info_and_errors(broker):
@@ -195,3 +225,118 @@ def test_ephemeral_channel_of_a_broker_killed_while_subscribing_is_not_left_behi
             proc.wait(10)
         proc.stdout.close()
         proc.stderr.close()
+
+
+def test_expect_100_continue_is_answered(broker):
+    # curl sends "Expect: 100-continue" with a body over 1 MiB and waits a second for
+    # the interim answer before sending the body anyway; nsqd (Go) answers at once.
+    c = RawHTTP(broker, timeout=5)
+    body = b"a\nb\n"
+    c.sock.sendall(b"POST /mpub?topic=expect HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                   b"Content-Length: %d\r\n\r\n" % len(body))
+    assert c.response() == (100, b"")
+    c.sock.sendall(body)
+    assert c.response() == (200, b"OK")
+    c.close()
+    assert stats(broker, topic="expect")["topics"][0]["message_count"] == 2
+
+
+def test_chunked_request_bodies(broker):
+    # Clients that do not know a body's length send it chunked (Go's http.Client with a
+    # plain io.Reader, requests with a generator). The broker ignored the chunks: a 400
+    # MSG_EMPTY, then the chunks parsed as the next request, whose stray 404 answered
+    # the client's next request on the connection.
+    c = RawHTTP(broker)
+    c.sock.sendall(b"POST /pub?topic=chunked HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                   b"5\r\nhello\r\n7;ext=1\r\n, world\r\n0\r\n\r\n")
+    assert c.response() == (200, b"OK")
+    c.sock.sendall(b"POST /mpub?topic=chunked HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                   b"3\r\na\nb\r\n2\r\n\nc\r\n0\r\nX-Trailer: 1\r\n\r\n")
+    assert c.response() == (200, b"OK")
+    c.sock.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert c.response() == (200, b"OK")
+    c.close()
+    assert stats(broker, topic="chunked")["topics"][0]["message_count"] == 4
+    sub = RawClient(broker.tcp)
+    sub.identify()
+    sub.send(b"SUB chunked c\n")      # the first channel starts from the topic's log
+    sub.expect()
+    sub.send(b"RDY 10\n")
+    assert sorted(sub.message(timeout=30)[3] for _ in range(4)) == [b"a", b"b", b"c", b"hello, world"]
+    sub.close()
+    for bad, status in ((b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
+                        (b"Transfer-Encoding: chunked\r\n\r\n%x\r\n" % (6 * 1024 * 1024), 413),
+                        (b"Content-Length: abc\r\n\r\n", 400)):
+        c = RawHTTP(broker)
+        c.sock.sendall(b"POST /pub?topic=chunked HTTP/1.1\r\nHost: x\r\n" + bad)
+        assert c.response()[0] == status
+        c.close()
+
+
+def test_mpub_errors_as_nsqd(broker):
+    # nsqd answers a bad binary /mpub body with 413 and the TCP MPUB's code less "E_";
+    # any binary value but "false"/"0" means binary (the broker published "binary=yes"
+    # bodies, length prefixes included, as one text message); an empty text body is OK.
+    one = struct.pack(">i", 1)
+    for body, message in ((b"", "BAD_BODY"), (struct.pack(">i", 0), "BAD_BODY"),
+                          (struct.pack(">i", 2) + one + b"a", "BAD_MESSAGE"),
+                          (one + struct.pack(">i", 0), "BAD_MESSAGE"),
+                          (one + struct.pack(">i", 1024 * 1024 + 1) + b"a", "BAD_MESSAGE"),
+                          (one + struct.pack(">i", 5) + b"abc", "BAD_MESSAGE")):
+        assert broker.http_req("/mpub?topic=mpe&binary=true", body) == (413, json.dumps({"message": message}).encode())
+    assert broker.http_req("/mpub?topic=mpe&binary=yes", one + one + b"z") == (200, b"OK")
+    assert broker.http_req("/mpub?topic=mpe&binary=0", b"p\nq") == (200, b"OK")
+    assert broker.http_req("/mpub?topic=mpe", b"\n\n") == (200, b"OK")
+    assert broker.http_req("/mpub?topic=mpe", b"x" * (1024 * 1024 + 1)) == (413, b'{"message": "MSG_TOO_BIG"}')
+    assert stats(broker, topic="mpe")["topics"][0]["message_count"] == 3
+    sub = RawClient(broker.tcp)
+    sub.identify()
+    sub.send(b"SUB mpe c\n")
+    sub.expect()
+    sub.send(b"RDY 10\n")
+    assert sorted(sub.message(timeout=30)[3] for _ in range(3)) == [b"p", b"q", b"z"]
+    sub.close()
+
+
+def test_name_with_a_trailing_newline_is_invalid(broker):
+    # Python's "$" matches before a final newline: "c\n" passed the broker's check, the
+    # topic was created, and the channel's creation then failed as INVALID_TOPIC.
+    assert broker.http_req("/channel/create?topic=nl-fresh&channel=c%0A", b"") == \
+        (400, b'{"message": "INVALID_CHANNEL"}')
+    assert broker.http_req("/pub?topic=nl-fresh%0A", b"x") == (400, b'{"message": "INVALID_TOPIC"}')
+    assert stats(broker, topic="nl-fresh")["topics"] == []
+
+
+def test_topic_delete_disconnects_its_subscribers(broker):
+    # As nsqd. The broker kept them connected to a consumer of the deleted topic: they
+    # got nothing more, and a new SUB to the same channel joined that dead channel and
+    # never got what was published to the recreated topic.
+    old = RawClient(broker.tcp)
+    old.identify()
+    old.sub("tdel", "c", 1)
+    assert broker.http_req("/pub?topic=tdel", b"before") == (200, b"OK")
+    assert old.message(timeout=30)[3] == b"before"
+    assert broker.http_req("/topic/delete?topic=tdel", b"") == (200, b"")
+    assert old.closed(timeout=30)
+    assert broker.http_req("/pub?topic=tdel", b"after") == (200, b"OK")
+    new = RawClient(broker.tcp)
+    new.identify()
+    new.sub("tdel", "c", 1)
+    assert new.message(timeout=30)[3] == b"after"
+    new.close()
+
+
+def test_http_1_0_request_gets_the_connection_closed(broker):
+    # An HTTP/1.0 client without keep-alive (check_http, ab) reads the answer until the
+    # connection closes: the broker kept it open, so such a /ping probe timed out.
+    c = RawHTTP(broker, timeout=10)
+    c.sock.sendall(b"GET /ping HTTP/1.0\r\n\r\n")
+    assert c.response() == (200, b"OK")
+    assert c.sock.recv(100) == b""          # closed (a timeout past 10 s fails the test)
+    c.close()
+    c = RawHTTP(broker, timeout=10)
+    c.sock.sendall(b"GET /ping HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+    assert c.response() == (200, b"OK")
+    c.sock.sendall(b"GET /ping HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+    assert c.response() == (200, b"OK")
+    c.close()

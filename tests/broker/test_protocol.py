@@ -131,10 +131,21 @@ def test_identify_negotiation():
         assert e.value.code == "E_BAD_BODY" and e.value.fatal
 
 
+def test_identify_both_compressions_conflict_only_when_both_are_offered():
+    both = {"feature_negotiation": True, "snappy": True, "deflate": True}
+    with pytest.raises(p.ProtocolError) as e:
+        p.negotiate(both, p.Limits())
+    assert e.value.code == "E_IDENTIFY_FAILED" and e.value.fatal
+    # as nsqd: a broker without snappy (no cramjam, --no-snappy) gives deflate
+    ident, resp = p.negotiate(both, p.Limits(snappy=False))
+    assert ident.deflate and not ident.snappy and json.loads(resp)["deflate"] is True
+
+
 def test_names():
     assert p.valid_name(b"a.b-c_d") and p.valid_name(b"x" * 64) and p.valid_name(b"ch#ephemeral")
     assert not p.valid_name(b"") and not p.valid_name(b"x" * 65) and not p.valid_name(b"a b")
     assert not p.valid_name(b"a#b")
+    assert not p.valid_name(b"abc\n") and not p.valid_name(b"ch#ephemeral\n")    # Go's $ is end of text
 
 
 @settings(max_examples=400, deadline=None)

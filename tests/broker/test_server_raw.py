@@ -1,5 +1,6 @@
 """The broker over raw sockets: every command, nsqd's error codes, partial frames,
 oversize bodies, wrong magic, heartbeats, RDY limits, requeue on close."""
+import json
 import struct
 import time
 
@@ -82,10 +83,28 @@ def test_msg_timeout_redelivers(raw):
     c = consumer(raw, "mt", rdy=5, msg_timeout=1000)
     _ts, a1, mid, _b, _ = c.message()
     _ts, a2, mid2, body, _ = c.message(timeout=30)      # not FIN'd: redelivered after ~1 s
-    assert body == b"x" and a2 == 2 and mid2 != mid
-    c.send(b"FIN " + mid + b"\n")
-    assert c.error().startswith("E_FIN_FAILED")
+    assert body == b"x" and a2 == 2 and mid2 == mid     # as nsqd, under the same id
     c.send(b"FIN " + mid2 + b"\n")
+    c.send(b"FIN " + mid + b"\n")                      # finished once
+    assert c.error().startswith("E_FIN_FAILED")
+
+
+def test_a_message_keeps_its_id_when_redelivered(raw):
+    # nsqd's message id is fixed at publish: REQ, timeouts and requeues on close
+    # redeliver it under the same id, which clients may use to recognise redeliveries.
+    # The broker numbered each delivery afresh.
+    raw().pub("ids", b"m")
+    c = consumer(raw, "ids", rdy=1, msg_timeout=60_000)
+    _ts, a1, mid, _b, _ = c.message()
+    assert len(mid) == 16 and mid.isascii() and b" " not in mid
+    c.send(b"REQ " + mid + b" 0\n")
+    _ts, a2, mid2, _b, _ = c.message(timeout=30)
+    assert (a1, a2) == (1, 2) and mid2 == mid
+    c.close()                                            # requeued at once, to another client
+    c = consumer(raw, "ids", rdy=1, msg_timeout=60_000)
+    _ts, a3, mid3, body, _ = c.message(timeout=30)
+    assert body == b"m" and a3 == 3 and mid3 == mid
+    c.send(b"FIN " + mid3 + b"\n")
 
 
 def test_never_more_in_flight_than_rdy(raw):
@@ -116,6 +135,33 @@ def test_close_requeues_in_flight_at_once(raw):
     t0 = time.monotonic()
     _ts, attempts, mid, body, _ = c2.message(timeout=30)     # long before its 10 min timeout
     assert body == b"held" and attempts == 2 and time.monotonic() - t0 < 30
+
+
+def test_no_redelivery_while_a_longer_msg_timeout_holds_it(raw):
+    # A fetch for a connection with msg_timeout 1 s that loses its RDY meanwhile must
+    # not hand its 1 s leases to a connection with msg_timeout 60 s: they expired under
+    # it and were delivered again while it still held them (and its FIN then failed).
+    for i in range(3):
+        topic = f"mixed-timeouts{i}"
+        short = consumer(raw, topic, rdy=1, msg_timeout=1000)
+        long = consumer(raw, topic, msg_timeout=60_000)
+        raw().pub(topic, b"warm-up")
+        short.send(b"FIN " + short.message(timeout=30)[2] + b"\n")
+        # a round trip after the FIN: the channel is now in a fetch for `short`, which
+        # loses its RDY (and `long` gets one) before that fetch returns the next message
+        short.send(b"TOUCH 0000000000000000\n")
+        assert short.error().startswith("E_TOUCH_FAILED")
+        short.send(b"RDY 0\n")
+        long.send(b"RDY 1\n")
+        raw().pub(topic, b"only")
+        _ts, _attempts, mid, body, _ = long.message(timeout=30)
+        assert body == b"only"
+        other = consumer(raw, topic, rdy=5, msg_timeout=60_000)
+        with pytest.raises(TimeoutError):               # 1 s lease + expiry check, well past
+            other.frame(timeout=4)
+        long.send(b"FIN " + mid + b"\n")
+        for c in (short, long, other):
+            c.close()
 
 
 def test_connections_share_a_channel(raw):
@@ -274,6 +320,32 @@ def test_deflate(raw):
     while len(data) < 10:
         data += decomp.decompress(c.sock.recv(65536))
     assert data == p.response()
+
+
+def test_compression_and_tls_need_feature_negotiation(raw):
+    # nsqd answers OK and keeps the stream plain when the client does not negotiate;
+    # the broker switched deflate on behind a client that then spoke plain bytes.
+    for ask in ({"deflate": True}, {"snappy": True}, {"deflate": True, "snappy": True}):
+        c = raw()
+        assert c.identify(feature_negotiation=False, **ask) == p.OK
+        c.send(p.encode_command(b"PUB", b"nofn", body=b"plain"))
+        c.expect()
+
+
+def test_nothing_after_a_fatal_error_is_executed(raw, broker):
+    # nsqd closes at a fatal error and reads nothing more. The broker went on reading:
+    # a PUB completed by a later read (here, one larger than a read) was published
+    # though the client got the fatal error and no OK (it would publish it again).
+    for i in range(3):
+        topic = f"after-fatal{i}"
+        c = raw()
+        c.send(b"RDY 1\n" + p.encode_command(b"PUB", topic.encode(), body=b"x" * 100_000))
+        assert c.error().startswith("E_INVALID")
+        assert c.closed()
+        c = raw()
+        c.pub(topic + "-probe", b"y")         # a round trip after the close
+        status, body = broker.http_req(f"/stats?format=json&topic={topic}")
+        assert status == 200 and json.loads(body)["topics"] == [], body
 
 
 def test_garbage_does_not_hurt_other_clients(raw):
