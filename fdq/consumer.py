@@ -206,10 +206,14 @@ class _SettleGroup:
         return [self._outcomes([entry])[0] for entry in batch]
 
 
+_NO_HEADERS = MappingProxyType({})     # read-only and empty: shared by every message without headers
+
+
 def _to_message(taken: delivery.Taken, topic: str, sub: str, consumer) -> Message:
     rec = taken.record
-    return Message(message_id(taken.vs), topic, sub, rec.shard_key, rec.ts_ms,
-                   MappingProxyType(rec.headers or {}), taken.body, rec.attempts,
+    headers = rec.headers
+    return Message(taken.vs.to_bytes().hex(), topic, sub, rec.shard_key, rec.ts_ms,     # message_id()
+                   MappingProxyType(headers) if headers else _NO_HEADERS, taken.body, rec.attempts,
                    taken.shard.n, taken.shard.tag, rec.msg_id, rec.replay_of, consumer, taken)
 
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import fdb.tuple as fdbtuple
 
 from .engine import transactional
-from .keyspace import ShardSpace, TopicSpace, Versionstamp, counter, decode_counter, vs_from_bytes
+from .keyspace import (ShardSpace, StoredVersionstamp, TopicSpace, Versionstamp, counter, decode_counter,
+                       vs_from_bytes)
 from .keyspace.codec import (LEASE_ENTRY_OVERHEAD, LEASE_RECORD_BYTES, LeaseRecord, Record, decode_dead,
                              decode_leases, encode_dead, encode_leases, has_chunks, reshard_shard)
 from .membership import ensure_owner, read_clock
@@ -30,7 +31,7 @@ from .membership import ensure_owner, read_clock
 ONE, MINUS_ONE = counter(1), counter(-1)
 
 
-@dataclass
+@dataclass(slots=True)
 class Taken:
     """A message taken from a shard: its key's versionstamp, decoded record, full body."""
 
@@ -189,11 +190,13 @@ def _read_ready(tr, shard: ShardSpace, limit: int, sel: Selection | None = None)
 def _read_head(tr, shard: ShardSpace, limit: int):
     r = shard.ready_range
     out = []
+    append, decode = out.append, Record.decode
     snap = tr.snapshot
     for kv in snap.get_range(r.start, r.stop, limit=limit):
-        vs = vs_from_bytes(kv.key[-12:])       # ready keys end in 0x33 + the 12-byte stamp
-        rec = Record.decode(kv.value)
-        out.append(Taken(shard, vs, rec, _body(snap, shard, vs, rec) if rec.nchunks else rec.body, kv.value))
+        # Ready keys end in 0x33 + the 12-byte stamp their push's commit completed.
+        vs = StoredVersionstamp(kv.key[-12:])
+        rec = decode(kv.value)
+        append(Taken(shard, vs, rec, rec.body if not rec.nchunks else _body(snap, shard, vs, rec), kv.value))
     if out:
         # Conflict only on what we take: the head of the queue, first to last key taken
         # (one range, not a key each; nothing else was between them at our snapshot, and

@@ -74,19 +74,32 @@ class StoredVersionstamp(Versionstamp):
     __slots__ = ("_bytes",)
 
     def __init__(self, raw: bytes):
-        self.tr_version = raw[:10]
-        self.user_version = (raw[10] << 8) | raw[11]
+        # Only the bytes: the parts are computed when asked (comparisons, hashing, some
+        # supervisor paths), which the consuming hot path never does.
         self._bytes = raw
+
+    @property
+    def tr_version(self):
+        return self._bytes[:10]
+
+    @property
+    def user_version(self):
+        return (self._bytes[10] << 8) | self._bytes[11]
 
     def to_bytes(self):
         return self._bytes
 
 
+_INCOMPLETE = b"\xff" * 10
+
+
 def vs_from_bytes(raw: bytes) -> Versionstamp:
     """The complete Versionstamp of 12 stored bytes (a key's last 12, after 0x33)."""
-    if len(raw) != 12 or raw[:10] == b"\xff" * 10:
-        return Versionstamp.from_bytes(bytes(raw))
-    return StoredVersionstamp(bytes(raw))
+    if type(raw) is not bytes:
+        raw = bytes(raw)
+    if len(raw) != 12 or raw[:10] == _INCOMPLETE:
+        return Versionstamp.from_bytes(raw)
+    return StoredVersionstamp(raw)
 
 
 def message_id(vs: Versionstamp) -> str:

@@ -27,6 +27,10 @@ CHUNK_WRITE_BYTES = 2_000_000
 ROUTE_BYTES = 9_000_000
 _DEFAULTS = (None, None, None, None, b"", 0, 0, None)
 _local = threading.local()
+# msgpack >= 1.0 (setup.cfg) decodes as this module wants by default (raw=False,
+# use_list=True): calling it without keywords skips their parsing, about half of a small
+# record's decode (0.63 -> 0.28 µs), which the consuming hot path pays per message.
+_unpackb = msgpack.unpackb
 
 
 def packer():
@@ -59,7 +63,7 @@ class Record:
 
     @classmethod
     def decode(cls, raw) -> "Record":
-        fields = msgpack.unpackb(bytes(raw), raw=False, use_list=True)
+        fields = _unpackb(raw if type(raw) is bytes else bytes(raw))
         return cls(*fields)
 
 
@@ -128,7 +132,7 @@ def encode_leases(lease_id: bytes, consumer_id: str, ack_wait_ms: int, flat_entr
 def decode_leases(key: bytes, raw) -> LeaseRecord:
     """A lease record (either format); ``key`` is its key (a format-1 row's versionstamp
     is the key's last 12 bytes)."""
-    v = msgpack.unpackb(bytes(raw), raw=False)
+    v = _unpackb(bytes(raw))
     if v[0] == LEASE_FORMAT:
         return LeaseRecord(v[1], v[2], v[3], [v[i:i + 3] for i in range(4, len(v), 3)], 1)
     record, lease_id, consumer_id, ack_wait_ms, touches = v
@@ -141,7 +145,7 @@ def encode_dead(record: bytes, reason: str, consumer_id: str | None) -> bytes:
 
 def decode_dead(raw):
     """-> (record bytes, reason, consumer_id)"""
-    return tuple(msgpack.unpackb(bytes(raw), raw=False))
+    return tuple(_unpackb(bytes(raw)))
 
 
 def pack(obj) -> bytes:
@@ -149,7 +153,7 @@ def pack(obj) -> bytes:
 
 
 def unpack(raw):
-    return msgpack.unpackb(bytes(raw), raw=False)
+    return _unpackb(bytes(raw))
 
 
 def shard_of(shard_key: str, shards: int) -> int:
