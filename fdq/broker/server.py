@@ -46,6 +46,12 @@ MAX_DELIVER = 0xFFFF           # NSQ never dead-letters: attempts is a uint16
 # (ensure_channel). A ``default`` subscription nobody reads would grow without bound.
 NEW_TOPIC = TopicConfig(subs=())
 FETCH_WAIT_S = 0.5
+# A connection's publishes run concurrently (group-committed by the producer) and answer
+# in order; past these many, or bytes, not yet committed it reads nothing more until some
+# are (nsqd runs them one at a time): a client pipelining faster than the database
+# commits cannot grow the broker's memory without bound.
+MAX_PENDING_PUBLISHES = 256
+MAX_PENDING_PUBLISH_BYTES = 32 << 20
 
 
 @dataclass
@@ -244,6 +250,9 @@ class Conn:
         self.channel = None
         self.auth = None           # granted permissions (auth.Grant) once AUTH succeeded
         self._out = asyncio.Queue()
+        self._pending_publishes = 0    # publishes not yet committed (or failed), and their bytes
+        self._pending_bytes = 0
+        self._publish_room = asyncio.Event()
         self._codec = None         # compress.Deflate / compress.Snappy once negotiated
         self._obuf = []            # output buffer (message frames, then a flush)
         self._olen = 0
@@ -420,6 +429,9 @@ class Conn:
                         if item.fatal:
                             break
                         continue
+                    while self._publishes_full():
+                        self._publish_room.clear()
+                        await self._publish_room.wait()     # set as publishes finish
                     try:
                         sync = _SYNC_HANDLERS.get(item.name)
                         if sync is not None and not tls_gate:
@@ -649,9 +661,8 @@ class Conn:
 
     # -- publishing ------------------------------------------------------------------
 
-    def _publish(self, topic: str, fn, code: str, verb: str):
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self.broker.executor, fn)
+    def _publish(self, topic: str, fn, code: str, verb: str, size: int):
+        fut = self._run_publish(fn, size)
 
         async def result():
             try:
@@ -665,11 +676,29 @@ class Conn:
             return p.response()
         self._out.put_nowait(result())
 
+    def _run_publish(self, fn, size: int):
+        """Run a publish in the executor, counted as pending until it is done."""
+        self._pending_publishes += 1
+        self._pending_bytes += size
+        fut = asyncio.get_running_loop().run_in_executor(self.broker.executor, fn)
+
+        def done(_f):
+            self._pending_publishes -= 1
+            self._pending_bytes -= size
+            if not self._publishes_full():
+                self._publish_room.set()
+        fut.add_done_callback(done)
+        return fut
+
+    def _publishes_full(self) -> bool:
+        return self._pending_publishes >= MAX_PENDING_PUBLISHES or self._pending_bytes >= MAX_PENDING_PUBLISH_BYTES
+
     async def cmd_pub(self, cmd):
         topic = cmd.params[0].decode()
         self._check_auth(topic, None, "publish")
         body = cmd.body
-        self._publish(topic, lambda: (self.broker.producer.push(topic, body), 1)[1], "E_PUB_FAILED", "PUB")
+        self._publish(topic, lambda: (self.broker.producer.push(topic, body), 1)[1], "E_PUB_FAILED", "PUB",
+                      len(body))
 
     async def cmd_dpub(self, cmd):
         topic = cmd.params[0].decode()
@@ -677,13 +706,14 @@ class Conn:
         self._check_auth(topic, None, "publish")
         body = cmd.body
         self._publish(topic, lambda: (self.broker.producer.push(topic, body, delay=ms / 1000), 1)[1],
-                      "E_DPUB_FAILED", "DPUB")
+                      "E_DPUB_FAILED", "DPUB", len(body))
 
     async def cmd_mpub(self, cmd):
         topic = cmd.params[0].decode()
         self._check_auth(topic, None, "publish")
         bodies = cmd.bodies
-        self._publish(topic, lambda: len(self.broker.producer.push_many(topic, bodies)), "E_MPUB_FAILED", "MPUB")
+        self._publish(topic, lambda: len(self.broker.producer.push_many(topic, bodies)), "E_MPUB_FAILED", "MPUB",
+                      sum(map(len, bodies)))
 
     async def cmd_pub_ext(self, cmd):
         topic = cmd.params[0].decode()
@@ -692,8 +722,7 @@ class Conn:
         if not await b.is_extend(topic):
             raise nonfatal("E_EXT_NOT_SUPPORT", f"PUB_EXT topic {topic!r} has no extend support")
         headers, body = cmd.ext, cmd.body
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(b.executor, lambda: b.producer.push(topic, body, headers=headers or None))
+        fut = self._run_publish(lambda: b.producer.push(topic, body, headers=headers or None), len(body))
 
         async def result():
             try:

@@ -1,0 +1,45 @@
+"""A client that pipelines publishes faster than the database commits them: the broker
+stops reading once its pending publishes pass a bound (nsqd runs them one at a time),
+so its memory stays bounded; everything sent is published once the database moves."""
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+
+from fdq.broker import protocol as p
+
+BODY = 256 * 1024
+COUNT = 400          # 100 MiB in all
+
+
+def test_pipelined_publishes_are_bounded_then_all_land(raw, broker, db_url):
+    c = raw()
+    c.pub("bp", b"first")                     # the topic exists; the database works
+    blocker = sqlite3.connect(db_url[len("sqlite://"):], isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")        # another writer holds the database (< its 10 s wait)
+    frame = p.encode_command(b"PUB", b"bp", body=b"x" * BODY)
+    data = memoryview(frame * COUNT)
+    sent = 0
+    c.sock.setblocking(False)
+    deadline = time.monotonic() + 3
+    try:
+        while sent < len(data) and time.monotonic() < deadline:
+            try:
+                sent += c.sock.send(data[sent:sent + (1 << 20)])
+            except BlockingIOError:
+                time.sleep(0.01)
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    # It read no more than its bound (32 MiB) plus a read and the sockets' buffers.
+    assert sent < 48 << 20, f"the broker took {sent / (1 << 20):.0f} MiB of publishes it could not commit"
+    c.sock.setblocking(True)
+    c.sock.settimeout(60)
+    c.sock.sendall(data[sent:])
+    for _ in range(COUNT):
+        c.expect()
+    status, body = broker.http_req("/stats?format=json&topic=bp")
+    assert status == 200
+    [topic] = json.loads(body)["topics"]
+    assert topic["message_count"] == COUNT + 1
