@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import select
 import ssl
 import sys
 import time
@@ -278,6 +280,35 @@ def consumers(state, topic, as_json):
 
 # -- push and tail --------------------------------------------------------------------
 
+def _stdin_lines(stream):
+    """The lines of binary ``stream`` (each with its newline, the last maybe without),
+    and ``None`` whenever no more input is ready yet: a pipe or terminal whose writer is
+    still open (``tail -f log | fdq push logs -``), so what was read can be pushed before
+    waiting. A stream without a file descriptor is read as it is."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        yield from stream
+        return
+    parts = []                      # the current line's pieces so far
+    while True:
+        if not select.select([fd], [], [], 0)[0]:
+            yield None
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            break
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            parts.append(chunk[start:end + 1])
+            yield b"".join(parts)
+            parts = []
+            start = end + 1
+        if start < len(chunk):
+            parts.append(chunk[start:])
+    if parts:
+        yield b"".join(parts)
+
+
 def _encode_arg(text: str) -> bytes:
     # argv is decoded with surrogateescape on POSIX: this gives back the original bytes.
     return text.encode("utf-8", "surrogateescape")
@@ -300,7 +331,9 @@ def push(state, topic, data, shard_key, delay, headers, msg_id, as_json):
     TOPIC is created if missing.
 
     With DATA "-" (or no DATA), push one message per line of stdin (newline
-    stripped), in batches of one transaction each; prints one id per line.
+    stripped), in batches of one transaction each (a batch is pushed once no
+    more input is ready: lines of a live pipe go out as they come); prints one
+    id per line.
     """
     producer = Producer(state.db)
     show = render.emit_json_line if as_json else (lambda r: click.echo(r["id"]))
@@ -334,7 +367,10 @@ def push(state, topic, data, shard_key, delay, headers, msg_id, as_json):
         size = 0
 
     with render.progress(f"pushing to {topic}") as advance:
-        for line in stdin:
+        for line in _stdin_lines(stdin):
+            if line is None:            # nothing more to read yet: push what was read
+                flush(advance)
+                continue
             body = line[:-1] if line.endswith(b"\n") else line
             if body.endswith(b"\r"):
                 body = body[:-1]

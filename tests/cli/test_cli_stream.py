@@ -1,0 +1,49 @@
+"""``fdq`` as a process on a pipe: what a shell pipeline does to it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import fdq
+from fdqtest import wait_for
+
+FDQ = Path(sys.executable).parent / "fdq"
+
+
+def _env(url):
+    env = {k: v for k, v in os.environ.items() if k not in ("FDQ_URL", "FDQ_HOME")}
+    env["FDQ_URL"] = url
+    return env
+
+
+def test_push_stdin_pushes_lines_while_the_writer_is_still_open(url, sup):
+    """``tail -f app.log | fdq push logs -``: each line is pushed once it is read, not
+    held back until 500 lines or end of input (where an interrupt would lose them)."""
+    p = subprocess.Popen([str(FDQ), "push", "logs", "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=_env(url))
+    try:
+        p.stdin.write(b"first\nsecond\n")
+        p.stdin.flush()
+
+        def inserted():
+            try:
+                return sup.stats("logs")["counters"]["inserted"]
+            except fdq.TopicNotFound:
+                return 0
+        wait_for(lambda: inserted() == 2, timeout=30, what="the two lines pushed while stdin is open")
+        # no newline: the last line at end of input
+        out, err = p.communicate(input=b"third", timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, err
+    ids = out.decode().split()
+    assert len(ids) == len(set(ids)) == 3
+    assert sup.stats("logs")["counters"]["inserted"] == 3
+    with fdq.Consumer(sup.db, "logs", create=False) as c:
+        got = c.fetch(10, timeout=5)
+        c.ack_many(got)
+    assert sorted(m.body for m in got) == [b"first", b"second", b"third"]
