@@ -99,8 +99,13 @@ class Seconds(click.ParamType):
         return s
 
 
+# The last millisecond of year 9999 (what a datetime holds; msgpack stores 64-bit ints).
+MAX_TIME_MS = 253402300799999
+
+
 class Time(click.ParamType):
-    """A point in time: epoch milliseconds, or ISO-8601 (no zone = UTC). -> epoch ms."""
+    """A point in time: epoch milliseconds, or ISO-8601 (no zone = UTC), from 1970 to
+    the end of 9999. -> epoch ms."""
 
     name = "time"
 
@@ -109,15 +114,20 @@ class Time(click.ParamType):
             return value
         text = str(value).strip()
         if re.fullmatch(r"\d+", text):
-            return int(text)
-        try:
-            t = datetime.datetime.fromisoformat(text)
-        except ValueError:
-            self.fail(f"{value!r} is neither epoch milliseconds nor an ISO-8601 time "
-                      "(e.g. 1795399200000 or 2026-11-23T02:00:00Z)", param, ctx)
-        if t.tzinfo is None:
-            t = t.replace(tzinfo=datetime.timezone.utc)
-        return int(t.timestamp() * 1000)
+            ms = int(text)
+        else:
+            try:
+                t = datetime.datetime.fromisoformat(text)
+            except ValueError:
+                self.fail(f"{value!r} is neither epoch milliseconds nor an ISO-8601 time "
+                          "(e.g. 1795399200000 or 2026-11-23T02:00:00Z)", param, ctx)
+            if t.tzinfo is None:
+                t = t.replace(tzinfo=datetime.timezone.utc)
+            ms = int(t.timestamp() * 1000)
+        if not 0 <= ms <= MAX_TIME_MS:
+            self.fail(f"{value!r} is out of range (epoch milliseconds from 0 to {MAX_TIME_MS}: "
+                      "1970-01-01 to 9999-12-31)", param, ctx)
+        return ms
 
 
 class TimeOrNow(Time):
