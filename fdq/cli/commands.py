@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import select
+import signal
 import ssl
 import sys
 import time
@@ -398,6 +399,14 @@ def _print_message(m, as_json):
     click.echo("  ".join(parts) + "  " + body)
 
 
+class _Terminated(Exception):
+    """SIGTERM arrived (``timeout``, systemd, docker stop): stop as on Ctrl-C."""
+
+
+def _raise_terminated(_signum, _frame):
+    raise _Terminated()
+
+
 def _tail_error(e: BaseException):
     """The consumer's on_error (its own threads): one line on stderr; tail keeps going.
     ``ConsumerStalled``: no heartbeat reached the database, or no shard owned (others
@@ -437,6 +446,10 @@ def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
                         extend_support=config.extend, desired_tag=tag, batch_size=TAIL_BATCH,
                         on_error=_tail_error)
     got = 0
+    try:                    # SIGTERM leaves as Ctrl-C does: shards and leases given back now
+        previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:      # not the main thread: leave SIGTERM alone
+        previous_sigterm = None
     try:
         last = time.monotonic()
         while count is None or got < count:
@@ -463,7 +476,11 @@ def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
             last = time.monotonic()
     except KeyboardInterrupt:
         raise click.exceptions.Exit(130) from None
+    except _Terminated:
+        raise click.exceptions.Exit(128 + signal.SIGTERM) from None
     finally:
+        if previous_sigterm is not None:     # a second SIGTERM during close: no traceback
+            signal.signal(signal.SIGTERM, previous_sigterm)
         consumer.close()
 
 

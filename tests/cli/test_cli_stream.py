@@ -47,3 +47,27 @@ def test_push_stdin_pushes_lines_while_the_writer_is_still_open(url, sup):
         got = c.fetch(10, timeout=5)
         c.ack_many(got)
     assert sorted(m.body for m in got) == [b"first", b"second", b"third"]
+
+
+def test_tail_stopped_by_sigterm_leaves_at_once(url, db, sup):
+    """``timeout 60 fdq tail``, systemd or docker stop send SIGTERM: tail leaves the
+    subscription as on Ctrl-C (its shards free and its unacked leases returned now,
+    not after the zombie timeout and the ack wait)."""
+    import signal
+    fdq.Producer(db).push("orders", b"before")
+    p = subprocess.Popen([str(FDQ), "tail", "orders"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=_env(url))
+    try:
+        wait_for(lambda: sup.stats("orders")["subscriptions"]["default"]["acked"] == 1
+                 and sup.consumers("orders"), timeout=30, what="tail consuming")
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert out.decode().split()[-1] == "before"
+    assert b"Traceback" not in err
+    assert sup.consumers("orders") == []                         # left: no zombie to wait for
+    assert sup.stats("orders")["subscriptions"]["default"]["in_flight"] == 0
