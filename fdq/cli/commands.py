@@ -28,8 +28,8 @@ from ..producer import Envelope, Producer
 from ..supervisor import Supervisor
 from . import render, rows
 from .params import (SUBSCRIPTION, TOPIC, Address, Duration, FilterHeader, Header, Seconds, SecondsList,
-                     Shards, Tag, Time, TimeOrNow, filter_headers_callback, headers_callback,
-                     subscription_config_callback, topic_config_callback)
+                     Shards, Tag, Time, TimeOrNow, envelope_callback, filter_headers_callback,
+                     headers_callback, subscription_config_callback, topic_config_callback)
 
 PUSH_BATCH = 500                 # stdin lines per transaction
 PUSH_BATCH_BYTES = 4 << 20       # ... and at most this many body bytes (FDB: 10 MB)
@@ -318,12 +318,15 @@ def _encode_arg(text: str) -> bytes:
 @cli.command()
 @topic_argument
 @click.argument("data", required=False)
-@click.option("--key", "-k", "shard_key", metavar="K", help="Shard key (messages of one key keep their order).")
-@click.option("--delay", type=Seconds(), default=None, help="Deliver after this many seconds.")
+@click.option("--key", "-k", "shard_key", metavar="K", callback=envelope_callback,
+              help="Shard key (messages of one key keep their order).")
+@click.option("--delay", type=Seconds(), default=None, callback=envelope_callback,
+              help="Deliver after this many seconds.")
 @click.option("--header", "-H", "headers", type=Header(), multiple=True, callback=headers_callback,
               help="A header name=value (extend topics); the value is JSON if it parses, "
                    "else a string. Repeatable.")
-@click.option("--msg-id", metavar="ID", help="Your id: a repeat within the topic's dedupe window is stored once.")
+@click.option("--msg-id", metavar="ID", callback=envelope_callback,
+              help="Your id: a repeat within the topic's dedupe window is stored once.")
 @json_option
 @pass_state
 def push(state, topic, data, shard_key, delay, headers, msg_id, as_json):

@@ -11,7 +11,7 @@ import re
 import click
 
 from ..config import SubscriptionConfig, TopicConfig, check_name
-from ..errors import ConfigError, InvalidHeader, InvalidName
+from ..errors import ConfigError, InvalidHeader, InvalidMessage, InvalidName
 from ..headers import TRACE_ID, is_tag, validate_headers
 
 
@@ -55,6 +55,17 @@ def topic_config_callback(ctx, param, value):
         try:
             TopicConfig(**{param.name: value})
         except ConfigError as e:
+            raise click.BadParameter(str(e), ctx, param) from None
+    return value
+
+
+def envelope_callback(ctx, param, value):
+    """Check a push option that is an ``Envelope`` field (same name) by FDQ's own rule."""
+    if value is not None:
+        from ..producer import Envelope
+        try:
+            Envelope(b"", **{param.name: value})
+        except InvalidMessage as e:
             raise click.BadParameter(str(e), ctx, param) from None
     return value
 
@@ -267,6 +278,6 @@ class Tag(click.ParamType):
 TOPIC = Name("topic")
 SUBSCRIPTION = Name("subscription")
 
-__all__ = ["topic_config_callback", "subscription_config_callback", "Name", "Shards", "Seconds",
+__all__ = ["topic_config_callback", "envelope_callback", "subscription_config_callback", "Name", "Shards", "Seconds",
            "SecondsList", "Time", "TimeOrNow", "Duration", "Address", "Header", "FilterHeader", "Tag",
            "headers_callback", "filter_headers_callback", "TOPIC", "SUBSCRIPTION"]
