@@ -23,7 +23,8 @@ from ..config import (ACK_POLICIES, DELIVER_POLICIES, DEFAULT_SUBSCRIPTION, UPDA
                       SubscriptionConfig, TopicConfig)
 from ..consumer import Consumer
 from ..engine import connect
-from ..errors import ConfigError, ConsumerStalled, FDQError, LeaseLost, SubscriptionNotFound
+from ..errors import ConfigError, ConsumerStalled, FDQError, LeaseLost, SubscriptionNotFound, TopicNotFound
+from ..keyspace.codec import ROUTE_BYTES
 from ..producer import Envelope, Producer
 from ..supervisor import Supervisor
 from . import render, rows
@@ -32,7 +33,9 @@ from .params import (SUBSCRIPTION, TOPIC, Address, Duration, FilterHeader, Heade
                      headers_callback, subscription_config_callback, topic_config_callback)
 
 PUSH_BATCH = 500                 # stdin lines per transaction
-PUSH_BATCH_BYTES = 4 << 20       # ... and at most this many body bytes (FDB: 10 MB)
+PUSH_BATCH_BYTES = ROUTE_BYTES   # ... and at most this many bytes written (FDB: 10 MB): each
+PUSH_LINE_BYTES = 100            # line's body, headers and keys (~100 bytes), once in the log
+                                 # and once per subscription
 TAIL_BATCH = 100
 
 
@@ -350,6 +353,11 @@ def push(state, topic, data, shard_key, delay, headers, msg_id, as_json):
         return
     if msg_id is not None:
         raise click.UsageError("--msg-id names one message: give DATA, not stdin lines")
+    try:
+        copies = 1 + len(state.supervisor.config(topic).subs)
+    except TopicNotFound:
+        copies = 2                  # push creates it with one subscription
+    line_bytes = PUSH_LINE_BYTES + (len(json.dumps(headers, ensure_ascii=False).encode()) if headers else 0)
     stdin = sys.stdin.buffer
     pushed = 0
     batch, size = [], 0
@@ -378,10 +386,11 @@ def push(state, topic, data, shard_key, delay, headers, msg_id, as_json):
             body = line[:-1] if line.endswith(b"\n") else line
             if body.endswith(b"\r"):
                 body = body[:-1]
-            if batch and (len(batch) >= PUSH_BATCH or size + len(body) > PUSH_BATCH_BYTES):
+            cost = (len(body) + line_bytes) * copies
+            if batch and (len(batch) >= PUSH_BATCH or size + cost > PUSH_BATCH_BYTES):
                 flush(advance)
             batch.append(Envelope(body, shard_key, delay, None, headers))
-            size += len(body)
+            size += cost
         flush(advance)
     render.note(f"pushed {pushed:,} messages to {topic!r}")
 
