@@ -110,6 +110,7 @@ class Seconds(click.ParamType):
         return s
 
 
+EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 # The last millisecond of year 9999 (what a datetime holds; msgpack stores 64-bit ints).
 MAX_TIME_MS = 253402300799999
 
@@ -134,7 +135,7 @@ class Time(click.ParamType):
                           "(e.g. 1795399200000 or 2026-11-23T02:00:00Z)", param, ctx)
             if t.tzinfo is None:
                 t = t.replace(tzinfo=datetime.timezone.utc)
-            ms = int(t.timestamp() * 1000)
+            ms = (t - EPOCH) // datetime.timedelta(milliseconds=1)    # exact: no float
         if not 0 <= ms <= MAX_TIME_MS:
             self.fail(f"{value!r} is out of range (epoch milliseconds from 0 to {MAX_TIME_MS}: "
                       "1970-01-01 to 9999-12-31)", param, ctx)
