@@ -358,6 +358,8 @@ def push(state, topic, data, shard_key, delay, headers, msg_id, as_json):
     except TopicNotFound:
         copies = 2                  # push creates it with one subscription
     line_bytes = PUSH_LINE_BYTES + (len(json.dumps(headers, ensure_ascii=False).encode()) if headers else 0)
+    if sys.stdin is None:                   # started with descriptor 0 closed
+        raise Failure("stdin is closed: give DATA, or lines on stdin")
     stdin = sys.stdin.buffer
     pushed = 0
     batch, size = [], 0

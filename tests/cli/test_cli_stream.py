@@ -71,3 +71,11 @@ def test_tail_stopped_by_sigterm_leaves_at_once(url, db, sup):
     assert b"Traceback" not in err
     assert sup.consumers("orders") == []                         # left: no zombie to wait for
     assert sup.stats("orders")["subscriptions"]["default"]["in_flight"] == 0
+
+
+def test_push_with_stdin_closed_is_one_line(url):
+    """``fdq push t - <&-`` (a daemon without stdin): exit 1, one line, no traceback."""
+    r = subprocess.run([str(FDQ), "push", "orders", "-"], preexec_fn=lambda: os.close(0),
+                       capture_output=True, env=_env(url), timeout=60)
+    assert (r.returncode, r.stdout) == (1, b""), r.stderr
+    assert r.stderr == b"fdq: error: stdin is closed: give DATA, or lines on stdin\n"
