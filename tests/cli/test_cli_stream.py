@@ -79,3 +79,11 @@ def test_push_with_stdin_closed_is_one_line(url):
                        capture_output=True, env=_env(url), timeout=60)
     assert (r.returncode, r.stdout) == (1, b""), r.stderr
     assert r.stderr == b"fdq: error: stdin is closed: give DATA, or lines on stdin\n"
+
+
+def test_table_with_stdout_closed_is_no_traceback(url, db):
+    """``fdq topics >&-``: the table goes nowhere, as click.echo's output does."""
+    fdq.Producer(db).push("orders", b"x")
+    r = subprocess.run([str(FDQ), "topics"], preexec_fn=lambda: os.close(1), stderr=subprocess.PIPE,
+                       env=_env(url), timeout=60)
+    assert (r.returncode, r.stderr) == (0, b"")
