@@ -451,14 +451,22 @@ def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
     Joins the subscription as a consumer: with other consumers live it gets its
     share of the shards. One message per line; --json: one JSON object per line.
     A stalled consumer (database unreachable, or no shard owned, for over 3
-    heartbeats) is reported by one line on stderr; tail keeps going.
+    heartbeats) is reported by one line on stderr; tail keeps going. A topic or
+    subscription deleted under it ends it (exit 1).
     """
     config = state.supervisor.config(topic)
     if tag is not None and not config.extend:
         render.note(f"topic {topic!r} has no extend support: --tag is ignored")
+    gone = []                   # the topic or subscription, deleted under this tail
+
+    def on_error(e):
+        if isinstance(e, (TopicNotFound, SubscriptionNotFound)):
+            gone.append(e)
+        else:
+            _tail_error(e)
     consumer = Consumer(state.db, topic, subscription=subscription, create=False,
                         extend_support=config.extend, desired_tag=tag, batch_size=TAIL_BATCH,
-                        on_error=_tail_error)
+                        on_error=on_error)
     got = 0
     try:                    # SIGTERM leaves as Ctrl-C does: shards and leases given back now
         previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
@@ -467,6 +475,8 @@ def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
     try:
         last = time.monotonic()
         while count is None or got < count:
+            if gone:
+                raise Failure(_one_line(gone[0]))
             wait = 1.0
             if timeout is not None:
                 wait = min(wait, max(0.0, last + timeout - time.monotonic()))

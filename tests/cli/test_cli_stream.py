@@ -87,3 +87,24 @@ def test_table_with_stdout_closed_is_no_traceback(url, db):
     r = subprocess.run([str(FDQ), "topics"], preexec_fn=lambda: os.close(1), stderr=subprocess.PIPE,
                        env=_env(url), timeout=60)
     assert (r.returncode, r.stderr) == (0, b"")
+
+
+def test_tail_ends_when_its_topic_is_deleted(url, db, sup):
+    """A tail whose topic is deleted under it stops with one line naming the problem
+    (exit 1), as a tail of an unknown topic does, instead of warning forever."""
+    fdq.Producer(db).push("orders", b"before")
+    p = subprocess.Popen([str(FDQ), "tail", "orders"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=_env(url))
+    try:
+        wait_for(lambda: sup.stats("orders")["subscriptions"]["default"]["acked"] == 1
+                 and sup.consumers("orders"), timeout=30, what="tail consuming")
+        sup.delete_topic("orders")
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 1, err
+    assert out.decode().split()[-1] == "before"
+    assert err.decode().splitlines()[-1] == "fdq: error: topic 'orders' does not exist"
+    assert b"Traceback" not in err
