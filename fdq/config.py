@@ -21,6 +21,10 @@ def check_name(name, what: str = "topic") -> str:
     return name
 
 
+MAX_INT = 2**63 - 1                  # counts are stored as 64-bit integers
+MAX_SECONDS = 100 * 365 * 86400      # durations: their millisecond deadlines stay 64-bit
+
+
 def _positive(name, value, *, allow_none=False, integer=False, zero=False):
     if value is None and allow_none:
         return
@@ -29,6 +33,9 @@ def _positive(name, value, *, allow_none=False, integer=False, zero=False):
             or (value == 0 and not zero)):
         kind = "an integer" if integer else "a number"
         raise ConfigError(f"{name} must be {kind} {'>=' if zero else '>'} 0, not {value!r}")
+    if value > (MAX_INT if integer else MAX_SECONDS):
+        bound = f"{MAX_INT:,}" if integer else f"{MAX_SECONDS:,} s (100 years)"
+        raise ConfigError(f"{name} must be at most {bound}, not {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -48,6 +48,16 @@ def _producer(url, topic, name, count):
     print(json.dumps(ids))
 
 
+def _processed_by(db, topic) -> dict:
+    """{consumer: messages it processed} (its handlers' counters)."""
+    tr = db.create_transaction()
+    try:
+        return {kv.key.decode().rsplit("/", 1)[1]: decode_counter(kv.value)
+                for kv in tr.snapshot.get_range(f"demo/{topic}/by/".encode(), f"demo/{topic}/by0".encode())}
+    finally:
+        tr.cancel()
+
+
 def _spawn(*args):
     return subprocess.Popen([sys.executable, "-m", "fdq.demo", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
@@ -88,27 +98,37 @@ def main(argv=None):
                                          "--name", f"consumer-{i}") for i in range(3)}
     producers = [_spawn("--role", "producer", "--url", url, "--topic", topic, "--name", f"p{i}",
                         "--messages", str(args.messages)) for i in range(2)]
+    victim = "consumer-0"
     try:
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline:    # kill it once it is busy: all 3 joined, it handled some
             st = sup.stats(topic)["subscriptions"]["default"]
-            if len(st["consumers"]) == 3 and st["acked"] > 300:
+            if len(st["consumers"]) == 3 and _processed_by(db, topic).get(victim, 0) >= 50:
                 break
-            time.sleep(0.1)
-        owners = {c["id"]: c["shards"] for c in sup.stats(topic)["subscriptions"]["default"]["consumers"]}
-        victim = "consumer-0"
+            time.sleep(0.02)
+        st = sup.stats(topic)
+        inserted, st = st["counters"]["inserted"], st["subscriptions"]["default"]
+        owners = {c["id"]: c["shards"] for c in st["consumers"]}
         print(f"shards before the kill: {owners}")
         print(f"kill -9 {victim} (pid {consumers[victim].pid}) mid-run")
         os.kill(consumers[victim].pid, signal.SIGKILL)
         consumers[victim].wait()
         killed_at = time.monotonic()
+        left = sum(sh["backlog"] for sh in sup.stats(topic)["subscriptions"]["default"]["shards"]
+                   if sh["owner"] == victim)
+        print(f"{victim} died owning {len(owners.get(victim, []))} shards with {left} messages still queued "
+              f"({st['acked']} processed by all consumers, {inserted} of {2 * args.messages} pushed so far)")
+        took_over = False
         while time.monotonic() - killed_at < 20:
             cs = sup.stats(topic)["subscriptions"]["default"]["consumers"]
             if victim not in {c["id"] for c in cs}:
                 print(f"survivors took over {victim}'s shards after {time.monotonic() - killed_at:.1f}s: "
                       f"{ {c['id']: c['shards'] for c in cs} }")
+                took_over = True
                 break
             time.sleep(0.05)
+        if not took_over:
+            print(f"{victim}'s shards were not taken over within 20 s")
         pushed = []
         for p in producers:
             out, _ = p.communicate(timeout=120)
@@ -134,9 +154,7 @@ def main(argv=None):
     tr = db.create_transaction()
     for kv in tr.snapshot.get_range(prefix, prefix + b"\xff"):
         counts[kv.key[len(prefix):].decode()] = decode_counter(kv.value)
-    by = {}
-    for kv in tr.snapshot.get_range(f"demo/{topic}/by/".encode(), f"demo/{topic}/by0".encode()):
-        by[kv.key.decode().rsplit("/", 1)[1]] = decode_counter(kv.value)
+    by = _processed_by(db, topic)
     stats = sup.stats(topic)
     once = sum(1 for i in pushed if counts.get(i) == 1)
     twice = sum(1 for v in counts.values() if v > 1)
@@ -148,7 +166,8 @@ def main(argv=None):
         "processed once": once, "processed twice+": twice, "missing": missing,
         "backlog": stats["subscriptions"]["default"]["backlog"]}],
         ["pushed", "distinct ids", "inserted", "processed once", "processed twice+", "missing", "backlog"])
-    ok = once == len(pushed) == len(set(pushed)) == stats["counters"]["inserted"] and not twice and not missing
+    ok = took_over and once == len(pushed) == len(set(pushed)) == stats["counters"]["inserted"] \
+        and not twice and not missing
     print("OK: every message processed exactly once, despite the kill" if ok else "FAILED")
     return 0 if ok else 1
 

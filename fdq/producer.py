@@ -55,6 +55,9 @@ MAX_SHARD_KEY_BYTES = 1024    # a shard key is stored with every copy of its mes
 MAX_PER_TRANSACTION = 1 << 16   # a versionstamp's user version (2 bytes) numbers them
 
 
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+
+
 def to_ms(t) -> int | None:
     """Epoch milliseconds from an int/float (ms) or a datetime (naive = UTC)."""
     if t is None:
@@ -62,7 +65,7 @@ def to_ms(t) -> int | None:
     if isinstance(t, datetime.datetime):
         if t.tzinfo is None:
             t = t.replace(tzinfo=datetime.timezone.utc)
-        return int(t.timestamp() * 1000)
+        return (t - _EPOCH) // datetime.timedelta(milliseconds=1)     # exact: no float
     if isinstance(t, bool) or not isinstance(t, (int, float)):
         raise ConfigError(f"time must be epoch milliseconds or a datetime, not {t!r}")
     return int(t)

@@ -109,6 +109,7 @@ def test_demo_survives_a_kill_9_with_exactly_once_counts(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "OK: every message processed exactly once" in out.stdout
     assert "kill -9 consumer-0" in out.stdout
+    assert "survivors took over consumer-0's shards after" in out.stdout     # required for OK
     assert (tmp_path / "new" / "home" / "fdq.db").exists()
 
 

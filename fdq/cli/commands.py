@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import select
+import signal
 import ssl
 import sys
 import time
@@ -20,16 +23,19 @@ from ..config import (ACK_POLICIES, DELIVER_POLICIES, DEFAULT_SUBSCRIPTION, UPDA
                       SubscriptionConfig, TopicConfig)
 from ..consumer import Consumer
 from ..engine import connect
-from ..errors import ConfigError, ConsumerStalled, FDQError, LeaseLost, SubscriptionNotFound
+from ..errors import ConfigError, ConsumerStalled, FDQError, LeaseLost, SubscriptionNotFound, TopicNotFound
+from ..keyspace.codec import ROUTE_BYTES
 from ..producer import Envelope, Producer
 from ..supervisor import Supervisor
 from . import render, rows
 from .params import (SUBSCRIPTION, TOPIC, Address, Duration, FilterHeader, Header, Seconds, SecondsList,
-                     Shards, Tag, Time, TimeOrNow, filter_headers_callback, headers_callback,
-                     subscription_config_callback, topic_config_callback)
+                     Shards, Tag, Time, TimeOrNow, envelope_callback, filter_headers_callback,
+                     headers_callback, subscription_config_callback, topic_config_callback)
 
 PUSH_BATCH = 500                 # stdin lines per transaction
-PUSH_BATCH_BYTES = 4 << 20       # ... and at most this many body bytes (FDB: 10 MB)
+PUSH_BATCH_BYTES = ROUTE_BYTES   # ... and at most this many bytes written (FDB: 10 MB): each
+PUSH_LINE_BYTES = 100            # line's body, headers and keys (~100 bytes), once in the log
+                                 # and once per subscription
 TAIL_BATCH = 100
 
 
@@ -278,6 +284,35 @@ def consumers(state, topic, as_json):
 
 # -- push and tail --------------------------------------------------------------------
 
+def _stdin_lines(stream):
+    """The lines of binary ``stream`` (each with its newline, the last maybe without),
+    and ``None`` whenever no more input is ready yet: a pipe or terminal whose writer is
+    still open (``tail -f log | fdq push logs -``), so what was read can be pushed before
+    waiting. A stream without a file descriptor is read as it is."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        yield from stream
+        return
+    parts = []                      # the current line's pieces so far
+    while True:
+        if not select.select([fd], [], [], 0)[0]:
+            yield None
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            break
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            parts.append(chunk[start:end + 1])
+            yield b"".join(parts)
+            parts = []
+            start = end + 1
+        if start < len(chunk):
+            parts.append(chunk[start:])
+    if parts:
+        yield b"".join(parts)
+
+
 def _encode_arg(text: str) -> bytes:
     # argv is decoded with surrogateescape on POSIX: this gives back the original bytes.
     return text.encode("utf-8", "surrogateescape")
@@ -286,12 +321,15 @@ def _encode_arg(text: str) -> bytes:
 @cli.command()
 @topic_argument
 @click.argument("data", required=False)
-@click.option("--key", "-k", "shard_key", metavar="K", help="Shard key (messages of one key keep their order).")
-@click.option("--delay", type=Seconds(), default=None, help="Deliver after this many seconds.")
+@click.option("--key", "-k", "shard_key", metavar="K", callback=envelope_callback,
+              help="Shard key (messages of one key keep their order).")
+@click.option("--delay", type=Seconds(), default=None, callback=envelope_callback,
+              help="Deliver after this many seconds.")
 @click.option("--header", "-H", "headers", type=Header(), multiple=True, callback=headers_callback,
               help="A header name=value (extend topics); the value is JSON if it parses, "
                    "else a string. Repeatable.")
-@click.option("--msg-id", metavar="ID", help="Your id: a repeat within the topic's dedupe window is stored once.")
+@click.option("--msg-id", metavar="ID", callback=envelope_callback,
+              help="Your id: a repeat within the topic's dedupe window is stored once.")
 @json_option
 @pass_state
 def push(state, topic, data, shard_key, delay, headers, msg_id, as_json):
@@ -300,7 +338,9 @@ def push(state, topic, data, shard_key, delay, headers, msg_id, as_json):
     TOPIC is created if missing.
 
     With DATA "-" (or no DATA), push one message per line of stdin (newline
-    stripped), in batches of one transaction each; prints one id per line.
+    stripped), in batches of one transaction each (a batch is pushed once no
+    more input is ready: lines of a live pipe go out as they come); prints one
+    id per line.
     """
     producer = Producer(state.db)
     show = render.emit_json_line if as_json else (lambda r: click.echo(r["id"]))
@@ -313,6 +353,13 @@ def push(state, topic, data, shard_key, delay, headers, msg_id, as_json):
         return
     if msg_id is not None:
         raise click.UsageError("--msg-id names one message: give DATA, not stdin lines")
+    try:
+        copies = 1 + len(state.supervisor.config(topic).subs)
+    except TopicNotFound:
+        copies = 2                  # push creates it with one subscription
+    line_bytes = PUSH_LINE_BYTES + (len(json.dumps(headers, ensure_ascii=False).encode()) if headers else 0)
+    if sys.stdin is None:                   # started with descriptor 0 closed
+        raise Failure("stdin is closed: give DATA, or lines on stdin")
     stdin = sys.stdin.buffer
     pushed = 0
     batch, size = [], 0
@@ -334,14 +381,18 @@ def push(state, topic, data, shard_key, delay, headers, msg_id, as_json):
         size = 0
 
     with render.progress(f"pushing to {topic}") as advance:
-        for line in stdin:
+        for line in _stdin_lines(stdin):
+            if line is None:            # nothing more to read yet: push what was read
+                flush(advance)
+                continue
             body = line[:-1] if line.endswith(b"\n") else line
             if body.endswith(b"\r"):
                 body = body[:-1]
-            if batch and (len(batch) >= PUSH_BATCH or size + len(body) > PUSH_BATCH_BYTES):
+            cost = (len(body) + line_bytes) * copies
+            if batch and (len(batch) >= PUSH_BATCH or size + cost > PUSH_BATCH_BYTES):
                 flush(advance)
             batch.append(Envelope(body, shard_key, delay, None, headers))
-            size += len(body)
+            size += cost
         flush(advance)
     render.note(f"pushed {pushed:,} messages to {topic!r}")
 
@@ -360,6 +411,14 @@ def _print_message(m, as_json):
         parts.append(f"attempts={row['attempts']}")
     body = m.body.decode("utf-8", "backslashreplace")
     click.echo("  ".join(parts) + "  " + body)
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived (``timeout``, systemd, docker stop): stop as on Ctrl-C."""
+
+
+def _raise_terminated(_signum, _frame):
+    raise _Terminated()
 
 
 def _tail_error(e: BaseException):
@@ -392,18 +451,32 @@ def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
     Joins the subscription as a consumer: with other consumers live it gets its
     share of the shards. One message per line; --json: one JSON object per line.
     A stalled consumer (database unreachable, or no shard owned, for over 3
-    heartbeats) is reported by one line on stderr; tail keeps going.
+    heartbeats) is reported by one line on stderr; tail keeps going. A topic or
+    subscription deleted under it ends it (exit 1).
     """
     config = state.supervisor.config(topic)
     if tag is not None and not config.extend:
         render.note(f"topic {topic!r} has no extend support: --tag is ignored")
+    gone = []                   # the topic or subscription, deleted under this tail
+
+    def on_error(e):
+        if isinstance(e, (TopicNotFound, SubscriptionNotFound)):
+            gone.append(e)
+        else:
+            _tail_error(e)
     consumer = Consumer(state.db, topic, subscription=subscription, create=False,
                         extend_support=config.extend, desired_tag=tag, batch_size=TAIL_BATCH,
-                        on_error=_tail_error)
+                        on_error=on_error)
     got = 0
+    try:                    # SIGTERM leaves as Ctrl-C does: shards and leases given back now
+        previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:      # not the main thread: leave SIGTERM alone
+        previous_sigterm = None
     try:
         last = time.monotonic()
         while count is None or got < count:
+            if gone:
+                raise Failure(_one_line(gone[0]))
             wait = 1.0
             if timeout is not None:
                 wait = min(wait, max(0.0, last + timeout - time.monotonic()))
@@ -427,7 +500,11 @@ def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
             last = time.monotonic()
     except KeyboardInterrupt:
         raise click.exceptions.Exit(130) from None
+    except _Terminated:
+        raise click.exceptions.Exit(128 + signal.SIGTERM) from None
     finally:
+        if previous_sigterm is not None:     # a second SIGTERM during close: no traceback
+            signal.signal(signal.SIGTERM, previous_sigterm)
         consumer.close()
 
 

@@ -11,7 +11,7 @@ import re
 import click
 
 from ..config import SubscriptionConfig, TopicConfig, check_name
-from ..errors import ConfigError, InvalidHeader, InvalidName
+from ..errors import ConfigError, InvalidHeader, InvalidMessage, InvalidName
 from ..headers import TRACE_ID, is_tag, validate_headers
 
 
@@ -59,6 +59,17 @@ def topic_config_callback(ctx, param, value):
     return value
 
 
+def envelope_callback(ctx, param, value):
+    """Check a push option that is an ``Envelope`` field (same name) by FDQ's own rule."""
+    if value is not None:
+        from ..producer import Envelope
+        try:
+            Envelope(b"", **{param.name: value})
+        except InvalidMessage as e:
+            raise click.BadParameter(str(e), ctx, param) from None
+    return value
+
+
 def subscription_config_callback(ctx, param, value):
     """Check an option that is a ``SubscriptionConfig`` field (same name) alone, by FDQ's
     own rule; combinations are checked once every option is known."""
@@ -99,8 +110,14 @@ class Seconds(click.ParamType):
         return s
 
 
+EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+# The last millisecond of year 9999 (what a datetime holds; msgpack stores 64-bit ints).
+MAX_TIME_MS = 253402300799999
+
+
 class Time(click.ParamType):
-    """A point in time: epoch milliseconds, or ISO-8601 (no zone = UTC). -> epoch ms."""
+    """A point in time: epoch milliseconds, or ISO-8601 (no zone = UTC), from 1970 to
+    the end of 9999. -> epoch ms."""
 
     name = "time"
 
@@ -109,15 +126,20 @@ class Time(click.ParamType):
             return value
         text = str(value).strip()
         if re.fullmatch(r"\d+", text):
-            return int(text)
-        try:
-            t = datetime.datetime.fromisoformat(text)
-        except ValueError:
-            self.fail(f"{value!r} is neither epoch milliseconds nor an ISO-8601 time "
-                      "(e.g. 1795399200000 or 2026-11-23T02:00:00Z)", param, ctx)
-        if t.tzinfo is None:
-            t = t.replace(tzinfo=datetime.timezone.utc)
-        return int(t.timestamp() * 1000)
+            ms = int(text)
+        else:
+            try:
+                t = datetime.datetime.fromisoformat(text)
+            except ValueError:
+                self.fail(f"{value!r} is neither epoch milliseconds nor an ISO-8601 time "
+                          "(e.g. 1795399200000 or 2026-11-23T02:00:00Z)", param, ctx)
+            if t.tzinfo is None:
+                t = t.replace(tzinfo=datetime.timezone.utc)
+            ms = (t - EPOCH) // datetime.timedelta(milliseconds=1)    # exact: no float
+        if not 0 <= ms <= MAX_TIME_MS:
+            self.fail(f"{value!r} is out of range (epoch milliseconds from 0 to {MAX_TIME_MS}: "
+                      "1970-01-01 to 9999-12-31)", param, ctx)
+        return ms
 
 
 class TimeOrNow(Time):
@@ -257,6 +279,6 @@ class Tag(click.ParamType):
 TOPIC = Name("topic")
 SUBSCRIPTION = Name("subscription")
 
-__all__ = ["topic_config_callback", "subscription_config_callback", "Name", "Shards", "Seconds",
+__all__ = ["topic_config_callback", "envelope_callback", "subscription_config_callback", "Name", "Shards", "Seconds",
            "SecondsList", "Time", "TimeOrNow", "Duration", "Address", "Header", "FilterHeader", "Tag",
            "headers_callback", "filter_headers_callback", "TOPIC", "SUBSCRIPTION"]

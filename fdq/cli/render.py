@@ -38,6 +38,8 @@ def note(message: str):
 
 def table(title: str | None, columns: list, rows: list):
     """``columns``: [(header, function of row -> text)]. Numbers are right-aligned."""
+    if sys.stdout is None:              # started with descriptor 1 closed: as click.echo does
+        return
     t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
     cells = [[f(row) for _h, f in columns] for row in rows]
     for i, (header, _f) in enumerate(columns):

@@ -132,3 +132,25 @@ def test_tail_tag_on_plain_topic_warns(run, db):
     r = run("tail", "plain", "--tag", "gpu", "--count", 1, "--timeout", 10)
     assert "no extend support: --tag is ignored" in r.stderr
     assert r.stdout.split()[-1] == "x"
+
+
+def test_push_stdin_big_lines_to_a_topic_with_subscriptions(run, db, sup):
+    """Every line is written once to the log and once per subscription in its batch's
+    transaction: a batch of 4 MB of lines must fit FDB's 10 MB transaction with them."""
+    run("topics", "create", "wide", "--shards", 4)
+    for name in ("a", "b", "c"):
+        run("subs", "create", "wide", name)
+    lines = [bytes([97 + i % 26]) * 100_000 for i in range(40)]
+    r = run("push", "wide", "-", input=b"\n".join(lines) + b"\n")
+    assert len(r.stdout.split()) == 40
+    st = sup.stats("wide")
+    assert st["counters"]["inserted"] == 40
+    assert {name: s["backlog"] for name, s in st["subscriptions"].items()} == \
+        {"default": 40, "a": 40, "b": 40, "c": 40}
+    # headers are written with every copy too
+    run("topics", "create", "tagged", "--extend")
+    for name in ("a", "b"):
+        run("subs", "create", "tagged", name)
+    r = run("push", "tagged", "-", "-H", "note=" + "n" * 8000, input=b"".join(b"%d\n" % i for i in range(500)))
+    assert len(r.stdout.split()) == 500
+    assert sup.stats("tagged")["counters"]["inserted"] == 500

@@ -95,6 +95,11 @@ def test_iso_start_time(run, sup, orders):
     row = run.json("subs", "create", "orders", "iso2", "--start-time", "2026-11-23T02:00:00",
                    "--deliver-policy", "by_start_time")
     assert row["start_time_ms"] == 1795399200000                     # no zone: UTC
+    # to the millisecond, with its zone (a float timestamp x 1000 lost 1 ms on these)
+    for name, iso, ms in [("f1", "2039-01-21T16:44:43.562Z", 2179241083562),
+                          ("f2", "2004-10-29T19:45:19.330+02:00", 1099071919330),
+                          ("f3", "1972-02-25T22:17:37.064", 67904257064)]:
+        assert run.json("subs", "create", "orders", name, "--start-time", iso)["start_time_ms"] == ms
 
 
 def test_list_show_and_the_list_shortcut(run, sup, orders):
