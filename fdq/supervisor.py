@@ -86,15 +86,16 @@ def play_chunk(tr, ts: TopicSpace, limit: int, hold: int | None = None) -> tuple
             written += _route_existing(tr, ts, config, target, vs, bytes(raw), delay_s, clock)
         del tr[kv.key]
         moved += 1
-    if moved == limit or written >= CHUNK_WRITE_BYTES:
-        # what it routed conflicts with another play routing it; later pushes do not
+    if last is not None:
+        # what it routed conflicts with another play routing it (whichever way this
+        # chunk ends); later pushes do not
         tr.add_read_conflict_range(r.start, last + b"\x00")
+    if moved == limit or written >= CHUNK_WRITE_BYTES:
         return moved, False, hold
     rv = tr.get_read_version().wait()
     if config.held_at is None and hold is not None:
         return moved, True, None            # paused since the hold (or resumed by another play)
     if config.held_at is None or rv - config.held_at >= HOLD_VERSIONS:
-        tr.add_read_conflict_range(r.start, last + b"\x00" if last is not None else r.start)
         tr[ts.config_key] = pack(dataclasses.replace(config, held_at=rv).as_dict())
         return moved, False, rv
     # Held: no push wrote the pending area since the hold committed (each one read the
