@@ -92,6 +92,8 @@ def play_chunk(tr, ts: TopicSpace, limit: int, hold: int | None = None) -> tuple
         tr.add_read_conflict_range(r.start, last + b"\x00")
     if moved == limit or written >= CHUNK_WRITE_BYTES:
         return moved, False, hold
+    if last is None and config.routing and config.held_at is None:
+        return 0, True, None                # running, nothing pending: no hold, no write
     rv = tr.get_read_version().wait()
     if config.held_at is None and hold is not None:
         return moved, True, None            # paused since the hold (or resumed by another play)

@@ -413,3 +413,18 @@ def test_play_ending_on_a_pause_does_not_route_twice(db):
     finally:
         cons.close()
     assert len(got) == 9 and sub_stats(db, "t")["backlog"] == 0
+
+
+def test_play_of_a_running_topic_writes_no_config(db):
+    """``play`` (NSQ's /topic/unpause) of a topic that is not paused held and unheld it:
+    two config writes, each making every push and consumer transaction in flight that
+    read the config conflict and retry. Nothing to route and nothing to resume: no write."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    ts = Keyspace().topic("t")
+    fdq.Producer(db).push("t", b"x")
+    tr = db.create_transaction()
+    tr[b"\x01probe"] = tr[ts.config_key]     # read the config, as a push does
+    assert sup.play("t") == 0
+    tr.commit().wait()                                # EngineError 1020 if play wrote it
+    assert sup.config("t").held_at is None and not sup.config("t").paused
