@@ -20,7 +20,7 @@ from .keyspace import Keyspace, TopicSpace, Versionstamp, counter, decode_counte
 from .keyspace.codec import CHUNK_BYTES, CHUNK_WRITE_BYTES, LeaseRecord, Record, decode_leases, pack, reshard_shard, shard_of, unpack
 from .log import iter_window, log_buckets, read_chunk
 from .stats import SHARD_COUNTERS, shard_counters
-from .topic import (HOLD_VERSIONS, HOLD_WAIT_S, create_topic, list_topics, load_config, read_topic_config,
+from .topic import (HOLD_WAIT_S, create_topic, held, list_topics, load_config, read_topic_config,
                     update_topic_config)
 
 CHUNK = 500
@@ -97,7 +97,7 @@ def play_chunk(tr, ts: TopicSpace, limit: int, hold: int | None = None) -> tuple
     rv = tr.get_read_version().wait()
     if config.held_at is None and hold is not None:
         return moved, True, None            # paused since the hold (or resumed by another play)
-    if config.held_at is None or rv - config.held_at >= HOLD_VERSIONS:
+    if config.held_at is None or not held(rv, config.held_at):
         tr[ts.config_key] = pack(dataclasses.replace(config, held_at=rv).as_dict())
         return moved, False, rv
     # Held: no push wrote the pending area since the hold committed (each one read the

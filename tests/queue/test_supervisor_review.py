@@ -428,3 +428,22 @@ def test_play_of_a_running_topic_writes_no_config(db):
     assert sup.play("t") == 0
     tr.commit().wait()                                # EngineError 1020 if play wrote it
     assert sup.config("t").held_at is None and not sup.config("t").paused
+
+
+def test_a_hold_from_another_version_space_does_not_block_pushes(db):
+    """``held_at`` is a version of the database that wrote it: a topic paused with one
+    (a play killed mid-hold) restored or copied into a database whose versions are
+    lower held every push to it until that one's versions caught up (the producer
+    retries TopicHeld without end). A hold ahead of the read version is not one."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=1)
+    ts = Keyspace().topic("t")
+    sup.pause("t")
+    rv = db.create_transaction().get_read_version().wait()
+    fdq.topic.update_topic_config(db, ts, held_at=rv + 10 ** 12)    # as restored elsewhere
+    out = []
+    t = threading.Thread(target=lambda: out.append(fdq.Producer(db).push("t", b"x")), daemon=True)
+    t.start()
+    t.join(10)
+    assert out, "push held by a hold from another database's versions"
+    assert sup.play("t") == 1 and sup.config("t").held_at is None
