@@ -20,7 +20,7 @@ from .keyspace import Keyspace, TopicSpace, Versionstamp, counter, decode_counte
 from .keyspace.codec import CHUNK_BYTES, CHUNK_WRITE_BYTES, LeaseRecord, Record, decode_leases, pack, reshard_shard, shard_of, unpack
 from .log import iter_window, log_buckets, read_chunk
 from .stats import SHARD_COUNTERS, shard_counters
-from .topic import (HOLD_VERSIONS, HOLD_WAIT_S, create_topic, list_topics, load_config, read_topic_config,
+from .topic import (HOLD_WAIT_S, create_topic, held, list_topics, load_config, read_topic_config,
                     update_topic_config)
 
 CHUNK = 500
@@ -86,15 +86,18 @@ def play_chunk(tr, ts: TopicSpace, limit: int, hold: int | None = None) -> tuple
             written += _route_existing(tr, ts, config, target, vs, bytes(raw), delay_s, clock)
         del tr[kv.key]
         moved += 1
-    if moved == limit or written >= CHUNK_WRITE_BYTES:
-        # what it routed conflicts with another play routing it; later pushes do not
+    if last is not None:
+        # what it routed conflicts with another play routing it (whichever way this
+        # chunk ends); later pushes do not
         tr.add_read_conflict_range(r.start, last + b"\x00")
+    if moved == limit or written >= CHUNK_WRITE_BYTES:
         return moved, False, hold
+    if last is None and config.routing and config.held_at is None:
+        return 0, True, None                # running, nothing pending: no hold, no write
     rv = tr.get_read_version().wait()
     if config.held_at is None and hold is not None:
         return moved, True, None            # paused since the hold (or resumed by another play)
-    if config.held_at is None or rv - config.held_at >= HOLD_VERSIONS:
-        tr.add_read_conflict_range(r.start, last + b"\x00" if last is not None else r.start)
+    if config.held_at is None or not held(rv, config.held_at):
         tr[ts.config_key] = pack(dataclasses.replace(config, held_at=rv).as_dict())
         return moved, False, rv
     # Held: no push wrote the pending area since the hold committed (each one read the

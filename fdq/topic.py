@@ -38,10 +38,17 @@ def read_topic_config(tr, ts: TopicSpace, *, snapshot: bool = False) -> TopicCon
     return config
 
 
+def held(rv: int, held_at: int) -> bool:
+    """Whether a hold from version ``held_at`` holds at read version ``rv``: not once
+    ``HOLD_VERSIONS`` passed, nor if it is ahead (written in another database's
+    versions: a copy or restore)."""
+    return 0 <= rv - held_at < HOLD_VERSIONS
+
+
 def check_hold(tr, ts: TopicSpace, config: TopicConfig):
     """Raise ``TopicHeld`` if a play holds the topic's pushes now (``held_at`` within
-    ``HOLD_VERSIONS`` of this transaction's read version)."""
-    if config.held_at is not None and tr.get_read_version().wait() - config.held_at < HOLD_VERSIONS:
+    ``HOLD_VERSIONS`` before this transaction's read version)."""
+    if config.held_at is not None and held(tr.get_read_version().wait(), config.held_at):
         raise TopicHeld(f"topic {ts.name!r} is held by a play finishing: retry")
 
 

@@ -432,6 +432,8 @@ class Conn:
                     while self._publishes_full():
                         self._publish_room.clear()
                         await self._publish_room.wait()     # set as publishes finish
+                    if self.closed:     # a publish's fatal error closed it meanwhile: run no more
+                        break
                     try:
                         sync = _SYNC_HANDLERS.get(item.name)
                         if sync is not None and not tls_gate:

@@ -11,6 +11,7 @@ from fdq.broker import protocol as p
 
 BODY = 256 * 1024
 COUNT = 400          # 100 MiB in all
+from fdq.broker.server import MAX_PENDING_PUBLISHES as MAX_PENDING
 
 
 def test_pipelined_publishes_are_bounded_then_all_land(raw, broker, db_url):
@@ -43,3 +44,39 @@ def test_pipelined_publishes_are_bounded_then_all_land(raw, broker, db_url):
     assert status == 200
     [topic] = json.loads(body)["topics"]
     assert topic["message_count"] == COUNT + 1
+
+
+def test_nothing_is_published_after_a_fatal_error_closed_the_wait(raw, broker, db_url):
+    """A connection waiting for room among its pending publishes went on executing the
+    commands it had read once room came, though a publish's fatal error had closed it
+    meanwhile: PUBs the client sent after the failed one (and never got an answer
+    for, so would publish again) were published. At most the ones already running
+    before the failure land (publishes run concurrently)."""
+    import fdq
+    fdq.Supervisor(fdq.connect(db_url)).create_topic("bpf", subs=(), max_message_bytes=100)
+    c = raw()
+    c.pub("bpf", b"first")
+    extra = 40
+    blocker = sqlite3.connect(db_url[len("sqlite://"):], isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")        # the small ones wait for the database
+    try:
+        c.send(p.encode_command(b"PUB", b"bpf", body=b"x" * 200)      # too large: E_BAD_MESSAGE, fatal
+               + p.encode_command(b"PUB", b"bpf", body=b"s") * (MAX_PENDING + extra))
+        assert c.error().startswith("E_BAD_MESSAGE")
+        assert c.closed()
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+
+    def count():
+        status, body = broker.http_req("/stats?format=json&topic=bpf")
+        assert status == 200
+        return json.loads(body)["topics"][0]["message_count"]
+    deadline = time.monotonic() + 30
+    while count() < MAX_PENDING - 1 and time.monotonic() < deadline:   # those already running
+        time.sleep(0.05)
+    assert count() >= MAX_PENDING - 1
+    deadline = time.monotonic() + 2           # then nothing more
+    while time.monotonic() < deadline:
+        assert count() <= MAX_PENDING + 1, "published after the connection was closed"
+        time.sleep(0.1)

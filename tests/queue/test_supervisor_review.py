@@ -377,3 +377,73 @@ def test_play_finishes_under_a_steady_push_stream(procs, db, monkeypatch):
     for _i, key, body in got:
         order[key].append(int(body.decode().rsplit(":", 1)[1]))
     assert all(seqs == sorted(seqs) for seqs in order.values()), "a key out of push order"
+
+
+def test_play_ending_on_a_pause_does_not_route_twice(db):
+    """A play whose hold a pause ended routes what it reads and returns; that chunk
+    added no read conflict for what it routed, so a second play routing the same
+    pending messages meanwhile (a full chunk, no config write) let it commit too: each
+    message routed twice (routed > inserted, a backlog of phantom messages for good)."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=1)
+    ts = Keyspace().topic("t")
+    p = fdq.Producer(db)
+    sup.pause("t")
+    p.push_many("t", [fdq.Envelope(b"a%d" % j, shard_key="k") for j in range(3)])
+    moved, done, hold = sv.play_chunk(db, ts, sv.CHUNK)      # play A: routes, holds
+    assert (moved, done) == (3, False) and hold is not None
+    sup.pause("t")                                           # ends A's hold
+    p.push_many("t", [fdq.Envelope(b"b%d" % j, shard_key="k") for j in range(3)])
+    tr_a = db.create_transaction()                           # A's next chunk, not committed yet
+    assert sv.play_chunk(tr_a, ts, sv.CHUNK, hold)[:2] == (3, True)
+    p.push_many("t", [fdq.Envelope(b"c%d" % j, shard_key="k") for j in range(3)])
+    assert sv.play_chunk(db, ts, 6)[:2] == (6, False)        # play B: a full chunk, the same 3 first
+    try:
+        tr_a.commit().wait()                                 # A commits after B: must conflict
+        committed = True
+    except fdq.errors.EngineError as e:
+        assert e.code == 1020
+        committed = False
+    sup.play("t")
+    c = sup.stats("t")["counters"]
+    assert (c["inserted"], c["routed"], c["pending"]) == (9, 9, 0), f"A committed: {committed}"
+    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
+    try:
+        got = _fetch_until(cons, 9, 30)
+    finally:
+        cons.close()
+    assert len(got) == 9 and sub_stats(db, "t")["backlog"] == 0
+
+
+def test_play_of_a_running_topic_writes_no_config(db):
+    """``play`` (NSQ's /topic/unpause) of a topic that is not paused held and unheld it:
+    two config writes, each making every push and consumer transaction in flight that
+    read the config conflict and retry. Nothing to route and nothing to resume: no write."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    ts = Keyspace().topic("t")
+    fdq.Producer(db).push("t", b"x")
+    tr = db.create_transaction()
+    tr[b"\x01probe"] = tr[ts.config_key]     # read the config, as a push does
+    assert sup.play("t") == 0
+    tr.commit().wait()                                # EngineError 1020 if play wrote it
+    assert sup.config("t").held_at is None and not sup.config("t").paused
+
+
+def test_a_hold_from_another_version_space_does_not_block_pushes(db):
+    """``held_at`` is a version of the database that wrote it: a topic paused with one
+    (a play killed mid-hold) restored or copied into a database whose versions are
+    lower held every push to it until that one's versions caught up (the producer
+    retries TopicHeld without end). A hold ahead of the read version is not one."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=1)
+    ts = Keyspace().topic("t")
+    sup.pause("t")
+    rv = db.create_transaction().get_read_version().wait()
+    fdq.topic.update_topic_config(db, ts, held_at=rv + 10 ** 12)    # as restored elsewhere
+    out = []
+    t = threading.Thread(target=lambda: out.append(fdq.Producer(db).push("t", b"x")), daemon=True)
+    t.start()
+    t.join(10)
+    assert out, "push held by a hold from another database's versions"
+    assert sup.play("t") == 1 and sup.config("t").held_at is None
