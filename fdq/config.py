@@ -192,7 +192,7 @@ DELIVER_POLICIES = ("all", "new", "last", "by_start_time")
 # subscription is (its start, its filter, its delivery contract) and need a new one.
 UPDATABLE_SUBSCRIPTION_FIELDS = ("description", "ack_wait_s", "max_deliver", "backoff_s",
                                  "max_ack_pending")
-_HEADER_NAME_RE = re.compile(r"^[0-9a-zA-Z_\-#]{1,64}$")
+_HEADER_NAME_RE = re.compile(r"[0-9a-zA-Z_\-#]{1,128}")   # = fdq.headers' rule (NAME_RE, MAX_NAME_CHARS)
 
 
 @dataclass(frozen=True, kw_only=True)

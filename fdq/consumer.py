@@ -51,6 +51,9 @@ _GOODBYE_MS = 10_000
 # per shard cost 16 every check interval; all of a consumer's shards in one could
 # outlast FDB's 5 s with large backlogs in flight.
 LEASE_SCAN_SHARDS = 4
+# Heartbeats a subscription may stay catching up (its delivery stopped) before its live
+# consumers finish the catch-up themselves (``Consumer._help_catch_up``).
+CATCH_UP_HELP_AFTER = 3
 
 
 def _ms_until(deadline: float) -> int:
@@ -310,6 +313,8 @@ class Consumer:
         self._noshard_since = None
         self._stall_reported = False
         self._reaper = _subs.Reaper(self.config.zombie_after_s)
+        self._catching_up_since = None   # when this consumer first saw its subscription catching up
+        self._catch_up_helper = None
         self._closed = False
         self._clock_base = None      # (database clock ms, this host's monotonic s) last seen
         self._thread = None
@@ -443,6 +448,7 @@ class Consumer:
                         self._join()
                     self._observe_peers(now)
                     self._topic_config = read_topic_config(self.db, self._ts, snapshot=True)
+                    self._help_catch_up(now)
                     membership.assign_new_tags(self.db, self._ts, self.subscription)  # new tags
                     self._refresh_owned()
                     self._observe_subscriptions(now)
@@ -458,6 +464,33 @@ class Consumer:
                 self._last_error = e
                 if self._stalled_since is None:
                     self._stalled_since = _monotonic()
+
+    def _help_catch_up(self, now: float):
+        """A start point left unfinished (a ``reset`` or ``create_subscription`` killed
+        midway) stops the subscription's delivery until someone finishes it: after
+        ``CATCH_UP_HELP_AFTER`` heartbeats, live consumers do (``catch_up_chunk`` is
+        resumable and safe to run from several processes), in a thread of their own so
+        heartbeats go on."""
+        config = self._topic_config
+        if self.subscription not in config.catchup or not config.routing:
+            self._catching_up_since = None
+            return
+        if self._catching_up_since is None:
+            self._catching_up_since = now
+        if now - self._catching_up_since < CATCH_UP_HELP_AFTER * self.config.heartbeat_interval_s:
+            return
+        if self._catch_up_helper is None or not self._catch_up_helper.is_alive():
+            self._catch_up_helper = threading.Thread(target=self._run_catch_up, daemon=True,
+                                                     name=f"fdq-catch-up-{self.id}")
+            self._catch_up_helper.start()
+
+    def _run_catch_up(self):
+        try:
+            while not self._stop.is_set():
+                if _subs.catch_up_chunk(self.db, self._ts, self.subscription, _subs.CHUNK) < 0:
+                    return
+        except Exception as e:      # the next heartbeat tries again
+            self._report(e)
 
     def _observe_subscriptions(self, now: float):
         """Pick up updates of the subscription's config; reap zombies of the topic's

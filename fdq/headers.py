@@ -33,8 +33,10 @@ def _check_value(name, value, depth=0):
     """A checked copy of ``value`` (so a caller mutating its list later changes nothing)."""
     if depth > MAX_DEPTH:
         raise InvalidHeader(f"header {name!r}: value nested deeper than {MAX_DEPTH} levels")
-    if value is None or isinstance(value, (bool, str)):
+    if value is None or isinstance(value, bool):
         return value
+    if isinstance(value, str):
+        return _check_str(name, value)
     if isinstance(value, int):
         if not -2**63 <= value < 2**64:
             raise InvalidHeader(f"header {name!r}: integer {value} does not fit 64 bits")
@@ -50,9 +52,19 @@ def _check_value(name, value, depth=0):
         for k, v in value.items():
             if not isinstance(k, str):
                 raise InvalidHeader(f"header {name!r}: map keys must be strings, not {k!r}")
-            out[k] = _check_value(name, v, depth + 1)
+            out[_check_str(name, k)] = _check_value(name, v, depth + 1)
         return out
     raise InvalidHeader(f"header {name!r}: {type(value).__name__} is not a JSON-compatible value")
+
+
+def _check_str(name, s: str) -> str:
+    """``s`` if it encodes to UTF-8 (a lone surrogate, e.g. from surrogateescape, does not)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidHeader(f"header {name!r}: string {s!r} is not valid Unicode ({e.reason} "
+                            f"at position {e.start})") from None
+    return s
 
 
 def is_tag(value) -> bool:
@@ -93,8 +105,8 @@ def validate_headers(headers) -> dict:
     if _VALID_NAMES.issuperset(out) and _SIMPLE.issuperset(types):
         try:
             size = len(msgpack.packb(out, use_bin_type=True))
-        except OverflowError:
-            size = -1
+        except (OverflowError, UnicodeEncodeError):
+            size = -1       # the slow path names the header
         if 0 <= size <= MAX_HEADER_BYTES \
                 and (float not in types or all(math.isfinite(v) for v in out.values() if type(v) is float)) \
                 and (DISPATCH_TAG not in out or is_tag(out[DISPATCH_TAG])):

@@ -501,7 +501,6 @@ class Reaper:
         self.zombie_after_s = zombie_after_s
         self.longest_timeout_s = zombie_after_s   # the longest timeout a member advertised
         self._seen = {}          # (sub, cid) -> (hb, since)
-        self._ephemeral = {}     # sub -> bool (fixed at creation)
 
     def observe(self, db, ts: TopicSpace, topic_config, now: float, skip: str | None = None) -> list:
         """One observation; returns the subscriptions deleted."""
@@ -510,12 +509,12 @@ class Reaper:
         for sub in topic_config.subs:
             if sub == skip:
                 continue
-            eph = self._ephemeral.get(sub)
-            if eph is None:
-                try:
-                    eph = self._ephemeral[sub] = is_ephemeral(sub, read_subscription(db, ts, sub, snapshot=True))
-                except SubscriptionNotFound:
-                    continue
+            # Read each time (one snapshot read): a subscription deleted and created
+            # again under its name may have changed from durable to ephemeral.
+            try:
+                eph = is_ephemeral(sub, read_subscription(db, ts, sub, snapshot=True, topic_config=topic_config))
+            except SubscriptionNotFound:
+                continue
             if not eph:
                 continue
             for cid, m in membership.read_members(db, ts, sub).items():
@@ -529,7 +528,6 @@ class Reaper:
                     if declare_zombie(db, ts, sub, cid, seen[0], topic_config) and \
                             sub not in read_topic_config(db, ts, snapshot=True).subs:
                         deleted.append(sub)
-                        self._ephemeral.pop(sub, None)
         for key in [k for k in self._seen if k not in live]:
             del self._seen[key]
         return deleted

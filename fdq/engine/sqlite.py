@@ -25,6 +25,7 @@ import bisect
 import ctypes
 import errno
 import fcntl
+import functools
 import os
 import random
 import select
@@ -795,7 +796,7 @@ class _WatchManager:
         with self.cond:
             self.watches.setdefault(key, []).append((baseline, future))
             self.count += 1
-            future._on_cancel = self._cancelled
+            future._on_cancel = functools.partial(self._cancelled, key)
             if self.thread is None:
                 self.checking = self.lingering = False
                 self.checked_version = self.unverified = None
@@ -815,16 +816,18 @@ class _WatchManager:
                 return
             self._kick()
 
-    def _cancelled(self, future):
+    def _cancelled(self, key, future):
+        """Forget a cancelled watch: looked up by its key (a consumer closing with
+        thousands of watches, one per shard of each dispatch tag, cancels them all)."""
         with self.cond:
-            for key, lst in list(self.watches.items()):
-                for item in lst:
-                    if item[1] is future:
-                        lst.remove(item)
-                        self.count -= 1
-                        if not lst:
-                            del self.watches[key]
-                        return
+            lst = self.watches.get(key)
+            for item in lst or ():
+                if item[1] is future:
+                    lst.remove(item)
+                    self.count -= 1
+                    if not lst:
+                        del self.watches[key]
+                    return
 
     def notify_commit(self, tr: "Transaction", version: int, signalled: bool):
         """Commit ``version`` of ``tr``, a transaction of this process, is visible.

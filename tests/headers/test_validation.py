@@ -47,6 +47,8 @@ INVALID = [
     ("int too big", {"i": 2**64}, "'i'"),
     ("int too small", {"i": -2**63 - 1}, "'i'"),
     ("non-str map key", {"m": {1: "x"}}, "'m'"),
+    ("lone surrogate in value", {"s": "bad\udc80"}, "'s'"),
+    ("lone surrogate in nested map key", {"m": {"k\udc80": 1}}, "'m'"),
     ("too deep", {"deep": [[[[[[[[[[1]]]]]]]]]]}, "'deep'"),
     ("tag not a string", {DISPATCH_TAG: 7}, DISPATCH_TAG),
     ("tag empty", {DISPATCH_TAG: ""}, DISPATCH_TAG),

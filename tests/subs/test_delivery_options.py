@@ -155,6 +155,25 @@ def test_filters(db):
     assert st["eu"]["backlog"] == 0 and st["kind"]["backlog"] == 0
 
 
+def test_filter_on_any_valid_header_name(db):
+    """A filter names any header a message may carry: names of up to
+    fdq.headers.MAX_NAME_CHARS (128) characters, not only up to 64."""
+    from fdq.headers import MAX_NAME_CHARS
+    name = "h" * MAX_NAME_CHARS
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2, extend=True)
+    sup.create_subscription("t", "long", fdq.SubscriptionConfig(filter_headers={name: "a"}))
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"1", headers={name: "a"}),
+                                     fdq.Envelope(b"2", headers={name: "b"})])
+    c = fdq.Consumer(db, "t", subscription="long", create=False, extend_support=True)
+    try:
+        ms = c.fetch(100, timeout=0.3)
+        c.ack_many(ms)
+        assert [m.body for m in ms] == [b"1"]
+    finally:
+        c.close()
+
+
 def test_ack_policy_none_delivers_at_most_once(db):
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=2)

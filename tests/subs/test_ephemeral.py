@@ -186,3 +186,27 @@ def test_ephemeral_long_catch_up_is_not_reaped(db, monkeypatch):
         assert "slow#ephemeral" not in sup.config("events").subs
     finally:
         observer.shutdown()
+
+
+@pytest.mark.slow
+def test_reaped_after_recreated_ephemeral_under_a_durable_name(db, url, workers):
+    """A consumer's reaper must not keep what it first saw of a subscription name: a
+    durable subscription deleted and created again as ephemeral (same name) is deleted
+    once its last member is killed."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("events", shards=2)
+    observer = fdq.tail(db, "events", lambda m: None, config=fdq.ConsumerConfig(**FAST))
+    try:
+        sup.create_subscription("events", "tmp")            # durable, seen by the observer
+        def beats():
+            return sup.stats("events")["subscriptions"]["default"]["consumers"][0]["heartbeats"]
+        hb = beats()
+        # two heartbeats of the observer: one full round after "tmp" was created looked at it
+        wait_for(lambda: beats() >= hb + 2, timeout=30, what="the observer's heartbeats")
+        sup.delete_subscription("events", "tmp")
+        sup.create_subscription("events", "tmp", ephemeral=True)
+        a = workers.start(url, "events", "tmp", "acking", "a")
+        workers.kill(a)
+        wait_for(lambda: "tmp" not in sup.config("events").subs, timeout=30, what="ephemeral reaped")
+    finally:
+        observer.shutdown()

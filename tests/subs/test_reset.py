@@ -111,3 +111,57 @@ def test_reset_purges_delayed_messages_in_pages(db, monkeypatch):
     assert got == set(old + [later])
     st = sup.stats("t")["subscriptions"]["r"]
     assert st["delayed"] == 0 and st["backlog"] == 0
+
+
+_KILLED_RESET = """
+import os, signal, sys
+import fdq
+from fdq import subscription as subs
+
+subs.CHUNK = 20
+chunk, calls = subs.catch_up_chunk, []
+
+def dies(*args, **kwargs):      # killed -9 after a few chunks of the rewind's catch-up
+    calls.append(1)
+    if len(calls) == 4:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return chunk(*args, **kwargs)
+
+subs.catch_up_chunk = dies
+fdq.Supervisor(fdq.connect(sys.argv[1])).reset("t", "r", 0)
+"""
+
+
+def test_reset_killed_midway_is_finished_by_live_consumers(db, url, tmp_path):
+    """A reset killed -9 midway leaves the subscription catching up (no delivery). Its
+    live consumers finish the catch-up: the rewind's messages arrive, each once."""
+    import signal
+    import subprocess
+    import sys
+    from subs_helpers import FAST, wait_for
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    sup.create_subscription("t", "r")
+    a = _push(db, "a", 200)
+    assert _ids(drain(db, "t", "r", idle_s=0.3)) == set(a)
+    c = fdq.Consumer(db, "t", subscription="r", create=False, config=fdq.ConsumerConfig(**FAST),
+                     on_error=lambda e: None)
+    try:
+        script = tmp_path / "killed_reset.py"
+        script.write_text(_KILLED_RESET)
+        proc = subprocess.run([sys.executable, str(script), url], timeout=120, capture_output=True)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+        assert "r" in sup.config("t").catchup        # left midway
+        got = []
+
+        def step():
+            ms = c.fetch(100, timeout=0.2)
+            c.ack_many(ms)
+            got.extend(ms)
+            return len(got) >= len(a)
+        wait_for(step, timeout=60, what="the rewind's messages")
+        assert _ids(got) == set(a)
+        assert not c.fetch(100, timeout=0.5)
+        assert "r" not in sup.config("t").catchup
+    finally:
+        c.close()
