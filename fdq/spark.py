@@ -415,7 +415,7 @@ class FDQReader(DataSourceReader):
         shard_key = / IN are applied before rows are built. Both exactly: Spark does not
         re-check them."""
         for f in filters:
-            col = f.attribute
+            col = getattr(f, "attribute", None)   # Not(...) has none: Spark applies it
             if col == ("insertion_time",) and isinstance(f, (EqualTo, GreaterThan, GreaterThanOrEqual,
                                                               LessThan, LessThanOrEqual)):
                 us = _us(f.value)
