@@ -237,7 +237,8 @@ def decode_entries(db, ts: TopicSpace, keys, raws, start_ms=None, end_ms=None, s
     key in ``shard_keys``, a set, when given): {"ts_ms", "shard_key", "headers", "body",
     "msg_id", "replay_of"} sequences (headers as dicts or None) and "vs": the entries'
     positions (the message ids), 12 bytes each, joined. Bodies split into chunks are
-    read back whole."""
+    read back whole; an entry whose chunks a trim deleted since ``raws`` were read is
+    left out (it is no longer in the log), never returned with an empty body."""
     if not raws:
         return {c: b"" if c == "vs" else [] for c in _EMPTY_COLUMNS}
     # The batch's records in one msgpack call: concatenated under one array header,
@@ -271,6 +272,10 @@ def decode_entries(db, ts: TopicSpace, keys, raws, start_ms=None, end_ms=None, s
         for i, nc in enumerate(nchunks):
             if nc:
                 vs = Versionstamp.from_bytes(keys[i][-12:])
-                bodies[i] = body_of(db, ts, vs, Record(tss[i], nchunks=nc))
+                bodies[i] = body_of(db, ts, vs, Record(tss[i], nchunks=nc), strict=True)
+        if None in bodies:   # trimmed since its record was read: it is gone, not empty
+            keep = [i for i, b in enumerate(bodies) if b is not None]
+            tss, sks, mids, hds, bodies, reps, keys = (
+                [col[i] for i in keep] for col in (tss, sks, mids, hds, bodies, reps, keys))
     return {"vs": b"".join(map(_VS_OF_KEY, keys)), "ts_ms": tss, "shard_key": sks,
             "headers": hds, "body": bodies, "msg_id": mids, "replay_of": reps}

@@ -45,3 +45,26 @@ def test_negated_filters_are_left_to_spark(spark, tmp_path):
     assert df.filter("shard_key != 'k1'").count() == 20
     assert df.filter("NOT (shard_key IN ('k0', 'k2'))").count() == 10
     assert df.filter("NOT (insertion_time < TIMESTAMP '2000-01-01 00:00:00')").count() == 30
+
+
+def test_a_large_body_trimmed_while_its_batch_is_read_is_left_out(tmp_path):
+    """read() scans a batch of records, then reads the chunks of large bodies in another
+    transaction: a trim between the two deleted the chunks, and the message came out
+    with an empty body. It is gone from the log, so it must not come out at all."""
+    url, db = _topic(tmp_path, shards=1)
+    big = b"x" * 300_000   # chunked
+    fdq.Producer(db).push_many("t", [fdq.Envelope(big, "a"), fdq.Envelope(b"small", "b")])
+    ts = Keyspace().topic("t")
+    (bucket, begin, end), = [r for p in fs.FDQReader(fs.read_options({"url": url, "topic": "t"}))
+                             .partitions() for r in p.ranges]
+    (keys, raws), = log.scan_entries(db, ts, begin, end)
+    assert log.decode_entries(db, ts, keys, raws)["body"] == [big, b"small"]
+    # The retention trim of the large message lands between the scan and the chunk read.
+    big_vs = log.Versionstamp.from_bytes(keys[0][-12:])
+    from fdq.supervisor import delete_log_entries
+    nchunks = log.Record.decode(raws[0]).nchunks
+    assert nchunks > 1
+    assert delete_log_entries(db, ts, [(bucket, big_vs, nchunks)]) == 1
+    cols = log.decode_entries(db, ts, keys, raws)
+    assert cols["body"] == [b"small"] and cols["shard_key"] == ["b"]
+    assert cols["vs"] == keys[1][-12:] and len(cols["ts_ms"]) == 1
