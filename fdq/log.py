@@ -124,9 +124,12 @@ def log_buckets(db, ts: TopicSpace) -> list:
     """The bucket numbers that hold log entries, found by hopping from bucket to bucket
     (one bounded read per bucket): entries keep the bucket of the shard count they were
     pushed under, so a reshard can leave buckets beyond the current shard count."""
+    return _buckets_in(db.create_transaction(), ts)
+
+
+def _buckets_in(tr, ts: TopicSpace) -> list:
     r = ts.log.range()
     begin, out = r.start, []
-    tr = db.create_transaction()
     while True:
         rows = list(tr.snapshot.get_range(begin, r.stop, limit=1))
         if not rows:
@@ -175,10 +178,11 @@ def position_after_time(db, ts: TopicSpace, t_ms: int | None) -> bytes | None:
 
 
 def last_positions(db, ts: TopicSpace) -> dict:
-    """{bucket: position of its last entry}, read in one transaction."""
+    """{bucket: position of its last entry}, read in one transaction (buckets included):
+    exactly the entries committed at one version are at or before these positions."""
     tr = db.create_transaction()
     out = {}
-    for b in log_buckets(db, ts):
+    for b in _buckets_in(tr, ts):
         begin, end = bucket_range(ts, b)
         for kv in tr.snapshot.get_range(begin, end, limit=1, reverse=True):
             out[b] = bytes(kv.key[-12:])

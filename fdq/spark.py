@@ -358,15 +358,20 @@ def _us(value):
 def plan_ranges(db, ts, buckets, start_vs: bytes | None, end_vs: bytes | None, parts: int) -> list:
     """Split the log's buckets, narrowed to positions [start_vs, end_vs), into at most
     ``parts`` lists of key ranges of about equal size, by the database's
-    ``get_range_split_points`` (so partitions follow the data)."""
+    ``get_range_split_points`` (so partitions follow the data). ``buckets``: bucket
+    numbers, or {bucket: its last position to read} (``log.last_positions``: a read of
+    exactly what was committed then, not of what commits while its tasks run)."""
     tr = db.create_transaction()
     spans, total = [], 0
-    for b in buckets:
+    upto = buckets if isinstance(buckets, dict) else {}
+    for b in sorted(buckets):
         begin, end = log.bucket_range(ts, b)
         if start_vs is not None:
             begin = max(begin, log.entry_key(ts, b, start_vs))
         if end_vs is not None:
             end = min(end, log.entry_key(ts, b, end_vs))
+        if b in upto:
+            end = min(end, log.entry_key(ts, b, upto[b]) + b"\x00")
         if begin >= end:
             continue
         if parts == 1:   # one partition: every range, no sizes to balance
@@ -455,11 +460,12 @@ class FDQReader(DataSourceReader):
         start_ms, end_ms = self._window_ms()
         if (start_ms is not None and end_ms is not None and start_ms >= end_ms) or self.shard_keys == set():
             return [LogPartition([])]
-        buckets = log.log_buckets(db, ts)
+        # The read is of the log as committed now: {bucket: last position}, one snapshot.
+        last = log.last_positions(db, ts)
         start_vs = log.position_for_time(db, ts, start_ms).to_bytes() if start_ms is not None else None
         end_vs = log.position_after_time(db, ts, end_ms)
-        parts = self.o["num_partitions"] or max(1, len(buckets))
-        planned = plan_ranges(db, ts, buckets, start_vs, end_vs, parts)
+        parts = self.o["num_partitions"] or max(1, len(last))
+        planned = plan_ranges(db, ts, last, start_vs, end_vs, parts)
         return [LogPartition(r) for r in planned] or [LogPartition([])]
 
     def read(self, partition):
