@@ -217,18 +217,28 @@ def advance_positions(db, ts: TopicSpace, cursors: dict, limit: int) -> tuple:
     return out, n
 
 
-def scan_entries(db, ts: TopicSpace, begin: bytes, end: bytes, batch: int = 4096):
+SCAN_BYTES = 8_000_000   # about this much per scan batch: records go up to ~92 KB each
+
+
+def scan_entries(db, ts: TopicSpace, begin: bytes, end: bytes, batch: int = 4096,
+                 max_bytes: int = SCAN_BYTES):
     """Yield (keys, raw records) of the log entries in ``[begin, end)`` (one bucket or
-    several), two lists of at most ``batch`` each, each batch read in its own short
-    snapshot transaction."""
+    several), two lists of at most ``batch`` each and about ``max_bytes`` (the first
+    batch is of at most 64 entries; the next ones are sized by the entries read so far),
+    each batch read in its own short snapshot transaction."""
+    limit, nbytes, nrows = min(batch, 64), 0, 0
     while begin < end:
         tr = db.create_transaction()
-        kvs = list(tr.snapshot.get_range(begin, end, limit=batch, streaming_mode=StreamingMode.want_all))
+        kvs = list(tr.snapshot.get_range(begin, end, limit=limit, streaming_mode=StreamingMode.want_all))
         if kvs:
-            yield [kv.key for kv in kvs], [kv.value for kv in kvs]
-        if len(kvs) < batch:
+            keys, raws = [kv.key for kv in kvs], [kv.value for kv in kvs]
+            yield keys, raws
+            nrows += len(kvs)
+            nbytes += sum(map(len, raws)) + len(keys) * len(keys[0])
+        if len(kvs) < limit:
             return
         begin = kvs[-1].key + b"\x00"
+        limit = max(1, min(batch, max_bytes * nrows // max(1, nbytes)))
 
 
 _VS_OF_KEY = itemgetter(slice(-12, None))   # a log entry key ends with its position

@@ -95,3 +95,21 @@ def test_a_batch_read_returns_what_was_committed_when_it_was_planned(tmp_path, p
     assert sorted(got) == sorted(before)
     # A retried task reads the same rows.
     assert sorted(_read_all(reader, planned)) == sorted(before)
+
+
+def test_read_batches_of_large_messages_are_bounded_in_bytes(tmp_path):
+    """Messages just under the chunking size (~90 KB inline): a read batch of the
+    default 2,048 entries was ~180 MB in one read transaction (near FDB's 5 s on a
+    cluster) and in one Arrow batch. Batches now stay near log.SCAN_BYTES."""
+    url, db = _topic(tmp_path, shards=1)
+    p = fdq.Producer(db)
+    for i in range(10):
+        p.push_many("t", [fdq.Envelope(bytes([i]) * 89_000) for _ in range(20)])
+    reader = fs.FDQReader(fs.read_options({"url": url, "topic": "t"}))   # batchSize 2048
+    sizes, rows = [], 0
+    for part in reader.partitions():
+        for rb in reader.read(part):
+            sizes.append(sum(len(b) for b in rb.column("body").to_pylist()))
+            rows += rb.num_rows
+    assert rows == 200
+    assert max(sizes) <= 9_000_000, sizes
