@@ -63,7 +63,8 @@ WRITE_OPTIONS = {"url", "topic", "batchsize", "writeid", "idempotent"}
 _CANONICAL = {o.lower(): o for o in ("url", "topic", "start", "end", "numPartitions", "batchSize",
                                      "batchFormat", "startingPosition", "maxRecordsPerTrigger",
                                      "writeId", "idempotent")}
-WRITE_BATCH_BYTES = 2_000_000   # body bytes per push transaction (FDB's limit is 10 MB)
+WRITE_BATCH_BYTES = 4_000_000   # bytes a push transaction writes: bodies (and headers) times
+                                # their copies, the log's and one per subscription (FDB: 10 MB)
 
 
 class SparkOptionError(ConfigError):
@@ -553,8 +554,8 @@ class FDQCommit(WriterCommitMessage):
 class FDQWriter(DataSourceArrowWriter):
     """Pushes rows (``body`` binary or string, required; ``shard_key`` string and
     ``headers`` map<string,string> optional; other columns are ignored) with
-    ``Producer.push_many``, at most ``batchSize`` messages / ~2 MB of bodies per
-    transaction.
+    ``Producer.push_many``, at most ``batchSize`` messages per transaction and bodies
+    of ~4 MB divided by the copies a push writes (the log's and one per subscription).
 
     Idempotent (``idempotent=true``, the default): row ``i`` of partition ``p`` is pushed
     with ``msg_id = "spark:<writeId>:<p>:<i>"``, so a re-run of a failed task (or of the
@@ -573,10 +574,12 @@ class FDQWriter(DataSourceArrowWriter):
         from pyspark import TaskContext
         ctx = TaskContext.get()
         part = ctx.partitionId() if ctx is not None else 0
-        db = _db(self.o["url"])
+        db, _ts, config = _open_topic(self.o)
         producer = Producer(db, config=ProducerConfig(auto_create=False))
         topic, prefix = self.o["topic"], f"spark:{self.o['write_id']}:{part}:"
         idem, limit = self.o["idempotent"], self.o["batch_size"]
+        # A push writes each message once to the log and once per subscription.
+        max_bytes = max(1, WRITE_BATCH_BYTES // (1 + len(config.subs)))
         row = pushed = dups = 0
         batch, nbytes = [], 0
 
@@ -599,13 +602,17 @@ class FDQWriter(DataSourceArrowWriter):
                     raise FDQError(f"fdq writer: row {row} of partition {part} has a null body")
                 h = heads[i] if heads is not None else None
                 try:
-                    batch.append(Envelope(body, keys[i] if keys is not None else None, None,
-                                          prefix + str(row) if idem else None, dict(h) if h else None))
+                    env = Envelope(body, keys[i] if keys is not None else None, None,
+                                   prefix + str(row) if idem else None, dict(h) if h else None)
                 except FDQError as e:
                     raise type(e)(f"fdq writer: row {row} of partition {part}: {e}") from None
+                size = len(body) + (sum(len(k) + len(v or "") for k, v in h) if h else 0)
+                if batch and nbytes + size > max_bytes:
+                    flush()   # a large message goes alone (push refuses one too large to route)
+                batch.append(env)
                 row += 1
-                nbytes += len(body)
-                if len(batch) >= limit or nbytes >= WRITE_BATCH_BYTES:
+                nbytes += size
+                if len(batch) >= limit:
                     flush()
         flush()
         return FDQCommit(part, pushed, dups)

@@ -113,3 +113,34 @@ def test_read_batches_of_large_messages_are_bounded_in_bytes(tmp_path):
             rows += rb.num_rows
     assert rows == 200
     assert max(sizes) <= 9_000_000, sizes
+
+
+def _write(url, topic, bodies):
+    import pyarrow as pa
+    from pyspark.sql.types import BinaryType, StructField, StructType
+    w = fs.FDQWriter(fs.write_options({"url": url, "topic": topic}),
+                     StructType([StructField("body", BinaryType())]))
+    rb = pa.record_batch([pa.array(bodies, pa.binary())], names=["body"])
+    return w.write(iter([rb]))   # outside a task: partition 0
+
+
+@pytest.mark.parametrize("subs, bodies", [
+    (5, [b"x" * 60_000] * 40),                           # 2.4 MB of bodies, 6 copies each
+    (5, [b"y" * 60_000] * 10 + [b"z" * 1_000_000] * 2),  # large ones after a partial batch
+])
+def test_writer_transactions_count_every_copy_a_push_writes(tmp_path, subs, bodies):
+    """A push writes a message to the log and to each subscription: the writer's ~2 MB of
+    bodies per push_many made transactions over FDB's 10 MB on a topic with 4+
+    subscriptions, and the write failed with transaction_too_large."""
+    url = f"sqlite://{tmp_path}/fdq.db"
+    db = fdq.connect(url)
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    for i in range(subs - 1):   # and "default"
+        sup.create_subscription("t", f"s{i}")
+    assert len(sup.config("t").subs) == subs
+    assert _write(url, "t", bodies).pushed == len(bodies)
+    got = [b for part in fs.FDQReader(fs.read_options({"url": url, "topic": "t"})).partitions()
+           for rb in fs.FDQReader(fs.read_options({"url": url, "topic": "t"})).read(part)
+           for b in rb.column("body").to_pylist()]
+    assert sorted(got) == sorted(bodies)
