@@ -642,6 +642,15 @@ def _check_write_schema(schema: StructType):
                                f"{types['headers'].simpleString()}")
 
 
+def _check_read_schema(schema: StructType):
+    """Rows always have SCHEMA's columns: a different schema given with ``.schema()``
+    would fail inside every task (Spark checks each batch's columns)."""
+    if [(f.name, f.dataType) for f in schema.fields] != [(f.name, f.dataType) for f in SCHEMA.fields]:
+        raise SparkOptionError(f"fdq: a schema given with .schema() is not supported (got "
+                               f"{schema.simpleString()}); the source's schema is {SCHEMA.simpleString()}: "
+                               "select the columns you need after load()")
+
+
 class FDQDataSource(DataSource):
     """``format("fdq")``: see the module's documentation for the options."""
 
@@ -655,11 +664,13 @@ class FDQDataSource(DataSource):
         return SCHEMA
 
     def reader(self, schema):
+        _check_read_schema(schema)
         o = read_options(self.options)
         _open_topic(o)
         return FDQReader(o)
 
     def streamReader(self, schema):
+        _check_read_schema(schema)
         o = stream_options(self.options)
         _open_topic(o)
         return FDQStreamReader(o)

@@ -144,3 +144,17 @@ def test_writer_transactions_count_every_copy_a_push_writes(tmp_path, subs, bodi
            for rb in fs.FDQReader(fs.read_options({"url": url, "topic": "t"})).read(part)
            for b in rb.column("body").to_pylist()]
     assert sorted(got) == sorted(bodies)
+
+
+def test_a_user_schema_is_refused_at_load_with_a_clear_error(spark, tmp_path):
+    """The source returns its own columns: a schema given with .schema() (a subset, say)
+    failed inside the tasks with Spark's Arrow type mismatch; refuse it at load."""
+    url, db = _topic(tmp_path)
+    fdq.Producer(db).push("t", b"x")
+    with pytest.raises(Exception) as ei:
+        (spark.read.format("fdq").schema("id string, body binary").option("url", url)
+         .option("topic", "t").load().collect())
+    assert "fdq: a schema given with .schema() is not supported" in str(ei.value)
+    # Its own schema, given explicitly, is accepted.
+    df = spark.read.format("fdq").schema(fs.SCHEMA).option("url", url).option("topic", "t").load()
+    assert df.count() == 1
