@@ -9,7 +9,8 @@ Register it once per session, then use the format ``fdq``::
 
 Read options (strings, as Spark passes them): ``url`` and ``topic`` (required), ``start``
 / ``end`` (epoch ms or ISO-8601, naive = UTC; the window is ``[start, end)``),
-``numPartitions``, ``batchSize`` (entries per read transaction), ``batchFormat``
+``numPartitions``, ``batchSize`` (at most this many entries per read transaction, and
+~8 MB of them), ``batchFormat``
 (``arrow``, the default and faster, or ``tuples``). Streaming adds
 ``startingPosition`` (``earliest``, ``latest`` or a time) and ``maxRecordsPerTrigger``.
 Write options: ``url``, ``topic``, ``batchSize`` (messages per push transaction),
