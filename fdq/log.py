@@ -124,9 +124,12 @@ def log_buckets(db, ts: TopicSpace) -> list:
     """The bucket numbers that hold log entries, found by hopping from bucket to bucket
     (one bounded read per bucket): entries keep the bucket of the shard count they were
     pushed under, so a reshard can leave buckets beyond the current shard count."""
+    return _buckets_in(db.create_transaction(), ts)
+
+
+def _buckets_in(tr, ts: TopicSpace) -> list:
     r = ts.log.range()
     begin, out = r.start, []
-    tr = db.create_transaction()
     while True:
         rows = list(tr.snapshot.get_range(begin, r.stop, limit=1))
         if not rows:
@@ -175,10 +178,11 @@ def position_after_time(db, ts: TopicSpace, t_ms: int | None) -> bytes | None:
 
 
 def last_positions(db, ts: TopicSpace) -> dict:
-    """{bucket: position of its last entry}, read in one transaction."""
+    """{bucket: position of its last entry}, read in one transaction (buckets included):
+    exactly the entries committed at one version are at or before these positions."""
     tr = db.create_transaction()
     out = {}
-    for b in log_buckets(db, ts):
+    for b in _buckets_in(tr, ts):
         begin, end = bucket_range(ts, b)
         for kv in tr.snapshot.get_range(begin, end, limit=1, reverse=True):
             out[b] = bytes(kv.key[-12:])
@@ -213,18 +217,28 @@ def advance_positions(db, ts: TopicSpace, cursors: dict, limit: int) -> tuple:
     return out, n
 
 
-def scan_entries(db, ts: TopicSpace, begin: bytes, end: bytes, batch: int = 4096):
+SCAN_BYTES = 8_000_000   # about this much per scan batch: records go up to ~92 KB each
+
+
+def scan_entries(db, ts: TopicSpace, begin: bytes, end: bytes, batch: int = 4096,
+                 max_bytes: int = SCAN_BYTES):
     """Yield (keys, raw records) of the log entries in ``[begin, end)`` (one bucket or
-    several), two lists of at most ``batch`` each, each batch read in its own short
-    snapshot transaction."""
+    several), two lists of at most ``batch`` each and about ``max_bytes`` (the first
+    batch is of at most 64 entries; the next ones are sized by the entries read so far),
+    each batch read in its own short snapshot transaction."""
+    limit, nbytes, nrows = min(batch, 64), 0, 0
     while begin < end:
         tr = db.create_transaction()
-        kvs = list(tr.snapshot.get_range(begin, end, limit=batch, streaming_mode=StreamingMode.want_all))
+        kvs = list(tr.snapshot.get_range(begin, end, limit=limit, streaming_mode=StreamingMode.want_all))
         if kvs:
-            yield [kv.key for kv in kvs], [kv.value for kv in kvs]
-        if len(kvs) < batch:
+            keys, raws = [kv.key for kv in kvs], [kv.value for kv in kvs]
+            yield keys, raws
+            nrows += len(kvs)
+            nbytes += sum(map(len, raws)) + len(keys) * len(keys[0])
+        if len(kvs) < limit:
             return
         begin = kvs[-1].key + b"\x00"
+        limit = max(1, min(batch, max_bytes * nrows // max(1, nbytes)))
 
 
 _VS_OF_KEY = itemgetter(slice(-12, None))   # a log entry key ends with its position
@@ -237,7 +251,8 @@ def decode_entries(db, ts: TopicSpace, keys, raws, start_ms=None, end_ms=None, s
     key in ``shard_keys``, a set, when given): {"ts_ms", "shard_key", "headers", "body",
     "msg_id", "replay_of"} sequences (headers as dicts or None) and "vs": the entries'
     positions (the message ids), 12 bytes each, joined. Bodies split into chunks are
-    read back whole."""
+    read back whole; an entry whose chunks a trim deleted since ``raws`` were read is
+    left out (it is no longer in the log), never returned with an empty body."""
     if not raws:
         return {c: b"" if c == "vs" else [] for c in _EMPTY_COLUMNS}
     # The batch's records in one msgpack call: concatenated under one array header,
@@ -271,6 +286,10 @@ def decode_entries(db, ts: TopicSpace, keys, raws, start_ms=None, end_ms=None, s
         for i, nc in enumerate(nchunks):
             if nc:
                 vs = Versionstamp.from_bytes(keys[i][-12:])
-                bodies[i] = body_of(db, ts, vs, Record(tss[i], nchunks=nc))
+                bodies[i] = body_of(db, ts, vs, Record(tss[i], nchunks=nc), strict=True)
+        if None in bodies:   # trimmed since its record was read: it is gone, not empty
+            keep = [i for i, b in enumerate(bodies) if b is not None]
+            tss, sks, mids, hds, bodies, reps, keys = (
+                [col[i] for i in keep] for col in (tss, sks, mids, hds, bodies, reps, keys))
     return {"vs": b"".join(map(_VS_OF_KEY, keys)), "ts_ms": tss, "shard_key": sks,
             "headers": hds, "body": bodies, "msg_id": mids, "replay_of": reps}

@@ -9,7 +9,8 @@ Register it once per session, then use the format ``fdq``::
 
 Read options (strings, as Spark passes them): ``url`` and ``topic`` (required), ``start``
 / ``end`` (epoch ms or ISO-8601, naive = UTC; the window is ``[start, end)``),
-``numPartitions``, ``batchSize`` (entries per read transaction), ``batchFormat``
+``numPartitions``, ``batchSize`` (at most this many entries per read transaction, and
+~8 MB of them), ``batchFormat``
 (``arrow``, the default and faster, or ``tuples``). Streaming adds
 ``startingPosition`` (``earliest``, ``latest`` or a time) and ``maxRecordsPerTrigger``.
 Write options: ``url``, ``topic``, ``batchSize`` (messages per push transaction),
@@ -63,7 +64,8 @@ WRITE_OPTIONS = {"url", "topic", "batchsize", "writeid", "idempotent"}
 _CANONICAL = {o.lower(): o for o in ("url", "topic", "start", "end", "numPartitions", "batchSize",
                                      "batchFormat", "startingPosition", "maxRecordsPerTrigger",
                                      "writeId", "idempotent")}
-WRITE_BATCH_BYTES = 2_000_000   # body bytes per push transaction (FDB's limit is 10 MB)
+WRITE_BATCH_BYTES = 4_000_000   # bytes a push transaction writes: bodies (and headers) times
+                                # their copies, the log's and one per subscription (FDB: 10 MB)
 
 
 class SparkOptionError(ConfigError):
@@ -358,15 +360,20 @@ def _us(value):
 def plan_ranges(db, ts, buckets, start_vs: bytes | None, end_vs: bytes | None, parts: int) -> list:
     """Split the log's buckets, narrowed to positions [start_vs, end_vs), into at most
     ``parts`` lists of key ranges of about equal size, by the database's
-    ``get_range_split_points`` (so partitions follow the data)."""
+    ``get_range_split_points`` (so partitions follow the data). ``buckets``: bucket
+    numbers, or {bucket: its last position to read} (``log.last_positions``: a read of
+    exactly what was committed then, not of what commits while its tasks run)."""
     tr = db.create_transaction()
     spans, total = [], 0
-    for b in buckets:
+    upto = buckets if isinstance(buckets, dict) else {}
+    for b in sorted(buckets):
         begin, end = log.bucket_range(ts, b)
         if start_vs is not None:
             begin = max(begin, log.entry_key(ts, b, start_vs))
         if end_vs is not None:
             end = min(end, log.entry_key(ts, b, end_vs))
+        if b in upto:
+            end = min(end, log.entry_key(ts, b, upto[b]) + b"\x00")
         if begin >= end:
             continue
         if parts == 1:   # one partition: every range, no sizes to balance
@@ -415,7 +422,7 @@ class FDQReader(DataSourceReader):
         shard_key = / IN are applied before rows are built. Both exactly: Spark does not
         re-check them."""
         for f in filters:
-            col = f.attribute
+            col = getattr(f, "attribute", None)   # Not(...) has none: Spark applies it
             if col == ("insertion_time",) and isinstance(f, (EqualTo, GreaterThan, GreaterThanOrEqual,
                                                               LessThan, LessThanOrEqual)):
                 us = _us(f.value)
@@ -455,11 +462,12 @@ class FDQReader(DataSourceReader):
         start_ms, end_ms = self._window_ms()
         if (start_ms is not None and end_ms is not None and start_ms >= end_ms) or self.shard_keys == set():
             return [LogPartition([])]
-        buckets = log.log_buckets(db, ts)
+        # The read is of the log as committed now: {bucket: last position}, one snapshot.
+        last = log.last_positions(db, ts)
         start_vs = log.position_for_time(db, ts, start_ms).to_bytes() if start_ms is not None else None
         end_vs = log.position_after_time(db, ts, end_ms)
-        parts = self.o["num_partitions"] or max(1, len(buckets))
-        planned = plan_ranges(db, ts, buckets, start_vs, end_vs, parts)
+        parts = self.o["num_partitions"] or max(1, len(last))
+        planned = plan_ranges(db, ts, last, start_vs, end_vs, parts)
         return [LogPartition(r) for r in planned] or [LogPartition([])]
 
     def read(self, partition):
@@ -547,8 +555,8 @@ class FDQCommit(WriterCommitMessage):
 class FDQWriter(DataSourceArrowWriter):
     """Pushes rows (``body`` binary or string, required; ``shard_key`` string and
     ``headers`` map<string,string> optional; other columns are ignored) with
-    ``Producer.push_many``, at most ``batchSize`` messages / ~2 MB of bodies per
-    transaction.
+    ``Producer.push_many``, at most ``batchSize`` messages per transaction and bodies
+    of ~4 MB divided by the copies a push writes (the log's and one per subscription).
 
     Idempotent (``idempotent=true``, the default): row ``i`` of partition ``p`` is pushed
     with ``msg_id = "spark:<writeId>:<p>:<i>"``, so a re-run of a failed task (or of the
@@ -567,10 +575,12 @@ class FDQWriter(DataSourceArrowWriter):
         from pyspark import TaskContext
         ctx = TaskContext.get()
         part = ctx.partitionId() if ctx is not None else 0
-        db = _db(self.o["url"])
+        db, _ts, config = _open_topic(self.o)
         producer = Producer(db, config=ProducerConfig(auto_create=False))
         topic, prefix = self.o["topic"], f"spark:{self.o['write_id']}:{part}:"
         idem, limit = self.o["idempotent"], self.o["batch_size"]
+        # A push writes each message once to the log and once per subscription.
+        max_bytes = max(1, WRITE_BATCH_BYTES // (1 + len(config.subs)))
         row = pushed = dups = 0
         batch, nbytes = [], 0
 
@@ -593,13 +603,17 @@ class FDQWriter(DataSourceArrowWriter):
                     raise FDQError(f"fdq writer: row {row} of partition {part} has a null body")
                 h = heads[i] if heads is not None else None
                 try:
-                    batch.append(Envelope(body, keys[i] if keys is not None else None, None,
-                                          prefix + str(row) if idem else None, dict(h) if h else None))
+                    env = Envelope(body, keys[i] if keys is not None else None, None,
+                                   prefix + str(row) if idem else None, dict(h) if h else None)
                 except FDQError as e:
                     raise type(e)(f"fdq writer: row {row} of partition {part}: {e}") from None
+                size = len(body) + (sum(len(k) + len(v or "") for k, v in h) if h else 0)
+                if batch and nbytes + size > max_bytes:
+                    flush()   # a large message goes alone (push refuses one too large to route)
+                batch.append(env)
                 row += 1
-                nbytes += len(body)
-                if len(batch) >= limit or nbytes >= WRITE_BATCH_BYTES:
+                nbytes += size
+                if len(batch) >= limit:
                     flush()
         flush()
         return FDQCommit(part, pushed, dups)
@@ -629,6 +643,15 @@ def _check_write_schema(schema: StructType):
                                f"{types['headers'].simpleString()}")
 
 
+def _check_read_schema(schema: StructType):
+    """Rows always have SCHEMA's columns: a different schema given with ``.schema()``
+    would fail inside every task (Spark checks each batch's columns)."""
+    if [(f.name, f.dataType) for f in schema.fields] != [(f.name, f.dataType) for f in SCHEMA.fields]:
+        raise SparkOptionError(f"fdq: a schema given with .schema() is not supported (got "
+                               f"{schema.simpleString()}); the source's schema is {SCHEMA.simpleString()}: "
+                               "select the columns you need after load()")
+
+
 class FDQDataSource(DataSource):
     """``format("fdq")``: see the module's documentation for the options."""
 
@@ -642,11 +665,13 @@ class FDQDataSource(DataSource):
         return SCHEMA
 
     def reader(self, schema):
+        _check_read_schema(schema)
         o = read_options(self.options)
         _open_topic(o)
         return FDQReader(o)
 
     def streamReader(self, schema):
+        _check_read_schema(schema)
         o = stream_options(self.options)
         _open_topic(o)
         return FDQStreamReader(o)
