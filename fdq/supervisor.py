@@ -408,7 +408,7 @@ class Supervisor:
     def play(self, name: str, progress=None) -> int:
         """Route what arrived while paused, in order, then resume. Resumable. Refused
         while a reshard is moving queues (run rebalance again to finish it); a reshard
-        that begins meanwhile routes the rest at its end."""
+        that begins meanwhile stops it with the same error (the topic stays paused)."""
         ts = self._ts(name)
         config = self.config(name)
         if resharding(config):
@@ -422,6 +422,11 @@ class Supervisor:
             if progress:
                 progress(n)
             if done:     # resumed in the chunk that routed the last one: a pause since holds
+                config = self.config(name)
+                if resharding(config):
+                    raise ConfigError(f"topic {name!r} began resharding to {config.resharding_to} shards "
+                                      f"during play ({total:,} routed): it stays paused; finish the reshard "
+                                      "(run rebalance again), then play")
                 return total
 
     def rebalance(self, name: str, shards: int | None = None, progress=None) -> TopicConfig:
@@ -670,7 +675,7 @@ class Supervisor:
 
     def dlq_list(self, name: str, subscription: str = "default", limit: int = 100) -> list:
         ts = self._ts(name)
-        self.config(name)
+        self.subscription(name, subscription)      # TopicNotFound, SubscriptionNotFound
         return [{"id": message_id(vs), "reason": reason, "consumer": cid, "attempts": rec.attempts,
                  "shard_key": rec.shard_key, "insertion_time": rec.ts_ms, "body": rec.body}
                 for vs, rec, reason, cid, _k in delivery.dlq_list(self.db, ts, subscription, limit)]
@@ -678,6 +683,7 @@ class Supervisor:
     def dlq_redrive(self, name: str, subscription: str = "default", progress=None) -> int:
         ts = self._ts(name)
         config = self.config(name)
+        self.subscription(name, subscription)
         total = 0
         while True:
             n, done = delivery.dlq_redrive_chunk(self.db, ts, subscription, config, CHUNK)
@@ -689,7 +695,7 @@ class Supervisor:
 
     def dlq_purge(self, name: str, subscription: str = "default") -> int:
         ts = self._ts(name)
-        self.config(name)
+        self.subscription(name, subscription)
         total = 0
         while True:
             n = delivery.dlq_purge_chunk(self.db, ts, subscription, CHUNK)

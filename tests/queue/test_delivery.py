@@ -252,6 +252,17 @@ def test_large_dead_letter_listed_whole_and_redriven(db):
     assert scan(db, Keyspace().topic("t").subs["default"]["chunks"].key()) == []
 
 
+def test_dlq_of_an_unknown_subscription_is_an_error(db):
+    """A misspelt subscription is named in an error (it returned 0 / [] as if its DLQ
+    were empty, so a redrive or purge 'succeeded' doing nothing)."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=1)
+    for call in (sup.dlq_list, sup.dlq_redrive, sup.dlq_purge):
+        with pytest.raises(fdq.SubscriptionNotFound, match="nope"):
+            call("t", "nope")
+    assert sup.dlq_list("t") == [] and sup.dlq_redrive("t") == 0 and sup.dlq_purge("t") == 0
+
+
 def test_max_backlog_holds_while_paused(db):
     """A push while paused only lands in the log (routed later by play): it counts
     toward every subscription's backlog all the same, else a paused topic took pushes

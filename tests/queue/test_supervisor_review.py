@@ -447,3 +447,30 @@ def test_a_hold_from_another_version_space_does_not_block_pushes(db):
     t.join(10)
     assert out, "push held by a hold from another database's versions"
     assert sup.play("t") == 1 and sup.config("t").held_at is None
+
+
+def test_a_reshard_beginning_during_play_is_reported(db):
+    """A reshard beginning while a paused topic's play routes stopped the play, which
+    returned as if done: the topic stayed paused and the rebalance did not play it."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    sup.pause("t")
+    p = fdq.Producer(db)
+    ids = [r.id for r in p.push_many("t", [fdq.Envelope(b"m", shard_key=f"k{j % 9}") for j in range(sv.CHUNK + 100)])]
+    ts = Keyspace().topic("t")
+    began = []
+
+    def progress(_n):
+        if not began:
+            began.append(sv.reshard_begin(db, ts, 3))     # another operator's rebalance starts
+    with pytest.raises(fdq.ConfigError, match="rebalance"):
+        sup.play("t", progress=progress)
+    assert sup.config("t").paused
+    sup.rebalance("t")                         # finishes the reshard to 3 (paused: no play)
+    assert sup.play("t") == 100 and not sup.config("t").paused
+    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
+    try:
+        got = _fetch_until(cons, len(ids), 30)
+    finally:
+        cons.close()
+    assert sorted(i for i, _k, _b in got) == sorted(ids)
