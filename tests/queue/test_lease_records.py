@@ -197,14 +197,15 @@ def test_reshard_with_batch_leases_in_flight(db):
     sup.create_topic("t", shards=4)
     keys = [f"k{i}" for i in range(40)]
     fdq.Producer(db).push_many("t", [fdq.Envelope(b"m%d" % i, shard_key=keys[i % 40]) for i in range(200)])
-    # Expiry counts a lease's ack wait (10 s, from its record) from when the owner first
-    # sees it: c2 below, however long the reshards take. (With 3 s, one loaded suite run
-    # found no lease left at the first reshard: they had expired before it.)
-    c = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=10, **FAST))
+    # Expiry counts a lease's ack wait (3 s, from its record) from when the owner first
+    # sees it: c2 below, however long the reshards take.
+    c = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=3, **FAST))
     got = _fetch(c, 200)
     c.ack_many(got[::2])
     held = {m.id: m.shard_key for m in got[1::2]}
-    c._leases.clear()       # keep its leases through close (as a crash would)
+    c._stop.set()           # its lease check stopped first (it refills _leases from the
+    c._thread.join(10)      # shards' records), then keep its leases through close (as a
+    c._leases.clear()       # crash would)
     c.close()
     for shards in (7, 3):
         sup.rebalance("t", shards=shards)
