@@ -30,6 +30,15 @@ def _fetch_until(c, want: int, timeout: float) -> list:
     return got
 
 
+def _consume(db, want: int, timeout: float) -> list:
+    """``_fetch_until`` with a consumer of its own (leases of 10 minutes), closed after."""
+    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
+    try:
+        return _fetch_until(cons, want, timeout)
+    finally:
+        cons.close()
+
+
 def _reshard_steps(db, ts, shards: int, old: int):
     """What ``rebalance(shards=...)`` commits before its play: begin, every chunk, finish
     (a run kill -9'd right after ``reshard_finish`` leaves exactly this state)."""
@@ -61,11 +70,7 @@ def test_trim_keeps_messages_pushed_while_paused(db, how):
     assert sup.play("t") == len(paused)
     c = sup.stats("t")["counters"]
     assert (c["inserted"], c["routed"], c["pending"]) == (21, 21, 0)
-    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
-    try:
-        got = _fetch_until(cons, 21, 30)
-    finally:
-        cons.close()
+    got = _consume(db, 21, 30)
     assert sorted(i for i, _k, _b in got) == sorted(before + paused)
     assert [b for i, _k, b in got if i == paused[-1]] == [big]
 
@@ -119,11 +124,7 @@ def test_play_during_unfinished_reshard_does_not_spin(procs, db):
     config = sup.config("t")
     assert (config.shards, config.resharding_to, config.paused) == (3, None, True)
     assert sup.play("t") == 1
-    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
-    try:
-        got = _fetch_until(cons, 21, 30)
-    finally:
-        cons.close()
+    got = _consume(db, 21, 30)
     assert sorted(i for i, _k, _b in got) == sorted(ids)
 
 
@@ -134,11 +135,7 @@ def test_shrinking_reshard_keeps_subscription_counters(db):
     sup.create_topic("t", shards=4)
     p = fdq.Producer(db)
     p.push_many("t", [fdq.Envelope(b"m", shard_key=f"k{j}") for j in range(40)])
-    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
-    try:
-        assert len(_fetch_until(cons, 30, 30)) == 30
-    finally:
-        cons.close()
+    assert len(_consume(db, 30, 30)) == 30
     p.push_many("t", [fdq.Envelope(b"n", shard_key=f"k{j}") for j in range(5)])
     before = sub_stats(db, "t")
     assert (before["emitted"], before["acked"], before["backlog"]) == (30, 30, 15)
@@ -226,11 +223,7 @@ def test_rerun_of_a_drain_keeps_a_later_pause(db):
     assert (config.shards, config.resharding_to, config.paused) == (3, None, True)
     assert sup.stats("t")["counters"]["pending"] == 1
     assert sup.play("t") == 1
-    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
-    try:
-        got = _fetch_until(cons, 1, 30)
-    finally:
-        cons.close()
+    got = _consume(db, 1, 30)
     assert [i for i, _k, _b in got] == [first]
 
 
@@ -250,11 +243,7 @@ def test_new_reshard_after_an_unfinished_drain(db):
     assert (config.shards, config.resharding_to, config.paused) == (5, None, False)
     c = sup.stats("t")["counters"]
     assert (c["inserted"], c["routed"]) == (40, 40)
-    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
-    try:
-        got = _fetch_until(cons, 40, 30)
-    finally:
-        cons.close()
+    got = _consume(db, 40, 30)
     assert sorted(i for i, _k, _b in got) == sorted(ids)
     want = {}
     for i, k, _b in got:
@@ -298,11 +287,7 @@ def test_replay_racing_a_trim_pushes_no_empty_bodies(db):
             trimmed.append(sup.trim("t", before_ms=2 ** 62))
     n = p.replay("t", 0, progress=progress)
     assert trimmed[0] > 20      # the originals and what the replay pushed so far
-    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
-    try:
-        got = _fetch_until(cons, 20 + n, 30)
-    finally:
-        cons.close()
+    got = _consume(db, 20 + n, 30)
     assert len(got) == 20 + n
     assert all(b in big for _i, _k, b in got), "a replayed message lost its body"
     assert 0 < n < 20       # those trimmed before the replay reached them are not replayed
@@ -367,11 +352,7 @@ def test_play_finishes_under_a_steady_push_stream(procs, db, monkeypatch):
     assert len(pushed) == 12000 and at_play < 12000, "play finished only once the pushes stopped"
     c = sup.stats("t")["counters"]
     assert (c["inserted"], c["routed"], c["pending"]) == (12000, 12000, 0)
-    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
-    try:
-        got = _fetch_until(cons, 12000, 60)
-    finally:
-        cons.close()
+    got = _consume(db, 12000, 60)
     assert sorted(i for i, _k, _b in got) == sorted(x["id"] for x in pushed)
     order = collections.defaultdict(list)
     for _i, key, body in got:
@@ -407,11 +388,7 @@ def test_play_ending_on_a_pause_does_not_route_twice(db):
     sup.play("t")
     c = sup.stats("t")["counters"]
     assert (c["inserted"], c["routed"], c["pending"]) == (9, 9, 0), f"A committed: {committed}"
-    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
-    try:
-        got = _fetch_until(cons, 9, 30)
-    finally:
-        cons.close()
+    got = _consume(db, 9, 30)
     assert len(got) == 9 and sub_stats(db, "t")["backlog"] == 0
 
 
@@ -468,9 +445,5 @@ def test_a_reshard_beginning_during_play_is_reported(db):
     assert sup.config("t").paused
     sup.rebalance("t")                         # finishes the reshard to 3 (paused: no play)
     assert sup.play("t") == 100 and not sup.config("t").paused
-    cons = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
-    try:
-        got = _fetch_until(cons, len(ids), 30)
-    finally:
-        cons.close()
+    got = _consume(db, len(ids), 30)
     assert sorted(i for i, _k, _b in got) == sorted(ids)
