@@ -62,7 +62,7 @@ def play_chunk(tr, ts: TopicSpace, limit: int, hold: int | None = None) -> tuple
     a steady stream of pushes that transaction would conflict with every push landing
     in the pending area and never commit, so first the topic is *held*: a chunk that
     reaches the end records ``held_at`` (its read version), and pushes from then on
-    wait (``fdq.producer.TopicHeld``) instead of writing. The next chunk routes what
+    wait (``fdq.errors.TopicHeld``) instead of writing. The next chunk routes what
     landed before the hold and resumes, unless the hold is gone (a pause or another
     play since: done, the pause stands) or older than ``HOLD_VERSIONS`` (a play that
     died: pushes went on, hold again)."""
