@@ -53,6 +53,15 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
+def _confirm(question: str, refused: str):
+    """Ask ``question`` on stderr; a no (or no terminal to answer on: stdin closed or at
+    its end) is a Failure saying ``refused`` and how to skip the question."""
+    try:
+        click.confirm(question, abort=True, err=True)
+    except click.Abort:
+        raise Failure(f"not confirmed: {refused} (give --yes to skip the question)") from None
+
+
 class FDQGroup(click.Group):
     """The root group: turns an FDQError raised by any command into a Failure."""
 
@@ -182,8 +191,8 @@ def topics_delete(state, name, yes):
     sup = state.supervisor
     row = rows.topic_row(name, sup.stats(name))    # unknown topic: exit 1 before asking
     if not yes:
-        click.confirm(f"Delete topic {name!r} with {row['inserted']:,} messages inserted and a backlog "
-                      f"of {row['backlog']:,}?", abort=True, err=True)
+        _confirm(f"Delete topic {name!r} with {row['inserted']:,} messages inserted and a backlog "
+                 f"of {row['backlog']:,}?", f"topic {name!r} not deleted")
     sup.delete_topic(name)
     render.note(f"deleted topic {name!r}")
 
@@ -638,7 +647,7 @@ def dlq_list(state, topic, subscription, limit, as_json):
     else:
         render.table(None, [
             ("id", lambda d: d["id"]),
-            ("reason", lambda d: d["reason"]),
+            ("reason", lambda d: d["reason"] if len(d["reason"]) <= 60 else d["reason"][:57] + "..."),
             ("attempts", lambda d: d["attempts"]),
             ("key", lambda d: d["shard_key"]),
             ("inserted", lambda d: render.time_ms(d["insertion_time_ms"])),
@@ -675,7 +684,8 @@ def dlq_purge(state, topic, subscription, yes, as_json):
     sup = state.supervisor
     _check_subscription(sup, topic, subscription)
     if not yes:
-        click.confirm(f"Delete every dead letter of {topic}/{subscription}?", abort=True, err=True)
+        _confirm(f"Delete every dead letter of {topic}/{subscription}?",
+                 f"the dead letters of {topic}/{subscription} not purged")
     n = sup.dlq_purge(topic, subscription)
     render.note(f"purged {n:,} dead letters of {topic}/{subscription}")
     if as_json:
@@ -922,9 +932,9 @@ def subs_delete(state, topic, name, yes):
     sup = state.supervisor
     row = _subscription_row(sup, topic, name)     # unknown: exit 1 before asking
     if not yes:
-        click.confirm(f"Delete subscription {topic}/{name} with a backlog of {row['backlog'] or 0:,}, "
-                      f"{row['in_flight'] or 0:,} in flight and {row['dlq'] or 0:,} dead letters?",
-                      abort=True, err=True)
+        _confirm(f"Delete subscription {topic}/{name} with a backlog of {row['backlog'] or 0:,}, "
+                 f"{row['in_flight'] or 0:,} in flight and {row['dlq'] or 0:,} dead letters?",
+                 f"subscription {topic}/{name} not deleted")
     sup.delete_subscription(topic, name)
     render.note(f"deleted subscription {name!r} of topic {topic!r}")
 

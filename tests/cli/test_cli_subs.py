@@ -161,8 +161,10 @@ def test_reset_rewinds_and_skips(run, db, sup, orders):
 def test_delete(run, state, sup, orders):
     run("subs", "create", "orders", "gone")
     before = state()
-    r = run("subs", "delete", "orders", "gone", input="n\n", code=1)       # declined: click's Abort
+    r = run("subs", "delete", "orders", "gone", input="n\n", code=1)       # declined
     assert "Delete subscription orders/gone with a backlog of 6" in r.stderr
+    assert r.stderr.splitlines()[-1].endswith("fdq: error: not confirmed: subscription orders/gone not deleted "
+                                              "(give --yes to skip the question)")
     assert state() == before
     run("subs", "delete", "orders", "gone", input="y\n")
     assert sup.config("orders").subs == ("default",)
