@@ -784,6 +784,7 @@ class Producer:
 
     def replay(self, topic: str, start, end=None, *, progress=None) -> int:
         """Re-deliver the "all" log's messages with insertion time in ``[start, end)``
+        (epoch milliseconds or ``datetime``, naive = UTC; ``end=None``: no bound)
         (committed before the replay began) to the topic's subscriptions, in order, as
         new messages (new ids; the record keeps the original id in ``replay_of``).
         Resumable: the same call after a crash continues where the first stopped, and

@@ -37,7 +37,7 @@ from pyspark.sql.datasource import (DataSource, DataSourceArrowWriter, DataSourc
 from pyspark.sql.types import (BinaryType, IntegerType, MapType, StringType, StructField,
                                StructType, TimestampType)
 
-from . import log
+from . import log, times
 from .config import ProducerConfig, check_name
 from .engine import connect
 from .errors import ConfigError, FDQError, InvalidName, TopicNotFound
@@ -80,23 +80,15 @@ def _get(options, name):
 
 
 def parse_time(value, option: str) -> int | None:
-    """Epoch milliseconds from an option value: an integer (epoch ms) or ISO-8601
-    (naive = UTC). None/empty -> None."""
+    """Epoch milliseconds from an option value, as ``fdq.times.parse_time`` reads it
+    (ISO-8601, naive = UTC; ``<n>s``; ``<n>ms`` or a bare integer of epoch ms, refused
+    when it looks like seconds). None/empty -> None."""
     if value is None or value == "":
         return None
-    s = str(value).strip()
     try:
-        return int(s)
-    except ValueError:
-        pass
-    try:
-        t = datetime.datetime.fromisoformat(s.replace("Z", "+00:00") if s.endswith("Z") else s)
-    except ValueError:
-        raise SparkOptionError(f"fdq: option {option!r} must be epoch milliseconds or an ISO-8601 "
-                               f"time (e.g. 2026-11-23T10:00:00Z), not {value!r}") from None
-    if t.tzinfo is None:
-        t = t.replace(tzinfo=datetime.timezone.utc)
-    return int(t.timestamp() * 1000)
+        return times.parse_time(value)
+    except ConfigError as e:
+        raise SparkOptionError(f"fdq: option {option!r}: {e}") from None
 
 
 def _int(options, name, default, minimum=1):
@@ -154,10 +146,10 @@ def stream_options(options) -> dict:
         o["starting"], o["start_ms"] = pos.lower(), None
     else:
         try:
-            o["start_ms"] = parse_time(pos, "startingPosition")
-        except SparkOptionError:
+            o["start_ms"] = times.parse_time(pos)
+        except ConfigError as e:
             raise SparkOptionError(f"fdq: option 'startingPosition' must be 'earliest', 'latest' or a "
-                                   f"time (epoch ms or ISO-8601), not {pos!r}") from None
+                                   f"time: {e}") from None
         o["starting"] = "time"
     o["end_ms"] = None
     o["num_partitions"] = _int(options, "numPartitions", 2)

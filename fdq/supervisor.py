@@ -467,7 +467,7 @@ class Supervisor:
         config = reshard_finish(self.db, ts)
         if not config.paused:
             self.play(name)
-        return config
+        return self.config(name)   # as stored now (the play above ended resharding_to)
 
     def stats(self, name: str) -> dict:
         """Counters, backlog per shard, in-flight, DLQ, consumers and lag; from counters

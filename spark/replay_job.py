@@ -25,8 +25,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="replay_job", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", required=True, help="FDQ database URL (sqlite:///path or fdb://...)")
     p.add_argument("--topic", required=True, help="topic to read")
-    p.add_argument("--start", help="window start, inclusive (epoch ms or ISO-8601)")
-    p.add_argument("--end", help="window end, exclusive (epoch ms or ISO-8601)")
+    p.add_argument("--start", help="window start, inclusive (ISO-8601, <n>s, <n>ms; a bare number is epoch ms)")
+    p.add_argument("--end", help="window end, exclusive (as --start)")
     p.add_argument("--shard-key", action="append", default=[], help="keep this shard key (repeatable)")
     p.add_argument("--header", action="append", default=[], metavar="NAME=VALUE",
                    help="keep messages whose header NAME equals VALUE (repeatable: all must match)")

@@ -27,6 +27,7 @@ from ..errors import ConfigError, ConsumerStalled, FDQError, LeaseLost, Subscrip
 from ..keyspace.codec import ROUTE_BYTES
 from ..producer import Envelope, Producer
 from ..supervisor import Supervisor
+from ..times import iso_ms
 from . import render, rows
 from .params import (SUBSCRIPTION, TOPIC, Address, Duration, FilterHeader, Header, Seconds, SecondsList,
                      Shards, Tag, Time, TimeOrNow, envelope_callback, filter_headers_callback,
@@ -50,6 +51,15 @@ class Failure(click.ClickException):
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
+
+
+def _confirm(question: str, refused: str):
+    """Ask ``question`` on stderr; a no (or no terminal to answer on: stdin closed or at
+    its end) is a Failure saying ``refused`` and how to skip the question."""
+    try:
+        click.confirm(question, abort=True, err=True)
+    except click.Abort:
+        raise Failure(f"not confirmed: {refused} (give --yes to skip the question)") from None
 
 
 class FDQGroup(click.Group):
@@ -181,8 +191,8 @@ def topics_delete(state, name, yes):
     sup = state.supervisor
     row = rows.topic_row(name, sup.stats(name))    # unknown topic: exit 1 before asking
     if not yes:
-        click.confirm(f"Delete topic {name!r} with {row['inserted']:,} messages inserted and a backlog "
-                      f"of {row['backlog']:,}?", abort=True, err=True)
+        _confirm(f"Delete topic {name!r} with {row['inserted']:,} messages inserted and a backlog "
+                 f"of {row['backlog']:,}?", f"topic {name!r} not deleted")
     sup.delete_topic(name)
     render.note(f"deleted topic {name!r}")
 
@@ -560,8 +570,8 @@ def rebalance(state, topic, shards, as_json):
 
 @cli.command()
 @topic_argument
-@click.option("--start", type=Time(), required=True, help="From (epoch ms or ISO-8601), inclusive.")
-@click.option("--end", type=Time(), default=None, help="To (epoch ms or ISO-8601), exclusive [default: now].")
+@click.option("--start", type=Time(), required=True, help="From (ISO-8601, <n>s or <n>ms), inclusive.")
+@click.option("--end", type=Time(), default=None, help="To (ISO-8601, <n>s or <n>ms), exclusive [default: now].")
 @json_option
 @pass_state
 def replay(state, topic, start, end, as_json):
@@ -570,9 +580,13 @@ def replay(state, topic, start, end, as_json):
     In order, as new messages (new ids; each keeps the original's id in
     replay_of), what was committed when the replay began. Resumable: after a
     crash, run the same command again and it continues where it stopped.
-    Times: epoch milliseconds or ISO-8601 (no zone = UTC)."""
+
+    Times: ISO-8601 (2026-11-23T02:00:00Z; no zone = UTC), epoch seconds with
+    s (1795399200s) or epoch milliseconds with ms or bare (1795399200000). A
+    bare number that looks like seconds (below 100000000000) is refused."""
     if end is not None and end <= start:
-        raise click.BadParameter(f"--end ({end}) must be after --start ({start})", param_hint="'--end'")
+        raise click.BadParameter(f"--end ({iso_ms(end)}) must be after --start ({iso_ms(start)})",
+                                param_hint="'--end'")
     state.supervisor.config(topic)
     with render.progress(f"replaying {topic}") as advance:
         n = Producer(state.db).replay(topic, start, end, progress=advance)
@@ -584,7 +598,7 @@ def replay(state, topic, start, end, as_json):
 @cli.command()
 @topic_argument
 @click.option("--before", type=Time(), default=None,
-              help="Delete log entries inserted before this time [default: the topic's retention_s].")
+              help="Delete log entries inserted before this time (ISO-8601, <n>s or <n>ms) [default: the topic's retention_s].")
 @json_option
 @pass_state
 def trim(state, topic, before, as_json):
@@ -633,7 +647,7 @@ def dlq_list(state, topic, subscription, limit, as_json):
     else:
         render.table(None, [
             ("id", lambda d: d["id"]),
-            ("reason", lambda d: d["reason"]),
+            ("reason", lambda d: d["reason"] if len(d["reason"]) <= 60 else d["reason"][:57] + "..."),
             ("attempts", lambda d: d["attempts"]),
             ("key", lambda d: d["shard_key"]),
             ("inserted", lambda d: render.time_ms(d["insertion_time_ms"])),
@@ -670,7 +684,8 @@ def dlq_purge(state, topic, subscription, yes, as_json):
     sup = state.supervisor
     _check_subscription(sup, topic, subscription)
     if not yes:
-        click.confirm(f"Delete every dead letter of {topic}/{subscription}?", abort=True, err=True)
+        _confirm(f"Delete every dead letter of {topic}/{subscription}?",
+                 f"the dead letters of {topic}/{subscription} not purged")
     n = sup.dlq_purge(topic, subscription)
     render.note(f"purged {n:,} dead letters of {topic}/{subscription}")
     if as_json:
@@ -726,7 +741,7 @@ SUBSCRIPTION_OPTIONS = {
              "by_start_time [default: all; by_start_time with --start-time]."),
     "start_time_ms": click.option(
         "--start-time", "start_time_ms", type=Time(), default=None,
-        help="Start at messages inserted at this time or later (epoch ms or ISO-8601)."),
+        help="Start at messages inserted at this time or later (ISO-8601, <n>s or <n>ms)."),
     "filter_shard_key": click.option(
         "--filter-shard-key", metavar="GLOB", default=None, callback=subscription_config_callback,
         help="Deliver only messages whose shard key matches this glob."),
@@ -889,7 +904,7 @@ def subs_update(state, topic, name, as_json, **changes):
 @topic_argument
 @click.argument("name", type=SUBSCRIPTION)
 @click.option("--to", "to_time", type=TimeOrNow(), required=True,
-              help="The new start: epoch ms, ISO-8601, or now (skip everything queued).")
+              help="The new start (ISO-8601, <n>s or <n>ms), or now (skip everything queued).")
 @json_option
 @pass_state
 def subs_reset(state, topic, name, to_time, as_json):
@@ -917,9 +932,9 @@ def subs_delete(state, topic, name, yes):
     sup = state.supervisor
     row = _subscription_row(sup, topic, name)     # unknown: exit 1 before asking
     if not yes:
-        click.confirm(f"Delete subscription {topic}/{name} with a backlog of {row['backlog'] or 0:,}, "
-                      f"{row['in_flight'] or 0:,} in flight and {row['dlq'] or 0:,} dead letters?",
-                      abort=True, err=True)
+        _confirm(f"Delete subscription {topic}/{name} with a backlog of {row['backlog'] or 0:,}, "
+                 f"{row['in_flight'] or 0:,} in flight and {row['dlq'] or 0:,} dead letters?",
+                 f"subscription {topic}/{name} not deleted")
     sup.delete_subscription(topic, name)
     render.note(f"deleted subscription {name!r} of topic {topic!r}")
 

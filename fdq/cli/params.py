@@ -3,16 +3,15 @@ alone is judged here, with FDQ's own rules (``check_name``, ``TopicConfig``,
 ``validate_headers``), and a bad value is a usage error (exit 2)."""
 from __future__ import annotations
 
-import datetime
 import json
 import math
-import re
 
 import click
 
 from ..config import SubscriptionConfig, TopicConfig, check_name
 from ..errors import ConfigError, InvalidHeader, InvalidMessage, InvalidName
 from ..headers import TRACE_ID, is_tag, validate_headers
+from ..times import parse_time
 
 
 class Name(click.ParamType):
@@ -110,36 +109,18 @@ class Seconds(click.ParamType):
         return s
 
 
-EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
-# The last millisecond of year 9999 (what a datetime holds; msgpack stores 64-bit ints).
-MAX_TIME_MS = 253402300799999
-
-
 class Time(click.ParamType):
-    """A point in time: epoch milliseconds, or ISO-8601 (no zone = UTC), from 1970 to
-    the end of 9999. -> epoch ms."""
+    """A point in time as ``fdq.times.parse_time`` reads it: ISO-8601 (no zone = UTC),
+    ``<n>s`` (epoch seconds), ``<n>ms`` or a bare integer of epoch milliseconds (one
+    that looks like seconds is refused). -> epoch ms."""
 
     name = "time"
 
     def convert(self, value, param, ctx):
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        text = str(value).strip()
-        if re.fullmatch(r"\d+", text):
-            ms = int(text)
-        else:
-            try:
-                t = datetime.datetime.fromisoformat(text)
-            except ValueError:
-                self.fail(f"{value!r} is neither epoch milliseconds nor an ISO-8601 time "
-                          "(e.g. 1795399200000 or 2026-11-23T02:00:00Z)", param, ctx)
-            if t.tzinfo is None:
-                t = t.replace(tzinfo=datetime.timezone.utc)
-            ms = (t - EPOCH) // datetime.timedelta(milliseconds=1)    # exact: no float
-        if not 0 <= ms <= MAX_TIME_MS:
-            self.fail(f"{value!r} is out of range (epoch milliseconds from 0 to {MAX_TIME_MS}: "
-                      "1970-01-01 to 9999-12-31)", param, ctx)
-        return ms
+        try:
+            return parse_time(value)
+        except ConfigError as e:
+            self.fail(str(e), param, ctx)
 
 
 class TimeOrNow(Time):
@@ -150,7 +131,10 @@ class TimeOrNow(Time):
     def convert(self, value, param, ctx):
         if isinstance(value, str) and value.strip().lower() == "now":
             return None
-        return super().convert(value, param, ctx)
+        try:
+            return parse_time(value)
+        except ConfigError as e:
+            self.fail(f"{e}; or now", param, ctx)
 
 
 class Duration(click.ParamType):

@@ -167,12 +167,15 @@ def test_dlq(run, db, sup):
     ids = [p.push("orders", f"bad{i}".encode(), shard_key="k").id for i in range(3)]
     with fdq.Consumer(db, "orders") as c:
         for m in c.fetch(10, timeout=5):
-            m.term("poison")
-    assert run("dlq", "list", "orders").stdout.count("terminated: poison") == 3
+            m.term("poison" + (" and a long story" * 50 if m.id == ids[2] else ""))
+    table = run("dlq", "list", "orders").stdout
+    assert table.count("terminated: poison") == 3
+    assert table.count("and a long story") == 2 and len(table.splitlines()) == 2 + 3   # cut to a line
     rows = run.json("dlq", "list", "orders", "--subscription", "default")
     api = sup.dlq_list("orders")
     assert [r["id"] for r in rows] == [d["id"] for d in api] == ids
     assert rows[0]["reason"] == api[0]["reason"] and rows[0]["body"] == "bad0" and rows[0]["shard_key"] == "k"
+    assert rows[2]["reason"] == "terminated: poison" + " and a long story" * 50     # --json: whole
     assert len(run.json("dlq", "list", "orders", "--limit", 2)) == 2
     assert run.json("stats", "orders")["subscriptions"][0]["dlq"] == 3
 
@@ -181,7 +184,8 @@ def test_dlq(run, db, sup):
     with fdq.Consumer(db, "orders") as c:
         for m in c.fetch(10, timeout=5):
             m.term("again")
-    run("dlq", "purge", "orders", input="n\n", code=1)       # declined
+    r = run("dlq", "purge", "orders", input="n\n", code=1)       # declined
+    assert "fdq: error: not confirmed: the dead letters of orders/default not purged" in r.stderr
     assert len(sup.dlq_list("orders")) == 3
     assert run.json("dlq", "purge", "orders", "--yes")["purged"] == 3
     assert sup.dlq_list("orders") == []

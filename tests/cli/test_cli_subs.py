@@ -161,8 +161,10 @@ def test_reset_rewinds_and_skips(run, db, sup, orders):
 def test_delete(run, state, sup, orders):
     run("subs", "create", "orders", "gone")
     before = state()
-    r = run("subs", "delete", "orders", "gone", input="n\n", code=1)       # declined: click's Abort
+    r = run("subs", "delete", "orders", "gone", input="n\n", code=1)       # declined
     assert "Delete subscription orders/gone with a backlog of 6" in r.stderr
+    assert r.stderr.splitlines()[-1].endswith("fdq: error: not confirmed: subscription orders/gone not deleted "
+                                              "(give --yes to skip the question)")
     assert state() == before
     run("subs", "delete", "orders", "gone", input="y\n")
     assert sup.config("orders").subs == ("default",)
@@ -181,7 +183,7 @@ USAGE_ERRORS = [  # (argv, text the one "Error:" line must contain)
     (["subs", "create", "orders", "s", "--max-ack-pending", "0"], "max_ack_pending must be an integer > 0"),
     (["subs", "create", "orders", "s", "--ack-policy", "maybe"], "'maybe' is not one of 'explicit', 'none'"),
     (["subs", "create", "orders", "s", "--deliver-policy", "old"], "'old' is not one of"),
-    (["subs", "create", "orders", "s", "--start-time", "soon"], "'soon' is neither epoch milliseconds"),
+    (["subs", "create", "orders", "s", "--start-time", "soon"], "'soon' is not a time"),
     (["subs", "create", "orders", "s", "--filter-header", "novalue"], "a header filter is name=value"),
     (["subs", "create", "orders", "s", "--filter-header", "bad name=1"], "invalid header name 'bad name'"),
     (["subs", "create", "orders", "s", "--filter-header", "a=1", "--filter-header", "a=2"],
@@ -191,7 +193,7 @@ USAGE_ERRORS = [  # (argv, text the one "Error:" line must contain)
     (["subs", "create", "orders", "s", "--ack-policy", "none", "--max-deliver", "3"],
      "max_deliver needs ack_policy='explicit'"),
     (["subs", "create", "orders", "s", "--ack-policy", "none", "--ordered"], "ordered=True needs ack_policy"),
-    (["subs", "create", "orders", "s", "--start-time", "5", "--deliver-policy", "new"],
+    (["subs", "create", "orders", "s", "--start-time", "5ms", "--deliver-policy", "new"],
      "start_time_ms needs deliver_policy='by_start_time'"),
     (["subs", "create", "orders", "s", "--deliver-policy", "by_start_time"],
      "deliver_policy='by_start_time' needs start_time_ms"),
@@ -205,7 +207,7 @@ USAGE_ERRORS = [  # (argv, text the one "Error:" line must contain)
     (["subs", "update", "orders", "default", "--deliver-policy", "new"], "--deliver-policy cannot be updated"),
     (["subs", "update", "orders", "default", "--max-deliver", "-2"], "max_deliver must be an integer > 0"),
     (["subs", "reset", "orders", "default"], "Missing option '--to'"),
-    (["subs", "reset", "orders", "default", "--to", "later"], "'later' is neither epoch milliseconds"),
+    (["subs", "reset", "orders", "default", "--to", "later"], "'later' is not a time: give ISO-8601"),
     (["subs", "show", "orders"], "Missing argument 'NAME'"),
 ]
 

@@ -59,7 +59,10 @@ def test_delete(run, sup):
     fdq.Producer(sup.db).push("orders", b"x")
     fdq.Producer(sup.db).push("keep", b"y")
     r = run("topics", "delete", "orders", input="n\n", code=1)     # declined: nothing deleted
-    assert "Aborted" in r.stderr
+    assert r.stderr.splitlines()[-1].endswith("fdq: error: not confirmed: topic 'orders' not deleted "
+                                              "(give --yes to skip the question)")
+    r = run("topics", "delete", "orders", input="", code=1)        # no answer (stdin at its end)
+    assert "fdq: error: not confirmed: topic 'orders' not deleted" in r.stderr
     assert sup.config("orders")
     run("topics", "delete", "orders", input="y\n")
     assert [n for n, _c in sup.topics()] == ["keep"]

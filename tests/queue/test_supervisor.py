@@ -173,6 +173,7 @@ def test_rebalance_shard_count_keeps_order(db, old, new):
         runner.start()
         runner.join(120)
         assert done and done[0].shards == new, "rebalance did not finish"
+        assert done[0].resharding_to is None and not done[0].paused   # it returns the topic as it is now
         stop.set()
         t.join(30)
         assert sup.config("t").shards == new
@@ -210,9 +211,10 @@ def test_rebalance_killed_midway_and_rerun(procs, db):
     assert config.resharding_to == 7 and config.shards == 4, "the kill did not land mid-way"
     # Pushes meanwhile wait in the pending area (not routed while resharding).
     more = _push_keys(db, "t", 300, 40, "late")
-    sup.rebalance("t", shards=7)
+    returned = sup.rebalance("t", shards=7)
     config = sup.config("t")
     assert config.shards == 7 and config.resharding_to is None
+    assert returned == config      # what is stored once it returns (it had resharding_to=7)
     c = sup.stats("t")["counters"]
     assert (c["inserted"], c["routed"], c["pending"]) == (8300, 8300, 0)
     assert sorted(_ready_ids(db)) == sorted(i for i, _k, _b in pushed + more)

@@ -135,7 +135,7 @@ def test_shard_key_and_header_filters(spark, big):
 @pytest.mark.slow
 def test_empty_windows(spark, big):
     url, _ = big
-    assert load(spark, url, start=5000, end=5000).count() == 0
+    assert load(spark, url, start="5000ms", end="5000ms").count() == 0
     assert load(spark, url, start="2001-01-01T00:00:00Z", end="2001-01-02T00:00:00Z").count() == 0
     assert load(spark, url, start="2099-01-01T00:00:00").count() == 0
 
@@ -180,3 +180,6 @@ def test_unknown_topic_and_bad_options_fail_at_load(spark, tmp_path):
                        ("batchSize", "many"), ("batchFormat", "csv")]:
         msg = _error_of(lambda: base().option("url", url).option("topic", "t").option(opt, value).load().count())
         assert f"option '{opt}'" in msg, (opt, msg[:2000])
+    # epoch seconds where milliseconds are meant: refused, not read as January 1970
+    msg = _error_of(lambda: base().option("url", url).option("topic", "t").option("start", "1700000000").load().count())
+    assert "option 'start': '1700000000' is ambiguous" in msg, msg[:2000]

@@ -1,0 +1,69 @@
+"""Points in time as people write them (the ``fdq`` command's options, Spark's options),
+to epoch milliseconds, the unit FDQ stores.
+
+Accepted: ISO-8601 (``2026-11-23T02:00:00Z``, ``2026-11-23``, an offset; no zone = UTC),
+a number with its unit (``1795399200s``, ``1795399200.5s``, ``1795399200000ms``), or a
+bare integer of epoch milliseconds. A bare integer from 1 to 99,999,999,999 is refused:
+as milliseconds it is a time in 1970-1973, as seconds one from 1970 to the year 5138, so
+it is almost surely seconds typed where milliseconds are meant (``1700000000``: 2023 in
+seconds, 1970-01-20 in milliseconds); the message says to add ``s`` or ``ms``.
+"""
+from __future__ import annotations
+
+import datetime
+import decimal
+import re
+
+from .errors import ConfigError
+
+EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+# The last millisecond of year 9999 (what a datetime holds; msgpack stores 64-bit ints).
+MAX_TIME_MS = 253402300799999
+# Bare integers below this (1973-03-03 in ms, the year 5138 in s) look like seconds.
+MIN_BARE_MS = 100_000_000_000
+
+_WITH_UNIT = re.compile(r"(\d+(?:\.\d+)?)(ms|s)")
+EXAMPLES = "e.g. 2026-11-23T02:00:00Z, 1795399200s or 1795399200000ms"
+
+
+def iso_ms(ms: int) -> str:
+    """``ms`` as ISO-8601 UTC to the millisecond (``2026-11-23T02:00:00.000Z``)."""
+    t = EPOCH + datetime.timedelta(milliseconds=ms)
+    return t.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _iso(text: str) -> datetime.datetime:
+    # Python 3.10's fromisoformat takes no "Z"; 3.11's does. Same result on both.
+    if text[-1:] in ("z", "Z"):
+        text = text[:-1] + "+00:00"
+    t = datetime.datetime.fromisoformat(text)
+    return t if t.tzinfo is not None else t.replace(tzinfo=datetime.timezone.utc)
+
+
+def parse_time(value) -> int:
+    """Epoch milliseconds from ``value`` as written (see the module's docstring); a
+    ``ConfigError`` naming the value and the problem otherwise."""
+    text = str(value).strip()
+    if re.fullmatch(r"\d+", text):
+        ms = int(text)
+        if 0 < ms < MIN_BARE_MS:
+            raise ConfigError(
+                f"{text!r} is ambiguous: as epoch milliseconds it is {iso_ms(ms)}, as epoch seconds "
+                f"{iso_ms(ms * 1000)}; write {text}s for seconds or {text}ms for milliseconds")
+    elif m := _WITH_UNIT.fullmatch(text):
+        number, unit = decimal.Decimal(m[1]), m[2]
+        ms = int(number * 1000 if unit == "s" else number)    # exact; below a millisecond: cut
+    else:
+        try:
+            t = _iso(text)
+        except ValueError:
+            raise ConfigError(f"{text!r} is not a time: give ISO-8601 (no zone = UTC), or epoch seconds "
+                              f"or milliseconds with their unit ({EXAMPLES})") from None
+        ms = (t - EPOCH) // datetime.timedelta(milliseconds=1)    # exact: no float
+    if not 0 <= ms <= MAX_TIME_MS:
+        raise ConfigError(f"{text!r} is out of range: times go from 1970-01-01 to 9999-12-31 "
+                          f"(epoch milliseconds 0 to {MAX_TIME_MS})")
+    return ms
+
+
+__all__ = ["parse_time", "iso_ms", "EPOCH", "MAX_TIME_MS", "MIN_BARE_MS"]
