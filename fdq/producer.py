@@ -267,16 +267,24 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             tr.set_versionstamped_value(dkey, _PLACEHOLDER + uv.to_bytes(2, "big") + now_ms.to_bytes(8, "big")
                                         + _OFFSET0)
             tr.set_versionstamped_key(vs_key(ts.dedupe_by_version.key(), uv), env.msg_id.encode())
+        due = None
+        due_at = getattr(env, "due_at", None)     # a replay: the original's due time
+        if env.delay or due_at is not None:
+            if clock is None:
+                clock = read_clock(tr, ts.clock_key)
+            due = clock + int(env.delay * 1000) if env.delay else due_at
+            if due <= clock:
+                due = None      # (a replayed message already due: ready at once)
         inline, chunks = split_body(env.body)
         headers = getattr(env, "_plain_headers", None)
         if headers is None and env.headers:
             headers = dict(env.headers)
         record = Record(now_ms, env.shard_key, env.msg_id, headers, inline, 0, len(chunks),
-                        getattr(env, "replay_of", None)).encode()
+                        getattr(env, "replay_of", None), due).encode()
         if len(record) > RECORD_BYTES:      # the body fits a value, not with its headers and keys
             inline, chunks = split_body(env.body, force=True)
             record = Record(now_ms, env.shard_key, env.msg_id, headers, inline, 0, len(chunks),
-                            getattr(env, "replay_of", None)).encode()
+                            getattr(env, "replay_of", None), due).encode()
         if not config.routing and len(config.subs) * (len(record) + len(env.body)) > ROUTE_BYTES:
             # play routes it alone, to every subscription, in one transaction: refuse what
             # could never be routed (it would block the play, and every message behind it)
@@ -292,11 +300,6 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             tr.set_versionstamped_key(vs_key(ts.time_index.pack((minute,)), uv), b"")
         counters[ts.stat("inserted")] += 1
         if config.routing:
-            due = None
-            if env.delay:
-                if clock is None:
-                    clock = read_clock(tr, ts.clock_key)
-                due = clock + int(env.delay * 1000)
             tag = dispatch_tag(headers)
             if tag and (topic, tag) not in tags_written:
                 tags_written.add((topic, tag))

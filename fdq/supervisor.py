@@ -30,8 +30,13 @@ VERSIONS_PER_S = 1_000_000
 # -- routing of messages already in the log ----------------------------------------------
 
 def _route_existing(tr, ts: TopicSpace, config: TopicConfig, n: int, vs, raw: bytes, delay_s, clock):
-    """Route a logged message (complete versionstamp ``vs``) to every subscription."""
+    """Route a logged message (complete versionstamp ``vs``) to every subscription: delayed
+    until its record's due time if it has one and it is still ahead of ``clock`` (a pending
+    entry written before records kept it: ``delay_s`` from ``clock``), else ready."""
     rec = Record.decode(raw)
+    due = rec.due if rec.due is not None else (clock + int(delay_s * 1000) if delay_s else None)
+    if due is not None and due <= clock:
+        due = None
     tag = dispatch_tag(rec.headers)
     chunks = []
     if rec.nchunks:
@@ -39,8 +44,8 @@ def _route_existing(tr, ts: TopicSpace, config: TopicConfig, n: int, vs, raw: by
         chunks = [kv.value for kv in tr.snapshot.get_range(r.start, r.stop)]
     for sub in config.subs:
         shard = ts.shard(sub, tag, n)
-        if delay_s:
-            tr[shard.delayed_key(clock + int(delay_s * 1000), vs)] = raw
+        if due is not None:
+            tr[shard.delayed_key(due, vs)] = raw
             tr.add(shard.stat("delayed"), counter(1))
         else:
             tr[shard.ready_key(vs)] = raw
@@ -767,7 +772,8 @@ def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None)
         body = body_of(db, ts, vs, rec, strict=True)
         if body is None:
             continue    # trimmed since read: no longer in the log, not replayed
-        env = _ReplayEnvelope(body, rec.shard_key, None, None, rec.headers, replay_of=message_id(vs))
+        env = _ReplayEnvelope(body, rec.shard_key, None, None, rec.headers, replay_of=message_id(vs),
+                              due_at=rec.due)
         batch.append((vs, env))
         size += len(env.body)
         if len(batch) >= CHUNK or size * (1 + len(config.subs)) >= CHUNK_WRITE_BYTES:
@@ -825,6 +831,7 @@ class _ReplayEnvelope:
     msg_id: str | None
     headers: dict | None
     replay_of: str | None = None
+    due_at: int | None = None     # the original's due time (database clock ms), if delayed
 
 
 __all__ = ["Supervisor", "replay_window", "replay_begin", "replay_chunk", "replay_finish", "play_chunk", "reshard_begin", "reshard_chunk",
