@@ -732,82 +732,187 @@ def _per_tag(shards: dict, owners: dict, members: dict) -> dict:
     return out
 
 
+REPLAY_HEARTBEAT_S = 0.5   # a running replay bumps its heartbeat counter this often
+REPLAY_ORPHAN_S = 3.0      # a replay whose heartbeat stays unchanged this long was killed
+
+
 def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None) -> int:
     """Push again every logged message inserted in ``[start_ms, end_ms)`` and committed
-    before the replay began, in log order, ``CHUNK`` per transaction. Resumable: the
-    replay of one window keeps its progress (``replay_begin``), each chunk pushes and
-    advances it in one transaction (``replay_chunk``), so running the same replay again
-    after a crash, or a retry after ``commit_unknown_result``, pushes nothing twice. A
-    finished replay removes its progress: the same window can be replayed again later.
-    Returns how many this call pushed (a resumed replay: what was left)."""
+    before the replay began, in log order, ``CHUNK`` per transaction: once per call.
+
+    Each call is a *run* with its own progress record (``replay_begin``) and a heartbeat
+    (a counter a thread bumps every ``REPLAY_HEARTBEAT_S``); each chunk pushes and advances
+    the run's progress in one transaction (``replay_chunk``), fenced by the run's owner,
+    so a retry after ``commit_unknown_result`` pushes nothing twice. Resumable: a call
+    that finds a run of the same window whose heartbeat stays unchanged for
+    ``REPLAY_ORPHAN_S`` on its own monotonic clock (killed) takes it over and finishes
+    what it left; a run that is alive is left alone, and this call replays the window
+    on its own (so two calls at once replay it twice). A finished run removes its
+    progress. Returns how many this call pushed (a resumed run: what was left)."""
+    import threading
+
     from .log import body_of
     ts = ks.topic(check_name(topic))
     config = read_topic_config(db, ts, snapshot=True)     # TopicNotFound for an unknown topic
-    replay_id = f"{start_ms}:{end_ms}"
-    state = replay_begin(db, ts, replay_id, start_ms, end_ms)
-    after = state["after"]
-    index = {}
-    batch, first, count, size = [], state["count"], state["count"], 0
+    window = f"{start_ms}:{end_ms}"
+    owner = os.urandom(8).hex()
+    run, state = None, None
+    for orphan in _orphaned_runs(db, ts, window):
+        got = replay_begin(db, ts, window, owner, start_ms, end_ms, claim=orphan)
+        if got is not None:
+            run, state = got
+            break
+    if run is None:
+        run, state = replay_begin(db, ts, window, owner, start_ms, end_ms)
+    stop = threading.Event()
+    beat = threading.Thread(target=_replay_heartbeat, args=(db, ts, window, run, stop),
+                            name=f"fdq-replay-{run}", daemon=True)
+    beat.start()
+    try:
+        after = state["after"]
+        index = {}
+        batch, first, count, size = [], state["count"], state["count"], 0
 
-    def flush():
-        nonlocal count
-        if batch:
-            # the progress's count, not what the last attempt pushed: an attempt that
-            # committed and reported commit_unknown_result leaves its retry nothing to do
-            while True:
-                try:
-                    now = replay_chunk(db, ks, ts, replay_id, batch, os.urandom(16), int(time.time() * 1000), index)
-                    break
-                except TopicHeld:      # a play finishing: nothing written, try again
-                    time.sleep(HOLD_WAIT_S)
-            if progress:
-                progress(now - count)
-            count = now
-            batch.clear()
-    for vs, _b, rec in iter_window(db, ts, log_buckets(db, ts), start_ms, end_ms):
-        if int.from_bytes(vs.tr_version[:8], "big") > state["stop"]:
-            break       # committed after the replay began (its own pushes among them)
-        if after is not None and vs.to_bytes() <= after:
-            continue    # replayed by an earlier run of this replay
-        body = body_of(db, ts, vs, rec, strict=True)
-        if body is None:
-            continue    # trimmed since read: no longer in the log, not replayed
-        env = _ReplayEnvelope(body, rec.shard_key, None, None, rec.headers, replay_of=message_id(vs),
-                              due_at=rec.due)
-        batch.append((vs, env))
-        size += len(env.body)
-        if len(batch) >= CHUNK or size * (1 + len(config.subs)) >= CHUNK_WRITE_BYTES:
-            flush()
-            size = 0
-    flush()
-    replay_finish(db, ts, replay_id)
+        def flush():
+            nonlocal count
+            if batch:
+                # the progress's count, not what the last attempt pushed: an attempt that
+                # committed and reported commit_unknown_result leaves its retry nothing to do
+                while True:
+                    try:
+                        now = replay_chunk(db, ks, ts, (window, run, owner), batch, os.urandom(16),
+                                           int(time.time() * 1000), index)
+                        break
+                    except TopicHeld:      # a play finishing: nothing written, try again
+                        time.sleep(HOLD_WAIT_S)
+                if progress:
+                    progress(now - count)
+                count = now
+                batch.clear()
+        for vs, _b, rec in iter_window(db, ts, log_buckets(db, ts), start_ms, end_ms):
+            if int.from_bytes(vs.tr_version[:8], "big") > state["stop"]:
+                break       # committed after the replay began (its own pushes among them)
+            if after is not None and vs.to_bytes() <= after:
+                continue    # replayed by an earlier run of this replay
+            body = body_of(db, ts, vs, rec, strict=True)
+            if body is None:
+                continue    # trimmed since read: no longer in the log, not replayed
+            env = _ReplayEnvelope(body, rec.shard_key, None, None, rec.headers, replay_of=message_id(vs),
+                                  due_at=rec.due)
+            batch.append((vs, env))
+            size += len(env.body)
+            if len(batch) >= CHUNK or size * (1 + len(config.subs)) >= CHUNK_WRITE_BYTES:
+                flush()
+                size = 0
+        flush()
+        replay_finish(db, ts, window, run, owner)
+    finally:
+        stop.set()
+        beat.join()
     return count - first
 
 
-@transactional
-def replay_begin(tr, ts: TopicSpace, replay_id: str, start_ms, end_ms) -> dict:
-    """The progress of the replay ``replay_id``, created if new: it replays what was
-    committed up to this transaction's read version (``stop``)."""
-    key = ts.replays.pack((replay_id,))
-    raw = tr[key]
-    if raw != None:  # noqa: E711
-        return unpack(bytes(raw))
-    state = {"start": start_ms, "end": end_ms, "stop": tr.get_read_version().wait(), "after": None, "count": 0}
-    tr[key] = pack(state)
-    return state
+def _run_key(ts: TopicSpace, window: str, run: str) -> bytes:
+    return ts.replays.pack((window, run))
+
+
+def _beat_key(ts: TopicSpace, window: str, run: str) -> bytes:
+    return ts.replays.pack((window, run, "hb"))
+
+
+def _replay_heartbeat(db, ts: TopicSpace, window: str, run: str, stop):
+    @transactional
+    def beat(tr):
+        tr.add(_beat_key(ts, window, run), counter(1))     # blind: conflicts with nothing
+    while not stop.wait(REPLAY_HEARTBEAT_S):
+        try:
+            beat(db)
+        except Exception:       # a database hiccup: the next beat tries again
+            pass
 
 
 @transactional
-def replay_chunk(tr, ks: Keyspace, ts: TopicSpace, replay_id: str, entries: list, txid: bytes,
+def _replay_runs(tr, ts: TopicSpace, window: str) -> dict:
+    """{run: (owner, heartbeat)} of the unfinished runs of ``window``; a run left by a
+    version that kept one progress per window (``replays/<window>``, no heartbeat) is
+    ``None: (None, its raw progress)``."""
+    r = ts.replays[window].range()
+    out, beats = {}, {}
+    for kv in tr.snapshot.get_range(r.start, r.stop):
+        key = ts.replays.unpack(kv.key)
+        if len(key) == 2:
+            out[key[1]] = unpack(bytes(kv.value)).get("owner")
+        else:
+            beats[key[1]] = decode_counter(kv.value)
+    out = {run: (o, beats.get(run, 0)) for run, o in out.items()}
+    legacy = tr.snapshot[ts.replays.pack((window,))]
+    if legacy != None:  # noqa: E711
+        out[None] = (None, bytes(legacy))
+    return out
+
+
+def _orphaned_runs(db, ts: TopicSpace, window: str) -> list:
+    """[(run, owner, heartbeat)] of the runs of ``window`` whose owner and heartbeat stay
+    unchanged for ``REPLAY_ORPHAN_S`` (their callers were killed), oldest watched first;
+    returns at once when there are none or all are alive."""
+    seen = _replay_runs(db, ts, window)
+    deadline = time.monotonic() + REPLAY_ORPHAN_S
+    while seen and time.monotonic() < deadline:
+        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        now = _replay_runs(db, ts, window)
+        seen = {run: v for run, v in seen.items() if now.get(run) == v}
+    return [(run, *v) for run, v in seen.items()]
+
+
+@transactional
+def replay_begin(tr, ts: TopicSpace, window: str, owner: str, start_ms, end_ms, claim=None):
+    """Start a run of the replay of ``window`` owned by ``owner``: it replays what was
+    committed up to this transaction's read version (``stop``). With ``claim`` (run,
+    owner, heartbeat as ``_orphaned_runs`` saw them), take that run over instead, if it
+    is still as seen (else None). Returns ``(run, progress)``."""
+    if claim is not None:
+        run, old_owner, seen = claim
+        if run is None:     # an older version's per-window progress: becomes our run
+            key = ts.replays.pack((window,))
+            raw = tr[key]
+            if raw == None or bytes(raw) != seen:  # noqa: E711
+                return None
+            del tr[key]
+            state = unpack(bytes(raw))
+            run = owner
+        else:
+            raw = tr[_run_key(ts, window, run)]
+            if raw == None or decode_counter(tr[_beat_key(ts, window, run)]) != seen:  # noqa: E711
+                return None
+            state = unpack(bytes(raw))
+            if state.get("owner") != old_owner:
+                return None
+        state["owner"] = owner
+        tr[_run_key(ts, window, run)] = pack(state)
+        return run, state
+    state = {"start": start_ms, "end": end_ms, "stop": tr.get_read_version().wait(), "after": None,
+             "count": 0, "owner": owner}
+    tr[_run_key(ts, window, owner)] = pack(state)
+    return owner, state
+
+
+@transactional
+def replay_chunk(tr, ks: Keyspace, ts: TopicSpace, run: tuple, entries: list, txid: bytes,
                  now_ms: int, time_index: dict) -> int:
-    """Push the ``entries`` [(vs, envelope)] past the replay's progress and advance it,
-    in this one transaction. Returns how many the replay has pushed in all."""
+    """Push the ``entries`` [(vs, envelope)] past the progress of ``run`` (window, run,
+    owner) and advance it, in this one transaction, if ``owner`` still owns the run
+    (``ReplayTakenOver`` if not). Returns how many the run has pushed in all."""
+    from .errors import ReplayTakenOver
     from .producer import push_batch
-    key = ts.replays.pack((replay_id,))
+    window, run_id, owner = run
+    key = _run_key(ts, window, run_id)
     raw = tr[key]
     if raw == None:  # noqa: E711
-        raise ConfigError(f"replay {replay_id!r} of topic {ts.name!r} is not running")
+        raise ConfigError(f"replay {window!r} of topic {ts.name!r} is not running")
     state = unpack(bytes(raw))
+    if state.get("owner") != owner:
+        raise ReplayTakenOver(f"replay {window!r} of topic {ts.name!r} stalled for over {REPLAY_ORPHAN_S} s "
+                              "and another call took it over: this one stops")
     todo = [(vs, env) for vs, env in entries if state["after"] is None or vs.to_bytes() > state["after"]]
     if todo:
         push_batch(tr, ks, [(ts.name, env) for _vs, env in todo], txid, int.from_bytes(txid[:4], "big"),
@@ -819,8 +924,12 @@ def replay_chunk(tr, ks: Keyspace, ts: TopicSpace, replay_id: str, entries: list
 
 
 @transactional
-def replay_finish(tr, ts: TopicSpace, replay_id: str):
-    del tr[ts.replays.pack((replay_id,))]
+def replay_finish(tr, ts: TopicSpace, window: str, run: str, owner: str):
+    """Remove a finished run's progress and heartbeat (if ``owner`` still owns it)."""
+    raw = tr[_run_key(ts, window, run)]
+    if raw != None and unpack(bytes(raw)).get("owner") == owner:  # noqa: E711
+        del tr[_run_key(ts, window, run)]
+        del tr[_beat_key(ts, window, run)]
 
 
 @dataclasses.dataclass(frozen=True)

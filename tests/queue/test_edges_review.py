@@ -3,6 +3,10 @@
 cancellation. Each test failed before the fix it names."""
 from __future__ import annotations
 
+import time
+
+import pytest
+
 import fdq
 from fdq import membership
 from fdq.keyspace import Keyspace
@@ -100,3 +104,141 @@ def test_play_routes_a_delayed_message_by_its_push_time_due(db):
     assert _fetch_ids(db, "t", "default") == [soon]
     _advance_clock(db, 600_000)
     assert _fetch_ids(db, "t", "default") == [late]
+
+
+def _replay_counts(db, topic):
+    import collections
+
+    from fdq.keyspace.codec import Record
+    ts = Keyspace().topic(topic)
+    counts = collections.Counter()
+    r = ts.log.range()
+    tr = db.create_transaction()
+    for kv in tr.snapshot.get_range(r.start, r.stop):
+        rec = Record.decode(kv.value)
+        if rec.replay_of is not None:
+            counts[rec.replay_of] += 1
+    tr.cancel()
+    return counts
+
+
+def test_two_concurrent_replays_of_one_window_each_deliver_it(db):
+    """Two replays of the same window at once shared one progress record (keyed by the
+    window): together they pushed the window once, not once per call."""
+    import threading
+    p = fdq.Producer(db)
+    ids = [r.id for r in p.push_many("t", [fdq.Envelope(f"m{i}".encode(), shard_key=f"k{i % 7}")
+                                           for i in range(1500)])]
+    time.sleep(0.01)
+    end = int(time.time() * 1000)       # the replays are inserted after it: not in the window
+    time.sleep(0.01)
+    b_started, results, errors = threading.Event(), {}, []
+
+    def run(name, progress):
+        try:
+            results[name] = p.replay("t", 0, end, progress=progress)
+        except Exception as e:     # reported below
+            errors.append(e)
+
+    b = threading.Thread(target=run, args=("b", lambda n: b_started.set()))
+
+    def a_progress(n):          # the first call, after its first chunk: the second one starts
+        if not b.is_alive() and not b_started.is_set():
+            b.start()
+            assert b_started.wait(60), "the second replay made no progress"
+    a = threading.Thread(target=run, args=("a", a_progress))
+    a.start()
+    a.join(120)
+    b.join(120)
+    assert not errors and not a.is_alive() and not b.is_alive()
+    assert results == {"a": 1500, "b": 1500}
+    counts = _replay_counts(db, "t")
+    assert set(counts) == set(ids) and set(counts.values()) == {2}
+    assert fdq.Supervisor(db).stats("t")["counters"]["inserted"] == 4500
+
+
+def test_log_reads_and_a_replay_survive_retryable_read_errors(db, url):
+    """The log readers (fdq.log: the time index, each page of the merged buckets, a large
+    body's chunks, the bucket list; replay's and Spark's reads) ran in bare transactions
+    without a retry: one retryable read error (1009 future_version, 1037
+    process_behind, which FDB raises and the engine injects on a transaction's first
+    read) failed the whole replay or scan."""
+    from fdq import log
+    p = fdq.Producer(db)
+    ids = [r.id for r in p.push_many("t", [fdq.Envelope(f"m{i}".encode(), shard_key=f"k{i % 7}")
+                                           for i in range(60)])]
+    ids += [p.push("t", b"x" * 200_000, shard_key="big").id]        # chunked: its chunks read apart
+    time.sleep(0.01)
+    end = int(time.time() * 1000)       # the replays are inserted after it: not in the window
+    time.sleep(0.01)
+    faulty = fdq.connect(f"{url}?fault_injection=0.5&seed=5")       # a read fault in 1 of 20 transactions
+    ts = Keyspace().topic("t")
+    for _ in range(60):         # some 4 bare transactions each: 240 in all
+        rows = list(log.iter_window(faulty, ts, log.log_buckets(faulty, ts), 0, end))
+        assert len(rows) == 61
+        assert [len(log.body_of(faulty, ts, vs, rec)) for vs, _b, rec in rows if rec.nchunks] == [200_000]
+        keys = [k for b in log.log_buckets(faulty, ts)
+                for ks, _raws in log.scan_entries(faulty, ts, *log.bucket_range(ts, b)) for k in ks]
+        assert len(keys) == 61
+    assert fdq.Producer(faulty).replay("t", 0, end) == 61
+    counts = _replay_counts(db, "t")
+    assert set(counts) == set(ids) and set(counts.values()) == {1}
+
+
+def test_a_killed_replay_run_is_taken_over_once_and_its_old_owner_fenced(db, monkeypatch):
+    """A run whose heartbeat stays unchanged (its caller killed: here a run begun and
+    never driven) is finished by the next call of the same window, from its progress;
+    the old owner, were it to wake up, can commit no chunk of it."""
+    from fdq import supervisor
+    monkeypatch.setattr(supervisor, "REPLAY_ORPHAN_S", 0.3)
+    p = fdq.Producer(db)
+    ids = [r.id for r in p.push_many("t", [fdq.Envelope(f"m{i}".encode()) for i in range(1200)])]
+    time.sleep(0.01)
+    end = int(time.time() * 1000)
+    time.sleep(0.01)
+    ts = Keyspace().topic("t")
+    window = f"0:{end}"
+    run, _state = supervisor.replay_begin(db, ts, window, "dead-owner", 0, end)
+    rows = list(supervisor.iter_window(db, ts, supervisor.log_buckets(db, ts), 0, end))
+    first = [(vs, supervisor._ReplayEnvelope(rec.body, None, None, None, None, replay_of=fdq.keyspace.message_id(vs)))
+             for vs, _b, rec in rows[:500]]
+    ks = Keyspace()
+    assert supervisor.replay_chunk(db, ks, ts, (window, run, "dead-owner"), first,
+                                   b"x" * 16, end, {}) == 500
+    assert p.replay("t", 0, end) == 700           # taken over: what the dead run left
+    counts = _replay_counts(db, "t")
+    assert set(counts) == set(ids) and set(counts.values()) == {1}
+    assert supervisor._replay_runs(db, ts, window) == {}
+    # The old owner's next chunk is refused (here: the run is finished and gone; while
+    # another owner runs it, ReplayTakenOver).
+    run2, _ = supervisor.replay_begin(db, ts, window, "dead-2", 0, end)
+    assert supervisor.replay_begin(db, ts, window, "thief", 0, end,
+                                   claim=(run2, "dead-2", 0)) == (run2, _ | {"owner": "thief"})
+    with pytest.raises(fdq.ReplayTakenOver):
+        supervisor.replay_chunk(db, ks, ts, (window, run2, "dead-2"), first, b"y" * 16, end, {})
+    with pytest.raises(fdq.ConfigError, match="not running"):
+        supervisor.replay_chunk(db, ks, ts, (window, run, "dead-owner"), first, b"z" * 16, end, {})
+
+
+def test_a_replay_resumes_a_run_an_older_version_left(db, monkeypatch):
+    """Progress written by a version that kept one record per window (no owner, no
+    heartbeat) is resumed, not replayed again from the start."""
+    from fdq import supervisor
+    from fdq.keyspace.codec import pack
+    monkeypatch.setattr(supervisor, "REPLAY_ORPHAN_S", 0.3)
+    p = fdq.Producer(db)
+    ids = [r.id for r in p.push_many("t", [fdq.Envelope(f"m{i}".encode()) for i in range(300)])]
+    ts = Keyspace().topic("t")
+    rows = list(supervisor.iter_window(db, ts, supervisor.log_buckets(db, ts), 0, None))
+    rv = db.create_transaction().get_read_version().wait()
+    legacy = {"start": 0, "end": None, "stop": rv, "after": rows[99][0].to_bytes(), "count": 100}
+
+    @fdq.transactional
+    def put(tr):
+        tr[ts.replays.pack(("0:None",))] = pack(legacy)
+    put(db)
+    assert p.replay("t", 0) == 200
+    counts = _replay_counts(db, "t")
+    assert set(counts) == set(ids[100:]) and set(counts.values()) == {1}
+    tr = db.create_transaction()
+    assert list(tr.get_range(*[ts.replays.range().start, ts.replays.range().stop])) == []
