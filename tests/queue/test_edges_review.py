@@ -242,3 +242,15 @@ def test_a_replay_resumes_a_run_an_older_version_left(db, monkeypatch):
     assert set(counts) == set(ids[100:]) and set(counts.values()) == {1}
     tr = db.create_transaction()
     assert list(tr.get_range(*[ts.replays.range().start, ts.replays.range().stop])) == []
+
+
+def test_stats_and_trim_survive_retryable_read_errors(db, url):
+    """Supervisor.stats, and trim's size estimate and read version, ran in bare
+    transactions: one retryable read error failed them."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=4, retention_bytes=10_000_000)
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"m", shard_key=f"k{i}") for i in range(50)])
+    faulty = fdq.Supervisor(fdq.connect(f"{url}?fault_injection=0.5&seed=7"))
+    for _ in range(40):
+        assert faulty.stats("t")["subscriptions"]["default"]["backlog"] == 50
+        assert faulty.trim("t") == 0
