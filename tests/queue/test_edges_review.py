@@ -254,3 +254,45 @@ def test_stats_and_trim_survive_retryable_read_errors(db, url):
     for _ in range(40):
         assert faulty.stats("t")["subscriptions"]["default"]["backlog"] == 50
         assert faulty.trim("t") == 0
+
+
+AIO_FAST = fdq.ConsumerConfig(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05,
+                              lease_check_interval_s=0.05, ack_wait_s=30)
+
+
+async def _aio_until(cond, timeout, what):
+    import asyncio
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def test_aio_a_handler_raising_cancelled_error_is_a_failed_handler(db):
+    """A handler that raised asyncio.CancelledError of its own (it awaited a task that
+    someone else cancelled) ended the whole consuming task: the tail stopped, silently,
+    still a live member owning its shards."""
+    import asyncio
+
+    import fdq.aio
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    p = fdq.Producer(db)
+    for i in range(3):
+        p.push("t", f"m{i}".encode(), shard_key="k")
+    seen = []
+
+    async def main():
+        async def handler(m):
+            seen.append((m.body, m.attempts))
+            if m.body == b"m1" and m.attempts == 1:
+                other = asyncio.get_running_loop().create_future()
+                other.cancel()
+                await other                 # raises CancelledError into the handler
+        t = await fdq.aio.tail(db, "t", handler, config=AIO_FAST, batch_size=1)
+        try:
+            await _aio_until(lambda: _sub_stats(db, "t", "default")["backlog"] == 0, 5, "all acked")
+            assert not t._task.done()
+        finally:
+            await asyncio.wait_for(t.shutdown(), 20)
+    asyncio.run(main())
+    assert (b"m1", 2) in seen and [b for b, _a in seen].count(b"m1") == 2
