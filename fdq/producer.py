@@ -58,16 +58,20 @@ MAX_PER_TRANSACTION = 1 << 16   # a versionstamp's user version (2 bytes) number
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 
 
+MAX_TIME_MS = 1 << 62     # |epoch ms| beyond this is no time (stored times are int64)
+
+
 def to_ms(t) -> int | None:
-    """Epoch milliseconds from an int/float (ms) or a datetime (naive = UTC)."""
+    """Epoch milliseconds from an int/float (ms) or a datetime (naive = UTC). NaN,
+    infinities and times beyond ``MAX_TIME_MS`` are refused (ConfigError)."""
     if t is None:
         return None
     if isinstance(t, datetime.datetime):
         if t.tzinfo is None:
             t = t.replace(tzinfo=datetime.timezone.utc)
         return (t - _EPOCH) // datetime.timedelta(milliseconds=1)     # exact: no float
-    if isinstance(t, bool) or not isinstance(t, (int, float)):
-        raise ConfigError(f"time must be epoch milliseconds or a datetime, not {t!r}")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t or not -MAX_TIME_MS <= t <= MAX_TIME_MS:
+        raise ConfigError(f"time must be epoch milliseconds (within ±2**62) or a datetime, not {t!r}")
     return int(t)
 
 

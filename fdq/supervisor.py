@@ -499,7 +499,11 @@ class Supervisor:
         (default: ``retention_s`` of the config), then, with ``retention_bytes``, the oldest
         entries (in log order) until the log fits; and expire push markers and dedupe ids
         past their windows. Returns the log entries deleted. Queued messages are untouched, and
-        so is every entry from the oldest one not routed yet (pushed while paused) on."""
+        so is every entry from the oldest one not routed yet (pushed while paused) on.
+        ``before_ms``: epoch ms or a datetime; anything else is a ConfigError (a NaN, never
+        compared as newer, deleted the whole log)."""
+        from .producer import to_ms
+        before_ms = to_ms(before_ms)
         ts = self._ts(name)
         config = self.config(name)
         if before_ms is None and config.retention_s is not None:
@@ -767,6 +771,10 @@ def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None)
     import threading
 
     from .log import body_of
+    from .producer import to_ms
+    start_ms, end_ms = to_ms(start_ms), to_ms(end_ms)
+    if start_ms is not None and end_ms is not None and end_ms < start_ms:
+        raise ConfigError(f"replay window ends ({end_ms}) before it starts ({start_ms})")
     ts = ks.topic(check_name(topic))
     config = read_topic_config(db, ts, snapshot=True)     # TopicNotFound for an unknown topic
     window = f"{start_ms}:{end_ms}"

@@ -296,3 +296,36 @@ def test_aio_a_handler_raising_cancelled_error_is_a_failed_handler(db):
             await asyncio.wait_for(t.shutdown(), 20)
     asyncio.run(main())
     assert (b"m1", 2) in seen and [b for b, _a in seen].count(b"m1") == 2
+
+
+def test_bad_times_are_refused_and_harm_nothing(db):
+    """Replay, reset and trim times: NaN and infinities raised ValueError or
+    OverflowError (not an FDQError), a window past int64 an OverflowError midway, a
+    window ending before it starts replayed nothing silently, and trim(before_ms=NaN)
+    deleted the whole log (no entry compares as newer than NaN)."""
+    import datetime
+    sup = fdq.Supervisor(db)
+    p = fdq.Producer(db)
+    ids = [p.push("t", f"m{i}".encode()).id for i in range(4)]
+    for bad in (float("nan"), float("inf"), -float("inf"), 10**30, "2026-01-01", True):
+        with pytest.raises(fdq.ConfigError, match="time must be"):
+            p.replay("t", bad)
+        with pytest.raises(fdq.ConfigError, match="time must be"):
+            p.replay("t", 0, bad)
+        with pytest.raises(fdq.ConfigError, match="time must be"):
+            sup.reset("t", "default", bad)
+        with pytest.raises(fdq.ConfigError, match="time must be"):
+            sup.trim("t", before_ms=bad)
+    with pytest.raises(fdq.ConfigError, match="ends .* before it starts"):
+        p.replay("t", 2_000, 1_000)
+    assert sup.stats("t")["counters"]["inserted"] == 4 and _replay_counts(db, "t") == {}
+    assert sup.stats("t")["subscriptions"]["default"]["backlog"] == 4
+    with pytest.raises(fdq.TopicNotFound):
+        p.replay("nope", 0)
+    # datetimes, aware in any zone or naive (UTC), mean the same instant
+    now = datetime.datetime.now(datetime.timezone.utc)
+    east = (now - datetime.timedelta(minutes=1)).astimezone(datetime.timezone(datetime.timedelta(hours=5)))
+    assert p.replay("t", east, now) == 4
+    assert p.replay("t", (now - datetime.timedelta(minutes=1)).replace(tzinfo=None), now) == 4
+    assert sup.trim("t", before_ms=now - datetime.timedelta(hours=1)) == 0
+    assert set(_replay_counts(db, "t")) == set(ids)
