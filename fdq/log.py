@@ -84,13 +84,17 @@ def _read_heads(tr, ts: TopicSpace, buckets, cursors: dict, per_bucket: int) -> 
     return heads, exhausted
 
 
-@transactional
-def body_of(tr, ts: TopicSpace, vs, record: Record, *, strict: bool = False) -> bytes | None:
+def body_of(db, ts: TopicSpace, vs, record: Record, *, strict: bool = False) -> bytes | None:
     """The body of the log entry ``record`` at ``vs``, its chunks read in a new
     transaction. A trim may have deleted them since the record was read: with
     ``strict``, None then (not a partial or empty body)."""
     if not record.nchunks:
-        return record.body
+        return record.body     # (no transaction: this is most entries)
+    return _chunked_body(db, ts, vs, record, strict)
+
+
+@transactional
+def _chunked_body(tr, ts: TopicSpace, vs, record: Record, strict: bool) -> bytes | None:
     r = ts.all_chunks[vs].range()
     chunks = [kv.value for kv in tr.snapshot.get_range(r.start, r.stop)]
     if strict and len(chunks) != record.nchunks:
