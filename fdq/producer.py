@@ -792,9 +792,13 @@ class Producer:
     def replay(self, topic: str, start, end=None, *, progress=None) -> int:
         """Re-deliver the "all" log's messages with insertion time in ``[start, end)``
         (committed before the replay began) to the topic's subscriptions, in order, as
-        new messages (new ids; the record keeps the original id in ``replay_of``).
-        Resumable: the same call after a crash continues where the first stopped, and
-        nothing is pushed twice. Returns how many this call replayed."""
+        new messages (new ids; the record keeps the original id in ``replay_of``; a
+        delayed message not due yet stays delayed until its due time), once per call:
+        two calls at once replay the window twice. Resumable: the same call after a
+        crash takes over the killed run (once its heartbeat has stood still for
+        ``fdq.supervisor.REPLAY_ORPHAN_S``) and continues where it stopped; nothing is
+        pushed twice. ``start``/``end``: epoch ms or datetimes (naive = UTC); ``end``
+        before ``start`` is a ConfigError. Returns how many this call replayed."""
         from .supervisor import replay_window
         return replay_window(self.db, self.keyspace, topic, to_ms(start), to_ms(end), progress=progress)
 
