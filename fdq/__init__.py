@@ -2,7 +2,7 @@
 from .engine import connect, transactional
 from .errors import (BacklogFull, ConfigError, ConnectError, ConsumerStalled, EngineError, FDQError,
                      FormatError, InvalidHeader, InvalidMessage, InvalidName, LeaseLost,
-                     MessageTooLarge, SubscriptionNotFound, TopicExists, TopicNotFound)
+                     MessageTooLarge, ReplayTakenOver, SubscriptionNotFound, TopicExists, TopicNotFound)
 
 from .config import ConsumerConfig, ProducerConfig, SubscriptionConfig, TopicConfig
 from .consumer import Consumer, Message, tail
@@ -18,4 +18,5 @@ __all__ = [
     "FDQError", "ConfigError", "ConnectError", "EngineError", "FormatError", "InvalidName",
     "TopicNotFound", "TopicExists", "SubscriptionNotFound", "MessageTooLarge",
     "InvalidMessage", "InvalidHeader", "BacklogFull", "LeaseLost", "ConsumerStalled",
+    "ReplayTakenOver",
 ]

@@ -32,6 +32,18 @@ from .errors import ConfigError, LeaseLost
 log = logging.getLogger("fdq.aio")
 
 
+class HandlerCancelled(Exception):
+    """A handler raised ``asyncio.CancelledError`` while its task was not being
+    cancelled: reported (``on_error``) and the message nak'd, as any handler failure."""
+
+
+def _cancelled(task) -> bool:
+    """Whether ``task`` has a cancellation request pending (Python 3.10 cannot tell:
+    then every CancelledError counts as one, as before)."""
+    cancelling = getattr(task, "cancelling", None)
+    return task is None or cancelling is None or cancelling() > 0
+
+
 class AsyncTail:
     """A running asyncio consumer (made by :func:`tail`)."""
 
@@ -95,7 +107,14 @@ class AsyncTail:
         async with self._slots:
             for m in msgs:
                 try:
-                    await self.handler(m)
+                    try:
+                        await self.handler(m)
+                    except asyncio.CancelledError as e:
+                        if _cancelled(asyncio.current_task()):
+                            raise       # we are being cancelled (shutdown, loop end)
+                        # the handler's own (it awaited something another task
+                        # cancelled): a failed handler, not the end of the tail
+                        raise HandlerCancelled(f"the handler raised {e!r}") from e
                     if self._acking and m._settled is None:
                         m.ack()
                 except Exception as e:

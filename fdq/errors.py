@@ -59,6 +59,12 @@ class TopicHeld(FDQError):
     written. Producers and replay wait it out and retry; it does not reach callers."""
 
 
+class ReplayTakenOver(FDQError):
+    """A replay stalled for longer than ``fdq.supervisor.REPLAY_ORPHAN_S`` (its heartbeat
+    stopped) and a rerun of the same window took its progress over: this one stops,
+    having pushed nothing the rerun will push again."""
+
+
 class LeaseLost(FDQError):
     """The message's lease or the shard's ownership moved to another consumer."""
 

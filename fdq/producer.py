@@ -58,16 +58,20 @@ MAX_PER_TRANSACTION = 1 << 16   # a versionstamp's user version (2 bytes) number
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 
 
+MAX_TIME_MS = 1 << 62     # |epoch ms| beyond this is no time (stored times are int64)
+
+
 def to_ms(t) -> int | None:
-    """Epoch milliseconds from an int/float (ms) or a datetime (naive = UTC)."""
+    """Epoch milliseconds from an int/float (ms) or a datetime (naive = UTC). NaN,
+    infinities and times beyond ``MAX_TIME_MS`` are refused (ConfigError)."""
     if t is None:
         return None
     if isinstance(t, datetime.datetime):
         if t.tzinfo is None:
             t = t.replace(tzinfo=datetime.timezone.utc)
         return (t - _EPOCH) // datetime.timedelta(milliseconds=1)     # exact: no float
-    if isinstance(t, bool) or not isinstance(t, (int, float)):
-        raise ConfigError(f"time must be epoch milliseconds or a datetime, not {t!r}")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t or not -MAX_TIME_MS <= t <= MAX_TIME_MS:
+        raise ConfigError(f"time must be epoch milliseconds (within ±2**62) or a datetime, not {t!r}")
     return int(t)
 
 
@@ -267,16 +271,24 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             tr.set_versionstamped_value(dkey, _PLACEHOLDER + uv.to_bytes(2, "big") + now_ms.to_bytes(8, "big")
                                         + _OFFSET0)
             tr.set_versionstamped_key(vs_key(ts.dedupe_by_version.key(), uv), env.msg_id.encode())
+        due = None
+        due_at = getattr(env, "due_at", None)     # a replay: the original's due time
+        if env.delay or due_at is not None:
+            if clock is None:
+                clock = read_clock(tr, ts.clock_key)
+            due = clock + int(env.delay * 1000) if env.delay else due_at
+            if due <= clock:
+                due = None      # (a replayed message already due: ready at once)
         inline, chunks = split_body(env.body)
         headers = getattr(env, "_plain_headers", None)
         if headers is None and env.headers:
             headers = dict(env.headers)
         record = Record(now_ms, env.shard_key, env.msg_id, headers, inline, 0, len(chunks),
-                        getattr(env, "replay_of", None)).encode()
+                        getattr(env, "replay_of", None), due).encode()
         if len(record) > RECORD_BYTES:      # the body fits a value, not with its headers and keys
             inline, chunks = split_body(env.body, force=True)
             record = Record(now_ms, env.shard_key, env.msg_id, headers, inline, 0, len(chunks),
-                            getattr(env, "replay_of", None)).encode()
+                            getattr(env, "replay_of", None), due).encode()
         if not config.routing and len(config.subs) * (len(record) + len(env.body)) > ROUTE_BYTES:
             # play routes it alone, to every subscription, in one transaction: refuse what
             # could never be routed (it would block the play, and every message behind it)
@@ -292,11 +304,6 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             tr.set_versionstamped_key(vs_key(ts.time_index.pack((minute,)), uv), b"")
         counters[ts.stat("inserted")] += 1
         if config.routing:
-            due = None
-            if env.delay:
-                if clock is None:
-                    clock = read_clock(tr, ts.clock_key)
-                due = clock + int(env.delay * 1000)
             tag = dispatch_tag(headers)
             if tag and (topic, tag) not in tags_written:
                 tags_written.add((topic, tag))
@@ -786,9 +793,13 @@ class Producer:
         """Re-deliver the "all" log's messages with insertion time in ``[start, end)``
         (epoch milliseconds or ``datetime``, naive = UTC; ``end=None``: no bound)
         (committed before the replay began) to the topic's subscriptions, in order, as
-        new messages (new ids; the record keeps the original id in ``replay_of``).
-        Resumable: the same call after a crash continues where the first stopped, and
-        nothing is pushed twice. Returns how many this call replayed."""
+        new messages (new ids; the record keeps the original id in ``replay_of``; a
+        delayed message not due yet stays delayed until its due time), once per call:
+        two calls at once replay the window twice. Resumable: the same call after a
+        crash takes over the killed run (once its heartbeat has stood still for
+        ``fdq.supervisor.REPLAY_ORPHAN_S``) and continues where it stopped; nothing is
+        pushed twice. ``start``/``end``: epoch ms or datetimes (naive = UTC); ``end``
+        before ``start`` is a ConfigError. Returns how many this call replayed."""
         from .supervisor import replay_window
         return replay_window(self.db, self.keyspace, topic, to_ms(start), to_ms(end), progress=progress)
 

@@ -316,7 +316,12 @@ def _copy(tr, ts: TopicSpace, topic_config: TopicConfig, sub: str, bucket: int, 
     shard = ts.shard(sub, tag, n)
     if leases is not None and vs.to_bytes() in _leased(tr, shard, leases):
         return 0    # a reset leaves leases alone: the leased copy is the one delivered
-    tr[shard.ready_key(vs)] = bytes(raw)
+    if rec.due is not None and rec.due > membership.read_clock(tr, ts.clock_key):
+        # a delayed message not due yet: it waits for its due time as its first copies do
+        tr[shard.delayed_key(rec.due, vs)] = bytes(raw)
+        routed[shard.stat("delayed")] = routed.get(shard.stat("delayed"), 0) + 1
+    else:
+        tr[shard.ready_key(vs)] = bytes(raw)
     written = len(raw)
     if rec.nchunks:
         r = ts.all_chunks[vs].range()

@@ -30,8 +30,13 @@ VERSIONS_PER_S = 1_000_000
 # -- routing of messages already in the log ----------------------------------------------
 
 def _route_existing(tr, ts: TopicSpace, config: TopicConfig, n: int, vs, raw: bytes, delay_s, clock):
-    """Route a logged message (complete versionstamp ``vs``) to every subscription."""
+    """Route a logged message (complete versionstamp ``vs``) to every subscription: delayed
+    until its record's due time if it has one and it is still ahead of ``clock`` (a pending
+    entry written before records kept it: ``delay_s`` from ``clock``), else ready."""
     rec = Record.decode(raw)
+    due = rec.due if rec.due is not None else (clock + int(delay_s * 1000) if delay_s else None)
+    if due is not None and due <= clock:
+        due = None
     tag = dispatch_tag(rec.headers)
     chunks = []
     if rec.nchunks:
@@ -39,8 +44,8 @@ def _route_existing(tr, ts: TopicSpace, config: TopicConfig, n: int, vs, raw: by
         chunks = [kv.value for kv in tr.snapshot.get_range(r.start, r.stop)]
     for sub in config.subs:
         shard = ts.shard(sub, tag, n)
-        if delay_s:
-            tr[shard.delayed_key(clock + int(delay_s * 1000), vs)] = raw
+        if due is not None:
+            tr[shard.delayed_key(due, vs)] = raw
             tr.add(shard.stat("delayed"), counter(1))
         else:
             tr[shard.ready_key(vs)] = raw
@@ -307,6 +312,20 @@ def _range(r):
 
 
 @transactional
+def _read_version(tr) -> int:
+    return tr.get_read_version().wait()
+
+
+@transactional
+def _estimated_log_bytes(tr, ts: TopicSpace, buckets: list) -> int:
+    """The "all" log's estimated size (its buckets' and body chunks'; sampled on FDB)."""
+    size = tr.get_estimated_range_size_bytes(*_range(ts.all_chunks.range())).wait()
+    for b in buckets:
+        size += tr.get_estimated_range_size_bytes(*_range(ts.log[b].range())).wait()
+    return size
+
+
+@transactional
 def expire_index_chunk(tr, space, older_than_version: int, limit: int, target=None, text=False,
                        keep_after_ms: int | None = None, keep_before_ms: int | None = None) -> int:
     """Delete up to ``limit`` by-version index entries older than a version, and the
@@ -472,58 +491,19 @@ class Supervisor:
     def stats(self, name: str) -> dict:
         """Counters, backlog per shard, in-flight, DLQ, consumers and lag; from counters
         and a few point reads (O(shards + consumers), never O(backlog))."""
-        ts = self._ts(name)
-        tr = self.db.create_transaction()
-        snap = tr.snapshot
-        config = load_config(snap[ts.config_key])
-        if config is None:
-            raise TopicNotFound(f"topic {name!r} does not exist")
-        rv = tr.get_read_version().wait()
-        topic = {k: decode_counter(snap[ts.stat(k)]) for k in ("inserted", "routed", "emitted", "acked")}
-        topic["pending"] = topic["inserted"] - topic["routed"]
-        subs = {}
-        for sub in config.subs:
-            shards = shard_counters(snap, ts, sub, config)
-            owners = membership.read_owners(tr, ts, sub)
-            members = membership.read_members(tr, ts, sub)
-            consumers = []
-            for cid, m in sorted(members.items()):
-                hbv = decode_counter(snap[ts.consumers.pack((sub, cid, "hbv"))])
-                consumers.append({"id": cid, "heartbeats": m["hb"], "mode": m["record"].get("mode"),
-                                  "host": m["record"].get("host"), "pid": m["record"].get("pid"),
-                                  "tag": m["record"].get("tag"),
-                                  "heartbeat_age_s": round((rv - hbv) / VERSIONS_PER_S, 3) if hbv else None,
-                                  "shards": sorted(n for (t, n), (o, _e) in owners.items() if o == cid),
-                                  "tag_shards": sorted([t, n] for (t, n), (o, _e) in owners.items() if o == cid)})
-            oldest = None
-            for (tag, n) in shards:
-                shard = ts.shard(sub, tag, n)
-                r = shard.ready.range()
-                for kv in snap.get_range(r.start, r.stop, limit=1):
-                    t = Record.decode(kv.value).ts_ms
-                    oldest = t if oldest is None else min(oldest, t)
-            total = lambda k: sum(c[k] for c in shards.values())  # noqa: E731
-            subs[sub] = {
-                "catching_up": sub in config.catchup, "paused": sub in config.paused_subs,
-                "backlog": total("backlog"), "in_flight": total("in_flight"), "delayed": total("delayed"),
-                "emitted": total("emitted"), "acked": total("acked"),
-                "dlq": delivery.dlq_size(snap, ts, sub),
-                "oldest_ready_ms": oldest,
-                "lag_ms": (int(time.time() * 1000) - oldest) if oldest is not None else 0,
-                "consumers": consumers,
-                "shards": [{"tag": tag, "shard": n, "owner": owners.get((tag, n), (None, 0))[0], **c}
-                           for (tag, n), c in sorted(shards.items())],
-                "tags": _per_tag(shards, owners, members),
-            }
-        tr.cancel()
-        return {"topic": name, "config": config.as_dict(), "counters": topic, "subscriptions": subs}
+        return topic_stats(self.db, self._ts(name), name)
+
 
     def trim(self, name: str, *, before_ms: int | None = None, progress=None) -> int:
         """Apply retention to the "all" log: delete what was inserted before ``before_ms``
         (default: ``retention_s`` of the config), then, with ``retention_bytes``, the oldest
         entries (in log order) until the log fits; and expire push markers and dedupe ids
         past their windows. Returns the log entries deleted. Queued messages are untouched, and
-        so is every entry from the oldest one not routed yet (pushed while paused) on."""
+        so is every entry from the oldest one not routed yet (pushed while paused) on.
+        ``before_ms``: epoch ms or a datetime; anything else is a ConfigError (a NaN, never
+        compared as newer, deleted the whole log)."""
+        from .producer import to_ms
+        before_ms = to_ms(before_ms)
         ts = self._ts(name)
         config = self.config(name)
         if before_ms is None and config.retention_s is not None:
@@ -548,7 +528,7 @@ class Supervisor:
             trim_index(self.db)
         if config.retention_bytes is not None:
             deleted += self._trim_to_size(ts, log_buckets(self.db, ts), config.retention_bytes, progress)
-        rv = self.db.create_transaction().get_read_version().wait()
+        rv = _read_version(self.db)
         now_ms = int(time.time() * 1000)
         for space, target, window, text in ((ts.marks_by_version, ts.marks, 600.0, False),
                                             (ts.dedupe_by_version, ts.dedupe, config.dedupe_window_s, True)):
@@ -562,11 +542,7 @@ class Supervisor:
     def _trim_to_size(self, ts: TopicSpace, buckets: list, max_bytes: int, progress=None) -> int:
         """Delete the log's oldest entries until its estimated size (keys, records and body
         chunks; FDB's estimate is sampled) is at most ``max_bytes``."""
-        tr = self.db.create_transaction()
-        size = tr.get_estimated_range_size_bytes(*_range(ts.all_chunks.range())).wait()
-        for b in buckets:
-            size += tr.get_estimated_range_size_bytes(*_range(ts.log[b].range())).wait()
-        tr.cancel()
+        size = _estimated_log_bytes(self.db, ts, buckets)
         excess, deleted, cursors = size - max_bytes, 0, {}
         while excess > 0:
             rows = read_chunk(self.db, ts, buckets, cursors, CHUNK)
@@ -708,6 +684,54 @@ class Supervisor:
         return [dict(c, subscription=sub) for sub, s in st["subscriptions"].items() for c in s["consumers"]]
 
 
+@transactional
+def topic_stats(tr, ts: TopicSpace, name: str) -> dict:
+    """``Supervisor.stats``, in one read-only transaction (snapshot reads; retried on a
+    retryable error like every transactional function)."""
+    snap = tr.snapshot
+    config = load_config(snap[ts.config_key])
+    if config is None:
+        raise TopicNotFound(f"topic {name!r} does not exist")
+    rv = tr.get_read_version().wait()
+    topic = {k: decode_counter(snap[ts.stat(k)]) for k in ("inserted", "routed", "emitted", "acked")}
+    topic["pending"] = topic["inserted"] - topic["routed"]
+    subs = {}
+    for sub in config.subs:
+        shards = shard_counters(snap, ts, sub, config)
+        owners = membership.read_owners(tr, ts, sub)
+        members = membership.read_members(tr, ts, sub)
+        consumers = []
+        for cid, m in sorted(members.items()):
+            hbv = decode_counter(snap[ts.consumers.pack((sub, cid, "hbv"))])
+            consumers.append({"id": cid, "heartbeats": m["hb"], "mode": m["record"].get("mode"),
+                              "host": m["record"].get("host"), "pid": m["record"].get("pid"),
+                              "tag": m["record"].get("tag"),
+                              "heartbeat_age_s": round((rv - hbv) / VERSIONS_PER_S, 3) if hbv else None,
+                              "shards": sorted(n for (t, n), (o, _e) in owners.items() if o == cid),
+                              "tag_shards": sorted([t, n] for (t, n), (o, _e) in owners.items() if o == cid)})
+        oldest = None
+        for (tag, n) in shards:
+            shard = ts.shard(sub, tag, n)
+            r = shard.ready.range()
+            for kv in snap.get_range(r.start, r.stop, limit=1):
+                t = Record.decode(kv.value).ts_ms
+                oldest = t if oldest is None else min(oldest, t)
+        total = lambda k: sum(c[k] for c in shards.values())  # noqa: E731
+        subs[sub] = {
+            "catching_up": sub in config.catchup, "paused": sub in config.paused_subs,
+            "backlog": total("backlog"), "in_flight": total("in_flight"), "delayed": total("delayed"),
+            "emitted": total("emitted"), "acked": total("acked"),
+            "dlq": delivery.dlq_size(snap, ts, sub),
+            "oldest_ready_ms": oldest,
+            "lag_ms": (int(time.time() * 1000) - oldest) if oldest is not None else 0,
+            "consumers": consumers,
+            "shards": [{"tag": tag, "shard": n, "owner": owners.get((tag, n), (None, 0))[0], **c}
+                       for (tag, n), c in sorted(shards.items())],
+            "tags": _per_tag(shards, owners, members),
+        }
+    return {"topic": name, "config": config.as_dict(), "counters": topic, "subscriptions": subs}
+
+
 def _per_tag(shards: dict, owners: dict, members: dict) -> dict:
     """{tag: backlog, in-flight and delayed of the tag's shards, their owners, and
     whether they fell back to untagged consumers ("" is the untagged messages)}."""
@@ -727,81 +751,191 @@ def _per_tag(shards: dict, owners: dict, members: dict) -> dict:
     return out
 
 
+REPLAY_HEARTBEAT_S = 0.5   # a running replay bumps its heartbeat counter this often
+REPLAY_ORPHAN_S = 3.0      # a replay whose heartbeat stays unchanged this long was killed
+
+
 def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None) -> int:
     """Push again every logged message inserted in ``[start_ms, end_ms)`` and committed
-    before the replay began, in log order, ``CHUNK`` per transaction. Resumable: the
-    replay of one window keeps its progress (``replay_begin``), each chunk pushes and
-    advances it in one transaction (``replay_chunk``), so running the same replay again
-    after a crash, or a retry after ``commit_unknown_result``, pushes nothing twice. A
-    finished replay removes its progress: the same window can be replayed again later.
-    Returns how many this call pushed (a resumed replay: what was left)."""
+    before the replay began, in log order, ``CHUNK`` per transaction: once per call.
+
+    Each call is a *run* with its own progress record (``replay_begin``) and a heartbeat
+    (a counter a thread bumps every ``REPLAY_HEARTBEAT_S``); each chunk pushes and advances
+    the run's progress in one transaction (``replay_chunk``), fenced by the run's owner,
+    so a retry after ``commit_unknown_result`` pushes nothing twice. Resumable: a call
+    that finds a run of the same window whose heartbeat stays unchanged for
+    ``REPLAY_ORPHAN_S`` on its own monotonic clock (killed) takes it over and finishes
+    what it left; a run that is alive is left alone, and this call replays the window
+    on its own (so two calls at once replay it twice). A finished run removes its
+    progress. Returns how many this call pushed (a resumed run: what was left)."""
+    import threading
+
     from .log import body_of
+    from .producer import to_ms
+    start_ms, end_ms = to_ms(start_ms), to_ms(end_ms)
+    if start_ms is not None and end_ms is not None and end_ms < start_ms:
+        raise ConfigError(f"replay window ends ({end_ms}) before it starts ({start_ms})")
     ts = ks.topic(check_name(topic))
     config = read_topic_config(db, ts, snapshot=True)     # TopicNotFound for an unknown topic
-    replay_id = f"{start_ms}:{end_ms}"
-    state = replay_begin(db, ts, replay_id, start_ms, end_ms)
-    after = state["after"]
-    index = {}
-    batch, first, count, size = [], state["count"], state["count"], 0
+    window = f"{start_ms}:{end_ms}"
+    owner = os.urandom(8).hex()
+    run, state = None, None
+    for orphan in _orphaned_runs(db, ts, window):
+        got = replay_begin(db, ts, window, owner, start_ms, end_ms, claim=orphan)
+        if got is not None:
+            run, state = got
+            break
+    if run is None:
+        run, state = replay_begin(db, ts, window, owner, start_ms, end_ms)
+    stop = threading.Event()
+    beat = threading.Thread(target=_replay_heartbeat, args=(db, ts, window, run, stop),
+                            name=f"fdq-replay-{run}", daemon=True)
+    beat.start()
+    try:
+        after = state["after"]
+        index = {}
+        batch, first, count, size = [], state["count"], state["count"], 0
 
-    def flush():
-        nonlocal count
-        if batch:
-            # the progress's count, not what the last attempt pushed: an attempt that
-            # committed and reported commit_unknown_result leaves its retry nothing to do
-            while True:
-                try:
-                    now = replay_chunk(db, ks, ts, replay_id, batch, os.urandom(16), int(time.time() * 1000), index)
-                    break
-                except TopicHeld:      # a play finishing: nothing written, try again
-                    time.sleep(HOLD_WAIT_S)
-            if progress:
-                progress(now - count)
-            count = now
-            batch.clear()
-    for vs, _b, rec in iter_window(db, ts, log_buckets(db, ts), start_ms, end_ms):
-        if int.from_bytes(vs.tr_version[:8], "big") > state["stop"]:
-            break       # committed after the replay began (its own pushes among them)
-        if after is not None and vs.to_bytes() <= after:
-            continue    # replayed by an earlier run of this replay
-        body = body_of(db, ts, vs, rec, strict=True)
-        if body is None:
-            continue    # trimmed since read: no longer in the log, not replayed
-        env = _ReplayEnvelope(body, rec.shard_key, None, None, rec.headers, replay_of=message_id(vs))
-        batch.append((vs, env))
-        size += len(env.body)
-        if len(batch) >= CHUNK or size * (1 + len(config.subs)) >= CHUNK_WRITE_BYTES:
-            flush()
-            size = 0
-    flush()
-    replay_finish(db, ts, replay_id)
+        def flush():
+            nonlocal count
+            if batch:
+                # the progress's count, not what the last attempt pushed: an attempt that
+                # committed and reported commit_unknown_result leaves its retry nothing to do
+                while True:
+                    try:
+                        now = replay_chunk(db, ks, ts, (window, run, owner), batch, os.urandom(16),
+                                           int(time.time() * 1000), index)
+                        break
+                    except TopicHeld:      # a play finishing: nothing written, try again
+                        time.sleep(HOLD_WAIT_S)
+                if progress:
+                    progress(now - count)
+                count = now
+                batch.clear()
+        for vs, _b, rec in iter_window(db, ts, log_buckets(db, ts), start_ms, end_ms):
+            if int.from_bytes(vs.tr_version[:8], "big") > state["stop"]:
+                break       # committed after the replay began (its own pushes among them)
+            if after is not None and vs.to_bytes() <= after:
+                continue    # replayed by an earlier run of this replay
+            body = body_of(db, ts, vs, rec, strict=True)
+            if body is None:
+                continue    # trimmed since read: no longer in the log, not replayed
+            env = _ReplayEnvelope(body, rec.shard_key, None, None, rec.headers, replay_of=message_id(vs),
+                                  due_at=rec.due)
+            batch.append((vs, env))
+            size += len(env.body)
+            if len(batch) >= CHUNK or size * (1 + len(config.subs)) >= CHUNK_WRITE_BYTES:
+                flush()
+                size = 0
+        flush()
+        replay_finish(db, ts, window, run, owner)
+    finally:
+        stop.set()
+        beat.join()
     return count - first
 
 
-@transactional
-def replay_begin(tr, ts: TopicSpace, replay_id: str, start_ms, end_ms) -> dict:
-    """The progress of the replay ``replay_id``, created if new: it replays what was
-    committed up to this transaction's read version (``stop``)."""
-    key = ts.replays.pack((replay_id,))
-    raw = tr[key]
-    if raw != None:  # noqa: E711
-        return unpack(bytes(raw))
-    state = {"start": start_ms, "end": end_ms, "stop": tr.get_read_version().wait(), "after": None, "count": 0}
-    tr[key] = pack(state)
-    return state
+def _run_key(ts: TopicSpace, window: str, run: str) -> bytes:
+    return ts.replays.pack((window, run))
+
+
+def _beat_key(ts: TopicSpace, window: str, run: str) -> bytes:
+    return ts.replays.pack((window, run, "hb"))
+
+
+def _replay_heartbeat(db, ts: TopicSpace, window: str, run: str, stop):
+    @transactional
+    def beat(tr):
+        tr.add(_beat_key(ts, window, run), counter(1))     # blind: conflicts with nothing
+    while not stop.wait(REPLAY_HEARTBEAT_S):
+        try:
+            beat(db)
+        except Exception:       # a database hiccup: the next beat tries again
+            pass
 
 
 @transactional
-def replay_chunk(tr, ks: Keyspace, ts: TopicSpace, replay_id: str, entries: list, txid: bytes,
+def _replay_runs(tr, ts: TopicSpace, window: str) -> dict:
+    """{run: (owner, heartbeat)} of the unfinished runs of ``window``; a run left by a
+    version that kept one progress per window (``replays/<window>``, no heartbeat) is
+    ``None: (None, its raw progress)``."""
+    r = ts.replays[window].range()
+    out, beats = {}, {}
+    for kv in tr.snapshot.get_range(r.start, r.stop):
+        key = ts.replays.unpack(kv.key)
+        if len(key) == 2:
+            out[key[1]] = unpack(bytes(kv.value)).get("owner")
+        else:
+            beats[key[1]] = decode_counter(kv.value)
+    out = {run: (o, beats.get(run, 0)) for run, o in out.items()}
+    legacy = tr.snapshot[ts.replays.pack((window,))]
+    if legacy != None:  # noqa: E711
+        out[None] = (None, bytes(legacy))
+    return out
+
+
+def _orphaned_runs(db, ts: TopicSpace, window: str) -> list:
+    """[(run, owner, heartbeat)] of the runs of ``window`` whose owner and heartbeat stay
+    unchanged for ``REPLAY_ORPHAN_S`` (their callers were killed), oldest watched first;
+    returns at once when there are none or all are alive."""
+    seen = _replay_runs(db, ts, window)
+    deadline = time.monotonic() + REPLAY_ORPHAN_S
+    while seen and time.monotonic() < deadline:
+        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        now = _replay_runs(db, ts, window)
+        seen = {run: v for run, v in seen.items() if now.get(run) == v}
+    return [(run, *v) for run, v in seen.items()]
+
+
+@transactional
+def replay_begin(tr, ts: TopicSpace, window: str, owner: str, start_ms, end_ms, claim=None):
+    """Start a run of the replay of ``window`` owned by ``owner``: it replays what was
+    committed up to this transaction's read version (``stop``). With ``claim`` (run,
+    owner, heartbeat as ``_orphaned_runs`` saw them), take that run over instead, if it
+    is still as seen (else None). Returns ``(run, progress)``."""
+    if claim is not None:
+        run, old_owner, seen = claim
+        if run is None:     # an older version's per-window progress: becomes our run
+            key = ts.replays.pack((window,))
+            raw = tr[key]
+            if raw == None or bytes(raw) != seen:  # noqa: E711
+                return None
+            del tr[key]
+            state = unpack(bytes(raw))
+            run = owner
+        else:
+            raw = tr[_run_key(ts, window, run)]
+            if raw == None or decode_counter(tr[_beat_key(ts, window, run)]) != seen:  # noqa: E711
+                return None
+            state = unpack(bytes(raw))
+            if state.get("owner") != old_owner:
+                return None
+        state["owner"] = owner
+        tr[_run_key(ts, window, run)] = pack(state)
+        return run, state
+    state = {"start": start_ms, "end": end_ms, "stop": tr.get_read_version().wait(), "after": None,
+             "count": 0, "owner": owner}
+    tr[_run_key(ts, window, owner)] = pack(state)
+    return owner, state
+
+
+@transactional
+def replay_chunk(tr, ks: Keyspace, ts: TopicSpace, run: tuple, entries: list, txid: bytes,
                  now_ms: int, time_index: dict) -> int:
-    """Push the ``entries`` [(vs, envelope)] past the replay's progress and advance it,
-    in this one transaction. Returns how many the replay has pushed in all."""
+    """Push the ``entries`` [(vs, envelope)] past the progress of ``run`` (window, run,
+    owner) and advance it, in this one transaction, if ``owner`` still owns the run
+    (``ReplayTakenOver`` if not). Returns how many the run has pushed in all."""
+    from .errors import ReplayTakenOver
     from .producer import push_batch
-    key = ts.replays.pack((replay_id,))
+    window, run_id, owner = run
+    key = _run_key(ts, window, run_id)
     raw = tr[key]
     if raw == None:  # noqa: E711
-        raise ConfigError(f"replay {replay_id!r} of topic {ts.name!r} is not running")
+        raise ConfigError(f"replay {window!r} of topic {ts.name!r} is not running")
     state = unpack(bytes(raw))
+    if state.get("owner") != owner:
+        raise ReplayTakenOver(f"replay {window!r} of topic {ts.name!r} stalled for over {REPLAY_ORPHAN_S} s "
+                              "and another call took it over: this one stops")
     todo = [(vs, env) for vs, env in entries if state["after"] is None or vs.to_bytes() > state["after"]]
     if todo:
         push_batch(tr, ks, [(ts.name, env) for _vs, env in todo], txid, int.from_bytes(txid[:4], "big"),
@@ -813,8 +947,12 @@ def replay_chunk(tr, ks: Keyspace, ts: TopicSpace, replay_id: str, entries: list
 
 
 @transactional
-def replay_finish(tr, ts: TopicSpace, replay_id: str):
-    del tr[ts.replays.pack((replay_id,))]
+def replay_finish(tr, ts: TopicSpace, window: str, run: str, owner: str):
+    """Remove a finished run's progress and heartbeat (if ``owner`` still owns it)."""
+    raw = tr[_run_key(ts, window, run)]
+    if raw != None and unpack(bytes(raw)).get("owner") == owner:  # noqa: E711
+        del tr[_run_key(ts, window, run)]
+        del tr[_beat_key(ts, window, run)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -825,6 +963,7 @@ class _ReplayEnvelope:
     msg_id: str | None
     headers: dict | None
     replay_of: str | None = None
+    due_at: int | None = None     # the original's due time (database clock ms), if delayed
 
 
 __all__ = ["Supervisor", "replay_window", "replay_begin", "replay_chunk", "replay_finish", "play_chunk", "reshard_begin", "reshard_chunk",

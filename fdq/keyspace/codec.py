@@ -1,8 +1,10 @@
 """Value codecs: messages, leases, dead letters, topic configs (msgpack).
 
 A message record is a msgpack array ``[ts_ms, shard_key, msg_id, headers, body, attempts,
-nchunks, replay_of]``; trailing defaults are dropped so a plain message costs a few bytes
-over its body. Bodies over ``CHUNK_BYTES`` are split: the record keeps the chunk count and
+nchunks, replay_of, due]``; trailing defaults are dropped so a plain message costs a few bytes
+over its body (and a record written before a field existed decodes with its default).
+``due``: a delayed message's due time (database clock ms, ``membership.read_clock``), kept
+in its log entry so a copy made from the log (catch-up, reset, replay, play) waits for it. Bodies over ``CHUNK_BYTES`` are split: the record keeps the chunk count and
 the chunks live beside it (``.../chunks/<vs>/<i>``).
 """
 from __future__ import annotations
@@ -25,7 +27,8 @@ CHUNK_WRITE_BYTES = 2_000_000
 # What routing one message to every subscription may write in one transaction (play
 # routes a message pushed while paused alone if need be): under 10 MB with room for keys.
 ROUTE_BYTES = 9_000_000
-_DEFAULTS = (None, None, None, None, b"", 0, 0, None)
+_DEFAULTS = (None, None, None, None, b"", 0, 0, None, None)
+_NFIELDS = len(_DEFAULTS)
 _local = threading.local()
 # msgpack >= 1.0 (setup.cfg) decodes as this module wants by default (raw=False,
 # use_list=True): calling it without keywords skips their parsing, about half of a small
@@ -53,10 +56,11 @@ class Record:
     attempts: int = 0
     nchunks: int = 0
     replay_of: str | None = None
+    due: int | None = None      # database clock ms a delayed message is due at
 
     def encode(self) -> bytes:
         fields = [self.ts_ms, self.shard_key, self.msg_id, self.headers, self.body,
-                  self.attempts, self.nchunks, self.replay_of]
+                  self.attempts, self.nchunks, self.replay_of, self.due]
         while len(fields) > 1 and fields[-1] == _DEFAULTS[len(fields) - 1]:
             fields.pop()
         return packer()(fields)
@@ -64,6 +68,8 @@ class Record:
     @classmethod
     def decode(cls, raw) -> "Record":
         fields = _unpackb(raw if type(raw) is bytes else bytes(raw))
+        if len(fields) > _NFIELDS:      # written by a newer version: its extra fields ignored
+            del fields[_NFIELDS:]
         return cls(*fields)
 
 

@@ -104,9 +104,18 @@ def test_reset_purges_delayed_messages_in_pages(db, monkeypatch):
     later = p.push("t", b"later", delay=600).id  # pushed after the reset: kept, still delayed
     st = sup.stats("t")["subscriptions"]["r"]
     assert st["delayed"] == 1 and st["backlog"] == 1
-    # Rewind to the start: every logged message is queued again, ready (a replayed
-    # start ignores the original delay), the one still delayed included, once.
+    # Rewind to the start: every logged message is queued again, once, the one still
+    # delayed included; none is due yet, so each waits for its due time (the log keeps
+    # it), in pages of the purge as the first time.
     sup.reset("t", "r", 0)
+    st = sup.stats("t")["subscriptions"]["r"]
+    assert st["delayed"] == 11 and st["backlog"] == 11
+    assert drain(db, "t", "r", idle_s=0.3) == []
+    from fdq import membership
+    from fdq.keyspace import Keyspace
+    ck = Keyspace().clock_key
+    tr = db.create_transaction()
+    membership.advance_clock(db, ck, membership.read_clock(tr, ck) + 601_000)   # all due
     got = _ids(drain(db, "t", "r", idle_s=0.3))
     assert got == set(old + [later])
     st = sup.stats("t")["subscriptions"]["r"]
