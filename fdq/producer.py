@@ -31,6 +31,7 @@ from fdb.tuple import Versionstamp
 
 from .config import ProducerConfig, TopicConfig, check_name
 from .engine import error_types, retry_or_raise, transactional
+from .times import MIN_BARE_MS, iso_ms
 from .errors import (BacklogFull, ConfigError, EngineError, FDQError, InvalidHeader, InvalidMessage,
                      MessageTooLarge, TopicHeld, TopicNotFound, is_maybe_committed)
 from .headers import dispatch_tag, trace_id, validate_headers
@@ -63,7 +64,10 @@ MAX_TIME_MS = 1 << 62     # |epoch ms| beyond this is no time (stored times are 
 
 def to_ms(t) -> int | None:
     """Epoch milliseconds from an int/float (ms) or a datetime (naive = UTC). NaN,
-    infinities and times beyond ``MAX_TIME_MS`` are refused (ConfigError)."""
+    infinities and times beyond ``MAX_TIME_MS`` are refused (ConfigError), and so is a
+    number from 1 to ``MIN_BARE_MS`` (1973-03-03 as milliseconds): it is almost surely
+    epoch seconds (``time.time()``), which as milliseconds would mean January 1970 and
+    replay or rewind to the start of the log."""
     if t is None:
         return None
     if isinstance(t, datetime.datetime):
@@ -72,6 +76,10 @@ def to_ms(t) -> int | None:
         return (t - _EPOCH) // datetime.timedelta(milliseconds=1)     # exact: no float
     if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t or not -MAX_TIME_MS <= t <= MAX_TIME_MS:
         raise ConfigError(f"time must be epoch milliseconds (within ±2**62) or a datetime, not {t!r}")
+    if 0 < t < MIN_BARE_MS:
+        raise ConfigError(f"time {t!r} looks like epoch seconds (as epoch milliseconds it is "
+                          f"{iso_ms(int(t))}): times are epoch milliseconds or a datetime; "
+                          f"pass {int(t * 1000)} or a datetime")
     return int(t)
 
 

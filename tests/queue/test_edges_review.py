@@ -317,7 +317,14 @@ def test_bad_times_are_refused_and_harm_nothing(db):
         with pytest.raises(fdq.ConfigError, match="time must be"):
             sup.trim("t", before_ms=bad)
     with pytest.raises(fdq.ConfigError, match="ends .* before it starts"):
-        p.replay("t", 2_000, 1_000)
+        p.replay("t", 1_795_399_200_000, 1_795_399_100_000)
+    # epoch seconds where milliseconds are meant (time.time()) would replay, or rewind
+    # to, the start of the log: refused, naming both readings
+    secs = 1_795_399_200
+    for call in (lambda: p.replay("t", secs), lambda: p.replay("t", 0, secs + 0.5),
+                 lambda: sup.reset("t", "default", secs), lambda: sup.trim("t", before_ms=secs)):
+        with pytest.raises(fdq.ConfigError, match=r"looks like epoch seconds .*1970-01-21.*pass 1795399200[05]00 "):
+            call()
     assert sup.stats("t")["counters"]["inserted"] == 4 and _replay_counts(db, "t") == {}
     assert sup.stats("t")["subscriptions"]["default"]["backlog"] == 4
     with pytest.raises(fdq.TopicNotFound):
