@@ -62,12 +62,13 @@ _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 MAX_TIME_MS = 1 << 62     # |epoch ms| beyond this is no time (stored times are int64)
 
 
-def to_ms(t) -> int | None:
+def to_ms(t, *, refuse_seconds: bool = True) -> int | None:
     """Epoch milliseconds from an int/float (ms) or a datetime (naive = UTC). NaN,
     infinities and times beyond ``MAX_TIME_MS`` are refused (ConfigError), and so is a
     number from 1 to ``MIN_BARE_MS`` (1973-03-03 as milliseconds): it is almost surely
     epoch seconds (``time.time()``), which as milliseconds would mean January 1970 and
-    replay or rewind to the start of the log."""
+    replay or rewind to the start of the log (``refuse_seconds=False``: a time already
+    checked, e.g. by ``Producer.replay``)."""
     if t is None:
         return None
     if isinstance(t, datetime.datetime):
@@ -76,7 +77,7 @@ def to_ms(t) -> int | None:
         return (t - _EPOCH) // datetime.timedelta(milliseconds=1)     # exact: no float
     if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t or not -MAX_TIME_MS <= t <= MAX_TIME_MS:
         raise ConfigError(f"time must be epoch milliseconds (within ±2**62) or a datetime, not {t!r}")
-    if 0 < t < MIN_BARE_MS:
+    if refuse_seconds and 0 < t < MIN_BARE_MS:
         raise ConfigError(f"time {t!r} looks like epoch seconds (as epoch milliseconds it is "
                           f"{iso_ms(int(t))}): times are epoch milliseconds or a datetime; "
                           f"pass {int(t * 1000)} or a datetime")

@@ -772,7 +772,7 @@ def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None)
 
     from .log import body_of
     from .producer import to_ms
-    start_ms, end_ms = to_ms(start_ms), to_ms(end_ms)
+    start_ms, end_ms = to_ms(start_ms, refuse_seconds=False), to_ms(end_ms, refuse_seconds=False)
     if start_ms is not None and end_ms is not None and end_ms < start_ms:
         raise ConfigError(f"replay window ends ({end_ms}) before it starts ({start_ms})")
     ts = ks.topic(check_name(topic))

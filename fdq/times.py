@@ -32,6 +32,13 @@ def iso_ms(ms: int) -> str:
     return t.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+def as_datetime(ms: int | None) -> datetime.datetime | None:
+    """Epoch milliseconds as an aware UTC datetime (exact; None stays None): how a time
+    parsed here is handed to the Python API, whose bare numbers from 1 to ``MIN_BARE_MS``
+    are refused as probable seconds (``5ms``, written with its unit, is meant)."""
+    return None if ms is None else EPOCH + datetime.timedelta(milliseconds=ms)
+
+
 def _iso(text: str) -> datetime.datetime:
     # Python 3.10's fromisoformat takes no "Z"; 3.11's does. Same result on both.
     if text[-1:] in ("z", "Z"):
@@ -66,4 +73,4 @@ def parse_time(value) -> int:
     return ms
 
 
-__all__ = ["parse_time", "iso_ms", "EPOCH", "MAX_TIME_MS", "MIN_BARE_MS"]
+__all__ = ["parse_time", "iso_ms", "as_datetime", "EPOCH", "MAX_TIME_MS", "MIN_BARE_MS"]

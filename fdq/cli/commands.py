@@ -27,7 +27,7 @@ from ..errors import ConfigError, ConsumerStalled, FDQError, LeaseLost, Subscrip
 from ..keyspace.codec import ROUTE_BYTES
 from ..producer import Envelope, Producer
 from ..supervisor import Supervisor
-from ..times import iso_ms
+from ..times import as_datetime, iso_ms
 from . import render, rows
 from .params import (SUBSCRIPTION, TOPIC, Address, Duration, FilterHeader, Header, Seconds, SecondsList,
                      Shards, Tag, Time, TimeOrNow, envelope_callback, filter_headers_callback,
@@ -589,7 +589,7 @@ def replay(state, topic, start, end, as_json):
                                 param_hint="'--end'")
     state.supervisor.config(topic)
     with render.progress(f"replaying {topic}") as advance:
-        n = Producer(state.db).replay(topic, start, end, progress=advance)
+        n = Producer(state.db).replay(topic, as_datetime(start), as_datetime(end), progress=advance)
     render.note(f"replayed {n:,} messages of topic {topic!r}")
     if as_json:
         render.emit_json({"topic": topic, "replayed": n, "start_ms": start, "end_ms": end})
@@ -611,7 +611,7 @@ def trim(state, topic, before, as_json):
     if before is None and config.retention_s is None:
         render.note(f"topic {topic!r} has no retention_s: give --before to trim its log")
     with render.progress(f"trimming {topic}") as advance:
-        n = sup.trim(topic, before_ms=before, progress=advance)
+        n = sup.trim(topic, before_ms=as_datetime(before), progress=advance)
     render.note(f"deleted {n:,} log entries of topic {topic!r}")
     if as_json:
         render.emit_json({"topic": topic, "deleted": n})
@@ -915,7 +915,7 @@ def subs_reset(state, topic, name, to_time, as_json):
     sup = state.supervisor
     sup.subscription(topic, name)          # unknown: exit 1 before anything changes
     with render.progress(f"resetting {topic}/{name}") as advance:
-        copied = sup.reset(topic, name, to_time, progress=advance)
+        copied = sup.reset(topic, name, as_datetime(to_time), progress=advance)
     when = "now" if to_time is None else render.time_ms(to_time)
     render.note(f"reset subscription {name!r} of topic {topic!r} to {when}: {copied:,} messages copied from the log")
     if as_json:

@@ -62,3 +62,16 @@ def test_replay_window_in_seconds_is_the_window_in_milliseconds(run, db):
     assert run.json("replay", "orders", "--start", "0")["replayed"] == 4       # old, old2, new, its replay
     r = run("replay", "orders", "--start", str(cut_ms // 1000), code=2)
     assert f"'{cut_ms // 1000}' is ambiguous" in r.stderr and "as epoch milliseconds it is 1970-01-" in r.stderr
+
+
+def test_small_times_written_with_their_unit_reach_the_api(run, db):
+    """The Python API refuses a bare number from 1 to 1e11 (probably seconds); the
+    command hands it a datetime, so ``5ms`` or ``1000s``, written with their unit, are
+    the instants meant: a window from 1970 that holds every message."""
+    p = fdq.Producer(db)
+    p.push_many("orders", [b"a", b"b"])
+    assert run.json("replay", "orders", "--start", "5ms")["replayed"] == 2
+    assert run.json("replay", "orders", "--start", "1000s", "--end", "2026-11-23T02:00:00Z")["replayed"] == 0
+    assert run.json("trim", "orders", "--before", "5ms")["deleted"] == 0
+    with pytest.raises(fdq.ConfigError, match="looks like epoch seconds"):
+        p.replay("orders", 5)
