@@ -1277,10 +1277,11 @@ class _Range:
         self._limit = limit
         self._reverse = reverse
         self._attempt = tr._attempt
-        self._conflict = None
+        # How far the read conflict reaches (None: a snapshot read): up from begin
+        # (forward) or down from end (reverse), extended as rows are delivered.
+        self._covered = None
         if not snapshot and begin < end:
-            self._conflict = [begin, begin] if not reverse else [end, end]
-            tr._read_ranges.append(self._conflict)
+            self._covered = begin if not reverse else end
         first = limit if 0 < limit < 1000 else 100
         if limit and mode in (StreamingMode.want_all, StreamingMode.exact):
             first = min(limit, 4096)   # the caller wants every row up to the limit: no slow start
@@ -1326,12 +1327,17 @@ class _Range:
             n = min(n * 4, 4096)
 
     def _read_up_to(self, key):
-        c = self._conflict
-        if c is not None:
-            if not self._reverse:
-                c[1] = max(c[1], key + b"\x00")
-            else:
-                c[0] = min(c[0], key)
+        c = self._covered
+        if c is None or self._tr._attempt is not self._attempt:
+            return
+        if not self._reverse:
+            end = key + b"\x00"
+            if end > c:
+                self._tr._add_read_conflict(c, end)
+                self._covered = end
+        elif key < c:
+            self._tr._add_read_conflict(key, c)
+            self._covered = key
 
     def _stopped(self):
         self._gen = None
@@ -1345,8 +1351,15 @@ class _Range:
         self._read_everything()
 
     def _read_everything(self):
-        if self._conflict is not None:  # returned everything: the whole range
-            self._conflict[0], self._conflict[1] = self._begin, self._end
+        c = self._covered
+        if c is None or self._tr._attempt is not self._attempt:
+            return
+        if not self._reverse:   # returned everything: the whole range
+            self._tr._add_read_conflict(c, self._end)
+            self._covered = self._end
+        else:
+            self._tr._add_read_conflict(self._begin, c)
+            self._covered = self._begin
 
     def __iter__(self):
         first = self._first
@@ -1728,6 +1741,51 @@ class Transaction(_ReadView):
                 return False
         return True
 
+    def _add_read_conflict(self, b, e):
+        """Record [b, e) as read, less the keys this transaction already set or cleared:
+        as FDB's RYW (updateConflictMap), only unmodified keys and keys with pending
+        atomic ops (which depend on the stored value) add a read conflict. Reads and
+        add_read_conflict_* alike; a write after the read does not take it back."""
+        if b >= e:
+            return
+        ranges = self._read_ranges
+        if self._ryw_disabled or not (self._writes or self._clears) or self._untouched(b, e):
+            pieces = ((b, e),)
+        else:
+            modified = []
+            clears = self._clears
+            if clears:
+                i = max(0, bisect.bisect_right(self._clear_begins, b) - 1)
+                while i < len(clears) and clears[i][0] < e:
+                    cb, ce = clears[i]
+                    if ce > b:
+                        modified.append([max(cb, b), min(ce, e)])
+                    i += 1
+            if self._writes:
+                if self._sorted_keys is None:
+                    self._sorted_keys = sorted(self._writes)
+                sk = self._sorted_keys
+                writes = self._writes
+                for k in sk[bisect.bisect_left(sk, b):bisect.bisect_left(sk, e)]:
+                    if writes[k][0] in (_SET, _CLEAR):
+                        modified.append([k, k + b"\x00"])
+            pieces = []
+            cur = b
+            for mb, me in _merge_ranges(modified):
+                if mb > cur:
+                    pieces.append((cur, mb))
+                cur = max(cur, me)
+            if cur < e:
+                pieces.append((cur, e))
+        for pb, pe in pieces:
+            last = ranges[-1] if ranges else None
+            if last is not None and last[1] == pb:
+                last[1] = pe     # a range read's next batch: one range, not one per batch
+            elif last is not None and last[0] == pe:
+                last[0] = pb
+            else:
+                ranges.append([pb, pe])
+
     def _in_clears(self, key):
         i = bisect.bisect_right(self._clear_begins, key) - 1
         if i >= 0 and key < self._clears[i][1]:
@@ -1752,13 +1810,15 @@ class Transaction(_ReadView):
         ryw = not self._ryw_disabled and not (snap and self._snapshot_ryw < 0)
         entry = self._writes.get(key) if ryw else None
         if entry is not None:
+            # As FDB's RYW: a key this transaction set or cleared adds no read
+            # conflict; one with pending atomic ops (dependent on the stored value) does.
             if entry[0] == _ATOMIC_OPS and not snap:
                 self._read_ranges.append([key, key + b"\x00"])
             return self._entry_value(key, entry)
+        if ryw and self._clears and self._in_clears(key):
+            return None     # cleared by this transaction: no read conflict either
         if not snap:
             self._read_ranges.append([key, key + b"\x00"])
-        if ryw and self._clears and self._in_clears(key):
-            return None
         return self._db_get(key)
 
     def _db_batches(self, b, e, reverse, first, wanted=0):
@@ -1868,7 +1928,7 @@ class Transaction(_ReadView):
                         break
             result = rows[offset - 1].key if len(rows) >= offset else top
             if not snap:
-                self._read_ranges.append([min(key, result), max(start, result + b"\x00") if result != top else top])
+                self._add_read_conflict(min(key, result), max(start, result + b"\x00") if result != top else top)
         else:
             stop = key + b"\x00" if sel.or_equal else key
             stop = min(stop, top)
@@ -1880,7 +1940,7 @@ class Transaction(_ReadView):
                     break
             result = rows[n - 1].key if len(rows) >= n else b""
             if not snap:
-                self._read_ranges.append([result, max(stop, result + b"\x00")])
+                self._add_read_conflict(result, max(stop, result + b"\x00"))
         if (self._vs_keys or self._vs_values) and not self._bypass_unreadable:
             # As a range read: resolving across keys this transaction's versionstamped
             # writes may become is accessed_unreadable (FDB's RYW iterator).
@@ -2139,8 +2199,7 @@ class Transaction(_ReadView):
             raise EngineError(2005)
         if e > self._max_key() and (b != _METADATA_VERSION_KEY or e != _METADATA_VERSION_KEY + b"\x00"):
             raise EngineError(2004)
-        if b < e:
-            self._read_ranges.append([b, e])
+        self._add_read_conflict(b, e)
 
     def add_read_conflict_key(self, key):
         key = _key(key)
