@@ -1031,9 +1031,10 @@ class _TransactionOptions:
 
     def set_access_system_keys(self):
         self._tr._system_keys = True
+        self._tr._write_system_keys = True
 
     def set_read_system_keys(self):
-        self._tr._system_keys = True
+        self._tr._system_keys = True     # reads only (FDB's readSystemKeys)
 
     def set_next_write_no_write_conflict_range(self):
         self._tr._next_write_no_conflict = True
@@ -1555,7 +1556,8 @@ class Transaction(_ReadView):
         self._size_limit = self.db._defaults.get("size_limit", TRANSACTION_SIZE_LIMIT)
         self._ryw_disabled = False
         self._snapshot_ryw = 0
-        self._system_keys = False
+        self._system_keys = False        # keys >= \xff readable (read or access_system_keys)
+        self._write_system_keys = False  # ... and writable (access_system_keys only)
         self._next_write_no_conflict = False
         self._bypass_unreadable = False
 
@@ -1644,6 +1646,9 @@ class Transaction(_ReadView):
     def _max_key(self):
         return b"\xff\xff" if self._system_keys else b"\xff"
 
+    def _max_write_key(self):
+        return b"\xff\xff" if self._write_system_keys else b"\xff"
+
     def _check_read(self, key):
         self._check_use()
         if key >= self._max_key() and key != b"\xff/metadataVersion":
@@ -1700,7 +1705,7 @@ class Transaction(_ReadView):
         if len(key) > limit:
             self._defer(2102, f"Key length {len(key):,} exceeds limit ({limit:,} bytes)")
             return False
-        if key >= b"\xff" and not self._system_keys:
+        if key >= b"\xff" and not self._write_system_keys:
             self._defer(2004, "Key outside legal range (keys >= b'\\xff' need access_system_keys)")
             return False
         return True
@@ -2020,11 +2025,11 @@ class Transaction(_ReadView):
     def clear_range(self, begin, end):
         self._check_writable()
         b = b"" if begin is None else _key(begin)
-        e = self._max_key() if end is None else _key(end)
+        e = self._max_write_key() if end is None else _key(end)
         if b > e:
             self._defer(2005, "clear_range: begin key is larger than end key")
             return
-        if e > self._max_key():
+        if e > self._max_write_key():
             self._defer(2004, "clear_range end outside legal range")
             return
         if b == e:
@@ -2210,7 +2215,7 @@ class Transaction(_ReadView):
         b, e = _key(begin), _key(end)
         if b > e:
             raise EngineError(2005)
-        if e > self._max_key():
+        if e > self._max_write_key():
             raise EngineError(2004)
         if b < e:
             self._write_ranges.append((b, e))

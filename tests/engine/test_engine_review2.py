@@ -73,3 +73,110 @@ def test_a_range_read_conflicts_only_on_keys_it_did_not_write(eng, write, expect
     assert [kv.key for kv in t1.get_range(eng.k(b"a"), eng.k(b"z"))] == [eng.k(b"b"), eng.k(b"e")]
     _other(eng, lambda t: t.set(eng.k(write), b"theirs"))
     assert code_of(lambda: t1.commit().wait()) == expected
+
+
+# -- §1 options / §6 system keys: READ_SYSTEM_KEYS sets readSystemKeys only;
+# ACCESS_SYSTEM_KEYS sets both (RYW setOptionImpl); set/clear/atomicOp check
+# getMaxWriteKey(), which is normalKeys.end unless writeSystemKeys.
+
+def test_read_system_keys_does_not_allow_writes(eng):
+    tr = eng.db.create_transaction()
+    tr.options.set_read_system_keys()
+    tr[b"\xff/fdq-review-not-written"].wait()            # reads are allowed
+    list(tr.get_range(b"\xff", b"\xff\x00", limit=1))
+    tr.set(b"\xff/fdq-review-not-written", b"")
+    assert code_of(lambda: tr.commit().wait()) == 2004
+    for write in (lambda t: t.clear(b"\xff/fdq-review-not-written"),
+                  lambda t: t.clear_range(b"\xff/fdq-review-not-written", b"\xff/fdq-review-not-writteo"),
+                  lambda t: t.add(b"\xff/fdq-review-not-written", b"\x01"),
+                  lambda t: t.add_write_conflict_key(b"\xff/fdq-review-not-written")):
+        tr = eng.db.create_transaction()
+        tr.options.set_read_system_keys()
+        assert code_of(lambda: (write(tr), tr.commit().wait())) == 2004
+
+
+# -- §1 read_your_writes_disable "before any read/write": RYW setOptionImpl throws
+# client_invalid_operation (2000) if reads are pending, the cache or the write map is
+# not empty; ThreadSafeTransaction::setOption defers it (deferredError): the next read
+# or the commit raises it.
+
+@pytest.mark.parametrize("first", ["read", "write"])
+def test_read_your_writes_disable_after_a_read_or_write_fails(eng, first):
+    tr = eng.db.create_transaction()
+    if first == "read":
+        tr[eng.k(b"a")].wait()
+    else:
+        tr[eng.k(b"a")] = b"1"
+    at_once = code_of(lambda: tr.options.set_read_your_writes_disable())
+    assert at_once in (None, 2000)
+    assert 2000 in (at_once, code_of(lambda: tr.commit().wait()))
+
+
+# -- §1 snapshot RYW: with snapshot RYW disabled (disables outnumber enables) snapshot
+# reads go straight to the database (RYWImpl::read with snapshot and
+# snapshotRywEnabled <= 0: no write map), for get, get_key and get_range alike, and
+# so never meet this transaction's unreadable versionstamped keys (§3). The database
+# option sets the default (ReadYourWritesTransactionOptions::reset copies
+# DatabaseContext::snapshotRywEnabled).
+
+def test_snapshot_reads_with_snapshot_ryw_disabled_miss_own_writes(eng):
+    a, b = eng.k(b"a"), eng.k(b"b")
+    _other(eng, lambda t: t.set(b, b"stored"))
+    tr = eng.db.create_transaction()
+    tr[a] = b"mine"
+    tr[b] = b"mine"
+    tr.options.set_snapshot_ryw_disable()
+    assert tr.snapshot[a] == None  # noqa: E711
+    assert tr.snapshot[b] == b"stored"
+    assert [(kv.key, kv.value) for kv in tr.snapshot.get_range(a, eng.end())] == [(b, b"stored")]
+    assert tr.snapshot.get_key(eng.KeySelector.first_greater_or_equal(a)) == b
+    assert tr[a] == b"mine"                                 # non-snapshot reads still see them
+    assert [kv.key for kv in tr.get_range(a, eng.end())] == [a, b]
+    tr.options.set_snapshot_ryw_enable()
+    assert tr.snapshot[a] == b"mine"
+    assert [kv.value for kv in tr.snapshot.get_range(a, eng.end())] == [b"mine", b"mine"]
+
+
+def test_snapshot_reads_with_snapshot_ryw_disabled_ignore_own_versionstamped_keys(eng):
+    import fdb.tuple
+    tr = eng.db.create_transaction()
+    tr.get_read_version().wait()
+    tr.set_versionstamped_key(fdb.tuple.pack_with_versionstamp((fdb.tuple.Versionstamp(),), prefix=eng.k(b"v")), b"x")
+    assert code_of(lambda: list(tr.snapshot.get_range(eng.p, eng.end()))) == 1036
+    tr.options.set_snapshot_ryw_disable()
+    assert list(tr.snapshot.get_range(eng.p, eng.end())) == []
+    assert code_of(lambda: list(tr.get_range(eng.p, eng.end()))) == 1036
+
+
+def test_the_database_snapshot_ryw_option_sets_the_default(eng):
+    a = eng.k(b"a")
+    eng.db.options.set_snapshot_ryw_disable()
+    try:
+        tr = eng.db.create_transaction()
+        tr[a] = b"mine"
+        assert tr.snapshot[a] == None  # noqa: E711
+        tr.options.set_snapshot_ryw_enable()
+        assert tr.snapshot[a] == b"mine"
+    finally:
+        eng.db.options.set_snapshot_ryw_enable()
+    tr = eng.db.create_transaction()
+    tr[a] = b"mine"
+    assert tr.snapshot[a] == b"mine"
+
+
+# -- §1 next_write_no_write_conflict_range: every write consumes it at its start
+# (RYW set, clear and atomicOp call getAndResetWriteConflictDisabled first), a
+# versionstamped key included, so it never carries over to the write after.
+
+def test_a_versionstamped_key_consumes_next_write_no_write_conflict_range(eng):
+    import fdb.tuple
+    k = eng.k(b"k")
+    reader = _started(eng)
+    reader[k].wait()
+    reader[eng.k(b"r")] = b""
+    tr = eng.db.create_transaction()
+    tr.options.set_next_write_no_write_conflict_range()
+    tr.set_versionstamped_key(fdb.tuple.pack_with_versionstamp((fdb.tuple.Versionstamp(),), prefix=eng.k(b"v")), b"")
+    tr[k] = b"1"            # has its write conflict: the option went to the stamped key
+    tr.commit().wait()
+    assert code_of(lambda: reader.commit().wait()) == 1020
