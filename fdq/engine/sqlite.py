@@ -1021,7 +1021,13 @@ class _TransactionOptions:
         self._tr._size_limit = n
 
     def set_read_your_writes_disable(self):
-        self._tr._ryw_disabled = True
+        tr = self._tr
+        if tr._read_any or tr._writes or tr._clears or tr._write_ranges:
+            # As FDB: only before any read or write; the error is deferred to the next
+            # read or the commit (ThreadSafeTransaction::setOption), the option unset.
+            tr._defer(2000, "read_your_writes_disable must be set before any read or write")
+            return
+        tr._ryw_disabled = True
 
     def set_snapshot_ryw_disable(self):
         self._tr._snapshot_ryw -= 1
@@ -1083,7 +1089,11 @@ class _DatabaseOptions:
 
     set_location_cache_size = set_datacenter_id = set_machine_id = _noop
     set_transaction_causal_read_risky = set_transaction_logging_max_field_length = _noop
-    set_snapshot_ryw_enable = set_snapshot_ryw_disable = _noop
+    def set_snapshot_ryw_enable(self):
+        self._db._defaults["snapshot_ryw"] = self._db._defaults.get("snapshot_ryw", 0) + 1
+
+    def set_snapshot_ryw_disable(self):
+        self._db._defaults["snapshot_ryw"] = self._db._defaults.get("snapshot_ryw", 0) - 1
 
 
 # ---------------------------------------------------------------------------------
@@ -1278,6 +1288,7 @@ class _Range:
         self._limit = limit
         self._reverse = reverse
         self._attempt = tr._attempt
+        self._ryw = tr._ryw(snapshot)
         # How far the read conflict reaches (None: a snapshot read): up from begin
         # (forward) or down from end (reverse), extended as rows are delivered.
         self._covered = None
@@ -1312,12 +1323,12 @@ class _Range:
                 b = after + b"\x00"
         if b >= e:
             return
-        if tr._ryw_disabled or not (tr._writes or tr._clears) or tr._untouched(b, e):
+        if not self._ryw or not (tr._writes or tr._clears) or tr._untouched(b, e):
             # Nothing of its own to merge (in this range): rows straight from each SQL
             # batch. A lease round writes to one shard, then reads the next one's ranges.
             yield from tr._db_batches(b, e, self._reverse, first, wanted)
             return
-        rows = tr._merged_range(b, e, self._reverse)
+        rows = tr._merged_range(b, e, self._reverse)   # self._ryw: RYW is on
         n = first
         while True:
             chunk = list(islice(rows, n))
@@ -1404,7 +1415,7 @@ class _ReadView:
         tr = self._tr
         try:
             key = _key(key)
-            tr._check_read(key)
+            tr._check_read(key, self._snap)
             v = tr._get(key, self._snap)
         except EngineError as e:
             return Value(None, e)
@@ -1428,7 +1439,9 @@ class _ReadView:
             raise EngineError(2006, "limit must be >= 0")
         b = tr._range_bound(begin, b"", self._snap)
         e = tr._range_bound(end, tr._max_key(), self._snap)
-        tr._check_read_range(b, e)
+        if tr._ryw(self._snap):
+            tr._check_read_range(b, e)
+        tr._read_any = True
         return _Range(tr, b, e, limit, bool(reverse), self._snap, streaming_mode)
 
     def get_range_startswith(self, prefix, *args, **kwargs):
@@ -1555,7 +1568,10 @@ class Transaction(_ReadView):
         self._state = "open"    # open | committing | committed | cancelled
         self._size_limit = self.db._defaults.get("size_limit", TRANSACTION_SIZE_LIMIT)
         self._ryw_disabled = False
-        self._snapshot_ryw = 0
+        self._read_any = False   # a read was made (read_your_writes_disable is refused after)
+        # Snapshot reads see own writes while this is >= 0 (enables minus disables,
+        # from the database's default), as FDB's snapshotRywEnabled > 0.
+        self._snapshot_ryw = self.db._defaults.get("snapshot_ryw", 0)
         self._system_keys = False        # keys >= \xff readable (read or access_system_keys)
         self._write_system_keys = False  # ... and writable (access_system_keys only)
         self._next_write_no_conflict = False
@@ -1649,11 +1665,18 @@ class Transaction(_ReadView):
     def _max_write_key(self):
         return b"\xff\xff" if self._write_system_keys else b"\xff"
 
-    def _check_read(self, key):
+    def _ryw(self, snap) -> bool:
+        """Whether a read sees this transaction's writes: RYW on and, for a snapshot
+        read, snapshot RYW on. Otherwise it reads the database alone (FDB's RYW sends
+        it to the native transaction), unreadable versionstamped keys included."""
+        return not self._ryw_disabled and not (snap and self._snapshot_ryw < 0)
+
+    def _check_read(self, key, snap=False):
         self._check_use()
         if key >= self._max_key() and key != b"\xff/metadataVersion":
             raise EngineError(2004)
-        if (self._vs_keys or self._vs_values) and not self._bypass_unreadable:
+        self._read_any = True
+        if (self._vs_keys or self._vs_values) and not self._bypass_unreadable and self._ryw(snap):
             self._unreadable_ranges()
             # By prefix: a transaction of n versionstamped keys and n point reads (a
             # push_many of msg_ids reads each id's dedupe entry) is not O(n^2).
@@ -1812,7 +1835,7 @@ class Transaction(_ReadView):
         return _apply_ops(db_value, data)
 
     def _get(self, key, snap):
-        ryw = not self._ryw_disabled and not (snap and self._snapshot_ryw < 0)
+        ryw = self._ryw(snap)
         entry = self._writes.get(key) if ryw else None
         if entry is not None:
             # As FDB's RYW: a key this transaction set or cleared adds no read
@@ -1880,8 +1903,8 @@ class Transaction(_ReadView):
                 batch = min(batch * 4, 4096)
                 continue
 
-    def _merged_range(self, b, e, reverse):
-        ryw = not self._ryw_disabled
+    def _merged_range(self, b, e, reverse, ryw=True):
+        ryw = ryw and not self._ryw_disabled
         writes = self._writes if ryw else {}
         if writes:
             if self._sorted_keys is None:
@@ -1922,12 +1945,14 @@ class Transaction(_ReadView):
         key = _key(sel.key)
         offset = sel.offset
         top = self._max_key()
+        ryw = self._ryw(snap)
+        self._read_any = True
         if offset >= 1:
             start = key + b"\x00" if sel.or_equal else key
             start = min(start, top)
             rows = []
             if start < top:  # stop after `offset` rows, not at the end of the key space
-                for kv in self._merged_range(start, top, False):
+                for kv in self._merged_range(start, top, False, ryw):
                     rows.append(kv)
                     if len(rows) >= offset:
                         break
@@ -1939,14 +1964,14 @@ class Transaction(_ReadView):
             stop = min(stop, top)
             n = 1 - offset
             rows = []
-            for kv in self._merged_range(b"", stop, True):
+            for kv in self._merged_range(b"", stop, True, ryw):
                 rows.append(kv)
                 if len(rows) >= n:
                     break
             result = rows[n - 1].key if len(rows) >= n else b""
             if not snap:
                 self._add_read_conflict(result, max(stop, result + b"\x00"))
-        if (self._vs_keys or self._vs_values) and not self._bypass_unreadable:
+        if (self._vs_keys or self._vs_values) and not self._bypass_unreadable and ryw:
             # As a range read: resolving across keys this transaction's versionstamped
             # writes may become is accessed_unreadable (FDB's RYW iterator).
             if offset >= 1:
@@ -2010,6 +2035,7 @@ class Transaction(_ReadView):
         self._check_writable()
         key = _key(key)
         if len(key) > KEY_SIZE_LIMIT and not key.startswith(b"\xff"):
+            self._next_write_no_conflict = False   # still takes the option, as FDB
             return  # clearing an oversized key is a no-op, as FDB
         if not self._check_write_key(key, clear=True):
             return
@@ -2033,6 +2059,7 @@ class Transaction(_ReadView):
             self._defer(2004, "clear_range end outside legal range")
             return
         if b == e:
+            self._next_write_no_conflict = False   # still takes the option, as FDB
             return
         if self._writes:
             for k in [k for k in self._writes if b <= k < e]:
@@ -2151,13 +2178,16 @@ class Transaction(_ReadView):
             # with its placeholder inside; the same effects as the general path below.
             offset = _U32.unpack_from(key, len(key) - 4)[0]
             body = key[:-4]
-            if offset + 10 <= len(body) and body < b"\xff":
+            if offset + 10 <= len(body) and body < b"\xff" and not self._next_write_no_conflict:
                 self._vs_keys.append((body[:offset], body[offset + 10:], value, len(self._clear_log),
                                       self._rv))
                 self._mutation_bytes += len(key) + len(value) + ENTRY_OVERHEAD_BYTES
                 self._mutations += 1
                 return
         self._check_writable()
+        # As FDB: the option is taken by this write (it has no client-side conflict
+        # range to drop), not left for the next one.
+        self._next_write_no_conflict = False
         key, value = _key(key), _value(value)
         offset = self._placeholder_offset(key, "key")
         if offset is None or not self._check_value(value):
