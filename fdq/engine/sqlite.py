@@ -1427,6 +1427,8 @@ class _ReadView:
             if not isinstance(selector, KeySelector) and not hasattr(selector, "or_equal"):
                 raise TypeError("get_key takes a KeySelector")
             tr._check_use()
+            if _key(selector.key) > tr._max_key():
+                raise EngineError(2004)     # as FDB's getKey; resolving off the end is clamped
             return Key(tr._resolve(selector, self._snap))
         except EngineError as e:
             return Key(None, e)
@@ -1710,6 +1712,8 @@ class Transaction(_ReadView):
         if k is None:
             return default
         if isinstance(k, KeySelector) or hasattr(k, "or_equal"):
+            if _key(k.key) > self._max_key():
+                raise EngineError(2004)
             return self._resolve(k, snap)
         k = _key(k)
         if k > self._max_key():

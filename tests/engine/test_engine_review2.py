@@ -180,3 +180,22 @@ def test_a_versionstamped_key_consumes_next_write_no_write_conflict_range(eng):
     tr[k] = b"1"            # has its write conflict: the option went to the stamped key
     tr.commit().wait()
     assert code_of(lambda: reader.commit().wait()) == 1020
+
+
+# -- §6 key selectors past the legal key space: RYW getKey and getRange return
+# key_outside_legal_range when the selector's key is above getMaxReadKey() (a selector
+# resolving off the end is clamped to \xff; one *written* past it is an error).
+
+def test_a_key_selector_past_the_legal_key_space_is_refused(eng):
+    KS = eng.KeySelector
+    tr = eng.db.create_transaction()
+    assert code_of(lambda: tr.get_key(KS.first_greater_or_equal(b"\xff\x01")).wait()) == 2004
+    assert code_of(lambda: tr.snapshot.get_key(KS.last_less_than(b"\xff\x01")).wait()) == 2004
+    assert code_of(lambda: list(tr.get_range(KS.first_greater_or_equal(eng.p), KS.first_greater_or_equal(b"\xff\x01")))) == 2004
+    # at exactly \xff, or resolving past the last key: clamped, no error
+    assert tr.get_key(KS.first_greater_or_equal(b"\xff")) == b"\xff"
+    assert tr.get_key(KS.first_greater_than(b"\xfe\xff\xff")) == b"\xff"
+    assert tr.get_key(KS.last_less_than(b"")) == b""
+    tr = eng.db.create_transaction()
+    tr.options.set_read_system_keys()
+    assert code_of(lambda: tr.get_key(KS.first_greater_or_equal(b"\xff\x01")).wait()) is None
