@@ -1747,12 +1747,14 @@ class Transaction(_ReadView):
 
     def _db_get(self, key):
         # One snapshot per attempt, so a key read again (a topic's config, its clock,
-        # once per shard a consumer visits) has the same value: no second query.
-        conn = self._ensure_snapshot()
+        # once per shard a consumer visits) has the same value: no second query. As
+        # FDB's RYW cache, such a read needs no storage read, so it does not fail
+        # with transaction_too_old past the 5 s (the commit still does).
         try:
             return self._db_values[key]
         except KeyError:
             pass
+        conn = self._ensure_snapshot()
         row = conn.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
         v = self._db_values[key] = None if row is None else row[0]
         return v
