@@ -3,9 +3,11 @@ each case failed on the engine before its fix. Sources are FoundationDB release-
 (fdbclient/ReadYourWrites.actor.cpp unless named) and the Python binding (fdb/impl.py)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from enginehelpers import code_of
+from enginehelpers import code_of, wait_ready
 
 
 def _other(eng, fn):
@@ -199,3 +201,104 @@ def test_a_key_selector_past_the_legal_key_space_is_refused(eng):
     tr = eng.db.create_transaction()
     tr.options.set_read_system_keys()
     assert code_of(lambda: tr.get_key(KS.first_greater_or_equal(b"\xff\x01")).wait()) is None
+
+
+# -- Bullets that had no test; each passed on the engine when written.
+
+def test_the_timeout_spans_retries_and_only_three_options_survive_on_error(eng):
+    """§1/§5: only timeout, retry limit and max retry delay are persistent (RYW
+    resetRyow re-applies persistentOptions); the timeout counts from creation or
+    reset(), not from on_error (creationTime is set by reset() only)."""
+    k = eng.k(b"a")
+    _other(eng, lambda t: t.set(k, b"stored"))
+    tr = eng.db.create_transaction()
+    tr.options.set_timeout(400)
+    tr.options.set_retry_limit(1)
+    tr.options.set_size_limit(100)
+    tr.options.set_snapshot_ryw_disable()
+    tr.options.set_read_system_keys()
+    tr[k] = b"mine"
+    assert tr.snapshot[k] == b"stored"
+    tr.on_error(1020).wait()
+    tr[k] = b"x" * 200                      # the size limit did not survive: commits
+    assert tr.snapshot[k] == b"x" * 200     # snapshot RYW is back on
+    assert code_of(lambda: tr[b"\xff/x"].wait()) == 2004     # system keys are off again
+    assert code_of(lambda: tr.on_error(1020).wait()) == 1020  # the retry limit survived
+    tr.reset()                              # ... and reset() clears it
+    t0 = time.monotonic()
+    tr.options.set_timeout(300)
+    while time.monotonic() - t0 < 0.2:
+        tr.on_error(1020).wait()            # retries do not restart the clock
+    deadline = time.monotonic() + 10
+    while time.monotonic() - t0 < 0.4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert code_of(lambda: tr[k].wait()) == 1031
+
+
+def test_after_on_error_re_raises_the_transaction_is_cancelled_until_reset(eng):
+    """§7: after any re-raise RYW sends transaction_cancelled to resetPromise: every
+    later use fails with 1025 until reset()."""
+    tr = eng.db.create_transaction()
+    assert code_of(lambda: tr.on_error(2101).wait()) == 2101
+    assert code_of(lambda: tr[eng.k(b"a")].wait()) == 1025
+    assert code_of(lambda: tr.commit().wait()) == 1025
+    assert code_of(lambda: tr.on_error(1020).wait()) == 1025
+    tr.reset()
+    assert tr[eng.k(b"a")] == None  # noqa: E711
+
+
+def test_unconsumed_reads_still_conflict(eng):
+    """§4: ranges are recorded when reads complete and commit waits for pending reads."""
+    for read in (lambda t: t[eng.k(b"a")], lambda t: t.get_range(eng.k(b"a"), eng.k(b"b")),
+                 lambda t: t.get_key(eng.KeySelector.first_greater_or_equal(eng.k(b"a")))):
+        tr = _started(eng)
+        read(tr)
+        tr[eng.k(b"w")] = b""
+        _other(eng, lambda t: t.set(eng.k(b"a"), b"1"))
+        assert code_of(lambda: tr.commit().wait()) == 1020
+
+
+def test_a_watch_ignores_other_transactions_until_its_commit(eng):
+    """§8: before commit other transactions' changes are ignored; once committed it
+    compares with its baseline, so a change made meanwhile fires it at once. A watch
+    set after its own write waits for the next change. (With a write, this commit
+    would fail: a watch reads its key, §4.)"""
+    k = eng.k(b"w")
+    tr = eng.db.create_transaction()
+    f = tr.watch(k)
+    _other(eng, lambda t: t.set(k, b"theirs"))
+    assert not wait_ready(f, 0.3)
+    tr.commit().wait()                      # read-only: registered at its read version
+    assert wait_ready(f, 20) and f.wait() is None
+    tr = eng.db.create_transaction()
+    tr[k] = b"mine"
+    f = tr.watch(k)
+    tr.commit().wait()
+    assert not wait_ready(f, 0.3)           # its own value is the baseline
+    _other(eng, lambda t: t.set(k, b"next"))
+    assert wait_ready(f, 20) and f.wait() is None
+
+
+def test_any_own_atomic_op_fires_a_pending_watch(eng):
+    """§8: the transaction's own later write fires it; any atomic op counts (RYW
+    triggers watches on every atomicOp, whatever the result)."""
+    k = eng.k(b"w")
+    _other(eng, lambda t: t.set(k, b"\x00"))
+    tr = eng.db.create_transaction()
+    f = tr.watch(k)
+    tr.add(k, b"\x00")                      # adds zero: same value, still fires
+    assert wait_ready(f, 5) and f.wait() is None
+
+
+def test_committed_version_is_minus_one_after_a_failed_commit(eng):
+    """§1: get_committed_version() is -1 unless the last commit succeeded with writes."""
+    tr = _started(eng)
+    tr[eng.k(b"a")].wait()
+    tr[eng.k(b"w")] = b""
+    _other(eng, lambda t: t.set(eng.k(b"a"), b"1"))
+    assert code_of(lambda: tr.commit().wait()) == 1020
+    assert tr.get_committed_version() == -1
+    tr.reset()
+    tr[eng.k(b"w")] = b""
+    tr.commit().wait()
+    assert tr.get_committed_version() > 0
