@@ -102,26 +102,28 @@ if hasattr(os, "register_at_fork"):
 
 
 def _key(k) -> bytes:
-    """Coerce a key or value to bytes as FDB does: bytes or as_foundationdb_key()."""
+    """A key as FDB's keyToBytes takes it: as_foundationdb_key() if it has one, then
+    bytes or TypeError (bytearray and memoryview too)."""
     if type(k) is bytes:
         return k
     f = getattr(k, "as_foundationdb_key", None)
     if f is not None:
-        return f()
-    if isinstance(k, (bytearray, memoryview)):
-        return bytes(k)
-    raise TypeError(f"Key must be of type bytes, not {type(k).__name__}")
+        k = f()
+    if not isinstance(k, bytes):
+        raise TypeError(f"Key must be of type bytes, not {type(k).__name__}")
+    return bytes(k)
 
 
 def _value(v) -> bytes:
+    """A value as FDB's valueToBytes takes it (see ``_key``)."""
     if type(v) is bytes:
         return v
     f = getattr(v, "as_foundationdb_value", None)
     if f is not None:
-        return f()
-    if isinstance(v, (bytearray, memoryview)):
-        return bytes(v)
-    raise TypeError(f"Value must be of type bytes, not {type(v).__name__}")
+        v = f()
+    if not isinstance(v, bytes):
+        raise TypeError(f"Value must be of type bytes, not {type(v).__name__}")
+    return bytes(v)
 
 
 def strinc(key: bytes) -> bytes:

@@ -302,3 +302,22 @@ def test_committed_version_is_minus_one_after_a_failed_commit(eng):
     tr[eng.k(b"w")] = b""
     tr.commit().wait()
     assert tr.get_committed_version() > 0
+
+
+# -- §1 keys and values must be bytes: fdb.impl.keyToBytes / valueToBytes take
+# as_foundationdb_key/value() if present, then refuse anything that is not bytes
+# (TypeError at once): bytearray and memoryview included.
+
+@pytest.mark.parametrize("kind", [bytearray, memoryview])
+def test_bytearray_and_memoryview_keys_and_values_are_refused(eng, kind):
+    k, v = eng.k(b"a"), b"v"
+    tr = eng.db.create_transaction()
+    for call in (lambda: tr.set(kind(k), v), lambda: tr.set(k, kind(v)), lambda: tr.get(kind(k)),
+                 lambda: tr.clear(kind(k)), lambda: tr.add(k, kind(b"\x01")), lambda: tr.watch(kind(k)),
+                 lambda: tr.add_read_conflict_key(kind(k))):
+        with pytest.raises(TypeError):
+            call()
+    tr[k] = v                          # bytes, and a Value read back, are fine
+    tr[eng.k(b"b")] = tr[k]
+    tr.commit().wait()
+    assert eng.db[eng.k(b"b")] == v
