@@ -1276,6 +1276,12 @@ _SET, _CLEAR, _ATOMIC_OPS, _VSVALUE = 0, 1, 2, 3
 _CLOSED_STATE_ERRORS = {"cancelled": 1025, "timed_out": 1031}
 
 
+# The byte limit of a range read's first batch on FDB, by streaming mode (None: none).
+_FIRST_BATCH_BYTES = {StreamingMode.want_all: 80_000, StreamingMode.iterator: 4096, StreamingMode.exact: None,
+                      StreamingMode.small: 256, StreamingMode.medium: 1000, StreamingMode.large: 4096,
+                      StreamingMode.serial: 80_000}
+
+
 class _Range:
     """As ``fdb.impl.FDBRange``: the first batch is read at call time; iteration reads
     the rest batch by batch and keeps no rows beyond the first batch (re-iterating reads
@@ -1290,6 +1296,7 @@ class _Range:
         self._limit = limit
         self._reverse = reverse
         self._attempt = tr._attempt
+        self._mode = mode
         self._ryw = tr._ryw(snapshot)
         # How far the read conflict reaches (None: a snapshot read): up from begin
         # (forward) or down from end (reverse), extended as rows are delivered.
@@ -1377,10 +1384,20 @@ class _Range:
 
     def __iter__(self):
         first = self._first
+        tr = self._tr
+        if tr._state != "open" or tr._attempt is not self._attempt:
+            # Committed, cancelled, reset...: FDB's range holds only its first batch,
+            # which is byte-limited (often fewer rows than this one); any more is a
+            # new read, which fails (2017 after commit).
+            k = self._fdb_first_batch()
+            yield from islice(first, k)
+            if k < len(first) or not self._done:
+                tr._check_use()
+                raise EngineError(1025)
+            return
         yield from first
         if self._done:
             return
-        tr = self._tr
         gen, self._gen = self._gen, None
         if gen is None:  # iterated before: read the rest again
             gen = self._batches(first[-1].key, 256, self._limit - len(first) if self._limit else 0)
@@ -1403,6 +1420,20 @@ class _Range:
             count += len(batch)
             self._read_up_to(batch[-1].key)
             yield from batch
+
+    def _fdb_first_batch(self) -> int:
+        """How many of the first rows FDB's first batch holds: rows up to and including
+        the one reaching its byte limit (fdb_c's get_range: 4,096 bytes for iterator
+        mode, mode_bytes_array for the others; exact: the row limit alone)."""
+        limit = _FIRST_BATCH_BYTES.get(self._mode, 4096)
+        if limit is None:
+            return len(self._first)
+        total = 0
+        for i, kv in enumerate(self._first):
+            total += len(kv.key) + len(kv.value)
+            if total >= limit:
+                return i + 1
+        return len(self._first)
 
     def to_list(self):
         return list(self)

@@ -321,3 +321,27 @@ def test_bytearray_and_memoryview_keys_and_values_are_refused(eng, kind):
     tr[eng.k(b"b")] = tr[k]
     tr.commit().wait()
     assert eng.db[eng.k(b"b")] == v
+
+
+# -- §2 a lazy FDBRange does not outlive its transaction: FDBRange keeps only its
+# first batch (requested at call time); each further batch is a new read, which after
+# commit fails with used_during_commit 2017. The first batch is byte-limited
+# (bindings/c/fdb_c.cpp, fdb_transaction_get_range_impl: iterator mode starts at 4,096
+# bytes; small 256, medium 1,000, large 4,096, serial and want_all 80,000; exact:
+# the row limit alone).
+
+def test_a_lazy_range_returned_from_a_transactional_function_fails_past_its_first_batch(eng):
+    import fdq
+    _other(eng, lambda t: [t.set(eng.k(b"r/%02d" % i), b"x" * 300) for i in range(20)])
+
+    @fdq.transactional
+    def lazy(tr, **kw):
+        tr[eng.k(b"w")] = b""
+        return tr.get_range(eng.k(b"r/"), eng.k(b"r0"), **kw)
+
+    rows = []
+    assert code_of(lambda: [rows.append(kv.key) for kv in lazy(eng.db)]) == 2017
+    assert 0 < len(rows) < 20           # 6,000 bytes: more than the first 4,096
+    assert len(list(lazy(eng.db, limit=5))) == 5       # 1,500 bytes: one batch, no read after
+    assert len(list(lazy(eng.db, streaming_mode=fdq.engine.StreamingMode.exact, limit=20))) == 20
+    assert code_of(lambda: list(lazy(eng.db, streaming_mode=fdq.engine.StreamingMode.small))) == 2017
