@@ -1514,6 +1514,8 @@ class _ReadView:
         tr = self._tr
         b, e = _key(begin), _key(end)
         conn = tr._conn_for_metadata()
+        if b > tr._max_key() or e > tr._max_key():
+            return Future.ready(None, EngineError(2004))     # as FDB's getRangeSplitPoints
         points = [b]
         # Average row size from a sample, then step by whole chunks of rows in C.
         sample = conn.execute("SELECT avg(length(key) + length(value)) FROM "

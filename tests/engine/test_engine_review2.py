@@ -345,3 +345,20 @@ def test_a_lazy_range_returned_from_a_transactional_function_fails_past_its_firs
     assert len(list(lazy(eng.db, limit=5))) == 5       # 1,500 bytes: one batch, no read after
     assert len(list(lazy(eng.db, streaming_mode=fdq.engine.StreamingMode.exact, limit=20))) == 20
     assert code_of(lambda: list(lazy(eng.db, streaming_mode=fdq.engine.StreamingMode.small))) == 2017
+
+
+# -- §1 get_range_split_points / get_estimated_range_size_bytes add no conflicts; split
+# points past the legal key space are key_outside_legal_range (RYW getRangeSplitPoints
+# checks getMaxReadKey(); getEstimatedRangeSizeBytes checks nothing).
+
+def test_size_estimates_and_split_points_add_no_conflicts(eng):
+    _other(eng, lambda t: [t.set(eng.k(b"s/%03d" % i), b"x" * 100) for i in range(100)])
+    tr = _started(eng)
+    tr.get_estimated_range_size_bytes(eng.p, eng.end()).wait()
+    list(tr.get_range_split_points(eng.p, eng.end(), 1000).wait())
+    tr[eng.k(b"w")] = b""
+    _other(eng, lambda t: t.set(eng.k(b"s/000"), b"changed"))
+    assert code_of(lambda: tr.commit().wait()) is None
+    tr = eng.db.create_transaction()
+    assert code_of(lambda: tr.get_range_split_points(eng.p, b"\xff\x01", 1000).wait()) == 2004
+    assert code_of(lambda: tr.get_estimated_range_size_bytes(eng.p, b"\xff\x01").wait()) is None
