@@ -1595,6 +1595,7 @@ class Transaction(_ReadView):
         # Keys of versionstamped values: unreadable until commit even if written again
         # later (their [k, k+\x00) ranges are in _unreadable).
         self._vs_values = 0
+        self._vs_value_keys = set()     # their keys, for point reads (one lookup, not a scan)
         self._mutation_bytes = 0
         self._mutations = 0
         self._deferred = None
@@ -1714,9 +1715,12 @@ class Transaction(_ReadView):
             raise EngineError(2004)
         self._read_any = True
         if (self._vs_keys or self._vs_values) and not self._bypass_unreadable and self._ryw(snap):
+            if key in self._vs_value_keys:
+                raise EngineError(1036)
             self._unreadable_ranges()
             # By prefix: a transaction of n versionstamped keys and n point reads (a
-            # push_many of msg_ids reads each id's dedupe entry) is not O(n^2).
+            # push_many of msg_ids reads each id's dedupe entry) is not O(n^2); the
+            # keys of versionstamped values are the set above (each its own prefix).
             for head, ranges in self._unreadable_by_head.items():
                 if key.startswith(head):
                     for b, e in ranges:
@@ -2262,7 +2266,7 @@ class Transaction(_ReadView):
             return
         self._put(key, (_VSVALUE, (body, offset, [])))
         self._unreadable.append((key, key + b"\x00"))
-        self._unreadable_by_head.setdefault(key, []).append((key, key + b"\x00"))
+        self._vs_value_keys.add(key)
         self._vs_values += 1
         self._note_write(key)
         self._mutation_bytes += len(key) + len(value) + ENTRY_OVERHEAD_BYTES
