@@ -1822,6 +1822,17 @@ class Transaction(_ReadView):
         if b >= e:
             return
         ranges = self._read_ranges
+        if len(e) == len(b) + 1 and e[-1] == 0 and e.startswith(b) and not self._ryw_disabled:
+            # One key (add_read_conflict_key, per message in a lease or purge batch):
+            # no sorting of the written keys, which change between such calls.
+            entry = self._writes.get(b)
+            if entry is not None:
+                if entry[0] in (_SET, _CLEAR):
+                    return
+            elif self._clears and self._in_clears(b):
+                return
+            ranges.append([b, e])
+            return
         if self._ryw_disabled or not (self._writes or self._clears) or self._untouched(b, e):
             pieces = ((b, e),)
         else:
