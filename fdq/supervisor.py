@@ -89,12 +89,13 @@ def play_chunk(tr, ts: TopicSpace, limit: int, hold: int | None = None) -> tuple
             rec = Record.decode(raw)
             target = shard_of(rec.shard_key, config.shards) if rec.shard_key is not None else n % config.shards
             written += _route_existing(tr, ts, config, target, vs, bytes(raw), delay_s, clock)
-        del tr[kv.key]
         moved += 1
     if last is not None:
         # what it routed conflicts with another play routing it (whichever way this
-        # chunk ends); later pushes do not
+        # chunk ends); later pushes do not. Before the clears: as FDB's RYW, a read
+        # conflict skips keys the transaction already cleared.
         tr.add_read_conflict_range(r.start, last + b"\x00")
+        tr.clear_range(r.start, last + b"\x00")
     if moved == limit or written >= CHUNK_WRITE_BYTES:
         return moved, False, hold
     if last is None and config.routing and config.held_at is None:

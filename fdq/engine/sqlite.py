@@ -102,26 +102,28 @@ if hasattr(os, "register_at_fork"):
 
 
 def _key(k) -> bytes:
-    """Coerce a key or value to bytes as FDB does: bytes or as_foundationdb_key()."""
+    """A key as FDB's keyToBytes takes it: as_foundationdb_key() if it has one, then
+    bytes or TypeError (bytearray and memoryview too)."""
     if type(k) is bytes:
         return k
     f = getattr(k, "as_foundationdb_key", None)
     if f is not None:
-        return f()
-    if isinstance(k, (bytearray, memoryview)):
-        return bytes(k)
-    raise TypeError(f"Key must be of type bytes, not {type(k).__name__}")
+        k = f()
+    if not isinstance(k, bytes):
+        raise TypeError(f"Key must be of type bytes, not {type(k).__name__}")
+    return bytes(k)
 
 
 def _value(v) -> bytes:
+    """A value as FDB's valueToBytes takes it (see ``_key``)."""
     if type(v) is bytes:
         return v
     f = getattr(v, "as_foundationdb_value", None)
     if f is not None:
-        return f()
-    if isinstance(v, (bytearray, memoryview)):
-        return bytes(v)
-    raise TypeError(f"Value must be of type bytes, not {type(v).__name__}")
+        v = f()
+    if not isinstance(v, bytes):
+        raise TypeError(f"Value must be of type bytes, not {type(v).__name__}")
+    return bytes(v)
 
 
 def strinc(key: bytes) -> bytes:
@@ -1021,7 +1023,13 @@ class _TransactionOptions:
         self._tr._size_limit = n
 
     def set_read_your_writes_disable(self):
-        self._tr._ryw_disabled = True
+        tr = self._tr
+        if tr._read_any or tr._writes or tr._clears or tr._write_ranges:
+            # As FDB: only before any read or write; the error is deferred to the next
+            # read or the commit (ThreadSafeTransaction::setOption), the option unset.
+            tr._defer(2000, "read_your_writes_disable must be set before any read or write")
+            return
+        tr._ryw_disabled = True
 
     def set_snapshot_ryw_disable(self):
         self._tr._snapshot_ryw -= 1
@@ -1031,9 +1039,10 @@ class _TransactionOptions:
 
     def set_access_system_keys(self):
         self._tr._system_keys = True
+        self._tr._write_system_keys = True
 
     def set_read_system_keys(self):
-        self._tr._system_keys = True
+        self._tr._system_keys = True     # reads only (FDB's readSystemKeys)
 
     def set_next_write_no_write_conflict_range(self):
         self._tr._next_write_no_conflict = True
@@ -1082,7 +1091,11 @@ class _DatabaseOptions:
 
     set_location_cache_size = set_datacenter_id = set_machine_id = _noop
     set_transaction_causal_read_risky = set_transaction_logging_max_field_length = _noop
-    set_snapshot_ryw_enable = set_snapshot_ryw_disable = _noop
+    def set_snapshot_ryw_enable(self):
+        self._db._defaults["snapshot_ryw"] = self._db._defaults.get("snapshot_ryw", 0) + 1
+
+    def set_snapshot_ryw_disable(self):
+        self._db._defaults["snapshot_ryw"] = self._db._defaults.get("snapshot_ryw", 0) - 1
 
 
 # ---------------------------------------------------------------------------------
@@ -1263,6 +1276,12 @@ _SET, _CLEAR, _ATOMIC_OPS, _VSVALUE = 0, 1, 2, 3
 _CLOSED_STATE_ERRORS = {"cancelled": 1025, "timed_out": 1031}
 
 
+# The byte limit of a range read's first batch on FDB, by streaming mode (None: none).
+_FIRST_BATCH_BYTES = {StreamingMode.want_all: 80_000, StreamingMode.iterator: 4096, StreamingMode.exact: None,
+                      StreamingMode.small: 256, StreamingMode.medium: 1000, StreamingMode.large: 4096,
+                      StreamingMode.serial: 80_000}
+
+
 class _Range:
     """As ``fdb.impl.FDBRange``: the first batch is read at call time; iteration reads
     the rest batch by batch and keeps no rows beyond the first batch (re-iterating reads
@@ -1277,10 +1296,13 @@ class _Range:
         self._limit = limit
         self._reverse = reverse
         self._attempt = tr._attempt
-        self._conflict = None
+        self._mode = mode
+        self._ryw = tr._ryw(snapshot)
+        # How far the read conflict reaches (None: a snapshot read): up from begin
+        # (forward) or down from end (reverse), extended as rows are delivered.
+        self._covered = None
         if not snapshot and begin < end:
-            self._conflict = [begin, begin] if not reverse else [end, end]
-            tr._read_ranges.append(self._conflict)
+            self._covered = begin if not reverse else end
         first = limit if 0 < limit < 1000 else 100
         if limit and mode in (StreamingMode.want_all, StreamingMode.exact):
             first = min(limit, 4096)   # the caller wants every row up to the limit: no slow start
@@ -1310,12 +1332,12 @@ class _Range:
                 b = after + b"\x00"
         if b >= e:
             return
-        if tr._ryw_disabled or not (tr._writes or tr._clears) or tr._untouched(b, e):
+        if not self._ryw or not (tr._writes or tr._clears) or tr._untouched(b, e):
             # Nothing of its own to merge (in this range): rows straight from each SQL
             # batch. A lease round writes to one shard, then reads the next one's ranges.
             yield from tr._db_batches(b, e, self._reverse, first, wanted)
             return
-        rows = tr._merged_range(b, e, self._reverse)
+        rows = tr._merged_range(b, e, self._reverse)   # self._ryw: RYW is on
         n = first
         while True:
             chunk = list(islice(rows, n))
@@ -1326,12 +1348,17 @@ class _Range:
             n = min(n * 4, 4096)
 
     def _read_up_to(self, key):
-        c = self._conflict
-        if c is not None:
-            if not self._reverse:
-                c[1] = max(c[1], key + b"\x00")
-            else:
-                c[0] = min(c[0], key)
+        c = self._covered
+        if c is None or self._tr._attempt is not self._attempt:
+            return
+        if not self._reverse:
+            end = key + b"\x00"
+            if end > c:
+                self._tr._add_read_conflict(c, end)
+                self._covered = end
+        elif key < c:
+            self._tr._add_read_conflict(key, c)
+            self._covered = key
 
     def _stopped(self):
         self._gen = None
@@ -1345,15 +1372,32 @@ class _Range:
         self._read_everything()
 
     def _read_everything(self):
-        if self._conflict is not None:  # returned everything: the whole range
-            self._conflict[0], self._conflict[1] = self._begin, self._end
+        c = self._covered
+        if c is None or self._tr._attempt is not self._attempt:
+            return
+        if not self._reverse:   # returned everything: the whole range
+            self._tr._add_read_conflict(c, self._end)
+            self._covered = self._end
+        else:
+            self._tr._add_read_conflict(self._begin, c)
+            self._covered = self._begin
 
     def __iter__(self):
         first = self._first
+        tr = self._tr
+        if tr._state != "open" or tr._attempt is not self._attempt:
+            # Committed, cancelled, reset...: FDB's range holds only its first batch,
+            # which is byte-limited (often fewer rows than this one); any more is a
+            # new read, which fails (2017 after commit).
+            k = self._fdb_first_batch()
+            yield from islice(first, k)
+            if k < len(first) or not self._done:
+                tr._check_use()
+                raise EngineError(1025)
+            return
         yield from first
         if self._done:
             return
-        tr = self._tr
         gen, self._gen = self._gen, None
         if gen is None:  # iterated before: read the rest again
             gen = self._batches(first[-1].key, 256, self._limit - len(first) if self._limit else 0)
@@ -1377,6 +1421,20 @@ class _Range:
             self._read_up_to(batch[-1].key)
             yield from batch
 
+    def _fdb_first_batch(self) -> int:
+        """How many of the first rows FDB's first batch holds: rows up to and including
+        the one reaching its byte limit (fdb_c's get_range: 4,096 bytes for iterator
+        mode, mode_bytes_array for the others; exact: the row limit alone)."""
+        limit = _FIRST_BATCH_BYTES.get(self._mode, 4096)
+        if limit is None:
+            return len(self._first)
+        total = 0
+        for i, kv in enumerate(self._first):
+            total += len(kv.key) + len(kv.value)
+            if total >= limit:
+                return i + 1
+        return len(self._first)
+
     def to_list(self):
         return list(self)
 
@@ -1390,7 +1448,7 @@ class _ReadView:
         tr = self._tr
         try:
             key = _key(key)
-            tr._check_read(key)
+            tr._check_read(key, self._snap)
             v = tr._get(key, self._snap)
         except EngineError as e:
             return Value(None, e)
@@ -1402,6 +1460,8 @@ class _ReadView:
             if not isinstance(selector, KeySelector) and not hasattr(selector, "or_equal"):
                 raise TypeError("get_key takes a KeySelector")
             tr._check_use()
+            if _key(selector.key) > tr._max_key():
+                raise EngineError(2004)     # as FDB's getKey; resolving off the end is clamped
             return Key(tr._resolve(selector, self._snap))
         except EngineError as e:
             return Key(None, e)
@@ -1414,7 +1474,9 @@ class _ReadView:
             raise EngineError(2006, "limit must be >= 0")
         b = tr._range_bound(begin, b"", self._snap)
         e = tr._range_bound(end, tr._max_key(), self._snap)
-        tr._check_read_range(b, e)
+        if tr._ryw(self._snap):
+            tr._check_read_range(b, e)
+        tr._read_any = True
         return _Range(tr, b, e, limit, bool(reverse), self._snap, streaming_mode)
 
     def get_range_startswith(self, prefix, *args, **kwargs):
@@ -1452,6 +1514,8 @@ class _ReadView:
         tr = self._tr
         b, e = _key(begin), _key(end)
         conn = tr._conn_for_metadata()
+        if b > tr._max_key() or e > tr._max_key():
+            return Future.ready(None, EngineError(2004))     # as FDB's getRangeSplitPoints
         points = [b]
         # Average row size from a sample, then step by whole chunks of rows in C.
         sample = conn.execute("SELECT avg(length(key) + length(value)) FROM "
@@ -1531,6 +1595,7 @@ class Transaction(_ReadView):
         # Keys of versionstamped values: unreadable until commit even if written again
         # later (their [k, k+\x00) ranges are in _unreadable).
         self._vs_values = 0
+        self._vs_value_keys = set()     # their keys, for point reads (one lookup, not a scan)
         self._mutation_bytes = 0
         self._mutations = 0
         self._deferred = None
@@ -1541,8 +1606,12 @@ class Transaction(_ReadView):
         self._state = "open"    # open | committing | committed | cancelled
         self._size_limit = self.db._defaults.get("size_limit", TRANSACTION_SIZE_LIMIT)
         self._ryw_disabled = False
-        self._snapshot_ryw = 0
-        self._system_keys = False
+        self._read_any = False   # a read was made (read_your_writes_disable is refused after)
+        # Snapshot reads see own writes while this is >= 0 (enables minus disables,
+        # from the database's default), as FDB's snapshotRywEnabled > 0.
+        self._snapshot_ryw = self.db._defaults.get("snapshot_ryw", 0)
+        self._system_keys = False        # keys >= \xff readable (read or access_system_keys)
+        self._write_system_keys = False  # ... and writable (access_system_keys only)
         self._next_write_no_conflict = False
         self._bypass_unreadable = False
 
@@ -1631,14 +1700,27 @@ class Transaction(_ReadView):
     def _max_key(self):
         return b"\xff\xff" if self._system_keys else b"\xff"
 
-    def _check_read(self, key):
+    def _max_write_key(self):
+        return b"\xff\xff" if self._write_system_keys else b"\xff"
+
+    def _ryw(self, snap) -> bool:
+        """Whether a read sees this transaction's writes: RYW on and, for a snapshot
+        read, snapshot RYW on. Otherwise it reads the database alone (FDB's RYW sends
+        it to the native transaction), unreadable versionstamped keys included."""
+        return not self._ryw_disabled and not (snap and self._snapshot_ryw < 0)
+
+    def _check_read(self, key, snap=False):
         self._check_use()
         if key >= self._max_key() and key != b"\xff/metadataVersion":
             raise EngineError(2004)
-        if (self._vs_keys or self._vs_values) and not self._bypass_unreadable:
+        self._read_any = True
+        if (self._vs_keys or self._vs_values) and not self._bypass_unreadable and self._ryw(snap):
+            if key in self._vs_value_keys:
+                raise EngineError(1036)
             self._unreadable_ranges()
             # By prefix: a transaction of n versionstamped keys and n point reads (a
-            # push_many of msg_ids reads each id's dedupe entry) is not O(n^2).
+            # push_many of msg_ids reads each id's dedupe entry) is not O(n^2); the
+            # keys of versionstamped values are the set above (each its own prefix).
             for head, ranges in self._unreadable_by_head.items():
                 if key.startswith(head):
                     for b, e in ranges:
@@ -1669,6 +1751,8 @@ class Transaction(_ReadView):
         if k is None:
             return default
         if isinstance(k, KeySelector) or hasattr(k, "or_equal"):
+            if _key(k.key) > self._max_key():
+                raise EngineError(2004)
             return self._resolve(k, snap)
         k = _key(k)
         if k > self._max_key():
@@ -1687,7 +1771,7 @@ class Transaction(_ReadView):
         if len(key) > limit:
             self._defer(2102, f"Key length {len(key):,} exceeds limit ({limit:,} bytes)")
             return False
-        if key >= b"\xff" and not self._system_keys:
+        if key >= b"\xff" and not self._write_system_keys:
             self._defer(2004, "Key outside legal range (keys >= b'\\xff' need access_system_keys)")
             return False
         return True
@@ -1702,12 +1786,14 @@ class Transaction(_ReadView):
 
     def _db_get(self, key):
         # One snapshot per attempt, so a key read again (a topic's config, its clock,
-        # once per shard a consumer visits) has the same value: no second query.
-        conn = self._ensure_snapshot()
+        # once per shard a consumer visits) has the same value: no second query. As
+        # FDB's RYW cache, such a read needs no storage read, so it does not fail
+        # with transaction_too_old past the 5 s (the commit still does).
         try:
             return self._db_values[key]
         except KeyError:
             pass
+        conn = self._ensure_snapshot()
         row = conn.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
         v = self._db_values[key] = None if row is None else row[0]
         return v
@@ -1727,6 +1813,62 @@ class Transaction(_ReadView):
             if i >= 0 and self._clears[i][1] > b:
                 return False
         return True
+
+    def _add_read_conflict(self, b, e):
+        """Record [b, e) as read, less the keys this transaction already set or cleared:
+        as FDB's RYW (updateConflictMap), only unmodified keys and keys with pending
+        atomic ops (which depend on the stored value) add a read conflict. Reads and
+        add_read_conflict_* alike; a write after the read does not take it back."""
+        if b >= e:
+            return
+        ranges = self._read_ranges
+        if len(e) == len(b) + 1 and e[-1] == 0 and e.startswith(b) and not self._ryw_disabled:
+            # One key (add_read_conflict_key, per message in a lease or purge batch):
+            # no sorting of the written keys, which change between such calls.
+            entry = self._writes.get(b)
+            if entry is not None:
+                if entry[0] in (_SET, _CLEAR):
+                    return
+            elif self._clears and self._in_clears(b):
+                return
+            ranges.append([b, e])
+            return
+        if self._ryw_disabled or not (self._writes or self._clears) or self._untouched(b, e):
+            pieces = ((b, e),)
+        else:
+            modified = []
+            clears = self._clears
+            if clears:
+                i = max(0, bisect.bisect_right(self._clear_begins, b) - 1)
+                while i < len(clears) and clears[i][0] < e:
+                    cb, ce = clears[i]
+                    if ce > b:
+                        modified.append([max(cb, b), min(ce, e)])
+                    i += 1
+            if self._writes:
+                if self._sorted_keys is None:
+                    self._sorted_keys = sorted(self._writes)
+                sk = self._sorted_keys
+                writes = self._writes
+                for k in sk[bisect.bisect_left(sk, b):bisect.bisect_left(sk, e)]:
+                    if writes[k][0] in (_SET, _CLEAR):
+                        modified.append([k, k + b"\x00"])
+            pieces = []
+            cur = b
+            for mb, me in _merge_ranges(modified):
+                if mb > cur:
+                    pieces.append((cur, mb))
+                cur = max(cur, me)
+            if cur < e:
+                pieces.append((cur, e))
+        for pb, pe in pieces:
+            last = ranges[-1] if ranges else None
+            if last is not None and last[1] == pb:
+                last[1] = pe     # a range read's next batch: one range, not one per batch
+            elif last is not None and last[0] == pe:
+                last[0] = pb
+            else:
+                ranges.append([pb, pe])
 
     def _in_clears(self, key):
         i = bisect.bisect_right(self._clear_begins, key) - 1
@@ -1749,16 +1891,18 @@ class Transaction(_ReadView):
         return _apply_ops(db_value, data)
 
     def _get(self, key, snap):
-        ryw = not self._ryw_disabled and not (snap and self._snapshot_ryw < 0)
+        ryw = self._ryw(snap)
         entry = self._writes.get(key) if ryw else None
         if entry is not None:
+            # As FDB's RYW: a key this transaction set or cleared adds no read
+            # conflict; one with pending atomic ops (dependent on the stored value) does.
             if entry[0] == _ATOMIC_OPS and not snap:
                 self._read_ranges.append([key, key + b"\x00"])
             return self._entry_value(key, entry)
+        if ryw and self._clears and self._in_clears(key):
+            return None     # cleared by this transaction: no read conflict either
         if not snap:
             self._read_ranges.append([key, key + b"\x00"])
-        if ryw and self._clears and self._in_clears(key):
-            return None
         return self._db_get(key)
 
     def _db_batches(self, b, e, reverse, first, wanted=0):
@@ -1815,8 +1959,8 @@ class Transaction(_ReadView):
                 batch = min(batch * 4, 4096)
                 continue
 
-    def _merged_range(self, b, e, reverse):
-        ryw = not self._ryw_disabled
+    def _merged_range(self, b, e, reverse, ryw=True):
+        ryw = ryw and not self._ryw_disabled
         writes = self._writes if ryw else {}
         if writes:
             if self._sorted_keys is None:
@@ -1857,31 +2001,33 @@ class Transaction(_ReadView):
         key = _key(sel.key)
         offset = sel.offset
         top = self._max_key()
+        ryw = self._ryw(snap)
+        self._read_any = True
         if offset >= 1:
             start = key + b"\x00" if sel.or_equal else key
             start = min(start, top)
             rows = []
             if start < top:  # stop after `offset` rows, not at the end of the key space
-                for kv in self._merged_range(start, top, False):
+                for kv in self._merged_range(start, top, False, ryw):
                     rows.append(kv)
                     if len(rows) >= offset:
                         break
             result = rows[offset - 1].key if len(rows) >= offset else top
             if not snap:
-                self._read_ranges.append([min(key, result), max(start, result + b"\x00") if result != top else top])
+                self._add_read_conflict(min(key, result), max(start, result + b"\x00") if result != top else top)
         else:
             stop = key + b"\x00" if sel.or_equal else key
             stop = min(stop, top)
             n = 1 - offset
             rows = []
-            for kv in self._merged_range(b"", stop, True):
+            for kv in self._merged_range(b"", stop, True, ryw):
                 rows.append(kv)
                 if len(rows) >= n:
                     break
             result = rows[n - 1].key if len(rows) >= n else b""
             if not snap:
-                self._read_ranges.append([result, max(stop, result + b"\x00")])
-        if (self._vs_keys or self._vs_values) and not self._bypass_unreadable:
+                self._add_read_conflict(result, max(stop, result + b"\x00"))
+        if (self._vs_keys or self._vs_values) and not self._bypass_unreadable and ryw:
             # As a range read: resolving across keys this transaction's versionstamped
             # writes may become is accessed_unreadable (FDB's RYW iterator).
             if offset >= 1:
@@ -1945,6 +2091,7 @@ class Transaction(_ReadView):
         self._check_writable()
         key = _key(key)
         if len(key) > KEY_SIZE_LIMIT and not key.startswith(b"\xff"):
+            self._next_write_no_conflict = False   # still takes the option, as FDB
             return  # clearing an oversized key is a no-op, as FDB
         if not self._check_write_key(key, clear=True):
             return
@@ -1960,14 +2107,15 @@ class Transaction(_ReadView):
     def clear_range(self, begin, end):
         self._check_writable()
         b = b"" if begin is None else _key(begin)
-        e = self._max_key() if end is None else _key(end)
+        e = self._max_write_key() if end is None else _key(end)
         if b > e:
             self._defer(2005, "clear_range: begin key is larger than end key")
             return
-        if e > self._max_key():
+        if e > self._max_write_key():
             self._defer(2004, "clear_range end outside legal range")
             return
         if b == e:
+            self._next_write_no_conflict = False   # still takes the option, as FDB
             return
         if self._writes:
             for k in [k for k in self._writes if b <= k < e]:
@@ -2086,13 +2234,16 @@ class Transaction(_ReadView):
             # with its placeholder inside; the same effects as the general path below.
             offset = _U32.unpack_from(key, len(key) - 4)[0]
             body = key[:-4]
-            if offset + 10 <= len(body) and body < b"\xff":
+            if offset + 10 <= len(body) and body < b"\xff" and not self._next_write_no_conflict:
                 self._vs_keys.append((body[:offset], body[offset + 10:], value, len(self._clear_log),
                                       self._rv))
                 self._mutation_bytes += len(key) + len(value) + ENTRY_OVERHEAD_BYTES
                 self._mutations += 1
                 return
         self._check_writable()
+        # As FDB: the option is taken by this write (it has no client-side conflict
+        # range to drop), not left for the next one.
+        self._next_write_no_conflict = False
         key, value = _key(key), _value(value)
         offset = self._placeholder_offset(key, "key")
         if offset is None or not self._check_value(value):
@@ -2126,7 +2277,7 @@ class Transaction(_ReadView):
             return
         self._put(key, (_VSVALUE, (body, offset, [])))
         self._unreadable.append((key, key + b"\x00"))
-        self._unreadable_by_head.setdefault(key, []).append((key, key + b"\x00"))
+        self._vs_value_keys.add(key)
         self._vs_values += 1
         self._note_write(key)
         self._mutation_bytes += len(key) + len(value) + ENTRY_OVERHEAD_BYTES
@@ -2139,8 +2290,7 @@ class Transaction(_ReadView):
             raise EngineError(2005)
         if e > self._max_key() and (b != _METADATA_VERSION_KEY or e != _METADATA_VERSION_KEY + b"\x00"):
             raise EngineError(2004)
-        if b < e:
-            self._read_ranges.append([b, e])
+        self._add_read_conflict(b, e)
 
     def add_read_conflict_key(self, key):
         key = _key(key)
@@ -2151,7 +2301,7 @@ class Transaction(_ReadView):
         b, e = _key(begin), _key(end)
         if b > e:
             raise EngineError(2005)
-        if e > self._max_key():
+        if e > self._max_write_key():
             raise EngineError(2004)
         if b < e:
             self._write_ranges.append((b, e))

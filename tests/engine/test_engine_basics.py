@@ -197,11 +197,14 @@ def test_after_commit_the_transaction_is_done_until_reset(eng):
         tr[eng.k(b"r/%04d" % i)] = b""
     tr.commit().wait()
     # a range does not outlive its attempt: it neither truncates nor reads at a new version
+    # (embedded only: FDB's FDBRange asks the reset transaction for its next batch, which
+    # reads at a new read version without an error)
     t2 = eng.db.create_transaction()
     it = iter(t2.get_range_startswith(eng.k(b"r/")))
     next(it)
     t2.reset()
-    assert code_of(lambda: list(it)) is not None
+    if eng.embedded:
+        assert code_of(lambda: list(it)) is not None
     assert code_of(lambda: tr[eng.k(b"a")].wait()) == 2017
     assert code_of(lambda: tr.set(eng.k(b"a"), b"2")) == 2017
     tr.reset()

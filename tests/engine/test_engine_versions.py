@@ -191,6 +191,9 @@ def test_transaction_too_old_after_5_seconds(eng):
     release.set()
     for it in iters:
         assert code_of(lambda: list(it)) == 1007
+    # a key the transaction read already comes from its cache: no storage read, no 1007
+    # (RYW's SnapshotCache answers it; cached reads do not fail, fdb-semantics §5)
+    assert reader[k] == b"v" and read_only[k] == b"v"
     assert code_of(lambda: reader[eng.k(b"other")].wait()) == 1007
     assert code_of(lambda: reader.commit().wait()) == 1007
     assert code_of(lambda: blind.commit().wait()) is None  # blind writes are exempt
