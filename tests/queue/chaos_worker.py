@@ -84,8 +84,8 @@ def producer(args):
             out.write(json.dumps({"id": r.id, "key": e.shard_key, "body": e.body.decode(),
                                   "msg_id": e.msg_id, "delay": e.delay, "dup": bool(r.duplicate)}))
         seq += n
-        if rng.random() < 0.3:
-            time.sleep(rng.uniform(0, 0.02))
+        if args.pace:     # spread the pushes over the chaos (mean 7 messages a push)
+            time.sleep(rng.uniform(0, 2 * args.pace * 7 / args.total))
     print("done", flush=True)
 
 
@@ -215,6 +215,8 @@ def main(argv=None):
     ap.add_argument("--gen", type=int, default=0)
     ap.add_argument("--count", type=int, default=200)
     ap.add_argument("--keys", type=int, default=6)
+    ap.add_argument("--pace", type=float, default=0.0)    # producers: seconds the --total pushes should take
+    ap.add_argument("--total", type=int, default=1)
     ap.add_argument("--mode", choices=["eo", "alo", "amo"], default="eo")
     ap.add_argument("--sub", default="default")
     ap.add_argument("--batch", type=int, default=10)

@@ -52,7 +52,8 @@ from fdq.keyspace import Keyspace, message_id
 from qhelpers import read_lines, scan, wait_for
 
 WORKER = Path(__file__).with_name("chaos_worker.py")
-PRODUCERS, BUDGET = 2, 400           # messages per producer slot, over its restarts
+CHAOS_S = float(os.environ.get("FDQ_CHAOS_SECONDS", "10"))
+PRODUCERS, BUDGET = 2, int(40 * CHAOS_S)      # messages per producer slot, over its restarts
 CONSUMERS = (("default", "eo", 2), ("alo", "alo", 2), ("amo", "amo", 1))
 FAULTS = 0.02
 
@@ -66,8 +67,6 @@ def _seeds():
         return list(range(int(a), int(b) + 1))
     return [int(s) for s in spec.split(",")]
 
-
-CHAOS_S = float(os.environ.get("FDQ_CHAOS_SECONDS", "10"))
 
 
 class Cluster:
@@ -200,9 +199,10 @@ def test_chaos(tmp_path, cluster_factory, seed):
 
     # -- start everything
     prods = {}          # slot -> [process, generation, [out files]]
+    pace = ("--pace", CHAOS_S * 0.8, "--total", BUDGET)
     for i in range(PRODUCERS):
         out = tmp_path / f"p{i}.0.log"
-        prods[i] = [cl.start("producer", f"p{i}", out, "--gen", 0, "--count", BUDGET), 0, [out]]
+        prods[i] = [cl.start("producer", f"p{i}", out, "--gen", 0, "--count", BUDGET, *pace), 0, [out]]
     cons = {}           # slot -> [process, sub, mode, [(process, out)]]
     for sub, mode, k in CONSUMERS:
         for j in range(k):
@@ -234,7 +234,7 @@ def test_chaos(tmp_path, cluster_factory, seed):
             if left > 0:
                 out = tmp_path / f"p{slot}.{gen + 1}.log"
                 outs.append(out)
-                prods[slot] = [cl.start("producer", f"p{slot}", out, "--gen", gen + 1, "--count", left),
+                prods[slot] = [cl.start("producer", f"p{slot}", out, "--gen", gen + 1, "--count", left, *pace),
                                gen + 1, outs]
         elif r < 0.8:
             slot = rng.choice(sorted(cons))
