@@ -173,6 +173,13 @@ def _handled(paths):
     return calls, taken
 
 
+def _poll(cond, timeout):
+    """Poll ``cond`` for up to ``timeout`` s (a chaos moment to aim at, not a must)."""
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
 def _order_keys(rec):
     return rec.shard_key is not None and not rec.shard_key.startswith("d-")
 
@@ -229,7 +236,7 @@ def test_chaos(tmp_path, cluster_factory, seed):
     while time.monotonic() < deadline:
         time.sleep(rng.uniform(0.1, 0.7))     # pacing of the chaos, not a synchronisation
         r = rng.random()
-        if r < 0.3:
+        if r < 0.2:
             slot = rng.randrange(PRODUCERS)
             p, gen, outs = prods[slot]
             if p.poll() is not None:
@@ -242,7 +249,7 @@ def test_chaos(tmp_path, cluster_factory, seed):
                 outs.append(out)
                 prods[slot] = [cl.start("producer", f"p{slot}", out, "--gen", gen + 1, "--count", left, *pace),
                                gen + 1, outs]
-        elif r < 0.8:
+        elif r < 0.55:
             slot = rng.choice(sorted(cons))
             p, sub, mode, runs = cons[slot]
             cl.kill9(p)
@@ -253,6 +260,9 @@ def test_chaos(tmp_path, cluster_factory, seed):
             runs.append((p, out))
             cons[slot][0] = p
         elif len(read_lines(journal)) > sup_lines + 1:    # it got to work since its start
+            if rng.random() < 0.6:      # aim at a long operation under way
+                _poll(lambda: (read_lines(journal) or ["E"])[-1].startswith(('B ["rebalance", ', 'B ["replay"',
+                                                                            'B ["play"')), 2.0)
             cl.kill9(supp)
             kills["supervisor"] += 1
             sup_lines = len(read_lines(journal))
