@@ -74,6 +74,9 @@ def producer(args):
             if rng.random() < 0.08:
                 # a shared pool: several producers (and restarts) push the same ids
                 msg_id = f"m{rng.randrange(args.count // 4 + 1)}"
+            if rng.random() < 0.01:     # a body split across keys (over FDB's value limit)
+                size = rng.randint(100_000, 300_000)
+                body += b"|%d|" % size + bytes([97 + s % 26]) * size
             envs.append(fdq.Envelope(body, shard_key=key, delay=delay, msg_id=msg_id))
         if n == 1:
             e = envs[0]
@@ -81,7 +84,7 @@ def producer(args):
         else:
             results = p.push_many(TOPIC, envs)
         for e, r in zip(envs, results):
-            out.write(json.dumps({"id": r.id, "key": e.shard_key, "body": e.body.decode(),
+            out.write(json.dumps({"id": r.id, "key": e.shard_key, "body": e.body.split(b"|")[0].decode(),
                                   "msg_id": e.msg_id, "delay": e.delay, "dup": bool(r.duplicate)}))
         seq += n
         if args.pace:     # spread the pushes over the chaos (mean 7 messages a push)
@@ -111,13 +114,25 @@ def consumer(args):
 
     user_versions = weakref.WeakKeyDictionary()
 
+    def bad(m):
+        """Whether ``m``'s body is not what its producer pushed (a large one: its size and fill)."""
+        parts = m.body.split(b"|", 2)
+        if len(parts) == 1:
+            return False
+        seq = int(parts[0].rsplit(b":", 1)[1])
+        return len(parts) != 3 or parts[2] != bytes([97 + seq % 26]) * int(parts[1])
+
     def eo_handler(tr, m):
+        if bad(m):
+            tr.add(b"ch/bad/" + m.id.encode(), (1).to_bytes(8, "little"))
         tr.add(b"ch/done/" + m.id.encode(), (1).to_bytes(8, "little"))
         uv = user_versions.get(tr, 0)
         user_versions[tr] = uv + 1
         tr.set_versionstamped_key(vs_key(b"ch/order/", uv), m.id.encode())
 
     def handler(m):
+        if bad(m):
+            out.write(f"BAD {m.id} {len(m.body)}")
         with rng_lock:
             r = rng.random()
         if args.mode == "amo":
@@ -135,11 +150,13 @@ def consumer(args):
     def on_error(e):
         errors.append(f"{type(e).__name__}: {e}"[:300])
 
+    # a batch size and, at least once, handler threads (a pool: settles commit on their own) at random
+    concurrency = rng.choice([1, 1, 2, 4]) if args.mode == "alo" else 1
     config = fdq.ConsumerConfig(heartbeat_interval_s=0.2, zombie_timeout_s=1.0, ack_wait_s=args.ack_wait,
                                 max_deliver=3, backoff_s=(0.0, 0.05), lease_check_interval_s=0.1,
-                                poll_interval_s=0.2)
-    kw = dict(consumer_id=args.name, subscription=args.sub, config=config, batch_size=args.batch,
-              on_error=on_error)
+                                poll_interval_s=0.2, max_concurrency=concurrency)
+    kw = dict(consumer_id=args.name, subscription=args.sub, config=config,
+              batch_size=rng.choice([1, 5, 10, 10, 50]), on_error=on_error)
     if args.mode == "eo":
         c = fdq.tail(db, TOPIC, eo_handler, transactional=True, **kw)
     else:
@@ -219,7 +236,6 @@ def main(argv=None):
     ap.add_argument("--total", type=int, default=1)
     ap.add_argument("--mode", choices=["eo", "alo", "amo"], default="eo")
     ap.add_argument("--sub", default="default")
-    ap.add_argument("--batch", type=int, default=10)
     ap.add_argument("--ack-wait", type=float, default=0.6)
     args = ap.parse_args(argv)
     {"producer": producer, "consumer": consumer, "supervisor": supervisor}[args.role](args)
