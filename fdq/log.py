@@ -3,7 +3,9 @@
 The log is spread over buckets (one per shard) so a cluster spreads its writes; readers
 merge buckets by versionstamp, which is commit order. Each read is a bounded snapshot
 range read in its own short transaction, so a long scan never holds a read version
-for more than a moment.
+for more than a moment; each of them is ``transactional`` (called with a database, it
+retries retryable errors through ``on_error``, as FDB's reads can fail with
+``future_version`` or ``process_behind``; called with a transaction, it joins it).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from operator import itemgetter
 
 import msgpack
 
-from .engine import StreamingMode   # the same values as fdb.StreamingMode
+from .engine import StreamingMode, transactional   # the same values as fdb.StreamingMode
 from .keyspace import TopicSpace, Versionstamp
 from .keyspace.codec import Record
 
@@ -24,13 +26,13 @@ def _first_vs():
     return Versionstamp(b"\x00" * 10, 0)
 
 
-def position_for_time(db, ts: TopicSpace, t_ms: int | None) -> Versionstamp:
+@transactional
+def position_for_time(tr, ts: TopicSpace, t_ms: int | None) -> Versionstamp:
     """A log position at or before every message inserted at ``t_ms`` or later, from the
     sparse time index (the last index entry of a minute before ``t_ms - SLACK_MS``)."""
     if t_ms is None:
         return _first_vs()
     minute = (t_ms - SLACK_MS) // 60000 * 60000
-    tr = db.create_transaction()
     r = ts.time_index.range()
     end = ts.time_index.pack((minute,))
     best = None
@@ -46,18 +48,8 @@ def read_chunk(db, ts: TopicSpace, buckets, cursors: dict, limit: int):
     the bucket numbers (``log_buckets``), or a count for ``range(count)``. Advances
     ``cursors``. Returns [] at the end of the log."""
     buckets = range(buckets) if isinstance(buckets, int) else list(buckets)
-    tr = db.create_transaction()
     per_bucket = max(16, limit // max(1, len(buckets)) * 2)
-    heads = []
-    exhausted = set()
-    for b in buckets:
-        space = ts.log[b]
-        r = space.range()
-        begin = space.pack((cursors[b],)) + b"\x00" if cursors.get(b) is not None else r.start
-        rows = list(tr.snapshot.get_range(begin, r.stop, limit=per_bucket))
-        if len(rows) < per_bucket:
-            exhausted.add(b)
-        heads.append([(space.unpack(kv.key)[0], b, kv.value) for kv in rows])
+    heads, exhausted = _read_heads(db, ts, buckets, cursors, per_bucket)
     # Entries are safe to emit only up to the smallest "last read" key of the buckets
     # that still have more: beyond it another bucket may hold an earlier one.
     bound = None
@@ -77,13 +69,29 @@ def read_chunk(db, ts: TopicSpace, buckets, cursors: dict, limit: int):
     return out
 
 
-def body_of(db, ts: TopicSpace, vs, record: Record, *, strict: bool = False) -> bytes | None:
+@transactional
+def _read_heads(tr, ts: TopicSpace, buckets, cursors: dict, per_bucket: int) -> tuple:
+    """Up to ``per_bucket`` entries of each bucket after its cursor, in one snapshot:
+    ([[(vs, bucket, raw)] per bucket], {buckets read to their end})."""
+    heads, exhausted = [], set()
+    for b in buckets:
+        space = ts.log[b]
+        r = space.range()
+        begin = space.pack((cursors[b],)) + b"\x00" if cursors.get(b) is not None else r.start
+        rows = list(tr.snapshot.get_range(begin, r.stop, limit=per_bucket))
+        if len(rows) < per_bucket:
+            exhausted.add(b)
+        heads.append([(space.unpack(kv.key)[0], b, kv.value) for kv in rows])
+    return heads, exhausted
+
+
+@transactional
+def body_of(tr, ts: TopicSpace, vs, record: Record, *, strict: bool = False) -> bytes | None:
     """The body of the log entry ``record`` at ``vs``, its chunks read in a new
     transaction. A trim may have deleted them since the record was read: with
     ``strict``, None then (not a partial or empty body)."""
     if not record.nchunks:
         return record.body
-    tr = db.create_transaction()
     r = ts.all_chunks[vs].range()
     chunks = [kv.value for kv in tr.snapshot.get_range(r.start, r.stop)]
     if strict and len(chunks) != record.nchunks:
@@ -120,11 +128,12 @@ VS_CODE = b"\x33"
 _RECORD_PAD = [None, None, None, None, b"", 0, 0, None]   # a record's dropped trailing defaults
 
 
-def log_buckets(db, ts: TopicSpace) -> list:
+@transactional
+def log_buckets(tr, ts: TopicSpace) -> list:
     """The bucket numbers that hold log entries, found by hopping from bucket to bucket
     (one bounded read per bucket): entries keep the bucket of the shard count they were
     pushed under, so a reshard can leave buckets beyond the current shard count."""
-    return _buckets_in(db.create_transaction(), ts)
+    return _buckets_in(tr, ts)
 
 
 def _buckets_in(tr, ts: TopicSpace) -> list:
@@ -163,24 +172,24 @@ def vs_before(vs12: bytes) -> bytes | None:
     return (n - 1).to_bytes(12, "big") if n else None
 
 
-def position_after_time(db, ts: TopicSpace, t_ms: int | None) -> bytes | None:
+@transactional
+def position_after_time(tr, ts: TopicSpace, t_ms: int | None) -> bytes | None:
     """A position (12 bytes) at or after every message inserted before ``t_ms``: the
     first time index entry of a minute at or after ``t_ms + SLACK_MS`` (the bound
     ``iter_window`` stops at), or None (the end of the log)."""
     if t_ms is None:
         return None
     minute = -(-(t_ms + SLACK_MS) // 60000) * 60000
-    tr = db.create_transaction()
     r = ts.time_index.range()
     for kv in tr.snapshot.get_range(ts.time_index.pack((minute,)), r.stop, limit=1):
         return bytes(kv.key[-12:])
     return None
 
 
-def last_positions(db, ts: TopicSpace) -> dict:
+@transactional
+def last_positions(tr, ts: TopicSpace) -> dict:
     """{bucket: position of its last entry}, read in one transaction (buckets included):
     exactly the entries committed at one version are at or before these positions."""
-    tr = db.create_transaction()
     out = {}
     for b in _buckets_in(tr, ts):
         begin, end = bucket_range(ts, b)
@@ -189,13 +198,13 @@ def last_positions(db, ts: TopicSpace) -> dict:
     return out
 
 
-def advance_positions(db, ts: TopicSpace, cursors: dict, limit: int) -> tuple:
+@transactional
+def advance_positions(tr, ts: TopicSpace, cursors: dict, limit: int) -> tuple:
     """Move the per-bucket ``cursors`` {bucket: last read position or None} forward over
     at most ``limit`` entries in log (versionstamp) order, in one snapshot: returns
     (new cursors, how many entries they pass). Buckets not in ``cursors`` are read from
     their start. No entry is decoded."""
-    tr = db.create_transaction()
-    buckets = sorted(set(log_buckets(db, ts)) | set(cursors))
+    buckets = sorted(set(_buckets_in(tr, ts)) | set(cursors))
     per_bucket = max(16, limit // max(1, len(buckets)) * 2)
     heads, exhausted = [], set()
     for b in buckets:
@@ -228,8 +237,7 @@ def scan_entries(db, ts: TopicSpace, begin: bytes, end: bytes, batch: int = 4096
     each batch read in its own short snapshot transaction."""
     limit, nbytes, nrows = min(batch, 64), 0, 0
     while begin < end:
-        tr = db.create_transaction()
-        kvs = list(tr.snapshot.get_range(begin, end, limit=limit, streaming_mode=StreamingMode.want_all))
+        kvs = _read_range(db, begin, end, limit)
         if kvs:
             keys, raws = [kv.key for kv in kvs], [kv.value for kv in kvs]
             yield keys, raws
@@ -239,6 +247,11 @@ def scan_entries(db, ts: TopicSpace, begin: bytes, end: bytes, batch: int = 4096
             return
         begin = kvs[-1].key + b"\x00"
         limit = max(1, min(batch, max_bytes * nrows // max(1, nbytes)))
+
+
+@transactional
+def _read_range(tr, begin: bytes, end: bytes, limit: int) -> list:
+    return list(tr.snapshot.get_range(begin, end, limit=limit, streaming_mode=StreamingMode.want_all))
 
 
 _VS_OF_KEY = itemgetter(slice(-12, None))   # a log entry key ends with its position

@@ -472,51 +472,7 @@ class Supervisor:
     def stats(self, name: str) -> dict:
         """Counters, backlog per shard, in-flight, DLQ, consumers and lag; from counters
         and a few point reads (O(shards + consumers), never O(backlog))."""
-        ts = self._ts(name)
-        tr = self.db.create_transaction()
-        snap = tr.snapshot
-        config = load_config(snap[ts.config_key])
-        if config is None:
-            raise TopicNotFound(f"topic {name!r} does not exist")
-        rv = tr.get_read_version().wait()
-        topic = {k: decode_counter(snap[ts.stat(k)]) for k in ("inserted", "routed", "emitted", "acked")}
-        topic["pending"] = topic["inserted"] - topic["routed"]
-        subs = {}
-        for sub in config.subs:
-            shards = shard_counters(snap, ts, sub, config)
-            owners = membership.read_owners(tr, ts, sub)
-            members = membership.read_members(tr, ts, sub)
-            consumers = []
-            for cid, m in sorted(members.items()):
-                hbv = decode_counter(snap[ts.consumers.pack((sub, cid, "hbv"))])
-                consumers.append({"id": cid, "heartbeats": m["hb"], "mode": m["record"].get("mode"),
-                                  "host": m["record"].get("host"), "pid": m["record"].get("pid"),
-                                  "tag": m["record"].get("tag"),
-                                  "heartbeat_age_s": round((rv - hbv) / VERSIONS_PER_S, 3) if hbv else None,
-                                  "shards": sorted(n for (t, n), (o, _e) in owners.items() if o == cid),
-                                  "tag_shards": sorted([t, n] for (t, n), (o, _e) in owners.items() if o == cid)})
-            oldest = None
-            for (tag, n) in shards:
-                shard = ts.shard(sub, tag, n)
-                r = shard.ready.range()
-                for kv in snap.get_range(r.start, r.stop, limit=1):
-                    t = Record.decode(kv.value).ts_ms
-                    oldest = t if oldest is None else min(oldest, t)
-            total = lambda k: sum(c[k] for c in shards.values())  # noqa: E731
-            subs[sub] = {
-                "catching_up": sub in config.catchup, "paused": sub in config.paused_subs,
-                "backlog": total("backlog"), "in_flight": total("in_flight"), "delayed": total("delayed"),
-                "emitted": total("emitted"), "acked": total("acked"),
-                "dlq": delivery.dlq_size(snap, ts, sub),
-                "oldest_ready_ms": oldest,
-                "lag_ms": (int(time.time() * 1000) - oldest) if oldest is not None else 0,
-                "consumers": consumers,
-                "shards": [{"tag": tag, "shard": n, "owner": owners.get((tag, n), (None, 0))[0], **c}
-                           for (tag, n), c in sorted(shards.items())],
-                "tags": _per_tag(shards, owners, members),
-            }
-        tr.cancel()
-        return {"topic": name, "config": config.as_dict(), "counters": topic, "subscriptions": subs}
+        return topic_stats(self.db, self._ts(name))
 
     def trim(self, name: str, *, before_ms: int | None = None, progress=None) -> int:
         """Apply retention to the "all" log: delete what was inserted before ``before_ms``
@@ -548,7 +504,7 @@ class Supervisor:
             trim_index(self.db)
         if config.retention_bytes is not None:
             deleted += self._trim_to_size(ts, log_buckets(self.db, ts), config.retention_bytes, progress)
-        rv = self.db.create_transaction().get_read_version().wait()
+        rv = transactional(lambda tr: tr.get_read_version().wait())(self.db)
         now_ms = int(time.time() * 1000)
         for space, target, window, text in ((ts.marks_by_version, ts.marks, 600.0, False),
                                             (ts.dedupe_by_version, ts.dedupe, config.dedupe_window_s, True)):
@@ -562,11 +518,12 @@ class Supervisor:
     def _trim_to_size(self, ts: TopicSpace, buckets: list, max_bytes: int, progress=None) -> int:
         """Delete the log's oldest entries until its estimated size (keys, records and body
         chunks; FDB's estimate is sampled) is at most ``max_bytes``."""
-        tr = self.db.create_transaction()
-        size = tr.get_estimated_range_size_bytes(*_range(ts.all_chunks.range())).wait()
-        for b in buckets:
-            size += tr.get_estimated_range_size_bytes(*_range(ts.log[b].range())).wait()
-        tr.cancel()
+        @transactional
+        def estimate(tr):
+            size = tr.get_estimated_range_size_bytes(*_range(ts.all_chunks.range())).wait()
+            return size + sum(tr.get_estimated_range_size_bytes(*_range(ts.log[b].range())).wait()
+                              for b in buckets)
+        size = estimate(self.db)
         excess, deleted, cursors = size - max_bytes, 0, {}
         while excess > 0:
             rows = read_chunk(self.db, ts, buckets, cursors, CHUNK)
@@ -706,6 +663,54 @@ class Supervisor:
     def consumers(self, name: str) -> list:
         st = self.stats(name)
         return [dict(c, subscription=sub) for sub, s in st["subscriptions"].items() for c in s["consumers"]]
+
+
+@transactional
+def topic_stats(tr, ts: TopicSpace) -> dict:
+    """``Supervisor.stats``: one snapshot, retried on retryable errors as every read."""
+    name = ts.name
+    snap = tr.snapshot
+    config = load_config(snap[ts.config_key])
+    if config is None:
+        raise TopicNotFound(f"topic {name!r} does not exist")
+    rv = tr.get_read_version().wait()
+    topic = {k: decode_counter(snap[ts.stat(k)]) for k in ("inserted", "routed", "emitted", "acked")}
+    topic["pending"] = topic["inserted"] - topic["routed"]
+    subs = {}
+    for sub in config.subs:
+        shards = shard_counters(snap, ts, sub, config)
+        owners = membership.read_owners(tr, ts, sub)
+        members = membership.read_members(tr, ts, sub)
+        consumers = []
+        for cid, m in sorted(members.items()):
+            hbv = decode_counter(snap[ts.consumers.pack((sub, cid, "hbv"))])
+            consumers.append({"id": cid, "heartbeats": m["hb"], "mode": m["record"].get("mode"),
+                              "host": m["record"].get("host"), "pid": m["record"].get("pid"),
+                              "tag": m["record"].get("tag"),
+                              "heartbeat_age_s": round((rv - hbv) / VERSIONS_PER_S, 3) if hbv else None,
+                              "shards": sorted(n for (t, n), (o, _e) in owners.items() if o == cid),
+                              "tag_shards": sorted([t, n] for (t, n), (o, _e) in owners.items() if o == cid)})
+        oldest = None
+        for (tag, n) in shards:
+            shard = ts.shard(sub, tag, n)
+            r = shard.ready.range()
+            for kv in snap.get_range(r.start, r.stop, limit=1):
+                t = Record.decode(kv.value).ts_ms
+                oldest = t if oldest is None else min(oldest, t)
+        total = lambda k: sum(c[k] for c in shards.values())  # noqa: E731
+        subs[sub] = {
+            "catching_up": sub in config.catchup, "paused": sub in config.paused_subs,
+            "backlog": total("backlog"), "in_flight": total("in_flight"), "delayed": total("delayed"),
+            "emitted": total("emitted"), "acked": total("acked"),
+            "dlq": delivery.dlq_size(snap, ts, sub),
+            "oldest_ready_ms": oldest,
+            "lag_ms": (int(time.time() * 1000) - oldest) if oldest is not None else 0,
+            "consumers": consumers,
+            "shards": [{"tag": tag, "shard": n, "owner": owners.get((tag, n), (None, 0))[0], **c}
+                       for (tag, n), c in sorted(shards.items())],
+            "tags": _per_tag(shards, owners, members),
+        }
+    return {"topic": name, "config": config.as_dict(), "counters": topic, "subscriptions": subs}
 
 
 def _per_tag(shards: dict, owners: dict, members: dict) -> dict:
