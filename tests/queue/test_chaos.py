@@ -299,8 +299,10 @@ def test_chaos(tmp_path, cluster_factory, seed):
     for p, _sub, _mode, _runs in cons.values():
         cl.wait_ready(p)
         cl.stop(p)
+    jl = read_lines(journal)
     print(f"\nseed {seed}: faults={faults} logged={len(ids)} kills={dict(kills)} "
           f"supervisor ops={sum(1 for x in read_lines(journal) if x.startswith('B '))} "
+          f"(killed mid-way: {sum(1 for a, b in zip(jl, jl[1:]) if a.startswith('B ') and b.startswith('B '))}) "
           f"drained in {time.monotonic() - t_drain:.1f}s")
 
     # -- pushes: every acknowledged push stored; msg_ids once; each producer's ids in order
