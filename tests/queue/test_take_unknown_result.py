@@ -4,8 +4,8 @@ chaos test, seed 245: a clean-running at-most-once consumer lost 5 messages it h
 taken). The check used to ask whether the taken messages were gone while the shard was
 still ours; with the shard gone it could not tell, raised LeaseLost, and the batch was
 dropped though the consumer's own commit had taken it. Now the take transaction records
-its attempt under the consumer's record and the check reads that: the batch is handed
-over."""
+its attempt id (one key per consumer, outside the range membership reads) and the check
+reads that: the batch is handed over."""
 from __future__ import annotations
 
 import threading
@@ -63,5 +63,7 @@ def test_take_committed_then_shard_moved_is_handed_over(db, monkeypatch):
     finally:
         c.shutdown()
     assert sorted(seen) == [b"after"] + [b"m%d" % i for i in range(5)], seen
+    assert db.create_transaction()[ts.take_marker_key("default", c.id)] == None, \
+        "the marker outlived its consumer"  # noqa: E711
     st = sup.stats("t")["subscriptions"]["default"]
     assert (st["backlog"], st["emitted"], st["acked"]) == (0, 6, 6)
