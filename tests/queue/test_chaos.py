@@ -3,8 +3,9 @@
 One topic, four subscriptions fed by the same pushes: ``default`` consumed exactly-once
 (the handler writes a marker per message in its transaction), ``alo`` (``ordered=True``)
 and ``alu`` at-least-once (handlers ack, nak, term or sleep past their lease at random;
-max_deliver 3), ``amo`` at-most-once. Two producers push singles and batches, keyed and unkeyed, a few delayed,
-some ``msg_id``s pushed twice (by one producer or two). A supervisor process pauses,
+max_deliver 3; random batch sizes and handler threads), ``amo`` at-most-once. Two
+producers push singles and batches, keyed and unkeyed, a few delayed, a few large
+(split across keys), some ``msg_id``s pushed twice (by one producer or two). A supervisor process pauses,
 plays, rebalances, reshards (``rebalance(shards=N)``) and replays windows of the log at
 random. Meanwhile the test ``kill -9``s a random producer, consumer or the supervisor
 and restarts it (a killed play/rebalance/replay is run again by the restarted
@@ -34,8 +35,10 @@ Bounded for the suite (2 fixed seeds, ~10 s of chaos each). A soak:
 
     FDQ_CHAOS_SEEDS=100-139 FDQ_CHAOS_SECONDS=30 pytest -q tests/queue/test_chaos.py
 
-(``FDQ_CHAOS_SEEDS``: ``a-b`` or a comma list; ``FDQ_CHAOS_SECONDS``: chaos per seed;
-odd seeds run with fault injection.)
+(``FDQ_CHAOS_SEEDS``: ``a-b`` or a comma list; ``FDQ_CHAOS_SECONDS``: chaos per seed,
+default 10; odd seeds run with fault injection, ``FDQ_CHAOS_FAULTS`` its probability,
+default 0.02.) A failing seed leaves its evidence in the test's tmp directory: each
+process's event log, ``supervisor.journal`` (operations with monotonic times) and stderr.
 """
 from __future__ import annotations
 
