@@ -698,11 +698,11 @@ class Consumer:
         ack_wait_s = self.config.ack_wait_s if ack_wait_s is None else ack_wait_s
         ack_wait_ms = int(ack_wait_s * 1000)
         spaces = {s: self._ts.shard(self.subscription, *s) for s, _e in shards}
-        epochs = dict(shards)
 
         def body(tr):
             got, lost, left = [], False, limit
             settle_lost[0] = None
+            attempt[0] = None
             if rows:
                 settle_lost[0] = delivery.settle(tr, self._ts, rows, self.config.max_deliver)
             for shard_id, epoch in shards:
@@ -723,6 +723,11 @@ class Consumer:
                 key = self._watch_key(shard_id) if drained else None
                 got.append((shard_id, taken, drained, key))
                 left -= len(taken)
+            if none and left < limit:
+                # what this attempt took is ours if it committed: recorded, so a check after
+                # commit_unknown_result can tell even once the shards moved
+                attempt[0] = os.urandom(12)
+                delivery.mark_take(tr, self._ts, self.subscription, self.id, attempt[0])
             if left == limit and not rows:   # took nothing: read-only, the watches cannot abort it
                 got = [(s, t, d, tr.watch(k) if k is not None else None) for s, t, d, k in got]
             else:               # counters as this transaction saw them (snapshot: no conflict)
@@ -730,16 +735,16 @@ class Consumer:
             return got, lost
 
         def committed(got):
+            if none:
+                return delivery.take_committed(self.db, self._ts, self.subscription, self.id, attempt[0])
             for shard_id, taken, _d, _w in got:
-                if taken:
-                    ok = (delivery.batch_taken(self.db, self._ts, spaces[shard_id], self.id, epochs[shard_id], taken)
-                          if none else delivery.batch_leased(self.db, spaces[shard_id],
-                                                             {t.lease_key for t in taken}, lease_id))
-                    if not ok:
-                        return False
+                if taken and not delivery.batch_leased(self.db, spaces[shard_id], {t.lease_key for t in taken},
+                                                       lease_id):
+                    return False
             return True
 
         settle_lost = [None]
+        attempt = [None]     # this attempt's id, when it took messages (at most once)
         tr = self.db.create_transaction()
         while True:
             got = None
@@ -1053,8 +1058,8 @@ class TailConsumer(Consumer):
             return 0
 
     def _process_at_most_once(self, shards) -> int:
-        # After commit_unknown_result: if the batch is gone while the shard is still
-        # ours, our commit took it: hand it over (else it would be lost unhandled).
+        # After commit_unknown_result: if the take's attempt marker is there, our commit
+        # took the batch: hand it over (else it would be lost unhandled), shards moved or not.
         defer = self._pool is None
         msgs = self._lease_many(shards, self.batch_size, take=True, defer_arm=defer)
         try:

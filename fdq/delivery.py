@@ -247,6 +247,20 @@ def batch_taken(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: 
     return all(f == None for f in futures)  # noqa: E711
 
 
+def mark_take(tr, ts: TopicSpace, sub: str, consumer_id: str, attempt: bytes):
+    """In a transaction that took messages (at most once): record its ``attempt`` id
+    (a blind write nobody else reads), so ``take_committed`` can tell after
+    ``commit_unknown_result`` whether it committed, even once the shards moved."""
+    tr[ts.take_marker_key(sub, consumer_id)] = attempt
+
+
+@transactional
+def take_committed(tr, ts: TopicSpace, sub: str, consumer_id: str, attempt: bytes) -> bool:
+    """Whether the take transaction that recorded ``attempt`` (``mark_take``) committed."""
+    raw = tr[ts.take_marker_key(sub, consumer_id)]
+    return raw != None and bytes(raw) == attempt  # noqa: E711
+
+
 @transactional
 def batch_leased(tr, shard: ShardSpace, keys, lease_id: bytes) -> bool:
     """After ``commit_unknown_result`` on ``lease_batch``: True if the lease records
@@ -604,5 +618,5 @@ def dlq_size(reader, ts: TopicSpace, sub: str) -> int:
 
 __all__ = ["Taken", "Selection", "take_batch", "batch_taken", "batch_leased", "lease_batch", "settle",
            "scan_leases", "scan_shards_leases", "expire_leases", "read_leases",
-           "promote_due", "fail_in_place", "dlq_list", "dlq_redrive_chunk", "dlq_purge_chunk",
+           "promote_due", "fail_in_place", "mark_take", "take_committed", "dlq_list", "dlq_redrive_chunk", "dlq_purge_chunk",
            "dlq_size", "fdbtuple"]

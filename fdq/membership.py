@@ -187,6 +187,7 @@ def _remove_member(tr, ts, sub, consumer_id):
     r = ts.consumers[sub][consumer_id].range()
     tr.clear_range(r.start, r.stop)
     del tr[ts.consumer_key(sub, consumer_id)]
+    del tr[ts.take_marker_key(sub, consumer_id)]
 
 
 @transactional

@@ -39,7 +39,7 @@ from pyspark.sql.types import (BinaryType, IntegerType, MapType, StringType, Str
 
 from . import log, times
 from .config import ProducerConfig, check_name
-from .engine import connect
+from .engine import connect, transactional
 from .errors import ConfigError, FDQError, InvalidName, TopicNotFound
 from .keyspace import Keyspace
 from .producer import Envelope, Producer
@@ -349,13 +349,14 @@ def _us(value):
     return None
 
 
-def plan_ranges(db, ts, buckets, start_vs: bytes | None, end_vs: bytes | None, parts: int) -> list:
+@transactional
+def plan_ranges(tr, ts, buckets, start_vs: bytes | None, end_vs: bytes | None, parts: int) -> list:
     """Split the log's buckets, narrowed to positions [start_vs, end_vs), into at most
     ``parts`` lists of key ranges of about equal size, by the database's
     ``get_range_split_points`` (so partitions follow the data). ``buckets``: bucket
     numbers, or {bucket: its last position to read} (``log.last_positions``: a read of
-    exactly what was committed then, not of what commits while its tasks run)."""
-    tr = db.create_transaction()
+    exactly what was committed then, not of what commits while its tasks run). Retried
+    on retryable errors, as every read (``transactional``)."""
     spans, total = [], 0
     upto = buckets if isinstance(buckets, dict) else {}
     for b in sorted(buckets):

@@ -222,6 +222,12 @@ class TopicSpace:
     def dlq(self, sub: str) -> Subspace:
         return self.subs[sub]["dlq"]
 
+    def take_marker_key(self, sub: str, cid: str) -> bytes:
+        """Consumer ``cid``'s at-most-once take marker (``fdq.delivery.mark_take``): in the
+        subscription's space, outside the consumers' range that membership reads (a
+        write there per take would abort every concurrent rebalance)."""
+        return self.subs[sub]["takes"].pack((cid,))
+
     def consumer_key(self, sub: str, cid: str) -> bytes:
         return self.consumers.pack((sub, cid))
 

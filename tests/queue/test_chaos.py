@@ -1,0 +1,399 @@
+"""Randomized chaos, driven by a seed, all in real OS processes (``chaos_worker.py``).
+
+One topic, four subscriptions fed by the same pushes: ``default`` consumed exactly-once
+(the handler writes a marker per message in its transaction), ``alo`` (``ordered=True``)
+and ``alu`` at-least-once (handlers ack, nak, term or sleep past their lease at random;
+max_deliver 3; random batch sizes and handler threads), ``amo`` at-most-once. Two
+producers push singles and batches, keyed and unkeyed, a few delayed, a few large
+(split across keys), some ``msg_id``s pushed twice (by one producer or two). A supervisor process pauses,
+plays, rebalances, reshards (``rebalance(shards=N)``) and replays windows of the log at
+random. Meanwhile the test ``kill -9``s a random producer, consumer or the supervisor
+and restarts it (a killed play/rebalance/replay is run again by the restarted
+supervisor); with some seeds every process uses the embedded engine's fault injection
+(retryable errors, ``commit_unknown_result``, version jumps).
+
+Then everything drains, and the invariants are checked against the "all" log (what was
+stored; a push killed before its producer logged the result may or may not be there):
+
+* every acknowledged push is in the log, a ``msg_id`` stored once, each producer's ids in
+  its push order; ``inserted == routed ==`` the log's size;
+* exactly-once: every logged message processed once; per shard key, in log order;
+* at-least-once: every logged message handled; each one acked or in the DLQ (terminated
+  only by a handler that said so); acked + dead == logged; emitted >= handler calls.
+  Per shard key, first handler calls in log order: across consumers for the ordered
+  subscription; within each consumer process (calls at attempt 1) for the other. (Not
+  across consumers there, by design: when a shard moves, its new owner leases the next
+  messages while the old one may still be handling its leased batch, and the batch-mates
+  of a handler that overran its ack wait are handed to it after their leases expired;
+  only ``ordered=True`` holds a key's later messages back meanwhile.)
+* at-most-once: nothing handled twice; missing only what a killed consumer took;
+  first deliveries in log order per key;
+* no lease, ready or delayed message left; backlog, in-flight, delayed counters 0; the
+  topic's emitted/acked the sums of its subscriptions'.
+
+Bounded for the suite (2 fixed seeds, ~10 s of chaos each). A soak:
+
+    FDQ_CHAOS_SEEDS=100-139 FDQ_CHAOS_SECONDS=30 pytest -q tests/queue/test_chaos.py
+
+(``FDQ_CHAOS_SEEDS``: ``a-b`` or a comma list; ``FDQ_CHAOS_SECONDS``: chaos per seed,
+default 10; odd seeds run with fault injection, ``FDQ_CHAOS_FAULTS`` its probability,
+default 0.02.) A failing seed leaves its evidence in the test's tmp directory: each
+process's event log, ``supervisor.journal`` (operations with monotonic times) and stderr.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import fdq
+from fdq.keyspace import Keyspace, message_id
+
+from qhelpers import read_lines, scan, wait_for
+
+WORKER = Path(__file__).with_name("chaos_worker.py")
+CHAOS_S = float(os.environ.get("FDQ_CHAOS_SECONDS", "10"))
+PRODUCERS, BUDGET = 2, int(40 * CHAOS_S)      # messages per producer slot, over its restarts
+CONSUMERS = (("default", "eo", 2), ("alo", "alo", 2), ("alu", "alo", 2), ("amo", "amo", 1))
+FAULTS = float(os.environ.get("FDQ_CHAOS_FAULTS", "0.02"))
+
+
+def _seeds():
+    spec = os.environ.get("FDQ_CHAOS_SEEDS")
+    if not spec:
+        return [1, 2]
+    if "-" in spec:
+        a, b = spec.split("-")
+        return list(range(int(a), int(b) + 1))
+    return [int(s) for s in spec.split(",")]
+
+
+
+class Cluster:
+    """The worker processes; each one is reaped (killed by PID) at teardown."""
+
+    def __init__(self, tmp: Path, url: str, faults: bool, rng: random.Random):
+        self.tmp, self.url, self.faults, self.rng = tmp, url, faults, rng
+        self.all = []
+        self.n = 0
+
+    def url_for(self):
+        self.n += 1
+        return f"{self.url}?fault_injection={FAULTS}&seed={self.rng.randrange(1 << 30)}" if self.faults else self.url
+
+    def start(self, role, name, out, *args):
+        err = open(self.tmp / f"{name}.{self.n}.err", "w")
+        cmd = [sys.executable, str(WORKER), role, "--url", self.url_for(), "--name", name, "--out", str(out),
+               "--seed", str(self.rng.randrange(1 << 30)), *map(str, args)]
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+        p.name, p.out, p.err = name, out, err.name
+        self.all.append(p)
+        return p
+
+    def wait_ready(self, p, timeout=60):
+        """Wait for the worker's ``ready`` line (its signal handler is set by then)."""
+        import selectors
+        with selectors.DefaultSelector() as sel:
+            sel.register(p.stdout, selectors.EVENT_READ)
+            deadline = time.monotonic() + timeout
+            while True:
+                left = deadline - time.monotonic()
+                assert left > 0 and sel.select(left), f"{p.name}: not ready within {timeout}s: {self.stderr(p)}"
+                line = p.stdout.readline()
+                assert line, f"{p.name} exited before it was ready: {self.stderr(p)}"
+                if line.strip() == "ready":
+                    return
+
+    def stderr(self, p):
+        return Path(p.err).read_text()[-6000:]
+
+    def kill9(self, p):
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+        p.killed = True     # (a producer killed after its last push is not restarted)
+
+    def stop(self, p, timeout=60):
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGTERM)
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(p.pid, signal.SIGUSR1)
+            wait_for(lambda: "Thread" in self.stderr(p), 5, what="a stack dump")
+            raise AssertionError(f"{p.name} did not stop within {timeout}s: {self.stderr(p)}")
+        assert rc == 0, f"{p.name} exited {rc}: {self.stderr(p)}"
+
+    def cleanup(self):
+        for p in self.all:
+            if p.poll() is None:
+                try:
+                    os.kill(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            p.stdout.close()
+
+
+@pytest.fixture
+def cluster_factory(tmp_path):
+    made = []
+
+    def make(url, faults, rng):
+        c = Cluster(tmp_path, url, faults, rng)
+        made.append(c)
+        return c
+    yield make
+    for c in made:
+        c.cleanup()
+
+
+def _log(db, ts):
+    from fdq.log import iter_window, log_buckets
+    return [(message_id(vs), rec) for vs, _b, rec in iter_window(db, ts, log_buckets(db, ts), None, None)]
+
+
+def _handled(paths):
+    """{id: [(t_ns, attempts, outcome)]} and ids taken (at most once), per file list."""
+    calls, taken = collections.defaultdict(list), set()
+    for path in paths:
+        for line in read_lines(path):
+            parts = line.split(" ")
+            if parts[0] == "H":
+                calls[parts[2]].append((int(parts[1]), int(parts[3]), parts[4]))
+            elif parts[0] == "T":
+                taken.add(parts[1])
+            elif parts[0] == "BAD":
+                raise AssertionError(f"{path.name}: a large body delivered damaged: {line}")
+    return calls, taken
+
+
+def _poll(cond, timeout):
+    """Poll ``cond`` for up to ``timeout`` s (a chaos moment to aim at, not a must)."""
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
+def _order_keys(rec):
+    return rec.shard_key is not None and not rec.shard_key.startswith("d-")
+
+
+def _check_first_in_order(log, first_t, what):
+    """Per shard key, the first delivery times (``first_t``: id -> time) follow the log's order."""
+    last = {}
+    for mid, rec in log:
+        if not _order_keys(rec) or mid not in first_t:
+            continue
+        prev = last.get(rec.shard_key)
+        assert prev is None or prev[1] < first_t[mid], \
+            f"{what}: key {rec.shard_key}: {mid} first delivered before {prev[0]}, logged earlier"
+        last[rec.shard_key] = (mid, first_t[mid])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", _seeds())
+def test_chaos(tmp_path, cluster_factory, seed):
+    rng = random.Random(seed)
+    faults = seed % 2 == 1
+    url = f"sqlite://{tmp_path / 'fdq.db'}"
+    db = fdq.connect(url)
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=rng.randint(2, 8))
+    sup.create_subscription("t", "alo", fdq.SubscriptionConfig(deliver_policy="all", ordered=True))
+    sup.create_subscription("t", "alu", fdq.SubscriptionConfig(deliver_policy="all"))
+    sup.create_subscription("t", "amo", fdq.SubscriptionConfig(deliver_policy="all"))
+    cl = cluster_factory(url, faults, rng)
+
+    # -- start everything
+    prods = {}          # slot -> [process, generation, [out files]]
+    pace = ("--pace", CHAOS_S * 0.8, "--total", BUDGET)
+    for i in range(PRODUCERS):
+        out = tmp_path / f"p{i}.0.log"
+        prods[i] = [cl.start("producer", f"p{i}", out, "--gen", 0, "--count", BUDGET, *pace), 0, [out]]
+    cons = {}           # slot -> [process, sub, mode, [(process, out)]]
+    for sub, mode, k in CONSUMERS:
+        for j in range(k):
+            slot = f"{sub}{j}"
+            out = tmp_path / f"{slot}.0.log"
+            p = cl.start("consumer", slot, out, "--mode", mode, "--sub", sub)
+            cons[slot] = [p, sub, mode, [(p, out)]]
+    journal = tmp_path / "supervisor.journal"
+    supp = cl.start("supervisor", "s", journal)
+    kills = collections.Counter()
+    sup_lines = 0
+
+    def pushed(slot):
+        return sum(len(read_lines(f)) for f in prods[slot][2])
+
+    # -- chaos: kill -9 and restart at random
+    deadline = time.monotonic() + CHAOS_S
+    while time.monotonic() < deadline:
+        time.sleep(rng.uniform(0.1, 0.7))     # pacing of the chaos, not a synchronisation
+        r = rng.random()
+        if r < 0.2:
+            slot = rng.randrange(PRODUCERS)
+            p, gen, outs = prods[slot]
+            if p.poll() is not None:
+                continue
+            cl.kill9(p)
+            kills["producer"] += 1
+            left = BUDGET - pushed(slot)
+            if left > 0:
+                out = tmp_path / f"p{slot}.{gen + 1}.log"
+                outs.append(out)
+                prods[slot] = [cl.start("producer", f"p{slot}", out, "--gen", gen + 1, "--count", left, *pace),
+                               gen + 1, outs]
+        elif r < 0.55:
+            slot = rng.choice(sorted(cons))
+            p, sub, mode, runs = cons[slot]
+            cl.kill9(p)
+            kills[f"consumer-{mode}"] += 1
+            name = slot if rng.random() < 0.5 else f"{slot}-{len(runs)}"   # rejoin as itself, or anew
+            out = tmp_path / f"{slot}.{len(runs)}.log"
+            p = cl.start("consumer", name, out, "--mode", mode, "--sub", sub)
+            runs.append((p, out))
+            cons[slot][0] = p
+        elif len(read_lines(journal)) > sup_lines + 1:    # it got to work since its start
+            if rng.random() < 0.6:      # aim at a long operation under way
+                _poll(lambda: (read_lines(journal) or ["E"])[-1].startswith(('B ["rebalance", ', 'B ["replay"',
+                                                                            'B ["play"')), 2.0)
+            cl.kill9(supp)
+            kills["supervisor"] += 1
+            sup_lines = len(read_lines(journal))
+            supp = cl.start("supervisor", "s", journal)
+
+    # -- drain: producers finish, the supervisor stops, a final rebalance and play
+    for slot in prods:
+        p = prods[slot][0]
+        rc = p.wait(timeout=120)
+        assert rc == 0 or getattr(p, "killed", False), f"producer p{slot} exited {rc}: {cl.stderr(p)}"
+    cl.wait_ready(supp)
+    cl.stop(supp, 120)
+    t_drain = time.monotonic()
+    ts = Keyspace().topic("t")
+    sup.rebalance("t")
+    sup.play("t")
+    config = sup.config("t")
+    assert (config.paused, config.resharding_to) == (False, None), config
+
+    log = _log(db, ts)
+    ids = [mid for mid, _r in log]
+
+    def drained():
+        st = sup.stats("t")
+        if st["counters"]["pending"]:
+            return False
+        for s in st["subscriptions"].values():
+            if s["backlog"] or s["in_flight"] or s["delayed"]:
+                return False
+        return len(scan(db, b"ch/done/")) >= len(ids)
+    wait_for(drained, 120, interval=0.2, what="every subscription to drain")
+    for p, _sub, _mode, _runs in cons.values():
+        cl.wait_ready(p)
+        cl.stop(p)
+    jl = read_lines(journal)
+    print(f"\nseed {seed}: faults={faults} logged={len(ids)} kills={dict(kills)} "
+          f"supervisor ops={sum(1 for x in read_lines(journal) if x.startswith('B '))} "
+          f"(killed mid-way: {sum(1 for a, b in zip(jl, jl[1:]) if a.startswith('B ') and b.startswith('B '))}) "
+          f"drained in {time.monotonic() - t_drain:.1f}s")
+
+    # -- pushes: every acknowledged push stored; msg_ids once; each producer's ids in order
+    in_log = dict(log)
+    assert len(in_log) == len(log), "one id logged twice"
+    by_msg_id = collections.defaultdict(set)
+    for slot in prods:
+        for out in prods[slot][2]:
+            last = None
+            for line in read_lines(out):
+                r = json.loads(line)
+                assert r["id"] in in_log, f"acknowledged push {r} not in the log"
+                if r["msg_id"] is not None:
+                    by_msg_id[r["msg_id"]].add(r["id"])
+                if not r["dup"]:
+                    rec = in_log[r["id"]]
+                    assert rec.body.split(b"|")[0].decode() == r["body"] if rec.body else True
+                    assert last is None or r["id"] > last, f"p{slot}: ids out of push order at {r}"
+                    last = r["id"]
+    for m, got in by_msg_id.items():
+        assert len(got) == 1, f"msg_id {m} stored as {got}"
+    stored_mids = collections.Counter(rec.msg_id for _m, rec in log if rec.msg_id is not None)
+    assert not [m for m, n in stored_mids.items() if n > 1], "a msg_id stored twice"
+    st = sup.stats("t")
+    c = st["counters"]
+    assert (c["inserted"], c["routed"], c["pending"]) == (len(ids), len(ids), 0), c
+
+    # -- exactly-once
+    assert scan(db, b"ch/bad/") == [], "a large body delivered damaged"
+    done = {k[len(b"ch/done/"):].decode(): int.from_bytes(bytes(v)[:8], "little") for k, v in scan(db, b"ch/done/")}
+    assert set(done) == set(ids), f"eo: missing {len(set(ids) - set(done))}, unknown {len(set(done) - set(ids))}"
+    assert [m for m, n in done.items() if n != 1] == [], "eo: processed more than once"
+    eo_order = [bytes(v).decode() for _k, v in scan(db, b"ch/order/")]
+    _check_first_in_order(log, {m: i for i, m in enumerate(eo_order)}, "exactly-once")
+
+    # -- at-least-once, ordered (first deliveries in order across consumers) and not
+    # (first deliveries in order within each consumer process)
+    _check_alo(sup, st, log, ids, [out for _p, out in cons["alo0"][3] + cons["alo1"][3]], "alo")
+    outs = [out for _p, out in cons["alu0"][3] + cons["alu1"][3]]
+    _check_alo(sup, st, log, ids, outs, "alu")
+    for out in outs:
+        calls, _ = _handled([out])
+        _check_first_in_order(log, {m: t for m, v in calls.items() for t, a, _o in v if a == 1}, f"alu {out.name}")
+
+    # -- at-most-once
+    runs = cons["amo0"][3]
+    calls, _ = _handled([out for _p, out in runs])
+    assert [m for m, v in calls.items() if len(v) > 1] == [], "amo: handled twice"
+    lost_by_kill = set()
+    for p, out in runs:
+        if p.returncode == -signal.SIGKILL:
+            h, taken = _handled([out])
+            lost_by_kill |= taken - set(h)
+    missing = set(ids) - set(calls)
+    assert missing <= lost_by_kill, f"amo: lost, never taken by a killed consumer: {sorted(missing - lost_by_kill)[:5]}"
+    _check_first_in_order(log, {m: v[0][0] for m, v in calls.items()}, "at-most-once")
+
+    # -- counters and leftovers
+    for sub in ("default", "amo"):
+        s = st["subscriptions"][sub]
+        assert (s["emitted"], s["acked"]) == (len(ids), len(ids)), (sub, s["emitted"], s["acked"])
+    subs = st["subscriptions"].values()
+    assert c["emitted"] == sum(s["emitted"] for s in subs) and c["acked"] == sum(s["acked"] for s in subs), c
+    for s in subs:
+        assert (s["backlog"], s["in_flight"], s["delayed"]) == (0, 0, 0), s
+    left = []
+    for k, _v in scan(db, ts.subs.key()):
+        t = ts.subs.unpack(k)
+        if len(t) > 4 and t[1] == "shards" and t[4] in ("ready", "delayed", "leased"):
+            left.append(t)
+    assert left == [], f"left in queues: {left[:5]}"
+
+
+def _check_alo(sup, st, log, ids, outs, sub):
+    calls, _ = _handled(outs)
+    assert set(calls) == set(ids), f"{sub}: never handled {sorted(set(ids) - set(calls))[:5]}"
+    dlq = {d["id"]: d for d in sup.dlq_list("t", sub, limit=100000)}
+    assert set(dlq) <= set(ids)
+    for mid in ids:
+        outcomes = {o for _t, _a, o in calls[mid]}
+        if mid in dlq:
+            if dlq[mid]["reason"].startswith("terminated"):
+                assert "term" in outcomes, f"{sub}: {mid} terminated, no handler did: {calls[mid]}"
+        else:
+            assert outcomes & {"ack", "slow"}, f"{sub}: {mid} neither acked nor dead: {calls[mid]}"
+    s = st["subscriptions"][sub]
+    assert s["acked"] + len(dlq) == len(ids) and s["dlq"] == len(dlq), (sub, s["acked"], len(dlq), len(ids))
+    assert s["emitted"] >= sum(len(v) for v in calls.values()), sub
+    if sub == "alo":
+        _check_first_in_order(log, {m: min(t for t, _a, _o in v) for m, v in calls.items()}, sub)

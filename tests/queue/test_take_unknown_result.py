@@ -1,0 +1,69 @@
+"""At most once: a take whose commit reports ``commit_unknown_result`` although it
+committed, followed by its shard moving before the consumer could check (found by the
+chaos test, seed 245: a clean-running at-most-once consumer lost 5 messages it had
+taken). The check used to ask whether the taken messages were gone while the shard was
+still ours; with the shard gone it could not tell, raised LeaseLost, and the batch was
+dropped though the consumer's own commit had taken it. Now the take transaction records
+its attempt id (one key per consumer, outside the range membership reads) and the check
+reads that: the batch is handed over."""
+from __future__ import annotations
+
+import threading
+
+import fdq
+from fdq import delivery, supervisor
+from fdq.engine import sqlite as engine
+from fdq.errors import EngineError
+from fdq.keyspace import Keyspace
+
+from qhelpers import wait_for
+
+FAST = dict(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05, lease_check_interval_s=0.05)
+
+
+def test_take_committed_then_shard_moved_is_handed_over(db, monkeypatch):
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=1)
+    ts = Keyspace().topic("t")
+    fired = threading.Event()
+    doomed = []     # the transaction whose real commit reports 1021
+
+    take_batch = delivery.take_batch
+
+    def take_then_doom(tr, *a, **kw):
+        taken = take_batch(tr, *a, **kw)
+        if taken and not fired.is_set() and isinstance(tr, engine.Transaction):
+            doomed.append(tr)
+        return taken
+    monkeypatch.setattr(delivery, "take_batch", take_then_doom)
+
+    commit = engine.Transaction._commit
+
+    def commit_then_unknown(self):
+        commit(self)
+        if self in doomed and not fired.is_set():
+            fired.set()
+            # the shard moves before the consumer can look: a reshard begins (its fence)
+            supervisor.reshard_begin(db, ts, 2)
+            err = EngineError(1021)
+            self._fail(err)
+            raise err
+    monkeypatch.setattr(engine.Transaction, "_commit", commit_then_unknown)
+
+    seen = []
+    c = fdq.tail(db, "t", lambda m: seen.append(m.body), acking=False, batch_size=10,
+                 config=fdq.ConsumerConfig(**FAST))
+    try:
+        wait_for(lambda: c.owned_shards, 30, what="the consumer to own the shard")
+        fdq.Producer(db).push_many("t", [fdq.Envelope(b"m%d" % i) for i in range(5)])
+        wait_for(fired.is_set, 30, what="the take's commit")
+        sup.rebalance("t", shards=2)       # the reshard finishes; the consumer gets shards again
+        fdq.Producer(db).push("t", b"after")
+        wait_for(lambda: b"after" in seen, 30, what="the consumer to go on")
+    finally:
+        c.shutdown()
+    assert sorted(seen) == [b"after"] + [b"m%d" % i for i in range(5)], seen
+    assert db.create_transaction()[ts.take_marker_key("default", c.id)] == None, \
+        "the marker outlived its consumer"  # noqa: E711
+    st = sup.stats("t")["subscriptions"]["default"]
+    assert (st["backlog"], st["emitted"], st["acked"]) == (0, 6, 6)
