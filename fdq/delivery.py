@@ -234,19 +234,6 @@ def take_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: i
     return taken
 
 
-@transactional
-def batch_taken(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, taken: list) -> bool:
-    """After ``commit_unknown_result`` on ``take_batch``: True if the messages ``taken``
-    are gone from the ready queue, and those it promoted from the delayed area gone from
-    there too (their ready keys did not exist before), while the shard is still ours at
-    ``epoch`` (only its owner's take removes them, so our commit did). Raises LeaseLost
-    if the shard moved (then nobody can tell: at most once, the batch is dropped)."""
-    ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
-    keys = [shard.ready_key(t.vs) for t in taken] + [t.delayed_key for t in taken if t.delayed_key is not None]
-    futures = [tr[k] for k in keys]
-    return all(f == None for f in futures)  # noqa: E711
-
-
 def mark_take(tr, ts: TopicSpace, sub: str, consumer_id: str, attempt: bytes):
     """In a transaction that took messages (at most once): record its ``attempt`` id
     (a blind write nobody else reads), so ``take_committed`` can tell after
@@ -616,7 +603,7 @@ def dlq_size(reader, ts: TopicSpace, sub: str) -> int:
     return decode_counter(reader[ts.sub_stat(sub, "dead")])
 
 
-__all__ = ["Taken", "Selection", "take_batch", "batch_taken", "batch_leased", "lease_batch", "settle",
+__all__ = ["Taken", "Selection", "take_batch", "mark_take", "take_committed", "batch_leased", "lease_batch", "settle",
            "scan_leases", "scan_shards_leases", "expire_leases", "read_leases",
            "promote_due", "fail_in_place", "mark_take", "take_committed", "dlq_list", "dlq_redrive_chunk", "dlq_purge_chunk",
            "dlq_size", "fdbtuple"]

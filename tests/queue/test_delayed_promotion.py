@@ -27,12 +27,13 @@ def test_delayed_counter_exact_when_only_some_are_due(db):
         assert sub_stats(db, "t")["delayed"] == 1       # only "later" is delayed
 
 
-def test_batch_taken_is_false_for_an_uncommitted_take_of_promoted_messages(db):
-    """After commit_unknown_result an at-most-once consumer asks ``batch_taken`` whether
-    its attempt committed: the taken ready keys gone. A message that attempt promoted
-    from the delayed area never had a ready key, so an attempt that did not commit
-    looked committed (on FoundationDB, where 1021 can follow a failed commit: handed
-    over while still delayed, delivered again). Found in review."""
+def test_an_uncommitted_take_of_promoted_messages_is_not_taken_as_committed(db):
+    """After commit_unknown_result an at-most-once consumer asks whether its attempt
+    committed. The first check (the taken ready keys gone) took an attempt that promoted
+    messages from the delayed area and did not commit for one that did (those never had
+    a ready key): handed over while still delayed, delivered again (found in review). The
+    attempt's marker (``mark_take``, written by the take) answers it: absent, not ours."""
+    import os
     from fdq import delivery
     from fdq.keyspace import Keyspace
     fdq.Supervisor(db).create_topic("t", shards=1)
@@ -50,5 +51,11 @@ def test_batch_taken_is_false_for_an_uncommitted_take_of_promoted_messages(db):
             tr.cancel()
             time.sleep(0.05)
         assert [t.body for t in taken] == [b"due"] and taken[0].delayed_key is not None
+        attempt = os.urandom(12)
+        delivery.mark_take(tr, ts, "default", c.id, attempt)
         tr.cancel()                                   # this attempt never commits
-        assert not delivery.batch_taken(db, ts, shard, c.id, epoch, taken)
+        assert not delivery.take_committed(db, ts, "default", c.id, attempt)
+        got = []
+        while not got and time.monotonic() < deadline:  # still there: delivered once
+            got = c.fetch(10, timeout=0.2)
+        assert [m.body for m in got] == [b"due"]
