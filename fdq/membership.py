@@ -130,10 +130,15 @@ def plan_assignment(shards: list, owners: dict, live: list) -> dict:
 
 
 @transactional
-def assign_shards(tr, ts: TopicSpace, sub: str, config) -> dict:
+def assign_shards(tr, ts: TopicSpace, sub: str, config=None) -> dict:
     """Re-divide the subscription's shards among its live consumers (the records
     present), by tag pool (see ``ownership_pools``). Moved shards get a new owner
-    epoch. Returns the plan {(tag, n): owner}."""
+    epoch. Returns the plan {(tag, n): owner}.
+
+    The shard count is the stored config's, read here (a reshard committing meanwhile
+    conflicts), not ``config``: a consumer's cached copy may predate a reshard, and a
+    plan for the old count left the new shards without an owner for good."""
+    config = read_topic_config(tr, ts)
     members = read_members(tr, ts, sub, snapshot=False)
     tags = read_tags(tr, ts, snapshot=False)
     current = read_owners(tr, ts, sub, snapshot=False)

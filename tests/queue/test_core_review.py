@@ -1,12 +1,15 @@
 """Core state changes (producer, membership, supervisor) found in an independent review:
-long operations whose chunks could exceed FDB's 10 MB per transaction, ..."""
+long operations whose chunks could exceed FDB's 10 MB per transaction, a shard
+assignment computed from a consumer's stale copy of the topic config, ..."""
 from __future__ import annotations
 
 import os
 import time
 
 import fdq
-from fdq.keyspace import Keyspace
+from fdq import membership
+from fdq.keyspace import Keyspace, parse_message_id
+from fdq.keyspace.codec import shard_of
 
 
 SUBS = 9        # the default subscription and 8 more
@@ -68,3 +71,36 @@ def test_replay_of_a_big_message_after_smaller_ones_fits_its_transactions(db):
     assert p.replay("t", start) == 2
     assert _drain_bodies(db, "t", "s3", 2) == [small, big]
     assert fdq.Supervisor(db).stats("t")["subscriptions"]["s5"]["backlog"] == 4
+
+
+def test_a_consumer_leaving_with_a_config_from_before_a_reshard_leaves_no_shard_unowned(db):
+    """Join, leave and zombie takeover re-divided the shards with the caller's cached
+    topic config: a consumer that left (or declared a peer a zombie) before its next
+    heartbeat refreshed that copy after a reshard to more shards planned the old count
+    and set the new shards' owner to nobody. No later event re-assigns an existing
+    record, so their messages were never delivered while the survivor ran."""
+    s = fdq.Supervisor(db)
+    s.create_topic("t", shards=4)
+    slow = fdq.ConsumerConfig(heartbeat_interval_s=30, ack_wait_s=600)   # cached config stays as read
+    a = fdq.Consumer(db, "t", consumer_id="a", config=slow)
+    b = fdq.Consumer(db, "t", consumer_id="b", config=slow)
+    ts = Keyspace().topic("t")
+    try:
+        s.rebalance("t", shards=8)
+        b.close()
+        owners = membership.read_owners(db, ts, "default")
+        assert sorted(owners) == [("", n) for n in range(8)]
+        assert {o for o, _e in owners.values()} == {"a"}, owners
+        keys = [next(f"k{i}" for i in range(1000) if shard_of(f"k{i}", 8) == n) for n in range(8)]
+        fdq.Producer(db).push_many("t", [fdq.Envelope(k.encode(), shard_key=k) for k in keys])
+        got = []
+        deadline = time.monotonic() + 20
+        while len(got) < len(keys) and time.monotonic() < deadline:
+            for m in a.fetch(len(keys), timeout=0.2):
+                got.append(m.body)
+                m.ack()
+        assert sorted(got) == sorted(k.encode() for k in keys)
+    finally:
+        a.close()
+        b.close()
+
