@@ -256,7 +256,8 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
                                 "(create it with extend=True or upgrade it)")
         if env.msg_id is not None:
             if (topic, env.msg_id) in batch_ids:
-                results.append((topic, uv, n, batch_ids[(topic, env.msg_id)]))
+                first_uv, first_n = batch_ids[(topic, env.msg_id)]
+                results.append((topic, uv, first_n, first_uv))
                 continue
             if rv is None:
                 rv = tr.get_read_version().wait()
@@ -274,11 +275,14 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
                 if not young and len(raw) >= 20:
                     young = abs(now_ms - int.from_bytes(raw[12:20], "big")) < config.dedupe_window_s * 1000
                 if young:
-                    results.append((topic, uv, n, message_id(first_vs)))
+                    # the first one's shard (kept from its push; entries written before
+                    # it was kept: this push's, as then)
+                    first_n = int.from_bytes(raw[20:24], "big") if len(raw) >= 24 else n
+                    results.append((topic, uv, first_n, message_id(first_vs)))
                     continue
-            batch_ids[(topic, env.msg_id)] = uv
+            batch_ids[(topic, env.msg_id)] = (uv, n)
             tr.set_versionstamped_value(dkey, _PLACEHOLDER + uv.to_bytes(2, "big") + now_ms.to_bytes(8, "big")
-                                        + _OFFSET0)
+                                        + n.to_bytes(4, "big") + _OFFSET0)
             tr.set_versionstamped_key(vs_key(ts.dedupe_by_version.key(), uv), env.msg_id.encode())
         due = None
         due_at = getattr(env, "due_at", None)     # a replay: the original's due time

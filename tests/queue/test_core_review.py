@@ -104,3 +104,23 @@ def test_a_consumer_leaving_with_a_config_from_before_a_reshard_leaves_no_shard_
         a.close()
         b.close()
 
+
+def test_a_deduplicated_push_reports_the_shard_of_the_message_it_duplicates(db):
+    """A push deduplicated by ``msg_id`` returned the first message's id but the shard
+    of its own would-be placement (for a message without a shard key, any shard):
+    ``PushResult`` then named a shard the message is not in."""
+    fdq.Supervisor(db).create_topic("t", shards=16)
+    p = fdq.Producer(db)
+    firsts = [p.push("t", b"x", msg_id=f"id-{i}") for i in range(8)]
+    for i, first in enumerate(firsts):
+        again = p.push("t", b"x", msg_id=f"id-{i}")
+        assert (again.id, again.shard, again.duplicate) == (first.id, first.shard, True)
+    # duplicates within one transaction too
+    rs = p.push_many("t", [fdq.Envelope(b"y", msg_id="same")] + [fdq.Envelope(b"z")] * 300
+                     + [fdq.Envelope(b"y", msg_id="same")])
+    assert (rs[-1].id, rs[-1].shard, rs[-1].duplicate) == (rs[0].id, rs[0].shard, True)
+    # and that shard is where the message is queued
+    ts = Keyspace().topic("t")
+    for r in firsts + rs[:1]:
+        key = ts.shard("default", "", r.shard).ready_key(parse_message_id(r.id))
+        assert db[key] != None, r  # noqa: E711
