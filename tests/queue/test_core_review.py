@@ -124,3 +124,66 @@ def test_a_deduplicated_push_reports_the_shard_of_the_message_it_duplicates(db):
     for r in firsts + rs[:1]:
         key = ts.shard("default", "", r.shard).ready_key(parse_message_id(r.id))
         assert db[key] != None, r  # noqa: E711
+
+
+def test_a_consumer_id_joining_again_fences_off_its_earlier_instance(db):
+    """A consumer started with the ``consumer_id`` of one still running (a replacement
+    for an instance that looked dead: a stable pod name, a partition) shared its
+    identity: both owned every shard with the same epochs, so the earlier instance
+    kept taking messages from shards it no longer solely owned (the fence checks the
+    owner id and epoch only), and closing it removed the replacement's membership."""
+    fdq.Supervisor(db).create_topic("t", shards=4)
+    cfg = fdq.ConsumerConfig(ack_wait_s=600)
+    old = fdq.Consumer(db, "t", consumer_id="w", config=cfg)
+    assert len(old.owned_shards) == 4
+    new = fdq.Consumer(db, "t", consumer_id="w", config=cfg)
+    ts = Keyspace().topic("t")
+    try:
+        assert len(new.owned_shards) == 4
+        deadline = time.monotonic() + 10
+        while old.owned_shards and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert old.owned_shards == []
+        fdq.Producer(db).push_many("t", [fdq.Envelope(b"%d" % i, shard_key=f"k{i}") for i in range(20)])
+        assert old.fetch(20, timeout=0.5) == []
+        old.close()         # leaves nothing of the replacement's membership
+        assert set(membership.read_members(db, ts, "default")) == {"w"}
+        assert {o for o, _e in membership.read_owners(db, ts, "default").values()} == {"w"}
+        got = []
+        deadline = time.monotonic() + 20
+        while len(got) < 20 and time.monotonic() < deadline:
+            for m in new.fetch(20, timeout=0.2):
+                got.append(m.body)
+                m.ack()
+        assert sorted(got) == sorted(b"%d" % i for i in range(20))
+    finally:
+        old.close()
+        new.close()
+
+
+def test_a_peer_heartbeat_seen_after_a_held_up_round_is_timed_from_when_it_was_seen(db):
+    """The membership loop takes ``now`` before its heartbeat and then observes its
+    peers with it. A round held up in its heartbeat (an FDB recovery stalls commits for
+    seconds; the peers' too) stamped a peer's heartbeat first seen after the stall with
+    the time from before it: a peer that then went one heartbeat interval without
+    beating again had been "unchanged" for the stall plus that interval and was
+    declared a zombie while alive. The loop's steps are run by hand here, in its order,
+    with the stall as a sleep."""
+    fdq.Supervisor(db).create_topic("t", shards=2)
+    ts = Keyspace().topic("t")
+    obs = fdq.Consumer(db, "t", consumer_id="obs", config=fdq.ConsumerConfig(heartbeat_interval_s=0.5))
+    try:
+        obs._stop.set()                 # its own loop stops: this test runs the rounds
+        obs._thread.join(10)
+        assert obs.config.zombie_after_s == 1.5
+        membership.join(db, ts, "default", "peer", {"id": "peer", "zombie_after_s": 1.5}, None)
+        obs._observe_peers(time.monotonic())            # a round sees the peer
+        now = time.monotonic()                          # the next round starts
+        time.sleep(2.0)                                 # its heartbeat held up 2 s ...
+        assert membership.heartbeat(db, ts, "default", "peer")     # ... the peer's went through
+        obs._observe_peers(now)                         # the round observes (its `now`)
+        time.sleep(0.3)                                 # one round later, the peer beat 0.3 s ago
+        obs._observe_peers(time.monotonic())
+        assert "peer" in membership.read_members(db, ts, "default")
+    finally:
+        obs.close()
