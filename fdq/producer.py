@@ -663,7 +663,9 @@ class Producer:
         return self._group.flush(timeout)
 
     def push_many(self, topic: str, envelopes) -> list:
-        """Push several messages in one transaction (all or none)."""
+        """Push several messages in one transaction (all or none). More than one
+        transaction can hold (FDB's 10 MB: each message is written to the log and to
+        every subscription) is refused with ``MessageTooLarge``, nothing pushed."""
         check_name(topic)
         envs = [e if isinstance(e, Envelope) else Envelope(e) for e in envelopes]
         if not envs:
@@ -671,7 +673,16 @@ class Producer:
         if len(envs) > MAX_PER_TRANSACTION:
             raise InvalidMessage(f"push_many of {len(envs):,} messages: one transaction holds at most "
                                  f"{MAX_PER_TRANSACTION:,} (a message id numbers it in 2 bytes)")
-        return self._commit([(topic, e) for e in envs])
+        try:
+            return self._commit([(topic, e) for e in envs])
+        except EngineError as e:
+            if e.code != 2101 or len(envs) == 1:
+                raise
+            # (one message too big is refused by push_batch with its own reason)
+            raise MessageTooLarge(f"push_many of {len(envs):,} messages ({sum(len(x.body) for x in envs):,} "
+                                  f"bytes of bodies) does not fit one transaction (FDB's 10 MB, each message "
+                                  f"written to the log and to every subscription's queue): nothing was "
+                                  f"pushed; push them in smaller batches") from e
 
     def _flush(self, batch: list):
         interrupted = None

@@ -187,3 +187,23 @@ def test_a_peer_heartbeat_seen_after_a_held_up_round_is_timed_from_when_it_was_s
         assert "peer" in membership.read_members(db, ts, "default")
     finally:
         obs.close()
+
+
+def test_a_push_many_too_big_for_one_transaction_is_refused_clearly_and_harms_nothing(db):
+    """A push_many within the documented message count (65,536) but over FDB's 10 MB
+    per transaction failed with a raw engine error (transaction_too_large) that did not
+    say which call or what to do; it is a MessageTooLarge naming both, nothing stored."""
+    s = fdq.Supervisor(db)
+    s.create_topic("t", shards=16)
+    p = fdq.Producer(db)
+    p.push("t", b"before", shard_key="k")
+    for envs in ([fdq.Envelope(b"x" * 10, shard_key=f"k{i}") for i in range(65_536)],
+                 [fdq.Envelope(os.urandom(1 << 20), shard_key="k") for _ in range(12)]):
+        try:
+            p.push_many("t", envs)
+        except fdq.errors.MessageTooLarge as e:
+            assert f"push_many of {len(envs):,} messages" in str(e) and "smaller batches" in str(e)
+        else:
+            raise AssertionError("push_many over 10 MB was not refused")
+    assert s.stats("t")["counters"]["inserted"] == 1
+    assert len(p.push_many("t", [fdq.Envelope(b"x" * 10, shard_key=f"k{i}") for i in range(1000)])) == 1000
