@@ -493,10 +493,17 @@ class _GroupCommit:
         self._callers = 0        # callers inside submit: queued, or released and not yet returned
         self._async_pending = 0  # asynchronous pushes queued or being committed
         self._idle = threading.Condition(self._lock)
+        self._local = threading.local()     # .flushing: this thread is committing a batch
         _LIVE_GROUPS.add(self)
 
     def submit(self, item: _Item):
         """Queue ``item`` and return once it is committed (or failed)."""
+        if getattr(self._local, "flushing", False):
+            # Called by the thread committing a batch: from a push_async future's done
+            # callback (run where the result is set). It would wait for itself while
+            # nobody else may lead: commit this push now, alone.
+            self._flush([item])
+            return
         with self._lock:
             self._queue.append(item)
             self._callers += 1
@@ -564,8 +571,10 @@ class _GroupCommit:
                         return
                 t0 = time.perf_counter()
                 try:
+                    self._local.flushing = True
                     self._flush(batch)
                 finally:
+                    self._local.flushing = False
                     done = sum(it.future is not None for it in batch)
                     if done:
                         with self._lock:

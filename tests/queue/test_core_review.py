@@ -207,3 +207,31 @@ def test_a_push_many_too_big_for_one_transaction_is_refused_clearly_and_harms_no
             raise AssertionError("push_many over 10 MB was not refused")
     assert s.stats("t")["counters"]["inserted"] == 1
     assert len(p.push_many("t", [fdq.Envelope(b"x" * 10, shard_key=f"k{i}") for i in range(1000)])) == 1000
+
+
+def test_a_push_from_a_push_async_callback_does_not_hang_the_producer(db):
+    """A ``push_async`` future's done callbacks run in the thread that sets its result:
+    the thread committing the batch. A ``push`` from such a callback queued its message
+    and waited for the committing thread, which was itself: it hung for good, and every
+    later push of that producer with it."""
+    import threading
+    fdq.Supervisor(db).create_topic("t", shards=2)
+    p = fdq.Producer(db)
+    chained = {}
+    done = threading.Event()
+
+    def on_done(f):
+        try:
+            chained["result"] = p.push("t", b"chained:" + f.result().id.encode())
+        finally:
+            done.set()
+
+    futures = [p.push_async("t", b"%d" % i) for i in range(5)]
+    futures[0].add_done_callback(on_done)
+    for f in futures:
+        f.result(timeout=10)
+    assert done.wait(10), "the push from the callback hung"
+    assert chained["result"].id
+    assert p.push("t", b"after").id                 # the producer still works
+    assert p.flush(timeout=10)
+    assert fdq.Supervisor(db).stats("t")["counters"]["inserted"] == 7
