@@ -278,6 +278,9 @@ class Consumer:
                                         or not consumer_id.isprintable()):
             raise ConfigError(f"consumer_id must be a printable str of 1 to 128 characters, not {consumer_id!r:.80}")
         self.id = consumer_id or f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
+        # this instance, as opposed to another one started under the same id (membership.join)
+        self._incarnation = os.urandom(8).hex()
+        self._replaced = False
         self.on_error = on_error
         self._ts = self.keyspace.topic(self.topic)
         self._topic_config = self._load_topic(create, extend_support)
@@ -401,7 +404,7 @@ class Consumer:
     def _record(self) -> dict:
         return {"id": self.id, "host": socket.gethostname(), "pid": os.getpid(), "mode": self.mode,
                 "tag": self.desired_tag, "extend": self.extend_support, "batch_size": self.batch_size,
-                "zombie_after_s": self.config.zombie_after_s}
+                "zombie_after_s": self.config.zombie_after_s, "incarnation": self._incarnation}
 
     def _join(self):
         plan = _subs.join(self.db, self._ts, self.subscription, self.id, self._record(),
@@ -412,13 +415,18 @@ class Consumer:
     def _leave(self):
         try:
             run_within(self.db, _GOODBYE_MS, _subs.leave, self._ts, self.subscription, self.id,
-                       self._topic_config)
+                       self._topic_config, self._incarnation)
         except FDQError as e:
             self._report(e)
 
     def _refresh_owned(self):
-        owners = membership.read_owners(self.db, self._ts, self.subscription)
-        mine = {s: e for s, (o, e) in owners.items() if o == self.id}
+        mine = membership.read_owned(self.db, self._ts, self.subscription, self.id, self._incarnation)
+        if mine is None:        # another instance joined under this id: it owns them now
+            mine = {}
+            if not self._replaced:
+                self._replaced = True
+                self._report(ConfigError(f"consumer {self.id} of {self.topic}/{self.subscription}: another "
+                                         "consumer joined with this consumer_id; this one stops consuming"))
         with self._owned_lock:
             lost = set(self._owned) - set(mine)
             self._dirty.update(s for s in mine if s not in self._owned or self._owned[s] != mine[s])
@@ -443,7 +451,12 @@ class Consumer:
                 now = _monotonic()
                 if now - self._last_hb >= cfg.heartbeat_interval_s:
                     self._last_hb = now
-                    if not membership.heartbeat(self.db, self._ts, self.subscription, self.id):
+                    if self._replaced:
+                        continue
+                    if not membership.heartbeat(self.db, self._ts, self.subscription, self.id, self._incarnation):
+                        if membership.replaced(self.db, self._ts, self.subscription, self.id, self._incarnation):
+                            self._refresh_owned()   # owns nothing, reports it once
+                            continue
                         log.warning("consumer %s was declared a zombie: joining again", self.id)
                         self._join()
                     self._observe_peers(now)
@@ -542,6 +555,10 @@ class Consumer:
 
     def _observe_peers(self, now: float):
         members = membership.read_members(self.db, self._ts, self.subscription)
+        # A heartbeat value first seen now is timed from after the read that saw it, not
+        # from ``now`` (taken before this round's heartbeat, which a database stall can
+        # hold up for seconds while the peer's commits too). Timeouts keep ``now``: late.
+        seen_at = max(now, _monotonic())
         for cid in list(self._peers):
             if cid not in members:
                 del self._peers[cid]
@@ -550,7 +567,7 @@ class Consumer:
                 continue
             seen = self._peers.get(cid)
             if seen is None or seen[0] != m["hb"]:
-                self._peers[cid] = (m["hb"], now)
+                self._peers[cid] = (m["hb"], seen_at)
             elif now - seen[1] >= _peer_timeout(self.config, m["record"]):
                 if _subs.declare_zombie(self.db, self._ts, self.subscription, cid, seen[0],
                                                self._topic_config):
@@ -928,7 +945,7 @@ class Consumer:
             w.cancel()
         try:
             run_within(self.db, _ms_until(deadline), _subs.leave, self._ts, self.subscription, self.id,
-                       self._topic_config)
+                       self._topic_config, self._incarnation)
         except FDQError as e:
             self._report(e)
 

@@ -130,10 +130,15 @@ def plan_assignment(shards: list, owners: dict, live: list) -> dict:
 
 
 @transactional
-def assign_shards(tr, ts: TopicSpace, sub: str, config) -> dict:
+def assign_shards(tr, ts: TopicSpace, sub: str, config=None) -> dict:
     """Re-divide the subscription's shards among its live consumers (the records
     present), by tag pool (see ``ownership_pools``). Moved shards get a new owner
-    epoch. Returns the plan {(tag, n): owner}."""
+    epoch. Returns the plan {(tag, n): owner}.
+
+    The shard count is the stored config's, read here (a reshard committing meanwhile
+    conflicts), not ``config``: a consumer's cached copy may predate a reshard, and a
+    plan for the old count left the new shards without an owner for good."""
+    config = read_topic_config(tr, ts)
     members = read_members(tr, ts, sub, snapshot=False)
     tags = read_tags(tr, ts, snapshot=False)
     current = read_owners(tr, ts, sub, snapshot=False)
@@ -175,12 +180,58 @@ def assign_new_tags(tr, ts: TopicSpace, sub: str) -> bool:
     return True
 
 
+def _incarnation(raw):
+    """The ``incarnation`` of a stored consumer record (None: absent, or a record of
+    a consumer from before incarnations)."""
+    return None if raw == None else unpack(raw).get("incarnation")  # noqa: E711
+
+
+def _is_mine(raw, incarnation) -> bool:
+    """Whether a stored consumer record (present) belongs to the instance
+    ``incarnation`` (None: any; a record without one: any)."""
+    theirs = _incarnation(raw)
+    return incarnation is None or theirs is None or theirs == incarnation
+
+
 @transactional
 def join(tr, ts: TopicSpace, sub: str, consumer_id: str, record: dict, config) -> dict:
-    """Register a consumer and give it its share of shards."""
-    tr[ts.consumer_key(sub, consumer_id)] = pack(record)
+    """Register a consumer and give it its share of shards.
+
+    A record's ``incarnation`` tells instances of one consumer id apart: an instance
+    joining under the id of another (a replacement started while the first still
+    runs) takes the id over, and the shards the id owns get a new owner epoch, so the
+    earlier instance's transactions fail the fence (``ensure_owner``); it no longer
+    heartbeats or refreshes its shards as that id (``heartbeat``, ``read_owned``)."""
+    key = ts.consumer_key(sub, consumer_id)
+    existing = tr[key]
+    if existing != None and not _is_mine(existing, record.get("incarnation")):  # noqa: E711
+        bumped = False
+        for s, (owner, epoch) in read_owners(tr, ts, sub, snapshot=False).items():
+            if owner == consumer_id:
+                tr[ts.shard_records[sub].pack(s)] = pack([owner, epoch + 1])
+                bumped = True
+        if bumped:
+            tr.add(ts.assignment_key(sub), counter(1))
+    tr[key] = pack(record)
     tr.add(ts.heartbeat_key(sub, consumer_id), counter(1))
     return assign_shards(tr, ts, sub, config)
+
+
+@transactional
+def read_owned(tr, ts: TopicSpace, sub: str, consumer_id: str, incarnation=None) -> dict | None:
+    """{(tag, n): epoch} of the shards ``consumer_id`` owns; None if another instance
+    (``incarnation``) joined under that id since (see ``join``)."""
+    raw = tr.snapshot[ts.consumer_key(sub, consumer_id)]
+    if raw != None and not _is_mine(raw, incarnation):  # noqa: E711
+        return None
+    return {s: e for s, (o, e) in read_owners(tr, ts, sub).items() if o == consumer_id}
+
+
+@transactional
+def replaced(tr, ts: TopicSpace, sub: str, consumer_id: str, incarnation) -> bool:
+    """Whether another instance joined under ``consumer_id`` (see ``join``)."""
+    raw = tr.snapshot[ts.consumer_key(sub, consumer_id)]
+    return raw != None and not _is_mine(raw, incarnation)  # noqa: E711
 
 
 def _remove_member(tr, ts, sub, consumer_id):
@@ -191,16 +242,21 @@ def _remove_member(tr, ts, sub, consumer_id):
 
 
 @transactional
-def leave(tr, ts: TopicSpace, sub: str, consumer_id: str, config):
-    """Unregister a consumer and hand its shards to the others now."""
+def leave(tr, ts: TopicSpace, sub: str, consumer_id: str, config, incarnation=None):
+    """Unregister a consumer and hand its shards to the others now (nothing if
+    another instance took its id over: its membership is that one's)."""
+    if not _is_mine(tr[ts.consumer_key(sub, consumer_id)], incarnation):
+        return
     _remove_member(tr, ts, sub, consumer_id)
     assign_shards(tr, ts, sub, config)
 
 
 @transactional
-def heartbeat(tr, ts: TopicSpace, sub: str, consumer_id: str) -> bool:
-    """Bump the heartbeat counter; False if the record is gone (declared a zombie)."""
-    if tr.snapshot[ts.consumer_key(sub, consumer_id)] == None:  # noqa: E711
+def heartbeat(tr, ts: TopicSpace, sub: str, consumer_id: str, incarnation=None) -> bool:
+    """Bump the heartbeat counter; False if the record is gone (declared a zombie) or
+    another instance took the id over (``replaced``)."""
+    raw = tr.snapshot[ts.consumer_key(sub, consumer_id)]
+    if raw == None or not _is_mine(raw, incarnation):  # noqa: E711
         return False
     tr.add(ts.heartbeat_key(sub, consumer_id), counter(1))
     # For display only (stats' heartbeat age): the read version, ~1e6 per second.

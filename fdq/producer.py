@@ -256,7 +256,8 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
                                 "(create it with extend=True or upgrade it)")
         if env.msg_id is not None:
             if (topic, env.msg_id) in batch_ids:
-                results.append((topic, uv, n, batch_ids[(topic, env.msg_id)]))
+                first_uv, first_n = batch_ids[(topic, env.msg_id)]
+                results.append((topic, uv, first_n, first_uv))
                 continue
             if rv is None:
                 rv = tr.get_read_version().wait()
@@ -274,11 +275,14 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
                 if not young and len(raw) >= 20:
                     young = abs(now_ms - int.from_bytes(raw[12:20], "big")) < config.dedupe_window_s * 1000
                 if young:
-                    results.append((topic, uv, n, message_id(first_vs)))
+                    # the first one's shard (kept from its push; entries written before
+                    # it was kept: this push's, as then)
+                    first_n = int.from_bytes(raw[20:24], "big") if len(raw) >= 24 else n
+                    results.append((topic, uv, first_n, message_id(first_vs)))
                     continue
-            batch_ids[(topic, env.msg_id)] = uv
+            batch_ids[(topic, env.msg_id)] = (uv, n)
             tr.set_versionstamped_value(dkey, _PLACEHOLDER + uv.to_bytes(2, "big") + now_ms.to_bytes(8, "big")
-                                        + _OFFSET0)
+                                        + n.to_bytes(4, "big") + _OFFSET0)
             tr.set_versionstamped_key(vs_key(ts.dedupe_by_version.key(), uv), env.msg_id.encode())
         due = None
         due_at = getattr(env, "due_at", None)     # a replay: the original's due time
@@ -489,10 +493,17 @@ class _GroupCommit:
         self._callers = 0        # callers inside submit: queued, or released and not yet returned
         self._async_pending = 0  # asynchronous pushes queued or being committed
         self._idle = threading.Condition(self._lock)
+        self._local = threading.local()     # .flushing: this thread is committing a batch
         _LIVE_GROUPS.add(self)
 
     def submit(self, item: _Item):
         """Queue ``item`` and return once it is committed (or failed)."""
+        if getattr(self._local, "flushing", False):
+            # Called by the thread committing a batch: from a push_async future's done
+            # callback (run where the result is set). It would wait for itself while
+            # nobody else may lead: commit this push now, alone.
+            self._flush([item])
+            return
         with self._lock:
             self._queue.append(item)
             self._callers += 1
@@ -560,8 +571,10 @@ class _GroupCommit:
                         return
                 t0 = time.perf_counter()
                 try:
+                    self._local.flushing = True
                     self._flush(batch)
                 finally:
+                    self._local.flushing = False
                     done = sum(it.future is not None for it in batch)
                     if done:
                         with self._lock:
@@ -659,7 +672,9 @@ class Producer:
         return self._group.flush(timeout)
 
     def push_many(self, topic: str, envelopes) -> list:
-        """Push several messages in one transaction (all or none)."""
+        """Push several messages in one transaction (all or none). More than one
+        transaction can hold (FDB's 10 MB: each message is written to the log and to
+        every subscription) is refused with ``MessageTooLarge``, nothing pushed."""
         check_name(topic)
         envs = [e if isinstance(e, Envelope) else Envelope(e) for e in envelopes]
         if not envs:
@@ -667,7 +682,16 @@ class Producer:
         if len(envs) > MAX_PER_TRANSACTION:
             raise InvalidMessage(f"push_many of {len(envs):,} messages: one transaction holds at most "
                                  f"{MAX_PER_TRANSACTION:,} (a message id numbers it in 2 bytes)")
-        return self._commit([(topic, e) for e in envs])
+        try:
+            return self._commit([(topic, e) for e in envs])
+        except EngineError as e:
+            if e.code != 2101 or len(envs) == 1:
+                raise
+            # (one message too big is refused by push_batch with its own reason)
+            raise MessageTooLarge(f"push_many of {len(envs):,} messages ({sum(len(x.body) for x in envs):,} "
+                                  f"bytes of bodies) does not fit one transaction (FDB's 10 MB, each message "
+                                  f"written to the log and to every subscription's queue): nothing was "
+                                  f"pushed; push them in smaller batches") from e
 
     def _flush(self, batch: list):
         interrupted = None

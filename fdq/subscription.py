@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import struct
+import time
 
 from . import membership
 from .config import (DEFAULT_SUBSCRIPTION, UPDATABLE_SUBSCRIPTION_FIELDS, SubscriptionConfig,
@@ -480,10 +481,10 @@ def create_and_join(tr, ts: TopicSpace, sub: str, config: SubscriptionConfig | N
 
 
 @transactional
-def leave(tr, ts: TopicSpace, sub: str, consumer_id: str, topic_config) -> bool:
+def leave(tr, ts: TopicSpace, sub: str, consumer_id: str, topic_config, incarnation=None) -> bool:
     """``membership.leave``; an ephemeral subscription left without members is deleted
     in the same transaction. Returns True if it was deleted."""
-    membership.leave(tr, ts, sub, consumer_id, topic_config)
+    membership.leave(tr, ts, sub, consumer_id, topic_config, incarnation)
     return _reap_if_empty(tr, ts, sub)
 
 
@@ -522,12 +523,14 @@ class Reaper:
                 continue
             if not eph:
                 continue
-            for cid, m in membership.read_members(db, ts, sub).items():
+            members = membership.read_members(db, ts, sub)
+            seen_at = max(now, time.monotonic())    # first seen after the read (see Consumer._observe_peers)
+            for cid, m in members.items():
                 live.add((sub, cid))
                 self.longest_timeout_s = max(self.longest_timeout_s, _advertised_timeout(m["record"]))
                 seen = self._seen.get((sub, cid))
                 if seen is None or seen[0] != m["hb"]:
-                    self._seen[(sub, cid)] = (m["hb"], now)
+                    self._seen[(sub, cid)] = (m["hb"], seen_at)
                 elif now - seen[1] >= max(self.zombie_after_s, _advertised_timeout(m["record"])):
                     self._seen.pop((sub, cid), None)
                     if declare_zombie(db, ts, sub, cid, seen[0], topic_config) and \

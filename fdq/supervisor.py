@@ -78,17 +78,22 @@ def play_chunk(tr, ts: TopicSpace, limit: int, hold: int | None = None) -> tuple
     r = ts.pending.range()
     moved = written = 0
     last = None
+    full = False
     for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit):
-        if written >= CHUNK_WRITE_BYTES:
-            break
-        last = kv.key
         vs = ts.pending.unpack(kv.key)[0]
         n, delay_s = unpack(kv.value)
         raw = tr.snapshot[ts.log_key(n, vs)]
         if raw != None:  # noqa: E711 - trimmed meanwhile: nothing to route
             rec = Record.decode(raw)
+            # Over the budget with this message (its copies, chunks at most CHUNK_BYTES
+            # each): the next chunk routes it. A push accepted it alone under ROUTE_BYTES,
+            # not on top of ~CHUNK_WRITE_BYTES of others (FDB's limit is 10 MB).
+            if written and written + len(config.subs) * (len(raw) + rec.nchunks * CHUNK_BYTES) > CHUNK_WRITE_BYTES:
+                full = True
+                break
             target = shard_of(rec.shard_key, config.shards) if rec.shard_key is not None else n % config.shards
             written += _route_existing(tr, ts, config, target, vs, bytes(raw), delay_s, clock)
+        last = kv.key
         moved += 1
     if last is not None:
         # what it routed conflicts with another play routing it (whichever way this
@@ -96,7 +101,7 @@ def play_chunk(tr, ts: TopicSpace, limit: int, hold: int | None = None) -> tuple
         # conflict skips keys the transaction already cleared.
         tr.add_read_conflict_range(r.start, last + b"\x00")
         tr.clear_range(r.start, last + b"\x00")
-    if moved == limit or written >= CHUNK_WRITE_BYTES:
+    if moved == limit or full:
         return moved, False, hold
     if last is None and config.routing and config.held_at is None:
         return 0, True, None                # running, nothing pending: no hold, no write
@@ -823,6 +828,9 @@ def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None)
                 continue    # trimmed since read: no longer in the log, not replayed
             env = _ReplayEnvelope(body, rec.shard_key, None, None, rec.headers, replay_of=message_id(vs),
                                   due_at=rec.due)
+            if batch and (size + len(body)) * (1 + len(config.subs)) > CHUNK_WRITE_BYTES:
+                flush()     # not on top of the batch: its copies could pass FDB's 10 MB
+                size = 0
             batch.append((vs, env))
             size += len(env.body)
             if len(batch) >= CHUNK or size * (1 + len(config.subs)) >= CHUNK_WRITE_BYTES:
