@@ -207,8 +207,18 @@ def _stop_outside_a_commit(db, p, attempts=20):
     import signal
     import threading
     import time
+    def stopped():
+        # kill() returns before the signal lands: until the process is in state T it
+        # may still take a lock (then hold it while stopped, after the probe passed).
+        with open(f"/proc/{p.pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
     for _ in range(attempts):
         os.kill(p.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while not stopped():
+            assert time.monotonic() < deadline, "the consumer did not stop within 5 s of SIGSTOP"
+            time.sleep(0.001)
         done = threading.Event()
 
         def probe():
