@@ -212,6 +212,7 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
     packb = packer()
     plain = defaultdict(int)     # (plan, shard) -> plain messages pushed there
     plain_bytes = defaultdict(int)   # (plan, shard) -> their records' bytes (log_bytes)
+    plain_body = defaultdict(int)    # (plan, shard) -> their bodies' bytes (inserted_bytes)
     set_stamped = tr.set_versionstamped_key
     last_target = targets = None
     for uv, (topic, env) in enumerate(items):
@@ -248,6 +249,7 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
                 set_stamped(head + uvb + offset, record)
             plain[last_target] += 1       # its counters, added below
             plain_bytes[last_target] += len(record)
+            plain_body[last_target] += len(body)
             minute = now_ms // 60000 * 60000
             if time_index.get(topic) != minute:
                 time_index[topic] = minute   # a lost entry only makes a replay scan longer
@@ -312,6 +314,7 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             tr.set_versionstamped_key(vs_key(ts.all_chunks.key(), uv, fdbtuple.pack((i,))), chunk)
         counters[ts.stat("log_bytes")] += entry_bytes(ts, n, len(record), len(chunks),
                                                       len(env.body) if chunks else 0)
+        counters[ts.stat("inserted_bytes")] += len(env.body)
         minute = now_ms // 60000 * 60000
         if time_index.get(topic) != minute:
             time_index[topic] = minute   # a lost entry only makes a replay scan longer
@@ -334,6 +337,7 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
         for key in plan.counter_keys(n):
             counters[key] += count
         counters[plan.ts.stat("log_bytes")] += plain_bytes[(plan, n)] + count * plan.log_key_bytes(n)
+        counters[plan.ts.stat("inserted_bytes")] += plain_body[(plan, n)]
     for key, amount in counters.items():
         tr.add(key, counter(amount))
     for topic, config in configs.items():

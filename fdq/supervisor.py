@@ -791,6 +791,10 @@ def topic_stats(tr, ts: TopicSpace, name: str) -> dict:
     rv = tr.get_read_version().wait()
     topic = {k: decode_counter(snap[ts.stat(k)]) for k in ("inserted", "routed", "emitted", "acked")}
     topic["pending"] = topic["inserted"] - topic["routed"]
+    # Bodies pushed, all time (nsqd's message_bytes; since the upgrade for an older
+    # FDQ's topic), and the log's size now (TopicConfig; None without a counter).
+    topic["inserted_bytes"] = decode_counter(snap[ts.stat("inserted_bytes")])
+    topic["log_bytes"] = decode_counter(snap[ts.stat("log_bytes")]) if config.log_bytes_counted else None
     subs = {}
     for sub in config.subs:
         shards = shard_counters(snap, ts, sub, config)
