@@ -299,9 +299,19 @@ def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: in
         freed += _delete_entry(tr, ts, bucket, kv.key, vs, kv.value, rec.nchunks)
         deleted += 1
         last = vs
-    if counted and freed:
-        tr.add(ts.stat("log_bytes"), counter(-freed))
+    _note_trimmed(tr, ts, deleted, freed if counted else 0)
     return deleted, freed, last, done
+
+
+def _note_trimmed(tr, ts: TopicSpace, deleted: int, freed: int):
+    """Subtract ``freed`` from ``log_bytes`` and count the entries deleted (``trimmed``).
+    ``trimmed`` is written by every trim that deletes and read with a conflict by trim by
+    size: two trims are serialized, so the size one never acts on a ``log_bytes`` that
+    another trim lowered since it read it (it would delete more than needed)."""
+    if freed:
+        tr.add(ts.stat("log_bytes"), counter(-freed))
+    if deleted:
+        tr.add(ts.stat("trimmed"), counter(deleted))
 
 
 def _version_of(vs) -> int:
@@ -329,27 +339,26 @@ def trim_oldest_chunk(tr, ts: TopicSpace, entries: list, max_bytes: int, size: i
     while the log is over ``max_bytes`` by its ``log_bytes`` counter (or by ``size``, a
     topic without one: see ``TopicConfig``), never one not yet routed nor any after it.
     -> (deleted, bytes freed, done). An entry already gone (a concurrent trim) is
-    skipped. The counter is read by snapshot (concurrent pushes do not abort a trim);
-    the bytes freed are subtracted from it here."""
+    skipped. The counter is read by snapshot (concurrent pushes do not abort a trim),
+    ``trimmed`` with a conflict (a concurrent trim does); the bytes freed are subtracted
+    from the counter here."""
     counted = size is None
+    tr[ts.stat("trimmed")]      # a conflict with any other trim (``_note_trimmed``)
     if counted:
         size = decode_counter(tr.snapshot[ts.stat("log_bytes")])
     pending = first_pending(tr, ts)
+    raws = [tr.snapshot[ts.log_key(b, vs)] for b, vs in entries]    # (futures on FDB)
     deleted = freed = 0
     done = False
-    for bucket, vs in entries:
+    for (bucket, vs), raw in zip(entries, raws):
         if size - freed <= max_bytes or (pending is not None and vs >= pending):
             done = True
             break
-        key = ts.log_key(bucket, vs)
-        raw = tr.snapshot[key]
         if raw == None:  # noqa: E711 - deleted meanwhile
-            tr.add_read_conflict_key(key)
             continue
-        freed += _delete_entry(tr, ts, bucket, key, vs, raw, Record.decode(raw).nchunks)
+        freed += _delete_entry(tr, ts, bucket, ts.log_key(bucket, vs), vs, raw, Record.decode(raw).nchunks)
         deleted += 1
-    if counted and freed:
-        tr.add(ts.stat("log_bytes"), counter(-freed))
+    _note_trimmed(tr, ts, deleted, freed if counted else 0)
     return deleted, freed, done
 
 
@@ -369,13 +378,12 @@ def trim_index_chunk(tr, ts: TopicSpace, limit: int) -> tuple:
         rv = tr.get_read_version().wait()
         oldest = Versionstamp(rv.to_bytes(8, "big") + b"\x00\x00", 0)
     r = ts.time_index.range()
-    n = 0
-    for kv in tr.get_range(r.start, r.stop, limit=limit):
+    rows = list(tr.snapshot.get_range(r.start, r.stop, limit=limit))   # (pushes add index
+    for n, kv in enumerate(rows):                                       # entries: no conflict)
         if ts.time_index.unpack(kv.key)[1] >= oldest:
             return n, True
         del tr[kv.key]
-        n += 1
-    return n, n < limit
+    return len(rows), len(rows) < limit
 
 
 def first_pending(tr, ts: TopicSpace):
@@ -792,8 +800,10 @@ def topic_stats(tr, ts: TopicSpace, name: str) -> dict:
     topic = {k: decode_counter(snap[ts.stat(k)]) for k in ("inserted", "routed", "emitted", "acked")}
     topic["pending"] = topic["inserted"] - topic["routed"]
     # Bodies pushed, all time (nsqd's message_bytes; since the upgrade for an older
-    # FDQ's topic), and the log's size now (TopicConfig; None without a counter).
+    # FDQ's topic), log entries trim deleted, and the log's size now (TopicConfig; None
+    # without a counter).
     topic["inserted_bytes"] = decode_counter(snap[ts.stat("inserted_bytes")])
+    topic["trimmed"] = decode_counter(snap[ts.stat("trimmed")])
     topic["log_bytes"] = decode_counter(snap[ts.stat("log_bytes")]) if config.log_bytes_counted else None
     subs = {}
     for sub in config.subs:
