@@ -226,3 +226,33 @@ def test_trim_by_size_drops_time_index_entries_of_deleted_entries(db, monkeypatc
         want = left if start is None or start <= base * 1000 else set(ids[5]) & left
         assert got >= want
     assert counter_value(db, ts.stat("log_bytes")) == _log_bytes(db, ts)
+
+
+def test_a_size_trim_never_acts_on_a_size_another_trim_lowered_meanwhile(db):
+    """Trim by size reads ``log_bytes`` by snapshot (pushes must not abort it): a trim by
+    age committing between that read and its commit would make it delete more than
+    needed. The two conflict (the ``trimmed`` counter): it retries with the new size."""
+    from fdq.keyspace.codec import shard_of
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    ts = Keyspace().topic("t")
+    ka = next(f"a{i}" for i in range(100) if shard_of(f"a{i}", 2) == 0)
+    kb = next(f"b{i}" for i in range(100) if shard_of(f"b{i}", 2) == 1)
+    p = fdq.Producer(db)
+    p.push_many("t", [fdq.Envelope(b"A" * 100, shard_key=ka) for _ in range(20)])     # older, bucket 0
+    p.push_many("t", [fdq.Envelope(b"B" * 100, shard_key=kb) for _ in range(20)])     # bucket 1
+    total = _log_bytes(db, ts)
+    budget = total * 3 // 4              # a quarter too much: some of bucket 0's entries go
+    oldest = [(0, ts.log.unpack(k)[1]) for _p, k, _v in _entries(db, ts)[:20]]
+    tr = db.create_transaction()
+    deleted, _freed, _done = sv.trim_oldest_chunk(tr, ts, oldest, budget)   # not committed yet
+    assert deleted > 0
+    # Meanwhile a trim by age empties bucket 1: the log now fits without deleting anything.
+    n, _f, _last, _d = sv.trim_bucket_chunk(db, ts, 1, 2 ** 62, sv.CHUNK)
+    assert n == 20 and _log_bytes(db, ts) <= budget
+    with pytest.raises(fdq.EngineError) as e:
+        tr.commit().wait()
+    assert e.value.code == 1020
+    assert sv.trim_oldest_chunk(db, ts, oldest, budget)[0] == 0    # its retry deletes nothing
+    assert len(_entries(db, ts)) == 20
+    assert counter_value(db, ts.stat("log_bytes")) == _log_bytes(db, ts)
