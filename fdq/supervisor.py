@@ -343,7 +343,7 @@ def trim_oldest_chunk(tr, ts: TopicSpace, entries: list, max_bytes: int, size: i
     ``trimmed`` with a conflict (a concurrent trim does); the bytes freed are subtracted
     from the counter here."""
     counted = size is None
-    tr[ts.stat("trimmed")]      # a conflict with any other trim (``_note_trimmed``)
+    tr.add_read_conflict_key(ts.stat("trimmed"))    # any other trim's commit (``_note_trimmed``)
     if counted:
         size = decode_counter(tr.snapshot[ts.stat("log_bytes")])
     pending = first_pending(tr, ts)
