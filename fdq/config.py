@@ -51,7 +51,15 @@ class TopicConfig:
     duplicate while its first push is within the window by database versions or by the
     producers' clock, so a version jump (an FDB recovery) cannot shorten it; ``trim``
     removes entries past it.
-    ``retention_s`` / ``retention_bytes``: what ``trim`` keeps of the "all" log.
+    ``retention_s`` / ``retention_bytes``: what ``trim`` keeps of the "all" log. The log's
+    size (``retention_bytes``, ``stats()["counters"]["log_bytes"]``) is the bytes of its
+    entries' keys and records and of their body chunks' keys and values (not the time
+    index), kept exactly in a counter: push adds by atomic add, trim subtracts in the
+    transaction that deletes (``fdq.log.entry_bytes``).
+    ``log_bytes_counted``: set by topic creation (never by hand): the counter covers the
+    whole log. A topic created before it (an older FDQ) has no such count: its trim by
+    size falls back to FDB's sampled size estimate (coarse below a few MB) and its
+    ``log_bytes`` stat is None.
     ``max_message_bytes``: the largest body (split into chunks above 90,000 bytes); a
     push also refuses a body whose copies (the log's, one per subscription) exceed
     ``fdq.keyspace.codec.ROUTE_BYTES`` (9 MB: they are written in one transaction).
@@ -73,6 +81,7 @@ class TopicConfig:
     paused_subs: tuple = ()            # subscriptions paused on their own (NSQ channel pause)
     held_at: int | None = None         # a play's last step: the version from which pushes
                                        # wait a moment (``fdq.supervisor.play_chunk``)
+    log_bytes_counted: bool = False    # the log_bytes counter covers the whole log (set at creation)
 
     def __post_init__(self):
         _positive("shards", self.shards, integer=True)

@@ -12,13 +12,36 @@ import heapq
 from itertools import chain
 from operator import itemgetter
 
+import fdb.tuple as fdbtuple
 import msgpack
 
 from .engine import StreamingMode, transactional   # the same values as fdb.StreamingMode
 from .keyspace import TopicSpace, Versionstamp
-from .keyspace.codec import Record
+from .keyspace.codec import CHUNK_BYTES, Record
 
 SLACK_MS = 60_000   # producers' clocks may disagree: start a time window this much earlier
+
+
+STAMP_BYTES = 13   # a stamped key's tuple-layer Versionstamp: its code (0x33) and 12 bytes
+_CHUNK_INDEX_BYTES = [len(fdbtuple.pack((i,))) for i in range(256)]
+
+
+def entry_bytes(ts: TopicSpace, bucket: int, record_len: int, nchunks: int = 0, chunk_bytes: int = 0) -> int:
+    """A log entry's size as the topic's ``log_bytes`` counter counts it (what
+    ``retention_bytes`` bounds): the bytes of its key and record, and of its body chunks'
+    keys and values (``chunk_bytes``: the chunks' values together). The time index and
+    pending keys are not counted. Push adds it, trim subtracts it when it deletes."""
+    n = len(ts.log_prefix(bucket)) + STAMP_BYTES + record_len
+    if nchunks:
+        idx = sum(_CHUNK_INDEX_BYTES[i] if i < 256 else len(fdbtuple.pack((i,))) for i in range(nchunks))
+        n += nchunks * (len(ts.all_chunks.key()) + STAMP_BYTES) + idx + chunk_bytes
+    return n
+
+
+def chunks_bytes(last_chunk_len: int, nchunks: int) -> int:
+    """The bytes of a body's ``nchunks`` chunks from its last one's length: a body is cut
+    into ``CHUNK_BYTES`` pieces (``codec.split_body``), so only the last is shorter."""
+    return (nchunks - 1) * CHUNK_BYTES + last_chunk_len if nchunks else 0
 
 
 def _first_vs():
@@ -136,10 +159,11 @@ def log_buckets(tr, ts: TopicSpace) -> list:
     """The bucket numbers that hold log entries, found by hopping from bucket to bucket
     (one bounded read per bucket): entries keep the bucket of the shard count they were
     pushed under, so a reshard can leave buckets beyond the current shard count."""
-    return _buckets_in(tr, ts)
+    return buckets_in(tr, ts)
 
 
-def _buckets_in(tr, ts: TopicSpace) -> list:
+def buckets_in(tr, ts: TopicSpace) -> list:
+    """``log_buckets`` in the caller's transaction (snapshot reads)."""
     r = ts.log.range()
     begin, out = r.start, []
     while True:
@@ -194,7 +218,7 @@ def last_positions(tr, ts: TopicSpace) -> dict:
     """{bucket: position of its last entry}, read in one transaction (buckets included):
     exactly the entries committed at one version are at or before these positions."""
     out = {}
-    for b in _buckets_in(tr, ts):
+    for b in buckets_in(tr, ts):
         begin, end = bucket_range(ts, b)
         for kv in tr.snapshot.get_range(begin, end, limit=1, reverse=True):
             out[b] = bytes(kv.key[-12:])
@@ -207,7 +231,7 @@ def advance_positions(tr, ts: TopicSpace, cursors: dict, limit: int) -> tuple:
     at most ``limit`` entries in log (versionstamp) order, in one snapshot: returns
     (new cursors, how many entries they pass). Buckets not in ``cursors`` are read from
     their start. No entry is decoded."""
-    buckets = sorted(set(_buckets_in(tr, ts)) | set(cursors))
+    buckets = sorted(set(buckets_in(tr, ts)) | set(cursors))
     per_bucket = max(16, limit // max(1, len(buckets)) * 2)
     heads, exhausted = [], set()
     for b in buckets:

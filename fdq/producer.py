@@ -39,8 +39,9 @@ from .keyspace import (Keyspace, TopicSpace, counter, decode_counter, ensure_for
                        vs_key_parts)
 from .keyspace.codec import (CHUNK_BYTES, RECORD_BYTES, ROUTE_BYTES, Record, pack, packer, shard_of, split_body,
                              unpack)
+from .log import entry_bytes
 from .membership import read_clock
-from .topic import HOLD_WAIT_S, check_hold, load_config, write_topic_config
+from .topic import HOLD_WAIT_S, check_hold, load_config, write_new_topic_config
 
 VERSIONS_PER_S = 1_000_000
 MARKER_TTL_S = 600.0          # push markers outlive any commit_unknown_result retry
@@ -210,6 +211,8 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
     tags_written = set()     # each tag's key once per transaction
     packb = packer()
     plain = defaultdict(int)     # (plan, shard) -> plain messages pushed there
+    plain_bytes = defaultdict(int)   # (plan, shard) -> their records' bytes (log_bytes)
+    plain_body = defaultdict(int)    # (plan, shard) -> their bodies' bytes (inserted_bytes)
     set_stamped = tr.set_versionstamped_key
     last_target = targets = None
     for uv, (topic, env) in enumerate(items):
@@ -245,6 +248,8 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             for head, offset in targets:
                 set_stamped(head + uvb + offset, record)
             plain[last_target] += 1       # its counters, added below
+            plain_bytes[last_target] += len(record)
+            plain_body[last_target] += len(body)
             minute = now_ms // 60000 * 60000
             if time_index.get(topic) != minute:
                 time_index[topic] = minute   # a lost entry only makes a replay scan longer
@@ -311,6 +316,9 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
         tr.set_versionstamped_key(vs_key(ts.log_prefix(n), uv), record)
         for i, chunk in enumerate(chunks):
             tr.set_versionstamped_key(vs_key(ts.all_chunks.key(), uv, fdbtuple.pack((i,))), chunk)
+        counters[ts.stat("log_bytes")] += entry_bytes(ts, n, len(record), len(chunks),
+                                                      len(env.body) if chunks else 0)
+        counters[ts.stat("inserted_bytes")] += len(env.body)
         minute = now_ms // 60000 * 60000
         if time_index.get(topic) != minute:
             time_index[topic] = minute   # a lost entry only makes a replay scan longer
@@ -332,6 +340,8 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
     for (plan, n), count in plain.items():
         for key in plan.counter_keys(n):
             counters[key] += count
+        counters[plan.ts.stat("log_bytes")] += plain_bytes[(plan, n)] + count * plan.log_key_bytes(n)
+        counters[plan.ts.stat("inserted_bytes")] += plain_body[(plan, n)]
     for key, amount in counters.items():
         tr.add(key, counter(amount))
     for topic, config in configs.items():
@@ -378,7 +388,8 @@ class _PushPlan:
     """What a plain message (no msg_id, delay, headers or chunks) of one topic under one
     config writes, per shard: the stamped keys' prefixes (``vs_key_parts``: key = head +
     user version + offset) of its log row and of every subscription's ready row, and
-    the counters it adds 1 to. Built once per topic, config and producer process."""
+    the counters it adds 1 to, and its log key's bytes (the log_bytes counter). Built once
+    per topic, config and producer process."""
 
     __slots__ = ("ts", "config", "routing", "_shards")
 
@@ -393,7 +404,7 @@ class _PushPlan:
             shards = [ts.shard(sub, "", n) for sub in self.config.subs]
             targets = [vs_key_parts(ts.log_prefix(n))] + [vs_key_parts(s.ready_prefix) for s in shards]
             keys = [ts.stat("inserted"), ts.stat("routed")] + [s.stat("routed") for s in shards]
-            got = self._shards[n] = (targets, keys)
+            got = self._shards[n] = (targets, keys, entry_bytes(ts, n, 0))
         return got
 
     def targets(self, n: int) -> list:
@@ -402,6 +413,10 @@ class _PushPlan:
 
     def counter_keys(self, n: int) -> list:
         return self._shard(n)[1]
+
+    def log_key_bytes(self, n: int) -> int:
+        """The bytes of a log key of shard ``n`` (``fdq.log.entry_bytes`` of an empty record)."""
+        return self._shard(n)[2]
 
 
 def _push_plan(ts: TopicSpace, config: TopicConfig) -> _PushPlan:
@@ -455,7 +470,7 @@ def _config_for_push(tr, ks, ts, auto_create) -> TopicConfig:
         check_name(ts.name)
         ensure_format(tr, ks)     # as create_topic: the first topic records the layout
         config = auto_create if isinstance(auto_create, TopicConfig) else TopicConfig()
-        write_topic_config(tr, ts, config)
+        config = write_new_topic_config(tr, ts, config)
     return config
 
 

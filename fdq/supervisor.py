@@ -18,7 +18,8 @@ from .errors import ConfigError, TopicExists, TopicHeld, TopicNotFound
 from .headers import dispatch_tag
 from .keyspace import Keyspace, TopicSpace, Versionstamp, counter, decode_counter, message_id, vs_from_bytes
 from .keyspace.codec import CHUNK_BYTES, CHUNK_WRITE_BYTES, LeaseRecord, Record, decode_leases, pack, reshard_shard, shard_of, unpack
-from .log import iter_window, log_buckets, read_chunk
+from .log import buckets_in
+from .log import chunks_bytes, entry_bytes, iter_window, log_buckets, read_chunk
 from .stats import SHARD_COUNTERS, shard_counters
 from .topic import (HOLD_WAIT_S, create_topic, held, list_topics, load_config, read_topic_config,
                     update_topic_config)
@@ -267,26 +268,127 @@ def reshard_finish(tr, ts: TopicSpace) -> TopicConfig:
 # -- retention ----------------------------------------------------------------------
 
 @transactional
-def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: int) -> tuple:
-    """Delete up to ``limit`` log entries of ``bucket`` inserted before ``before_ms``,
-    never one not yet routed (``first_pending``). -> (deleted, done)."""
+def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: int, after=None,
+                      young_from: int | None = None, counted: bool = True) -> tuple:
+    """Delete the log entries of ``bucket`` inserted before ``before_ms`` among the next
+    ``limit`` after position ``after`` (None: its start), never one not yet routed
+    (``first_pending``) nor any after it. -> (deleted, bytes freed, last position read,
+    done). ``done`` at the bucket's end, or at the first entry inserted at or after
+    ``before_ms`` and committed at or after version ``young_from``; an entry inserted
+    "later" but committed before ``young_from`` is a producer clock running ahead: it is
+    kept and the scan goes on (None: stop at the first entry not due). With ``counted``,
+    the bytes freed are subtracted from the ``log_bytes`` counter here.
+
+    Entries are read by snapshot (pushes appending to the bucket do not abort a trim)
+    with a read conflict on each deleted one: two trims never both delete (and
+    subtract) one entry."""
     space = ts.log[bucket]
     r = space.range()
-    deleted = 0
+    begin = ts.log_key(bucket, after) + b"\x00" if after is not None else r.start
     pending = first_pending(tr, ts)
-    for kv in tr.get_range(r.start, r.stop, limit=limit):
-        rec = Record.decode(kv.value)
-        if rec.ts_ms >= before_ms:
-            return deleted, True
+    deleted = freed = 0
+    rows = list(tr.snapshot.get_range(begin, r.stop, limit=limit))
+    last, done = after, len(rows) < limit
+    for kv in rows:
         vs = space.unpack(kv.key)[0]
         if pending is not None and vs >= pending:
-            return deleted, True
-        del tr[kv.key]
-        if rec.nchunks:
-            cr = ts.all_chunks[vs].range()
-            tr.clear_range(cr.start, cr.stop)
+            done = True
+            break
+        rec = Record.decode(kv.value)
+        if rec.ts_ms >= before_ms:
+            if young_from is None or _version_of(vs) >= young_from:
+                done = True
+                break
+            last = vs       # a clock ahead: kept, and not a reason to keep what follows
+            continue
+        freed += _delete_entry(tr, ts, bucket, kv.key, vs, kv.value, rec.nchunks)
         deleted += 1
-    return deleted, deleted < limit
+        last = vs
+    _note_trimmed(tr, ts, deleted, freed if counted else 0)
+    return deleted, freed, last, done
+
+
+def _note_trimmed(tr, ts: TopicSpace, deleted: int, freed: int):
+    """Subtract ``freed`` from ``log_bytes`` and count the entries deleted (``trimmed``).
+    ``trimmed`` is written by every trim that deletes and read with a conflict by trim by
+    size: two trims are serialized, so the size one never acts on a ``log_bytes`` that
+    another trim lowered since it read it (it would delete more than needed)."""
+    if freed:
+        tr.add(ts.stat("log_bytes"), counter(-freed))
+    if deleted:
+        tr.add(ts.stat("trimmed"), counter(deleted))
+
+
+def _version_of(vs) -> int:
+    return int.from_bytes(vs.tr_version[:8], "big")
+
+
+def _delete_entry(tr, ts: TopicSpace, bucket: int, key: bytes, vs, raw, nchunks: int) -> int:
+    """Delete one log entry (read by the caller) and its body chunks: its bytes
+    (``fdq.log.entry_bytes``). A read conflict on its key: a concurrent trim deleting it
+    too makes one of the two retry (and find it gone)."""
+    tr.add_read_conflict_key(key)
+    size = 0
+    if nchunks:
+        last = tr.snapshot[ts.all_chunks.pack((vs, nchunks - 1))]
+        size = chunks_bytes(len(last) if last != None else 0, nchunks)   # noqa: E711
+        cr = ts.all_chunks[vs].range()
+        tr.clear_range(cr.start, cr.stop)
+    del tr[key]
+    return entry_bytes(ts, bucket, len(raw), nchunks, size)
+
+
+@transactional
+def trim_oldest_chunk(tr, ts: TopicSpace, entries: list, max_bytes: int, size: int | None = None) -> tuple:
+    """Delete the oldest of ``entries`` [(bucket, vs)] (the log's oldest, in log order)
+    while the log is over ``max_bytes`` by its ``log_bytes`` counter (or by ``size``, a
+    topic without one: see ``TopicConfig``), never one not yet routed nor any after it.
+    -> (deleted, bytes freed, done). An entry already gone (a concurrent trim) is
+    skipped. The counter is read by snapshot (concurrent pushes do not abort a trim),
+    ``trimmed`` with a conflict (a concurrent trim does); the bytes freed are subtracted
+    from the counter here."""
+    counted = size is None
+    tr.add_read_conflict_key(ts.stat("trimmed"))    # any other trim's commit (``_note_trimmed``)
+    if counted:
+        size = decode_counter(tr.snapshot[ts.stat("log_bytes")])
+    pending = first_pending(tr, ts)
+    raws = [tr.snapshot[ts.log_key(b, vs)] for b, vs in entries]    # (futures on FDB)
+    deleted = freed = 0
+    done = False
+    for (bucket, vs), raw in zip(entries, raws):
+        if size - freed <= max_bytes or (pending is not None and vs >= pending):
+            done = True
+            break
+        if raw == None:  # noqa: E711 - deleted meanwhile
+            continue
+        freed += _delete_entry(tr, ts, bucket, ts.log_key(bucket, vs), vs, raw, Record.decode(raw).nchunks)
+        deleted += 1
+    _note_trimmed(tr, ts, deleted, freed if counted else 0)
+    return deleted, freed, done
+
+
+@transactional
+def trim_index_chunk(tr, ts: TopicSpace, limit: int) -> tuple:
+    """Delete time index entries (in minute order) that point before the log's oldest
+    entry, up to the first that does not. -> (deleted, done). Deleting an index entry is
+    always safe (a window then starts earlier, ``log.position_for_time``); keeping them
+    would grow the index without bound under retention by size alone."""
+    oldest = None
+    for b in buckets_in(tr, ts):
+        br = ts.log[b].range()
+        for kv in tr.snapshot.get_range(br.start, br.stop, limit=1):
+            vs = ts.log[b].unpack(kv.key)[0]
+            oldest = vs if oldest is None or vs < oldest else oldest
+    if oldest is None:      # an empty log: whatever is committed later is after this version
+        rv = tr.get_read_version().wait()
+        oldest = Versionstamp(rv.to_bytes(8, "big") + b"\x00\x00", 0)
+    r = ts.time_index.range()
+    rows = list(tr.snapshot.get_range(r.start, r.stop, limit=limit))   # (pushes add index
+    for n, kv in enumerate(rows):                                       # entries: no conflict)
+        if ts.time_index.unpack(kv.key)[1] >= oldest:
+            return n, True
+        del tr[kv.key]
+    return len(rows), len(rows) < limit
 
 
 def first_pending(tr, ts: TopicSpace):
@@ -297,20 +399,6 @@ def first_pending(tr, ts: TopicSpace):
     for kv in tr.get_range(r.start, r.stop, limit=1):
         return ts.pending.unpack(kv.key)[0]
     return None
-
-
-@transactional
-def delete_log_entries(tr, ts: TopicSpace, entries: list) -> int:
-    """Delete log entries [(bucket, vs, nchunks)] and their body chunks, except those
-    not routed yet (``first_pending``). Safe to re-run."""
-    pending = first_pending(tr, ts)
-    entries = [e for e in entries if pending is None or e[1] < pending]
-    for bucket, vs, nchunks in entries:
-        del tr[ts.log_key(bucket, vs)]
-        if nchunks:
-            cr = ts.all_chunks[vs].range()
-            tr.clear_range(cr.start, cr.stop)
-    return len(entries)
 
 
 def _range(r):
@@ -503,11 +591,20 @@ class Supervisor:
     def trim(self, name: str, *, before_ms: int | None = None, progress=None) -> int:
         """Apply retention to the "all" log: delete what was inserted before ``before_ms``
         (default: ``retention_s`` of the config), then, with ``retention_bytes``, the oldest
-        entries (in log order) until the log fits; and expire push markers and dedupe ids
-        past their windows. Returns the log entries deleted. Queued messages are untouched, and
-        so is every entry from the oldest one not routed yet (pushed while paused) on.
-        ``before_ms``: epoch ms or a datetime; anything else is a ConfigError (a NaN, never
-        compared as newer, deleted the whole log)."""
+        entries (in log order) until the log's size (``TopicConfig``: its ``log_bytes``
+        counter) is at most ``retention_bytes``; drop time index entries that point before
+        the oldest entry left; and expire push markers and dedupe ids past their windows.
+        Returns the log entries deleted. Queued messages are untouched, and so is every
+        entry from the oldest one not routed yet (pushed while paused) on.
+
+        By age, "inserted" is the producer's clock (a record's ``ts_ms``): an entry
+        stamped at or after ``before_ms`` is kept, and the scan of its bucket goes on
+        past it while entries were committed before ``before_ms`` by the database's
+        versions (a producer clock running ahead), stopping at the first one committed
+        since (an entry of a clock running behind is deleted by a later trim). Chunked
+        and resumable: a trim killed mid-way leaves the counter equal to the log's size,
+        and running it again finishes. ``before_ms``: epoch ms or a datetime; anything
+        else is a ConfigError (a NaN, never compared as newer, deleted the whole log)."""
         from .producer import to_ms
         before_ms = to_ms(before_ms)
         ts = self._ts(name)
@@ -517,9 +614,14 @@ class Supervisor:
         deleted = 0
         buckets = log_buckets(self.db, ts)     # a reshard to fewer shards leaves buckets behind
         if before_ms is not None:
+            # Versions advance at least VERSIONS_PER_S (recoveries jump ahead): an entry
+            # committed at or after this version was committed after before_ms.
+            young_from = _read_version(self.db) - max(0, int(time.time() * 1000) - before_ms) * (VERSIONS_PER_S // 1000)
             for b in buckets:
+                after = None
                 while True:
-                    n, done = trim_bucket_chunk(self.db, ts, b, before_ms, CHUNK)
+                    n, _freed, after, done = trim_bucket_chunk(self.db, ts, b, before_ms, CHUNK, after,
+                                                               young_from, config.log_bytes_counted)
                     deleted += n
                     if progress:
                         progress(n)
@@ -533,7 +635,9 @@ class Supervisor:
                 tr.clear_range(r.start, idx.pack((before_ms // 60000 * 60000 - 120_000,)))
             trim_index(self.db)
         if config.retention_bytes is not None:
-            deleted += self._trim_to_size(ts, log_buckets(self.db, ts), config.retention_bytes, progress)
+            deleted += self._trim_to_size(ts, log_buckets(self.db, ts), config, progress)
+        while not trim_index_chunk(self.db, ts, CHUNK)[1]:
+            pass
         rv = _read_version(self.db)
         now_ms = int(time.time() * 1000)
         for space, target, window, text in ((ts.marks_by_version, ts.marks, 600.0, False),
@@ -545,27 +649,26 @@ class Supervisor:
                 pass
         return deleted
 
-    def _trim_to_size(self, ts: TopicSpace, buckets: list, max_bytes: int, progress=None) -> int:
-        """Delete the log's oldest entries until its estimated size (keys, records and body
-        chunks; FDB's estimate is sampled) is at most ``max_bytes``."""
-        size = _estimated_log_bytes(self.db, ts, buckets)
-        excess, deleted, cursors = size - max_bytes, 0, {}
-        while excess > 0:
+    def _trim_to_size(self, ts: TopicSpace, buckets: list, config: TopicConfig, progress=None) -> int:
+        """Delete the log's oldest entries until its size is at most ``retention_bytes``:
+        by its ``log_bytes`` counter (exact; read again in every chunk), or for a topic
+        created by an older FDQ (no counter) by FDB's size estimate, read once (sampled on
+        a cluster: coarse below a few MB)."""
+        size = None if config.log_bytes_counted else _estimated_log_bytes(self.db, ts, buckets)
+        deleted, cursors = 0, {}
+        while True:
             rows = read_chunk(self.db, ts, buckets, cursors, CHUNK)
             if not rows:
                 break
-            batch = []
-            for vs, b, rec, raw in rows:
-                batch.append((b, vs, rec.nchunks))
-                excess -= len(ts.log_key(b, vs)) + len(raw) + rec.nchunks * CHUNK_BYTES
-                if excess <= 0:
-                    break
-            n = delete_log_entries(self.db, ts, batch)
+            n, freed, done = trim_oldest_chunk(self.db, ts, [(b, vs) for vs, b, _rec, _raw in rows],
+                                               config.retention_bytes, size)
             deleted += n
+            if size is not None:
+                size -= freed
             if progress:
                 progress(n)
-            if n < len(batch):
-                break       # reached messages not routed yet: they and later ones stay
+            if done:
+                break       # fits, or reached messages not routed yet: they and later ones stay
         return deleted
 
     # -- subscriptions (see fdq.subscription) -----------------------------------------
@@ -701,6 +804,12 @@ def topic_stats(tr, ts: TopicSpace, name: str) -> dict:
     rv = tr.get_read_version().wait()
     topic = {k: decode_counter(snap[ts.stat(k)]) for k in ("inserted", "routed", "emitted", "acked")}
     topic["pending"] = topic["inserted"] - topic["routed"]
+    # Bodies pushed, all time (nsqd's message_bytes; since the upgrade for an older
+    # FDQ's topic), log entries trim deleted, and the log's size now (TopicConfig; None
+    # without a counter).
+    topic["inserted_bytes"] = decode_counter(snap[ts.stat("inserted_bytes")])
+    topic["trimmed"] = decode_counter(snap[ts.stat("trimmed")])
+    topic["log_bytes"] = decode_counter(snap[ts.stat("log_bytes")]) if config.log_bytes_counted else None
     subs = {}
     for sub in config.subs:
         shards = shard_counters(snap, ts, sub, config)

@@ -67,6 +67,15 @@ def create_topic(tr, ks: Keyspace, name: str, config: TopicConfig, *, exist_ok: 
             raise TopicExists(f"topic {name!r} already exists with {existing.shards} shards, not {config.shards}"
                               f" (change the count with rebalance)")
         return existing
+    return write_new_topic_config(tr, ts, config)
+
+
+def write_new_topic_config(tr, ts: TopicSpace, config: TopicConfig) -> TopicConfig:
+    """Write the config of a topic that does not exist (in the caller's transaction). Its
+    log is empty: its ``log_bytes`` counter (push adds, trim subtracts) covers all of it
+    from here on, which ``log_bytes_counted`` records (an older FDQ's topic lacks it)."""
+    config = dataclasses.replace(config, log_bytes_counted=True)
+    tr.clear(ts.stat("log_bytes"))
     write_topic_config(tr, ts, config)
     return config
 

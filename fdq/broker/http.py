@@ -496,7 +496,8 @@ class HTTPServer:
                 })
             depth = st["counters"]["pending"]
             out.append({"topic_name": name, "channels": channels, "depth": depth, "backend_depth": 0,
-                        "message_count": st["counters"]["inserted"], "message_bytes": 0,
+                        "message_count": st["counters"]["inserted"],
+                        "message_bytes": st["counters"]["inserted_bytes"],
                         "paused": bool(cfg.get("paused")), "extend": bool(cfg.get("extend")),
                         "e2e_processing_latency": quantile.result(pct, topic_e2e)})
         return out

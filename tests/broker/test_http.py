@@ -114,6 +114,20 @@ def test_pub_mpub_and_consume(broker):
     c.close()
 
 
+def test_stats_message_bytes_are_the_bodies_published(broker):
+    """nsqd's topic message_bytes: the bytes of every message body published to the
+    topic (with message_count, the messages), from FDQ's counters: HTTP /pub and /mpub,
+    TCP PUB, and a body large enough to be split into chunks."""
+    assert broker.http_req("/pub?topic=mb", b"one") == (200, b"OK")
+    assert broker.http_req("/mpub?topic=mb", b"two\nthree\n") == (200, b"OK")
+    c = RawClient(broker.tcp)
+    c.identify()
+    c.pub("mb", b"x" * 200_000)
+    c.close()
+    t, = stats(broker, topic="mb")["topics"]
+    assert (t["message_count"], t["message_bytes"]) == (4, 3 + 3 + 5 + 200_000)
+
+
 def test_topic_and_channel_admin(broker):
     assert broker.http_req("/topic/create?topic=adm", b"")[0] == 200
     assert broker.http_req("/channel/create?topic=adm&channel=x", b"")[0] == 200

@@ -75,6 +75,7 @@ def _write_status(path, status: dict):
 
 def producer(args):
     import fdq
+    _skew_clock(args.skew_s)
     counters = Counters()
     counters.install()
     db = fdq.connect(args.url)
@@ -254,6 +255,17 @@ def replay(args):
     print(f"done {total}", flush=True)
 
 
+def trim(args):
+    """``Supervisor.trim`` of the topic (by its retention config, or before ``--before-ms``),
+    printing each chunk's deletions."""
+    import fdq
+    db = fdq.connect(args.url)
+    print("start", flush=True)
+    total = fdq.Supervisor(db).trim(args.topic, before_ms=args.before_ms,
+                                    progress=lambda n: print(f"chunk {n}", flush=True))
+    print(f"done {total}", flush=True)
+
+
 def jumper(args):
     """Commit tiny transactions on a fault-injecting connection until killed: the engine
     injects version jumps of 100,000,000 (an FDB recovery) into the shared database."""
@@ -278,7 +290,7 @@ def jumper(args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("role", choices=["producer", "consumer", "play", "rebalance", "replay", "jumper"])
+    ap.add_argument("role", choices=["producer", "consumer", "play", "rebalance", "replay", "trim", "jumper"])
     ap.add_argument("--url", required=True)
     ap.add_argument("--topic", default="t")
     ap.add_argument("--name", default="w")
@@ -295,9 +307,10 @@ def main(argv=None):
     ap.add_argument("--ack-wait", type=float, default=30.0)
     ap.add_argument("--hold-s", type=float, default=0.0)
     ap.add_argument("--skew-s", type=float, default=0.0)
+    ap.add_argument("--before-ms", type=int, default=None)
     args = ap.parse_args(argv)
     {"producer": producer, "consumer": consumer, "play": play, "rebalance": rebalance,
-     "replay": replay, "jumper": jumper}[args.role](args)
+     "replay": replay, "trim": trim, "jumper": jumper}[args.role](args)
 
 
 if __name__ == "__main__":
