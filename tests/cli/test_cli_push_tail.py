@@ -51,10 +51,10 @@ def test_push_stdin_lines_in_batches(run, db, sup, monkeypatch):
     monkeypatch.setattr("fdq.cli.commands.PUSH_BATCH", 7)     # several transactions
     lines = [f"line {i}" for i in range(50)] + ["", "caf\u00e9", "last-no-newline"]
     data = ("\n".join(lines)).encode()
-    r = run("push", "orders", "-", "--key", "k", input=data)
+    r = run("push", "orders", "-", "--key", "k", "--keep-empty", input=data)   # the blank line too
     ids = r.stdout.split()
     assert len(ids) == len(set(ids)) == len(lines)
-    assert "pushed 53 messages to 'orders'" in r.stderr
+    assert "pushed 53 messages to 'orders'" in r.stderr and "skipped" not in r.stderr
     got = drain(db, "orders")
     assert [m.id for m in got] == ids                        # one key: push order
     assert [m.body for m in got] == [line.encode() for line in lines]
