@@ -161,7 +161,9 @@ def cli(ctx, url):
     """FDQ: a message queue on FoundationDB (or its embedded engine).
 
     Data goes to stdout, messages and progress to stderr. Exit codes: 0 ok,
-    1 error (one line on stderr), 2 usage error.
+    1 error (one line on stderr), 2 usage error, 130 Ctrl-C (one line saying
+    what was done; run a chunked command again to finish it), 141 stdout's
+    reader went away (| head: nothing on stderr).
     """
     ctx.obj = State(url or None)
 
