@@ -8,8 +8,8 @@ FDQ client the test ``kill -9``s and restarts at random. Every random choice com
   once, what each taking transaction may take (``T``, before its commit);
 * exactly-once consumers write through the dequeue transaction: a counter
   ``ch/done/<id>`` and a commit-ordered entry ``ch/order/<versionstamp> = id``;
-* the supervisor journals ``B <op>`` before and ``E`` after each operation, and on
-  start reruns an operation a kill left unfinished (as the README says to).
+* the supervisor journals ``B <op>`` before and ``E <t> <result>`` after each operation,
+  and on start reruns an operation a kill left unfinished (as the README says to).
 """
 from __future__ import annotations
 
@@ -183,6 +183,7 @@ def supervisor(args):
     def run(op):
         journal.write("B " + json.dumps(op) + f" {time.monotonic_ns()}")
         kind = op[0]
+        result = None
         if kind == "pause":
             sup.pause(TOPIC)
         elif kind == "play":
@@ -194,8 +195,12 @@ def supervisor(args):
         elif kind == "rebalance":
             sup.rebalance(TOPIC, shards=op[1])
         elif kind == "replay":
-            prod.replay(TOPIC, op[1], op[2])
-        journal.write(f"E {time.monotonic_ns()}")
+            result = prod.replay(TOPIC, op[1], op[2])
+        elif kind == "redrive":         # dead letters of an at-least-once subscription
+            result = sup.dlq_redrive(TOPIC, op[1])
+        elif kind == "trim":            # the log older than --trim-age, while consumers consume
+            result = sup.trim(TOPIC, before_ms=op[1])
+        journal.write(f"E {time.monotonic_ns()} {json.dumps(result)}")
 
     lines = _lines(args.out)
     if lines and lines[-1].startswith("B "):
@@ -203,18 +208,22 @@ def supervisor(args):
     print("ready", flush=True)
     while not stop.is_set():
         r = rng.random()
-        if r < 0.25:
+        if r < 0.22:
             op = ["pause"]
-        elif r < 0.5:
+        elif r < 0.44:
             op = ["play"]
-        elif r < 0.65:
+        elif r < 0.56:
             op = ["rebalance", None]
-        elif r < 0.85:
+        elif r < 0.72:
             op = ["rebalance", rng.randint(2, 9)]
-        else:
+        elif r < 0.86:
             now = int(time.time() * 1000)
             start = now - rng.randint(200, 3000)
             op = ["replay", start, start + rng.randint(20, 300)]
+        elif r < 0.94:
+            op = ["redrive", rng.choice(["alo", "alu"])]
+        else:
+            op = ["trim", int((time.time() - args.trim_age) * 1000)]
         run(op)
         stop.wait(rng.uniform(0.05, 0.4))
     print("stopped", flush=True)
@@ -237,6 +246,7 @@ def main(argv=None):
     ap.add_argument("--mode", choices=["eo", "alo", "amo"], default="eo")
     ap.add_argument("--sub", default="default")
     ap.add_argument("--ack-wait", type=float, default=0.6)
+    ap.add_argument("--trim-age", type=float, default=5.0)    # supervisor: trim the log older than this (s)
     args = ap.parse_args(argv)
     {"producer": producer, "consumer": consumer, "supervisor": supervisor}[args.role](args)
 
