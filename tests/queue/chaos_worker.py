@@ -25,6 +25,7 @@ import time
 import weakref
 
 TOPIC = "t"
+TAG = "g"                     # the dispatch tag some messages carry and some consumers want
 STOP = threading.Event()      # set by SIGTERM (installed before anything else)
 
 
@@ -48,7 +49,8 @@ def producer(args):
     """Push ``--count`` messages (bodies ``<name>.<gen>:<seq>``): singles and batches,
     shard keys from a small set, some without a key, a few delayed (keys of their own,
     so they do not take part in the per-key order), some with a ``msg_id`` that this
-    producer or another one pushes again."""
+    producer or another one pushes again, some with dispatch tag ``g`` (keys ``gk<n>``
+    of their own: a tag's shards are not the untagged ones)."""
     import fdq
     rng = random.Random(args.seed)
     db = fdq.connect(args.url)
@@ -71,16 +73,22 @@ def producer(args):
                 key = None
             else:
                 key = f"k{rng.randrange(args.keys)}"
+            headers = None
+            if rng.random() < 0.15:
+                headers = {"##client_dispatch_tag": TAG}
+                if key is not None and not key.startswith("d-"):
+                    key = "g" + key
             if rng.random() < 0.08:
                 # a shared pool: several producers (and restarts) push the same ids
                 msg_id = f"m{rng.randrange(args.count // 4 + 1)}"
             if rng.random() < 0.01:     # a body split across keys (over FDB's value limit)
                 size = rng.randint(100_000, 300_000)
                 body += b"|%d|" % size + bytes([97 + s % 26]) * size
-            envs.append(fdq.Envelope(body, shard_key=key, delay=delay, msg_id=msg_id))
+            envs.append(fdq.Envelope(body, shard_key=key, delay=delay, msg_id=msg_id, headers=headers))
         if n == 1:
             e = envs[0]
-            results = [p.push(TOPIC, e.body, shard_key=e.shard_key, msg_id=e.msg_id, delay=e.delay)]
+            results = [p.push(TOPIC, e.body, shard_key=e.shard_key, msg_id=e.msg_id, delay=e.delay,
+                              headers=e.headers)]
         else:
             results = p.push_many(TOPIC, envs)
         for e, r in zip(envs, results):
@@ -156,7 +164,8 @@ def consumer(args):
                                 max_deliver=3, backoff_s=(0.0, 0.05), lease_check_interval_s=0.1,
                                 poll_interval_s=0.2, max_concurrency=concurrency)
     kw = dict(consumer_id=args.name, subscription=args.sub, config=config,
-              batch_size=rng.choice([1, 5, 10, 10, 50]), on_error=on_error)
+              batch_size=rng.choice([1, 5, 10, 10, 50]), on_error=on_error,
+              extend_support=True, desired_tag=TAG if args.tag else None)
     if args.mode == "eo":
         c = fdq.tail(db, TOPIC, eo_handler, transactional=True, **kw)
     else:
@@ -245,6 +254,7 @@ def main(argv=None):
     ap.add_argument("--total", type=int, default=1)
     ap.add_argument("--mode", choices=["eo", "alo", "amo"], default="eo")
     ap.add_argument("--sub", default="default")
+    ap.add_argument("--tag", action="store_true")       # consumers: want the dispatch tag's shards
     ap.add_argument("--ack-wait", type=float, default=0.6)
     ap.add_argument("--trim-age", type=float, default=5.0)    # supervisor: trim the log older than this (s)
     args = ap.parse_args(argv)

@@ -9,7 +9,10 @@ producers push singles and batches, keyed and unkeyed, a few delayed, a few larg
 plays, rebalances, reshards (``rebalance(shards=N)``), replays windows of the log,
 redrives the dead letters of ``alo`` or ``alu`` (their handlers term some messages, others
 die by max_deliver) and trims the log older than ``TRIM_AGE_S`` while consumers consume, at
-random (the test reads the log often enough to see every entry before a trim can delete it). Meanwhile the test ``kill -9``s a random producer, consumer or the supervisor
+random (the test reads the log often enough to see every entry before a trim can delete it).
+The topic has extend support: some messages carry dispatch tag ``g`` (keys of their own),
+and one consumer of ``default``, ``alo`` and ``alu`` each wants that tag (its shards go to
+the untagged consumers while no consumer wanting it is live). Meanwhile the test ``kill -9``s a random producer, consumer or the supervisor
 and restarts it (a killed play/rebalance/replay is run again by the restarted
 supervisor); with some seeds every process uses the embedded engine's fault injection
 (retryable errors, ``commit_unknown_result``, version jumps).
@@ -31,6 +34,8 @@ stored; a push killed before its producer logged the result may or may not be th
   only ``ordered=True`` holds a key's later messages back meanwhile.)
 * at-most-once: nothing handled twice; missing only what a killed consumer took;
   first deliveries in log order per key;
+* a consumer wanting tag ``g`` handled tagged messages only (untagged shards are never
+  its);
 * no lease, ready or delayed message left; backlog, in-flight, delayed counters 0; the
   topic's emitted/acked the sums of its subscriptions';
 * dead letters counted exactly after the redrives and trims under way: a last redrive
@@ -69,6 +74,8 @@ WORKER = Path(__file__).with_name("chaos_worker.py")
 CHAOS_S = float(os.environ.get("FDQ_CHAOS_SECONDS", "10"))
 PRODUCERS, BUDGET = 2, int(40 * CHAOS_S)      # messages per producer slot, over its restarts
 CONSUMERS = (("default", "eo", 2), ("alo", "alo", 2), ("alu", "alo", 2), ("amo", "amo", 1))
+TAGGED = {"default1", "alo1", "alu1"}       # consumer slots that want dispatch tag "g"
+TAG_HEADER = "##client_dispatch_tag"
 FAULTS = float(os.environ.get("FDQ_CHAOS_FAULTS", "0.02"))
 TRIM_AGE_S = 5.0        # the supervisor trims log entries older than this
 
@@ -217,7 +224,7 @@ def test_chaos(tmp_path, cluster_factory, seed):
     url = f"sqlite://{tmp_path / 'fdq.db'}"
     db = fdq.connect(url)
     sup = fdq.Supervisor(db)
-    sup.create_topic("t", shards=rng.randint(2, 8))
+    sup.create_topic("t", shards=rng.randint(2, 8), extend=True)
     sup.create_subscription("t", "alo", fdq.SubscriptionConfig(deliver_policy="all", ordered=True))
     sup.create_subscription("t", "alu", fdq.SubscriptionConfig(deliver_policy="all"))
     sup.create_subscription("t", "amo", fdq.SubscriptionConfig(deliver_policy="all"))
@@ -234,7 +241,7 @@ def test_chaos(tmp_path, cluster_factory, seed):
         for j in range(k):
             slot = f"{sub}{j}"
             out = tmp_path / f"{slot}.0.log"
-            p = cl.start("consumer", slot, out, "--mode", mode, "--sub", sub)
+            p = cl.start("consumer", slot, out, "--mode", mode, "--sub", sub, *(["--tag"] if slot in TAGGED else []))
             cons[slot] = [p, sub, mode, [(p, out)]]
     journal = tmp_path / "supervisor.journal"
     supp = cl.start("supervisor", "s", journal, "--trim-age", TRIM_AGE_S)
@@ -279,7 +286,7 @@ def test_chaos(tmp_path, cluster_factory, seed):
             kills[f"consumer-{mode}"] += 1
             name = slot if rng.random() < 0.5 else f"{slot}-{len(runs)}"   # rejoin as itself, or anew
             out = tmp_path / f"{slot}.{len(runs)}.log"
-            p = cl.start("consumer", name, out, "--mode", mode, "--sub", sub)
+            p = cl.start("consumer", name, out, "--mode", mode, "--sub", sub, *(["--tag"] if slot in TAGGED else []))
             runs.append((p, out))
             cons[slot][0] = p
         elif len(read_lines(journal)) > sup_lines + 1:    # it got to work since its start
@@ -386,6 +393,15 @@ def test_chaos(tmp_path, cluster_factory, seed):
         _check_first_in_order(log, {m: t for m, v in calls.items() for t, a, _o in v if a == 1 and t == first[m]},
                               f"alu {out.name}")
 
+    # -- dispatch tags: what a consumer wanting "g" handled was tagged "g"
+    tagged = {m for m, rec in log if (rec.headers or {}).get(TAG_HEADER) == "g"}
+    by_tag_consumers = set()
+    for slot in TAGGED - {"default1"}:
+        calls, _ = _handled([out for _p, out in cons[slot][3]])
+        assert set(calls) <= tagged, f"{slot} (tag g) handled untagged {sorted(set(calls) - tagged)[:5]}"
+        by_tag_consumers |= set(calls)
+    print(f"tagged {len(tagged)}, handled by tag consumers {len(by_tag_consumers)}")
+
     # -- at-most-once
     runs = cons["amo0"][3]
     calls, _ = _handled([out for _p, out in runs])
@@ -422,7 +438,7 @@ def test_chaos(tmp_path, cluster_factory, seed):
         s = sup.stats("t")["subscriptions"][sub]
         assert (s["dlq"], s["backlog"], s["in_flight"]) == (0, len(dead), 0), (sub, s)
         got = {}
-        with fdq.Consumer(db, "t", subscription=sub, create=False) as c:
+        with fdq.Consumer(db, "t", subscription=sub, create=False, extend_support=True) as c:
             while len(got) < len(dead):
                 ms = c.fetch(100, timeout=10)
                 assert ms, f"{sub}: {len(got)} of {len(dead)} redriven dead letters delivered"
