@@ -112,15 +112,20 @@ class Cluster:
         self.all.append(p)
         return p
 
-    def wait_ready(self, p, timeout=60):
-        """Wait for the worker's ``ready`` line (its signal handler is set by then)."""
+    def wait_ready(self, p, timeout=60, meanwhile=None):
+        """Wait for the worker's ``ready`` line (its signal handler is set by then),
+        calling ``meanwhile()`` every 0.1 s or so while it does not come."""
         import selectors
         with selectors.DefaultSelector() as sel:
             sel.register(p.stdout, selectors.EVENT_READ)
             deadline = time.monotonic() + timeout
             while True:
                 left = deadline - time.monotonic()
-                assert left > 0 and sel.select(left), f"{p.name}: not ready within {timeout}s: {self.stderr(p)}"
+                assert left > 0, f"{p.name}: not ready within {timeout}s: {self.stderr(p)}"
+                if not sel.select(min(left, 0.1) if meanwhile else left):
+                    if meanwhile:
+                        meanwhile()
+                    continue
                 line = p.stdout.readline()
                 assert line, f"{p.name} exited before it was ready: {self.stderr(p)}"
                 if line.strip() == "ready":
@@ -307,11 +312,17 @@ def test_chaos(tmp_path, cluster_factory, seed):
             time.sleep(0.1)
         rc = p.wait(timeout=1)
         assert rc == 0 or getattr(p, "killed", False), f"producer p{slot} exited {rc}: {cl.stderr(p)}"
-    read_log()          # every push is done: nothing more to see
+    # the supervisor still trims and replays (new entries) until it stops
+    cl.wait_ready(supp, meanwhile=read_log)
+    os.kill(supp.pid, signal.SIGTERM)
+    t_end = time.monotonic() + 120
+    while supp.poll() is None and time.monotonic() < t_end:
+        read_log()
+        time.sleep(0.1)
+    cl.stop(supp, 1)
+    read_log()          # nothing more is written to the log, nor trimmed
     # each entry lived TRIM_AGE_S at least: read at least once if reads were closer
     assert gaps[0] < TRIM_AGE_S - 1, f"the log was read {gaps[0]:.1f} s apart: a trimmed entry may be unseen"
-    cl.wait_ready(supp)
-    cl.stop(supp, 120)
     t_drain = time.monotonic()
     sup.rebalance("t")
     sup.play("t")
