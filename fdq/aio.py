@@ -53,6 +53,7 @@ class AsyncTail:
         self._acking = acking
         self._poll_s = poll_s
         self._stopping = False
+        self._in_fetch = False          # the task awaits a fetch (no round in hand)
         self._slots = asyncio.Semaphore(consumer.config.max_concurrency)
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"fdq-aio-{consumer.id}")
 
@@ -74,8 +75,12 @@ class AsyncTail:
     async def _run(self):
         while not self._stopping:
             try:
-                msgs = await self._call(self.consumer.fetch, self.batch_size, self._poll_s)
-                if msgs:
+                self._in_fetch = True
+                try:
+                    msgs = await self._call(self.consumer.fetch, self.batch_size, self._poll_s)
+                finally:
+                    self._in_fetch = False
+                if msgs and not self._stopping:     # stopping: close() gives them back
                     await self._round(msgs)
             except asyncio.CancelledError:
                 raise
@@ -130,13 +135,17 @@ class AsyncTail:
 
     async def shutdown(self):
         """Finish the round in hand (its settlements committed), then leave: the shards
-        go to the other consumers at once."""
+        go to the other consumers at once, and so do the leases of a fetch under way (it
+        ends at once; ``Consumer.close`` waits for its worker thread, also when this
+        tail's task was cancelled, so nothing it leased waits for its ack wait)."""
         if not self._stopping:
             self._stopping = True
+            # No round in hand: close now, which ends the fetch the task awaits.
+            closing = asyncio.ensure_future(self._call(self.consumer.close)) if self._in_fetch else None
             try:
                 await self._task
             finally:
-                await self._call(self.consumer.close)
+                await (closing if closing is not None else self._call(self.consumer.close))
 
     async def __aenter__(self):
         return self

@@ -319,6 +319,8 @@ class Consumer:
         self._catching_up_since = None   # when this consumer first saw its subscription catching up
         self._catch_up_helper = None
         self._closed = False
+        self._fetching = []          # idents of the threads inside fetch(), under _fetch_done
+        self._fetch_done = threading.Condition()
         self._clock_base = None      # (database clock ms, this host's monotonic s) last seen
         self._thread = None
         joined = self._bind_subscription(create, subscription_config, ephemeral)
@@ -857,13 +859,32 @@ class Consumer:
     def fetch(self, max_messages: int = 100, timeout: float = 1.0, *, ack_wait_s: float | None = None) -> list:
         """Lease up to ``max_messages`` messages, waiting up to ``timeout`` seconds for
         the first. Settle each with ack/nak/term; unsettled ones are redelivered after
-        ``ack_wait_s`` (this fetch's lease length; default the consumer config's)."""
+        ``ack_wait_s`` (this fetch's lease length; default the consumer config's).
+
+        ``close()`` from another thread ends a waiting fetch at once (``[]``) and waits
+        for one in the middle of a lease, so it returns that lease too; a fetch after
+        ``close()`` returns ``[]`` without leasing."""
         if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
             raise ConfigError(f"max_messages must be an integer >= 1, not {max_messages!r}")
         if ack_wait_s is not None:
             ConsumerConfig(ack_wait_s=ack_wait_s)   # validates
+        me = threading.get_ident()
+        with self._fetch_done:
+            if self._closed:
+                return []
+            self._fetching.append(me)
+        try:
+            return self._fetch(max_messages, timeout, ack_wait_s)
+        finally:
+            with self._fetch_done:
+                self._fetching.remove(me)
+                self._fetch_done.notify_all()
+
+    def _fetch(self, max_messages: int, timeout: float, ack_wait_s: float | None) -> list:
         deadline = _monotonic() + max(0.0, timeout)
         while True:
+            if self._stop.is_set():         # closing: lease nothing more
+                return []
             shards = self._next_shards()
             try:
                 out = self._lease_many(shards, max_messages, ack_wait_s)
@@ -934,12 +955,14 @@ class Consumer:
         consumer still holds are returned to their queues at once."""
         if self._closed:
             return
-        self._closed = True
+        with self._fetch_done:
+            self._closed = True
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
         deadline = _monotonic() + _GOODBYE_MS / 1000
+        self._await_fetches(deadline)
         self._return_leases(deadline)
         for w in self._watches.values():
             w.cancel()
@@ -948,6 +971,15 @@ class Consumer:
                        self._topic_config, self._incarnation)
         except FDQError as e:
             self._report(e)
+
+    def _await_fetches(self, deadline):
+        """Wait (until ``deadline``) for fetches other threads are in the middle of: a
+        lease one commits after ``_return_leases`` looked would otherwise stay taken
+        until its ack wait ran out (``fdq.aio``'s fetch in a worker thread, cancelled)."""
+        me = threading.get_ident()
+        with self._fetch_done:
+            self._fetch_done.wait_for(lambda: all(t == me for t in self._fetching),
+                                      max(0.0, deadline - _monotonic()))
 
     def _return_leases(self, deadline):
         """Nak (delay 0) what this consumer leased and did not settle. Only its own

@@ -922,7 +922,8 @@ class Broker:
 
 async def serve(url: str, tcp_address: str = "127.0.0.1:4150", http_address: str | None = "127.0.0.1:4151",
                 options: BrokerOptions | None = None, ready=None):
-    """Run a broker until SIGTERM/SIGINT. ``ready(tcp_port, http_port)`` is called once listening."""
+    """Run a broker until SIGTERM/SIGINT. ``ready(tcp_port, http_port)`` is called once listening.
+    Returns the signal that stopped it."""
     db = connect(url)
     broker = Broker(db, options)
     host, port = split_address(tcp_address)
@@ -935,9 +936,14 @@ async def serve(url: str, tcp_address: str = "127.0.0.1:4150", http_address: str
         http_server = HTTPServer(broker)
         http_port = await http_server.start(hhost, hport)
     stop = asyncio.Event()
+    stopped_by = []
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig):
+        stopped_by.append(sig)
+        stop.set()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     log.info("fdq broker: TCP on %s:%d, HTTP on %s", host, tcp_port, http_port)
     if ready is not None:
         ready(tcp_port, http_port)
@@ -945,6 +951,7 @@ async def serve(url: str, tcp_address: str = "127.0.0.1:4150", http_address: str
     if http_server is not None:
         await http_server.close()
     await broker.close()
+    return stopped_by[0] if stopped_by else None
 
 
 def split_address(addr: str) -> tuple:
@@ -956,8 +963,8 @@ def split_address(addr: str) -> tuple:
 
 def run(url: str, tcp_address: str = "127.0.0.1:4150", http_address: str | None = "127.0.0.1:4151",
         options: BrokerOptions | None = None, ready=None):
-    """Blocking entry point (``fdq broker`` calls this)."""
-    asyncio.run(serve(url, tcp_address, http_address, options, ready))
+    """Blocking entry point (``fdq broker`` calls this). Returns the signal that stopped it."""
+    return asyncio.run(serve(url, tcp_address, http_address, options, ready))
 
 
 __all__ = ["Broker", "BrokerOptions", "Channel", "Conn", "serve", "run", "split_address"]

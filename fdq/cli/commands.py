@@ -2,7 +2,10 @@
 (:mod:`.rows`) and render them (:mod:`.render`).
 
 Exit codes: 0 success; 1 an ``FDQError`` (one line ``fdq: error: <message>`` on stderr,
-unknown topics included); 2 a usage error (bad option or value, click's message).
+unknown topics included); 2 a usage error (bad option or value, click's message); 130
+Ctrl-C (SIGINT: one line ``fdq: interrupted: <what was done, how to finish>`` on stderr,
+every command alike); 141 stdout closed by its reader (``fdq tail t | head -1``: no
+message, the status a shell reports for ``seq`` or ``cat`` killed by SIGPIPE there).
 """
 from __future__ import annotations
 
@@ -62,14 +65,62 @@ def _confirm(question: str, refused: str):
         raise Failure(f"not confirmed: {refused} (give --yes to skip the question)") from None
 
 
+EXIT_INTERRUPTED = 128 + signal.SIGINT      # 130, as a shell reports a command Ctrl-C stopped
+EXIT_PIPE_CLOSED = 128 + signal.SIGPIPE     # 141, as a shell reports `seq 9999999 | head -1`'s seq
+
+
+def _silence_closed_output():
+    """stdout's reader is gone (``| head -1``): point descriptor 1 (and 2, if writing to
+    it fails too: ``2>&1 | head``) at /dev/null, so what is still buffered and the
+    interpreter's last flush go nowhere instead of raising another BrokenPipeError."""
+    def point_at_devnull(stream):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError, AttributeError):   # closed, or not a file
+            pass
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        point_at_devnull(sys.stdout)
+        try:
+            if sys.stderr is not None:
+                sys.stderr.flush()
+        except (BrokenPipeError, ValueError):
+            point_at_devnull(sys.stderr)
+    finally:
+        os.close(devnull)
+
+
+def _exit_interrupted(what=None):
+    """Ctrl-C: one line ``fdq: interrupted[: what()]`` on stderr, exit 130."""
+    text = what() if what else None
+    try:
+        click.echo("fdq: interrupted" + (f": {text}" if text else ""), err=True)
+    except BrokenPipeError:
+        _silence_closed_output()
+    raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
+
+
+def _resumable(state, what: str):
+    """Ctrl-C during a chunked operation: say it is left part-way and a rerun finishes it
+    (each chunk is its own transaction; the operation is safe to re-run)."""
+    state.interrupted = lambda: f"{what} stopped part-way; run the same command again to finish it"
+
+
 class FDQGroup(click.Group):
-    """The root group: turns an FDQError raised by any command into a Failure."""
+    """The root group: turns an FDQError raised by any command into a Failure, Ctrl-C
+    into exit 130 with one line saying what was done (``State.interrupted``), and a
+    closed stdout into a silent exit 141."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except FDQError as e:
             raise Failure(_one_line(e)) from None
+        except KeyboardInterrupt:
+            _exit_interrupted(ctx.obj.interrupted if isinstance(ctx.obj, State) else None)
+        except BrokenPipeError:
+            _silence_closed_output()
+            raise click.exceptions.Exit(EXIT_PIPE_CLOSED) from None
 
 
 class State:
@@ -78,6 +129,9 @@ class State:
     def __init__(self, url: str | None):
         self.url = url
         self._db = None
+        # A command that runs long sets this: () -> what it did so far and how to finish,
+        # the line Ctrl-C prints (after "fdq: interrupted: ").
+        self.interrupted = None
 
     @property
     def db(self):
@@ -107,7 +161,9 @@ def cli(ctx, url):
     """FDQ: a message queue on FoundationDB (or its embedded engine).
 
     Data goes to stdout, messages and progress to stderr. Exit codes: 0 ok,
-    1 error (one line on stderr), 2 usage error.
+    1 error (one line on stderr), 2 usage error, 130 Ctrl-C (one line saying
+    what was done; run a chunked command again to finish it), 141 stdout's
+    reader went away (| head: nothing on stderr).
     """
     ctx.obj = State(url or None)
 
@@ -340,17 +396,21 @@ def _encode_arg(text: str) -> bytes:
                    "else a string. Repeatable.")
 @click.option("--msg-id", metavar="ID", callback=envelope_callback,
               help="Your id: a repeat within the topic's dedupe window is stored once.")
+@click.option("--keep-empty", is_flag=True,
+              help="Push blank stdin lines as empty messages [default: skip them].")
 @json_option
 @pass_state
-def push(state, topic, data, shard_key, delay, headers, msg_id, as_json):
+def push(state, topic, data, shard_key, delay, headers, msg_id, keep_empty, as_json):
     """Push DATA (or stdin lines) to TOPIC; print the ids.
 
     TOPIC is created if missing.
 
-    With DATA "-" (or no DATA), push one message per line of stdin (newline
-    stripped), in batches of one transaction each (a batch is pushed once no
-    more input is ready: lines of a live pipe go out as they come); prints one
-    id per line.
+    With DATA "-" (or no DATA), push one message per line of stdin (newline, or
+    CR LF, stripped; nothing else), in batches of one transaction each (a batch
+    is pushed once no more input is ready: lines of a live pipe go out as they
+    come); prints one id per line. Blank lines (nothing before the newline) are
+    skipped and counted in the summary; --keep-empty pushes them as empty
+    messages. A line of spaces is data, pushed as it is.
     """
     producer = Producer(state.db)
     show = render.emit_json_line if as_json else (lambda r: click.echo(r["id"]))
@@ -371,24 +431,32 @@ def push(state, topic, data, shard_key, delay, headers, msg_id, as_json):
     if sys.stdin is None:                   # started with descriptor 0 closed
         raise Failure("stdin is closed: give DATA, or lines on stdin")
     stdin = sys.stdin.buffer
-    pushed = 0
+    pushed = skipped = 0
     batch, size = [], 0
+    pushing = False             # a batch's transaction under way
+
+    def interrupted():
+        maybe = f"; the {len(batch):,} lines being pushed may be stored too" if pushing else ""
+        return f"pushed {pushed:,} messages to {topic!r} (ids printed){maybe}"
+    state.interrupted = interrupted
 
     def flush(advance):
-        nonlocal pushed, size
+        nonlocal pushed, size, pushing
         if not batch:
             return
+        pushing = True
         try:
             results = producer.push_many(topic, batch)
         except FDQError as e:
             done = f" ({pushed:,} messages pushed before this batch)" if pushed else ""
             raise Failure(_one_line(e) + done) from None
-        for r in results:
-            show(rows.push_row(r))
+        pushing = False
         pushed += len(results)
-        advance(len(results))
         batch.clear()
         size = 0
+        for r in results:
+            show(rows.push_row(r))
+        advance(len(results))
 
     with render.progress(f"pushing to {topic}") as advance:
         for line in _stdin_lines(stdin):
@@ -398,13 +466,18 @@ def push(state, topic, data, shard_key, delay, headers, msg_id, as_json):
             body = line[:-1] if line.endswith(b"\n") else line
             if body.endswith(b"\r"):
                 body = body[:-1]
+            if not body and not keep_empty:
+                skipped += 1
+                continue
             cost = (len(body) + line_bytes) * copies
             if batch and (len(batch) >= PUSH_BATCH or size + cost > PUSH_BATCH_BYTES):
                 flush(advance)
             batch.append(Envelope(body, shard_key, delay, None, headers))
             size += cost
         flush(advance)
-    render.note(f"pushed {pushed:,} messages to {topic!r}")
+    blank = "" if not skipped else (f" ({skipped:,} blank line{'s' if skipped != 1 else ''} skipped; "
+                                    "--keep-empty pushes them)")
+    render.note(f"pushed {pushed:,} messages to {topic!r}{blank}")
 
 
 def _print_message(m, as_json):
@@ -439,6 +512,38 @@ def _tail_error(e: BaseException):
     render.note(f"fdq: warning: {what}: {_one_line(e)}")
 
 
+def _print_and_ack(consumer, msgs, at_most_once: bool, as_json: bool) -> int:
+    """Print ``msgs`` (each line flushed to stdout) and ack them; returns how many were
+    printed. At-most-once acks each one just before its line, so a write that fails
+    (the reader went away, Ctrl-C) loses that one only, not the rest of the batch;
+    at-least-once acks the lines written, also when a write fails, and leaves the rest
+    leased (``Consumer.close`` returns them at once)."""
+    written = []
+    try:
+        for m in msgs:
+            if at_most_once:
+                try:
+                    consumer.ack_many([m])
+                except LeaseLost as e:      # redelivered elsewhere: not ours to print
+                    render.note(f"fdq: warning: {_one_line(e)}")
+                    continue
+            _print_message(m, as_json)      # click.echo flushes each line
+            written.append(m)
+    except BaseException:
+        if not at_most_once and written:
+            try:
+                consumer.ack_many(written)
+            except LeaseLost:
+                pass
+        raise
+    if not at_most_once:
+        try:
+            consumer.ack_many(written)
+        except LeaseLost as e:
+            render.note(f"fdq: warning: {_one_line(e)}")
+    return len(written)
+
+
 @cli.command()
 @topic_argument
 @click.option("--count", "-n", type=click.IntRange(min=1), default=None, metavar="N",
@@ -450,7 +555,7 @@ def _tail_error(e: BaseException):
               help="Take messages dispatched to tag T (extend topics).")
 @click.option("--mode", type=click.Choice(["at-least-once", "at-most-once"]), default="at-least-once",
               show_default=True,
-              help="at-least-once: print, then ack; at-most-once: ack, then print.")
+              help="at-least-once: print, then ack; at-most-once: ack each message, then print it.")
 @json_option
 @pass_state
 def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
@@ -463,6 +568,12 @@ def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
     A stalled consumer (database unreachable, or no shard owned, for over 3
     heartbeats) is reported by one line on stderr; tail keeps going. A topic or
     subscription deleted under it ends it (exit 1).
+
+    A message counts as delivered once its line is written to stdout. If the
+    reader goes away (fdq tail t | head -1), tail exits 141 without a message:
+    at-least-once acks the lines it wrote (the reader may not have read all of
+    a pipe's buffer) and returns the rest of its batch to the subscription at
+    once; at-most-once loses the one message whose line could not be written.
     """
     config = state.supervisor.config(topic)
     if tag is not None and not config.extend:
@@ -478,6 +589,7 @@ def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
                         extend_support=config.extend, desired_tag=tag, batch_size=TAIL_BATCH,
                         on_error=on_error)
     got = 0
+    state.interrupted = lambda: f"tail stopped after {got:,} messages"
     try:                    # SIGTERM leaves as Ctrl-C does: shards and leases given back now
         previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
     except ValueError:      # not the main thread: leave SIGTERM alone
@@ -496,20 +608,8 @@ def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
                 if timeout is not None and time.monotonic() - last >= timeout:
                     break
                 continue
-            try:
-                if mode == "at-most-once":
-                    consumer.ack_many(msgs)
-                for m in msgs:
-                    _print_message(m, as_json)
-                sys.stdout.flush()
-                if mode == "at-least-once":
-                    consumer.ack_many(msgs)
-            except LeaseLost as e:
-                render.note(f"fdq: warning: {_one_line(e)}")
-            got += len(msgs)
+            got += _print_and_ack(consumer, msgs, mode == "at-most-once", as_json)
             last = time.monotonic()
-    except KeyboardInterrupt:
-        raise click.exceptions.Exit(130) from None
     except _Terminated:
         raise click.exceptions.Exit(128 + signal.SIGTERM) from None
     finally:
@@ -539,6 +639,7 @@ def play(state, topic, as_json):
     """Resume TOPIC: route what arrived while paused, in order."""
     sup = state.supervisor
     pending = sup.stats(topic)["counters"]["pending"]
+    _resumable(state, f"play of {topic!r}")
     with render.progress(f"routing {topic}", pending) as advance:
         routed = sup.play(topic, progress=advance)
     render.note(f"topic {topic!r} is running: routed {routed:,} messages pushed while paused")
@@ -560,6 +661,7 @@ def rebalance(state, topic, shards, as_json):
     sup = state.supervisor
     stats = sup.stats(topic)
     total = sum(s["backlog"] for s in stats["subscriptions"].values())
+    _resumable(state, f"rebalance of {topic!r}")
     with render.progress(f"resharding {topic}", total) as advance:
         config = sup.rebalance(topic, shards=shards, progress=advance)
     live = len(rows.consumer_rows(sup.stats(topic)))
@@ -588,8 +690,18 @@ def replay(state, topic, start, end, as_json):
         raise click.BadParameter(f"--end ({iso_ms(end)}) must be after --start ({iso_ms(start)})",
                                 param_hint="'--end'")
     state.supervisor.config(topic)
+    done = 0
+
+    def count(n):
+        nonlocal done
+        done += n
+        advance(n)
+    # Each chunk commits with the replay's progress: a rerun takes this run over (once its
+    # heartbeat has stood still for ~3 s) and goes on after its last chunk.
+    state.interrupted = lambda: (f"replayed {done:,} messages of {topic!r} so far; run the same command "
+                                 "again to resume (it continues where this one stopped)")
     with render.progress(f"replaying {topic}") as advance:
-        n = Producer(state.db).replay(topic, as_datetime(start), as_datetime(end), progress=advance)
+        n = Producer(state.db).replay(topic, as_datetime(start), as_datetime(end), progress=count)
     render.note(f"replayed {n:,} messages of topic {topic!r}")
     if as_json:
         render.emit_json({"topic": topic, "replayed": n, "start_ms": start, "end_ms": end})
@@ -610,6 +722,7 @@ def trim(state, topic, before, as_json):
     config = sup.config(topic)
     if before is None and config.retention_s is None:
         render.note(f"topic {topic!r} has no retention_s: give --before to trim its log")
+    _resumable(state, f"trim of {topic!r}")
     with render.progress(f"trimming {topic}") as advance:
         n = sup.trim(topic, before_ms=as_datetime(before), progress=advance)
     render.note(f"deleted {n:,} log entries of topic {topic!r}")
@@ -666,6 +779,7 @@ def dlq_redrive(state, topic, subscription, as_json):
     sup = state.supervisor
     _check_subscription(sup, topic, subscription)
     total = sup.stats(topic)["subscriptions"][subscription]["dlq"]
+    _resumable(state, f"redrive of {topic}/{subscription}")
     with render.progress(f"redriving {topic}/{subscription}", total) as advance:
         n = sup.dlq_redrive(topic, subscription, progress=advance)
     render.note(f"redrove {n:,} dead letters of {topic}/{subscription}")
@@ -686,6 +800,7 @@ def dlq_purge(state, topic, subscription, yes, as_json):
     if not yes:
         _confirm(f"Delete every dead letter of {topic}/{subscription}?",
                  f"the dead letters of {topic}/{subscription} not purged")
+    _resumable(state, f"purge of {topic}/{subscription}")
     n = sup.dlq_purge(topic, subscription)
     render.note(f"purged {n:,} dead letters of {topic}/{subscription}")
     if as_json:
@@ -850,6 +965,7 @@ def subs_create(state, topic, name, as_json, **fields):
         nonlocal copied
         copied += n
         advance(n)
+    _resumable(state, f"catch-up of {topic}/{name}")
     with render.progress(f"catching up {topic}/{name}") as advance:
         sup.create_subscription(topic, name, config, progress=count)
     if existed:
@@ -914,6 +1030,7 @@ def subs_reset(state, topic, name, to_time, as_json):
     at --to or later (within retention); leases and dead letters stay."""
     sup = state.supervisor
     sup.subscription(topic, name)          # unknown: exit 1 before anything changes
+    _resumable(state, f"reset of {topic}/{name}")
     with render.progress(f"resetting {topic}/{name}") as advance:
         copied = sup.reset(topic, name, as_datetime(to_time), progress=advance)
     when = "now" if to_time is None else render.time_ms(to_time)
@@ -1005,7 +1122,8 @@ def broker(state, **flags):
 
     NSQ clients (pynsq, nsqjs, go-nsq ...) publish and consume unchanged:
     topics are FDQ topics, channels are subscriptions. Prints the listening
-    addresses on stderr once ready; serves until SIGTERM or Ctrl-C.
+    addresses on stderr once ready; serves until SIGTERM (exit 0) or Ctrl-C
+    (exit 130), then closes its connections and stops.
     Durations: 60s, 1m30s, 500ms, or seconds."""
     if (flags["tls_cert"] is None) != (flags["tls_key"] is None):
         raise click.UsageError("--tls-cert and --tls-key go together")
@@ -1025,12 +1143,13 @@ def broker(state, **flags):
         render.note(f"fdq broker: listening tcp={tcp_host}:{tcp_port} {http}")
 
     from ..broker.server import run
+    state.interrupted = lambda: "broker stopped"
     try:
-        run(state.url, flags["tcp_address"], flags["http_address"] or None, options, ready)
+        stopped_by = run(state.url, flags["tcp_address"], flags["http_address"] or None, options, ready)
     except (OSError, ssl.SSLError) as e:
         raise Failure(f"cannot start the broker: {_one_line(e)}") from None
-    except KeyboardInterrupt:
-        raise click.exceptions.Exit(130) from None
+    if stopped_by == signal.SIGINT:     # its own handler stopped it: the line Ctrl-C prints elsewhere
+        _exit_interrupted(state.interrupted)
     render.note("fdq broker: stopped")
 
 

@@ -15,10 +15,18 @@ from rich.table import Table
 PLAIN_EVERY_S = 2.0
 
 
+class _Console(Console):
+    """rich's Console, but a closed pipe raises BrokenPipeError (rich exits 1 by itself):
+    the command line handles it, as for any other write (exit 141, no message)."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError()
+
+
 def _stdout_console() -> Console:
     # Tables piped to a file or a pager keep their columns instead of 80-column wrapping.
     out = sys.stdout
-    return Console(file=out, width=None if out.isatty() else 160, soft_wrap=False)
+    return _Console(file=out, width=None if out.isatty() else 160, soft_wrap=False)
 
 
 def emit_json(obj):
@@ -114,7 +122,7 @@ def progress(label: str, total: int | None = None):
                                    TextColumn, TimeElapsedColumn)
         columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                    MofNCompleteColumn(), TimeElapsedColumn()]
-        with Progress(*columns, console=Console(file=err, force_terminal=True), transient=True) as bar:
+        with Progress(*columns, console=_Console(file=err, force_terminal=True), transient=True) as bar:
             task = bar.add_task(label, total=total)
             yield lambda n: bar.advance(task, n)
         return

@@ -51,10 +51,10 @@ def test_push_stdin_lines_in_batches(run, db, sup, monkeypatch):
     monkeypatch.setattr("fdq.cli.commands.PUSH_BATCH", 7)     # several transactions
     lines = [f"line {i}" for i in range(50)] + ["", "caf\u00e9", "last-no-newline"]
     data = ("\n".join(lines)).encode()
-    r = run("push", "orders", "-", "--key", "k", input=data)
+    r = run("push", "orders", "-", "--key", "k", "--keep-empty", input=data)   # the blank line too
     ids = r.stdout.split()
     assert len(ids) == len(set(ids)) == len(lines)
-    assert "pushed 53 messages to 'orders'" in r.stderr
+    assert "pushed 53 messages to 'orders'" in r.stderr and "skipped" not in r.stderr
     got = drain(db, "orders")
     assert [m.id for m in got] == ids                        # one key: push order
     assert [m.body for m in got] == [line.encode() for line in lines]
@@ -63,6 +63,22 @@ def test_push_stdin_lines_in_batches(run, db, sup, monkeypatch):
     r = run("push", "orders", input=b"x\r\ny\r\n")
     assert len(r.stdout.split()) == 2
     assert sorted(m.body for m in drain(db, "orders")) == [b"x", b"y"]   # no key: any shards
+
+
+def test_push_stdin_skips_blank_lines_unless_keep_empty(run, db, sup):
+    """``echo | fdq push t -`` pushes nothing (a blank line is no message) and says so;
+    other whitespace is data, pushed exactly as given; --keep-empty pushes blank lines."""
+    r = run("push", "orders", "-", input=b"\n")
+    assert r.stdout == ""
+    assert r.stderr.splitlines()[-1] == "pushed 0 messages to 'orders' (1 blank line skipped; --keep-empty pushes them)"
+    r = run("push", "orders", "-", "--key", "k", input=b"a\n\n  \n\r\n\t b \t\r\n\n c")
+    assert len(r.stdout.split()) == 4
+    assert r.stderr.splitlines()[-1] == "pushed 4 messages to 'orders' (3 blank lines skipped; --keep-empty pushes them)"
+    assert [m.body for m in drain(db, "orders")] == [b"a", b"  ", b"\t b \t", b" c"]
+    r = run("push", "orders", "-", "--keep-empty", input=b"\n\r\n")
+    assert len(r.stdout.split()) == 2 and "skipped" not in r.stderr
+    assert [m.body for m in drain(db, "orders")] == [b"", b""]
+    assert "--keep-empty" in run("push", "--help").stdout
 
 
 def test_push_stdin_error_names_what_was_pushed(run, db, sup, monkeypatch):

@@ -8,8 +8,8 @@ FDQ client the test ``kill -9``s and restarts at random. Every random choice com
   once, what each taking transaction may take (``T``, before its commit);
 * exactly-once consumers write through the dequeue transaction: a counter
   ``ch/done/<id>`` and a commit-ordered entry ``ch/order/<versionstamp> = id``;
-* the supervisor journals ``B <op>`` before and ``E`` after each operation, and on
-  start reruns an operation a kill left unfinished (as the README says to).
+* the supervisor journals ``B <op>`` before and ``E <t> <result>`` after each operation,
+  and on start reruns an operation a kill left unfinished (as the README says to).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import time
 import weakref
 
 TOPIC = "t"
+TAG = "g"                     # the dispatch tag some messages carry and some consumers want
 STOP = threading.Event()      # set by SIGTERM (installed before anything else)
 
 
@@ -48,7 +49,8 @@ def producer(args):
     """Push ``--count`` messages (bodies ``<name>.<gen>:<seq>``): singles and batches,
     shard keys from a small set, some without a key, a few delayed (keys of their own,
     so they do not take part in the per-key order), some with a ``msg_id`` that this
-    producer or another one pushes again."""
+    producer or another one pushes again, some with dispatch tag ``g`` (keys ``gk<n>``
+    of their own: a tag's shards are not the untagged ones)."""
     import fdq
     rng = random.Random(args.seed)
     db = fdq.connect(args.url)
@@ -71,16 +73,22 @@ def producer(args):
                 key = None
             else:
                 key = f"k{rng.randrange(args.keys)}"
+            headers = None
+            if rng.random() < 0.15:
+                headers = {"##client_dispatch_tag": TAG}
+                if key is not None and not key.startswith("d-"):
+                    key = "g" + key
             if rng.random() < 0.08:
                 # a shared pool: several producers (and restarts) push the same ids
                 msg_id = f"m{rng.randrange(args.count // 4 + 1)}"
             if rng.random() < 0.01:     # a body split across keys (over FDB's value limit)
                 size = rng.randint(100_000, 300_000)
                 body += b"|%d|" % size + bytes([97 + s % 26]) * size
-            envs.append(fdq.Envelope(body, shard_key=key, delay=delay, msg_id=msg_id))
+            envs.append(fdq.Envelope(body, shard_key=key, delay=delay, msg_id=msg_id, headers=headers))
         if n == 1:
             e = envs[0]
-            results = [p.push(TOPIC, e.body, shard_key=e.shard_key, msg_id=e.msg_id, delay=e.delay)]
+            results = [p.push(TOPIC, e.body, shard_key=e.shard_key, msg_id=e.msg_id, delay=e.delay,
+                              headers=e.headers)]
         else:
             results = p.push_many(TOPIC, envs)
         for e, r in zip(envs, results):
@@ -156,7 +164,8 @@ def consumer(args):
                                 max_deliver=3, backoff_s=(0.0, 0.05), lease_check_interval_s=0.1,
                                 poll_interval_s=0.2, max_concurrency=concurrency)
     kw = dict(consumer_id=args.name, subscription=args.sub, config=config,
-              batch_size=rng.choice([1, 5, 10, 10, 50]), on_error=on_error)
+              batch_size=rng.choice([1, 5, 10, 10, 50]), on_error=on_error,
+              extend_support=True, desired_tag=TAG if args.tag else None)
     if args.mode == "eo":
         c = fdq.tail(db, TOPIC, eo_handler, transactional=True, **kw)
     else:
@@ -183,6 +192,7 @@ def supervisor(args):
     def run(op):
         journal.write("B " + json.dumps(op) + f" {time.monotonic_ns()}")
         kind = op[0]
+        result = None
         if kind == "pause":
             sup.pause(TOPIC)
         elif kind == "play":
@@ -194,8 +204,12 @@ def supervisor(args):
         elif kind == "rebalance":
             sup.rebalance(TOPIC, shards=op[1])
         elif kind == "replay":
-            prod.replay(TOPIC, op[1], op[2])
-        journal.write(f"E {time.monotonic_ns()}")
+            result = prod.replay(TOPIC, op[1], op[2])
+        elif kind == "redrive":         # dead letters of an at-least-once subscription
+            result = sup.dlq_redrive(TOPIC, op[1])
+        elif kind == "trim":            # the log older than --trim-age, while consumers consume
+            result = sup.trim(TOPIC, before_ms=op[1])
+        journal.write(f"E {time.monotonic_ns()} {json.dumps(result)}")
 
     lines = _lines(args.out)
     if lines and lines[-1].startswith("B "):
@@ -203,18 +217,22 @@ def supervisor(args):
     print("ready", flush=True)
     while not stop.is_set():
         r = rng.random()
-        if r < 0.25:
+        if r < 0.22:
             op = ["pause"]
-        elif r < 0.5:
+        elif r < 0.44:
             op = ["play"]
-        elif r < 0.65:
+        elif r < 0.56:
             op = ["rebalance", None]
-        elif r < 0.85:
+        elif r < 0.72:
             op = ["rebalance", rng.randint(2, 9)]
-        else:
+        elif r < 0.86:
             now = int(time.time() * 1000)
             start = now - rng.randint(200, 3000)
             op = ["replay", start, start + rng.randint(20, 300)]
+        elif r < 0.94:
+            op = ["redrive", rng.choice(["alo", "alu"])]
+        else:
+            op = ["trim", int((time.time() - args.trim_age) * 1000)]
         run(op)
         stop.wait(rng.uniform(0.05, 0.4))
     print("stopped", flush=True)
@@ -236,7 +254,9 @@ def main(argv=None):
     ap.add_argument("--total", type=int, default=1)
     ap.add_argument("--mode", choices=["eo", "alo", "amo"], default="eo")
     ap.add_argument("--sub", default="default")
+    ap.add_argument("--tag", action="store_true")       # consumers: want the dispatch tag's shards
     ap.add_argument("--ack-wait", type=float, default=0.6)
+    ap.add_argument("--trim-age", type=float, default=5.0)    # supervisor: trim the log older than this (s)
     args = ap.parse_args(argv)
     {"producer": producer, "consumer": consumer, "supervisor": supervisor}[args.role](args)
 

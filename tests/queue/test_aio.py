@@ -145,3 +145,96 @@ def test_bad_arguments(db):
             await fdq.aio.tail(db, "bad name", coro)
 
     asyncio.run(main())
+
+
+# -- shutdown while a fetch is under way in a worker thread ----------------------------
+
+# Long heartbeats and lease checks: the consumer's own thread writes nothing while a
+# test holds the database's write lock (its first heartbeat is 30 s after it starts).
+QUIET = fdq.ConsumerConfig(heartbeat_interval_s=60, lease_check_interval_s=60, ack_wait_s=60,
+                           poll_interval_s=0.2)
+
+
+def _threads_in(*names) -> list:
+    """Idents of the threads whose stack has a frame of each function in ``names``."""
+    import sys
+    out = []
+    for ident, frame in sys._current_frames().items():
+        seen = set()
+        while frame is not None:
+            seen.add(frame.f_code.co_name)
+            frame = frame.f_back
+        if all(n in seen if isinstance(n, str) else seen & set(n) for n in names):
+            out.append(ident)
+    return out
+
+
+def test_shutdown_ends_a_waiting_fetch_at_once(db):
+    """A fetch waiting for messages (up to ``poll_interval_s``, here 30 s) ends when
+    shutdown begins: shutdown does not wait out the poll."""
+    fdq.Supervisor(db).create_topic("t", shards=2)
+
+    async def handler(m):
+        raise AssertionError("no message was pushed")
+
+    async def main():
+        config = fdq.ConsumerConfig(heartbeat_interval_s=0.2, poll_interval_s=30)
+        t = await fdq.aio.tail(db, "t", handler, config=config)
+        await _until(lambda: _threads_in("fetch", "_idle"), 30, "the tail's fetch waiting in its worker thread")
+        began = time.monotonic()
+        await asyncio.wait_for(t.shutdown(), 60)
+        return time.monotonic() - began
+
+    took = asyncio.run(main())
+    assert took < 5, f"shutdown took {took:.1f} s: it waited out the fetch's poll"
+    assert sub_stats(db, "t")["consumers"] == []
+
+
+def test_shutdown_after_a_cancel_returns_the_leases_of_the_fetch_under_way(db, db_path):
+    """The tail's task is cancelled (its loop ending, a timeout) while its fetch is
+    committing a lease in a worker thread; shutdown's close then runs while that fetch
+    is still under way. The lease it commits is returned at once, not left to its
+    60 s ack wait. (The fetch is held at its commit by another connection holding
+    SQLite's write lock, released once close is under way.)"""
+    import contextlib
+    import sqlite3
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    p = fdq.Producer(db)
+    p.push("t", b"first")
+    handling = []
+
+    async def main():
+        release = asyncio.Event()
+
+        async def handler(m):
+            handling.append(m.body)
+            await release.wait()        # at most once: acked already, nothing to settle
+
+        t = await fdq.aio.tail(db, "t", handler, acking=False, config=QUIET, batch_size=1)
+        await _until(lambda: handling == [b"first"], 30, "the first message handled")
+        p.push("t", b"second")          # ready: the next fetch leases it
+        lock = sqlite3.connect(str(db_path), isolation_level=None, timeout=30)
+        try:
+            lock.execute("BEGIN IMMEDIATE")
+            release.set()               # the round ends; the next fetch blocks at its commit
+            await _until(lambda: _threads_in("fetch", "begin_immediate"), 30,
+                         "the next fetch held at its commit")
+            t._task.cancel()            # the loop gives up on that fetch; its thread goes on
+            shutdown = asyncio.ensure_future(t.shutdown())
+            await _until(lambda: _threads_in("close", ("begin_immediate", "_await_fetches")), 30,
+                         "close under way while the fetch is")
+        finally:
+            lock.execute("ROLLBACK")
+            lock.close()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(shutdown, 60)
+
+    asyncio.run(main())
+    assert handling == [b"first"]
+    s = sub_stats(db, "t")
+    assert (s["backlog"], s["in_flight"], s["consumers"]) == (1, 0, []), s
+    with fdq.Consumer(db, "t", create=False) as c:
+        [m] = c.fetch(10, timeout=10)
+        c.ack_many([m])
+    assert (m.body, m.attempts) == (b"second", 2)     # leased once by the cancelled fetch
+

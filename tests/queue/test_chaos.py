@@ -6,8 +6,13 @@ and ``alu`` at-least-once (handlers ack, nak, term or sleep past their lease at 
 max_deliver 3; random batch sizes and handler threads), ``amo`` at-most-once. Two
 producers push singles and batches, keyed and unkeyed, a few delayed, a few large
 (split across keys), some ``msg_id``s pushed twice (by one producer or two). A supervisor process pauses,
-plays, rebalances, reshards (``rebalance(shards=N)``) and replays windows of the log at
-random. Meanwhile the test ``kill -9``s a random producer, consumer or the supervisor
+plays, rebalances, reshards (``rebalance(shards=N)``), replays windows of the log,
+redrives the dead letters of ``alo`` or ``alu`` (their handlers term some messages, others
+die by max_deliver) and trims the log older than ``TRIM_AGE_S`` while consumers consume, at
+random (the test reads the log often enough to see every entry before a trim can delete it).
+The topic has extend support: some messages carry dispatch tag ``g`` (keys of their own),
+and one consumer of ``default``, ``alo`` and ``alu`` each wants that tag (its shards go to
+the untagged consumers while no consumer wanting it is live). Meanwhile the test ``kill -9``s a random producer, consumer or the supervisor
 and restarts it (a killed play/rebalance/replay is run again by the restarted
 supervisor); with some seeds every process uses the embedded engine's fault injection
 (retryable errors, ``commit_unknown_result``, version jumps).
@@ -21,15 +26,21 @@ stored; a push killed before its producer logged the result may or may not be th
 * at-least-once: every logged message handled; each one acked or in the DLQ (terminated
   only by a handler that said so); acked + dead == logged; emitted >= handler calls.
   Per shard key, first handler calls in log order: across consumers for the ordered
-  subscription; within each consumer process (calls at attempt 1) for the other. (Not
+  subscription; within each consumer process (calls at attempt 1, a redriven message's
+  new attempt 1 not counted) for the other. (Not
   across consumers there, by design: when a shard moves, its new owner leases the next
   messages while the old one may still be handling its leased batch, and the batch-mates
   of a handler that overran its ack wait are handed to it after their leases expired;
   only ``ordered=True`` holds a key's later messages back meanwhile.)
 * at-most-once: nothing handled twice; missing only what a killed consumer took;
   first deliveries in log order per key;
+* a consumer wanting tag ``g`` handled tagged messages only (untagged shards are never
+  its);
 * no lease, ready or delayed message left; backlog, in-flight, delayed counters 0; the
-  topic's emitted/acked the sums of its subscriptions'.
+  topic's emitted/acked the sums of its subscriptions';
+* dead letters counted exactly after the redrives and trims under way: a last redrive
+  moves every listed dead letter, each delivered once more with its attempts reset,
+  the DLQ counter 0 and acked == logged after.
 
 Bounded for the suite (2 fixed seeds, ~10 s of chaos each). A soak:
 
@@ -63,7 +74,10 @@ WORKER = Path(__file__).with_name("chaos_worker.py")
 CHAOS_S = float(os.environ.get("FDQ_CHAOS_SECONDS", "10"))
 PRODUCERS, BUDGET = 2, int(40 * CHAOS_S)      # messages per producer slot, over its restarts
 CONSUMERS = (("default", "eo", 2), ("alo", "alo", 2), ("alu", "alo", 2), ("amo", "amo", 1))
+TAGGED = {"default1", "alo1", "alu1"}       # consumer slots that want dispatch tag "g"
+TAG_HEADER = "##client_dispatch_tag"
 FAULTS = float(os.environ.get("FDQ_CHAOS_FAULTS", "0.02"))
+TRIM_AGE_S = 5.0        # the supervisor trims log entries older than this
 
 
 def _seeds():
@@ -98,15 +112,20 @@ class Cluster:
         self.all.append(p)
         return p
 
-    def wait_ready(self, p, timeout=60):
-        """Wait for the worker's ``ready`` line (its signal handler is set by then)."""
+    def wait_ready(self, p, timeout=60, meanwhile=None):
+        """Wait for the worker's ``ready`` line (its signal handler is set by then),
+        calling ``meanwhile()`` every 0.1 s or so while it does not come."""
         import selectors
         with selectors.DefaultSelector() as sel:
             sel.register(p.stdout, selectors.EVENT_READ)
             deadline = time.monotonic() + timeout
             while True:
                 left = deadline - time.monotonic()
-                assert left > 0 and sel.select(left), f"{p.name}: not ready within {timeout}s: {self.stderr(p)}"
+                assert left > 0, f"{p.name}: not ready within {timeout}s: {self.stderr(p)}"
+                if not sel.select(min(left, 0.1) if meanwhile else left):
+                    if meanwhile:
+                        meanwhile()
+                    continue
                 line = p.stdout.readline()
                 assert line, f"{p.name} exited before it was ready: {self.stderr(p)}"
                 if line.strip() == "ready":
@@ -210,7 +229,7 @@ def test_chaos(tmp_path, cluster_factory, seed):
     url = f"sqlite://{tmp_path / 'fdq.db'}"
     db = fdq.connect(url)
     sup = fdq.Supervisor(db)
-    sup.create_topic("t", shards=rng.randint(2, 8))
+    sup.create_topic("t", shards=rng.randint(2, 8), extend=True)
     sup.create_subscription("t", "alo", fdq.SubscriptionConfig(deliver_policy="all", ordered=True))
     sup.create_subscription("t", "alu", fdq.SubscriptionConfig(deliver_policy="all"))
     sup.create_subscription("t", "amo", fdq.SubscriptionConfig(deliver_policy="all"))
@@ -227,12 +246,21 @@ def test_chaos(tmp_path, cluster_factory, seed):
         for j in range(k):
             slot = f"{sub}{j}"
             out = tmp_path / f"{slot}.0.log"
-            p = cl.start("consumer", slot, out, "--mode", mode, "--sub", sub)
+            p = cl.start("consumer", slot, out, "--mode", mode, "--sub", sub, *(["--tag"] if slot in TAGGED else []))
             cons[slot] = [p, sub, mode, [(p, out)]]
     journal = tmp_path / "supervisor.journal"
-    supp = cl.start("supervisor", "s", journal)
+    supp = cl.start("supervisor", "s", journal, "--trim-age", TRIM_AGE_S)
     kills = collections.Counter()
     sup_lines = 0
+    ts = Keyspace().topic("t")
+    seen = {}           # id -> record: every log entry read, trimmed since or not
+    gaps = [0.0, time.monotonic()]      # the longest time between two reads, the last read
+
+    def read_log():
+        for mid, rec in _log(db, ts):
+            seen.setdefault(mid, rec)
+        now = time.monotonic()
+        gaps[0], gaps[1] = max(gaps[0], now - gaps[1]), now
 
     def pushed(slot):
         return sum(len(read_lines(f)) for f in prods[slot][2])
@@ -241,6 +269,7 @@ def test_chaos(tmp_path, cluster_factory, seed):
     deadline = time.monotonic() + CHAOS_S
     while time.monotonic() < deadline:
         time.sleep(rng.uniform(0.1, 0.7))     # pacing of the chaos, not a synchronisation
+        read_log()
         r = rng.random()
         if r < 0.2:
             slot = rng.randrange(PRODUCERS)
@@ -262,7 +291,7 @@ def test_chaos(tmp_path, cluster_factory, seed):
             kills[f"consumer-{mode}"] += 1
             name = slot if rng.random() < 0.5 else f"{slot}-{len(runs)}"   # rejoin as itself, or anew
             out = tmp_path / f"{slot}.{len(runs)}.log"
-            p = cl.start("consumer", name, out, "--mode", mode, "--sub", sub)
+            p = cl.start("consumer", name, out, "--mode", mode, "--sub", sub, *(["--tag"] if slot in TAGGED else []))
             runs.append((p, out))
             cons[slot][0] = p
         elif len(read_lines(journal)) > sup_lines + 1:    # it got to work since its start
@@ -272,23 +301,35 @@ def test_chaos(tmp_path, cluster_factory, seed):
             cl.kill9(supp)
             kills["supervisor"] += 1
             sup_lines = len(read_lines(journal))
-            supp = cl.start("supervisor", "s", journal)
+            supp = cl.start("supervisor", "s", journal, "--trim-age", TRIM_AGE_S)
 
     # -- drain: producers finish, the supervisor stops, a final rebalance and play
     for slot in prods:
         p = prods[slot][0]
-        rc = p.wait(timeout=120)
+        t_end = time.monotonic() + 120
+        while p.poll() is None and time.monotonic() < t_end:
+            read_log()                  # the supervisor still trims meanwhile
+            time.sleep(0.1)
+        rc = p.wait(timeout=1)
         assert rc == 0 or getattr(p, "killed", False), f"producer p{slot} exited {rc}: {cl.stderr(p)}"
-    cl.wait_ready(supp)
-    cl.stop(supp, 120)
+    # the supervisor still trims and replays (new entries) until it stops
+    cl.wait_ready(supp, meanwhile=read_log)
+    os.kill(supp.pid, signal.SIGTERM)
+    t_end = time.monotonic() + 120
+    while supp.poll() is None and time.monotonic() < t_end:
+        read_log()
+        time.sleep(0.1)
+    cl.stop(supp, 1)
+    read_log()          # nothing more is written to the log, nor trimmed
+    # each entry lived TRIM_AGE_S at least: read at least once if reads were closer
+    assert gaps[0] < TRIM_AGE_S - 1, f"the log was read {gaps[0]:.1f} s apart: a trimmed entry may be unseen"
     t_drain = time.monotonic()
-    ts = Keyspace().topic("t")
     sup.rebalance("t")
     sup.play("t")
     config = sup.config("t")
     assert (config.paused, config.resharding_to) == (False, None), config
 
-    log = _log(db, ts)
+    log = sorted(seen.items())          # ids sort in log order
     ids = [mid for mid, _r in log]
 
     def drained():
@@ -304,9 +345,16 @@ def test_chaos(tmp_path, cluster_factory, seed):
         cl.wait_ready(p)
         cl.stop(p)
     jl = read_lines(journal)
-    print(f"\nseed {seed}: faults={faults} logged={len(ids)} kills={dict(kills)} "
+    done_ops = collections.defaultdict(list)    # kind -> [result] of the operations that finished
+    for a, b in zip(jl, jl[1:]):
+        if a.startswith("B ") and b.startswith("E "):
+            done_ops[json.loads(a[2:].rsplit(" ", 1)[0])[0]].append(json.loads(b.split(" ", 2)[2]))
+    print(f"\nseed {seed}: faults={faults} logged={len(ids)} (trimmed {len(ids) - len(_log(db, ts))}) "
+          f"kills={dict(kills)} "
           f"supervisor ops={sum(1 for x in read_lines(journal) if x.startswith('B '))} "
-          f"(killed mid-way: {sum(1 for a, b in zip(jl, jl[1:]) if a.startswith('B ') and b.startswith('B '))}) "
+          f"(killed mid-way: {sum(1 for a, b in zip(jl, jl[1:]) if a.startswith('B ') and b.startswith('B '))}; "
+          f"redrives {len(done_ops['redrive'])} moving {sum(done_ops['redrive'])}, "
+          f"trims {len(done_ops['trim'])} deleting {sum(done_ops['trim'])}) "
           f"drained in {time.monotonic() - t_drain:.1f}s")
 
     # -- pushes: every acknowledged push stored; msg_ids once; each producer's ids in order
@@ -347,9 +395,23 @@ def test_chaos(tmp_path, cluster_factory, seed):
     _check_alo(sup, st, log, ids, [out for _p, out in cons["alo0"][3] + cons["alo1"][3]], "alo")
     outs = [out for _p, out in cons["alu0"][3] + cons["alu1"][3]]
     _check_alo(sup, st, log, ids, outs, "alu")
+    # a message's first delivery is its earliest call; a redriven one starts again at
+    # attempt 1, later, maybe in another process: not a first delivery
+    all_calls, _ = _handled(outs)
+    first = {m: min(t for t, _a, _o in v) for m, v in all_calls.items()}
     for out in outs:
         calls, _ = _handled([out])
-        _check_first_in_order(log, {m: t for m, v in calls.items() for t, a, _o in v if a == 1}, f"alu {out.name}")
+        _check_first_in_order(log, {m: t for m, v in calls.items() for t, a, _o in v if a == 1 and t == first[m]},
+                              f"alu {out.name}")
+
+    # -- dispatch tags: what a consumer wanting "g" handled was tagged "g"
+    tagged = {m for m, rec in log if (rec.headers or {}).get(TAG_HEADER) == "g"}
+    by_tag_consumers = set()
+    for slot in TAGGED - {"default1"}:
+        calls, _ = _handled([out for _p, out in cons[slot][3]])
+        assert set(calls) <= tagged, f"{slot} (tag g) handled untagged {sorted(set(calls) - tagged)[:5]}"
+        by_tag_consumers |= set(calls)
+    print(f"tagged {len(tagged)}, handled by tag consumers {len(by_tag_consumers)}")
 
     # -- at-most-once
     runs = cons["amo0"][3]
@@ -378,6 +440,26 @@ def test_chaos(tmp_path, cluster_factory, seed):
         if len(t) > 4 and t[1] == "shards" and t[4] in ("ready", "delayed", "leased"):
             left.append(t)
     assert left == [], f"left in queues: {left[:5]}"
+
+    # -- dead letters: a last redrive moves each listed one; each delivered once more
+    for sub in ("alo", "alu"):
+        dead = {d["id"] for d in sup.dlq_list("t", sub, limit=100000)}
+        before = sup.stats("t")["subscriptions"][sub]
+        assert sup.dlq_redrive("t", sub) == len(dead) == before["dlq"], sub
+        s = sup.stats("t")["subscriptions"][sub]
+        assert (s["dlq"], s["backlog"], s["in_flight"]) == (0, len(dead), 0), (sub, s)
+        got = {}
+        with fdq.Consumer(db, "t", subscription=sub, create=False, extend_support=True) as c:
+            while len(got) < len(dead):
+                ms = c.fetch(100, timeout=10)
+                assert ms, f"{sub}: {len(got)} of {len(dead)} redriven dead letters delivered"
+                c.ack_many(ms)
+                for m in ms:
+                    assert m.id not in got, f"{sub}: redriven {m.id} delivered twice"
+                    got[m.id] = m.attempts
+        assert set(got) == dead and set(got.values()) <= {1}, (sub, got)
+        s = sup.stats("t")["subscriptions"][sub]
+        assert (s["dlq"], s["backlog"], s["in_flight"], s["acked"]) == (0, 0, 0, len(ids)), (sub, s)
 
 
 def _check_alo(sup, st, log, ids, outs, sub):
