@@ -15,6 +15,9 @@ import nsq
 import tornado.ioloop
 
 
+MSG_TIMEOUT_S = 3    # the reader's msg_timeout; TOUCHes every 0.5 s hold a message 4.5 s
+
+
 def conn_options() -> dict:
     """PYNSQ_DEFLATE=1 / PYNSQ_SNAPPY=1 / PYNSQ_TLS=1: negotiate deflate / snappy / TLS
     (certificate not verified)."""
@@ -98,17 +101,17 @@ def sub(addr, topic, channel, n):
             return None
         if i % 10 == 5:
             m.enable_async()
-            t_end = time.monotonic() + 7
+            t_end = time.monotonic() + MSG_TIMEOUT_S + 1.5    # held past msg_timeout by TOUCHes
 
             def touch():
                 if time.monotonic() < t_end:
                     m.touch()
-                    loop.call_later(1.0, touch)
+                    loop.call_later(0.5, touch)
                 else:
                     m.finish()
                     finished.add(i)
                     check()
-            loop.call_later(1.0, touch)
+            loop.call_later(0.5, touch)
             return None
         finished.add(i)
         check()
@@ -124,7 +127,7 @@ def sub(addr, topic, channel, n):
             loop.call_later(0.2, tick)
 
     r = nsq.Reader(topic=topic, channel=channel, message_handler=handler, nsqd_tcp_addresses=[addr],
-                   max_in_flight=50, max_tries=0, msg_timeout=5, heartbeat_interval=1,
+                   max_in_flight=50, max_tries=0, msg_timeout=MSG_TIMEOUT_S, heartbeat_interval=1,
                    lookupd_poll_interval=1, **conn_options())
     loop.call_later(0.5, tick)
     loop.call_later(150, loop.stop)

@@ -1,5 +1,5 @@
-"""Helpers of the Spark tests: one local[2] session per test module, topics filled by
-producer processes."""
+"""Helpers of the Spark tests: a local Spark session (one for the whole directory, see
+conftest.py), topics filled by producer processes."""
 from __future__ import annotations
 
 import json

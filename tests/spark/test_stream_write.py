@@ -12,19 +12,21 @@ import fdq
 from fdq import log
 from fdq.keyspace import Keyspace
 
-from sparkhelpers import ROOT, make_session, run_query, start_producers, wait_for, wait_producers
+from sparkhelpers import ROOT, run_query, start_producers, wait_for, wait_producers
 
-# local[2] with up to 4 attempts per task, so a failed task is retried (the writer test).
-MASTER = "local[2,4]"
+# The session (tests/spark/conftest.py) runs local[2,4]: up to 4 attempts per task, so a
+# failed task is retried (the writer test). Arrow batches of 200 rows in this module.
+ARROW_BATCH_CONF = "spark.sql.execution.arrow.maxRecordsPerBatch"
 
 
-@pytest.fixture(scope="module")
-def spark():
-    s = make_session(MASTER, **{"spark.sql.execution.arrow.maxRecordsPerBatch": "200"})
-    yield s
-    for q in s.streams.active:
+@pytest.fixture(autouse=True, scope="module")
+def _small_arrow_batches(spark):
+    old = spark.conf.get(ARROW_BATCH_CONF)
+    spark.conf.set(ARROW_BATCH_CONF, "200")
+    yield
+    for q in spark.streams.active:
         q.stop()
-    s.stop()
+    spark.conf.set(ARROW_BATCH_CONF, old)
 
 
 def _stream(spark, url, topic, sink_dir, ck_dir, **opts):

@@ -51,7 +51,7 @@ if (cmd === 'pub') {
   let last = Date.now()
   const r = new nsq.Reader(topic, channel, {
     nsqdTCPAddresses: [`${host}:${port}`], maxInFlight: 50, maxAttempts: 0,
-    messageTimeout: 5000, heartbeatInterval: 1,
+    messageTimeout: 3000, heartbeatInterval: 1,   // TOUCHes every 0.5 s hold a message 4.5 s
   })
   r.on('message', (m) => {
     const b = m.body
@@ -61,11 +61,11 @@ if (cmd === 'pub') {
     last = Date.now()
     if (i % 10 === 3 && m.attempts === 1) { m.requeue(1000, false); return }
     if (i % 10 === 5) {
-      const end = Date.now() + 7000
+      const end = Date.now() + 4500   // 1.5 s past messageTimeout
       const tick = () => {
-        if (Date.now() < end) { m.touch(); setTimeout(tick, 1000) } else { m.finish(); finished.add(i); last = Date.now() }
+        if (Date.now() < end) { m.touch(); setTimeout(tick, 500) } else { m.finish(); finished.add(i); last = Date.now() }
       }
-      setTimeout(tick, 1000)
+      setTimeout(tick, 500)
       return
     }
     m.finish()
