@@ -18,8 +18,7 @@ from .errors import ConfigError, TopicExists, TopicHeld, TopicNotFound
 from .headers import dispatch_tag
 from .keyspace import Keyspace, TopicSpace, Versionstamp, counter, decode_counter, message_id, vs_from_bytes
 from .keyspace.codec import CHUNK_BYTES, CHUNK_WRITE_BYTES, LeaseRecord, Record, decode_leases, pack, reshard_shard, shard_of, unpack
-from .log import buckets_in
-from .log import chunks_bytes, entry_bytes, iter_window, log_buckets, read_chunk
+from .log import buckets_in, chunks_bytes, entry_bytes, iter_window, log_buckets, read_chunk
 from .stats import SHARD_COUNTERS, shard_counters
 from .topic import (HOLD_WAIT_S, create_topic, held, list_topics, load_config, read_topic_config,
                     update_topic_config)
