@@ -104,12 +104,16 @@ def stats_row(stats: dict) -> dict:
         "resharding_to": config.get("resharding_to"),
         "max_backlog": config.get("max_backlog"),
         "retention_s": config.get("retention_s"),
+        "retention_bytes": config.get("retention_bytes"),
         "dedupe_window_s": config.get("dedupe_window_s"),
         "inserted": counters["inserted"],
         "routed": counters["routed"],
         "pending": counters["pending"],
         "emitted": counters["emitted"],
         "acked": counters["acked"],
+        "inserted_bytes": counters["inserted_bytes"],
+        "log_bytes": counters["log_bytes"],
+        "trimmed": counters["trimmed"],
         "subscriptions": subs,
     }
 

@@ -12,7 +12,8 @@ import fdq
 from fdq.cli import render
 
 STATS_KEYS = {"topic", "shards", "extend", "paused", "resharding_to", "max_backlog", "retention_s",
-              "dedupe_window_s", "inserted", "routed", "pending", "emitted", "acked", "subscriptions"}
+              "dedupe_window_s", "inserted", "routed", "pending", "emitted", "acked", "subscriptions",
+              "retention_bytes", "inserted_bytes", "log_bytes", "trimmed"}
 SUB_KEYS = {"name", "backlog", "in_flight", "delayed", "dlq", "emitted", "acked", "lag_ms",
             "oldest_ready_time_ms", "consumers", "unowned_shards", "tags", "per_shard"}
 CONSUMER_KEYS = {"subscription", "id", "mode", "tag", "host", "pid", "shards", "heartbeats",
@@ -47,9 +48,11 @@ def test_stats(run, db, sup, consumer):
     api = sup.stats("orders")
     assert set(data) == STATS_KEYS
     assert (data["topic"], data["shards"], data["extend"], data["max_backlog"]) == ("orders", 4, True, 100)
-    for k in ("inserted", "routed", "pending", "emitted", "acked"):
+    for k in ("inserted", "routed", "pending", "emitted", "acked", "inserted_bytes", "log_bytes", "trimmed"):
         assert data[k] == api["counters"][k]
     assert data["inserted"] == 9
+    assert (data["inserted_bytes"], data["trimmed"]) == (6 + 2 + len(b"later"), 0)   # bodies pushed
+    assert data["log_bytes"] > 9 * 13       # each entry's key and record, more than its body
     [sub] = data["subscriptions"]
     a = api["subscriptions"]["default"]
     assert set(sub) == SUB_KEYS and sub["name"] == "default"
