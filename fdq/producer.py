@@ -546,7 +546,12 @@ class _GroupCommit:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every asynchronous push queued so far is committed or failed
-        (and those queued meanwhile); False if ``timeout`` passed first."""
+        (and those queued meanwhile); False if ``timeout`` passed first. From the
+        thread committing a batch (a ``push_async`` future's done callback) it would
+        wait for itself: a ``ConfigError`` says so instead."""
+        if getattr(self._local, "flushing", False):
+            raise ConfigError("Producer.flush() called from a push_async callback: the callback runs in the "
+                              "thread committing the pushes it would wait for; flush from another thread")
         with self._idle:
             return self._idle.wait_for(lambda: not self._async_pending, timeout)
 

@@ -235,3 +235,39 @@ def test_a_push_from_a_push_async_callback_does_not_hang_the_producer(db):
     assert p.push("t", b"after").id                 # the producer still works
     assert p.flush(timeout=10)
     assert fdq.Supervisor(db).stats("t")["counters"]["inserted"] == 7
+
+
+def test_flush_from_a_push_async_callback_is_refused_not_a_hang(db):
+    """``flush()`` from a done callback runs in the thread committing the batch it would
+    wait for: it waited for itself (for good without a timeout). It is refused with a
+    ConfigError naming the cause; the pushes still commit and the producer still works."""
+    import threading
+    fdq.Supervisor(db).create_topic("t", shards=2)
+    p = fdq.Producer(db)
+    pushed = 0
+    for _attempt in range(20):
+        seen = {}
+        done = threading.Event()
+
+        def on_done(_f, seen=seen, done=done):
+            seen["thread"] = threading.current_thread()
+            try:
+                seen["flushed"] = p.flush(timeout=5)
+            except fdq.ConfigError as e:
+                seen["error"] = str(e)
+            finally:
+                done.set()
+
+        futures = [p.push_async("t", b"%d" % i) for i in range(3)]
+        pushed += 3
+        futures[0].add_done_callback(on_done)
+        assert done.wait(10), "flush from the callback did not return"
+        for f in futures:
+            assert f.result(timeout=10).id
+        if seen["thread"] is not threading.current_thread():
+            break       # else committed before the callback was added: it ran here, try again
+    else:
+        raise AssertionError("the callback never ran in the committing thread in 20 attempts")
+    assert "push_async callback" in seen.get("error", ""), seen
+    assert p.flush(timeout=10)
+    assert fdq.Supervisor(db).stats("t")["counters"]["inserted"] == pushed
