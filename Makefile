@@ -19,8 +19,11 @@ $(NSQJS)/node_modules/.installed: $(NSQJS)/package.json
 demo: $(VENV)/.installed
 	$(PY) -m fdq.demo
 
+# Two pytest-xdist workers (the machine's 2 cores): the multi-process tests spend much of
+# their time waiting on timeouts and other processes. Every Spark test runs on one worker
+# (tests/conftest.py), so one JVM starts.
 test: $(VENV)/.installed $(NSQJS)/node_modules/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 bench: $(VENV)/.installed
 	$(PY) bench/engine.py

@@ -29,3 +29,11 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{len(fdb)} FoundationDB cases skipped: {fdb[0][1]}")
     for nodeid, reason in other:
         terminalreporter.write_line(f"SKIPPED {nodeid}: {reason}")
+
+
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (``-n 2 --dist loadgroup``), every Spark test runs on one
+    worker: their session-scoped Spark session (a JVM) then starts once."""
+    for item in items:
+        if "/tests/spark/" in str(item.path):
+            item.add_marker(pytest.mark.xdist_group("spark"))
