@@ -30,7 +30,8 @@ Cases (100-byte bodies, fresh database per case, each bounded in count and secon
   own ``ack()``, from 1 thread and from 4 (concurrent settles share a transaction).
 * ``latency``: a producer process pushing single messages at 1,000/s, a consumer process
   (at-least-once) recording push-to-handler latency on CLOCK_MONOTONIC (one clock for
-  every process of the machine): p50/p99.
+  every process of the machine): p50/p99; three runs of 8 s in a full run, one of 3 s
+  with ``--quick``.
 * ``failover``: two consumer processes under a steady stream; one is killed with SIGKILL;
   seconds until the survivor owns every shard (zombie timeout 1.5 s, heartbeat 0.25 s),
   and until the backlog is drained, the dead consumer's leases included (ack wait 2 s).
@@ -609,8 +610,12 @@ def main(argv=None):
                 row(f"pull: fetch 100, ack() each, {threads} thread{'s' if threads > 1 else ''}",
                     bench_pull(url(), 2000 if q else 8000, threads, secs))
         if "latency" in cases:
-            row("end-to-end at 1,000 msgs/s (2 processes)", bench_latency(url(), 1000, 3 if q else 8),
-                "p50 ≤ 2 ms, p99 ≤ 10 ms")
+            # Three runs in a full run: the figure is bimodal (see bench/RESULTS.md), and
+            # one run would show either mode as if it were the rule.
+            runs = 1 if q else 3
+            for i in range(runs):
+                row("end-to-end at 1,000 msgs/s (2 processes)" + (f", run {i + 1} of {runs}" if runs > 1 else ""),
+                    bench_latency(url(), 1000, 3 if q else 8), "p50 ≤ 2 ms, p99 ≤ 10 ms")
         if "failover" in cases:
             row("failover (kill -9 of 1 of 2 consumers)", bench_failover(url()))
     finally:
