@@ -92,6 +92,9 @@ class Message:
         if self._deferred is not None and action != "touch":
             self._deferred.append((self, action, arg))   # committed with the batch
             return
+        if type(self._deferred) is _Round:      # in a tail round: the batch's lease too
+            self._deferred.renew(self)
+            return
         self._consumer._settle_group.submit((self, action, arg))
 
     def ack(self):
@@ -115,6 +118,43 @@ class Message:
     def in_progress(self):
         """Still working on it: restart its lease."""
         self._settle("touch")
+
+
+class _Round(list):
+    """A tail round's settlements (``Message._deferred``), committed with the next
+    round's lease. A batch whose handlers run long commits them sooner and touches the
+    messages still waiting for the handler (``renew``): before a handler once half the
+    ack wait passed since the lease or the last renewal, and with each ``in_progress()``.
+    Else the messages handled (their acks not committed) and those waiting expired and
+    were redelivered while this consumer had them in hand."""
+
+    def __init__(self, consumer, msgs):
+        super().__init__()
+        self._consumer, self._msgs = consumer, msgs
+        self.next = 0               # msgs[next:] wait for the handler
+        self.renewed = _monotonic()
+
+    def due(self) -> bool:
+        return _monotonic() - self.renewed >= self._consumer.config.ack_wait_s / 2
+
+    def renew(self, touched: Message):
+        """Commit the settlements so far and touch ``touched`` (unless settled) and the
+        waiting messages, in one transaction. Raises LeaseLost if ``touched``'s lease is
+        lost (others' lost leases are reported); other errors leave the settlements here."""
+        settled = list(self)
+        waiting = [m for m in [touched] + self._msgs[self.next:] if m._settled is None]
+        del self[:]
+        self.renewed = _monotonic()
+        try:
+            self._consumer.settle(settled + [(m, "touch", None) for m in waiting])
+        except LeaseLost as e:
+            if touched.id in e.ids:
+                raise LeaseLost(f"lease lost (expired and redelivered, or settled elsewhere): {touched.id}",
+                                [touched.id]) from None
+            self._consumer._report(e)
+        except BaseException:
+            self[:0] = settled
+            raise
 
 
 _LEAD = object()     # a waiting settle's turn to commit the queue (``_SettleGroup``)
@@ -1140,9 +1180,15 @@ class TailConsumer(Consumer):
         except BaseException:
             self._carried = carried + self._carried    # not committed: settle them later
             raise
-        pending = []
+        pending = _Round(self, msgs)
         try:
             for i, m in enumerate(msgs):
+                pending.next = i + 1
+                if pending.due():       # a long batch: keep it leased (``_Round``)
+                    try:
+                        pending.renew(m)
+                    except Exception as e:
+                        self._report(e)
                 m._deferred = pending
                 try:
                     self.handler(m)
