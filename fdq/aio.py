@@ -26,7 +26,7 @@ import functools
 import logging
 
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig
-from .consumer import Consumer
+from .consumer import Consumer, check_delivery_args
 from .errors import ConfigError, LeaseLost
 
 log = logging.getLogger("fdq.aio")
@@ -162,6 +162,7 @@ async def tail(db, topic: str, handler, acking: bool | None = None, transactiona
     consumes on the running loop until ``await t.shutdown()``. ``acking=False`` is
     at-most-once, otherwise at-least-once. Other keyword arguments go to
     :class:`fdq.Consumer` (``extend_support``, ``desired_tag``, ``on_error``, ...)."""
+    check_delivery_args(acking, transactional)
     if transactional:
         raise ConfigError("fdq.aio.tail has no exactly-once mode: its handler runs inside the engine "
                           "transaction, which is synchronous; use fdq.tail(..., transactional=True)")

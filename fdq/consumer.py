@@ -1288,6 +1288,17 @@ class TailConsumer(Consumer):
         super().close()
 
 
+def check_delivery_args(acking, transactional):
+    """``tail``'s mode arguments: ``acking`` None or a bool, ``transactional`` a bool
+    (``acking=0`` was at-least-once: only ``False`` selects at-most-once), not both."""
+    if acking is not None and not isinstance(acking, bool):
+        raise ConfigError(f"acking must be True, False or None, not {acking!r:.80}")
+    if not isinstance(transactional, bool):
+        raise ConfigError(f"transactional must be True or False, not {transactional!r:.80}")
+    if transactional and acking is not None:
+        raise ConfigError("transactional=True is exactly-once delivery: it cannot be combined with acking=")
+
+
 def tail(db, topic: str, handler, acking: bool | None = None, transactional: bool = False,
          batch_size: int = 100, consumer_id: str | None = None,
          subscription: str = DEFAULT_SUBSCRIPTION, config: ConsumerConfig | None = None, **kwargs):
@@ -1297,8 +1308,7 @@ def tail(db, topic: str, handler, acking: bool | None = None, transactional: boo
     ``acking=False`` is at-most-once and ``acking=None``/``True`` at-least-once,
     ``handler(message)``. Combining ``transactional=True`` with ``acking`` is an error.
     """
-    if transactional and acking is not None:
-        raise ConfigError("transactional=True is exactly-once delivery: it cannot be combined with acking=")
+    check_delivery_args(acking, transactional)
     mode = EXACTLY_ONCE if transactional else (AT_MOST_ONCE if acking is False else AT_LEAST_ONCE)
     return TailConsumer(db, topic, handler, mode=mode, batch_size=batch_size, consumer_id=consumer_id,
                         subscription=subscription, config=config, _explicit_acking=acking is True, **kwargs)

@@ -46,3 +46,28 @@ def test_a_batch_longer_than_the_ack_wait_is_not_redelivered(db, touching, max_c
     assert errors == []
     s = sub_stats(db, "t")
     assert (s["backlog"], s["in_flight"], s["acked"]) == (0, 0, 4)
+
+
+@pytest.mark.parametrize("kwargs, names", [
+    (dict(acking=0), "acking"), (dict(acking="no"), "acking"), (dict(acking=1), "acking"),
+    (dict(transactional="no"), "transactional"), (dict(transactional=1), "transactional"),
+    (dict(transactional=True, acking=False), "acking="),
+])
+def test_delivery_mode_arguments_are_checked(db, kwargs, names):
+    """``acking=0`` (or ``"no"``) silently meant at-least-once, ``transactional="no"``
+    exactly-once: only ``acking=False`` selects at-most-once. Anything but a bool (or
+    None) is a ConfigError naming the argument, in ``fdq.tail`` and ``fdq.aio.tail``,
+    before any consumer joins."""
+    import asyncio
+
+    with pytest.raises(fdq.ConfigError, match=names):
+        fdq.tail(db, "t", lambda *a: None, **kwargs)
+
+    async def handler(m):
+        pass
+
+    async def start():
+        await fdq.aio.tail(db, "t", handler, **kwargs)
+    with pytest.raises(fdq.ConfigError, match=names):
+        asyncio.run(start())
+    assert "t" not in dict(fdq.Supervisor(db).topics()), "a consumer was started (it created the topic)"
