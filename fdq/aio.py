@@ -95,13 +95,18 @@ class AsyncTail:
             except LeaseLost as e:      # not ours to handle: redelivered elsewhere
                 self.consumer._report(e)
                 msgs = [m for m in msgs if m.id not in e.ids]
-        pending = []
+        # kept leased while it runs long (``fdq.consumer._Round``)
+        pending = self.consumer._begin_round(msgs) if self._acking else None
         by_shard = {}
         for m in msgs:
             if self._acking:
                 m._deferred = pending
             by_shard.setdefault((m.tag, m.shard), []).append(m)
-        await asyncio.gather(*(self._handle_in_order(ms) for ms in by_shard.values()))
+        try:
+            await asyncio.gather(*(self._handle_in_order(ms) for ms in by_shard.values()))
+        finally:
+            if pending is not None:     # waits for a keep's commit (settling elsewhere)
+                pending = await asyncio.shield(self._call(self.consumer._end_round, pending))
         if pending:
             try:
                 await self._call(self.consumer.settle, pending)
@@ -111,6 +116,7 @@ class AsyncTail:
     async def _handle_in_order(self, msgs):
         async with self._slots:
             for m in msgs:
+                m._handed = True
                 try:
                     try:
                         await self.handler(m)

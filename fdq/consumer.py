@@ -81,6 +81,7 @@ class Message:
     _taken: object = field(default=None, repr=False, compare=False)
     _settled: str | None = field(default=None, repr=False, compare=False)
     _deferred: list | None = field(default=None, repr=False, compare=False)
+    _handed: bool = field(default=False, repr=False, compare=False)    # to a handler (``_Round``)
 
     def _settle(self, action, arg=None):
         if self._taken is None or self._taken.lease_id is None:
@@ -91,9 +92,6 @@ class Message:
             self._settled = action
         if self._deferred is not None and action != "touch":
             self._deferred.append((self, action, arg))   # committed with the batch
-            return
-        if type(self._deferred) is _Round:      # in a tail round: the batch's lease too
-            self._deferred.renew(self)
             return
         self._consumer._settle_group.submit((self, action, arg))
 
@@ -121,40 +119,54 @@ class Message:
 
 
 class _Round(list):
-    """A tail round's settlements (``Message._deferred``), committed with the next
-    round's lease. A batch whose handlers run long commits them sooner and touches the
-    messages still waiting for the handler (``renew``): before a handler once half the
-    ack wait passed since the lease or the last renewal, and with each ``in_progress()``.
-    Else the messages handled (their acks not committed) and those waiting expired and
-    were redelivered while this consumer had them in hand."""
+    """A round's settlements (``Message._deferred``: ``tail``'s, ``fdq.aio``'s), committed
+    when it ends (``tail``: with the next round's lease). A round that runs longer than
+    half the ack wait is kept leased by the membership thread (``keep``): from then on
+    its settlements commit at each lease check, and the messages not yet handed to a
+    handler are touched every half ack wait. Else the messages handled (their acks not
+    committed) and those waiting expired and were redelivered while the consumer had
+    them in hand (an aio round longer than the ack wait never completed: every message
+    dead-lettered). A handler gets at least about half the ack wait for its message;
+    longer work calls ``in_progress()``."""
 
     def __init__(self, consumer, msgs):
         super().__init__()
         self._consumer, self._msgs = consumer, msgs
-        self.next = 0               # msgs[next:] wait for the handler
-        self.renewed = _monotonic()
+        self._leased = self._touched = _monotonic()
+        self._committing = threading.Lock()     # a keep's commit vs ``finish``
+        self._finished = False
 
-    def due(self) -> bool:
-        return _monotonic() - self.renewed >= self._consumer.config.ack_wait_s / 2
+    def keep(self, now: float):
+        """The membership thread's part (see the class)."""
+        half = self._consumer.config.ack_wait_s / 2
+        if now - self._leased < half:
+            return
+        with self._committing:
+            if self._finished:
+                return
+            n = len(self)       # the handlers' thread appends meanwhile: take the first n
+            settled = self[:n]
+            del self[:n]
+            touch = now - self._touched >= half
+            waiting = [m for m in self._msgs if not m._handed and m._settled is None] if touch else []
+            if not settled and not waiting:
+                return
+            try:
+                self._consumer.settle(settled + [(m, "touch", None) for m in waiting])
+            except LeaseLost as e:
+                self._consumer._report(e)
+            except Exception as e:      # not committed: at the round's end
+                self[:0] = settled
+                self._consumer._report(e)
+                return
+            if touch:
+                self._touched = now
 
-    def renew(self, touched: Message):
-        """Commit the settlements so far and touch ``touched`` (unless settled) and the
-        waiting messages, in one transaction. Raises LeaseLost if ``touched``'s lease is
-        lost (others' lost leases are reported); other errors leave the settlements here."""
-        settled = list(self)
-        waiting = [m for m in [touched] + self._msgs[self.next:] if m._settled is None]
-        del self[:]
-        self.renewed = _monotonic()
-        try:
-            self._consumer.settle(settled + [(m, "touch", None) for m in waiting])
-        except LeaseLost as e:
-            if touched.id in e.ids:
-                raise LeaseLost(f"lease lost (expired and redelivered, or settled elsewhere): {touched.id}",
-                                [touched.id]) from None
-            self._consumer._report(e)
-        except BaseException:
-            self[:0] = settled
-            raise
+    def finish(self) -> list:
+        """The round's settlements not committed yet; ``keep`` does nothing after."""
+        with self._committing:
+            self._finished = True
+            return list(self)
 
 
 _LEAD = object()     # a waiting settle's turn to commit the queue (``_SettleGroup``)
@@ -343,6 +355,7 @@ class Consumer:
         self._leases = {}
         self._leases_lock = threading.Lock()
         self._settle_group = _SettleGroup(self.settle)
+        self._rounds = {}            # id -> _Round in hand (kept leased by the membership thread)
         self._lease_prefix, self._lease_seq = os.urandom(8), 0
         self._peers = {}             # consumer id -> (heartbeat, since)
         self._rr = 0
@@ -513,6 +526,8 @@ class Consumer:
                     self._last_lease_check = now
                     self._tick_clock(now)
                     self._check_leases(now)
+                    for r in list(self._rounds.values()):
+                        r.keep(now)
                 self._stalled_since = None
             except Exception as e:  # keep heartbeating through transient trouble
                 self._report(e)
@@ -664,6 +679,18 @@ class Consumer:
             with self._leases_lock:
                 for key in [k for k in self._leases if k[0] == shard_id and k not in live_keys]:
                     del self._leases[key]
+
+    def _begin_round(self, msgs) -> _Round:
+        """A round of ``msgs`` (leased, about to be handled): its settlements collect in
+        the returned ``_Round`` (``Message._deferred``), kept leased while it runs long."""
+        r = _Round(self, msgs)
+        self._rounds[id(r)] = r
+        return r
+
+    def _end_round(self, r: _Round) -> list:
+        """The round's settlements still to commit (``_Round.finish``)."""
+        self._rounds.pop(id(r), None)
+        return r.finish()
 
     def _report(self, e: BaseException):
         if self.on_error is not None:
@@ -1180,15 +1207,10 @@ class TailConsumer(Consumer):
         except BaseException:
             self._carried = carried + self._carried    # not committed: settle them later
             raise
-        pending = _Round(self, msgs)
+        pending = self._begin_round(msgs)
         try:
             for i, m in enumerate(msgs):
-                pending.next = i + 1
-                if pending.due():       # a long batch: keep it leased (``_Round``)
-                    try:
-                        pending.renew(m)
-                    except Exception as e:
-                        self._report(e)
+                m._handed = True
                 m._deferred = pending
                 try:
                     self.handler(m)
@@ -1205,6 +1227,7 @@ class TailConsumer(Consumer):
                         pending.append((rest, "release", None))
                     break
         finally:
+            pending = self._end_round(pending)
             if defer:
                 self._arm_pending()
         if self._pool is None and not self._stop.is_set():

@@ -71,3 +71,35 @@ def test_delivery_mode_arguments_are_checked(db, kwargs, names):
     with pytest.raises(fdq.ConfigError, match=names):
         asyncio.run(start())
     assert "t" not in dict(fdq.Supervisor(db).topics()), "a consumer was started (it created the topic)"
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_aio_round_longer_than_the_ack_wait_is_not_redelivered(db, shards):
+    """``fdq.aio.tail`` commits a round's settlements when its last handler returns. A
+    round longer than the ack wait (each handler well within it) saw every message
+    expire and be redelivered, round after round, until ``max_deliver`` dead-lettered
+    them all though every handler succeeded."""
+    import asyncio
+    fdq.Supervisor(db).create_topic("t", shards=shards)
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"%d" % i, shard_key="k") for i in range(4)])
+    seen, errors = [], []
+
+    async def handler(m):
+        seen.append((m.body, m.attempts))
+        await asyncio.sleep(0.6)
+
+    async def run():
+        t = await fdq.aio.tail(db, "t", handler, batch_size=4, on_error=errors.append,
+                               config=fdq.ConsumerConfig(ack_wait_s=1.5, **FAST))
+        try:
+            deadline = time.monotonic() + 60
+            while sub_stats(db, "t")["acked"] + sub_stats(db, "t")["dlq"] < 4 and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(1.5)     # a redelivery, if any, would come meanwhile
+        finally:
+            await t.shutdown()
+    asyncio.run(run())
+    assert seen == [(b"%d" % i, 1) for i in range(4)], f"redelivered while in hand: {seen}"
+    assert errors == []
+    s = sub_stats(db, "t")
+    assert (s["backlog"], s["in_flight"], s["acked"], s["dlq"]) == (0, 0, 4, 0)
