@@ -1210,6 +1210,11 @@ class TailConsumer(Consumer):
         pending = self._begin_round(msgs)
         try:
             for i, m in enumerate(msgs):
+                if self._stop.is_set():     # shutting down: the rest go back uncounted
+                    for rest in msgs[i:]:
+                        rest._settled = "release"
+                        pending.append((rest, "release", None))
+                    break
                 m._handed = True
                 m._deferred = pending
                 try:
@@ -1221,11 +1226,6 @@ class TailConsumer(Consumer):
                         m.nak()
                     self._report(e)
                 m._deferred = None
-                if self._stop.is_set():     # shutting down: the rest go back uncounted
-                    for rest in msgs[i + 1:]:
-                        rest._settled = "release"
-                        pending.append((rest, "release", None))
-                    break
         finally:
             pending = self._end_round(pending)
             if defer:

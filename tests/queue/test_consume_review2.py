@@ -103,3 +103,60 @@ def test_aio_round_longer_than_the_ack_wait_is_not_redelivered(db, shards):
     assert errors == []
     s = sub_stats(db, "t")
     assert (s["backlog"], s["in_flight"], s["acked"], s["dlq"]) == (0, 0, 4, 0)
+
+
+def _threads_in(*names) -> list:
+    """Idents of the threads whose stack has a frame of each function in ``names``."""
+    import sys
+    out = []
+    for ident, frame in sys._current_frames().items():
+        seen = set()
+        while frame is not None:
+            seen.add(frame.f_code.co_name)
+            frame = frame.f_back
+        if all(n in seen for n in names):
+            out.append(ident)
+    return out
+
+
+def test_no_handler_runs_on_a_batch_leased_after_shutdown_began(db, db_path):
+    """``shutdown()`` from another thread while the worker is committing a lease: the
+    batch it leases is given back (uncounted), not handed to the handler after
+    shutdown() began, when the caller may be tearing down what the handler uses.
+    (The lease is held at its commit by another connection holding SQLite's write lock,
+    released once the shutdown is under way.)"""
+    import sqlite3
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    p = fdq.Producer(db)
+    p.push("t", b"first")
+    handling, release = [], threading.Event()
+
+    def handler(m):
+        handling.append(m.body)
+        assert release.wait(30)
+    c = fdq.tail(db, "t", handler, batch_size=1,
+                 config=fdq.ConsumerConfig(ack_wait_s=600, **FAST))
+    wait_for(lambda: handling == [b"first"], 30, what="the first message handled")
+    p.push("t", b"second")              # ready: the next round leases it
+    lock = sqlite3.connect(str(db_path), isolation_level=None, timeout=30)
+    stopper = None
+    try:
+        lock.execute("BEGIN IMMEDIATE")
+        release.set()                   # the round ends; the next lease blocks at its commit
+        wait_for(lambda: _threads_in("_lease_many", "begin_immediate"), 30, what="the next lease held at its commit")
+        stopper = threading.Thread(target=c.shutdown)
+        stopper.start()
+        wait_for(c._stop.is_set, 30, what="the shutdown under way")
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+    if stopper is not None:
+        stopper.join(60)
+        assert not stopper.is_alive()
+    assert handling == [b"first"], "a message was handed to the handler after shutdown() began"
+    s = sub_stats(db, "t")
+    assert (s["backlog"], s["in_flight"], s["acked"], s["consumers"]) == (1, 0, 1, []), s
+    with fdq.Consumer(db, "t", create=False) as pc:
+        [m] = pc.fetch(10, timeout=10)
+        pc.ack_many([m])
+    assert (m.body, m.attempts) == (b"second", 1)     # given back uncounted
