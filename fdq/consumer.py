@@ -147,7 +147,7 @@ class _Round(list):
             n = len(self)       # the handlers' thread appends meanwhile: take the first n
             settled = self[:n]
             del self[:n]
-            touch = now - self._touched >= half
+            touch = now - self._touched >= half and self._progressing(now)
             waiting = [m for m in self._msgs if not m._handed and m._settled is None] if touch else []
             if not settled and not waiting:
                 return
@@ -161,6 +161,20 @@ class _Round(list):
                 return
             if touch:
                 self._touched = now
+
+    def _progressing(self, now: float) -> bool:
+        """Whether every message in a handler's hands is within its lease (handed over,
+        or touched by ``in_progress()``, less than its ack wait ago, as this consumer
+        saw it). A handler stuck past it lets its message expire: the messages waiting
+        behind it expire too, not kept leased by a round that does not move."""
+        c = self._consumer
+        with c._leases_lock:
+            for m in self._msgs:
+                if m._handed and m._settled is None:
+                    seen = c._leases.get(((m.tag, m.shard), m._taken.vs.to_bytes()))
+                    if seen is None or now - seen[2] >= seen[3]:
+                        return False
+        return True
 
     def finish(self) -> list:
         """The round's settlements not committed yet; ``keep`` does nothing after."""

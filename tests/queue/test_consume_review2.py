@@ -160,3 +160,27 @@ def test_no_handler_runs_on_a_batch_leased_after_shutdown_began(db, db_path):
         [m] = pc.fetch(10, timeout=10)
         pc.ack_many([m])
     assert (m.body, m.attempts) == (b"second", 1)     # given back uncounted
+
+
+def test_a_stuck_handler_does_not_keep_its_batch_leased(db):
+    """A round that runs long keeps its waiting messages leased only while it moves: a
+    handler stuck past its message's ack wait (no ``in_progress()``) lets that message
+    expire, and the messages waiting behind it in the batch expire with it, as they did
+    before rounds were kept leased (else they stayed leased for as long as it hangs)."""
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"%d" % i) for i in range(3)])
+    stuck, seen = threading.Event(), []
+
+    def handler(m):
+        seen.append(m.body)
+        assert stuck.wait(60)
+    c = fdq.tail(db, "t", handler, batch_size=3, on_error=lambda e: None,
+                 config=fdq.ConsumerConfig(ack_wait_s=1.0, **FAST))
+    try:
+        wait_for(lambda: seen == [b"0"], 30, what="the first message handed over")
+        wait_for(lambda: sub_stats(db, "t")["in_flight"] == 0, 30,
+                 what="the stuck message and the two behind it expired")
+        assert sub_stats(db, "t")["backlog"] == 3
+    finally:
+        stuck.set()
+        c.shutdown()
