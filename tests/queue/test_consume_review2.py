@@ -184,3 +184,32 @@ def test_a_stuck_handler_does_not_keep_its_batch_leased(db):
     finally:
         stuck.set()
         c.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["alo", "aio"])
+def test_long_round_kept_leased_across_processes_then_kill9(procs, db, mode):
+    """Processes: consumer A leases a batch of 12 whose round lasts ~6 s (0.5 s a
+    message) with a 2 s ack wait; consumer B joins and takes one of the two shards,
+    observing A's leases there. While A is alive and working, B must not expire and
+    redeliver the messages A has in hand (A keeps them leased). Then A is killed
+    (SIGKILL) mid-round: B takes its shard and redelivers every message A had not
+    acked, so each of the 12 is handled at least once."""
+    from qhelpers import read_lines
+    fdq.Supervisor(db).create_topic("t", shards=2)
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"m:%d" % i, shard_key=f"k{i}") for i in range(12)])
+    args = ("--mode", mode, "--hb", 0.2, "--zombie", 1.5, "--ack-wait", 2)
+    a = procs.start("consumer", "a", *args, "--batch", 12, "--hold-s", 0.5, wait_ready=True)
+    handled = lambda p: [line.split() for line in read_lines(p.out)]  # noqa: E731 - [H, id, attempts, key, body]
+    wait_for(lambda: len(handled(a)) >= 1, 60, what="A handling its batch")
+    b = procs.start("consumer", "b", *args, "--batch", 12, wait_ready=True)
+    wait_for(lambda: len(handled(a)) >= 9, 60, what="A handling most of its batch, over 2 ack waits")
+    before_kill = handled(b)
+    procs.kill9(a)
+    by_a = handled(a)
+    assert before_kill == [], f"B redelivered what A had in hand: {before_kill}"
+    assert all(h[2] == "1" for h in by_a), f"A saw a redelivery of its own batch: {by_a}"
+    wait_for(lambda: {h[4] for h in handled(a) + handled(b)} == {"m:%d" % i for i in range(12)}, 60,
+             what="every message handled (A's unacked ones redelivered by B)")
+    wait_for(lambda: sub_stats(db, "t")["acked"] == 12 and sub_stats(db, "t")["in_flight"] == 0, 60,
+             what="all acked")
+    procs.stop(b)
