@@ -947,6 +947,8 @@ class Consumer:
         ``close()`` returns ``[]`` without leasing."""
         if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
             raise ConfigError(f"max_messages must be an integer >= 1, not {max_messages!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout:
+            raise ConfigError(f"timeout must be a number of seconds, not {timeout!r:.80}")
         if ack_wait_s is not None:
             ConsumerConfig(ack_wait_s=ack_wait_s)   # validates
         me = threading.get_ident()

@@ -213,3 +213,17 @@ def test_long_round_kept_leased_across_processes_then_kill9(procs, db, mode):
     wait_for(lambda: sub_stats(db, "t")["acked"] == 12 and sub_stats(db, "t")["in_flight"] == 0, 60,
              what="all acked")
     procs.stop(b)
+
+
+@pytest.mark.parametrize("timeout", [None, "1", float("nan"), True])
+def test_fetch_timeout_is_checked(db, timeout):
+    """``fetch(timeout=None)`` (or a string) raised a TypeError from inside the wait,
+    NaN meant no wait and True one second: a ConfigError naming ``timeout``, nothing
+    leased. (A negative timeout stays a valid "no wait": callers pass time left.)"""
+    fdq.Producer(db).push("t", b"x")
+    with fdq.Consumer(db, "t") as c:
+        with pytest.raises(fdq.ConfigError, match="timeout"):
+            c.fetch(10, timeout=timeout)
+        assert sub_stats(db, "t")["in_flight"] == 0
+        [m] = c.fetch(10, timeout=-1) or c.fetch(10, timeout=10)
+        m.ack()
