@@ -53,6 +53,7 @@ class AsyncTail:
         self._acking = acking
         self._poll_s = poll_s
         self._stopping = False
+        self._closed = asyncio.Event()  # set when shutdown() has closed the consumer
         self._in_fetch = False          # the task awaits a fetch (no round in hand)
         self._slots = asyncio.Semaphore(consumer.config.max_concurrency)
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"fdq-aio-{consumer.id}")
@@ -144,14 +145,19 @@ class AsyncTail:
         go to the other consumers at once, and so do the leases of a fetch under way (it
         ends at once; ``Consumer.close`` waits for its worker thread, also when this
         tail's task was cancelled, so nothing it leased waits for its ack wait)."""
-        if not self._stopping:
-            self._stopping = True
-            # No round in hand: close now, which ends the fetch the task awaits.
-            closing = asyncio.ensure_future(self._call(self.consumer.close)) if self._in_fetch else None
+        if self._stopping:      # another call is shutting it down: return when it has
+            await self._closed.wait()
+            return
+        self._stopping = True
+        # No round in hand: close now, which ends the fetch the task awaits.
+        closing = asyncio.ensure_future(self._call(self.consumer.close)) if self._in_fetch else None
+        try:
+            await self._task
+        finally:
             try:
-                await self._task
-            finally:
                 await (closing if closing is not None else self._call(self.consumer.close))
+            finally:
+                self._closed.set()
 
     async def __aenter__(self):
         return self

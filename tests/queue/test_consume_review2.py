@@ -227,3 +227,24 @@ def test_fetch_timeout_is_checked(db, timeout):
         assert sub_stats(db, "t")["in_flight"] == 0
         [m] = c.fetch(10, timeout=-1) or c.fetch(10, timeout=10)
         m.ack()
+
+
+def test_aio_second_shutdown_returns_once_closed(db):
+    """``await t.shutdown()`` while another task's shutdown is under way returned at
+    once, before the consumer had left (its shards still held): it waits for that
+    shutdown, as a sync ``shutdown()`` returns only once the consumer has left."""
+    import asyncio
+
+    async def handler(m):
+        pass
+
+    async def run():
+        t = await fdq.aio.tail(db, "t", handler, config=fdq.ConsumerConfig(**FAST))
+        assert len(sub_stats(db, "t")["consumers"]) == 1
+        first = asyncio.ensure_future(t.shutdown())
+        await asyncio.sleep(0)          # the first shutdown under way
+        await asyncio.wait_for(t.shutdown(), 60)
+        assert sub_stats(db, "t")["consumers"] == [], "the second shutdown returned before the consumer left"
+        await asyncio.wait_for(first, 60)
+        await t.shutdown()              # and once more, after
+    asyncio.run(run())
