@@ -22,6 +22,7 @@ use ``fdq.tail(..., transactional=True)``.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 
@@ -30,6 +31,8 @@ from .consumer import Consumer, check_delivery_args
 from .errors import ConfigError, LeaseLost
 
 log = logging.getLogger("fdq.aio")
+# The AsyncTail whose handler this task runs (set in each round's handler tasks).
+_IN_ROUND = contextvars.ContextVar("fdq_aio_in_round", default=None)
 
 
 class HandlerCancelled(Exception):
@@ -54,6 +57,7 @@ class AsyncTail:
         self._poll_s = poll_s
         self._stopping = False
         self._closed = asyncio.Event()  # set when shutdown() has closed the consumer
+        self._close_in_task = False     # shutdown() came from a handler: the task closes
         self._in_fetch = False          # the task awaits a fetch (no round in hand)
         self._slots = asyncio.Semaphore(consumer.config.max_concurrency)
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"fdq-aio-{consumer.id}")
@@ -74,6 +78,16 @@ class AsyncTail:
         return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
 
     async def _run(self):
+        try:
+            await self._consume()
+        finally:
+            if self._close_in_task:     # shutdown() came from a handler: close here
+                try:
+                    await self._call(self.consumer.close)
+                finally:
+                    self._closed.set()
+
+    async def _consume(self):
         while not self._stopping:
             try:
                 self._in_fetch = True
@@ -115,6 +129,7 @@ class AsyncTail:
                 self.consumer._report(e)
 
     async def _handle_in_order(self, msgs):
+        _IN_ROUND.set(self)     # this task's own context (gather made it a task)
         async with self._slots:
             for m in msgs:
                 m._handed = True
@@ -144,7 +159,13 @@ class AsyncTail:
         """Finish the round in hand (its settlements committed), then leave: the shards
         go to the other consumers at once, and so do the leases of a fetch under way (it
         ends at once; ``Consumer.close`` waits for its worker thread, also when this
-        tail's task was cancelled, so nothing it leased waits for its ack wait)."""
+        tail's task was cancelled, so nothing it leased waits for its ack wait).
+        Called by a handler (its task cannot wait for the round it is part of), it
+        returns at once; the round finishes and the tail's task then closes."""
+        if _IN_ROUND.get() is self:
+            if not self._stopping:
+                self._stopping = self._close_in_task = True
+            return
         if self._stopping:      # another call is shutting it down: return when it has
             await self._closed.wait()
             return

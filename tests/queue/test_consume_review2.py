@@ -248,3 +248,42 @@ def test_aio_second_shutdown_returns_once_closed(db):
         await asyncio.wait_for(first, 60)
         await t.shutdown()              # and once more, after
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("outside_first", [False, True])
+def test_aio_shutdown_called_by_the_handler(db, outside_first):
+    """``await t.shutdown()`` from inside an aio handler awaited the tail's task, which
+    awaited that handler: a deadlock (and a RecursionError when the loop cancelled it).
+    It returns at once; the round in hand finishes (its settlements committed, as for
+    a shutdown from outside) and the tail's task closes the consumer. Also when a
+    shutdown from outside is already under way."""
+    import asyncio
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"%d" % i) for i in range(5)])
+    got = []
+
+    async def run():
+        gate = asyncio.Event()
+
+        async def handler(m):
+            got.append(m.body)
+            if len(got) == 2:
+                await gate.wait()
+                await asyncio.wait_for(t.shutdown(), 30)
+        t = await fdq.aio.tail(db, "t", handler, batch_size=10, config=fdq.ConsumerConfig(**FAST))
+        outside = None
+        if outside_first:
+            while len(got) < 2:
+                await asyncio.sleep(0.01)
+            outside = asyncio.ensure_future(t.shutdown())
+            await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.wait_for(asyncio.shield(t._task), 30)
+        if outside is not None:
+            await asyncio.wait_for(outside, 30)
+        await asyncio.wait_for(t.shutdown(), 30)
+        assert sub_stats(db, "t")["consumers"] == []
+    asyncio.run(run())
+    assert got == [b"%d" % i for i in range(5)]
+    s = sub_stats(db, "t")
+    assert (s["backlog"], s["in_flight"], s["acked"]) == (0, 0, 5)
