@@ -1294,8 +1294,8 @@ class TailConsumer(Consumer):
                 tr.reset()
                 self._report(e)
                 if current is not None:
-                    if limit > 1:
-                        limit = 1   # isolate the failing message
+                    if limit > 1 and current is not taken[0]:
+                        limit = 1   # isolate the failing message (the first already is)
                         continue
                     self._fail_head(shard, epoch, current, f"handler raised {type(e).__name__}: {e}")
                 return 1

@@ -287,3 +287,31 @@ def test_aio_shutdown_called_by_the_handler(db, outside_first):
     assert got == [b"%d" % i for i in range(5)]
     s = sub_stats(db, "t")
     assert (s["backlog"], s["in_flight"], s["acked"]) == (0, 0, 5)
+
+
+def test_exactly_once_failing_head_runs_the_handler_once_per_attempt(db):
+    """Exactly-once: a handler failing on a message retries it alone (the messages
+    before it commit without it). One that is already first in its batch was run again
+    alone before its attempt was counted: the handler ran twice per attempt (effects
+    outside the transaction, an alert say, doubled). Once per attempt, ``max_deliver``
+    in all; the messages behind it are handled exactly once."""
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"poison", shard_key="k")] +
+                               [fdq.Envelope(b"ok%d" % i, shard_key="k") for i in range(4)])
+    calls = []
+
+    def handler(tr, m):
+        calls.append((m.body, m.attempts))
+        if m.body == b"poison":
+            raise RuntimeError("cannot handle")
+        tr[b"qt/ok/" + m.body] = b"1"
+    c = fdq.tail(db, "t", handler, transactional=True, batch_size=10,
+                 config=fdq.ConsumerConfig(max_deliver=3, **FAST), on_error=lambda e: None)
+    try:
+        wait_for(lambda: sub_stats(db, "t")["backlog"] == 0, 60, what="the queue emptied")
+    finally:
+        c.shutdown()
+    assert [a for b, a in calls if b == b"poison"] == [0, 1, 2], calls
+    assert sorted(b for b, _a in calls if b != b"poison") == [b"ok%d" % i for i in range(4)]
+    [dead] = fdq.Supervisor(db).dlq_list("t")
+    assert (dead["body"], dead["attempts"]) == (b"poison", 3)
