@@ -1215,7 +1215,8 @@ class TailConsumer(Consumer):
         (``_flush_carried``). So an ack is durable before the next batch is handed over
         or within ~5 ms, whichever comes first; a crash before that redelivers the
         message (at least once). Explicit ``ack()`` etc. after the handler returned
-        commit at once."""
+        commit at once. A round that runs past half its ack wait is kept leased
+        (``_Round``); ``shutdown()`` gives back what no handler got yet."""
         carried, self._carried = self._carried, []
         defer = self._pool is None
         try:
