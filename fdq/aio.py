@@ -22,14 +22,17 @@ use ``fdq.tail(..., transactional=True)``.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig
-from .consumer import Consumer
+from .consumer import Consumer, check_delivery_args
 from .errors import ConfigError, LeaseLost
 
 log = logging.getLogger("fdq.aio")
+# The AsyncTail whose handler this task runs (set in each round's handler tasks).
+_IN_ROUND = contextvars.ContextVar("fdq_aio_in_round", default=None)
 
 
 class HandlerCancelled(Exception):
@@ -53,6 +56,8 @@ class AsyncTail:
         self._acking = acking
         self._poll_s = poll_s
         self._stopping = False
+        self._closed = asyncio.Event()  # set when shutdown() has closed the consumer
+        self._close_in_task = False     # shutdown() came from a handler: the task closes
         self._in_fetch = False          # the task awaits a fetch (no round in hand)
         self._slots = asyncio.Semaphore(consumer.config.max_concurrency)
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"fdq-aio-{consumer.id}")
@@ -73,6 +78,16 @@ class AsyncTail:
         return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
 
     async def _run(self):
+        try:
+            await self._consume()
+        finally:
+            if self._close_in_task:     # shutdown() came from a handler: close here
+                try:
+                    await self._call(self.consumer.close)
+                finally:
+                    self._closed.set()
+
+    async def _consume(self):
         while not self._stopping:
             try:
                 self._in_fetch = True
@@ -95,13 +110,18 @@ class AsyncTail:
             except LeaseLost as e:      # not ours to handle: redelivered elsewhere
                 self.consumer._report(e)
                 msgs = [m for m in msgs if m.id not in e.ids]
-        pending = []
+        # kept leased while it runs long (``fdq.consumer._Round``)
+        pending = self.consumer._begin_round(msgs) if self._acking else None
         by_shard = {}
         for m in msgs:
             if self._acking:
                 m._deferred = pending
             by_shard.setdefault((m.tag, m.shard), []).append(m)
-        await asyncio.gather(*(self._handle_in_order(ms) for ms in by_shard.values()))
+        try:
+            await asyncio.gather(*(self._handle_in_order(ms) for ms in by_shard.values()))
+        finally:
+            if pending is not None:     # waits for a keep's commit (settling elsewhere)
+                pending = await asyncio.shield(self._call(self.consumer._end_round, pending))
         if pending:
             try:
                 await self._call(self.consumer.settle, pending)
@@ -109,8 +129,10 @@ class AsyncTail:
                 self.consumer._report(e)
 
     async def _handle_in_order(self, msgs):
+        _IN_ROUND.set(self)     # this task's own context (gather made it a task)
         async with self._slots:
             for m in msgs:
+                m._handed = True
                 try:
                     try:
                         await self.handler(m)
@@ -137,15 +159,26 @@ class AsyncTail:
         """Finish the round in hand (its settlements committed), then leave: the shards
         go to the other consumers at once, and so do the leases of a fetch under way (it
         ends at once; ``Consumer.close`` waits for its worker thread, also when this
-        tail's task was cancelled, so nothing it leased waits for its ack wait)."""
-        if not self._stopping:
-            self._stopping = True
-            # No round in hand: close now, which ends the fetch the task awaits.
-            closing = asyncio.ensure_future(self._call(self.consumer.close)) if self._in_fetch else None
+        tail's task was cancelled, so nothing it leased waits for its ack wait).
+        Called by a handler (its task cannot wait for the round it is part of), it
+        returns at once; the round finishes and the tail's task then closes."""
+        if _IN_ROUND.get() is self:
+            if not self._stopping:
+                self._stopping = self._close_in_task = True
+            return
+        if self._stopping:      # another call is shutting it down: return when it has
+            await self._closed.wait()
+            return
+        self._stopping = True
+        # No round in hand: close now, which ends the fetch the task awaits.
+        closing = asyncio.ensure_future(self._call(self.consumer.close)) if self._in_fetch else None
+        try:
+            await self._task
+        finally:
             try:
-                await self._task
-            finally:
                 await (closing if closing is not None else self._call(self.consumer.close))
+            finally:
+                self._closed.set()
 
     async def __aenter__(self):
         return self
@@ -162,6 +195,7 @@ async def tail(db, topic: str, handler, acking: bool | None = None, transactiona
     consumes on the running loop until ``await t.shutdown()``. ``acking=False`` is
     at-most-once, otherwise at-least-once. Other keyword arguments go to
     :class:`fdq.Consumer` (``extend_support``, ``desired_tag``, ``on_error``, ...)."""
+    check_delivery_args(acking, transactional)
     if transactional:
         raise ConfigError("fdq.aio.tail has no exactly-once mode: its handler runs inside the engine "
                           "transaction, which is synchronous; use fdq.tail(..., transactional=True)")

@@ -81,6 +81,7 @@ class Message:
     _taken: object = field(default=None, repr=False, compare=False)
     _settled: str | None = field(default=None, repr=False, compare=False)
     _deferred: list | None = field(default=None, repr=False, compare=False)
+    _handed: bool = field(default=False, repr=False, compare=False)    # to a handler (``_Round``)
 
     def _settle(self, action, arg=None):
         if self._taken is None or self._taken.lease_id is None:
@@ -115,6 +116,71 @@ class Message:
     def in_progress(self):
         """Still working on it: restart its lease."""
         self._settle("touch")
+
+
+class _Round(list):
+    """A round's settlements (``Message._deferred``: ``tail``'s, ``fdq.aio``'s), committed
+    when it ends (``tail``: with the next round's lease). A round that runs longer than
+    half the ack wait is kept leased by the membership thread (``keep``): from then on
+    its settlements commit at each lease check, and the messages not yet handed to a
+    handler are touched every half ack wait. Else the messages handled (their acks not
+    committed) and those waiting expired and were redelivered while the consumer had
+    them in hand (an aio round longer than the ack wait never completed: every message
+    dead-lettered). A handler gets at least about half the ack wait for its message;
+    longer work calls ``in_progress()``."""
+
+    def __init__(self, consumer, msgs):
+        super().__init__()
+        self._consumer, self._msgs = consumer, msgs
+        self._leased = self._touched = _monotonic()
+        self._committing = threading.Lock()     # a keep's commit vs ``finish``
+        self._finished = False
+
+    def keep(self, now: float):
+        """The membership thread's part (see the class)."""
+        half = self._consumer.config.ack_wait_s / 2
+        if now - self._leased < half:
+            return
+        with self._committing:
+            if self._finished:
+                return
+            n = len(self)       # the handlers' thread appends meanwhile: take the first n
+            settled = self[:n]
+            del self[:n]
+            touch = now - self._touched >= half and self._progressing(now)
+            waiting = [m for m in self._msgs if not m._handed and m._settled is None] if touch else []
+            if not settled and not waiting:
+                return
+            try:
+                self._consumer.settle(settled + [(m, "touch", None) for m in waiting])
+            except LeaseLost as e:
+                self._consumer._report(e)
+            except Exception as e:      # not committed: at the round's end
+                self[:0] = settled
+                self._consumer._report(e)
+                return
+            if touch:
+                self._touched = now
+
+    def _progressing(self, now: float) -> bool:
+        """Whether every message in a handler's hands is within its lease (handed over,
+        or touched by ``in_progress()``, less than its ack wait ago, as this consumer
+        saw it). A handler stuck past it lets its message expire: the messages waiting
+        behind it expire too, not kept leased by a round that does not move."""
+        c = self._consumer
+        with c._leases_lock:
+            for m in self._msgs:
+                if m._handed and m._settled is None:
+                    seen = c._leases.get(((m.tag, m.shard), m._taken.vs.to_bytes()))
+                    if seen is None or now - seen[2] >= seen[3]:
+                        return False
+        return True
+
+    def finish(self) -> list:
+        """The round's settlements not committed yet; ``keep`` does nothing after."""
+        with self._committing:
+            self._finished = True
+            return list(self)
 
 
 _LEAD = object()     # a waiting settle's turn to commit the queue (``_SettleGroup``)
@@ -303,6 +369,7 @@ class Consumer:
         self._leases = {}
         self._leases_lock = threading.Lock()
         self._settle_group = _SettleGroup(self.settle)
+        self._rounds = {}            # id -> _Round in hand (kept leased by the membership thread)
         self._lease_prefix, self._lease_seq = os.urandom(8), 0
         self._peers = {}             # consumer id -> (heartbeat, since)
         self._rr = 0
@@ -473,6 +540,8 @@ class Consumer:
                     self._last_lease_check = now
                     self._tick_clock(now)
                     self._check_leases(now)
+                    for r in list(self._rounds.values()):
+                        r.keep(now)
                 self._stalled_since = None
             except Exception as e:  # keep heartbeating through transient trouble
                 self._report(e)
@@ -624,6 +693,18 @@ class Consumer:
             with self._leases_lock:
                 for key in [k for k in self._leases if k[0] == shard_id and k not in live_keys]:
                     del self._leases[key]
+
+    def _begin_round(self, msgs) -> _Round:
+        """A round of ``msgs`` (leased, about to be handled): its settlements collect in
+        the returned ``_Round`` (``Message._deferred``), kept leased while it runs long."""
+        r = _Round(self, msgs)
+        self._rounds[id(r)] = r
+        return r
+
+    def _end_round(self, r: _Round) -> list:
+        """The round's settlements still to commit (``_Round.finish``)."""
+        self._rounds.pop(id(r), None)
+        return r.finish()
 
     def _report(self, e: BaseException):
         if self.on_error is not None:
@@ -866,6 +947,8 @@ class Consumer:
         ``close()`` returns ``[]`` without leasing."""
         if isinstance(max_messages, bool) or not isinstance(max_messages, int) or max_messages < 1:
             raise ConfigError(f"max_messages must be an integer >= 1, not {max_messages!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout:
+            raise ConfigError(f"timeout must be a number of seconds, not {timeout!r:.80}")
         if ack_wait_s is not None:
             ConsumerConfig(ack_wait_s=ack_wait_s)   # validates
         me = threading.get_ident()
@@ -1132,7 +1215,8 @@ class TailConsumer(Consumer):
         (``_flush_carried``). So an ack is durable before the next batch is handed over
         or within ~5 ms, whichever comes first; a crash before that redelivers the
         message (at least once). Explicit ``ack()`` etc. after the handler returned
-        commit at once."""
+        commit at once. A round that runs past half its ack wait is kept leased
+        (``_Round``); ``shutdown()`` gives back what no handler got yet."""
         carried, self._carried = self._carried, []
         defer = self._pool is None
         try:
@@ -1140,9 +1224,15 @@ class TailConsumer(Consumer):
         except BaseException:
             self._carried = carried + self._carried    # not committed: settle them later
             raise
-        pending = []
+        pending = self._begin_round(msgs)
         try:
             for i, m in enumerate(msgs):
+                if self._stop.is_set():     # shutting down: the rest go back uncounted
+                    for rest in msgs[i:]:
+                        rest._settled = "release"
+                        pending.append((rest, "release", None))
+                    break
+                m._handed = True
                 m._deferred = pending
                 try:
                     self.handler(m)
@@ -1153,12 +1243,8 @@ class TailConsumer(Consumer):
                         m.nak()
                     self._report(e)
                 m._deferred = None
-                if self._stop.is_set():     # shutting down: the rest go back uncounted
-                    for rest in msgs[i + 1:]:
-                        rest._settled = "release"
-                        pending.append((rest, "release", None))
-                    break
         finally:
+            pending = self._end_round(pending)
             if defer:
                 self._arm_pending()
         if self._pool is None and not self._stop.is_set():
@@ -1209,8 +1295,8 @@ class TailConsumer(Consumer):
                 tr.reset()
                 self._report(e)
                 if current is not None:
-                    if limit > 1:
-                        limit = 1   # isolate the failing message
+                    if limit > 1 and current is not taken[0]:
+                        limit = 1   # isolate the failing message (the first already is)
                         continue
                     self._fail_head(shard, epoch, current, f"handler raised {type(e).__name__}: {e}")
                 return 1
@@ -1242,6 +1328,17 @@ class TailConsumer(Consumer):
         super().close()
 
 
+def check_delivery_args(acking, transactional):
+    """``tail``'s mode arguments: ``acking`` None or a bool, ``transactional`` a bool
+    (``acking=0`` was at-least-once: only ``False`` selects at-most-once), not both."""
+    if acking is not None and not isinstance(acking, bool):
+        raise ConfigError(f"acking must be True, False or None, not {acking!r:.80}")
+    if not isinstance(transactional, bool):
+        raise ConfigError(f"transactional must be True or False, not {transactional!r:.80}")
+    if transactional and acking is not None:
+        raise ConfigError("transactional=True is exactly-once delivery: it cannot be combined with acking=")
+
+
 def tail(db, topic: str, handler, acking: bool | None = None, transactional: bool = False,
          batch_size: int = 100, consumer_id: str | None = None,
          subscription: str = DEFAULT_SUBSCRIPTION, config: ConsumerConfig | None = None, **kwargs):
@@ -1251,8 +1348,7 @@ def tail(db, topic: str, handler, acking: bool | None = None, transactional: boo
     ``acking=False`` is at-most-once and ``acking=None``/``True`` at-least-once,
     ``handler(message)``. Combining ``transactional=True`` with ``acking`` is an error.
     """
-    if transactional and acking is not None:
-        raise ConfigError("transactional=True is exactly-once delivery: it cannot be combined with acking=")
+    check_delivery_args(acking, transactional)
     mode = EXACTLY_ONCE if transactional else (AT_MOST_ONCE if acking is False else AT_LEAST_ONCE)
     return TailConsumer(db, topic, handler, mode=mode, batch_size=batch_size, consumer_id=consumer_id,
                         subscription=subscription, config=config, _explicit_acking=acking is True, **kwargs)
