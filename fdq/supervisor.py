@@ -801,6 +801,8 @@ def topic_stats(tr, ts: TopicSpace, name: str) -> dict:
     if config is None:
         raise TopicNotFound(f"topic {name!r} does not exist")
     rv = tr.get_read_version().wait()
+    clock = membership.read_clock(tr, ts.clock_key)
+    clock_version = _counter_or_none(snap[ts.clock_version_key])
     topic = {k: decode_counter(snap[ts.stat(k)]) for k in ("inserted", "routed", "emitted", "acked")}
     topic["pending"] = topic["inserted"] - topic["routed"]
     # Bodies pushed, all time (nsqd's message_bytes; since the upgrade for an older
@@ -816,11 +818,12 @@ def topic_stats(tr, ts: TopicSpace, name: str) -> dict:
         members = membership.read_members(tr, ts, sub)
         consumers = []
         for cid, m in sorted(members.items()):
-            hbv = decode_counter(snap[ts.consumers.pack((sub, cid, "hbv"))])
+            hbc, hbv = (snap[ts.heartbeat_clock_key(sub, cid)], snap[ts.consumers.pack((sub, cid, "hbv"))])
             consumers.append({"id": cid, "heartbeats": m["hb"], "mode": m["record"].get("mode"),
                               "host": m["record"].get("host"), "pid": m["record"].get("pid"),
                               "tag": m["record"].get("tag"),
-                              "heartbeat_age_s": round((rv - hbv) / VERSIONS_PER_S, 3) if hbv else None,
+                              "heartbeat_age_s": membership.heartbeat_age(
+                                  _counter_or_none(hbc), _counter_or_none(hbv), clock, clock_version, rv),
                               "shards": sorted(n for (t, n), (o, _e) in owners.items() if o == cid),
                               "tag_shards": sorted([t, n] for (t, n), (o, _e) in owners.items() if o == cid)})
         oldest = None
@@ -844,6 +847,10 @@ def topic_stats(tr, ts: TopicSpace, name: str) -> dict:
             "tags": _per_tag(shards, owners, members),
         }
     return {"topic": name, "config": config.as_dict(), "counters": topic, "subscriptions": subs}
+
+
+def _counter_or_none(raw):
+    return None if raw == None else decode_counter(raw)  # noqa: E711
 
 
 def _per_tag(shards: dict, owners: dict, members: dict) -> dict:
