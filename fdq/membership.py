@@ -79,17 +79,24 @@ def ownership_pools(config, tags: list, members: dict) -> list:
 
 
 @transactional
-def read_members(tr, ts: TopicSpace, sub: str, *, snapshot: bool = True) -> dict:
-    """{consumer_id: {"record": dict, "hb": int}} of the subscription."""
+def read_members(tr, ts: TopicSpace, sub: str, *, snapshot: bool = True, orphans: list | None = None) -> dict:
+    """{consumer_id: {"record": dict, "hb": int}} of the subscription. With ``orphans``
+    (a list), the keys of heartbeats left without a record are appended to it (left by
+    an older FDQ's heartbeat racing a zombie declaration: see ``heartbeat``)."""
     reader = tr.snapshot if snapshot else tr
     r = ts.consumers[sub].range()
     members = {}
+    keys = {}
     for kv in reader.get_range(r.start, r.stop):
         t = ts.consumers[sub].unpack(kv.key)
         if len(t) == 1:
             members.setdefault(t[0], {"hb": 0})["record"] = unpack(kv.value)
-        elif len(t) == 2 and t[1] == "hb":
-            members.setdefault(t[0], {})["hb"] = decode_counter(kv.value)
+        else:
+            if len(t) == 2 and t[1] == "hb":
+                members.setdefault(t[0], {})["hb"] = decode_counter(kv.value)
+            keys.setdefault(t[0], []).append(kv.key)
+    if orphans is not None:
+        orphans += [k for cid, ks in keys.items() if "record" not in members.get(cid, {}) for k in ks]
     return {cid: m for cid, m in members.items() if "record" in m}
 
 
@@ -139,13 +146,17 @@ def plan_assignment(shards: list, owners: dict, live: list) -> dict:
 def assign_shards(tr, ts: TopicSpace, sub: str, config=None) -> dict:
     """Re-divide the subscription's shards among its live consumers (the records
     present), by tag pool (see ``ownership_pools``). Moved shards get a new owner
-    epoch. Returns the plan {(tag, n): owner}.
+    epoch; heartbeat keys left without a record are cleared. Returns the plan
+    {(tag, n): owner}.
 
     The shard count is the stored config's, read here (a reshard committing meanwhile
     conflicts), not ``config``: a consumer's cached copy may predate a reshard, and a
     plan for the old count left the new shards without an owner for good."""
     config = read_topic_config(tr, ts)
-    members = read_members(tr, ts, sub, snapshot=False)
+    orphans = []
+    members = read_members(tr, ts, sub, snapshot=False, orphans=orphans)
+    for key in orphans:
+        del tr[key]
     tags = read_tags(tr, ts, snapshot=False)
     current = read_owners(tr, ts, sub, snapshot=False)
     owners = {s: o for s, (o, _e) in current.items()}
@@ -260,8 +271,13 @@ def leave(tr, ts: TopicSpace, sub: str, consumer_id: str, config, incarnation=No
 @transactional
 def heartbeat(tr, ts: TopicSpace, sub: str, consumer_id: str, incarnation=None) -> bool:
     """Bump the heartbeat counter; False if the record is gone (declared a zombie) or
-    another instance took the id over (``replaced``)."""
-    raw = tr.snapshot[ts.consumer_key(sub, consumer_id)]
+    another instance took the id over (``replaced``).
+
+    The record is read with a conflict: a zombie declaration (or leave, or a
+    subscription's deletion) committing meanwhile makes this retry and return False.
+    By snapshot, the heartbeat committed after the declaration and left its keys behind
+    without a record (``assign_shards`` clears such leftovers)."""
+    raw = tr[ts.consumer_key(sub, consumer_id)]
     if raw == None or not _is_mine(raw, incarnation):  # noqa: E711
         return False
     tr.add(ts.heartbeat_key(sub, consumer_id), counter(1))

@@ -111,3 +111,66 @@ def test_heartbeat_age_grows_when_no_consumer_runs(db):
     wait_for(lambda: (_consumer_row(db, "t", "dead")["heartbeat_age_s"] or 0) >= 1.0, 30,
              what="the dead member's heartbeat age to reach 1 s")
     assert time.monotonic() - t0 >= 0.9     # the age is not ahead of real time (no jump here)
+
+
+# -- 2. a heartbeat racing a zombie declaration ------------------------------------------
+
+def _member_keys(db, ts, cid: str) -> list:
+    return [k for k, _v in scan(db, ts.consumers["default"][cid].range().start[:-1])
+            if ts.consumers["default"].unpack(k)[0] == cid]
+
+
+def _commit_retrying(tr, attempt):
+    """Run ``attempt(tr)`` and commit as ``fdq.transactional`` does (retrying on a
+    conflict), but on a transaction the test opened: the other transaction is
+    interleaved by hand. Returns the last attempt's result."""
+    while True:
+        result = attempt(tr)
+        try:
+            tr.commit().wait()
+            return result
+        except fdq.EngineError as e:
+            tr.on_error(e.code).wait()
+
+
+def test_heartbeat_racing_a_zombie_declaration_leaves_no_keys(db):
+    """T1 (heartbeat) reads the member's record; T2 (declare_zombie) removes the member
+    and commits; T1 commits. Before the fix T1 read the record by snapshot, committed,
+    and left its "hb"/"hbv" keys without a record for good. Now T1 conflicts, and its
+    retry finds the member gone: no key of it remains."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    ts = Keyspace().topic("t")
+    config = sup.config("t")
+    membership.join(db, ts, "default", "zombie", {"id": "zombie"}, config)
+    membership.join(db, ts, "default", "survivor", {"id": "survivor"}, config)
+    observed = membership.read_members(db, ts, "default")["zombie"]["hb"]
+
+    t1 = db.create_transaction()
+    assert membership.heartbeat(t1, ts, "default", "zombie") is True       # read, not committed
+    assert membership.declare_zombie(db, ts, "default", "zombie", observed, config) is True
+    results = []
+    _commit_retrying(t1, lambda tr: results.append(membership.heartbeat(tr, ts, "default", "zombie")))
+
+    assert results[-1] is False, "the heartbeat committed after the zombie declaration"
+    assert _member_keys(db, ts, "zombie") == []
+    assert set(membership.read_members(db, ts, "default")) == {"survivor"}
+
+
+def test_assignment_clears_heartbeat_keys_left_without_a_record(db):
+    """Keys an older FDQ's racing heartbeat left behind are cleared by the next
+    re-division of shards (a join, leave or zombie declaration)."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    ts = Keyspace().topic("t")
+    config = sup.config("t")
+
+    @fdq.transactional
+    def leak(tr):   # what the race left: a heartbeat's keys, no record
+        tr.add(ts.heartbeat_key("default", "gone"), (7).to_bytes(8, "little"))
+        tr.max(ts.consumers.pack(("default", "gone", "hbv")), (5).to_bytes(8, "little"))
+    leak(db)
+    assert len(_member_keys(db, ts, "gone")) == 2
+    membership.join(db, ts, "default", "next", {"id": "next"}, config)
+    assert _member_keys(db, ts, "gone") == []
+    assert set(membership.read_members(db, ts, "default")) == {"next"}
