@@ -916,23 +916,24 @@ def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None)
         after = state["after"]
         index = {}
         batch, first, count, size = [], state["count"], state["count"], 0
+        copies = 1 + len(config.subs)    # what the last chunk found (each reads it again)
 
         def flush():
-            nonlocal count
-            if batch:
+            nonlocal count, copies
+            while batch:
                 # the progress's count, not what the last attempt pushed: an attempt that
                 # committed and reported commit_unknown_result leaves its retry nothing to do
                 while True:
                     try:
-                        now = replay_chunk(db, ks, ts, (window, run, owner), batch, os.urandom(16),
-                                           int(time.time() * 1000), index)
+                        now, taken, copies = replay_chunk(db, ks, ts, (window, run, owner), batch, os.urandom(16),
+                                                          int(time.time() * 1000), index)
                         break
                     except TopicHeld:      # a play finishing: nothing written, try again
                         time.sleep(HOLD_WAIT_S)
                 if progress:
                     progress(now - count)
                 count = now
-                batch.clear()
+                del batch[:taken]
         for vs, _b, rec in iter_window(db, ts, log_buckets(db, ts), start_ms, end_ms):
             if int.from_bytes(vs.tr_version[:8], "big") > state["stop"]:
                 break       # committed after the replay began (its own pushes among them)
@@ -943,12 +944,12 @@ def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None)
                 continue    # trimmed since read: no longer in the log, not replayed
             env = _ReplayEnvelope(body, rec.shard_key, None, None, rec.headers, replay_of=message_id(vs),
                                   due_at=rec.due)
-            if batch and (size + len(body)) * (1 + len(config.subs)) > CHUNK_WRITE_BYTES:
+            if batch and (size + len(body)) * copies > CHUNK_WRITE_BYTES:
                 flush()     # not on top of the batch: its copies could pass FDB's 10 MB
                 size = 0
             batch.append((vs, env))
             size += len(env.body)
-            if len(batch) >= CHUNK or size * (1 + len(config.subs)) >= CHUNK_WRITE_BYTES:
+            if len(batch) >= CHUNK or size * copies >= CHUNK_WRITE_BYTES:
                 flush()
                 size = 0
         flush()
@@ -1048,7 +1049,14 @@ def replay_chunk(tr, ks: Keyspace, ts: TopicSpace, run: tuple, entries: list, tx
                  now_ms: int, time_index: dict) -> int:
     """Push the ``entries`` [(vs, envelope)] past the progress of ``run`` (window, run,
     owner) and advance it, in this one transaction, if ``owner`` still owns the run
-    (``ReplayTakenOver`` if not). Returns how many the run has pushed in all."""
+    (``ReplayTakenOver`` if not). Returns ``(pushed, taken, copies)``: how many the run
+    has pushed in all, how many of ``entries`` (from the first) are done, and the copies
+    a message gets (the log's and one per subscription) by the config read here.
+
+    The entries taken are those whose bodies' copies fit ``CHUNK_WRITE_BYTES`` (at least
+    one) under the topic's subscriptions as this transaction reads them (a subscription
+    created or deleted meanwhile conflicts): the caller's batch was sized by an earlier
+    count, and a replay outlives many subscription changes."""
     from .errors import ReplayTakenOver
     from .producer import push_batch
     window, run_id, owner = run
@@ -1060,14 +1068,22 @@ def replay_chunk(tr, ks: Keyspace, ts: TopicSpace, run: tuple, entries: list, tx
     if state.get("owner") != owner:
         raise ReplayTakenOver(f"replay {window!r} of topic {ts.name!r} stalled for over {REPLAY_ORPHAN_S} s "
                               "and another call took it over: this one stops")
+    copies = 1 + len(read_topic_config(tr, ts).subs)
     todo = [(vs, env) for vs, env in entries if state["after"] is None or vs.to_bytes() > state["after"]]
+    skipped = len(entries) - len(todo)
+    size = 0
+    for i, (_vs, env) in enumerate(todo):
+        size += len(env.body)
+        if i and size * copies > CHUNK_WRITE_BYTES:
+            todo = todo[:i]
+            break
     if todo:
         push_batch(tr, ks, [(ts.name, env) for _vs, env in todo], txid, int.from_bytes(txid[:4], "big"),
                    False, now_ms, time_index, False)
         state["after"] = todo[-1][0].to_bytes()
         state["count"] += len(todo)
         tr[key] = pack(state)
-    return state["count"]
+    return state["count"], skipped + len(todo), copies
 
 
 @transactional

@@ -174,3 +174,37 @@ def test_assignment_clears_heartbeat_keys_left_without_a_record(db):
     membership.join(db, ts, "default", "next", {"id": "next"}, config)
     assert _member_keys(db, ts, "gone") == []
     assert set(membership.read_members(db, ts, "default")) == {"next"}
+
+
+# -- 3. replay chunks sized by the subscriptions of the moment -------------------------
+
+def test_replay_chunks_follow_subscriptions_added_midway(db):
+    """A replay sized its chunks by the topic's subscriptions read once at the start:
+    with one subscription a chunk carried ~1 MB of bodies, twice (log + queue). Twelve
+    subscriptions created after its first chunk made every later chunk write 14 copies,
+    over FDB's 10 MB transaction limit (2101): the replay failed. Each chunk now reads
+    the config in its own transaction and takes what fits its subscriptions then; the
+    new subscriptions get every message replayed after their creation."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    p = fdq.Producer(db)
+    start = int(time.time() * 1000) - 1
+    body = b"x" * 300_000
+    for i in range(12):
+        p.push("t", body + str(i).encode(), shard_key=f"k{i}")
+    end = int(time.time() * 1000) + 1
+    added = []
+    chunks = []
+
+    def progress(n):
+        chunks.append(n)
+        if not added:
+            for i in range(12):
+                sup.create_subscription("t", f"late{i}", fdq.SubscriptionConfig(deliver_policy="new"))
+                added.append(f"late{i}")
+    assert p.replay("t", start, end, progress=progress) == 12
+    assert sum(chunks) == 12 and len(chunks) > 2
+    subs = sup.stats("t")["subscriptions"]
+    assert subs["default"]["backlog"] == 24          # 12 pushed, 12 replayed
+    for sub in added:
+        assert subs[sub]["backlog"] == 12 - chunks[0], sub
