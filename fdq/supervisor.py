@@ -11,7 +11,7 @@ import dataclasses
 import os
 import time
 
-from . import delivery, membership
+from . import delivery, logcount, membership
 from .config import ConsumerConfig, TopicConfig, check_name
 from .engine import transactional
 from .errors import ConfigError, TopicExists, TopicHeld, TopicNotFound
@@ -268,15 +268,15 @@ def reshard_finish(tr, ts: TopicSpace) -> TopicConfig:
 
 @transactional
 def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: int, after=None,
-                      young_from: int | None = None, counted: bool = True) -> tuple:
+                      young_from: int | None = None) -> tuple:
     """Delete the log entries of ``bucket`` inserted before ``before_ms`` among the next
     ``limit`` after position ``after`` (None: its start), never one not yet routed
     (``first_pending``) nor any after it. -> (deleted, bytes freed, last position read,
     done). ``done`` at the bucket's end, or at the first entry inserted at or after
     ``before_ms`` and committed at or after version ``young_from``; an entry inserted
     "later" but committed before ``young_from`` is a producer clock running ahead: it is
-    kept and the scan goes on (None: stop at the first entry not due). With ``counted``,
-    the bytes freed are subtracted from the ``log_bytes`` counter here.
+    kept and the scan goes on (None: stop at the first entry not due). The bytes freed
+    that the ``log_bytes`` counter holds (``logcount.holds_entry``) are subtracted here.
 
     Entries are read by snapshot (pushes appending to the bucket do not abort a trim)
     with a read conflict on each deleted one: two trims never both delete (and
@@ -285,7 +285,8 @@ def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: in
     r = space.range()
     begin = ts.log_key(bucket, after) + b"\x00" if after is not None else r.start
     pending = first_pending(tr, ts)
-    deleted = freed = 0
+    holds = logcount.holds_entry(tr, ts)
+    deleted = freed = held = 0
     rows = list(tr.snapshot.get_range(begin, r.stop, limit=limit))
     last, done = after, len(rows) < limit
     for kv in rows:
@@ -300,10 +301,12 @@ def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: in
                 break
             last = vs       # a clock ahead: kept, and not a reason to keep what follows
             continue
-        freed += _delete_entry(tr, ts, bucket, kv.key, vs, kv.value, rec.nchunks)
+        size = _delete_entry(tr, ts, bucket, kv.key, vs, kv.value, rec.nchunks)
+        freed += size
+        held += size if holds(bucket, kv.key) else 0
         deleted += 1
         last = vs
-    _note_trimmed(tr, ts, deleted, freed if counted else 0)
+    _note_trimmed(tr, ts, deleted, held)
     return deleted, freed, last, done
 
 
@@ -344,15 +347,15 @@ def trim_oldest_chunk(tr, ts: TopicSpace, entries: list, max_bytes: int, size: i
     topic without one: see ``TopicConfig``), never one not yet routed nor any after it.
     -> (deleted, bytes freed, done). An entry already gone (a concurrent trim) is
     skipped. The counter is read by snapshot (concurrent pushes do not abort a trim),
-    ``trimmed`` with a conflict (a concurrent trim does); the bytes freed are subtracted
-    from the counter here."""
-    counted = size is None
+    ``trimmed`` with a conflict (a concurrent trim does); the bytes freed that the
+    counter holds (``logcount.holds_entry``) are subtracted from it here."""
     tr.add_read_conflict_key(ts.stat("trimmed"))    # any other trim's commit (``_note_trimmed``)
-    if counted:
+    if size is None:
         size = decode_counter(tr.snapshot[ts.stat("log_bytes")])
     pending = first_pending(tr, ts)
+    holds = logcount.holds_entry(tr, ts)
     raws = [tr.snapshot[ts.log_key(b, vs)] for b, vs in entries]    # (futures on FDB)
-    deleted = freed = 0
+    deleted = freed = held = 0
     done = False
     for (bucket, vs), raw in zip(entries, raws):
         if size - freed <= max_bytes or (pending is not None and vs >= pending):
@@ -360,9 +363,12 @@ def trim_oldest_chunk(tr, ts: TopicSpace, entries: list, max_bytes: int, size: i
             break
         if raw == None:  # noqa: E711 - deleted meanwhile
             continue
-        freed += _delete_entry(tr, ts, bucket, ts.log_key(bucket, vs), vs, raw, Record.decode(raw).nchunks)
+        key = ts.log_key(bucket, vs)
+        n = _delete_entry(tr, ts, bucket, key, vs, raw, Record.decode(raw).nchunks)
+        freed += n
+        held += n if holds(bucket, key) else 0
         deleted += 1
-    _note_trimmed(tr, ts, deleted, freed if counted else 0)
+    _note_trimmed(tr, ts, deleted, held)
     return deleted, freed, done
 
 
@@ -620,7 +626,7 @@ class Supervisor:
                 after = None
                 while True:
                     n, _freed, after, done = trim_bucket_chunk(self.db, ts, b, before_ms, CHUNK, after,
-                                                               young_from, config.log_bytes_counted)
+                                                               young_from)
                     deleted += n
                     if progress:
                         progress(n)
@@ -669,6 +675,28 @@ class Supervisor:
             if done:
                 break       # fits, or reached messages not routed yet: they and later ones stay
         return deleted
+
+    def count_log_bytes(self, name: str, progress=None) -> int:
+        """Give a topic an older FDQ created (``TopicConfig.log_bytes_counted`` False) an
+        exact ``log_bytes`` counter: count its log in chunks while pushes and trims go on
+        (``fdq.logcount``), then trim by size uses the counter and ``stats`` shows it.
+        Resumable and safe to run twice at once: a run killed midway is finished by the
+        next, exactly. Returns the entries this call counted (0: the counter was exact)."""
+        ts = self._ts(name)
+        if not logcount.count_begin(self.db, ts):
+            return 0
+        total = 0
+        while True:
+            for b in log_buckets(self.db, ts):
+                while True:
+                    n, done = logcount.count_chunk(self.db, ts, b, CHUNK)
+                    total += n
+                    if progress:
+                        progress(n)
+                    if done:
+                        break
+            if logcount.count_finish(self.db, ts):
+                return total
 
     # -- subscriptions (see fdq.subscription) -----------------------------------------
 

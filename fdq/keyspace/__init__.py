@@ -32,6 +32,7 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     topic/<topic>/marks/<txid>, marks_by_version/<vs>     push markers (1021-safe retries)
     topic/<topic>/dedupe/<msg_id>, dedupe_by_version/<vs> user msg_id dedupe window
     topic/<topic>/replays/<window>/<run>[/"hb"]           a replay's progress and heartbeat (while it runs)
+    topic/<topic>/log_count/stamp, cursor/<bucket>        counting an older topic's log (fdq.logcount)
 
 ``<vs>`` is a tuple-layer Versionstamp: the commit's 10-byte stamp plus the message's
 index in its transaction, so keys sort by commit order and are gap-free for readers.
@@ -195,6 +196,7 @@ class TopicSpace:
         self.dedupe = self.space["dedupe"]
         self.dedupe_by_version = self.space["dedupe_by_version"]
         self.replays = self.space["replays"]
+        self.log_count = self.space["log_count"]
         self._shards = {}
         self._stat_keys = {}
         self.log_prefixes = {}

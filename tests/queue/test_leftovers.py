@@ -120,17 +120,19 @@ def _member_keys(db, ts, cid: str) -> list:
             if ts.consumers["default"].unpack(k)[0] == cid]
 
 
-def _commit_retrying(tr, attempt):
-    """Run ``attempt(tr)`` and commit as ``fdq.transactional`` does (retrying on a
-    conflict), but on a transaction the test opened: the other transaction is
-    interleaved by hand. Returns the last attempt's result."""
+def _commit_retrying(tr, attempt) -> int:
+    """Commit ``tr`` (its first attempt made by the caller, the other transaction
+    interleaved by hand), retrying as ``fdq.transactional`` does: on a conflict, reset
+    and run ``attempt(tr)`` again. Returns how many retries it took."""
+    retries = 0
     while True:
-        result = attempt(tr)
         try:
             tr.commit().wait()
-            return result
+            return retries
         except fdq.EngineError as e:
             tr.on_error(e.code).wait()
+            retries += 1
+            attempt(tr)
 
 
 def test_heartbeat_racing_a_zombie_declaration_leaves_no_keys(db):
@@ -150,9 +152,9 @@ def test_heartbeat_racing_a_zombie_declaration_leaves_no_keys(db):
     assert membership.heartbeat(t1, ts, "default", "zombie") is True       # read, not committed
     assert membership.declare_zombie(db, ts, "default", "zombie", observed, config) is True
     results = []
-    _commit_retrying(t1, lambda tr: results.append(membership.heartbeat(tr, ts, "default", "zombie")))
+    retries = _commit_retrying(t1, lambda tr: results.append(membership.heartbeat(tr, ts, "default", "zombie")))
 
-    assert results[-1] is False, "the heartbeat committed after the zombie declaration"
+    assert retries == 1 and results == [False], "the heartbeat committed after the zombie declaration"
     assert _member_keys(db, ts, "zombie") == []
     assert set(membership.read_members(db, ts, "default")) == {"survivor"}
 
@@ -208,3 +210,134 @@ def test_replay_chunks_follow_subscriptions_added_midway(db):
     assert subs["default"]["backlog"] == 24          # 12 pushed, 12 replayed
     for sub in added:
         assert subs[sub]["backlog"] == 12 - chunks[0], sub
+
+
+# -- 4. counting an older topic's log (an exact log_bytes) ----------------------------
+
+def _log_size(db, ts) -> int:
+    """The log's bytes by a full scan: its entries' and body chunks' keys and values."""
+    return sum(len(k) + len(v) for space in (ts.log, ts.all_chunks) for k, v in scan(db, space.key()))
+
+
+def _old_topic(db, name: str, shards: int = 4):
+    """A topic as an older FDQ left it: a config without ``log_bytes_counted`` and a
+    log whose entries the counter does not hold (it counts from some later push on)."""
+    ts = Keyspace().topic(name)
+    fdq.topic.write_topic_config(db, ts, fdq.TopicConfig(shards=shards, extend=True))
+    p = fdq.Producer(db)
+    for r in range(2):
+        p.push_many(name, [fdq.Envelope(b"p" * (10 + i), shard_key=f"k{i}") for i in range(30)])
+        p.push(name, b"id", msg_id=f"m{r}")
+        p.push(name, b"h", headers={"a": "b"})
+        p.push(name, b"d", delay=60)
+        p.push(name, b"L" * 250_000, shard_key="big")        # body chunks
+        p.push(name, b"M" * 90_000 + b"m")
+    cut_ms = int(time.time() * 1000) + 1    # the above are older, the rest not
+    while int(time.time() * 1000) <= cut_ms:
+        time.sleep(0.001)
+    for i in range(12):
+        p.push_many(name, [fdq.Envelope(b"w" * 100, shard_key=f"w{i}-{j}") for j in range(500)])
+
+    @fdq.transactional
+    def forget(tr):     # the older FDQ's pushes added nothing
+        tr.add(ts.stat("log_bytes"), (-1234567).to_bytes(8, "little", signed=True))
+    forget(db)
+    return ts, cut_ms
+
+
+def test_count_log_bytes_killed_midway_with_pushes_and_trims_is_exact(procs, db):
+    """A count killed (kill -9) after its first chunk, with a producer process pushing
+    all along and a trim by age between the kill and the rerun (deleting entries
+    counted and entries not yet counted): the rerun finishes, and log_bytes equals the
+    log's bytes, then stays so under more pushes and trims."""
+    sup = fdq.Supervisor(db)
+    ts, cut_ms = _old_topic(db, "old")
+    assert sup.stats("old")["counters"]["log_bytes"] is None
+    prod = procs.start("producer", "p1", "--topic", "old", "--count", 3000, "--batch", 5, "--keys", 7,
+                       "--sleep", 0.005)
+    w = procs.start("count", "count1", "--topic", "old", "--sleep", 0.5)
+    assert procs.readline(w, 60).strip() == "start"
+    first = procs.readline(w, 60).strip()
+    assert first.startswith("chunk "), first
+    procs.kill9(w)
+    assert not sup.config("old").log_bytes_counted, "the kill did not land mid-way"
+    assert sup.stats("old")["counters"]["log_bytes"] is None
+    # every bucket's oldest entries: bucket 0's counted, the others' not yet
+    entries = len(scan(db, ts.log.key()))
+    assert sup.trim("old", before_ms=cut_ms) > 0
+    assert len(scan(db, ts.log.key())) < entries
+    w2 = procs.start("count", "count2", "--topic", "old")
+    procs.wait(w2, 120)
+    assert sup.config("old").log_bytes_counted
+    procs.wait(prod, 120)
+    assert sup.stats("old")["counters"]["log_bytes"] == _log_size(db, ts)
+    assert scan(db, ts.log_count.key()) == []
+    fdq.Producer(db).push_many("old", [fdq.Envelope(b"after" * 50, shard_key=f"a{j}") for j in range(100)])
+    assert sup.trim("old", before_ms=int(time.time() * 1000) - 1) > 0
+    assert sup.stats("old")["counters"]["log_bytes"] == _log_size(db, ts)
+    assert sup.count_log_bytes("old") == 0      # counted: nothing to do
+
+
+def test_two_counts_at_once_under_fault_injection_are_exact(tmp_path):
+    """Two counts at once on fault-injecting connections (retryable errors,
+    commit_unknown_result, version jumps), while a thread pushes: nothing counted twice."""
+    import threading
+    url = f"sqlite://{tmp_path / 'f.db'}"
+    db = fdq.connect(url)
+    sup = fdq.Supervisor(db)
+    ts, _cut = _old_topic(db, "old", shards=3)
+    stop = threading.Event()
+    errors = []
+
+    def push():
+        p = fdq.Producer(db)
+        i = 0
+        while not stop.is_set() and i < 2000:
+            p.push("old", b"s" * (i % 300), shard_key=f"s{i % 11}")
+            i += 1
+
+    def count(seed):
+        try:
+            fdq.Supervisor(fdq.connect(f"{url}?fault_injection=0.3&seed={seed}")).count_log_bytes("old")
+        except Exception as e:      # reported below
+            errors.append(e)
+    pusher = threading.Thread(target=push)
+    counters = [threading.Thread(target=count, args=(s,)) for s in (3, 4)]
+    pusher.start()
+    for t in counters:
+        t.start()
+    for t in counters:
+        t.join(120)
+    stop.set()
+    pusher.join(60)
+    assert not errors, errors
+    assert sup.config("old").log_bytes_counted
+    assert sup.stats("old")["counters"]["log_bytes"] == _log_size(db, ts)
+
+
+def test_a_count_chunk_and_a_trim_racing_serialize(db):
+    """Both orders of a count chunk and a trim chunk over the same entries, interleaved
+    by hand: the one committing second conflicts and redoes its decision (the chunk
+    does not count what the trim deleted without subtracting; the trim subtracts what
+    the chunk counted meanwhile)."""
+    from fdq import logcount
+    from fdq import supervisor as sv
+    sup = fdq.Supervisor(db)
+    for order in ("count first", "trim first"):
+        name = "race" + str(len(order))
+        ts = Keyspace().topic(name)
+        fdq.topic.write_topic_config(db, ts, fdq.TopicConfig(shards=1))
+        fdq.Producer(db).push_many(name, [fdq.Envelope(b"r" * (50 + i)) for i in range(10)])
+        assert logcount.count_begin(db, ts)
+        held = db.create_transaction()
+        if order == "count first":
+            assert logcount.count_chunk(held, ts, 0, 100) == (10, True)        # not committed
+            assert sv.trim_bucket_chunk(db, ts, 0, 2 ** 62, 3)[0] == 3
+            assert _commit_retrying(held, lambda tr: logcount.count_chunk(tr, ts, 0, 100)) == 1
+        else:
+            assert sv.trim_bucket_chunk(held, ts, 0, 2 ** 62, 3)[0] == 3        # not committed
+            assert logcount.count_chunk(db, ts, 0, 100) == (10, True)
+            assert _commit_retrying(held, lambda tr: sv.trim_bucket_chunk(tr, ts, 0, 2 ** 62, 3)) == 1
+        assert logcount.count_finish(db, ts)
+        assert len(scan(db, ts.log.key())) == 7
+        assert sup.stats(name)["counters"]["log_bytes"] == _log_size(db, ts), order
