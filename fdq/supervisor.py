@@ -589,7 +589,9 @@ class Supervisor:
 
     def stats(self, name: str) -> dict:
         """Counters, backlog per shard, in-flight, DLQ, consumers and lag; from counters
-        and a few point reads (O(shards + consumers), never O(backlog))."""
+        and a few point reads (O(shards + consumers), never O(backlog)). A consumer's
+        ``heartbeat_age_s`` is for display (``membership.heartbeat_age``: the database
+        clock, then versions); liveness does not use it."""
         return topic_stats(self.db, self._ts(name), name)
 
 
