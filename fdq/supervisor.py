@@ -1076,7 +1076,7 @@ def replay_begin(tr, ts: TopicSpace, window: str, owner: str, start_ms, end_ms, 
 
 @transactional
 def replay_chunk(tr, ks: Keyspace, ts: TopicSpace, run: tuple, entries: list, txid: bytes,
-                 now_ms: int, time_index: dict) -> int:
+                 now_ms: int, time_index: dict) -> tuple:
     """Push the ``entries`` [(vs, envelope)] past the progress of ``run`` (window, run,
     owner) and advance it, in this one transaction, if ``owner`` still owns the run
     (``ReplayTakenOver`` if not). Returns ``(pushed, taken, copies)``: how many the run
