@@ -59,7 +59,8 @@ class TopicConfig:
     ``log_bytes_counted``: set by topic creation (never by hand): the counter covers the
     whole log. A topic created before it (an older FDQ) has no such count: its trim by
     size falls back to FDB's sampled size estimate (coarse below a few MB) and its
-    ``log_bytes`` stat is None.
+    ``log_bytes`` stat is None, until ``Supervisor.count_log_bytes`` (``fdq topics
+    upgrade --count-log-bytes``) counts its log and sets the flag.
     ``max_message_bytes``: the largest body (split into chunks above 90,000 bytes); a
     push also refuses a body whose copies (the log's, one per subscription) exceed
     ``fdq.keyspace.codec.ROUTE_BYTES`` (9 MB: they are written in one transaction).

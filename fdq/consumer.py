@@ -622,7 +622,8 @@ class Consumer:
         if self._clock_base is not None:
             base, since = self._clock_base
             candidate = base + int((now - since) * 1000)
-        self._clock_base = (membership.advance_clock(self.db, self._ts.clock_key, candidate), now)
+        self._clock_base = (membership.advance_clock(self.db, self._ts.clock_key, candidate,
+                                                     self._ts.clock_version_key), now)
 
     def _observe_peers(self, now: float):
         members = membership.read_members(self.db, self._ts, self.subscription)

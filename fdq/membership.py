@@ -9,7 +9,8 @@ because every consuming transaction reads the shard record (see ``ensure_owner``
 Liveness never compares clocks of two hosts: an observer remembers when, on its own
 monotonic clock, it last saw each peer's heartbeat counter change; a counter unchanged
 for the zombie timeout makes the peer a zombie. Database versions are not used, so
-version jumps (FDB recoveries) cannot make a live consumer look dead.
+version jumps (FDB recoveries) cannot make a live consumer look dead. (The heartbeat
+age that stats display is a separate, approximate figure: ``heartbeat_age``.)
 """
 from __future__ import annotations
 
@@ -32,12 +33,17 @@ def read_clock(tr, clock_key: bytes) -> int:
 
 
 @transactional
-def advance_clock(tr, clock_key: bytes, candidate_ms: int) -> int:
+def advance_clock(tr, clock_key: bytes, candidate_ms: int, version_key: bytes | None = None) -> int:
     """Move the database clock to at least ``candidate_ms`` (a blind atomic max, so
-    consumers never conflict over it). Returns the clock's new value as seen here."""
+    consumers never conflict over it). Returns the clock's new value as seen here.
+    With ``version_key`` (``Keyspace.clock_version_key``), an advance also records its
+    read version there (a blind max too): how long ago, in versions, the clock last
+    moved (``heartbeat_age_s``)."""
     current = read_clock(tr, clock_key)
     if candidate_ms > current:
         tr.max(clock_key, int(candidate_ms).to_bytes(8, "little"))
+        if version_key is not None:
+            tr.max(version_key, tr.get_read_version().wait().to_bytes(8, "little"))
     return max(current, candidate_ms)
 
 
@@ -73,17 +79,24 @@ def ownership_pools(config, tags: list, members: dict) -> list:
 
 
 @transactional
-def read_members(tr, ts: TopicSpace, sub: str, *, snapshot: bool = True) -> dict:
-    """{consumer_id: {"record": dict, "hb": int}} of the subscription."""
+def read_members(tr, ts: TopicSpace, sub: str, *, snapshot: bool = True, orphans: list | None = None) -> dict:
+    """{consumer_id: {"record": dict, "hb": int}} of the subscription. With ``orphans``
+    (a list), the keys of heartbeats left without a record are appended to it (left by
+    an older FDQ's heartbeat racing a zombie declaration: see ``heartbeat``)."""
     reader = tr.snapshot if snapshot else tr
     r = ts.consumers[sub].range()
     members = {}
+    keys = {}
     for kv in reader.get_range(r.start, r.stop):
         t = ts.consumers[sub].unpack(kv.key)
         if len(t) == 1:
             members.setdefault(t[0], {"hb": 0})["record"] = unpack(kv.value)
-        elif len(t) == 2 and t[1] == "hb":
-            members.setdefault(t[0], {})["hb"] = decode_counter(kv.value)
+        else:
+            if len(t) == 2 and t[1] == "hb":
+                members.setdefault(t[0], {})["hb"] = decode_counter(kv.value)
+            keys.setdefault(t[0], []).append(kv.key)
+    if orphans is not None:
+        orphans += [k for cid, ks in keys.items() if "record" not in members.get(cid, {}) for k in ks]
     return {cid: m for cid, m in members.items() if "record" in m}
 
 
@@ -133,13 +146,17 @@ def plan_assignment(shards: list, owners: dict, live: list) -> dict:
 def assign_shards(tr, ts: TopicSpace, sub: str, config=None) -> dict:
     """Re-divide the subscription's shards among its live consumers (the records
     present), by tag pool (see ``ownership_pools``). Moved shards get a new owner
-    epoch. Returns the plan {(tag, n): owner}.
+    epoch; heartbeat keys left without a record are cleared. Returns the plan
+    {(tag, n): owner}.
 
     The shard count is the stored config's, read here (a reshard committing meanwhile
     conflicts), not ``config``: a consumer's cached copy may predate a reshard, and a
     plan for the old count left the new shards without an owner for good."""
     config = read_topic_config(tr, ts)
-    members = read_members(tr, ts, sub, snapshot=False)
+    orphans = []
+    members = read_members(tr, ts, sub, snapshot=False, orphans=orphans)
+    for key in orphans:
+        del tr[key]
     tags = read_tags(tr, ts, snapshot=False)
     current = read_owners(tr, ts, sub, snapshot=False)
     owners = {s: o for s, (o, _e) in current.items()}
@@ -254,14 +271,52 @@ def leave(tr, ts: TopicSpace, sub: str, consumer_id: str, config, incarnation=No
 @transactional
 def heartbeat(tr, ts: TopicSpace, sub: str, consumer_id: str, incarnation=None) -> bool:
     """Bump the heartbeat counter; False if the record is gone (declared a zombie) or
-    another instance took the id over (``replaced``)."""
-    raw = tr.snapshot[ts.consumer_key(sub, consumer_id)]
+    another instance took the id over (``replaced``).
+
+    The record is read with a conflict: a zombie declaration (or leave, or a
+    subscription's deletion) committing meanwhile makes this retry and return False.
+    By snapshot, the heartbeat committed after the declaration and left its keys behind
+    without a record (``assign_shards`` clears such leftovers)."""
+    raw = tr[ts.consumer_key(sub, consumer_id)]
     if raw == None or not _is_mine(raw, incarnation):  # noqa: E711
         return False
     tr.add(ts.heartbeat_key(sub, consumer_id), counter(1))
-    # For display only (stats' heartbeat age): the read version, ~1e6 per second.
+    # For display only (``heartbeat_age``): the database clock and the read version.
+    tr.max(ts.heartbeat_clock_key(sub, consumer_id), read_clock(tr, ts.clock_key).to_bytes(8, "little"))
     tr.max(ts.consumers.pack((sub, consumer_id, "hbv")), tr.get_read_version().wait().to_bytes(8, "little"))
     return True
+
+
+VERSIONS_PER_S = 1_000_000
+
+
+def heartbeat_age(hb_clock, hb_version, clock: int, clock_version, read_version: int):
+    """Seconds since a consumer's last heartbeat, for display (``Supervisor.stats``), from
+    what it recorded (``hb_clock``: the database clock then; ``hb_version``: the read
+    version then; None if absent) and the database now (its ``clock``, the read version
+    of the clock's last advance ``clock_version`` or None, and ``read_version``). None
+    before the first heartbeat. Liveness never uses it (see the module docstring).
+
+    No single read can time a heartbeat exactly: versions jump ~100 s at an FDB recovery,
+    the client's wall clock is any host's, and the database clock only moves while some
+    consumer runs. So the age is split at the clock's last advance: up to it, the
+    database clock (advanced by live consumers' monotonic clocks: immune to version
+    jumps and clock skew; it lags real time by at most a lease-check interval); after
+    it (or from the heartbeat, if the clock has not moved since), versions (~1,000,000 a
+    second). While any consumer of the database runs, the
+    clock advances every ``lease_check_interval_s``, so the figure is right to within
+    that interval and a version jump shows only until the next advance (a fraction of
+    a second); with no consumer running (all killed), the clock stands still and the
+    age grows by versions, as it should. A jump that happens while no consumer runs
+    adds ~100 s to it. A consumer of an older FDQ records no clock: its age is by
+    versions alone."""
+    if hb_version is None:
+        return None
+    if hb_clock is None:
+        return round(max(0, read_version - hb_version) / VERSIONS_PER_S, 3)
+    # by versions from the later of the heartbeat and the clock's last advance
+    since = max(hb_version, clock_version if clock_version is not None else 0)
+    return round(max(0, clock - hb_clock) / 1000 + max(0, read_version - since) / VERSIONS_PER_S, 3)
 
 
 @transactional

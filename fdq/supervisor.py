@@ -11,7 +11,7 @@ import dataclasses
 import os
 import time
 
-from . import delivery, membership
+from . import delivery, logcount, membership
 from .config import ConsumerConfig, TopicConfig, check_name
 from .engine import transactional
 from .errors import ConfigError, TopicExists, TopicHeld, TopicNotFound
@@ -268,15 +268,15 @@ def reshard_finish(tr, ts: TopicSpace) -> TopicConfig:
 
 @transactional
 def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: int, after=None,
-                      young_from: int | None = None, counted: bool = True) -> tuple:
+                      young_from: int | None = None) -> tuple:
     """Delete the log entries of ``bucket`` inserted before ``before_ms`` among the next
     ``limit`` after position ``after`` (None: its start), never one not yet routed
     (``first_pending``) nor any after it. -> (deleted, bytes freed, last position read,
     done). ``done`` at the bucket's end, or at the first entry inserted at or after
     ``before_ms`` and committed at or after version ``young_from``; an entry inserted
     "later" but committed before ``young_from`` is a producer clock running ahead: it is
-    kept and the scan goes on (None: stop at the first entry not due). With ``counted``,
-    the bytes freed are subtracted from the ``log_bytes`` counter here.
+    kept and the scan goes on (None: stop at the first entry not due). The bytes freed
+    that the ``log_bytes`` counter holds (``logcount.holds_entry``) are subtracted here.
 
     Entries are read by snapshot (pushes appending to the bucket do not abort a trim)
     with a read conflict on each deleted one: two trims never both delete (and
@@ -285,7 +285,8 @@ def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: in
     r = space.range()
     begin = ts.log_key(bucket, after) + b"\x00" if after is not None else r.start
     pending = first_pending(tr, ts)
-    deleted = freed = 0
+    holds = logcount.holds_entry(tr, ts)
+    deleted = freed = held = 0
     rows = list(tr.snapshot.get_range(begin, r.stop, limit=limit))
     last, done = after, len(rows) < limit
     for kv in rows:
@@ -300,10 +301,12 @@ def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: in
                 break
             last = vs       # a clock ahead: kept, and not a reason to keep what follows
             continue
-        freed += _delete_entry(tr, ts, bucket, kv.key, vs, kv.value, rec.nchunks)
+        size = _delete_entry(tr, ts, bucket, kv.key, vs, kv.value, rec.nchunks)
+        freed += size
+        held += size if holds(bucket, kv.key) else 0
         deleted += 1
         last = vs
-    _note_trimmed(tr, ts, deleted, freed if counted else 0)
+    _note_trimmed(tr, ts, deleted, held)
     return deleted, freed, last, done
 
 
@@ -344,15 +347,15 @@ def trim_oldest_chunk(tr, ts: TopicSpace, entries: list, max_bytes: int, size: i
     topic without one: see ``TopicConfig``), never one not yet routed nor any after it.
     -> (deleted, bytes freed, done). An entry already gone (a concurrent trim) is
     skipped. The counter is read by snapshot (concurrent pushes do not abort a trim),
-    ``trimmed`` with a conflict (a concurrent trim does); the bytes freed are subtracted
-    from the counter here."""
-    counted = size is None
+    ``trimmed`` with a conflict (a concurrent trim does); the bytes freed that the
+    counter holds (``logcount.holds_entry``) are subtracted from it here."""
     tr.add_read_conflict_key(ts.stat("trimmed"))    # any other trim's commit (``_note_trimmed``)
-    if counted:
+    if size is None:
         size = decode_counter(tr.snapshot[ts.stat("log_bytes")])
     pending = first_pending(tr, ts)
+    holds = logcount.holds_entry(tr, ts)
     raws = [tr.snapshot[ts.log_key(b, vs)] for b, vs in entries]    # (futures on FDB)
-    deleted = freed = 0
+    deleted = freed = held = 0
     done = False
     for (bucket, vs), raw in zip(entries, raws):
         if size - freed <= max_bytes or (pending is not None and vs >= pending):
@@ -360,9 +363,12 @@ def trim_oldest_chunk(tr, ts: TopicSpace, entries: list, max_bytes: int, size: i
             break
         if raw == None:  # noqa: E711 - deleted meanwhile
             continue
-        freed += _delete_entry(tr, ts, bucket, ts.log_key(bucket, vs), vs, raw, Record.decode(raw).nchunks)
+        key = ts.log_key(bucket, vs)
+        n = _delete_entry(tr, ts, bucket, key, vs, raw, Record.decode(raw).nchunks)
+        freed += n
+        held += n if holds(bucket, key) else 0
         deleted += 1
-    _note_trimmed(tr, ts, deleted, freed if counted else 0)
+    _note_trimmed(tr, ts, deleted, held)
     return deleted, freed, done
 
 
@@ -583,7 +589,9 @@ class Supervisor:
 
     def stats(self, name: str) -> dict:
         """Counters, backlog per shard, in-flight, DLQ, consumers and lag; from counters
-        and a few point reads (O(shards + consumers), never O(backlog))."""
+        and a few point reads (O(shards + consumers), never O(backlog)). A consumer's
+        ``heartbeat_age_s`` is for display (``membership.heartbeat_age``: the database
+        clock, then versions); liveness does not use it."""
         return topic_stats(self.db, self._ts(name), name)
 
 
@@ -620,7 +628,7 @@ class Supervisor:
                 after = None
                 while True:
                     n, _freed, after, done = trim_bucket_chunk(self.db, ts, b, before_ms, CHUNK, after,
-                                                               young_from, config.log_bytes_counted)
+                                                               young_from)
                     deleted += n
                     if progress:
                         progress(n)
@@ -669,6 +677,28 @@ class Supervisor:
             if done:
                 break       # fits, or reached messages not routed yet: they and later ones stay
         return deleted
+
+    def count_log_bytes(self, name: str, progress=None) -> int:
+        """Give a topic an older FDQ created (``TopicConfig.log_bytes_counted`` False) an
+        exact ``log_bytes`` counter: count its log in chunks while pushes and trims go on
+        (``fdq.logcount``), then trim by size uses the counter and ``stats`` shows it.
+        Resumable and safe to run twice at once: a run killed midway is finished by the
+        next, exactly. Returns the entries this call counted (0: the counter was exact)."""
+        ts = self._ts(name)
+        if not logcount.count_begin(self.db, ts):
+            return 0
+        total = 0
+        while True:
+            for b in log_buckets(self.db, ts):
+                while True:
+                    n, done = logcount.count_chunk(self.db, ts, b, CHUNK)
+                    total += n
+                    if progress:
+                        progress(n)
+                    if done:
+                        break
+            if logcount.count_finish(self.db, ts):
+                return total
 
     # -- subscriptions (see fdq.subscription) -----------------------------------------
 
@@ -801,6 +831,8 @@ def topic_stats(tr, ts: TopicSpace, name: str) -> dict:
     if config is None:
         raise TopicNotFound(f"topic {name!r} does not exist")
     rv = tr.get_read_version().wait()
+    clock = membership.read_clock(tr, ts.clock_key)
+    clock_version = _counter_or_none(snap[ts.clock_version_key])
     topic = {k: decode_counter(snap[ts.stat(k)]) for k in ("inserted", "routed", "emitted", "acked")}
     topic["pending"] = topic["inserted"] - topic["routed"]
     # Bodies pushed, all time (nsqd's message_bytes; since the upgrade for an older
@@ -816,11 +848,12 @@ def topic_stats(tr, ts: TopicSpace, name: str) -> dict:
         members = membership.read_members(tr, ts, sub)
         consumers = []
         for cid, m in sorted(members.items()):
-            hbv = decode_counter(snap[ts.consumers.pack((sub, cid, "hbv"))])
+            hbc, hbv = (snap[ts.heartbeat_clock_key(sub, cid)], snap[ts.consumers.pack((sub, cid, "hbv"))])
             consumers.append({"id": cid, "heartbeats": m["hb"], "mode": m["record"].get("mode"),
                               "host": m["record"].get("host"), "pid": m["record"].get("pid"),
                               "tag": m["record"].get("tag"),
-                              "heartbeat_age_s": round((rv - hbv) / VERSIONS_PER_S, 3) if hbv else None,
+                              "heartbeat_age_s": membership.heartbeat_age(
+                                  _counter_or_none(hbc), _counter_or_none(hbv), clock, clock_version, rv),
                               "shards": sorted(n for (t, n), (o, _e) in owners.items() if o == cid),
                               "tag_shards": sorted([t, n] for (t, n), (o, _e) in owners.items() if o == cid)})
         oldest = None
@@ -844,6 +877,10 @@ def topic_stats(tr, ts: TopicSpace, name: str) -> dict:
             "tags": _per_tag(shards, owners, members),
         }
     return {"topic": name, "config": config.as_dict(), "counters": topic, "subscriptions": subs}
+
+
+def _counter_or_none(raw):
+    return None if raw == None else decode_counter(raw)  # noqa: E711
 
 
 def _per_tag(shards: dict, owners: dict, members: dict) -> dict:
@@ -909,23 +946,24 @@ def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None)
         after = state["after"]
         index = {}
         batch, first, count, size = [], state["count"], state["count"], 0
+        copies = 1 + len(config.subs)    # what the last chunk found (each reads it again)
 
         def flush():
-            nonlocal count
-            if batch:
+            nonlocal count, copies
+            while batch:
                 # the progress's count, not what the last attempt pushed: an attempt that
                 # committed and reported commit_unknown_result leaves its retry nothing to do
                 while True:
                     try:
-                        now = replay_chunk(db, ks, ts, (window, run, owner), batch, os.urandom(16),
-                                           int(time.time() * 1000), index)
+                        now, taken, copies = replay_chunk(db, ks, ts, (window, run, owner), batch, os.urandom(16),
+                                                          int(time.time() * 1000), index)
                         break
                     except TopicHeld:      # a play finishing: nothing written, try again
                         time.sleep(HOLD_WAIT_S)
                 if progress:
                     progress(now - count)
                 count = now
-                batch.clear()
+                del batch[:taken]
         for vs, _b, rec in iter_window(db, ts, log_buckets(db, ts), start_ms, end_ms):
             if int.from_bytes(vs.tr_version[:8], "big") > state["stop"]:
                 break       # committed after the replay began (its own pushes among them)
@@ -936,12 +974,12 @@ def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None)
                 continue    # trimmed since read: no longer in the log, not replayed
             env = _ReplayEnvelope(body, rec.shard_key, None, None, rec.headers, replay_of=message_id(vs),
                                   due_at=rec.due)
-            if batch and (size + len(body)) * (1 + len(config.subs)) > CHUNK_WRITE_BYTES:
+            if batch and (size + len(body)) * copies > CHUNK_WRITE_BYTES:
                 flush()     # not on top of the batch: its copies could pass FDB's 10 MB
                 size = 0
             batch.append((vs, env))
             size += len(env.body)
-            if len(batch) >= CHUNK or size * (1 + len(config.subs)) >= CHUNK_WRITE_BYTES:
+            if len(batch) >= CHUNK or size * copies >= CHUNK_WRITE_BYTES:
                 flush()
                 size = 0
         flush()
@@ -1038,10 +1076,17 @@ def replay_begin(tr, ts: TopicSpace, window: str, owner: str, start_ms, end_ms, 
 
 @transactional
 def replay_chunk(tr, ks: Keyspace, ts: TopicSpace, run: tuple, entries: list, txid: bytes,
-                 now_ms: int, time_index: dict) -> int:
+                 now_ms: int, time_index: dict) -> tuple:
     """Push the ``entries`` [(vs, envelope)] past the progress of ``run`` (window, run,
     owner) and advance it, in this one transaction, if ``owner`` still owns the run
-    (``ReplayTakenOver`` if not). Returns how many the run has pushed in all."""
+    (``ReplayTakenOver`` if not). Returns ``(pushed, taken, copies)``: how many the run
+    has pushed in all, how many of ``entries`` (from the first) are done, and the copies
+    a message gets (the log's and one per subscription) by the config read here.
+
+    The entries taken are those whose bodies' copies fit ``CHUNK_WRITE_BYTES`` (at least
+    one) under the topic's subscriptions as this transaction reads them (a subscription
+    created or deleted meanwhile conflicts): the caller's batch was sized by an earlier
+    count, and a replay outlives many subscription changes."""
     from .errors import ReplayTakenOver
     from .producer import push_batch
     window, run_id, owner = run
@@ -1053,14 +1098,22 @@ def replay_chunk(tr, ks: Keyspace, ts: TopicSpace, run: tuple, entries: list, tx
     if state.get("owner") != owner:
         raise ReplayTakenOver(f"replay {window!r} of topic {ts.name!r} stalled for over {REPLAY_ORPHAN_S} s "
                               "and another call took it over: this one stops")
+    copies = 1 + len(read_topic_config(tr, ts).subs)
     todo = [(vs, env) for vs, env in entries if state["after"] is None or vs.to_bytes() > state["after"]]
+    skipped = len(entries) - len(todo)
+    size = 0
+    for i, (_vs, env) in enumerate(todo):
+        size += len(env.body)
+        if i and size * copies > CHUNK_WRITE_BYTES:
+            todo = todo[:i]
+            break
     if todo:
         push_batch(tr, ks, [(ts.name, env) for _vs, env in todo], txid, int.from_bytes(txid[:4], "big"),
                    False, now_ms, time_index, False)
         state["after"] = todo[-1][0].to_bytes()
         state["count"] += len(todo)
         tr[key] = pack(state)
-    return state["count"]
+    return state["count"], skipped + len(todo), copies
 
 
 @transactional

@@ -4,9 +4,11 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
 
     meta/format                                           layout version
     meta/clock                                            the database clock (ms; see membership)
+    meta/clock_version                                    read version of its last advance (display)
     config/topics/<topic>                                 topic config (read by every push)
     config/topics/<topic>/consumers/<sub>/<id>            consumer record
     config/topics/<topic>/consumers/<sub>/<id>/hb         heartbeat counter (atomic add)
+    config/topics/<topic>/consumers/<sub>/<id>/hbc, hbv   clock, version at its last heartbeat (display)
     config/topics/<topic>/shards/<sub>/<tag>/<n>          shard record: owner, epoch
     config/topics/<topic>/assignment/<sub>                bumped when ownership changes
     config/topics/<topic>/subs/<sub>                      subscription record (config, start)
@@ -30,6 +32,7 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     topic/<topic>/marks/<txid>, marks_by_version/<vs>     push markers (1021-safe retries)
     topic/<topic>/dedupe/<msg_id>, dedupe_by_version/<vs> user msg_id dedupe window
     topic/<topic>/replays/<window>/<run>[/"hb"]           a replay's progress and heartbeat (while it runs)
+    topic/<topic>/log_count/stamp, cursor/<bucket>        counting an older topic's log (fdq.logcount)
 
 ``<vs>`` is a tuple-layer Versionstamp: the commit's 10-byte stamp plus the message's
 index in its transaction, so keys sort by commit order and are gap-free for readers.
@@ -172,6 +175,7 @@ class TopicSpace:
     def __init__(self, ks: "Keyspace", name: str):
         self.name = name
         self.clock_key = ks.clock_key
+        self.clock_version_key = ks.clock_version_key
         self.config_key = ks.topics_config.pack((name,))
         self.config_space = ks.topics_config[name]
         self.consumers = self.config_space["consumers"]
@@ -192,6 +196,7 @@ class TopicSpace:
         self.dedupe = self.space["dedupe"]
         self.dedupe_by_version = self.space["dedupe_by_version"]
         self.replays = self.space["replays"]
+        self.log_count = self.space["log_count"]
         self._shards = {}
         self._stat_keys = {}
         self.log_prefixes = {}
@@ -234,6 +239,10 @@ class TopicSpace:
     def heartbeat_key(self, sub: str, cid: str) -> bytes:
         return self.consumers.pack((sub, cid, "hb"))
 
+    def heartbeat_clock_key(self, sub: str, cid: str) -> bytes:
+        """The database clock at consumer ``cid``'s last heartbeat (for display)."""
+        return self.consumers.pack((sub, cid, "hbc"))
+
     def assignment_key(self, sub: str) -> bytes:
         return self.assignment.pack((sub,))
 
@@ -248,6 +257,8 @@ class Keyspace:
         self.root = Subspace(tuple(root))
         self.format_key = self.root.pack(("meta", "format"))
         self.clock_key = self.root.pack(("meta", "clock"))
+        # the read version of the clock's last advance (membership.advance_clock)
+        self.clock_version_key = self.root.pack(("meta", "clock_version"))
         self.topics_config = self.root["config"]["topics"]
         self._topics = {}
 

@@ -266,6 +266,20 @@ def trim(args):
     print(f"done {total}", flush=True)
 
 
+def count(args):
+    """Supervisor.count_log_bytes of --topic (--sleep seconds after each chunk),
+    printing each chunk's entries counted."""
+    import fdq
+    db = fdq.connect(args.url)
+    print("start", flush=True)
+
+    def chunk(n):
+        print(f"chunk {n}", flush=True)
+        time.sleep(args.sleep)
+    total = fdq.Supervisor(db).count_log_bytes(args.topic, progress=chunk)
+    print(f"done {total}", flush=True)
+
+
 def jumper(args):
     """Commit tiny transactions on a fault-injecting connection until killed: the engine
     injects version jumps of 100,000,000 (an FDB recovery) into the shared database."""
@@ -293,7 +307,7 @@ def jumper(args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("role", choices=["producer", "consumer", "play", "rebalance", "replay", "trim", "jumper"])
+    ap.add_argument("role", choices=["producer", "consumer", "play", "rebalance", "replay", "trim", "count", "jumper"])
     ap.add_argument("--url", required=True)
     ap.add_argument("--topic", default="t")
     ap.add_argument("--name", default="w")
@@ -313,7 +327,7 @@ def main(argv=None):
     ap.add_argument("--before-ms", type=int, default=None)
     args = ap.parse_args(argv)
     {"producer": producer, "consumer": consumer, "play": play, "rebalance": rebalance,
-     "replay": replay, "trim": trim, "jumper": jumper}[args.role](args)
+     "replay": replay, "trim": trim, "count": count, "jumper": jumper}[args.role](args)
 
 
 if __name__ == "__main__":
