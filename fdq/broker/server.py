@@ -52,6 +52,12 @@ FETCH_WAIT_S = 0.5
 # commits cannot grow the broker's memory without bound.
 MAX_PENDING_PUBLISHES = 256
 MAX_PENDING_PUBLISH_BYTES = 32 << 20
+# Past these many bytes written to a connection and not yet taken by its client, it gets
+# no more messages until the client has read them down; if it reads nothing for a
+# heartbeat interval it is closed (nsqd's writes time out after a heartbeat interval).
+# Without it a client that stops reading but keeps sending NOPs had every message that
+# timed out on it delivered to it again, into memory: the broker grew without bound.
+WRITE_HIGH_WATER = 1 << 20
 
 
 @dataclass
@@ -259,6 +265,8 @@ class Conn:
         self._flush_timer = None
         self._last_hb = time.monotonic()      # the first heartbeat one interval after connecting
         self._upgrading = False    # TLS handshake under way: nothing may be written
+        self._drainer = None       # a task waiting for the client to read its backlog down
+        self._blocked_since = None     # since when (monotonic) it has been waiting
         self.closed = False
         self.remote = writer.get_extra_info("peername")
         self.connect_ts = int(time.time())
@@ -296,7 +304,7 @@ class Conn:
 
     @property
     def capacity(self) -> int:
-        if self.closed or self.state != SUBSCRIBED:
+        if self.closed or self.state != SUBSCRIBED or self._drainer is not None:
             return 0
         return self.rdy - len(self.in_flight)
 
@@ -335,6 +343,21 @@ class Conn:
         if self._codec is not None:
             data = self._codec.compress(data)
         self.writer.write(data)
+        if self._drainer is None and self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER:
+            self._blocked_since = time.monotonic()
+            self._drainer = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self):
+        """Wait until the client has read its backlog down, then serve it again."""
+        try:
+            await self.writer.drain()
+        except (ConnectionError, OSError, ssl.SSLError):
+            return
+        finally:
+            self._drainer = None
+            self._blocked_since = None
+        if self.channel is not None:
+            self.channel.wake.set()
 
     def send_error(self, err: ProtocolError):
         self._out.put_nowait(err.frame())
@@ -485,6 +508,14 @@ class Conn:
             await asyncio.sleep(0.5)
             now = time.monotonic()
             hb = self.ident.heartbeat_interval_ms / 1000
+            blocked = self._blocked_since
+            if hb > 0 and blocked is not None and now - blocked > hb:
+                # as nsqd's write deadline: a client that read nothing for a heartbeat
+                # interval is dropped (abort: close would wait for the backlog to go out);
+                # the reading loop ends and its in-flight messages are requeued
+                log.info("client %s read nothing for %.0f s: closing", self.remote, now - blocked)
+                self.writer.transport.abort()
+                return
             if hb > 0 and now - self._last_hb >= hb and not self._upgrading:
                 self._last_hb = now
                 self._write(p.response(p.HEARTBEAT))

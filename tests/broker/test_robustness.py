@@ -1,0 +1,67 @@
+"""Clients that misbehave at the connection level: one that stops reading, one that
+disconnects mid-frame, many at once."""
+import json
+import socket
+import time
+
+import pytest
+
+from fdq.broker import protocol as p
+from fdqtest import wait_for
+
+pytestmark = pytest.mark.slow
+
+BODY = b"x" * 100_000
+
+
+def channel_stats(broker, topic, channel):
+    status, body = broker.http_req(f"/stats?format=json&topic={topic}")
+    assert status == 200
+    for t in json.loads(body)["topics"]:
+        for c in t["channels"]:
+            if c["channel_name"] == channel:
+                return c
+    return None
+
+
+def test_a_client_that_stops_reading_is_dropped_and_its_messages_go_elsewhere(raw, broker):
+    """A subscriber that reads nothing but keeps sending NOPs: its messages time out and
+    were delivered to it again and again, each time into the broker's memory (it grew
+    ~8 MB/s here). Now it gets nothing more past a bound of unread bytes, and is closed
+    once it has read nothing for a heartbeat interval (nsqd's write deadline); its
+    messages go to a healthy consumer."""
+    pub = raw()
+    for _ in range(4):
+        pub.send(p.encode_mpub(b"stuck", [BODY] * 40))
+        pub.expect()
+    stuck = raw()
+    stuck.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stuck.identify(msg_timeout=1000, heartbeat_interval=3000)
+    stuck.send(b"SUB stuck ch\nRDY 50\n")         # and never reads again
+    deadline = time.monotonic() + 30
+    dropped = False
+    while time.monotonic() < deadline:
+        try:
+            stuck.send(b"NOP\n")
+        except OSError:
+            dropped = True
+            break
+        st = channel_stats(broker, "stuck", "ch")
+        if st is not None and st["message_count"] > 0 and st["client_count"] == 0:
+            dropped = True
+            break
+        time.sleep(0.3)
+    assert dropped, "a client that reads nothing was never closed"
+    st = channel_stats(broker, "stuck", "ch")
+    # what it was sent is bounded: not redelivered to it every msg_timeout
+    assert st["message_count"] <= 100, st["message_count"]
+    ok = raw()
+    ok.identify(msg_timeout=30000)
+    ok.sub("stuck", "ch", rdy=200)
+    seen = set()
+    while len(seen) < 160:
+        _ts, _att, mid, body, _ = ok.message(timeout=30)
+        assert body == BODY
+        seen.add(mid)
+        ok.send(b"FIN " + mid + b"\n")
+    wait_for(lambda: channel_stats(broker, "stuck", "ch")["in_flight_count"] == 0, 30, "all finished")
