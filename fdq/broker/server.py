@@ -578,9 +578,9 @@ class Conn:
         if self.state != INIT:
             raise fatal("E_INVALID", "cannot AUTH in current state")
         if b.auth is None:
-            raise fatal("E_AUTH_DISABLED", "AUTH disabled")
+            raise fatal("E_AUTH_DISABLED", "AUTH Disabled")
         if self.auth is not None:
-            raise fatal("E_INVALID", "AUTH already set")
+            raise fatal("E_INVALID", "AUTH Already set")
         grant = b.auth.lookup(cmd.body)
         if grant is None:
             raise fatal("E_AUTH_FAILED", "AUTH failed")
@@ -589,15 +589,16 @@ class Conn:
                            "permission_count": len(grant.rules)}).encode()
         self._out.put_nowait(p.response(body))
 
-    def _check_auth(self, topic: str, channel: str | None, action: str):
+    def _check_auth(self, topic: str, channel: str | None, action: str, verb: str):
+        """nsqd's CheckAuth: ``verb`` (SUB, PUB, ...) names the command in its errors."""
         b = self.broker
         if b.auth is None:
             return
         if self.auth is None:
-            raise fatal("E_AUTH_FIRST", f"AUTH required before {action}")
+            raise fatal("E_AUTH_FIRST", f"AUTH required before {verb}")
         if not self.auth.allows(topic, channel, action):
-            what = topic if channel is None else f"{topic}/{channel}"
-            raise fatal("E_UNAUTHORIZED", f"AUTH failed for {action} on {what!r}")
+            raise fatal("E_UNAUTHORIZED", f"AUTH failed for {verb} on {p.go_quote(topic.encode())} "
+                                          f"{p.go_quote((channel or '').encode())}")
 
     async def cmd_sub(self, cmd):
         if self.state != INIT:
@@ -608,11 +609,11 @@ class Conn:
             raise fatal("E_INVALID", "SUB insufficient number of parameters")
         topic, channel = cmd.params[0], cmd.params[1]
         if not p.valid_name(topic):
-            raise fatal("E_BAD_TOPIC", f"SUB topic name {topic!r} is not valid")
+            raise fatal("E_BAD_TOPIC", f"SUB topic name {p.go_quote(topic)} is not valid")
         if not p.valid_name(channel):
-            raise fatal("E_BAD_CHANNEL", f"SUB channel name {channel!r} is not valid")
+            raise fatal("E_BAD_CHANNEL", f"SUB channel name {p.go_quote(channel)} is not valid")
         topic, channel = topic.decode(), channel.decode()
-        self._check_auth(topic, channel, "subscribe")
+        self._check_auth(topic, channel, "subscribe", "SUB")
         try:
             ch = await self.broker.channel_for(topic, channel, self.ident)
         except ProtocolError:
@@ -629,7 +630,7 @@ class Conn:
             return
         if self.state != SUBSCRIBED:
             raise fatal("E_INVALID", "cannot RDY in current state")
-        count = p.parse_int(cmd.params[0], "RDY could not parse count", signed=True) if cmd.params else 1
+        count = p.parse_int(cmd.params[0], "RDY could not parse count") if cmd.params else 1
         mx = self.broker.options.limits.max_rdy_count
         if count < 0 or count > mx:
             raise fatal("E_INVALID", f"RDY count {count} out of range 0-{mx}")
@@ -728,7 +729,7 @@ class Conn:
 
     async def cmd_pub(self, cmd):
         topic = cmd.params[0].decode()
-        self._check_auth(topic, None, "publish")
+        self._check_auth(topic, None, "publish", "PUB")
         body = cmd.body
         self._publish(topic, lambda: (self.broker.producer.push(topic, body), 1)[1], "E_PUB_FAILED", "PUB",
                       len(body))
@@ -736,21 +737,21 @@ class Conn:
     async def cmd_dpub(self, cmd):
         topic = cmd.params[0].decode()
         ms = int(cmd.params[1])       # the parser checked its range
-        self._check_auth(topic, None, "publish")
+        self._check_auth(topic, None, "publish", "DPUB")
         body = cmd.body
         self._publish(topic, lambda: (self.broker.producer.push(topic, body, delay=ms / 1000), 1)[1],
                       "E_DPUB_FAILED", "DPUB", len(body))
 
     async def cmd_mpub(self, cmd):
         topic = cmd.params[0].decode()
-        self._check_auth(topic, None, "publish")
+        self._check_auth(topic, None, "publish", "MPUB")
         bodies = cmd.bodies
         self._publish(topic, lambda: len(self.broker.producer.push_many(topic, bodies)), "E_MPUB_FAILED", "MPUB",
                       sum(map(len, bodies)))
 
     async def cmd_pub_ext(self, cmd):
         topic = cmd.params[0].decode()
-        self._check_auth(topic, None, "publish")
+        self._check_auth(topic, None, "publish", "PUB_EXT")
         b = self.broker
         if not await b.is_extend(topic):
             raise nonfatal("E_EXT_NOT_SUPPORT", f"PUB_EXT topic {topic!r} has no extend support")

@@ -390,3 +390,39 @@ def test_fuzzed_bytes_never_hurt_the_server(raw, data, magic):
     good = raw()
     good.pub("fuzz-alive", b"ok")           # the server still answers other clients
     good.close()
+
+
+@pytest.mark.parametrize("data,text", [
+    (b"PUB a*b\n", 'E_BAD_TOPIC PUB topic name "a*b" is not valid'),
+    (b"SUB ok b*c\n", 'E_BAD_CHANNEL SUB channel name "b*c" is not valid'),
+    (b"AUTH\n" + struct.pack(">I", 3) + b"abc", "E_AUTH_DISABLED AUTH Disabled"),
+    (b"SUB ok c\nRDY -1\n", "E_INVALID RDY could not parse count -1"),
+    (b"MPUB t\n" + struct.pack(">I", 8) + struct.pack(">I", 1) + struct.pack(">i", -1),
+     "E_BAD_MESSAGE MPUB invalid message(0) body size -1"),
+])
+def test_fatal_error_texts_as_nsqd(raw, data, text):
+    """nsqd's texts: names quoted as Go's %q (were Python's b'...'), its capitals."""
+    c = raw()
+    c.send(data)
+    f = c.frame()
+    if f == (p.FRAME_RESPONSE, p.OK):       # SUB's answer first
+        f = c.frame()
+    assert f == (p.FRAME_ERROR, text.encode())
+    assert c.closed()
+
+
+def test_rdy_with_an_empty_count_is_zero(raw):
+    """nsqd parses an empty RDY count as 0 (ByteToBase10); it was a fatal error."""
+    pub = raw()
+    pub.pub("rdyempty", b"m")
+    c = consumer(raw, "rdyempty")
+    c.send(b"RDY \nRDY 1\n")
+    _ts, _att, mid, body, _ = c.message()
+    assert body == b"m"
+    c.send(b"RDY \n")           # no more in flight than the (zero) RDY allows, still open
+    c.send(b"FIN " + mid + b"\nNOP\n")
+    pub.pub("rdyempty", b"n")
+    with pytest.raises(TimeoutError):
+        c.frame(timeout=1.5)
+    c.send(b"RDY 1\n")
+    assert c.message()[3] == b"n"
