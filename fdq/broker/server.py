@@ -58,6 +58,7 @@ MAX_PENDING_PUBLISH_BYTES = 32 << 20
 # Without it a client that stops reading but keeps sending NOPs had every message that
 # timed out on it delivered to it again, into memory: the broker grew without bound.
 WRITE_HIGH_WATER = 1 << 20
+CLOSE_LINGER_S = 5.0           # a closed connection's unsent output is dropped after this
 
 
 @dataclass
@@ -499,6 +500,10 @@ class Conn:
             await ch.remove(self)
         try:
             self.writer.close()
+            # close() waits for what is buffered to go out: to a client that reads
+            # nothing (a frozen process) for ever, holding the socket and the buffer
+            if self.writer.transport.get_write_buffer_size() > 0:
+                asyncio.get_running_loop().call_later(CLOSE_LINGER_S, self.writer.transport.abort)
         except Exception:
             pass
         self.broker.conns.discard(self)

@@ -65,3 +65,32 @@ def test_a_client_that_stops_reading_is_dropped_and_its_messages_go_elsewhere(ra
         seen.add(mid)
         ok.send(b"FIN " + mid + b"\n")
     wait_for(lambda: channel_stats(broker, "stuck", "ch")["in_flight_count"] == 0, 30, "all finished")
+
+
+def test_a_closed_connection_whose_client_reads_nothing_is_not_held_open(raw, broker):
+    """A connection closed by the broker (here for a fatal error) while its client reads
+    nothing, as a frozen process: asyncio's close waits for the unsent output to go out,
+    so the socket and its buffer were held until the client read, for ever. Now they are
+    dropped after a few seconds."""
+    pub = raw()
+    for _ in range(2):
+        pub.send(p.encode_mpub(b"frozen", [BODY] * 40))
+        pub.expect()
+    c = raw()
+    c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    c.identify(msg_timeout=60000, heartbeat_interval=60000)
+    c.send(b"SUB frozen ch\nRDY 50\n")
+    wait_for(lambda: channel_stats(broker, "frozen", "ch")["in_flight_count"] == 50, 30, "50 messages sent to it")
+    c.send(b"BAD\n")                                # fatal: the broker closes it
+    wait_for(lambda: channel_stats(broker, "frozen", "ch")["client_count"] == 0, 30, "the connection closed")
+    c.sock.setblocking(False)
+
+    def gone():
+        try:
+            c.sock.send(b"NOP\n")       # answered with a reset once the broker's socket is closed
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+        return False
+    wait_for(gone, 30, "the broker's socket closed", interval=0.3)
