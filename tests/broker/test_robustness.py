@@ -2,6 +2,7 @@
 disconnects mid-frame, many at once."""
 import json
 import socket
+import struct
 import time
 
 import pytest
@@ -94,3 +95,31 @@ def test_a_closed_connection_whose_client_reads_nothing_is_not_held_open(raw, br
             return True
         return False
     wait_for(gone, 30, "the broker's socket closed", interval=0.3)
+
+
+def test_clients_that_disconnect_mid_frame(raw, broker):
+    """A publisher gone in the middle of a PUB body publishes nothing; a consumer gone
+    in the middle of its FIN line has not finished the message: it is requeued at once
+    (long before its 60 s msg_timeout) to another consumer."""
+    c = raw()
+    c.send(b"PUB midframe\n" + struct.pack(">I", 100) + b"x" * 50)
+    c.send(b"MPUB midframe\n" + struct.pack(">I", 100) + struct.pack(">I", 2))
+    c.close()
+    pub = raw()
+    pub.pub("midframe2", b"m")
+    a = raw()
+    a.identify(msg_timeout=60000)
+    a.sub("midframe2", "ch", rdy=1)
+    _ts, attempts, mid, body, _ = a.message()
+    assert attempts == 1
+    a.send(b"FIN " + mid[:8])                     # no newline: not a command yet
+    a.close()
+    b = raw()
+    b.identify(msg_timeout=60000)
+    b.sub("midframe2", "ch", rdy=1)
+    t0 = time.monotonic()
+    _ts, attempts, mid2, body2, _ = b.message(timeout=30)
+    assert (body2, mid2, attempts) == (body, mid, 2) and time.monotonic() - t0 < 30
+    b.send(b"FIN " + mid2 + b"\n")
+    status, out = broker.http_req("/stats?format=json&topic=midframe")
+    assert status == 200 and json.loads(out)["topics"] == []
