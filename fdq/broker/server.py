@@ -39,6 +39,7 @@ from .protocol import ProtocolError, fatal, nonfatal
 log = logging.getLogger("fdq.broker")
 
 INIT, SUBSCRIBED, CLOSING = "init", "subscribed", "closing"
+NSQD_STATE = {INIT: 0, SUBSCRIBED: 3, CLOSING: 4}     # nsqd's client states in /stats
 MAX_DELIVER = 0xFFFF           # NSQ never dead-letters: attempts is a uint16
 # Topics the broker creates (on PUB, SUB or /topic/create) have no FDQ ``default``
 # subscription: as on nsqd, messages go to channels only, and what is published before
@@ -281,7 +282,7 @@ class Conn:
         """nsqd's client stats fields."""
         host, port = (self.remote or ("", 0))[:2]
         return {"client_id": self.ident.client_id, "hostname": self.ident.hostname, "version": "V2",
-                "remote_address": f"{host}:{port}", "state": 3 if self.state == SUBSCRIBED else 1,
+                "remote_address": f"{host}:{port}", "state": NSQD_STATE[self.state],
                 "ready_count": self.rdy, "in_flight_count": len(self.in_flight),
                 "message_count": self.message_count, "finish_count": self.finish_count,
                 "requeue_count": self.requeue_count, "connect_ts": self.connect_ts,

@@ -11,6 +11,7 @@ import time
 import pytest
 
 import fdq
+from fdq.broker import protocol as p
 from fdqtest import wait_for
 from nsqclient import RawClient
 
@@ -390,3 +391,26 @@ def test_http_error_codes_and_order_as_nsqd(broker):
     assert [c["channel_name"] for c in only[0]["channels"]] == ["keep"]
     every = stats(broker, channel="keep")["topics"]
     assert {c["channel_name"] for t in every if t["topic_name"] == "sf1" for c in t["channels"]} == {"keep", "other"}
+
+
+def test_client_states_in_stats_as_nsqd(broker):
+    """nsqd's client states: 0 init (a producer), 3 subscribed, 4 closing (after CLS);
+    the broker showed 1 for anything not subscribed."""
+    pub = RawClient(broker.tcp)
+    pub.identify(client_id="prod")
+    pub.pub("states", b"m")
+    sub = RawClient(broker.tcp)
+    sub.identify(client_id="cons")
+    sub.sub("states", "ch")
+
+    def states():
+        data = stats(broker, topic="states")
+        clients = {c["client_id"]: c["state"] for t in data["topics"] for ch in t["channels"] for c in ch["clients"]}
+        clients.update({c["client_id"]: c["state"] for c in data["producers"]})
+        return clients
+    assert states() == {"prod": 0, "cons": 3}
+    sub.send(b"CLS\n")
+    sub.expect(p.CLOSE_WAIT)
+    assert states() == {"prod": 0, "cons": 4}
+    text = broker.http_req("/stats?topic=states")[1].decode()
+    assert "state: 4" in text
