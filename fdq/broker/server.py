@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import fcntl
 import functools
 import json
 import logging
 import random
 import signal
 import ssl
+import struct
+import termios
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -59,6 +62,7 @@ MAX_PENDING_PUBLISH_BYTES = 32 << 20
 # Without it a client that stops reading but keeps sending NOPs had every message that
 # timed out on it delivered to it again, into memory: the broker grew without bound.
 WRITE_HIGH_WATER = 1 << 20
+_TIOCOUTQ = getattr(termios, "TIOCOUTQ", None)
 CLOSE_LINGER_S = 5.0           # a closed connection's unsent output is dropped after this
 
 
@@ -268,7 +272,8 @@ class Conn:
         self._last_hb = time.monotonic()      # the first heartbeat one interval after connecting
         self._upgrading = False    # TLS handshake under way: nothing may be written
         self._drainer = None       # a task waiting for the client to read its backlog down
-        self._blocked_since = None     # since when (monotonic) it has been waiting
+        self._blocked_since = None     # since when (monotonic) the client has taken nothing of it
+        self._blocked_size = 0         # the backlog (bytes) when last seen
         self.closed = False
         self.remote = writer.get_extra_info("peername")
         self.connect_ts = int(time.time())
@@ -345,15 +350,31 @@ class Conn:
         if self._codec is not None:
             data = self._codec.compress(data)
         self.writer.write(data)
-        if self._drainer is None and self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER:
-            self._blocked_since = time.monotonic()
-            self._drainer = asyncio.get_running_loop().create_task(self._drain())
+        if self._drainer is None:
+            if self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER:
+                self._blocked_since, self._blocked_size = time.monotonic(), self._backlog()
+                self._drainer = asyncio.get_running_loop().create_task(self._drain())
+
+    def _backlog(self) -> int:
+        """Bytes written to the connection and not yet taken by the client: asyncio's
+        buffer plus, where the system tells (TIOCOUTQ), the socket's send queue. The
+        kernel lets asyncio write again only once much of its queue is free, so the
+        first alone does not show a client reading slowly but steadily."""
+        transport = self.writer.transport
+        size = transport.get_write_buffer_size()
+        sock = transport.get_extra_info("socket")
+        if _TIOCOUTQ is not None and sock is not None:
+            try:
+                size += struct.unpack("i", fcntl.ioctl(sock.fileno(), _TIOCOUTQ, b"\0\0\0\0"))[0]
+            except (OSError, ValueError):
+                pass
+        return size
 
     async def _drain(self):
         """Wait until the client has read its backlog down, then serve it again."""
         try:
             await self.writer.drain()
-        except (ConnectionError, OSError, ssl.SSLError):
+        except Exception:       # the connection is lost: its reading loop closes it
             return
         finally:
             self._drainer = None
@@ -514,14 +535,18 @@ class Conn:
             await asyncio.sleep(0.5)
             now = time.monotonic()
             hb = self.ident.heartbeat_interval_ms / 1000
-            blocked = self._blocked_since
-            if hb > 0 and blocked is not None and now - blocked > hb:
-                # as nsqd's write deadline: a client that read nothing for a heartbeat
-                # interval is dropped (abort: close would wait for the backlog to go out);
-                # the reading loop ends and its in-flight messages are requeued
-                log.info("client %s read nothing for %.0f s: closing", self.remote, now - blocked)
-                self.writer.transport.abort()
-                return
+            if self._blocked_since is not None:
+                size = self._backlog()
+                if size < self._blocked_size:         # it took some: progress
+                    self._blocked_since = now
+                self._blocked_size = size
+                if hb > 0 and now - self._blocked_since > hb:
+                    # as nsqd's write deadline: a client that took nothing for a heartbeat
+                    # interval is dropped (abort: close would wait for the backlog to go
+                    # out); the reading loop ends and its in-flight messages are requeued
+                    log.info("client %s read nothing for %.0f s: closing", self.remote, now - self._blocked_since)
+                    self.writer.transport.abort()
+                    return
             if hb > 0 and now - self._last_hb >= hb and not self._upgrading:
                 self._last_hb = now
                 self._write(p.response(p.HEARTBEAT))

@@ -125,3 +125,28 @@ def test_clients_that_disconnect_mid_frame(raw, broker):
     b.send(b"FIN " + mid2 + b"\n")
     status, out = broker.http_req("/stats?format=json&topic=midframe")
     assert status == 200 and json.loads(out)["topics"] == []
+
+
+def test_a_slow_but_steady_reader_is_not_dropped(raw, broker):
+    """A client reading slowly (~40 KB/s) but all the time is making progress: as with
+    nsqd's per-write deadline it stays connected, though its backlog takes longer than
+    a heartbeat interval to go out (the bound first dropped it once its backlog had not
+    drained within one)."""
+    pub = raw()
+    for _ in range(3):
+        pub.send(p.encode_mpub(b"slowsteady", [BODY] * 40))     # 12 MB: more than the kernel's buffers
+        pub.expect()
+    c = raw()
+    c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    c.identify(msg_timeout=60000, heartbeat_interval=2000)
+    c.send(b"SUB slowsteady ch\nRDY 120\n")
+    got = 0
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 8:                  # 4 heartbeat intervals
+        chunk = c.sock.recv(8192)
+        assert chunk, "the broker closed a connection that was reading"
+        got += len(chunk)
+        c.send(b"NOP\n")                             # its heartbeats, unread yet, answered
+        time.sleep(0.2)
+    assert got < 120 * len(BODY)                        # it was still behind all along
+    assert channel_stats(broker, "slowsteady", "ch")["client_count"] == 1
