@@ -615,6 +615,8 @@ class Conn:
         grant = b.auth.lookup(cmd.body)
         if grant is None:
             raise fatal("E_AUTH_FAILED", "AUTH failed")
+        if not grant.rules:
+            raise fatal("E_UNAUTHORIZED", "AUTH No authorizations found")
         self.auth = grant
         body = json.dumps({"identity": grant.identity, "identity_url": "",
                            "permission_count": len(grant.rules)}).encode()

@@ -88,6 +88,7 @@ AUTH = {"secrets": [
      "authorizations": [{"topic": "orders", "channels": ["billing"], "permissions": ["subscribe"]}]},
     {"secret": "ops", "identity": "ops",
      "authorizations": [{"topic": ".*", "channels": [".*"], "permissions": ["publish", "subscribe", "admin"]}]},
+    {"secret": "nothing", "identity": "nobody", "authorizations": []},
 ]}
 
 
@@ -106,6 +107,10 @@ def test_auth_allow_and_deny(broker_factory, tmp_path):
     c = RawClient(b.tcp)
     auth(c, "wrong")
     assert c.error().startswith("E_AUTH_FAILED")
+    c = RawClient(b.tcp)
+    auth(c, "nothing")          # as nsqd: a secret that grants nothing is refused at AUTH
+    assert c.error() == "E_UNAUTHORIZED AUTH No authorizations found"
+    assert c.closed()
     c = RawClient(b.tcp)
     auth(c, "pub-only")
     t, d = c.frame()
