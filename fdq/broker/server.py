@@ -296,7 +296,7 @@ class Conn:
                 "authed": self.auth is not None, "msg_timeout": self.ident.msg_timeout_ms,
                 "heartbeat_interval": self.ident.heartbeat_interval_ms, "name": self.ident.client_id,
                 "timeout_count": self.timeout_count, "deferred_count": 0,
-                "auth_identity": self.auth.identity if self.auth is not None else "",
+                "auth_identity": self.auth.identity if self.auth is not None else "", "auth_identity_url": "",
                 "output_buffer_size": self.ident.output_buffer_size,
                 "output_buffer_timeout": self.ident.output_buffer_timeout_ms,
                 "pub_counts": [{"topic": t, "count": n} for t, n in sorted(self.published.items())],

@@ -409,6 +409,8 @@ def test_client_states_in_stats_as_nsqd(broker):
         clients.update({c["client_id"]: c["state"] for c in data["producers"]})
         return clients
     assert states() == {"prod": 0, "cons": 3}
+    [client] = stats(broker, topic="states")["topics"][0]["channels"][0]["clients"]
+    assert client["auth_identity_url"] == ""           # nsqd's field, missing
     sub.send(b"CLS\n")
     sub.expect(p.CLOSE_WAIT)
     assert states() == {"prod": 0, "cons": 4}
