@@ -81,7 +81,8 @@ def main():
         for n in counts:
             r = sorted(lat[n])
             p50 = statistics.median(r)
-            print(f"{n:>5} channels: p50 {p50 * 1e3:6.2f} ms ({p50 / base:4.1f}x)  p90 {r[int(len(r) * .9)] * 1e3:6.2f} ms"
+            print(f"{n:>5} channels: p50 {p50 * 1e3:6.2f} ms ({p50 / base:4.1f}x)"
+                  f"  p90 {r[int(len(r) * .9)] * 1e3:6.2f} ms"
                   f"  broker CPU {cpu[n] / len(r) * 1e3:5.2f} ms/PUB")
     finally:
         proc.terminate()
@@ -112,7 +113,8 @@ def inprocess(counts, rounds, per_round, body):
     for n in counts:
         r = sorted(lat[n])
         p50 = statistics.median(r)
-        print(f"{n:>5} subscriptions: p50 {p50 * 1e3:6.2f} ms ({p50 / base:4.1f}x)  p90 {r[int(len(r) * .9)] * 1e3:6.2f} ms"
+        print(f"{n:>5} subscriptions: p50 {p50 * 1e3:6.2f} ms ({p50 / base:4.1f}x)"
+              f"  p90 {r[int(len(r) * .9)] * 1e3:6.2f} ms"
               f"  CPU {cpu[n] / len(r) * 1e3:5.2f} ms/push")
 
 

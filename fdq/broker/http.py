@@ -550,7 +550,8 @@ class HTTPServer:
                              f" re-q: {c['requeue_count']:<4} timeout: {c['timeout_count']:<4}"
                              f"{' (paused)' if c['paused'] else ''}")
                 for cl in c["clients"]:
-                    lines.append(f"        [V2 {cl['client_id']:<20}] state: {cl['state']} inflt: {cl['in_flight_count']:<4} "
+                    lines.append(f"        [V2 {cl['client_id']:<20}] state: {cl['state']} "
+                                 f"inflt: {cl['in_flight_count']:<4} "
                                  f"rdy: {cl['ready_count']:<4} fin: {cl['finish_count']:<8}")
         return ("\n".join(lines) + "\n").encode()
 
