@@ -426,3 +426,29 @@ def test_rdy_with_an_empty_count_is_zero(raw):
         c.frame(timeout=1.5)
     c.send(b"RDY 1\n")
     assert c.message()[3] == b"n"
+
+
+def test_cls_then_in_flight_messages(raw):
+    """As nsqd: after CLS (answered CLOSE_WAIT) a client gets no more messages, RDY is
+    ignored, and it may still FIN and REQ what it holds; closing then requeues the rest."""
+    pub = raw()
+    pub.send(p.encode_mpub(b"cls", [b"a", b"b", b"c", b"d"]))
+    pub.expect()
+    c = consumer(raw, "cls", rdy=2, msg_timeout=60000)
+    held = {}
+    for _ in range(2):
+        _ts, _att, mid, body, _ = c.message()
+        held[body] = mid
+    c.send(b"CLS\n")
+    c.expect(p.CLOSE_WAIT)
+    c.send(b"RDY 10\n")
+    first, second = sorted(held)
+    c.send(b"FIN " + held[first] + b"\nREQ " + held[second] + b" 0\nNOP\n")
+    with pytest.raises(TimeoutError):           # no error, and no message
+        c.frame(timeout=1.5)
+    c.close()
+    other = consumer(raw, "cls", rdy=10)
+    got = sorted(other.message(timeout=30)[3] for _ in range(3))
+    assert got == sorted({b"a", b"b", b"c", b"d"} - {first})
+    with pytest.raises(TimeoutError):
+        other.frame(timeout=1.5)
