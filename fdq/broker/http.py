@@ -135,7 +135,10 @@ class HTTPServer:
             return None
         n = 0 if chunked else int(length)
         if n > limit:
-            await self._refuse(writer, 413, "BODY_TOO_BIG")
+            # as nsqd: a message endpoint's body is one message (its Content-Length is
+            # checked against --max-msg-size), the others' a body
+            one = urlsplit(target).path in ("/pub", "/pub_ext")
+            await self._refuse(writer, 413, "MSG_TOO_BIG" if one else "BODY_TOO_BIG")
             return None
         if (n or chunked) and headers.get("expect", "").lower() == "100-continue":
             # as Go's server: without it curl waits a second before sending a body > 1 MiB
@@ -247,13 +250,31 @@ class HTTPServer:
         return topic
 
     @staticmethod
-    def _channel(req) -> str:
+    def _topic_channel(req) -> tuple:
+        """The topic and channel of a /channel/ endpoint, checked as nsqd's
+        ``GetTopicChannelArgs`` (its codes: INVALID_ARG_TOPIC, INVALID_ARG_CHANNEL)."""
+        topic = req.arg("topic")
+        if topic is None:
+            raise HTTPError(400, "MISSING_ARG_TOPIC")
+        if not p.valid_name(topic.encode()):
+            raise HTTPError(400, "INVALID_ARG_TOPIC")
         ch = req.arg("channel")
         if ch is None:
             raise HTTPError(400, "MISSING_ARG_CHANNEL")
         if not p.valid_name(ch.encode()):
-            raise HTTPError(400, "INVALID_CHANNEL")
-        return ch
+            raise HTTPError(400, "INVALID_ARG_CHANNEL")
+        return topic, ch
+
+    @staticmethod
+    def _any_topic(req) -> str:
+        """The topic of /topic/delete, /topic/pause, /topic/unpause: nsqd checks only that
+        it is given (a name that cannot exist is TOPIC_NOT_FOUND)."""
+        topic = req.arg("topic")
+        if topic is None:
+            raise HTTPError(400, "MISSING_ARG_TOPIC")
+        if not p.valid_name(topic.encode()):
+            raise HTTPError(404, "TOPIC_NOT_FOUND")
+        return topic
 
     async def _existing(self, topic):
         try:
@@ -288,8 +309,8 @@ class HTTPServer:
 
     async def pub(self, req):
         self._post(req)
+        self._check_size(req.body)          # before the topic, as nsqd
         topic = self._topic(req)
-        self._check_size(req.body)
         delay = None
         if req.arg("defer") is not None:
             try:
@@ -383,7 +404,7 @@ class HTTPServer:
 
     async def topic_delete(self, req):
         self._post(req)
-        topic = self._topic(req)
+        topic = self._any_topic(req)
         await self._existing(topic)
         # its channels' clients here would otherwise stay connected to consumers of a
         # deleted topic, and a new SUB to the same channel would join their dead channel
@@ -402,20 +423,20 @@ class HTTPServer:
 
     async def topic_pause(self, req):
         self._post(req)
-        topic = self._topic(req)
+        topic = self._any_topic(req)
         await self._existing(topic)
         await self.run(self.broker.supervisor.pause, topic)
         return b""
 
     async def topic_unpause(self, req):
         self._post(req)
-        topic = self._topic(req)
+        topic = self._any_topic(req)
         await self._existing(topic)
         await self.run(self.broker.supervisor.play, topic)
         return b""
 
     async def _channel_exists(self, req):
-        topic, channel = self._topic(req), self._channel(req)
+        topic, channel = self._topic_channel(req)
         config = await self._existing(topic)
         if channel not in config.subs:
             raise HTTPError(404, "CHANNEL_NOT_FOUND")
@@ -423,7 +444,7 @@ class HTTPServer:
 
     async def channel_create(self, req):
         self._post(req)
-        topic, channel = self._topic(req), self._channel(req)
+        topic, channel = self._topic_channel(req)
         await self.run(self.broker.ensure_channel, topic, channel)
         return b""
 
@@ -503,7 +524,8 @@ class HTTPServer:
         return out
 
     async def stats(self, req):
-        topics = await self._collect(req.arg("topic"), req.arg("channel"))
+        # as nsqd: the channel filter applies within the topic filter only
+        topics = await self._collect(req.arg("topic"), req.arg("channel") if req.arg("topic") else None)
         b = self.broker
         if req.arg("include_clients") == "false":          # nsqd's include_clients / include_mem
             for t in topics:
@@ -528,7 +550,8 @@ class HTTPServer:
                              f" re-q: {c['requeue_count']:<4} timeout: {c['timeout_count']:<4}"
                              f"{' (paused)' if c['paused'] else ''}")
                 for cl in c["clients"]:
-                    lines.append(f"        [V2 {cl['client_id']:<20}] state: 3 inflt: {cl['in_flight_count']:<4} "
+                    lines.append(f"        [V2 {cl['client_id']:<20}] state: {cl['state']} "
+                                 f"inflt: {cl['in_flight_count']:<4} "
                                  f"rdy: {cl['ready_count']:<4} fin: {cl['finish_count']:<8}")
         return ("\n".join(lines) + "\n").encode()
 

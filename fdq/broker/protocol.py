@@ -265,12 +265,12 @@ class Parser:
             if len(p) < 1:
                 raise fatal("E_INVALID", f"{name.decode()} insufficient number of parameters")
             if not valid_name(p[0]):
-                raise fatal("E_BAD_TOPIC", f"{name.decode()} topic name {p[0]!r} is not valid")
+                raise fatal("E_BAD_TOPIC", f"{name.decode()} topic name {go_quote(p[0])} is not valid")
         elif name == b"DPUB":
             if len(p) < 2:
                 raise fatal("E_INVALID", "DPUB insufficient number of parameters")
             if not valid_name(p[0]):
-                raise fatal("E_BAD_TOPIC", f"DPUB topic name {p[0]!r} is not valid")
+                raise fatal("E_BAD_TOPIC", f"DPUB topic name {go_quote(p[0])} is not valid")
             ms = parse_int(p[1], "DPUB could not parse timeout")
             if ms < 0 or ms > self.max_req_timeout_ms:
                 raise fatal("E_INVALID", f"DPUB timeout {ms} out of range 0-{self.max_req_timeout_ms}")
@@ -329,13 +329,13 @@ class Parser:
         if n <= 0:
             raise fatal("E_BAD_BODY", f"MPUB invalid message count {n}")
         pos, out = 4, []
-        for _ in range(n):
+        for i in range(n):
             if pos + 4 > len(body):
-                raise fatal("E_BAD_MESSAGE", "MPUB failed to read message body size")
+                raise fatal("E_BAD_MESSAGE", f"MPUB failed to read message({i}) body size")
             size = _I32.unpack_from(body, pos)[0]
             pos += 4
             if size <= 0:
-                raise fatal("E_BAD_MESSAGE", f"MPUB invalid message body size {size}")
+                raise fatal("E_BAD_MESSAGE", f"MPUB invalid message({i}) body size {size}")
             if size > self.max_msg_size:
                 raise fatal("E_BAD_MESSAGE", f"MPUB message too big {size} > {self.max_msg_size}")
             if pos + size > len(body):
@@ -518,16 +518,35 @@ def negotiate(data: dict, limits: Limits) -> tuple:
     return ident, json.dumps(resp).encode()
 
 
-def parse_int(raw: bytes, what: str, signed: bool = False) -> int:
-    """A decimal parameter, or a fatal E_INVALID naming ``what``. Unsigned (nsqd's
-    ByteToBase10: digits only) unless ``signed`` (Go's strconv.Atoi, as for RDY)."""
-    digits = raw[1:] if signed and raw[:1] in (b"-", b"+") else raw
-    if not digits or not digits.isdigit():
+def parse_int(raw: bytes, what: str) -> int:
+    """A decimal parameter as nsqd's ``protocol.ByteToBase10``: digits only (no sign),
+    and an empty one is 0; anything else is a fatal E_INVALID ``what raw``."""
+    if raw and not raw.isdigit():
         raise fatal("E_INVALID", f"{what} {raw.decode('utf-8', 'replace')}")
-    return int(raw)
+    return int(raw) if raw else 0
+
+
+def go_quote(name: bytes) -> str:
+    """``name`` as Go's ``%q`` shows it (nsqd's error texts): double quotes, with
+    backslash escapes for quotes, backslashes and what is not printable."""
+    out = []
+    for ch in name.decode("utf-8", "replace"):
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ch == "\r":
+            out.append("\\r")
+        elif not ch.isprintable():
+            out.append(f"\\x{ord(ch):02x}" if ord(ch) < 0x80 else f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
 
 
 __all__ = ["Parser", "Command", "ProtocolError", "Limits", "Identity", "negotiate", "frame", "response",
            "message", "encode_command", "encode_mpub", "encode_pub_ext", "decode_frames", "decode_message",
-           "valid_name", "MAGIC_V2", "HEARTBEAT", "OK", "CLOSE_WAIT", "FRAME_RESPONSE", "FRAME_ERROR",
-           "FRAME_MESSAGE", "DEFAULTS", "MSG_ID_LEN"]
+           "valid_name", "go_quote", "parse_int", "MAGIC_V2", "HEARTBEAT", "OK", "CLOSE_WAIT", "FRAME_RESPONSE",
+           "FRAME_ERROR", "FRAME_MESSAGE", "DEFAULTS", "MSG_ID_LEN"]

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import fcntl
 import functools
 import json
 import logging
 import random
 import signal
 import ssl
+import struct
+import termios
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,6 +42,7 @@ from .protocol import ProtocolError, fatal, nonfatal
 log = logging.getLogger("fdq.broker")
 
 INIT, SUBSCRIBED, CLOSING = "init", "subscribed", "closing"
+NSQD_STATE = {INIT: 0, SUBSCRIBED: 3, CLOSING: 4}     # nsqd's client states in /stats
 MAX_DELIVER = 0xFFFF           # NSQ never dead-letters: attempts is a uint16
 # Topics the broker creates (on PUB, SUB or /topic/create) have no FDQ ``default``
 # subscription: as on nsqd, messages go to channels only, and what is published before
@@ -52,6 +56,14 @@ FETCH_WAIT_S = 0.5
 # commits cannot grow the broker's memory without bound.
 MAX_PENDING_PUBLISHES = 256
 MAX_PENDING_PUBLISH_BYTES = 32 << 20
+# Past these many bytes written to a connection and not yet taken by its client, it gets
+# no more messages until the client has read them down; if it reads nothing for a
+# heartbeat interval it is closed (nsqd's writes time out after a heartbeat interval).
+# Without it a client that stops reading but keeps sending NOPs had every message that
+# timed out on it delivered to it again, into memory: the broker grew without bound.
+WRITE_HIGH_WATER = 1 << 20
+_TIOCOUTQ = getattr(termios, "TIOCOUTQ", None)
+CLOSE_LINGER_S = 5.0           # a closed connection's unsent output is dropped after this
 
 
 @dataclass
@@ -259,6 +271,9 @@ class Conn:
         self._flush_timer = None
         self._last_hb = time.monotonic()      # the first heartbeat one interval after connecting
         self._upgrading = False    # TLS handshake under way: nothing may be written
+        self._drainer = None       # a task waiting for the client to read its backlog down
+        self._blocked_since = None     # since when (monotonic) the client has taken nothing of it
+        self._blocked_size = 0         # the backlog (bytes) when last seen
         self.closed = False
         self.remote = writer.get_extra_info("peername")
         self.connect_ts = int(time.time())
@@ -272,7 +287,7 @@ class Conn:
         """nsqd's client stats fields."""
         host, port = (self.remote or ("", 0))[:2]
         return {"client_id": self.ident.client_id, "hostname": self.ident.hostname, "version": "V2",
-                "remote_address": f"{host}:{port}", "state": 3 if self.state == SUBSCRIBED else 1,
+                "remote_address": f"{host}:{port}", "state": NSQD_STATE[self.state],
                 "ready_count": self.rdy, "in_flight_count": len(self.in_flight),
                 "message_count": self.message_count, "finish_count": self.finish_count,
                 "requeue_count": self.requeue_count, "connect_ts": self.connect_ts,
@@ -281,7 +296,7 @@ class Conn:
                 "authed": self.auth is not None, "msg_timeout": self.ident.msg_timeout_ms,
                 "heartbeat_interval": self.ident.heartbeat_interval_ms, "name": self.ident.client_id,
                 "timeout_count": self.timeout_count, "deferred_count": 0,
-                "auth_identity": self.auth.identity if self.auth is not None else "",
+                "auth_identity": self.auth.identity if self.auth is not None else "", "auth_identity_url": "",
                 "output_buffer_size": self.ident.output_buffer_size,
                 "output_buffer_timeout": self.ident.output_buffer_timeout_ms,
                 "pub_counts": [{"topic": t, "count": n} for t, n in sorted(self.published.items())],
@@ -296,7 +311,7 @@ class Conn:
 
     @property
     def capacity(self) -> int:
-        if self.closed or self.state != SUBSCRIBED:
+        if self.closed or self.state != SUBSCRIBED or self._drainer is not None:
             return 0
         return self.rdy - len(self.in_flight)
 
@@ -335,6 +350,37 @@ class Conn:
         if self._codec is not None:
             data = self._codec.compress(data)
         self.writer.write(data)
+        if self._drainer is None:
+            if self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER:
+                self._blocked_since, self._blocked_size = time.monotonic(), self._backlog()
+                self._drainer = asyncio.get_running_loop().create_task(self._drain())
+
+    def _backlog(self) -> int:
+        """Bytes written to the connection and not yet taken by the client: asyncio's
+        buffer plus, where the system tells (TIOCOUTQ), the socket's send queue. The
+        kernel lets asyncio write again only once much of its queue is free, so the
+        first alone does not show a client reading slowly but steadily."""
+        transport = self.writer.transport
+        size = transport.get_write_buffer_size()
+        sock = transport.get_extra_info("socket")
+        if _TIOCOUTQ is not None and sock is not None:
+            try:
+                size += struct.unpack("i", fcntl.ioctl(sock.fileno(), _TIOCOUTQ, b"\0\0\0\0"))[0]
+            except (OSError, ValueError):
+                pass
+        return size
+
+    async def _drain(self):
+        """Wait until the client has read its backlog down, then serve it again."""
+        try:
+            await self.writer.drain()
+        except Exception:       # the connection is lost: its reading loop closes it
+            return
+        finally:
+            self._drainer = None
+            self._blocked_since = None
+        if self.channel is not None:
+            self.channel.wake.set()
 
     def send_error(self, err: ProtocolError):
         self._out.put_nowait(err.frame())
@@ -476,6 +522,10 @@ class Conn:
             await ch.remove(self)
         try:
             self.writer.close()
+            # close() waits for what is buffered to go out: to a client that reads
+            # nothing (a frozen process) for ever, holding the socket and the buffer
+            if self.writer.transport.get_write_buffer_size() > 0:
+                asyncio.get_running_loop().call_later(CLOSE_LINGER_S, self.writer.transport.abort)
         except Exception:
             pass
         self.broker.conns.discard(self)
@@ -485,6 +535,18 @@ class Conn:
             await asyncio.sleep(0.5)
             now = time.monotonic()
             hb = self.ident.heartbeat_interval_ms / 1000
+            if self._blocked_since is not None:
+                size = self._backlog()
+                if size < self._blocked_size:         # it took some: progress
+                    self._blocked_since = now
+                self._blocked_size = size
+                if hb > 0 and now - self._blocked_since > hb:
+                    # as nsqd's write deadline: a client that took nothing for a heartbeat
+                    # interval is dropped (abort: close would wait for the backlog to go
+                    # out); the reading loop ends and its in-flight messages are requeued
+                    log.info("client %s read nothing for %.0f s: closing", self.remote, now - self._blocked_since)
+                    self.writer.transport.abort()
+                    return
             if hb > 0 and now - self._last_hb >= hb and not self._upgrading:
                 self._last_hb = now
                 self._write(p.response(p.HEARTBEAT))
@@ -547,26 +609,29 @@ class Conn:
         if self.state != INIT:
             raise fatal("E_INVALID", "cannot AUTH in current state")
         if b.auth is None:
-            raise fatal("E_AUTH_DISABLED", "AUTH disabled")
+            raise fatal("E_AUTH_DISABLED", "AUTH Disabled")
         if self.auth is not None:
-            raise fatal("E_INVALID", "AUTH already set")
+            raise fatal("E_INVALID", "AUTH Already set")
         grant = b.auth.lookup(cmd.body)
         if grant is None:
             raise fatal("E_AUTH_FAILED", "AUTH failed")
+        if not grant.rules:
+            raise fatal("E_UNAUTHORIZED", "AUTH No authorizations found")
         self.auth = grant
         body = json.dumps({"identity": grant.identity, "identity_url": "",
                            "permission_count": len(grant.rules)}).encode()
         self._out.put_nowait(p.response(body))
 
-    def _check_auth(self, topic: str, channel: str | None, action: str):
+    def _check_auth(self, topic: str, channel: str | None, action: str, verb: str):
+        """nsqd's CheckAuth: ``verb`` (SUB, PUB, ...) names the command in its errors."""
         b = self.broker
         if b.auth is None:
             return
         if self.auth is None:
-            raise fatal("E_AUTH_FIRST", f"AUTH required before {action}")
+            raise fatal("E_AUTH_FIRST", f"AUTH required before {verb}")
         if not self.auth.allows(topic, channel, action):
-            what = topic if channel is None else f"{topic}/{channel}"
-            raise fatal("E_UNAUTHORIZED", f"AUTH failed for {action} on {what!r}")
+            raise fatal("E_UNAUTHORIZED", f"AUTH failed for {verb} on {p.go_quote(topic.encode())} "
+                                          f"{p.go_quote((channel or '').encode())}")
 
     async def cmd_sub(self, cmd):
         if self.state != INIT:
@@ -577,11 +642,11 @@ class Conn:
             raise fatal("E_INVALID", "SUB insufficient number of parameters")
         topic, channel = cmd.params[0], cmd.params[1]
         if not p.valid_name(topic):
-            raise fatal("E_BAD_TOPIC", f"SUB topic name {topic!r} is not valid")
+            raise fatal("E_BAD_TOPIC", f"SUB topic name {p.go_quote(topic)} is not valid")
         if not p.valid_name(channel):
-            raise fatal("E_BAD_CHANNEL", f"SUB channel name {channel!r} is not valid")
+            raise fatal("E_BAD_CHANNEL", f"SUB channel name {p.go_quote(channel)} is not valid")
         topic, channel = topic.decode(), channel.decode()
-        self._check_auth(topic, channel, "subscribe")
+        self._check_auth(topic, channel, "subscribe", "SUB")
         try:
             ch = await self.broker.channel_for(topic, channel, self.ident)
         except ProtocolError:
@@ -598,7 +663,7 @@ class Conn:
             return
         if self.state != SUBSCRIBED:
             raise fatal("E_INVALID", "cannot RDY in current state")
-        count = p.parse_int(cmd.params[0], "RDY could not parse count", signed=True) if cmd.params else 1
+        count = p.parse_int(cmd.params[0], "RDY could not parse count") if cmd.params else 1
         mx = self.broker.options.limits.max_rdy_count
         if count < 0 or count > mx:
             raise fatal("E_INVALID", f"RDY count {count} out of range 0-{mx}")
@@ -697,7 +762,7 @@ class Conn:
 
     async def cmd_pub(self, cmd):
         topic = cmd.params[0].decode()
-        self._check_auth(topic, None, "publish")
+        self._check_auth(topic, None, "publish", "PUB")
         body = cmd.body
         self._publish(topic, lambda: (self.broker.producer.push(topic, body), 1)[1], "E_PUB_FAILED", "PUB",
                       len(body))
@@ -705,21 +770,21 @@ class Conn:
     async def cmd_dpub(self, cmd):
         topic = cmd.params[0].decode()
         ms = int(cmd.params[1])       # the parser checked its range
-        self._check_auth(topic, None, "publish")
+        self._check_auth(topic, None, "publish", "DPUB")
         body = cmd.body
         self._publish(topic, lambda: (self.broker.producer.push(topic, body, delay=ms / 1000), 1)[1],
                       "E_DPUB_FAILED", "DPUB", len(body))
 
     async def cmd_mpub(self, cmd):
         topic = cmd.params[0].decode()
-        self._check_auth(topic, None, "publish")
+        self._check_auth(topic, None, "publish", "MPUB")
         bodies = cmd.bodies
         self._publish(topic, lambda: len(self.broker.producer.push_many(topic, bodies)), "E_MPUB_FAILED", "MPUB",
                       sum(map(len, bodies)))
 
     async def cmd_pub_ext(self, cmd):
         topic = cmd.params[0].decode()
-        self._check_auth(topic, None, "publish")
+        self._check_auth(topic, None, "publish", "PUB_EXT")
         b = self.broker
         if not await b.is_extend(topic):
             raise nonfatal("E_EXT_NOT_SUPPORT", f"PUB_EXT topic {topic!r} has no extend support")

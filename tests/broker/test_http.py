@@ -11,6 +11,7 @@ import time
 import pytest
 
 import fdq
+from fdq.broker import protocol as p
 from fdqtest import wait_for
 from nsqclient import RawClient
 
@@ -316,7 +317,7 @@ def test_name_with_a_trailing_newline_is_invalid(broker):
     # Python's "$" matches before a final newline: "c\n" passed the broker's check, the
     # topic was created, and the channel's creation then failed as INVALID_TOPIC.
     assert broker.http_req("/channel/create?topic=nl-fresh&channel=c%0A", b"") == \
-        (400, b'{"message": "INVALID_CHANNEL"}')
+        (400, b'{"message": "INVALID_ARG_CHANNEL"}')
     assert broker.http_req("/pub?topic=nl-fresh%0A", b"x") == (400, b'{"message": "INVALID_TOPIC"}')
     assert stats(broker, topic="nl-fresh")["topics"] == []
 
@@ -354,3 +355,64 @@ def test_http_1_0_request_gets_the_connection_closed(broker):
     c.sock.sendall(b"GET /ping HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
     assert c.response() == (200, b"OK")
     c.close()
+
+
+def test_http_error_codes_and_order_as_nsqd(broker):
+    """nsqd's codes where the broker's differed: the /channel/ endpoints check their
+    arguments as GetTopicChannelArgs (INVALID_ARG_TOPIC / INVALID_ARG_CHANNEL, were
+    INVALID_TOPIC / INVALID_CHANNEL); /pub checks its body before its topic, and a /pub
+    body past --max-body-size is MSG_TOO_BIG (was BODY_TOO_BIG); /topic/delete, pause
+    and unpause look a name up without checking it (TOPIC_NOT_FOUND, was INVALID_TOPIC);
+    /stats filters channels within its topic filter only."""
+    for path in ("/channel/create", "/channel/delete", "/channel/empty", "/channel/pause", "/channel/unpause"):
+        assert broker.http_req(f"{path}?topic=bad!&channel=c", b"") == (400, b'{"message": "INVALID_ARG_TOPIC"}')
+        assert broker.http_req(f"{path}?topic=ok&channel=bad!", b"") == (400, b'{"message": "INVALID_ARG_CHANNEL"}')
+        assert broker.http_req(f"{path}?channel=c", b"") == (400, b'{"message": "MISSING_ARG_TOPIC"}')
+    assert broker.http_req("/pub", b"") == (400, b'{"message": "MSG_EMPTY"}')
+    assert broker.http_req("/pub?topic=bad!", b"") == (400, b'{"message": "MSG_EMPTY"}')
+    assert broker.http_req("/pub", b"x" * (1024 * 1024 + 1)) == (413, b'{"message": "MSG_TOO_BIG"}')
+    for path, code in (("/pub", b"MSG_TOO_BIG"), ("/mpub", b"BODY_TOO_BIG")):
+        # answered from the Content-Length, before the body (not sent here)
+        with socket.create_connection(("127.0.0.1", broker.http_port), timeout=30) as s:
+            s.sendall(f"POST {path}?topic=t HTTP/1.1\r\nHost: x\r\nContent-Length: {5 * 1024 * 1024 + 1}\r\n\r\n"
+                      .encode())
+            answer = b""
+            while not answer.endswith(b"}"):
+                chunk = s.recv(4096)
+                assert chunk, answer
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 413 ") and answer.endswith(b'{"message": "' + code + b'"}'), answer
+    for path in ("/topic/delete", "/topic/pause", "/topic/unpause"):
+        assert broker.http_req(f"{path}?topic=bad!", b"") == (404, b'{"message": "TOPIC_NOT_FOUND"}')
+    assert broker.http_req("/topic/create?topic=sf1", b"")[0] == 200
+    assert broker.http_req("/channel/create?topic=sf1&channel=keep", b"")[0] == 200
+    assert broker.http_req("/channel/create?topic=sf1&channel=other", b"")[0] == 200
+    only = stats(broker, topic="sf1", channel="keep")["topics"]
+    assert [c["channel_name"] for c in only[0]["channels"]] == ["keep"]
+    every = stats(broker, channel="keep")["topics"]
+    assert {c["channel_name"] for t in every if t["topic_name"] == "sf1" for c in t["channels"]} == {"keep", "other"}
+
+
+def test_client_states_in_stats_as_nsqd(broker):
+    """nsqd's client states: 0 init (a producer), 3 subscribed, 4 closing (after CLS);
+    the broker showed 1 for anything not subscribed."""
+    pub = RawClient(broker.tcp)
+    pub.identify(client_id="prod")
+    pub.pub("states", b"m")
+    sub = RawClient(broker.tcp)
+    sub.identify(client_id="cons")
+    sub.sub("states", "ch")
+
+    def states():
+        data = stats(broker, topic="states")
+        clients = {c["client_id"]: c["state"] for t in data["topics"] for ch in t["channels"] for c in ch["clients"]}
+        clients.update({c["client_id"]: c["state"] for c in data["producers"]})
+        return clients
+    assert states() == {"prod": 0, "cons": 3}
+    [client] = stats(broker, topic="states")["topics"][0]["channels"][0]["clients"]
+    assert client["auth_identity_url"] == ""           # nsqd's field, missing
+    sub.send(b"CLS\n")
+    sub.expect(p.CLOSE_WAIT)
+    assert states() == {"prod": 0, "cons": 4}
+    text = broker.http_req("/stats?topic=states")[1].decode()
+    assert "state: 4" in text

@@ -204,11 +204,20 @@ def test_output_buffer_negotiation():
 
 
 def test_parse_int_as_nsqd():
+    """nsqd's ByteToBase10 (RDY count, REQ and DPUB timeouts): digits only, no sign,
+    and an empty parameter is 0 (RDY took a sign, and refused an empty one)."""
     assert p.parse_int(b"1500", "x") == 1500
-    for raw in (b"-1", b"+1", b"", b"1x", b" 1"):
+    assert p.parse_int(b"", "x") == 0
+    for raw in (b"-1", b"+1", b"1x", b" 1"):
         with pytest.raises(p.ProtocolError, match="E_INVALID"):
             p.parse_int(raw, "REQ could not parse timeout")
-    assert p.parse_int(b"-1", "RDY could not parse count", signed=True) == -1
+    with pytest.raises(p.ProtocolError, match="E_INVALID RDY could not parse count -1"):
+        p.parse_int(b"-1", "RDY could not parse count")
+
+
+def test_names_in_errors_are_quoted_as_go():
+    assert p.go_quote(b"a*b") == '"a*b"'
+    assert p.go_quote(b'a"b\\c\n\x01') == '"a\\"b\\\\c\\n\\x01"'
 
 
 def test_e2e_quantile_result():

@@ -390,3 +390,65 @@ def test_fuzzed_bytes_never_hurt_the_server(raw, data, magic):
     good = raw()
     good.pub("fuzz-alive", b"ok")           # the server still answers other clients
     good.close()
+
+
+@pytest.mark.parametrize("data,text", [
+    (b"PUB a*b\n", 'E_BAD_TOPIC PUB topic name "a*b" is not valid'),
+    (b"SUB ok b*c\n", 'E_BAD_CHANNEL SUB channel name "b*c" is not valid'),
+    (b"AUTH\n" + struct.pack(">I", 3) + b"abc", "E_AUTH_DISABLED AUTH Disabled"),
+    (b"SUB ok c\nRDY -1\n", "E_INVALID RDY could not parse count -1"),
+    (b"MPUB t\n" + struct.pack(">I", 8) + struct.pack(">I", 1) + struct.pack(">i", -1),
+     "E_BAD_MESSAGE MPUB invalid message(0) body size -1"),
+])
+def test_fatal_error_texts_as_nsqd(raw, data, text):
+    """nsqd's texts: names quoted as Go's %q (were Python's b'...'), its capitals."""
+    c = raw()
+    c.send(data)
+    f = c.frame()
+    if f == (p.FRAME_RESPONSE, p.OK):       # SUB's answer first
+        f = c.frame()
+    assert f == (p.FRAME_ERROR, text.encode())
+    assert c.closed()
+
+
+def test_rdy_with_an_empty_count_is_zero(raw):
+    """nsqd parses an empty RDY count as 0 (ByteToBase10); it was a fatal error."""
+    pub = raw()
+    pub.pub("rdyempty", b"m")
+    c = consumer(raw, "rdyempty")
+    c.send(b"RDY \nRDY 1\n")
+    _ts, _att, mid, body, _ = c.message()
+    assert body == b"m"
+    c.send(b"RDY \n")           # no more in flight than the (zero) RDY allows, still open
+    c.send(b"FIN " + mid + b"\nNOP\n")
+    pub.pub("rdyempty", b"n")
+    with pytest.raises(TimeoutError):
+        c.frame(timeout=1.5)
+    c.send(b"RDY 1\n")
+    assert c.message()[3] == b"n"
+
+
+def test_cls_then_in_flight_messages(raw):
+    """As nsqd: after CLS (answered CLOSE_WAIT) a client gets no more messages, RDY is
+    ignored, and it may still FIN and REQ what it holds; closing then requeues the rest."""
+    pub = raw()
+    pub.send(p.encode_mpub(b"cls", [b"a", b"b", b"c", b"d"]))
+    pub.expect()
+    c = consumer(raw, "cls", rdy=2, msg_timeout=60000)
+    held = {}
+    for _ in range(2):
+        _ts, _att, mid, body, _ = c.message()
+        held[body] = mid
+    c.send(b"CLS\n")
+    c.expect(p.CLOSE_WAIT)
+    c.send(b"RDY 10\n")
+    first, second = sorted(held)
+    c.send(b"FIN " + held[first] + b"\nREQ " + held[second] + b" 0\nNOP\n")
+    with pytest.raises(TimeoutError):           # no error, and no message
+        c.frame(timeout=1.5)
+    c.close()
+    other = consumer(raw, "cls", rdy=10)
+    got = sorted(other.message(timeout=30)[3] for _ in range(3))
+    assert got == sorted({b"a", b"b", b"c", b"d"} - {first})
+    with pytest.raises(TimeoutError):
+        other.frame(timeout=1.5)
