@@ -176,9 +176,12 @@ def test_ephemeral_channel_disappears_with_its_last_client(broker):
         cs.append(c)
     assert channel(broker, "eph", "tmp#ephemeral") is not None
     assert broker.http_req("/pub?topic=eph", b"x")[0] == 200
+    assert len(channel(broker, "eph", "tmp#ephemeral")["clients"]) == 2
     cs[0].close()
-    time.sleep(0.5)
-    assert channel(broker, "eph", "tmp#ephemeral") is not None      # one client left
+    # the broker saw the first client go: the channel stays, one client left
+    wait_for(lambda: len((channel(broker, "eph", "tmp#ephemeral") or {"clients": []})["clients"]) <= 1,
+             what="the first client gone")
+    assert channel(broker, "eph", "tmp#ephemeral") is not None
     cs[1].close()
     wait_for(lambda: channel(broker, "eph", "tmp#ephemeral") is None, what="ephemeral channel deleted")
 
