@@ -28,3 +28,15 @@ def readline_within(proc, timeout: float = 60.0, what: str = "a line"):
         if not sel.select(timeout):
             raise AssertionError(f"timed out after {timeout}s waiting for {what} from pid {proc.pid}")
     return proc.stdout.readline()
+
+
+def kill_all(procs, timeout: float = 30.0):
+    """SIGKILL (and reap) every process of ``procs`` still running: a ``finally`` for
+    tests that start processes, so a failure or a timeout leaves none behind."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            try:
+                p.wait(timeout)
+            except Exception:       # noqa: BLE001 - reaping is best effort; the kill was sent
+                pass

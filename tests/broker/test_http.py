@@ -11,7 +11,7 @@ import time
 import pytest
 
 import fdq
-from fdqtest import wait_for
+from fdqtest import readline_within, wait_for
 from nsqclient import RawClient
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -225,7 +225,7 @@ def test_ephemeral_channel_of_a_broker_killed_while_subscribing_is_not_left_behi
                              "--http-address", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             cwd=_ROOT, env=os.environ.copy(), text=True)
     try:
-        line = proc.stdout.readline()
+        line = readline_within(proc, 60, "the broker's address line")
         assert line.startswith("fdq-broker"), (line, proc.stderr.read()[-2000:] if proc.poll() is not None else "")
         tcp = dict(kv.split("=") for kv in line.split()[1:])["tcp"]
         sup = fdq.Supervisor(fdq.connect(db_url))
