@@ -11,6 +11,7 @@ import pytest
 
 import fdq
 from fdq.keyspace import Keyspace
+from fdq.keyspace.codec import shard_of
 
 from qhelpers import read_json, read_lines, scan, sub_stats, wait_for
 
@@ -41,11 +42,17 @@ def _run(procs, db, mode, url=None, seeds=None):
     wait_for(lambda: _handled(victim) >= 30, 90, what="c0 to handle some messages")
     assert any(p.poll() is None for p in prods), "producers finished before the kill: not mid-run"
     procs.kill9(victim)
+    owned_at_kill = {n for _tag, n in read_json(victim.status)["owned"]}
+    kill_version = db.create_transaction().get_read_version().wait()
     cons.append(procs.start("consumer", "c3", "--mode", mode, *CONSUMER_ARGS, url=u("c3"), wait_ready=True))
     for p in prods:
         procs.wait(p, 180)
     pushed = [json.loads(line) for p in prods for line in read_lines(p.out)]
     assert len(pushed) == PRODUCERS * PER_PRODUCER
+    # Work for the failover: pushes committed after the kill (their id is their commit
+    # version) into shards the victim owned, which only a takeover can deliver.
+    late = [r for r in pushed if int(r["id"][:16], 16) > kill_version and shard_of(r["key"], 8) in owned_at_kill]
+    assert owned_at_kill and late, f"no push after the kill into the victim's shards {owned_at_kill}"
     return pushed, cons, victim
 
 
