@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 
 from fdq.broker import protocol as p
-from fdqtest import wait_for  # noqa: F401 - re-exported to this directory's tests
+from fdqtest import readline_within, wait_for  # noqa: F401 - wait_for re-exported to this directory's tests
 from nsqclient import RawClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -21,9 +21,13 @@ class BrokerProc:
                "--http-address", "127.0.0.1:0", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
                                      env={**os.environ, **(env or {})}, text=True)
-        line = self.proc.stdout.readline()          # bounded: the process prints or dies
+        try:
+            line = readline_within(self.proc, 60, "the broker's address line")
+        except AssertionError:
+            line = ""
         if not line.startswith("fdq-broker"):
             self.proc.kill()
+            self.proc.wait(30)
             raise RuntimeError(f"broker did not start: {line!r} {self.proc.stderr.read()[-3000:]}")
         parts = dict(kv.split("=") for kv in line.split()[1:])
         self.tcp_port = int(parts["tcp"].rsplit(":", 1)[1])

@@ -12,7 +12,7 @@ import pytest
 
 import fdq
 from fdq.broker import protocol as p
-from fdqtest import wait_for
+from fdqtest import readline_within, wait_for
 from nsqclient import RawClient
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -177,9 +177,12 @@ def test_ephemeral_channel_disappears_with_its_last_client(broker):
         cs.append(c)
     assert channel(broker, "eph", "tmp#ephemeral") is not None
     assert broker.http_req("/pub?topic=eph", b"x")[0] == 200
+    assert len(channel(broker, "eph", "tmp#ephemeral")["clients"]) == 2
     cs[0].close()
-    time.sleep(0.5)
-    assert channel(broker, "eph", "tmp#ephemeral") is not None      # one client left
+    # the broker saw the first client go: the channel stays, one client left
+    wait_for(lambda: len((channel(broker, "eph", "tmp#ephemeral") or {"clients": []})["clients"]) <= 1,
+             what="the first client gone")
+    assert channel(broker, "eph", "tmp#ephemeral") is not None
     cs[1].close()
     wait_for(lambda: channel(broker, "eph", "tmp#ephemeral") is None, what="ephemeral channel deleted")
 
@@ -223,7 +226,7 @@ def test_ephemeral_channel_of_a_broker_killed_while_subscribing_is_not_left_behi
                              "--http-address", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             cwd=_ROOT, env=os.environ.copy(), text=True)
     try:
-        line = proc.stdout.readline()
+        line = readline_within(proc, 60, "the broker's address line")
         assert line.startswith("fdq-broker"), (line, proc.stderr.read()[-2000:] if proc.poll() is not None else "")
         tcp = dict(kv.split("=") for kv in line.split()[1:])["tcp"]
         sup = fdq.Supervisor(fdq.connect(db_url))

@@ -10,6 +10,8 @@ import subprocess
 
 import pytest
 
+from fdqtest import kill_all
+
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nsqjs")
 pytestmark = pytest.mark.slow
 
@@ -43,12 +45,15 @@ def test_nsqjs_publish_and_consume(nsqjs, broker):
     procs = [subprocess.Popen([nsqjs, os.path.join(HERE, "client.js"), "sub", "127.0.0.1", str(broker.tcp_port),
                                "js", ch, str(n)], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for ch in ("a", "b")]
-    for proc in procs:
-        out, err = proc.communicate(timeout=200)
-        assert proc.returncode == 0, (out[-2000:], err[-3000:])
-        r = json.loads(out.strip().splitlines()[-1])
-        seen = {int(k): v for k, v in r["seen"].items()}
-        assert r["bad"] == [] and r["finished"] == n
-        assert sorted(seen) == list(range(n))
-        for i, attempts in seen.items():
-            assert attempts == ([1, 2] if i % 10 == 3 else [1]), (i, attempts)
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=200)
+            assert proc.returncode == 0, (out[-2000:], err[-3000:])
+            r = json.loads(out.strip().splitlines()[-1])
+            seen = {int(k): v for k, v in r["seen"].items()}
+            assert r["bad"] == [] and r["finished"] == n
+            assert sorted(seen) == list(range(n))
+            for i, attempts in seen.items():
+                assert attempts == ([1, 2] if i % 10 == 3 else [1]), (i, attempts)
+    finally:
+        kill_all(procs)

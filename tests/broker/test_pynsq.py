@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from fdqtest import kill_all
+
 pytest.importorskip("nsq", reason="pynsq is not installed (pip install -e '.[test]')")
 pytest.importorskip("tornado")
 
@@ -33,19 +35,22 @@ def test_pynsq_publish_and_consume_two_channels(broker):
     assert res["ok"] == n, res
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "pynsq_client.py"), "sub", broker.tcp, "py", ch,
                                str(n)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for ch in ("a", "b")]
-    for proc in procs:
-        out, err = proc.communicate(timeout=200)
-        assert proc.returncode == 0, err[-3000:]
-        r = json.loads(out.strip().splitlines()[-1])
-        seen = {int(k): v for k, v in r["seen"].items()}
-        assert r["bad"] == [] and r["finished"] == n
-        assert sorted(seen) == list(range(n))                 # every body, byte-identical
-        for i, attempts in seen.items():
-            if i % 10 == 3:
-                assert attempts == [1, 2], (i, attempts)      # REQ'd once, redelivered once
-            else:
-                assert attempts == [1], (i, attempts)         # FIN'd (or TOUCHed past msg_timeout) once
-        assert t0 - 1_000_000_000 <= r["ts_min"] <= r["ts_max"] <= t1 + 1_000_000_000
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=200)
+            assert proc.returncode == 0, err[-3000:]
+            r = json.loads(out.strip().splitlines()[-1])
+            seen = {int(k): v for k, v in r["seen"].items()}
+            assert r["bad"] == [] and r["finished"] == n
+            assert sorted(seen) == list(range(n))                 # every body, byte-identical
+            for i, attempts in seen.items():
+                if i % 10 == 3:
+                    assert attempts == [1, 2], (i, attempts)      # REQ'd once, redelivered once
+                else:
+                    assert attempts == [1], (i, attempts)         # FIN'd (or TOUCHed past msg_timeout) once
+            assert t0 - 1_000_000_000 <= r["ts_min"] <= r["ts_max"] <= t1 + 1_000_000_000
+    finally:
+        kill_all(procs)
     st = json.loads(broker.http_req("/stats?format=json&topic=py")[1])
     chans = {c["channel_name"]: c for c in st["topics"][0]["channels"]}
     for ch in ("a", "b"):

@@ -226,8 +226,11 @@ def test_range_split_points_and_estimated_size(eng):
         assert 2000 * 100 <= size <= 2000 * 200
         chunks = [len(list(tr.get_range(lo, hi))) for lo, hi in zip(points, points[1:])]
         assert sum(chunks) == 2000 and len(chunks) >= 8 and max(chunks) <= 250
-    with pytest.raises(Exception):
+    with pytest.raises(Exception) as ei:     # FDB's binding raises its own error type
         tr.get_range_split_points(b, e, 0)
+    assert not isinstance(ei.value, (TypeError, AttributeError, NameError)), ei.value   # not a wrong call
+    if eng.embedded:
+        assert "chunk_size must be positive" in str(ei.value)
 
 
 @pytest.mark.parametrize("reverse", [False, True])

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from enginehelpers import code_of, collect, spawn, wait_ready
+from fdqtest import readline_within
 
 
 def test_key_and_value_limits_are_deferred(eng):
@@ -152,7 +153,7 @@ def test_watches_fire_across_processes(eng):
     assert wait_ready(f, 20)
     # a watch in another process fires on a commit here
     proc = spawn("watch", eng.url, key=k.hex(), timeout=30)
-    assert proc.stdout.readline().strip() == "armed"
+    assert readline_within(proc, 60, "armed").strip() == "armed"
     t0 = time.monotonic()
     tr = eng.db.create_transaction()
     tr[k] = b"from-parent"

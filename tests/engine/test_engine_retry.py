@@ -12,7 +12,7 @@ import pytest
 import fdq
 from fdq.engine import error_types, run_within
 from enginehelpers import code_of
-from fdqtest import wait_for
+from fdqtest import readline_within, wait_for
 
 
 def test_transactional_with_a_database_retries_a_conflict(eng):
@@ -173,7 +173,7 @@ def test_timeout_bounds_a_commit_waiting_for_the_write_lock(eng, tmp_path):
          "c.execute('BEGIN IMMEDIATE'); print('held', flush=True); time.sleep(120)", path],
         stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout.readline().strip() == "held"
+        assert readline_within(holder, 60, "held").strip() == "held"
         tr = eng.db.create_transaction()
         tr.options.set_timeout(300)
         tr[eng.k(b"a")] = b"1"

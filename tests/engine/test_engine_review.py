@@ -6,6 +6,7 @@ import struct
 import time
 
 from enginehelpers import code_of, wait_ready
+from fdqtest import readline_within
 
 
 def _failed_commits(db, code: int, attempts: int, setup):
@@ -223,7 +224,7 @@ def test_timeout_bounds_waiting_for_a_stalled_committer(eng):
     holder = subprocess.Popen([sys.executable, "-c", _HOLD_CLOCK_LOCK, eng.db.path + "-fdqclock"],
                               stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout.readline().strip() == "locked"
+        assert readline_within(holder, 60, "locked").strip() == "locked"
         results = {}
 
         def read():
@@ -363,7 +364,7 @@ def test_a_symlinked_path_shares_the_version_clock_lock(eng, tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", _HOLD_CLOCK_LOCK, eng.db.path + "-fdqclock"],
                               stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout.readline().strip() == "locked"
+        assert readline_within(holder, 60, "locked").strip() == "locked"
         tr = via_link.create_transaction()
         tr.options.set_timeout(300)
         assert code_of(lambda: tr[eng.k(b"a")].wait()) == 1031
@@ -407,7 +408,7 @@ def test_a_process_killed_mid_commit_releases_the_lock_though_a_forked_child_liv
                             stdout=subprocess.PIPE, text=True)
     child = None
     try:
-        child = int(proc.stdout.readline())
+        child = int(readline_within(proc, 60, "the child's pid"))
         proc.kill()
         proc.wait(10)
         tr = eng.db.create_transaction()

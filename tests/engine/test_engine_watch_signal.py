@@ -19,6 +19,7 @@ import fdq
 from fdq.engine import sqlite as engine
 
 from enginehelpers import collect, spawn, wait_ready
+from fdqtest import readline_within
 
 SLOW_POLL_S = 60.0   # a poll this slow cannot be what fired a watch within FIRE_BOUND_S
 FIRE_BOUND_S = 20.0
@@ -339,7 +340,7 @@ def test_a_watch_in_another_process_is_woken_by_this_ones_commit(embedded, monke
     keep = _watch(embedded.db, embedded.k(b"keep")) if watch_here else None
     for i in range(3):
         proc = spawn("watch", embedded.url, key=k.hex(), timeout=FIRE_BOUND_S, fallback_poll_s=SLOW_POLL_S)
-        assert proc.stdout.readline().strip() == "armed"
+        assert readline_within(proc, 60, "armed").strip() == "armed"
         _set(embedded.db, k, b"v%d" % i)
         assert collect(proc) == {"fired": True, "value": (b"v%d" % i).hex()}, i
     assert keep is None or not keep.is_ready()

@@ -135,7 +135,7 @@ def test_batch_over_the_value_limit_is_split(db):
     assert sub_stats(db, "t")["in_flight"] == 0
 
 
-def test_unsettled_batch_expires_together_then_dead_letters(db):
+def test_unsettled_batch_expires_together_then_dead_letters(db, monkeypatch):
     fdq.Supervisor(db).create_topic("t", shards=1)
     fdq.Producer(db).push_many("t", [fdq.Envelope(b"m%d" % i, shard_key=f"k{i}") for i in range(40)])
     calls = []
@@ -145,16 +145,13 @@ def test_unsettled_batch_expires_together_then_dead_letters(db):
         out = real(*a, **kw)
         calls.append(len(out))
         return out
-    delivery.expire_leases = counted
-    try:
-        with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=0.5, max_deliver=2, **FAST)) as c:
-            first = _fetch(c, 40)
-            second = _fetch(c, 40, timeout=30)       # all expired: redelivered
-            assert sorted(m.id for m in second) == sorted(m.id for m in first)
-            assert all(m.attempts == 2 for m in second)
-            wait_for(lambda: sub_stats(db, "t")["dlq"] == 40, 30, what="the second expiry to dead-letter all")
-    finally:
-        delivery.expire_leases = real
+    monkeypatch.setattr(delivery, "expire_leases", counted)    # counts, the real expiry runs
+    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=0.5, max_deliver=2, **FAST)) as c:
+        first = _fetch(c, 40)
+        second = _fetch(c, 40, timeout=30)       # all expired: redelivered
+        assert sorted(m.id for m in second) == sorted(m.id for m in first)
+        assert all(m.attempts == 2 for m in second)
+        wait_for(lambda: sub_stats(db, "t")["dlq"] == 40, 30, what="the second expiry to dead-letter all")
     assert calls[:1] == [40], calls     # one transaction for the whole expired batch
     s = sub_stats(db, "t")
     assert (s["backlog"], s["in_flight"], s["dlq"]) == (0, 0, 40)

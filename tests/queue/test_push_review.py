@@ -12,6 +12,7 @@ from fdq.errors import EngineError, is_maybe_committed
 from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import Record
 
+from fdqtest import kill_all, readline_within
 from qhelpers import scan
 
 
@@ -259,10 +260,13 @@ def test_the_same_msg_ids_pushed_by_concurrent_processes_under_faults_are_stored
                                f"p{s}", str(n)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for s in range(3)]
     outs = []
-    for pr in procs:
-        so, se = pr.communicate(timeout=300)
-        assert pr.returncode == 0, se[-2000:]
-        outs.append(json.loads(so))
+    try:
+        for pr in procs:
+            so, se = pr.communicate(timeout=300)
+            assert pr.returncode == 0, se[-2000:]
+            outs.append(json.loads(so))
+    finally:
+        kill_all(procs)
     ts = Keyspace().topic("t")
     recs = [Record.decode(v) for _k, v in scan(db, ts.log.key())]
     per_id = collections.Counter(r.msg_id for r in recs)
@@ -332,9 +336,12 @@ def test_topics_auto_created_by_racing_processes_have_one_config_and_every_messa
     procs = [subprocess.Popen([sys.executable, "-c", _AUTOCREATE_WORKER, f"{url}?fault_injection=0.2&seed={s}",
                                f"p{s}", str(2 + s)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for s in range(3)]
-    for pr in procs:
-        so, se = pr.communicate(timeout=300)
-        assert pr.returncode == 0 and so.strip() == "done", se[-2000:]
+    try:
+        for pr in procs:
+            so, se = pr.communicate(timeout=300)
+            assert pr.returncode == 0 and so.strip() == "done", se[-2000:]
+    finally:
+        kill_all(procs)
     sup = fdq.Supervisor(db)
     assert sorted(name for name, _c in sup.topics()) == [f"new-{i}" for i in range(5)]
     total = 0
@@ -426,7 +433,7 @@ def test_a_steady_stream_of_tagged_pushes_does_not_conflict_with_shard_assignmen
     stream = subprocess.Popen([sys.executable, "-c", _TAGGED_STREAM, url, "20"], stdout=subprocess.PIPE,
                               text=True)
     try:
-        assert stream.stdout.readline().strip() == "ready"
+        assert readline_within(stream, 60, "ready").strip() == "ready"
         before = sup.stats("t")["counters"]["inserted"]
         from fdqtest import wait_for
         wait_for(lambda: sup.stats("t")["counters"]["inserted"] > before + 50, timeout=20, what="the stream")

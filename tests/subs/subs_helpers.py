@@ -1,5 +1,6 @@
 """Helpers of the subscription tests (module name unique across test directories)."""
 import os
+import selectors
 import signal
 import subprocess
 import sys
@@ -17,11 +18,14 @@ class Workers:
     def __init__(self):
         self.procs = []
 
-    def start(self, url, topic, sub, mode, name):
+    def start(self, url, topic, sub, mode, name, timeout=60.0):
         p = subprocess.Popen([sys.executable, WORKER, url, topic, sub, mode, name],
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.procs.append(p)
-        line = p.stdout.readline()   # bounded: the worker prints "ready" or exits
+        with selectors.DefaultSelector() as sel:    # bounded: a worker stuck before "ready" fails the test
+            sel.register(p.stdout, selectors.EVENT_READ)
+            assert sel.select(timeout), f"worker {name} printed nothing within {timeout} s"
+        line = p.stdout.readline()   # the worker prints "ready" or exits
         assert line.strip() == "ready", f"worker {name} did not start: {line!r}"
         return p
 

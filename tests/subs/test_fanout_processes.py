@@ -33,21 +33,39 @@ def test_two_subscriptions_survive_kill9(db, url, workers, mode):
              for sub in ("billing", "analytics")}
     ids = []
     producer = fdq.Producer(db)
+    killed = threading.Event()
 
     def push():
         for i in range(0, N, 20):
+            if i == N // 2:         # the second half goes out after the kill, whatever the load
+                killed.wait(120)
             ids.extend(r.id for r in producer.push_many(
                 "orders", [fdq.Envelope(f"m{j}".encode(), shard_key=f"c{j % 31}") for j in range(i, i + 20)]))
             time.sleep(0.01)
     t = threading.Thread(target=push)
     t.start()
-    # Kill one consumer of each subscription once both have processed something.
-    wait_for(lambda: len(ids) >= 100 and all(sum(counts(db, s, ids[:100])) > 10 for s in procs),
-             what="both subscriptions consuming")
-    for sub in procs:
-        workers.kill(procs[sub][0])
+    # Kill one consumer of each subscription once both have processed something, while
+    # the victim owns shards and the pushes go on: what lands on its shards after the
+    # kill is processed only if the survivor takes them over.
+    def victims_own_shards():
+        subs = sup.stats("orders")["subscriptions"]
+        return all(c["shards"] for s in procs for c in subs[s]["consumers"] if c["id"] == f"{s}-0")
+    try:
+        wait_for(lambda: len(ids) >= 100 and all(sum(counts(db, s, ids[:100])) > 10 for s in procs)
+                 and victims_own_shards(), what="both subscriptions consuming, the victims owning shards")
+        owned = {s: c["shards"] for s, st in sup.stats("orders")["subscriptions"].items() if s in procs
+                 for c in st["consumers"] if c["id"] == f"{s}-0"}
+        for sub in procs:
+            workers.kill(procs[sub][0])
+    finally:
+        killed.set()        # the pusher goes on (and ends) whatever happened
+    assert all(owned.get(s) for s in procs), f"a victim owned no shard when killed: {owned}"
     t.join(timeout=120)
     assert not t.is_alive() and len(ids) == N and len(set(ids)) == N
+    # The survivor of each subscription took over every shard, the victim's included.
+    for sub in procs:
+        wait_for(lambda: {sh["owner"] for sh in sup.stats("orders")["subscriptions"][sub]["shards"]}
+                 == {f"{sub}-1"}, timeout=60, what=f"{sub}-1 owning every shard")
 
     def complete():
         return all(min(counts(db, s, ids)) >= 1 for s in procs)
