@@ -9,8 +9,9 @@ loop, every engine call in a worker thread, so the loop never blocks on the data
     await t.shutdown()
 
 Delivery is the pull consumer's (``fdq.Consumer``): each round leases a batch in one
-transaction, runs the handlers (never two of one shard at once, so per-key order is
-kept; up to ``max_concurrency`` shards at once), and commits the round's settlements in
+transaction, runs the handlers (never two of one shard number at once, across dispatch
+tags, so a key's handlers never overlap and its order per tag is kept; up to
+``max_concurrency`` shard numbers at once), and commits the round's settlements in
 one transaction. ``msg.ack()``, ``msg.nak(delay)`` and ``msg.term(reason)`` inside a
 handler are recorded and committed with the round (they do not block the loop);
 ``await t.in_progress(msg)`` extends a lease from the loop.
@@ -116,7 +117,9 @@ class AsyncTail:
         for m in msgs:
             if self._acking:
                 m._deferred = pending
-            by_shard.setdefault((m.tag, m.shard), []).append(m)
+            # by shard number, across dispatch tags: a key's tagged and untagged
+            # messages are on shards of one number (``consumer._by_shard_number``)
+            by_shard.setdefault(m.shard, []).append(m)
         try:
             await asyncio.gather(*(self._handle_in_order(ms) for ms in by_shard.values()))
         finally:

@@ -129,8 +129,10 @@ class ConsumerConfig:
     ``backoff_s``: nak delays by attempt (the last repeats); () = redeliver at once.
     ``heartbeat_interval_s`` / ``zombie_timeout_s``: liveness; a consumer whose heartbeat
     counter stays unchanged for the timeout (on the observer's monotonic clock) is a zombie.
-    ``max_concurrency``: handlers running at once, never two of one shard (so never two of
-    one shard key) at once.
+    ``max_concurrency``: handlers running at once in this consumer, never two of one shard
+    number at once (so never two of one shard key, whatever their dispatch tags). Two
+    consumers may run a key's messages at once only when they are of different tags
+    (tag dispatch gives each tag's shards to the consumers wanting it).
     ``poll_interval_s``: the longest a consumer sleeps without a watch firing.
     ``lease_check_interval_s``: how often a consumer checks its shards' leases and
     advances the database clock that delays are due by (``membership.read_clock``): a

@@ -1125,7 +1125,7 @@ class TailConsumer(Consumer):
             while not self._stop.is_set():
                 shards = self._next_shards()
                 if self._pool is not None and len(shards) > 1:
-                    done = sum(self._pool.map(lambda s: self._visit([s]), shards))
+                    done = sum(self._pool.map(self._visit_group, _by_shard_number(shards)))
                 elif self.mode != EXACTLY_ONCE:
                     done = self._visit(shards) if shards else 0    # one transaction for them all
                 else:
@@ -1142,6 +1142,13 @@ class TailConsumer(Consumer):
             self._flush_carried()
             if self._close_in_worker:
                 self._finish_close()
+
+    def _visit_group(self, group) -> int:
+        """Visit shards of one shard number (``_by_shard_number``) in this thread, one
+        after the other: a key's messages of several dispatch tags never run at once."""
+        if self.mode != EXACTLY_ONCE:
+            return self._visit(group)       # one transaction for them all
+        return sum(self._visit([s]) for s in group)
 
     def _has_dirty(self) -> bool:
         with self._owned_lock:
@@ -1327,6 +1334,16 @@ class TailConsumer(Consumer):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         super().close()
+
+
+def _by_shard_number(shards) -> list:
+    """[(shard_id, epoch)] grouped by shard number, across dispatch tags: a shard key
+    maps to the same number in every tag's shards (``shard_of``), so handlers running one
+    group at a time per thread never run two messages of one key at once, tagged or not."""
+    groups = {}
+    for s in shards:
+        groups.setdefault(s[0][1], []).append(s)
+    return list(groups.values())
 
 
 def check_delivery_args(acking, transactional):
