@@ -63,7 +63,8 @@ def _ms_until(deadline: float) -> int:
 @dataclass
 class Message:
     """A delivered message. In at-least-once mode settle it with ``ack()``, ``nak()``,
-    ``term()``; ``in_progress()`` extends its lease. A handler that returns acks it."""
+    ``term()``; ``in_progress()`` extends its lease. A handler that returns acks it.
+    ``attempts``: this delivery's number, 1 for the first, in every mode."""
 
     id: str
     topic: str
@@ -279,10 +280,14 @@ _NO_HEADERS = MappingProxyType({})     # read-only and empty: shared by every me
 
 
 def _to_message(taken: delivery.Taken, topic: str, sub: str, consumer) -> Message:
+    """``attempts`` is this delivery's number in every mode, 1 for the first: a lease
+    counted it in the record (``lease_batch``); a take (at most once, exactly once)
+    leaves the record as queued, which counts failed attempts only."""
     rec = taken.record
     headers = rec.headers
+    attempts = rec.attempts if taken.lease_id is not None else rec.attempts + 1
     return Message(taken.vs.to_bytes().hex(), topic, sub, rec.shard_key, rec.ts_ms,     # message_id()
-                   MappingProxyType(headers) if headers else _NO_HEADERS, taken.body, rec.attempts,
+                   MappingProxyType(headers) if headers else _NO_HEADERS, taken.body, attempts,
                    taken.shard.n, taken.shard.tag, rec.msg_id, rec.replay_of, consumer, taken)
 
 
@@ -539,9 +544,11 @@ class Consumer:
                 if now - self._last_lease_check >= cfg.lease_check_interval_s:
                     self._last_lease_check = now
                     self._tick_clock(now)
-                    self._check_leases(now)
+                    # Rounds in hand first: a check run late (a loaded host) would expire
+                    # the leases a keep is about to touch.
                     for r in list(self._rounds.values()):
                         r.keep(now)
+                    self._check_leases(now)
                 self._stalled_since = None
             except Exception as e:  # keep heartbeating through transient trouble
                 self._report(e)
