@@ -83,6 +83,8 @@ class Message:
     _settled: str | None = field(default=None, repr=False, compare=False)
     _deferred: list | None = field(default=None, repr=False, compare=False)
     _handed: bool = field(default=False, repr=False, compare=False)    # to a handler (``_Round``)
+    _in_tr: bool = field(default=False, repr=False, compare=False)     # exactly-once: ``(tr, message)``
+    _reason: str | None = field(default=None, repr=False, compare=False)
 
     def _settle(self, action, arg=None):
         if self._taken is None or self._taken.lease_id is None:
@@ -111,7 +113,14 @@ class Message:
 
     def term(self, reason: str = "terminated by consumer"):
         """Never redeliver: move it to the subscription's dead-letter queue with ``reason``
-        (cut to 1,000 characters)."""
+        (cut to 1,000 characters). Exactly-once: in the handler's transaction, so the
+        message is dead-lettered if and only if the transaction (with the handler's
+        writes) commits; the handler then returns as usual."""
+        if self._in_tr:
+            if self._settled is not None:
+                raise FDQError(f"message {self.id} is already settled ({self._settled})")
+            self._settled, self._reason = "term", str(reason)
+            return
         self._settle("term", str(reason))
 
     def in_progress(self):
@@ -1283,7 +1292,11 @@ class TailConsumer(Consumer):
                                             sel=self._sel)
                 for t in taken:
                     current = t
-                    self.handler(tr, _to_message(t, self.topic, self.subscription, self))
+                    m = _to_message(t, self.topic, self.subscription, self)
+                    m._in_tr = True
+                    self.handler(tr, m)
+                    if m._settled == "term":
+                        delivery.dead_letter_taken(tr, self._ts, t, f"terminated: {m._reason}", self.id)
                 current = None
                 watch = tr.watch(self._watch_key(shard_id)) if not taken and self._watch_key(shard_id) else None
                 tr.commit().wait()

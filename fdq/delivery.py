@@ -310,6 +310,22 @@ def _dead_letter(tr, ts: TopicSpace, shard: ShardSpace, vs, record_raw: bytes, r
     _add(tr, {shard.stat("done"): 1, shard.stat("dead"): 1, ts.sub_stat(shard.sub, "dead"): 1})
 
 
+def dead_letter_taken(tr, ts: TopicSpace, taken: Taken, reason: str, consumer_id: str):
+    """Exactly-once ``term()``: dead-letter a message ``take_batch`` took in this
+    transaction (and counted acked): its DLQ entry with this delivery counted, its body
+    chunks written back beside it (the take cleared them), acked counted back, dead
+    counted (done stays: a dead letter is done)."""
+    from .keyspace.codec import CHUNK_BYTES
+    shard, rec = taken.shard, Record.decode(taken.raw)
+    rec.attempts += 1
+    for i in range(rec.nchunks):
+        tr[shard.chunks.pack((taken.vs, i))] = taken.body[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES]
+    if len(reason) > MAX_REASON_CHARS:
+        reason = reason[:MAX_REASON_CHARS - 1] + "…"
+    tr[ts.dlq(shard.sub).pack((taken.vs,))] = encode_dead(rec.encode(), reason, consumer_id)
+    _add(tr, {shard.stat("acked"): -1, ts.stat("acked"): -1, shard.stat("dead"): 1, ts.sub_stat(shard.sub, "dead"): 1})
+
+
 def _requeue(tr, ts: TopicSpace, shard: ShardSpace, vs, record_raw: bytes, delay_ms: int):
     """Back to ``shard``'s ready queue (its original key) or, with a delay, its delayed
     area. While the topic is resharding, to the shard the reshard moves it to instead: a
@@ -605,5 +621,5 @@ def dlq_size(reader, ts: TopicSpace, sub: str) -> int:
 
 __all__ = ["Taken", "Selection", "take_batch", "mark_take", "take_committed", "batch_leased", "lease_batch", "settle",
            "scan_leases", "scan_shards_leases", "expire_leases", "read_leases",
-           "promote_due", "fail_in_place", "mark_take", "take_committed", "dlq_list", "dlq_redrive_chunk", "dlq_purge_chunk",
+           "promote_due", "fail_in_place", "dead_letter_taken", "mark_take", "take_committed", "dlq_list", "dlq_redrive_chunk", "dlq_purge_chunk",
            "dlq_size", "fdbtuple"]
