@@ -102,7 +102,7 @@ def test_at_most_once_acks_before_handling(db):
 def test_in_progress_keeps_a_lease_and_push_awaits_its_commit(db):
     fdq.Supervisor(db).create_topic("t", shards=1)
     config = fdq.ConsumerConfig(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05,
-                                lease_check_interval_s=0.05, ack_wait_s=0.5)
+                                lease_check_interval_s=0.05, ack_wait_s=1.0)
     calls = []
 
     async def main():
@@ -114,7 +114,7 @@ def test_in_progress_keeps_a_lease_and_push_awaits_its_commit(db):
         async def handler(m):
             calls.append((m.body, m.attempts))
             if m.body == b"m0":
-                for _ in range(6):                  # 3 × ack_wait, kept alive
+                for _ in range(12):                 # 3 × ack_wait, kept alive
                     await holder["t"].in_progress(m)
                     await asyncio.sleep(0.25)
 
