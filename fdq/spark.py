@@ -157,6 +157,17 @@ def stream_options(options) -> dict:
     return o
 
 
+def load_options(options) -> dict:
+    """The options as ``load()`` can check them: ``DataSource.schema()`` runs there for
+    both ``read`` and ``readStream`` without knowing which, so each value is checked
+    by the rule of the reader that takes it (a bad ``start`` or ``numPartitions`` fails
+    at load, not inside the first action)."""
+    o = _common(options, READ_OPTIONS | STREAM_OPTIONS, "read")
+    for known, check in ((READ_OPTIONS, read_options), (STREAM_OPTIONS, stream_options)):
+        check({k.lower(): v for k, v in options.items() if k.lower() in known})
+    return o
+
+
 def write_options(options) -> dict:
     o = _common(options, WRITE_OPTIONS, "write")
     o["batch_size"] = _int(options, "batchSize", 500)
@@ -654,7 +665,7 @@ class FDQDataSource(DataSource):
 
     def schema(self):
         # Called at load(): check the options and the topic there, where errors are clearest.
-        _open_topic(_common(self.options, READ_OPTIONS | STREAM_OPTIONS, "read"))
+        _open_topic(load_options(self.options))
         return SCHEMA
 
     def reader(self, schema):

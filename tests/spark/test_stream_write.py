@@ -120,6 +120,10 @@ def test_stream_option_errors(spark, tmp_path):
             finally:
                 q.stop()
         assert f"option '{opt}'" in str(ei.value)
+        # readStream...load() checks the values already
+        with pytest.raises(Exception) as ei:
+            spark.readStream.format("fdq").option("url", url).option("topic", "t").option(opt, value).load()
+        assert f"option '{opt}'" in str(ei.value)
 
 
 PAD = b"." * 300   # rows big enough that Spark's 64 KB stream buffers pass them on
