@@ -34,6 +34,11 @@ from pyspark.sql.datasource import (DataSource, DataSourceArrowWriter, DataSourc
                                     DataSourceStreamReader, EqualTo, GreaterThan,
                                     GreaterThanOrEqual, In, InputPartition, LessThan,
                                     LessThanOrEqual, WriterCommitMessage)
+try:   # pyspark 4.3 (Trigger.AvailableNow with read limits)
+    from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
+except ImportError:   # pragma: no cover - older pyspark: Spark reads all in one batch
+    class SupportsTriggerAvailableNow:
+        pass
 from pyspark.sql.types import (BinaryType, IntegerType, MapType, StringType, StructField,
                                StructType, TimestampType)
 
@@ -489,7 +494,7 @@ def _encode_offset(cursors: dict) -> dict:
     return {"positions": {str(b): cursors[b].hex() for b in sorted(cursors) if cursors[b] is not None}}
 
 
-class FDQStreamReader(DataSourceStreamReader):
+class FDQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Streaming reader. An offset is {"positions": {bucket: position}}: the last log
     position read in each bucket (absent: nothing read there yet). A micro-batch reads,
     per bucket, the entries after the start offset's position up to and including the
@@ -499,6 +504,27 @@ class FDQStreamReader(DataSourceStreamReader):
 
     def __init__(self, o: dict):
         self.o = o
+        self.target = None   # Trigger.AvailableNow: {bucket: last position} when it began
+
+    def prepareForTriggerAvailableNow(self):
+        """Trigger.AvailableNow: read what is committed now, in micro-batches of at most
+        ``maxRecordsPerTrigger`` (without this Spark read it all in one batch)."""
+        db, ts, _config = _open_topic(self.o)
+        self.target = log.last_positions(db, ts)
+
+    def _capped(self, cursors: dict, new: dict) -> dict:
+        """``new`` held to ``self.target`` (never behind ``cursors``)."""
+        out = {}
+        for b, vs in new.items():
+            cap = self.target.get(b)
+            if cap is not None and vs > cap:
+                vs = cap
+            cur = cursors.get(b)
+            if cap is None or (cur is not None and cur > vs):
+                vs = cur
+            if vs is not None:
+                out[b] = vs
+        return out
 
     def initialOffset(self):
         db, ts, _config = _open_topic(self.o)
@@ -527,6 +553,8 @@ class FDQStreamReader(DataSourceStreamReader):
             for b, vs in log.last_positions(db, ts).items():
                 if new.get(b) is None or vs > new[b]:
                     new[b] = vs
+        if self.target is not None:
+            new = self._capped(cursors, new)
         return _encode_offset(new)
 
     def partitions(self, start, end):
