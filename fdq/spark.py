@@ -500,7 +500,9 @@ class FDQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     per bucket, the entries after the start offset's position up to and including the
     end offset's. Positions are commit versionstamps, and a later commit always gets a
     larger one, so the entries in such a range never change: no gap, no duplicate, across
-    micro-batches and restarts from a checkpoint."""
+    micro-batches and restarts from a checkpoint. Except by retention: entries a trim
+    deletes before they are read are skipped (the log keeps no trace of them, so this
+    reader cannot tell them from entries never pushed; spark/README.md)."""
 
     def __init__(self, o: dict):
         self.o = o
