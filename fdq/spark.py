@@ -716,7 +716,13 @@ class FDQDataSource(DataSource):
                                    "append-only (use mode 'append')")
         o = write_options(self.options)
         _check_write_schema(schema)
-        _open_topic(o)
+        _db_, _ts, config = _open_topic(o)
+        if o["idempotent"] and not config.dedupe_window_s:
+            # A retried task would push its rows again: refuse rather than break the promise.
+            raise SparkOptionError(f"fdq writer: topic {o['topic']!r} has dedupe_window_s = 0, so an "
+                                   "idempotent write (option 'idempotent', default true) cannot "
+                                   "deduplicate a retried task: give the topic a dedupe window or "
+                                   "set option 'idempotent' to 'false'")
         return FDQWriter(o, schema)
 
 
