@@ -14,7 +14,8 @@ Read options (strings, as Spark passes them): ``url`` and ``topic`` (required), 
 (``arrow``, the default and faster, or ``tuples``). Streaming adds
 ``startingPosition`` (``earliest``, ``latest`` or a time) and ``maxRecordsPerTrigger``.
 Write options: ``url``, ``topic``, ``batchSize`` (messages per push transaction),
-``writeId`` (see :class:`FDQWriter`), ``idempotent``.
+``writeId`` (see :class:`FDQWriter`), ``idempotent`` (refused on a topic with
+``dedupe_window_s = 0``, which cannot deduplicate).
 
 Every partition opens its own connection inside ``read()`` / ``write()``; the reading
 and the decoding of log entries are :mod:`fdq.log`'s, pushes are :class:`fdq.Producer`'s:
