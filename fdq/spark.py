@@ -530,6 +530,14 @@ class FDQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return out
 
     def initialOffset(self):
+        """The starting position, marked ``initial``. Spark keeps no initial offset in
+        the checkpoint: a first micro-batch re-run after a failure gets a new call of
+        this as its start, and with ``latest`` that is later than the first one. So the
+        first end offset carries its start (``origin``), which ``partitions`` reads
+        from instead."""
+        return dict(self._initial_positions(), initial=True)
+
+    def _initial_positions(self) -> dict:
         db, ts, _config = _open_topic(self.o)
         if self.o["starting"] == "earliest":
             return _encode_offset({})
@@ -558,10 +566,17 @@ class FDQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                     new[b] = vs
         if self.target is not None:
             new = self._capped(cursors, new)
-        return _encode_offset(new)
+        out = _encode_offset(new)
+        if start.get("initial"):
+            if out["positions"] == start["positions"]:
+                return start   # nothing new: the same offset (no micro-batch)
+            out["origin"] = start["positions"]   # see initialOffset
+        return out
 
     def partitions(self, start, end):
         db, ts, _config = _open_topic(self.o)
+        if start.get("initial") and "origin" in end:   # see initialOffset
+            start = {"positions": end["origin"]}
         s, e = _decode_offset(start), _decode_offset(end)
         ranges = []
         for b in sorted(e):
