@@ -14,7 +14,8 @@ Read options (strings, as Spark passes them): ``url`` and ``topic`` (required), 
 (``arrow``, the default and faster, or ``tuples``). Streaming adds
 ``startingPosition`` (``earliest``, ``latest`` or a time) and ``maxRecordsPerTrigger``.
 Write options: ``url``, ``topic``, ``batchSize`` (messages per push transaction),
-``writeId`` (see :class:`FDQWriter`), ``idempotent``.
+``writeId`` (see :class:`FDQWriter`), ``idempotent`` (refused on a topic with
+``dedupe_window_s = 0``, which cannot deduplicate).
 
 Every partition opens its own connection inside ``read()`` / ``write()``; the reading
 and the decoding of log entries are :mod:`fdq.log`'s, pushes are :class:`fdq.Producer`'s:
@@ -34,6 +35,11 @@ from pyspark.sql.datasource import (DataSource, DataSourceArrowWriter, DataSourc
                                     DataSourceStreamReader, EqualTo, GreaterThan,
                                     GreaterThanOrEqual, In, InputPartition, LessThan,
                                     LessThanOrEqual, WriterCommitMessage)
+try:   # pyspark 4.3 (Trigger.AvailableNow with read limits)
+    from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
+except ImportError:   # pragma: no cover - older pyspark: Spark reads all in one batch
+    class SupportsTriggerAvailableNow:
+        pass
 from pyspark.sql.types import (BinaryType, IntegerType, MapType, StringType, StructField,
                                StructType, TimestampType)
 
@@ -154,6 +160,17 @@ def stream_options(options) -> dict:
     o["end_ms"] = None
     o["num_partitions"] = _int(options, "numPartitions", 2)
     o["max_records"] = _int(options, "maxRecordsPerTrigger", None)
+    return o
+
+
+def load_options(options) -> dict:
+    """The options as ``load()`` can check them: ``DataSource.schema()`` runs there for
+    both ``read`` and ``readStream`` without knowing which, so each value is checked
+    by the rule of the reader that takes it (a bad ``start`` or ``numPartitions`` fails
+    at load, not inside the first action)."""
+    o = _common(options, READ_OPTIONS | STREAM_OPTIONS, "read")
+    for known, check in ((READ_OPTIONS, read_options), (STREAM_OPTIONS, stream_options)):
+        check({k.lower(): v for k, v in options.items() if k.lower() in known})
     return o
 
 
@@ -478,18 +495,49 @@ def _encode_offset(cursors: dict) -> dict:
     return {"positions": {str(b): cursors[b].hex() for b in sorted(cursors) if cursors[b] is not None}}
 
 
-class FDQStreamReader(DataSourceStreamReader):
+class FDQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Streaming reader. An offset is {"positions": {bucket: position}}: the last log
     position read in each bucket (absent: nothing read there yet). A micro-batch reads,
     per bucket, the entries after the start offset's position up to and including the
     end offset's. Positions are commit versionstamps, and a later commit always gets a
     larger one, so the entries in such a range never change: no gap, no duplicate, across
-    micro-batches and restarts from a checkpoint."""
+    micro-batches and restarts from a checkpoint. Except by retention: entries a trim
+    deletes before they are read are skipped (the log keeps no trace of them, so this
+    reader cannot tell them from entries never pushed; spark/README.md)."""
 
     def __init__(self, o: dict):
         self.o = o
+        self.target = None   # Trigger.AvailableNow: {bucket: last position} when it began
+
+    def prepareForTriggerAvailableNow(self):
+        """Trigger.AvailableNow: read what is committed now, in micro-batches of at most
+        ``maxRecordsPerTrigger`` (without this Spark read it all in one batch)."""
+        db, ts, _config = _open_topic(self.o)
+        self.target = log.last_positions(db, ts)
+
+    def _capped(self, cursors: dict, new: dict) -> dict:
+        """``new`` held to ``self.target`` (never behind ``cursors``)."""
+        out = {}
+        for b, vs in new.items():
+            cap = self.target.get(b)
+            if cap is not None and vs > cap:
+                vs = cap
+            cur = cursors.get(b)
+            if cap is None or (cur is not None and cur > vs):
+                vs = cur
+            if vs is not None:
+                out[b] = vs
+        return out
 
     def initialOffset(self):
+        """The starting position, marked ``initial``. Spark keeps no initial offset in
+        the checkpoint: a first micro-batch re-run after a failure gets a new call of
+        this as its start, and with ``latest`` that is later than the first one. So the
+        first end offset carries its start (``origin``), which ``partitions`` reads
+        from instead."""
+        return dict(self._initial_positions(), initial=True)
+
+    def _initial_positions(self) -> dict:
         db, ts, _config = _open_topic(self.o)
         if self.o["starting"] == "earliest":
             return _encode_offset({})
@@ -516,10 +564,19 @@ class FDQStreamReader(DataSourceStreamReader):
             for b, vs in log.last_positions(db, ts).items():
                 if new.get(b) is None or vs > new[b]:
                     new[b] = vs
-        return _encode_offset(new)
+        if self.target is not None:
+            new = self._capped(cursors, new)
+        out = _encode_offset(new)
+        if start.get("initial"):
+            if out["positions"] == start["positions"]:
+                return start   # nothing new: the same offset (no micro-batch)
+            out["origin"] = start["positions"]   # see initialOffset
+        return out
 
     def partitions(self, start, end):
         db, ts, _config = _open_topic(self.o)
+        if start.get("initial") and "origin" in end:   # see initialOffset
+            start = {"positions": end["origin"]}
         s, e = _decode_offset(start), _decode_offset(end)
         ranges = []
         for b in sorted(e):
@@ -654,7 +711,7 @@ class FDQDataSource(DataSource):
 
     def schema(self):
         # Called at load(): check the options and the topic there, where errors are clearest.
-        _open_topic(_common(self.options, READ_OPTIONS | STREAM_OPTIONS, "read"))
+        _open_topic(load_options(self.options))
         return SCHEMA
 
     def reader(self, schema):
@@ -675,7 +732,13 @@ class FDQDataSource(DataSource):
                                    "append-only (use mode 'append')")
         o = write_options(self.options)
         _check_write_schema(schema)
-        _open_topic(o)
+        _db_, _ts, config = _open_topic(o)
+        if o["idempotent"] and not config.dedupe_window_s:
+            # A retried task would push its rows again: refuse rather than break the promise.
+            raise SparkOptionError(f"fdq writer: topic {o['topic']!r} has dedupe_window_s = 0, so an "
+                                   "idempotent write (option 'idempotent', default true) cannot "
+                                   "deduplicate a retried task: give the topic a dedupe window or "
+                                   "set option 'idempotent' to 'false'")
         return FDQWriter(o, schema)
 
 

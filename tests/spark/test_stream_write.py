@@ -120,6 +120,10 @@ def test_stream_option_errors(spark, tmp_path):
             finally:
                 q.stop()
         assert f"option '{opt}'" in str(ei.value)
+        # readStream...load() checks the values already
+        with pytest.raises(Exception) as ei:
+            spark.readStream.format("fdq").option("url", url).option("topic", "t").option(opt, value).load()
+        assert f"option '{opt}'" in str(ei.value)
 
 
 PAD = b"." * 300   # rows big enough that Spark's 64 KB stream buffers pass them on
@@ -200,6 +204,20 @@ def test_writer_errors(spark, tmp_path):
     with pytest.raises(Exception) as ei:
         ok.write.format("fdq").option("url", url).option("topic", "t").mode("overwrite").save()
     assert "overwrite" in str(ei.value)
+    with pytest.raises(Exception) as ei:
+        spark.createDataFrame([(1,)], "body int").write.format("fdq").option("url", url) \
+            .option("topic", "t").mode("append").save()
+    assert "column 'body' must be binary or string, not int" in str(ei.value)
+    # No dedupe window: a retried task would push its rows twice; refused unless asked for.
+    db = fdq.connect(url)
+    fdq.Supervisor(db).create_topic("nodedupe", dedupe_window_s=0)
+    with pytest.raises(Exception) as ei:
+        ok.write.format("fdq").option("url", url).option("topic", "nodedupe").mode("append").save()
+    assert "dedupe_window_s = 0" in str(ei.value) and "option 'idempotent'" in str(ei.value)
+    assert fdq.Supervisor(db).stats("nodedupe")["counters"]["inserted"] == 0
+    ok.write.format("fdq").option("url", url).option("topic", "nodedupe").option("idempotent", "false") \
+        .mode("append").save()
+    assert fdq.Supervisor(db).stats("nodedupe")["counters"]["inserted"] == 1
 
 
 @pytest.fixture()
