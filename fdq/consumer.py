@@ -481,6 +481,27 @@ class Consumer:
         self._refresh_owned()
         return plan
 
+    def _rejoin(self):
+        """Join again after this consumer's record vanished: declared a zombie, or its
+        subscription deleted (and perhaps created again under its name, with another
+        config). The config is read and applied before joining, so no round runs with
+        an old filter, order or flow control on the shards it gets; a subscription
+        whose ``ack_policy`` is no longer the one this consumer bound to is refused
+        (ConfigError, reported each heartbeat; it joins nothing): its delivery mode was
+        chosen for that policy (a leasing consumer taking messages at most once lost
+        them)."""
+        config = _subs.read_subscription(self.db, self._ts, self.subscription)
+        if config.ack_policy != self.sub_config.ack_policy:
+            raise ConfigError(f"consumer {self.id}: subscription {self.subscription!r} of topic "
+                              f"{self.topic!r} was deleted and created again with ack_policy="
+                              f"{config.ack_policy!r} (this consumer bound to ack_policy="
+                              f"{self.sub_config.ack_policy!r}): not joining it; start a new consumer")
+        if config != self.sub_config:
+            self._apply_subscription(config)
+        _subs.join(self.db, self._ts, self.subscription, self.id, self._record(), self._topic_config,
+                   expect=config)
+        self._refresh_owned()
+
     def _leave(self):
         try:
             run_within(self.db, _GOODBYE_MS, _subs.leave, self._ts, self.subscription, self.id,
@@ -527,7 +548,7 @@ class Consumer:
                             self._refresh_owned()   # owns nothing, reports it once
                             continue
                         log.warning("consumer %s was declared a zombie: joining again", self.id)
-                        self._join()
+                        self._rejoin()
                     self._observe_peers(now)
                     self._topic_config = read_topic_config(self.db, self._ts, snapshot=True)
                     self._help_catch_up(now)

@@ -463,10 +463,14 @@ def _reap_if_empty(tr, ts: TopicSpace, sub: str) -> bool:
 
 
 @transactional
-def join(tr, ts: TopicSpace, sub: str, consumer_id: str, record: dict, topic_config) -> dict:
+def join(tr, ts: TopicSpace, sub: str, consumer_id: str, record: dict, topic_config,
+         expect: SubscriptionConfig | None = None) -> dict:
     """``membership.join``, refused if the subscription is gone (an ephemeral one may be
-    deleted by its last member leaving just now: the topic-config read conflicts)."""
-    read_subscription(tr, ts, sub)
+    deleted by its last member leaving just now: the topic-config read conflicts), or,
+    with ``expect``, if its config is no longer that (ConfigError: read it again)."""
+    config = read_subscription(tr, ts, sub)
+    if expect is not None and config != expect:
+        raise ConfigError(f"subscription {sub!r} of topic {ts.name!r} changed while joining it")
     return membership.join(tr, ts, sub, consumer_id, record, topic_config)
 
 
