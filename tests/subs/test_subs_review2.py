@@ -38,3 +38,25 @@ def test_consumer_does_not_rejoin_a_recreated_subscription_with_another_ack_poli
     lost = pushed - left - set(handled)
     assert not lost, f"{len(lost)} of {len(pushed)} messages lost"
     assert _refused(errors) and not handled
+
+
+def test_assignment_racing_a_deletion_leaves_no_shard_records(db):
+    """A consumer's membership round (``assign_new_tags``, ``assign_shards``) that runs
+    just after its subscription's deletion wrote an owner-less record for every shard
+    (and the assignment counter): state of a deleted subscription left for good."""
+    from fdq import membership
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=4, extend=True)
+    sup.create_subscription("t", "s")
+    fdq.Producer(db).push("t", b"x", headers={"##client_dispatch_tag": "g"})
+    ts = sup.keyspace.topic("t")
+    sup.delete_subscription("t", "s")
+    membership.assign_new_tags(db, ts, "s")
+    membership.assign_shards(db, ts, "s")
+    tr = db.create_transaction()
+    r = ts.shard_records["s"].range()
+    left = list(tr.get_range(r.start, r.stop))
+    counter = tr[ts.assignment_key("s")].wait()
+    tr.cancel()
+    assert not left, f"{len(left)} shard records of the deleted subscription"
+    assert counter == None  # noqa: E711 - FDB's absent Value
