@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import json
 import struct
 import time
 
@@ -444,9 +445,18 @@ def matcher(config: SubscriptionConfig):
             return False
         if headers is not None:
             have = rec.headers or {}
-            return all(k in have and str(have[k]) == v for k, v in headers.items())
+            return all(k in have and header_text(have[k]) == v for k, v in headers.items())
         return True
     return match
+
+
+def header_text(value) -> str:
+    """What a header filter's value is compared with: a string header's own text, any
+    other value's compact JSON text (``true``, ``null``, ``3``, ``1.5``, ``[1,"a"]``,
+    ``{"x":1}``): how ``fdq push --header`` spells the values it parses."""
+    if type(value) is str:
+        return value
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 # -- ephemeral lifecycle ------------------------------------------------------------------
