@@ -1007,6 +1007,11 @@ class Consumer:
         LeaseLost naming the messages whose lease moved on (they will be redelivered)."""
         if not items:
             return
+        for m, action, _arg in items:
+            taken = getattr(m, "_taken", None)
+            if taken is None or taken.lease_id is None:     # as Message._settle (it was a TypeError)
+                raise FDQError(f"message {getattr(m, 'id', m)} is not leased: {action} needs "
+                               "at-least-once delivery")
         rows = _settle_rows(items)
         tr = self.db.create_transaction()
         maybe_lost = []     # lost sets of attempts that may have committed

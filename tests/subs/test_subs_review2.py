@@ -60,3 +60,19 @@ def test_assignment_racing_a_deletion_leaves_no_shard_records(db):
     tr.cancel()
     assert not left, f"{len(left)} shard records of the deleted subscription"
     assert counter == None  # noqa: E711 - FDB's absent Value
+
+
+def test_ack_many_of_unleased_messages_is_a_clear_error(db):
+    """``ack_many`` of messages a subscription with ack_policy='none' delivered (taken, not
+    leased) raised a bare TypeError from the engine; ``Message.ack`` says why."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    sup.create_subscription("t", "n", fdq.SubscriptionConfig(ack_policy="none"))
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"x") for _ in range(3)])
+    c = fdq.Consumer(db, "t", subscription="n", config=fdq.ConsumerConfig(**FAST))
+    try:
+        ms = wait_for(lambda: c.fetch(10, timeout=0.2), timeout=20, what="messages")
+        with pytest.raises(fdq.FDQError, match="is not leased: ack needs at-least-once delivery"):
+            c.ack_many(ms)
+    finally:
+        c.close()
