@@ -462,6 +462,15 @@ class Consumer:
             self._topic_config = read_topic_config(self.db, self._ts)
 
     def _apply_subscription(self, config: SubscriptionConfig):
+        bound = getattr(self, "sub_config", None)
+        if bound is not None and config.ack_policy != bound.ack_policy:
+            # Not updatable: the subscription was deleted and created again under its name.
+            # This consumer's delivery mode was chosen for the policy it bound to (a leasing
+            # consumer taking messages at most once lost them): it neither applies nor joins.
+            raise ConfigError(f"consumer {self.id}: subscription {self.subscription!r} of topic "
+                              f"{self.topic!r} was deleted and created again with ack_policy="
+                              f"{config.ack_policy!r} (this consumer bound to ack_policy="
+                              f"{bound.ack_policy!r}): not joining it; start a new consumer")
         self.sub_config = config
         if not hasattr(self, "_own_config"):
             self._own_config = self.config
@@ -491,13 +500,8 @@ class Consumer:
         chosen for that policy (a leasing consumer taking messages at most once lost
         them)."""
         config = _subs.read_subscription(self.db, self._ts, self.subscription)
-        if config.ack_policy != self.sub_config.ack_policy:
-            raise ConfigError(f"consumer {self.id}: subscription {self.subscription!r} of topic "
-                              f"{self.topic!r} was deleted and created again with ack_policy="
-                              f"{config.ack_policy!r} (this consumer bound to ack_policy="
-                              f"{self.sub_config.ack_policy!r}): not joining it; start a new consumer")
         if config != self.sub_config:
-            self._apply_subscription(config)
+            self._apply_subscription(config)    # raises on another ack_policy
         _subs.join(self.db, self._ts, self.subscription, self.id, self._record(), self._topic_config,
                    expect=config)
         self._refresh_owned()

@@ -10,8 +10,8 @@ def _refused(errors):
     return [e for e in errors if isinstance(e, fdq.ConfigError) and "ack_policy" in str(e)]
 
 
-@pytest.mark.parametrize("new_policy", ["none"])
-def test_consumer_does_not_rejoin_a_recreated_subscription_with_another_ack_policy(db, new_policy):
+@pytest.mark.parametrize("race", [False, True])
+def test_consumer_does_not_rejoin_a_recreated_subscription_with_another_ack_policy(db, race):
     """An at-least-once tail consumer of ``s`` sees ``s`` deleted and created again with
     ack_policy='none'. Rejoining it as it was (leasing in mind, taking in fact) lost the
     messages it took: they were removed from the queue but never handed to the handler.
@@ -24,7 +24,15 @@ def test_consumer_does_not_rejoin_a_recreated_subscription_with_another_ack_poli
                  config=fdq.ConsumerConfig(**FAST), on_error=errors.append)
     try:
         sup.delete_subscription("t", "s")
-        sup.create_subscription("t", "s", fdq.SubscriptionConfig(ack_policy=new_policy))
+        sup.create_subscription("t", "s", fdq.SubscriptionConfig(ack_policy="none"))
+        if race:
+            # The deletion and creation commit between the consumer's heartbeat and its
+            # config check of the same round: the check must not adopt the new policy
+            # (the next heartbeat's rejoin would then find nothing changed).
+            import time
+            with pytest.raises(fdq.ConfigError, match="ack_policy"):
+                c._observe_subscriptions(time.monotonic())
+            assert c.sub_config.ack_policy == "explicit"
         # the consumer noticed: it tried to rejoin (and was refused) or rejoined
         wait_for(lambda: _refused(errors) or sup.stats("t")["subscriptions"]["s"]["consumers"],
                  timeout=20, what="the consumer to rejoin or be refused")
