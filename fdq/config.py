@@ -230,8 +230,9 @@ class SubscriptionConfig:
     ``"last"`` (the last message pushed before, then the new ones), ``"by_start_time"``
     (messages inserted at ``start_time_ms`` or later, epoch ms, producers' clock).
     ``filter_shard_key`` (an ``fnmatch`` glob) / ``filter_headers`` ({name: value}, all
-    must match): only matching messages are delivered; others are dropped (counted as
-    done and ``filtered``) when a consumer reaches them. A message without a shard key
+    must match; a string header matches its own text, any other value its compact JSON
+    text: ``true``, ``null``, ``3``, ``[1,"a"]``): only matching messages are delivered;
+    others are dropped (counted as done and ``filtered``) when a consumer reaches them. A message without a shard key
     never matches a shard-key filter.
     ``ordered``: while a message of shard key K is leased or waits for redelivery, later
     messages of K are held back (other keys flow); see ``fdq.delivery``.

@@ -476,6 +476,15 @@ class Consumer:
             self._topic_config = read_topic_config(self.db, self._ts)
 
     def _apply_subscription(self, config: SubscriptionConfig):
+        bound = getattr(self, "sub_config", None)
+        if bound is not None and config.ack_policy != bound.ack_policy:
+            # Not updatable: the subscription was deleted and created again under its name.
+            # This consumer's delivery mode was chosen for the policy it bound to (a leasing
+            # consumer taking messages at most once lost them): it neither applies nor joins.
+            raise ConfigError(f"consumer {self.id}: subscription {self.subscription!r} of topic "
+                              f"{self.topic!r} was deleted and created again with ack_policy="
+                              f"{config.ack_policy!r} (this consumer bound to ack_policy="
+                              f"{bound.ack_policy!r}): not joining it; start a new consumer")
         self.sub_config = config
         if not hasattr(self, "_own_config"):
             self._own_config = self.config
@@ -494,6 +503,22 @@ class Consumer:
                                  self._topic_config)
         self._refresh_owned()
         return plan
+
+    def _rejoin(self):
+        """Join again after this consumer's record vanished: declared a zombie, or its
+        subscription deleted (and perhaps created again under its name, with another
+        config). The config is read and applied before joining, so no round runs with
+        an old filter, order or flow control on the shards it gets; a subscription
+        whose ``ack_policy`` is no longer the one this consumer bound to is refused
+        (ConfigError, reported each heartbeat; it joins nothing): its delivery mode was
+        chosen for that policy (a leasing consumer taking messages at most once lost
+        them)."""
+        config = _subs.read_subscription(self.db, self._ts, self.subscription)
+        if config != self.sub_config:
+            self._apply_subscription(config)    # raises on another ack_policy
+        _subs.join(self.db, self._ts, self.subscription, self.id, self._record(), self._topic_config,
+                   expect=config)
+        self._refresh_owned()
 
     def _leave(self):
         try:
@@ -541,7 +566,7 @@ class Consumer:
                             self._refresh_owned()   # owns nothing, reports it once
                             continue
                         log.warning("consumer %s was declared a zombie: joining again", self.id)
-                        self._join()
+                        self._rejoin()
                     self._observe_peers(now)
                     self._topic_config = read_topic_config(self.db, self._ts, snapshot=True)
                     self._help_catch_up(now)
@@ -1002,6 +1027,11 @@ class Consumer:
         LeaseLost naming the messages whose lease moved on (they will be redelivered)."""
         if not items:
             return
+        for m, action, _arg in items:
+            taken = getattr(m, "_taken", None)
+            if taken is None or taken.lease_id is None:     # as Message._settle (it was a TypeError)
+                raise FDQError(f"message {getattr(m, 'id', m)} is not leased: {action} needs "
+                               "at-least-once delivery")
         rows = _settle_rows(items)
         tr = self.db.create_transaction()
         maybe_lost = []     # lost sets of attempts that may have committed

@@ -153,6 +153,8 @@ def assign_shards(tr, ts: TopicSpace, sub: str, config=None) -> dict:
     conflicts), not ``config``: a consumer's cached copy may predate a reshard, and a
     plan for the old count left the new shards without an owner for good."""
     config = read_topic_config(tr, ts)
+    if sub not in config.subs:
+        return {}   # deleted (a consumer's round racing the deletion): no record left behind
     orphans = []
     members = read_members(tr, ts, sub, snapshot=False, orphans=orphans)
     for key in orphans:

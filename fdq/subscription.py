@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import json
 import struct
 import time
 
@@ -444,9 +445,18 @@ def matcher(config: SubscriptionConfig):
             return False
         if headers is not None:
             have = rec.headers or {}
-            return all(k in have and str(have[k]) == v for k, v in headers.items())
+            return all(k in have and header_text(have[k]) == v for k, v in headers.items())
         return True
     return match
+
+
+def header_text(value) -> str:
+    """What a header filter's value is compared with: a string header's own text, any
+    other value's compact JSON text (``true``, ``null``, ``3``, ``1.5``, ``[1,"a"]``,
+    ``{"x":1}``): how ``fdq push --header`` spells the values it parses."""
+    if type(value) is str:
+        return value
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 # -- ephemeral lifecycle ------------------------------------------------------------------
@@ -463,10 +473,14 @@ def _reap_if_empty(tr, ts: TopicSpace, sub: str) -> bool:
 
 
 @transactional
-def join(tr, ts: TopicSpace, sub: str, consumer_id: str, record: dict, topic_config) -> dict:
+def join(tr, ts: TopicSpace, sub: str, consumer_id: str, record: dict, topic_config,
+         expect: SubscriptionConfig | None = None) -> dict:
     """``membership.join``, refused if the subscription is gone (an ephemeral one may be
-    deleted by its last member leaving just now: the topic-config read conflicts)."""
-    read_subscription(tr, ts, sub)
+    deleted by its last member leaving just now: the topic-config read conflicts), or,
+    with ``expect``, if its config is no longer that (ConfigError: read it again)."""
+    config = read_subscription(tr, ts, sub)
+    if expect is not None and config != expect:
+        raise ConfigError(f"subscription {sub!r} of topic {ts.name!r} changed while joining it")
     return membership.join(tr, ts, sub, consumer_id, record, topic_config)
 
 

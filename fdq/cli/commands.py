@@ -879,7 +879,8 @@ SUBSCRIPTION_OPTIONS = {
     "filter_headers": click.option(
         "--filter-header", "filter_headers", type=FilterHeader(), multiple=True,
         callback=filter_headers_callback,
-        help="Deliver only messages with header name=value (all must match). Repeatable."),
+        help="Deliver only messages with header name=value (all must match; a non-string "
+             "header matches its JSON text, e.g. flag=true). Repeatable."),
     "ordered": click.option(
         "--ordered", is_flag=True, help="Hold back later messages of a shard key while one is leased."),
     "ephemeral": click.option(

@@ -229,7 +229,8 @@ def headers_callback(ctx, param, pairs):
 
 class FilterHeader(click.ParamType):
     """``name=value`` of a subscription's header filter: the value is a string, matched
-    against ``str()`` of the message's header value."""
+    against a string header's text or another value's compact JSON text (as ``--header``
+    parses it: ``flag=true`` matches a header pushed with ``--header flag=true``)."""
 
     name = "name=value"
 
