@@ -77,13 +77,7 @@ def main():
             if time.monotonic() > deadline:
                 break
         print(f"load average {os.getloadavg()[0]:.2f}; {a.size}-byte PUBs, one at a time")
-        base = statistics.median(lat[counts[0]])
-        for n in counts:
-            r = sorted(lat[n])
-            p50 = statistics.median(r)
-            print(f"{n:>5} channels: p50 {p50 * 1e3:6.2f} ms ({p50 / base:4.1f}x)"
-                  f"  p90 {r[int(len(r) * .9)] * 1e3:6.2f} ms"
-                  f"  broker CPU {cpu[n] / len(r) * 1e3:5.2f} ms/PUB")
+        report(counts, lat, cpu, "channels", "broker CPU", "PUB")
     finally:
         proc.terminate()
         proc.wait(30)
@@ -109,13 +103,18 @@ def inprocess(counts, rounds, per_round, body):
                 lat[n].append(time.perf_counter() - t0)
             cpu[n] += time.process_time() - c0
     print("in process (Producer.push, the reference):")
+    report(counts, lat, cpu, "subscriptions", "CPU", "push")
+
+
+def report(counts, lat, cpu, what, cpu_name, per):
+    """One line per count: p50 (and its ratio to the first count's), p90, CPU per call."""
     base = statistics.median(lat[counts[0]])
     for n in counts:
         r = sorted(lat[n])
         p50 = statistics.median(r)
-        print(f"{n:>5} subscriptions: p50 {p50 * 1e3:6.2f} ms ({p50 / base:4.1f}x)"
+        print(f"{n:>5} {what}: p50 {p50 * 1e3:6.2f} ms ({p50 / base:4.1f}x)"
               f"  p90 {r[int(len(r) * .9)] * 1e3:6.2f} ms"
-              f"  CPU {cpu[n] / len(r) * 1e3:5.2f} ms/push")
+              f"  {cpu_name} {cpu[n] / len(r) * 1e3:5.2f} ms/{per}")
 
 
 if __name__ == "__main__":

@@ -241,12 +241,13 @@ class HTTPServer:
             raise HTTPError(405, "METHOD_NOT_ALLOWED")
 
     @staticmethod
-    def _topic(req) -> str:
+    def _topic(req, invalid=(400, "INVALID_TOPIC")) -> str:
+        """The ``topic`` argument; a name that is not valid is ``invalid`` (status, code)."""
         topic = req.arg("topic")
         if topic is None:
             raise HTTPError(400, "MISSING_ARG_TOPIC")
         if not p.valid_name(topic.encode()):
-            raise HTTPError(400, "INVALID_TOPIC")
+            raise HTTPError(*invalid)
         return topic
 
     @staticmethod
@@ -265,16 +266,11 @@ class HTTPServer:
             raise HTTPError(400, "INVALID_ARG_CHANNEL")
         return topic, ch
 
-    @staticmethod
-    def _any_topic(req) -> str:
+    @classmethod
+    def _any_topic(cls, req) -> str:
         """The topic of /topic/delete, /topic/pause, /topic/unpause: nsqd checks only that
         it is given (a name that cannot exist is TOPIC_NOT_FOUND)."""
-        topic = req.arg("topic")
-        if topic is None:
-            raise HTTPError(400, "MISSING_ARG_TOPIC")
-        if not p.valid_name(topic.encode()):
-            raise HTTPError(404, "TOPIC_NOT_FOUND")
-        return topic
+        return cls._topic(req, invalid=(404, "TOPIC_NOT_FOUND"))
 
     async def _existing(self, topic):
         try:

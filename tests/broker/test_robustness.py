@@ -25,20 +25,27 @@ def channel_stats(broker, topic, channel):
     return None
 
 
+def frozen_subscriber(raw, topic: str, mpubs: int, **identify):
+    """``mpubs`` MPUBs of 40 messages to ``topic``, then a client with a small receive
+    buffer subscribed to its channel "ch" with RDY 50, which the caller never reads."""
+    pub = raw()
+    for _ in range(mpubs):
+        pub.send(p.encode_mpub(topic.encode(), [BODY] * 40))
+        pub.expect()
+    c = raw()
+    c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    c.identify(**identify)
+    c.send(b"SUB %s ch\nRDY 50\n" % topic.encode())
+    return c
+
+
 def test_a_client_that_stops_reading_is_dropped_and_its_messages_go_elsewhere(raw, broker):
     """A subscriber that reads nothing but keeps sending NOPs: its messages time out and
     were delivered to it again and again, each time into the broker's memory (it grew
     ~8 MB/s here). Now it gets nothing more past a bound of unread bytes, and is closed
     once it has read nothing for a heartbeat interval (nsqd's write deadline); its
     messages go to a healthy consumer."""
-    pub = raw()
-    for _ in range(4):
-        pub.send(p.encode_mpub(b"stuck", [BODY] * 40))
-        pub.expect()
-    stuck = raw()
-    stuck.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    stuck.identify(msg_timeout=1000, heartbeat_interval=3000)
-    stuck.send(b"SUB stuck ch\nRDY 50\n")         # and never reads again
+    stuck = frozen_subscriber(raw, "stuck", 4, msg_timeout=1000, heartbeat_interval=3000)
     deadline = time.monotonic() + 30
     dropped = False
     while time.monotonic() < deadline:
@@ -73,14 +80,7 @@ def test_a_closed_connection_whose_client_reads_nothing_is_not_held_open(raw, br
     nothing, as a frozen process: asyncio's close waits for the unsent output to go out,
     so the socket and its buffer were held until the client read, for ever. Now they are
     dropped after a few seconds."""
-    pub = raw()
-    for _ in range(2):
-        pub.send(p.encode_mpub(b"frozen", [BODY] * 40))
-        pub.expect()
-    c = raw()
-    c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    c.identify(msg_timeout=60000, heartbeat_interval=60000)
-    c.send(b"SUB frozen ch\nRDY 50\n")
+    c = frozen_subscriber(raw, "frozen", 2, msg_timeout=60000, heartbeat_interval=60000)
     # (a fetch of up to 50 goes out in one write: several MB, most of it unsent)
     wait_for(lambda: (channel_stats(broker, "frozen", "ch") or {}).get("in_flight_count", 0) >= 10, 30,
              "messages sent to it")

@@ -127,3 +127,18 @@ def scan(db, prefix: bytes) -> list:
 
 def sub_stats(db, topic: str) -> dict:
     return fdq.Supervisor(db).stats(topic)["subscriptions"]["default"]
+
+
+def threads_in(*names) -> list:
+    """Idents of the threads whose stack has a frame of each function in ``names`` (a
+    name, or a tuple of names any one of which will do)."""
+    import sys
+    out = []
+    for ident, frame in sys._current_frames().items():
+        seen = set()
+        while frame is not None:
+            seen.add(frame.f_code.co_name)
+            frame = frame.f_back
+        if all(n in seen if isinstance(n, str) else seen & set(n) for n in names):
+            out.append(ident)
+    return out

@@ -10,7 +10,7 @@ import pytest
 import fdq
 import fdq.aio
 
-from qhelpers import sub_stats
+from qhelpers import sub_stats, threads_in
 
 FAST = fdq.ConsumerConfig(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05,
                           lease_check_interval_s=0.05, max_concurrency=4)
@@ -155,20 +155,6 @@ QUIET = fdq.ConsumerConfig(heartbeat_interval_s=60, lease_check_interval_s=60, a
                            poll_interval_s=0.2)
 
 
-def _threads_in(*names) -> list:
-    """Idents of the threads whose stack has a frame of each function in ``names``."""
-    import sys
-    out = []
-    for ident, frame in sys._current_frames().items():
-        seen = set()
-        while frame is not None:
-            seen.add(frame.f_code.co_name)
-            frame = frame.f_back
-        if all(n in seen if isinstance(n, str) else seen & set(n) for n in names):
-            out.append(ident)
-    return out
-
-
 def test_shutdown_ends_a_waiting_fetch_at_once(db):
     """A fetch waiting for messages (up to ``poll_interval_s``, here 30 s) ends when
     shutdown begins: shutdown does not wait out the poll."""
@@ -180,7 +166,7 @@ def test_shutdown_ends_a_waiting_fetch_at_once(db):
     async def main():
         config = fdq.ConsumerConfig(heartbeat_interval_s=0.2, poll_interval_s=30)
         t = await fdq.aio.tail(db, "t", handler, config=config)
-        await _until(lambda: _threads_in("fetch", "_idle"), 30, "the tail's fetch waiting in its worker thread")
+        await _until(lambda: threads_in("fetch", "_idle"), 30, "the tail's fetch waiting in its worker thread")
         began = time.monotonic()
         await asyncio.wait_for(t.shutdown(), 60)
         return time.monotonic() - began
@@ -217,11 +203,11 @@ def test_shutdown_after_a_cancel_returns_the_leases_of_the_fetch_under_way(db, d
         try:
             lock.execute("BEGIN IMMEDIATE")
             release.set()               # the round ends; the next fetch blocks at its commit
-            await _until(lambda: _threads_in("fetch", "begin_immediate"), 30,
+            await _until(lambda: threads_in("fetch", "begin_immediate"), 30,
                          "the next fetch held at its commit")
             t._task.cancel()            # the loop gives up on that fetch; its thread goes on
             shutdown = asyncio.ensure_future(t.shutdown())
-            await _until(lambda: _threads_in("close", ("begin_immediate", "_await_fetches")), 30,
+            await _until(lambda: threads_in("close", ("begin_immediate", "_await_fetches")), 30,
                          "close under way while the fetch is")
         finally:
             lock.execute("ROLLBACK")

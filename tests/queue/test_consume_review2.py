@@ -9,7 +9,7 @@ import pytest
 
 import fdq
 
-from qhelpers import sub_stats, wait_for
+from qhelpers import sub_stats, threads_in, wait_for
 
 FAST = dict(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05, lease_check_interval_s=0.05)
 
@@ -105,20 +105,6 @@ def test_aio_round_longer_than_the_ack_wait_is_not_redelivered(db, shards):
     assert (s["backlog"], s["in_flight"], s["acked"], s["dlq"]) == (0, 0, 4, 0)
 
 
-def _threads_in(*names) -> list:
-    """Idents of the threads whose stack has a frame of each function in ``names``."""
-    import sys
-    out = []
-    for ident, frame in sys._current_frames().items():
-        seen = set()
-        while frame is not None:
-            seen.add(frame.f_code.co_name)
-            frame = frame.f_back
-        if all(n in seen for n in names):
-            out.append(ident)
-    return out
-
-
 def test_no_handler_runs_on_a_batch_leased_after_shutdown_began(db, db_path):
     """``shutdown()`` from another thread while the worker is committing a lease: the
     batch it leases is given back (uncounted), not handed to the handler after
@@ -143,7 +129,7 @@ def test_no_handler_runs_on_a_batch_leased_after_shutdown_began(db, db_path):
     try:
         lock.execute("BEGIN IMMEDIATE")
         release.set()                   # the round ends; the next lease blocks at its commit
-        wait_for(lambda: _threads_in("_lease_many", "begin_immediate"), 30, what="the next lease held at its commit")
+        wait_for(lambda: threads_in("_lease_many", "begin_immediate"), 30, what="the next lease held at its commit")
         stopper = threading.Thread(target=c.shutdown)
         stopper.start()
         wait_for(c._stop.is_set, 30, what="the shutdown under way")
