@@ -85,9 +85,9 @@ class TopicConfig:
     log_bytes_counted: bool = False    # the log_bytes counter covers the whole log (set at creation)
 
     def __post_init__(self):
-        _positive("shards", self.shards, integer=True)
-        if self.shards > 4096:
+        if isinstance(self.shards, int) and self.shards > 4096:    # before _positive's int64 bound
             raise ConfigError(f"shards must be at most 4096, not {self.shards}")
+        _positive("shards", self.shards, integer=True)
         if self.hash != "blake2b-64":
             raise ConfigError(f"unknown shard hash {self.hash!r} (known: blake2b-64)")
         _positive("max_backlog", self.max_backlog, allow_none=True, integer=True)

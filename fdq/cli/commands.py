@@ -736,8 +736,8 @@ def trim(state, topic, before, as_json):
     messages are untouched."""
     sup = state.supervisor
     config = sup.config(topic)
-    if before is None and config.retention_s is None:
-        render.note(f"topic {topic!r} has no retention_s: give --before to trim its log")
+    if before is None and config.retention_s is None and config.retention_bytes is None:
+        render.note(f"topic {topic!r} has no retention: give --before to trim its log")
     _resumable(state, f"trim of {topic!r}")
     with render.progress(f"trimming {topic}") as advance:
         n = sup.trim(topic, before_ms=as_datetime(before), progress=advance)

@@ -162,7 +162,7 @@ def test_trim(run, db, sup):
     assert run.json("replay", "orders", "--start", 0)["replayed"] == 0
     assert sup.stats("orders")["subscriptions"]["default"]["backlog"] == 3
     run("topics", "create", "noret")
-    assert "no retention_s" in run("trim", "noret").stderr
+    assert "has no retention: give --before" in run("trim", "noret").stderr
 
 
 def test_dlq(run, db, sup):
