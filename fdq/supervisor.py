@@ -12,7 +12,7 @@ import os
 import time
 
 from . import delivery, logcount, membership
-from .config import ConsumerConfig, TopicConfig, check_name
+from .config import UPDATABLE_TOPIC_FIELDS, ConsumerConfig, TopicConfig, check_name
 from .engine import transactional
 from .errors import ConfigError, TopicExists, TopicHeld, TopicNotFound
 from .headers import dispatch_tag
@@ -518,6 +518,17 @@ class Supervisor:
         already stored stay readable (a plain record is an extend record without
         headers). Consumers must then connect with ``extend_support=True``."""
         return update_topic_config(self.db, self._ts(name), extend=True)
+
+    def update_topic(self, name: str, **changes) -> TopicConfig:
+        """Change a topic's retention and limits (``fdq.config.UPDATABLE_TOPIC_FIELDS``;
+        None clears an optional one), e.g. of a topic a push created with the defaults:
+        pushes read them from their next transaction on, ``trim`` at its next run.
+        Returns the new config."""
+        fixed = sorted(set(changes) - set(UPDATABLE_TOPIC_FIELDS))
+        if fixed:
+            raise ConfigError(f"topic option(s) {', '.join(fixed)} cannot be updated "
+                              f"(updatable: {', '.join(UPDATABLE_TOPIC_FIELDS)})")
+        return update_topic_config(self.db, self._ts(name), **changes)
 
     def pause(self, name: str) -> TopicConfig:
         """Stop routing and consumption: pushes still land in the "all" log."""

@@ -23,6 +23,7 @@ import click
 
 from ..broker import __main__ as broker_main
 from ..config import (ACK_POLICIES, DELIVER_POLICIES, DEFAULT_SUBSCRIPTION, UPDATABLE_SUBSCRIPTION_FIELDS,
+                      UPDATABLE_TOPIC_FIELDS,
                       SubscriptionConfig, TopicConfig)
 from ..consumer import Consumer
 from ..engine import connect
@@ -32,7 +33,7 @@ from ..producer import Envelope, Producer
 from ..supervisor import Supervisor
 from ..times import as_datetime, iso_ms
 from . import render, rows
-from .params import (SUBSCRIPTION, TOPIC, Address, Duration, FilterHeader, Header, Seconds, SecondsList,
+from .params import (CLEARED, SUBSCRIPTION, TOPIC, Address, OrNone, Duration, FilterHeader, Header, Seconds, SecondsList,
                      Shards, Tag, Time, TimeOrNow, envelope_callback, filter_headers_callback,
                      headers_callback, subscription_config_callback, topic_config_callback)
 
@@ -188,7 +189,7 @@ TOPIC_COLUMNS = [
 @pass_state
 @click.pass_context
 def topics(ctx, state, as_json):
-    """List topics (or create, delete, upgrade one).
+    """List topics (or create, update, delete, upgrade one).
 
     Columns: shards, extend support, paused, subscriptions, messages inserted,
     backlog (routed, not yet done, summed over subscriptions), pending (pushed
@@ -222,20 +223,62 @@ def _show_topic(state, name, as_json):
               help="Refuse pushes beyond this backlog per subscription.")
 @click.option("--retention-s", type=Seconds(), default=None, metavar="S", callback=topic_config_callback,
               help="Keep the \"all\" log this many seconds (applied by fdq trim).")
+@click.option("--retention-bytes", type=int, default=None, metavar="N", callback=topic_config_callback,
+              help="Keep at most this many bytes of the \"all\" log, the newest (applied by fdq trim).")
+@click.option("--dedupe-window-s", type=Seconds(), default=None, metavar="S", callback=topic_config_callback,
+              help=f"Remember msg-ids this long [default: {TopicConfig().dedupe_window_s:g}].")
 @json_option
 @pass_state
-def topics_create(state, name, shards, extend, max_backlog, retention_s, as_json):
-    """Create topic NAME (nothing changes if it already exists)."""
+def topics_create(state, name, shards, extend, max_backlog, retention_s, retention_bytes, dedupe_window_s,
+                  as_json):
+    """Create topic NAME (nothing changes if it already exists).
+
+    Change its retention and limits later with fdq topics update."""
     sup = state.supervisor
     existed = any(n == name for n, _c in sup.topics())
-    config = sup.create_topic(name, shards=shards, extend=extend, max_backlog=max_backlog,
-                              retention_s=retention_s)
+    options = {"max_backlog": max_backlog, "retention_s": retention_s, "retention_bytes": retention_bytes,
+               "dedupe_window_s": dedupe_window_s}
+    config = sup.create_topic(name, shards=shards, extend=extend,
+                              **{k: v for k, v in options.items() if v is not None})
     if existed:
         render.note(f"topic {name!r} already exists ({config.shards} shards, "
                     f"extend {'on' if config.extend else 'off'}): unchanged")
     else:
         render.note(f"created topic {name!r}: {config.shards} shards, extend {'on' if config.extend else 'off'}")
     _show_topic(state, name, as_json)
+
+
+def _settings_row(name: str, config: TopicConfig) -> dict:
+    return {"topic": name, **{k: getattr(config, k) for k in UPDATABLE_TOPIC_FIELDS}}
+
+
+@topics.command("update")
+@click.argument("name", type=TOPIC)
+@click.option("--max-backlog", type=OrNone(click.INT), default=None, metavar="N|none",
+              callback=topic_config_callback, help="Refuse pushes beyond this backlog per subscription.")
+@click.option("--dedupe-window-s", type=Seconds(), default=None, metavar="S", callback=topic_config_callback,
+              help="Remember msg-ids this long.")
+@click.option("--retention-s", type=OrNone(Seconds()), default=None, metavar="S|none",
+              callback=topic_config_callback, help="Keep the \"all\" log this many seconds.")
+@click.option("--retention-bytes", type=OrNone(click.INT), default=None, metavar="N|none",
+              callback=topic_config_callback, help="Keep at most this many bytes of the \"all\" log.")
+@click.option("--max-message-bytes", type=int, default=None, metavar="N", callback=topic_config_callback,
+              help="The largest body a push accepts.")
+@json_option
+@pass_state
+def topics_update(state, name, as_json, **changes):
+    """Change topic NAME's retention and limits (none clears one).
+
+    E.g. for a topic a push created with the defaults: pushes apply the limits
+    from then on, fdq trim the retention at its next run."""
+    changes = {k: (None if v is CLEARED else v) for k, v in changes.items() if v is not None}
+    if not changes:
+        raise click.UsageError("nothing to update: give one of "
+                               + ", ".join("--" + k.replace("_", "-") for k in UPDATABLE_TOPIC_FIELDS))
+    config = state.supervisor.update_topic(name, **changes)
+    render.note(f"updated topic {name!r}: " + ", ".join(f"{k}={getattr(config, k)!r}" for k in changes))
+    if as_json:
+        render.emit_json(_settings_row(name, config))
 
 
 @topics.command("delete")

@@ -2,6 +2,8 @@
 they are (a killed one is not "live")."""
 from __future__ import annotations
 
+import pytest
+
 import fdq
 
 
@@ -13,3 +15,51 @@ def test_trim_of_a_topic_with_retention_bytes_only_does_not_say_it_has_no_retent
     assert '"deleted": 3' in r.stdout
     sup.create_topic("unlimited")
     assert "has no retention: give --before" in run("trim", "unlimited").stderr
+
+
+def test_a_topic_a_push_created_gets_retention_by_topics_update(run, db, sup):
+    """``fdq push`` creates a missing topic with the defaults (no retention): an operator
+    must be able to give it retention afterwards, or its log grows for good."""
+    run("push", "auto", "-", input="".join(f"m{i}\n" for i in range(20)))
+    assert run.json("trim", "auto")["deleted"] == 0           # no retention: nothing to trim
+    row = run.json("topics", "update", "auto", "--retention-bytes", 1, "--max-backlog", 1000)
+    assert row == {"topic": "auto", "max_backlog": 1000, "dedupe_window_s": 120.0, "retention_s": None,
+                   "retention_bytes": 1, "max_message_bytes": 1 << 20}
+    assert sup.config("auto").retention_bytes == 1
+    assert run.json("trim", "auto")["deleted"] == 20
+    assert sup.stats("auto")["counters"]["log_bytes"] == 0
+    # none clears an optional setting; the rest stays as it was
+    run("topics", "update", "auto", "--retention-bytes", "none", "--retention-s", 3600)
+    config = sup.config("auto")
+    assert (config.retention_bytes, config.retention_s, config.max_backlog) == (None, 3600.0, 1000)
+
+
+def test_topics_create_takes_retention_bytes_and_dedupe_window(run, sup):
+    run("topics", "create", "sized", "--retention-bytes", 5000, "--dedupe-window-s", 10)
+    config = sup.config("sized")
+    assert (config.retention_bytes, config.dedupe_window_s) == (5000, 10.0)
+
+
+def test_topics_update_bad_values_exit_2_and_unknown_topic_exit_1(run, sup, state):
+    run("topics", "create", "orders")
+    before = state()
+    for argv, text in [(["--retention-bytes", 0], "retention_bytes must be an integer > 0, not 0"),
+                       (["--retention-s", "-1"], "seconds must be a finite number >= 0"),
+                       (["--max-backlog", "lots"], "'lots' is not a valid integer"),
+                       (["--max-message-bytes", 9 << 20], "max_message_bytes must be at most 8 MiB"),
+                       (["--dedupe-window-s", "none"], "'none' is not a number of seconds"),
+                       ([], "nothing to update")]:
+        r = run("topics", "update", "orders", *argv, code=2)
+        assert text in r.stderr, r.stderr
+    r = run("topics", "update", "nosuch", "--retention-s", 60, code=1)
+    assert r.stderr == "fdq: error: topic 'nosuch' does not exist\n"
+    assert state() == before
+
+
+def test_update_topic_refuses_what_it_cannot_change(sup):
+    sup.create_topic("t", shards=4)
+    with pytest.raises(fdq.ConfigError, match=r"topic option\(s\) extend, shards cannot be updated"):
+        sup.update_topic("t", shards=8, extend=True)
+    with pytest.raises(fdq.ConfigError, match="retention_s must be a number > 0"):
+        sup.update_topic("t", retention_s=-1)
+    assert sup.config("t").shards == 4
