@@ -602,7 +602,10 @@ class Supervisor:
         """Counters, backlog per shard, in-flight, DLQ, consumers and lag; from counters
         and a few point reads (O(shards + consumers), never O(backlog)). A consumer's
         ``heartbeat_age_s`` is for display (``membership.heartbeat_age``: the database
-        clock, then versions); liveness does not use it."""
+        clock, then versions); liveness does not use it. Its ``zombie`` is that age past
+        its ``zombie_after_s`` (None if either is unknown): a consumer that died (kill -9)
+        stays registered, owning its shards, until a live peer of its subscription finds
+        it a zombie, so with none running it is listed for good."""
         return topic_stats(self.db, self._ts(name), name)
 
 
@@ -860,11 +863,15 @@ def topic_stats(tr, ts: TopicSpace, name: str) -> dict:
         consumers = []
         for cid, m in sorted(members.items()):
             hbc, hbv = (snap[ts.heartbeat_clock_key(sub, cid)], snap[ts.consumers.pack((sub, cid, "hbv"))])
+            age = membership.heartbeat_age(_counter_or_none(hbc), _counter_or_none(hbv), clock, clock_version, rv)
+            zombie_after = m["record"].get("zombie_after_s")
             consumers.append({"id": cid, "heartbeats": m["hb"], "mode": m["record"].get("mode"),
                               "host": m["record"].get("host"), "pid": m["record"].get("pid"),
                               "tag": m["record"].get("tag"),
-                              "heartbeat_age_s": membership.heartbeat_age(
-                                  _counter_or_none(hbc), _counter_or_none(hbv), clock, clock_version, rv),
+                              "heartbeat_age_s": age, "zombie_after_s": zombie_after,
+                              # for people, as the age: a peer would take its shards (none
+                              # runs to, or it has not yet); liveness never reads this
+                              "zombie": None if age is None or zombie_after is None else age > zombie_after,
                               "shards": sorted(n for (t, n), (o, _e) in owners.items() if o == cid),
                               "tag_shards": sorted([t, n] for (t, n), (o, _e) in owners.items() if o == cid)})
         oldest = None

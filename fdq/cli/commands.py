@@ -339,7 +339,8 @@ CONSUMER_COLUMNS = [
     ("host", lambda c: c["host"]),
     ("pid", lambda c: None if c["pid"] is None else str(c["pid"])),
     ("shards", lambda c: render.shard_list(c["shards"])),
-    ("heartbeat age", lambda c: "-" if c["heartbeat_age_s"] is None else f"{c['heartbeat_age_s']:.1f} s"),
+    ("heartbeat age", lambda c: "-" if c["heartbeat_age_s"] is None
+        else f"{c['heartbeat_age_s']:.1f} s" + (" (zombie)" if c["zombie"] else "")),
 ]
 
 
@@ -350,8 +351,9 @@ CONSUMER_COLUMNS = [
 def stats(state, topic, as_json):
     """Show TOPIC's counters, backlog, consumers and lag.
 
-    Per subscription: backlog, in flight, delayed, DLQ, lag; live consumers with
-    the shards each owns and heartbeat age; backlog per dispatch tag.
+    Per subscription: backlog, in flight, delayed, DLQ, lag; consumers with the
+    shards each owns and heartbeat age (a zombie: older than its zombie timeout,
+    e.g. killed, its shards not yet taken over); backlog per dispatch tag.
     --json adds per-shard counters."""
     data = rows.stats_row(state.supervisor.stats(topic))
     if as_json:
@@ -379,7 +381,7 @@ def stats(state, topic, as_json):
     ], subs)
     consumers = [c for s in subs for c in s["consumers"]]
     if consumers:
-        render.table("live consumers", CONSUMER_COLUMNS, consumers)
+        render.table("consumers", CONSUMER_COLUMNS, consumers)
     tags = [dict(t, subscription=s["name"]) for s in subs for t in s["tags"]]
     if any(t["tag"] is not None for t in tags):
         render.table("backlog per tag", [
@@ -397,12 +399,16 @@ def stats(state, topic, as_json):
 @json_option
 @pass_state
 def consumers(state, topic, as_json):
-    """List TOPIC's live consumers, their shards, heartbeat age."""
+    """List TOPIC's consumers, their shards, heartbeat age.
+
+    A consumer whose heartbeat is older than its zombie timeout is marked a
+    zombie (killed, or stalled): it owns its shards until a live consumer of
+    its subscription takes them over."""
     data = rows.consumer_rows(state.supervisor.stats(topic))
     if as_json:
         render.emit_json(data)
     elif not data:
-        render.note(f"topic {topic!r} has no live consumers")
+        render.note(f"topic {topic!r} has no consumers")
     else:
         render.table(None, CONSUMER_COLUMNS, data)
 
@@ -723,8 +729,10 @@ def rebalance(state, topic, shards, as_json):
     _resumable(state, f"rebalance of {topic!r}")
     with render.progress(f"resharding {topic}", total) as advance:
         config = sup.rebalance(topic, shards=shards, progress=advance)
-    live = len(rows.consumer_rows(sup.stats(topic)))
-    render.note(f"topic {topic!r}: {config.shards} shards divided among {live} live consumer(s)")
+    members = rows.consumer_rows(sup.stats(topic))
+    zombies = sum(1 for c in members if c["zombie"])
+    render.note(f"topic {topic!r}: {config.shards} shards divided among {len(members)} consumer(s)"
+                + (f" ({zombies} of them zombies: a live consumer takes their shards over)" if zombies else ""))
     if as_json:
         render.emit_json(rows.topic_row(topic, sup.stats(topic)))
 

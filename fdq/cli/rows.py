@@ -53,6 +53,8 @@ def _consumer_row(sub: str, c: dict, owned: list) -> dict:
         "shards": owned,
         "heartbeats": c.get("heartbeats"),
         "heartbeat_age_s": c.get("heartbeat_age_s"),
+        "zombie_after_s": c.get("zombie_after_s"),
+        "zombie": c.get("zombie"),
     }
 
 
@@ -119,7 +121,8 @@ def stats_row(stats: dict) -> dict:
 
 
 def consumer_rows(stats: dict) -> list:
-    """``fdq consumers``: the live consumers of every subscription."""
+    """``fdq consumers``: the registered consumers of every subscription (``zombie``: its
+    heartbeat is older than its zombie timeout, e.g. killed with none left to notice)."""
     return [c for s in stats_row(stats)["subscriptions"] for c in s["consumers"]]
 
 

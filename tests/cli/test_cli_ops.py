@@ -63,3 +63,48 @@ def test_update_topic_refuses_what_it_cannot_change(sup):
     with pytest.raises(fdq.ConfigError, match="retention_s must be a number > 0"):
         sup.update_topic("t", retention_s=-1)
     assert sup.config("t").shards == 4
+
+
+CONSUMER = """
+import sys, time, fdq
+db = fdq.connect(sys.argv[1])
+c = fdq.tail(db, "orders", lambda m: None,
+             config=fdq.ConsumerConfig(heartbeat_interval_s=0.2, lease_check_interval_s=0.05))
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_consumer_killed_with_none_left_shows_as_a_zombie_not_live(run, url, tmp_path, sup, wait):
+    """kill -9 of a topic's only consumer: nobody declares it a zombie, so it stays
+    registered with all its shards; stats and fdq consumers must not show it live."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    run("topics", "create", "orders", "--shards", 4)
+    script = tmp_path / "consumer.py"
+    script.write_text(CONSUMER)
+    p = subprocess.Popen([sys.executable, str(script), url], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    try:
+        assert p.stdout.readline() == b"ready\n"
+        # (zombie None: no heartbeat yet, so no age)
+        wait(lambda: [c["zombie"] for c in run.json("consumers", "orders")] == [False], timeout=30,
+             what="the consumer's first heartbeat")
+        [c] = run.json("consumers", "orders")
+        assert c["zombie_after_s"] == pytest.approx(0.6)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+        wait(lambda: run.json("consumers", "orders")[0]["zombie"], timeout=30, what="the zombie mark")
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    [c] = run.json("consumers", "orders")
+    assert c["heartbeat_age_s"] > 0.6 and len(c["shards"]) == 4      # registered, owning its shards
+    [s] = run.json("stats", "orders")["subscriptions"]
+    assert s["consumers"][0]["zombie"] is True
+    assert "(zombie)" in run("consumers", "orders").stdout
+    assert "(zombie)" in run("stats", "orders").stdout
+    assert "divided among 1 consumer(s) (1 of them zombies" in run("rebalance", "orders").stderr
