@@ -371,6 +371,7 @@ def stats(state, topic, as_json):
     subs = data["subscriptions"]
     render.table("subscriptions", [
         ("subscription", lambda s: s["name"]),
+        ("state", lambda s: "paused" if s["paused"] else "catching up" if s["catching_up"] else "running"),
         ("backlog", lambda s: s["backlog"]),
         ("in flight", lambda s: s["in_flight"]),
         ("delayed", lambda s: s["delayed"]),
@@ -889,6 +890,7 @@ SUBSCRIPTION_COLUMNS = [
     ("subscription", lambda r: r["name"]),
     ("ephemeral", lambda r: r["ephemeral"]),
     ("catching up", lambda r: r["catching_up"]),
+    ("paused", lambda r: r["paused"]),
     ("deliver", lambda r: r["deliver_policy"] if r["start_time_ms"] is None
      else f"{r['deliver_policy']} {render.time_ms(r['start_time_ms'])}"),
     ("ack", lambda r: r["config"]["ack_policy"]),
@@ -983,7 +985,7 @@ def _show_subscription(row):
 
 @cli.group(cls=SubsGroup)
 def subs():
-    """Subscriptions of a topic: list, create, show, update, reset, delete.
+    """Subscriptions of a topic: list, create, show, update, reset, pause, play, delete.
 
     fdq subs TOPIC lists them, as fdq subs list TOPIC does (use the latter for a
     topic named like a command)."""
@@ -1105,6 +1107,36 @@ def subs_reset(state, topic, name, to_time, as_json):
     render.note(f"reset subscription {name!r} of topic {topic!r} to {when}: {copied:,} messages copied from the log")
     if as_json:
         render.emit_json({"topic": topic, "subscription": name, "to_time_ms": to_time, "copied": copied})
+
+
+@subs.command("pause")
+@topic_argument
+@click.argument("name", type=SUBSCRIPTION)
+@json_option
+@pass_state
+def subs_pause(state, topic, name, as_json):
+    """Pause subscription NAME of TOPIC: its consumers take nothing.
+
+    Pushes keep filling its queues; the topic's other subscriptions go on. As
+    an NSQ client's /channel/pause; fdq subs play resumes it."""
+    was = state.supervisor.pause_subscription(topic, name)
+    render.note(f"subscription {name!r} of topic {topic!r} " + ("was already paused" if was else "paused"))
+    if as_json:
+        render.emit_json(_subscription_row(state.supervisor, topic, name))
+
+
+@subs.command("play")
+@topic_argument
+@click.argument("name", type=SUBSCRIPTION)
+@json_option
+@pass_state
+def subs_play(state, topic, name, as_json):
+    """Resume subscription NAME of TOPIC, paused by fdq subs pause (or /channel/pause)."""
+    was = state.supervisor.play_subscription(topic, name)
+    render.note(f"{'resumed' if was else 'nothing to resume:'} subscription {name!r} of topic {topic!r}"
+                + ("" if was else " was not paused"))
+    if as_json:
+        render.emit_json(_subscription_row(state.supervisor, topic, name))
 
 
 @subs.command("delete")

@@ -82,6 +82,8 @@ def stats_row(stats: dict) -> dict:
                 owned.setdefault(sh["owner"], []).append({"tag": _tag(sh["tag"]), "shard": sh["shard"]})
         subs.append({
             "name": sub,
+            "paused": s["paused"],
+            "catching_up": s["catching_up"],
             "backlog": s["backlog"],
             "in_flight": s["in_flight"],
             "delayed": s["delayed"],
@@ -137,6 +139,7 @@ def subscription_row(topic: str, info: dict, sub_stats: dict | None) -> dict:
         "name": info["name"],
         "ephemeral": info["ephemeral"],
         "catching_up": info["catching_up"],
+        "paused": info["paused"],
         "deliver_policy": config["deliver_policy"],
         "start_time_ms": config["start_time_ms"],
         "start_position": info["start_position"],

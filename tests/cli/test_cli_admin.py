@@ -14,7 +14,7 @@ from fdq.cli import render
 STATS_KEYS = {"topic", "shards", "extend", "paused", "resharding_to", "max_backlog", "retention_s",
               "dedupe_window_s", "inserted", "routed", "pending", "emitted", "acked", "subscriptions",
               "retention_bytes", "inserted_bytes", "log_bytes", "trimmed"}
-SUB_KEYS = {"name", "backlog", "in_flight", "delayed", "dlq", "emitted", "acked", "lag_ms",
+SUB_KEYS = {"name", "paused", "catching_up", "backlog", "in_flight", "delayed", "dlq", "emitted", "acked", "lag_ms",
             "oldest_ready_time_ms", "consumers", "unowned_shards", "tags", "per_shard"}
 CONSUMER_KEYS = {"subscription", "id", "mode", "tag", "host", "pid", "shards", "heartbeats",
                  "heartbeat_age_s", "zombie_after_s", "zombie"}

@@ -108,3 +108,28 @@ def test_a_consumer_killed_with_none_left_shows_as_a_zombie_not_live(run, url, t
     assert "(zombie)" in run("consumers", "orders").stdout
     assert "(zombie)" in run("stats", "orders").stdout
     assert "divided among 1 consumer(s) (1 of them zombies" in run("rebalance", "orders").stderr
+
+
+def test_a_subscription_paused_on_its_own_is_shown_and_can_be_played(run, db, sup):
+    """An NSQ client's /channel/pause pauses one subscription (Supervisor.pause_subscription):
+    its consumers then take nothing while its backlog grows. fdq stats and fdq subs must
+    say so, and fdq subs play must resume it (the broker may not even be running)."""
+    run("topics", "create", "orders", "--shards", 2)
+    run("subs", "create", "orders", "audit")
+    fdq.Producer(db).push_many("orders", [fdq.Envelope(f"m{i}".encode()) for i in range(5)])
+    sup.pause_subscription("orders", "audit")              # as the broker's /channel/pause does
+    subs = {s["name"]: s for s in run.json("stats", "orders")["subscriptions"]}
+    assert (subs["audit"]["paused"], subs["default"]["paused"]) == (True, False)
+    assert subs["audit"]["catching_up"] is False
+    rows = {r["name"]: r for r in run.json("subs", "orders")}
+    assert (rows["audit"]["paused"], rows["default"]["paused"]) == (True, False)
+    assert "paused" in run("stats", "orders").stdout
+    assert run("tail", "orders", "-s", "audit", "--timeout", "0.5").stdout == ""    # nothing delivered
+    r = run("subs", "play", "orders", "audit")
+    assert "resumed subscription 'audit' of topic 'orders'" in r.stderr
+    assert len(run("tail", "orders", "-s", "audit", "-n", 5, "--timeout", 10).stdout.splitlines()) == 5
+    r = run("subs", "pause", "orders", "audit", "--json")
+    assert r.stdout and '"paused": true' in r.stdout
+    assert sup.stats("orders")["subscriptions"]["audit"]["paused"] is True
+    r = run("subs", "pause", "orders", "nosuch", code=1)
+    assert r.stderr.startswith("fdq: error: subscription 'nosuch' of topic 'orders' does not exist")
