@@ -778,11 +778,15 @@ def replay(state, topic, start, end, as_json):
 @cli.command()
 @topic_argument
 @click.option("--before", type=Time(), default=None,
-              help="Delete log entries inserted before this time (ISO-8601, <n>s or <n>ms) [default: the topic's retention_s].")
+              help="Delete log entries inserted before this time (ISO-8601, <n>s or <n>ms) [default: the topic's retention_s]; "
+                   "its retention_bytes applies either way.")
 @json_option
 @pass_state
 def trim(state, topic, before, as_json):
     """Apply retention to TOPIC's log (what replay reads).
+
+    By age (its retention_s, or --before), then by size (its retention_bytes:
+    the oldest entries go until the log fits). Set them with fdq topics update.
 
     Also expires dedupe ids and push markers past their windows. Queued
     messages are untouched."""
