@@ -142,7 +142,9 @@ def reshard_begin(tr, ts: TopicSpace, shards: int) -> TopicConfig:
     if shards == config.shards and config.resharding_to in (None, shards):
         return config       # nothing to move (or moved: its pending area left to route)
     if config.resharding_to not in (None, shards):
-        raise ConfigError(f"topic {ts.name!r} is already being resharded to {config.resharding_to} shards")
+        raise ConfigError(f"topic {ts.name!r} is already being resharded to {config.resharding_to} shards: finish "
+                          f"that first (fdq rebalance {ts.name}, without --shards; Supervisor.rebalance), "
+                          "then change the count")
     config = dataclasses.replace(config, resharding_to=shards)
     tr[ts.config_key] = pack(config.as_dict())
     for sub in config.subs:

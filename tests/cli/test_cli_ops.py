@@ -133,3 +133,18 @@ def test_a_subscription_paused_on_its_own_is_shown_and_can_be_played(run, db, su
     assert sup.stats("orders")["subscriptions"]["audit"]["paused"] is True
     r = run("subs", "pause", "orders", "nosuch", code=1)
     assert r.stderr.startswith("fdq: error: subscription 'nosuch' of topic 'orders' does not exist")
+
+
+def test_a_reshard_to_another_count_left_unfinished_says_how_to_finish_it(run, db, sup):
+    """A rebalance --shards killed part-way leaves the topic resharding; asking for another
+    count must say how to get out of that, not only that it is resharding."""
+    from fdq.supervisor import reshard_begin
+    run("topics", "create", "orders", "--shards", 4)
+    fdq.Producer(db).push_many("orders", [fdq.Envelope(f"m{i}".encode(), shard_key=f"k{i}") for i in range(50)])
+    reshard_begin(db, sup._ts("orders"), 16)             # what a killed rebalance --shards 16 leaves
+    r = run("rebalance", "orders", "--shards", 8, code=1)
+    assert r.stderr == ("fdq: error: topic 'orders' is already being resharded to 16 shards: finish that "
+                        "first (fdq rebalance orders, without --shards; Supervisor.rebalance), then change the count\n")
+    run("rebalance", "orders")
+    run("rebalance", "orders", "--shards", 8)
+    assert sup.config("orders").shards == 8 and sup.stats("orders")["subscriptions"]["default"]["backlog"] == 50
