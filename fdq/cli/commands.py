@@ -559,7 +559,13 @@ def _print_message(m, as_json):
     if row["attempts"] > 1:
         parts.append(f"attempts={row['attempts']}")
     body = m.body.decode("utf-8", "backslashreplace")
-    click.echo("  ".join(parts) + "  " + body)
+    # One message per line, and nothing a terminal would act on (click also strips raw
+    # ANSI sequences from piped output): control characters but tab are escaped.
+    click.echo(("  ".join(parts) + "  " + body).translate(_CONTROL_ESCAPES))
+
+
+_CONTROL_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7f, 0xa0)] if c != 0x09} | {
+    0x0a: "\\n", 0x0d: "\\r"}
 
 
 class _Terminated(Exception):
@@ -627,7 +633,9 @@ def _print_and_ack(consumer, msgs, at_most_once: bool, as_json: bool) -> int:
 def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
     """Print TOPIC's messages and ack them.
 
-    Each line: id, shard key, headers (name=value), body.
+    Each line: id, shard key, headers (name=value), body; control characters
+    but tab are escaped (\\n, \\x1b), so a message is always one line (--json
+    has the exact body).
 
     Joins the subscription as a consumer: with other consumers live it gets its
     share of the shards. One message per line; --json: one JSON object per line.

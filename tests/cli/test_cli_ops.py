@@ -148,3 +148,15 @@ def test_a_reshard_to_another_count_left_unfinished_says_how_to_finish_it(run, d
     run("rebalance", "orders")
     run("rebalance", "orders", "--shards", 8)
     assert sup.config("orders").shards == 8 and sup.stats("orders")["subscriptions"]["default"]["backlog"] == 50
+
+
+def test_tail_prints_one_line_per_message_whatever_the_body(run, db):
+    """fdq tail's people format is one message per line (scripts count lines, | head -n
+    N): a body or shard key with newlines, or terminal escapes, is shown escaped, not
+    written raw (a raw ESC sequence was also stripped by click when piped)."""
+    p = fdq.Producer(db)
+    a = p.push("t", b"line1\nline2\r\n\x1b[31mred\x00", shard_key="k\n2").id
+    b = p.push("t", b"tab\there \\ back\xff").id
+    lines = run("tail", "t", "-n", 2).stdout.splitlines()       # (two shards: either order)
+    assert sorted(lines) == sorted([f"{a}  key=k\\n2  line1\\nline2\\r\\n\\x1b[31mred\\x00",
+                                    f"{b}  tab\there \\ back\\xff"])
