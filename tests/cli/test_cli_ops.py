@@ -160,3 +160,17 @@ def test_tail_prints_one_line_per_message_whatever_the_body(run, db):
     lines = run("tail", "t", "-n", 2).stdout.splitlines()       # (two shards: either order)
     assert sorted(lines) == sorted([f"{a}  key=k\\n2  line1\\nline2\\r\\n\\x1b[31mred\\x00",
                                     f"{b}  tab\there \\ back\\xff"])
+
+
+def test_tables_show_brackets_in_data_as_they_are(run, db, sup):
+    """A dead letter's body or reason, or a subscription's description, is data: rich's
+    markup in it ([/] ...) crashed fdq dlq list with a traceback, and [bold] vanished."""
+    p = fdq.Producer(db)
+    p.push("dl", b"[/oops] body [bold]x")
+    with fdq.Consumer(db, "dl") as c:
+        [m] = c.fetch(1, timeout=5)
+        m.term("bad [red]thing[/red] [/]")
+    out = run("dlq", "list", "dl").stdout
+    assert "[/oops] body [bold]x" in out and "bad [red]thing[/red] [/]" in out
+    run("subs", "create", "dl", "s2", "--description", "see [/] and [b]this[/b]")
+    assert "see [/] and [b]this[/b]" in run("subs", "show", "dl", "s2").stdout
