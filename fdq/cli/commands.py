@@ -109,8 +109,9 @@ def _resumable(state, what: str):
 
 class FDQGroup(click.Group):
     """The root group: turns an FDQError raised by any command into a Failure, Ctrl-C
-    into exit 130 with one line saying what was done (``State.interrupted``), and a
-    closed stdout into a silent exit 141."""
+    into exit 130 with one line saying what was done (``State.interrupted``), a
+    closed stdout into a silent exit 141, and another I/O error (a full disk) into a
+    Failure."""
 
     def invoke(self, ctx):
         try:
@@ -122,6 +123,14 @@ class FDQGroup(click.Group):
         except BrokenPipeError:
             _silence_closed_output()
             raise click.exceptions.Exit(EXIT_PIPE_CLOSED) from None
+        except OSError as e:    # e.g. writing stdout to a full disk (fdq tail t > out): one line
+            if e.errno is None:
+                raise
+            try:
+                sys.stdout.flush()
+            except (OSError, ValueError, AttributeError):   # what failed to write stays buffered:
+                _silence_closed_output()                    # no second error at exit
+            raise Failure(f"I/O error: {e.strerror or e}") from None
 
 
 class State:

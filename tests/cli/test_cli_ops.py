@@ -174,3 +174,26 @@ def test_tables_show_brackets_in_data_as_they_are(run, db, sup):
     assert "[/oops] body [bold]x" in out and "bad [red]thing[/red] [/]" in out
     run("subs", "create", "dl", "s2", "--description", "see [/] and [b]this[/b]")
     assert "see [/] and [b]this[/b]" in run("subs", "show", "dl", "s2").stdout
+
+
+def test_output_to_a_full_disk_is_one_line_and_exit_1(url, db, tmp_path):
+    """fdq ... > file on a full disk (here /dev/full): one line naming the problem and
+    exit 1, no traceback; tail acks nothing it could not write."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    fdq_bin = Path(sys.executable).parent / "fdq"
+    env = {k: v for k, v in os.environ.items() if k not in ("FDQ_URL", "FDQ_HOME")}
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"a"), fdq.Envelope(b"b")])
+    sup = fdq.Supervisor(db)
+    for argv in (["stats", "t"], ["stats", "t", "--json"], ["tail", "t", "-n", "1"]):
+        with open("/dev/full", "w") as full:
+            r = subprocess.run([str(fdq_bin), "--url", url, *argv], stdout=full, stderr=subprocess.PIPE,
+                               env=env, timeout=60)
+        assert r.returncode == 1, (argv, r.stderr)
+        assert r.stderr.decode() == "fdq: error: I/O error: No space left on device\n", (argv, r.stderr)
+    st = sup.stats("t")["subscriptions"]["default"]
+    assert (st["acked"], st["backlog"], st["in_flight"]) == (0, 2, 0)      # nothing acked, nothing held
