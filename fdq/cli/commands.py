@@ -742,10 +742,11 @@ def rebalance(state, topic, shards, as_json):
     With --shards N, change the shard count first (every backlog re-routed,
     each shard key's order kept)."""
     sup = state.supervisor
-    stats = sup.stats(topic)
-    total = sum(s["backlog"] for s in stats["subscriptions"].values())
+    sup.config(topic)          # unknown: exit 1 before anything changes
     _resumable(state, f"rebalance of {topic!r}")
-    with render.progress(f"resharding {topic}", total) as advance:
+    # Queue entries read, without a total: a message moving to a shard not processed yet
+    # is read again there, so no count known beforehand bounds it (the backlog did not).
+    with render.progress(f"resharding {topic}") as advance:
         config = sup.rebalance(topic, shards=shards, progress=advance)
     members = rows.consumer_rows(sup.stats(topic))
     zombies = sum(1 for c in members if c["zombie"])

@@ -197,3 +197,18 @@ def test_output_to_a_full_disk_is_one_line_and_exit_1(url, db, tmp_path):
         assert r.stderr.decode() == "fdq: error: I/O error: No space left on device\n", (argv, r.stderr)
     st = sup.stats("t")["subscriptions"]["default"]
     assert (st["acked"], st["backlog"], st["in_flight"]) == (0, 2, 0)      # nothing acked, nothing held
+
+
+def test_rebalance_progress_never_runs_past_its_total(run, db, monkeypatch):
+    """A reshard reads a message again when it moves to a shard not yet processed, so a
+    count of entries read against the backlog ran past 100% (102,064/60,000 on a bar)."""
+    from fdq.cli import render
+    monkeypatch.setattr(render, "PLAIN_EVERY_S", 0.0)
+    run("topics", "create", "orders", "--shards", 2)
+    fdq.Producer(db).push_many("orders", [fdq.Envelope(b"m", shard_key=f"k{i}") for i in range(2000)])
+    r = run("rebalance", "orders", "--shards", 7)
+    lines = [line for line in r.stderr.splitlines() if line.startswith("resharding orders: ")]
+    assert lines
+    for line in lines:
+        done, _, total = line.split(": ")[1].replace(",", "").partition("/")
+        assert not total or int(done) <= int(total), line
