@@ -598,7 +598,12 @@ def _print_and_ack(consumer, msgs, at_most_once: bool, as_json: bool) -> int:
     printed. At-most-once acks each one just before its line, so a write that fails
     (the reader went away, Ctrl-C) loses that one only, not the rest of the batch;
     at-least-once acks the lines written, also when a write fails, and leaves the rest
-    leased (``Consumer.close`` returns them at once)."""
+    leased (``Consumer.close`` returns them at once). A subscription with ack_policy
+    none leases nothing: its messages were done when fetched, there is nothing to ack."""
+    if consumer.sub_config.ack_policy == "none":
+        for m in msgs:
+            _print_message(m, as_json)
+        return len(msgs)
     written = []
     try:
         for m in msgs:
@@ -651,6 +656,9 @@ def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
     A stalled consumer (database unreachable, or no shard owned, for over 3
     heartbeats) is reported by one line on stderr; tail keeps going. A topic or
     subscription deleted under it ends it (exit 1).
+
+    A subscription with ack policy none is done with a message when tail
+    fetches it, in batches (a failed write loses the rest of its batch).
 
     A message counts as delivered once its line is written to stdout. If the
     reader goes away (fdq tail t | head -1), tail exits 141 without a message:

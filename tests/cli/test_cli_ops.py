@@ -2,6 +2,8 @@
 they are (a killed one is not "live")."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import fdq
@@ -212,3 +214,20 @@ def test_rebalance_progress_never_runs_past_its_total(run, db, monkeypatch):
     for line in lines:
         done, _, total = line.split(": ")[1].replace(",", "").partition("/")
         assert not total or int(done) <= int(total), line
+
+
+@pytest.mark.parametrize("mode", ["at-least-once", "at-most-once"])
+def test_tail_of_an_ack_policy_none_subscription(run, db, sup, mode):
+    """A subscription with ack_policy none is done when delivered: fdq tail printed the
+    batch and then failed (exit 1, 'is not leased') acking it, or with at-most-once
+    failed before printing anything, the batch taken and lost."""
+    run("topics", "create", "t", "--shards", 1)
+    run("subs", "create", "t", "quick", "--ack-policy", "none")
+    fdq.Producer(db).push_many("t", [fdq.Envelope(f"m{i}".encode()) for i in range(5)])
+    r = run("tail", "t", "-s", "quick", "-n", 3, "--mode", mode, "--json")
+    assert [json.loads(line)["body"] for line in r.stdout.splitlines()] == ["m0", "m1", "m2"]
+    assert "warning" not in r.stderr, r.stderr
+    r = run("tail", "t", "-s", "quick", "-n", 2, "--mode", mode, "--json")
+    assert [json.loads(line)["body"] for line in r.stdout.splitlines()] == ["m3", "m4"]
+    st = sup.stats("t")["subscriptions"]["quick"]
+    assert (st["backlog"], st["in_flight"]) == (0, 0)
