@@ -33,8 +33,8 @@ from ..producer import Envelope, Producer
 from ..supervisor import Supervisor
 from ..times import as_datetime, iso_ms
 from . import render, rows
-from .params import (CLEARED, SUBSCRIPTION, TOPIC, Address, OrNone, Duration, FilterHeader, Header, Seconds, SecondsList,
-                     Shards, Tag, Time, TimeOrNow, envelope_callback, filter_headers_callback,
+from .params import (CLEARED, SUBSCRIPTION, TOPIC, Address, Duration, FilterHeader, Header, OrNone, Seconds,
+                     SecondsList, Shards, Tag, Time, TimeOrNow, envelope_callback, filter_headers_callback,
                      headers_callback, subscription_config_callback, topic_config_callback)
 
 PUSH_BATCH = 500                 # stdin lines per transaction
