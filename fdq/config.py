@@ -85,9 +85,9 @@ class TopicConfig:
     log_bytes_counted: bool = False    # the log_bytes counter covers the whole log (set at creation)
 
     def __post_init__(self):
-        _positive("shards", self.shards, integer=True)
-        if self.shards > 4096:
+        if isinstance(self.shards, int) and self.shards > 4096:    # before _positive's int64 bound
             raise ConfigError(f"shards must be at most 4096, not {self.shards}")
+        _positive("shards", self.shards, integer=True)
         if self.hash != "blake2b-64":
             raise ConfigError(f"unknown shard hash {self.hash!r} (known: blake2b-64)")
         _positive("max_backlog", self.max_backlog, allow_none=True, integer=True)
@@ -204,6 +204,9 @@ DELIVER_POLICIES = ("all", "new", "last", "by_start_time")
 # subscription is (its start, its filter, its delivery contract) and need a new one.
 UPDATABLE_SUBSCRIPTION_FIELDS = ("description", "ack_wait_s", "max_deliver", "backoff_s",
                                  "max_ack_pending")
+# Fields ``Supervisor.update_topic`` may change (retention and limits); the others fix
+# what the topic is (shards: rebalance; extend: upgrade) or are its state.
+UPDATABLE_TOPIC_FIELDS = ("max_backlog", "dedupe_window_s", "retention_s", "retention_bytes", "max_message_bytes")
 _HEADER_NAME_RE = re.compile(r"[0-9a-zA-Z_\-#]{1,128}")   # = fdq.headers' rule (NAME_RE, MAX_NAME_CHARS)
 
 
@@ -333,5 +336,5 @@ class SubscriptionConfig:
 
 
 __all__ = ["TopicConfig", "ConsumerConfig", "ProducerConfig", "SubscriptionConfig",
-           "UPDATABLE_SUBSCRIPTION_FIELDS", "check_name", "NAME_RE",
+           "UPDATABLE_SUBSCRIPTION_FIELDS", "UPDATABLE_TOPIC_FIELDS", "check_name", "NAME_RE",
            "DEFAULT_SUBSCRIPTION", "field"]

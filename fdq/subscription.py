@@ -82,14 +82,16 @@ def read_subscription(tr, ts: TopicSpace, sub: str, *, snapshot: bool = False,
 
 @transactional
 def subscription_info(tr, ts: TopicSpace, sub: str) -> dict:
-    """{"config", "ephemeral", "catching_up", "start_position"} (the id of the first
-    position after the start boundary; None for a subscription older than this code)."""
+    """{"config", "ephemeral", "catching_up", "paused", "start_position"} (the id of the
+    first position after the start boundary; None for a subscription older than this
+    code). ``paused``: paused on its own (``set_subscription_paused``)."""
     topic_config = read_topic_config(tr, ts, snapshot=True)
     config = read_subscription(tr, ts, sub, snapshot=True, topic_config=topic_config)
     raw = tr.snapshot[_boundary_key(ts, sub)]
     boundary = bytes(raw)[:10].hex() + "0000" if raw != None else None  # noqa: E711
     return {"name": sub, "config": config, "ephemeral": is_ephemeral(sub, config),
-            "catching_up": sub in topic_config.catchup, "start_position": boundary}
+            "catching_up": sub in topic_config.catchup, "paused": sub in topic_config.paused_subs,
+            "start_position": boundary}
 
 
 def _diff_error(ts, sub, stored: SubscriptionConfig, given: SubscriptionConfig) -> ConfigError:

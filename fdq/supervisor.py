@@ -12,7 +12,7 @@ import os
 import time
 
 from . import delivery, logcount, membership
-from .config import ConsumerConfig, TopicConfig, check_name
+from .config import UPDATABLE_TOPIC_FIELDS, ConsumerConfig, TopicConfig, check_name
 from .engine import transactional
 from .errors import ConfigError, TopicExists, TopicHeld, TopicNotFound
 from .headers import dispatch_tag
@@ -142,7 +142,9 @@ def reshard_begin(tr, ts: TopicSpace, shards: int) -> TopicConfig:
     if shards == config.shards and config.resharding_to in (None, shards):
         return config       # nothing to move (or moved: its pending area left to route)
     if config.resharding_to not in (None, shards):
-        raise ConfigError(f"topic {ts.name!r} is already being resharded to {config.resharding_to} shards")
+        raise ConfigError(f"topic {ts.name!r} is already being resharded to {config.resharding_to} shards: finish "
+                          f"that first (fdq rebalance {ts.name}, without --shards; Supervisor.rebalance), "
+                          "then change the count")
     config = dataclasses.replace(config, resharding_to=shards)
     tr[ts.config_key] = pack(config.as_dict())
     for sub in config.subs:
@@ -519,6 +521,17 @@ class Supervisor:
         headers). Consumers must then connect with ``extend_support=True``."""
         return update_topic_config(self.db, self._ts(name), extend=True)
 
+    def update_topic(self, name: str, **changes) -> TopicConfig:
+        """Change a topic's retention and limits (``fdq.config.UPDATABLE_TOPIC_FIELDS``;
+        None clears an optional one), e.g. of a topic a push created with the defaults:
+        pushes read them from their next transaction on, ``trim`` at its next run.
+        Returns the new config."""
+        fixed = sorted(set(changes) - set(UPDATABLE_TOPIC_FIELDS))
+        if fixed:
+            raise ConfigError(f"topic option(s) {', '.join(fixed)} cannot be updated "
+                              f"(updatable: {', '.join(UPDATABLE_TOPIC_FIELDS)})")
+        return update_topic_config(self.db, self._ts(name), **changes)
+
     def pause(self, name: str) -> TopicConfig:
         """Stop routing and consumption: pushes still land in the "all" log."""
         return update_topic_config(self.db, self._ts(name), paused=True, held_at=None)   # (ends a play's hold)
@@ -591,7 +604,10 @@ class Supervisor:
         """Counters, backlog per shard, in-flight, DLQ, consumers and lag; from counters
         and a few point reads (O(shards + consumers), never O(backlog)). A consumer's
         ``heartbeat_age_s`` is for display (``membership.heartbeat_age``: the database
-        clock, then versions); liveness does not use it."""
+        clock, then versions); liveness does not use it. Its ``zombie`` is that age past
+        its ``zombie_after_s`` (None if either is unknown): a consumer that died (kill -9)
+        stays registered, owning its shards, until a live peer of its subscription finds
+        it a zombie, so with none running it is listed for good."""
         return topic_stats(self.db, self._ts(name), name)
 
 
@@ -849,11 +865,15 @@ def topic_stats(tr, ts: TopicSpace, name: str) -> dict:
         consumers = []
         for cid, m in sorted(members.items()):
             hbc, hbv = (snap[ts.heartbeat_clock_key(sub, cid)], snap[ts.consumers.pack((sub, cid, "hbv"))])
+            age = membership.heartbeat_age(_counter_or_none(hbc), _counter_or_none(hbv), clock, clock_version, rv)
+            zombie_after = m["record"].get("zombie_after_s")
             consumers.append({"id": cid, "heartbeats": m["hb"], "mode": m["record"].get("mode"),
                               "host": m["record"].get("host"), "pid": m["record"].get("pid"),
                               "tag": m["record"].get("tag"),
-                              "heartbeat_age_s": membership.heartbeat_age(
-                                  _counter_or_none(hbc), _counter_or_none(hbv), clock, clock_version, rv),
+                              "heartbeat_age_s": age, "zombie_after_s": zombie_after,
+                              # for people, as the age: a peer would take its shards (none
+                              # runs to, or it has not yet); liveness never reads this
+                              "zombie": None if age is None or zombie_after is None else age > zombie_after,
                               "shards": sorted(n for (t, n), (o, _e) in owners.items() if o == cid),
                               "tag_shards": sorted([t, n] for (t, n), (o, _e) in owners.items() if o == cid)})
         oldest = None

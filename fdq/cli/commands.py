@@ -23,6 +23,7 @@ import click
 
 from ..broker import __main__ as broker_main
 from ..config import (ACK_POLICIES, DELIVER_POLICIES, DEFAULT_SUBSCRIPTION, UPDATABLE_SUBSCRIPTION_FIELDS,
+                      UPDATABLE_TOPIC_FIELDS,
                       SubscriptionConfig, TopicConfig)
 from ..consumer import Consumer
 from ..engine import connect
@@ -32,8 +33,8 @@ from ..producer import Envelope, Producer
 from ..supervisor import Supervisor
 from ..times import as_datetime, iso_ms
 from . import render, rows
-from .params import (SUBSCRIPTION, TOPIC, Address, Duration, FilterHeader, Header, Seconds, SecondsList,
-                     Shards, Tag, Time, TimeOrNow, envelope_callback, filter_headers_callback,
+from .params import (CLEARED, SUBSCRIPTION, TOPIC, Address, Duration, FilterHeader, Header, OrNone, Seconds,
+                     SecondsList, Shards, Tag, Time, TimeOrNow, envelope_callback, filter_headers_callback,
                      headers_callback, subscription_config_callback, topic_config_callback)
 
 PUSH_BATCH = 500                 # stdin lines per transaction
@@ -108,8 +109,9 @@ def _resumable(state, what: str):
 
 class FDQGroup(click.Group):
     """The root group: turns an FDQError raised by any command into a Failure, Ctrl-C
-    into exit 130 with one line saying what was done (``State.interrupted``), and a
-    closed stdout into a silent exit 141."""
+    into exit 130 with one line saying what was done (``State.interrupted``), a
+    closed stdout into a silent exit 141, and another I/O error (a full disk) into a
+    Failure."""
 
     def invoke(self, ctx):
         try:
@@ -121,6 +123,14 @@ class FDQGroup(click.Group):
         except BrokenPipeError:
             _silence_closed_output()
             raise click.exceptions.Exit(EXIT_PIPE_CLOSED) from None
+        except OSError as e:    # e.g. writing stdout to a full disk (fdq tail t > out): one line
+            if e.errno is None:
+                raise
+            try:
+                sys.stdout.flush()
+            except (OSError, ValueError, AttributeError):   # what failed to write stays buffered:
+                _silence_closed_output()                    # no second error at exit
+            raise Failure(f"I/O error: {e.strerror or e}") from None
 
 
 class State:
@@ -188,7 +198,7 @@ TOPIC_COLUMNS = [
 @pass_state
 @click.pass_context
 def topics(ctx, state, as_json):
-    """List topics (or create, delete, upgrade one).
+    """List topics (or create, update, delete, upgrade one).
 
     Columns: shards, extend support, paused, subscriptions, messages inserted,
     backlog (routed, not yet done, summed over subscriptions), pending (pushed
@@ -222,20 +232,62 @@ def _show_topic(state, name, as_json):
               help="Refuse pushes beyond this backlog per subscription.")
 @click.option("--retention-s", type=Seconds(), default=None, metavar="S", callback=topic_config_callback,
               help="Keep the \"all\" log this many seconds (applied by fdq trim).")
+@click.option("--retention-bytes", type=int, default=None, metavar="N", callback=topic_config_callback,
+              help="Keep at most this many bytes of the \"all\" log, the newest (applied by fdq trim).")
+@click.option("--dedupe-window-s", type=Seconds(), default=None, metavar="S", callback=topic_config_callback,
+              help=f"Remember msg-ids this long [default: {TopicConfig().dedupe_window_s:g}].")
 @json_option
 @pass_state
-def topics_create(state, name, shards, extend, max_backlog, retention_s, as_json):
-    """Create topic NAME (nothing changes if it already exists)."""
+def topics_create(state, name, shards, extend, max_backlog, retention_s, retention_bytes, dedupe_window_s,
+                  as_json):
+    """Create topic NAME (nothing changes if it already exists).
+
+    Change its retention and limits later with fdq topics update."""
     sup = state.supervisor
     existed = any(n == name for n, _c in sup.topics())
-    config = sup.create_topic(name, shards=shards, extend=extend, max_backlog=max_backlog,
-                              retention_s=retention_s)
+    options = {"max_backlog": max_backlog, "retention_s": retention_s, "retention_bytes": retention_bytes,
+               "dedupe_window_s": dedupe_window_s}
+    config = sup.create_topic(name, shards=shards, extend=extend,
+                              **{k: v for k, v in options.items() if v is not None})
     if existed:
         render.note(f"topic {name!r} already exists ({config.shards} shards, "
                     f"extend {'on' if config.extend else 'off'}): unchanged")
     else:
         render.note(f"created topic {name!r}: {config.shards} shards, extend {'on' if config.extend else 'off'}")
     _show_topic(state, name, as_json)
+
+
+def _settings_row(name: str, config: TopicConfig) -> dict:
+    return {"topic": name, **{k: getattr(config, k) for k in UPDATABLE_TOPIC_FIELDS}}
+
+
+@topics.command("update")
+@click.argument("name", type=TOPIC)
+@click.option("--max-backlog", type=OrNone(click.INT), default=None, metavar="N|none",
+              callback=topic_config_callback, help="Refuse pushes beyond this backlog per subscription.")
+@click.option("--dedupe-window-s", type=Seconds(), default=None, metavar="S", callback=topic_config_callback,
+              help="Remember msg-ids this long.")
+@click.option("--retention-s", type=OrNone(Seconds()), default=None, metavar="S|none",
+              callback=topic_config_callback, help="Keep the \"all\" log this many seconds.")
+@click.option("--retention-bytes", type=OrNone(click.INT), default=None, metavar="N|none",
+              callback=topic_config_callback, help="Keep at most this many bytes of the \"all\" log.")
+@click.option("--max-message-bytes", type=int, default=None, metavar="N", callback=topic_config_callback,
+              help="The largest body a push accepts.")
+@json_option
+@pass_state
+def topics_update(state, name, as_json, **changes):
+    """Change topic NAME's retention and limits (none clears one).
+
+    E.g. for a topic a push created with the defaults: pushes apply the limits
+    from then on, fdq trim the retention at its next run."""
+    changes = {k: (None if v is CLEARED else v) for k, v in changes.items() if v is not None}
+    if not changes:
+        raise click.UsageError("nothing to update: give one of "
+                               + ", ".join("--" + k.replace("_", "-") for k in UPDATABLE_TOPIC_FIELDS))
+    config = state.supervisor.update_topic(name, **changes)
+    render.note(f"updated topic {name!r}: " + ", ".join(f"{k}={getattr(config, k)!r}" for k in changes))
+    if as_json:
+        render.emit_json(_settings_row(name, config))
 
 
 @topics.command("delete")
@@ -296,7 +348,8 @@ CONSUMER_COLUMNS = [
     ("host", lambda c: c["host"]),
     ("pid", lambda c: None if c["pid"] is None else str(c["pid"])),
     ("shards", lambda c: render.shard_list(c["shards"])),
-    ("heartbeat age", lambda c: "-" if c["heartbeat_age_s"] is None else f"{c['heartbeat_age_s']:.1f} s"),
+    ("heartbeat age", lambda c: "-" if c["heartbeat_age_s"] is None
+        else f"{c['heartbeat_age_s']:.1f} s" + (" (zombie)" if c["zombie"] else "")),
 ]
 
 
@@ -307,8 +360,9 @@ CONSUMER_COLUMNS = [
 def stats(state, topic, as_json):
     """Show TOPIC's counters, backlog, consumers and lag.
 
-    Per subscription: backlog, in flight, delayed, DLQ, lag; live consumers with
-    the shards each owns and heartbeat age; backlog per dispatch tag.
+    Per subscription: backlog, in flight, delayed, DLQ, lag; consumers with the
+    shards each owns and heartbeat age (a zombie: older than its zombie timeout,
+    e.g. killed, its shards not yet taken over); backlog per dispatch tag.
     --json adds per-shard counters."""
     data = rows.stats_row(state.supervisor.stats(topic))
     if as_json:
@@ -326,6 +380,7 @@ def stats(state, topic, as_json):
     subs = data["subscriptions"]
     render.table("subscriptions", [
         ("subscription", lambda s: s["name"]),
+        ("state", lambda s: "paused" if s["paused"] else "catching up" if s["catching_up"] else "running"),
         ("backlog", lambda s: s["backlog"]),
         ("in flight", lambda s: s["in_flight"]),
         ("delayed", lambda s: s["delayed"]),
@@ -336,7 +391,7 @@ def stats(state, topic, as_json):
     ], subs)
     consumers = [c for s in subs for c in s["consumers"]]
     if consumers:
-        render.table("live consumers", CONSUMER_COLUMNS, consumers)
+        render.table("consumers", CONSUMER_COLUMNS, consumers)
     tags = [dict(t, subscription=s["name"]) for s in subs for t in s["tags"]]
     if any(t["tag"] is not None for t in tags):
         render.table("backlog per tag", [
@@ -354,12 +409,16 @@ def stats(state, topic, as_json):
 @json_option
 @pass_state
 def consumers(state, topic, as_json):
-    """List TOPIC's live consumers, their shards, heartbeat age."""
+    """List TOPIC's consumers, their shards, heartbeat age.
+
+    A consumer whose heartbeat is older than its zombie timeout is marked a
+    zombie (killed, or stalled): it owns its shards until a live consumer of
+    its subscription takes them over."""
     data = rows.consumer_rows(state.supervisor.stats(topic))
     if as_json:
         render.emit_json(data)
     elif not data:
-        render.note(f"topic {topic!r} has no live consumers")
+        render.note(f"topic {topic!r} has no consumers")
     else:
         render.table(None, CONSUMER_COLUMNS, data)
 
@@ -509,7 +568,13 @@ def _print_message(m, as_json):
     if row["attempts"] > 1:
         parts.append(f"attempts={row['attempts']}")
     body = m.body.decode("utf-8", "backslashreplace")
-    click.echo("  ".join(parts) + "  " + body)
+    # One message per line, and nothing a terminal would act on (click also strips raw
+    # ANSI sequences from piped output): control characters but tab are escaped.
+    click.echo(("  ".join(parts) + "  " + body).translate(_CONTROL_ESCAPES))
+
+
+_CONTROL_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7f, 0xa0)] if c != 0x09} | {
+    0x0a: "\\n", 0x0d: "\\r"}
 
 
 class _Terminated(Exception):
@@ -533,7 +598,12 @@ def _print_and_ack(consumer, msgs, at_most_once: bool, as_json: bool) -> int:
     printed. At-most-once acks each one just before its line, so a write that fails
     (the reader went away, Ctrl-C) loses that one only, not the rest of the batch;
     at-least-once acks the lines written, also when a write fails, and leaves the rest
-    leased (``Consumer.close`` returns them at once)."""
+    leased (``Consumer.close`` returns them at once). A subscription with ack_policy
+    none leases nothing: its messages were done when fetched, there is nothing to ack."""
+    if consumer.sub_config.ack_policy == "none":
+        for m in msgs:
+            _print_message(m, as_json)
+        return len(msgs)
     written = []
     try:
         for m in msgs:
@@ -577,13 +647,18 @@ def _print_and_ack(consumer, msgs, at_most_once: bool, as_json: bool) -> int:
 def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
     """Print TOPIC's messages and ack them.
 
-    Each line: id, shard key, headers (name=value), body.
+    Each line: id, shard key, headers (name=value), body; control characters
+    but tab are escaped (\\n, \\x1b), so a message is always one line (--json
+    has the exact body).
 
     Joins the subscription as a consumer: with other consumers live it gets its
     share of the shards. One message per line; --json: one JSON object per line.
     A stalled consumer (database unreachable, or no shard owned, for over 3
     heartbeats) is reported by one line on stderr; tail keeps going. A topic or
     subscription deleted under it ends it (exit 1).
+
+    A subscription with ack policy none is done with a message when tail
+    fetches it, in batches (a failed write loses the rest of its batch).
 
     A message counts as delivered once its line is written to stdout. If the
     reader goes away (fdq tail t | head -1), tail exits 141 without a message:
@@ -675,13 +750,16 @@ def rebalance(state, topic, shards, as_json):
     With --shards N, change the shard count first (every backlog re-routed,
     each shard key's order kept)."""
     sup = state.supervisor
-    stats = sup.stats(topic)
-    total = sum(s["backlog"] for s in stats["subscriptions"].values())
+    sup.config(topic)          # unknown: exit 1 before anything changes
     _resumable(state, f"rebalance of {topic!r}")
-    with render.progress(f"resharding {topic}", total) as advance:
+    # Queue entries read, without a total: a message moving to a shard not processed yet
+    # is read again there, so no count known beforehand bounds it (the backlog did not).
+    with render.progress(f"resharding {topic}") as advance:
         config = sup.rebalance(topic, shards=shards, progress=advance)
-    live = len(rows.consumer_rows(sup.stats(topic)))
-    render.note(f"topic {topic!r}: {config.shards} shards divided among {live} live consumer(s)")
+    members = rows.consumer_rows(sup.stats(topic))
+    zombies = sum(1 for c in members if c["zombie"])
+    render.note(f"topic {topic!r}: {config.shards} shards divided among {len(members)} consumer(s)"
+                + (f" ({zombies} of them zombies: a live consumer takes their shards over)" if zombies else ""))
     if as_json:
         render.emit_json(rows.topic_row(topic, sup.stats(topic)))
 
@@ -726,18 +804,22 @@ def replay(state, topic, start, end, as_json):
 @cli.command()
 @topic_argument
 @click.option("--before", type=Time(), default=None,
-              help="Delete log entries inserted before this time (ISO-8601, <n>s or <n>ms) [default: the topic's retention_s].")
+              help="Delete log entries inserted before this time (ISO-8601, <n>s or <n>ms) [default: the topic's retention_s]; "
+                   "its retention_bytes applies either way.")
 @json_option
 @pass_state
 def trim(state, topic, before, as_json):
     """Apply retention to TOPIC's log (what replay reads).
 
+    By age (its retention_s, or --before), then by size (its retention_bytes:
+    the oldest entries go until the log fits). Set them with fdq topics update.
+
     Also expires dedupe ids and push markers past their windows. Queued
     messages are untouched."""
     sup = state.supervisor
     config = sup.config(topic)
-    if before is None and config.retention_s is None:
-        render.note(f"topic {topic!r} has no retention_s: give --before to trim its log")
+    if before is None and config.retention_s is None and config.retention_bytes is None:
+        render.note(f"topic {topic!r} has no retention: give --before to trim its log")
     _resumable(state, f"trim of {topic!r}")
     with render.progress(f"trimming {topic}") as advance:
         n = sup.trim(topic, before_ms=as_datetime(before), progress=advance)
@@ -838,6 +920,7 @@ SUBSCRIPTION_COLUMNS = [
     ("subscription", lambda r: r["name"]),
     ("ephemeral", lambda r: r["ephemeral"]),
     ("catching up", lambda r: r["catching_up"]),
+    ("paused", lambda r: r["paused"]),
     ("deliver", lambda r: r["deliver_policy"] if r["start_time_ms"] is None
      else f"{r['deliver_policy']} {render.time_ms(r['start_time_ms'])}"),
     ("ack", lambda r: r["config"]["ack_policy"]),
@@ -932,7 +1015,7 @@ def _show_subscription(row):
 
 @cli.group(cls=SubsGroup)
 def subs():
-    """Subscriptions of a topic: list, create, show, update, reset, delete.
+    """Subscriptions of a topic: list, create, show, update, reset, pause, play, delete.
 
     fdq subs TOPIC lists them, as fdq subs list TOPIC does (use the latter for a
     topic named like a command)."""
@@ -1054,6 +1137,36 @@ def subs_reset(state, topic, name, to_time, as_json):
     render.note(f"reset subscription {name!r} of topic {topic!r} to {when}: {copied:,} messages copied from the log")
     if as_json:
         render.emit_json({"topic": topic, "subscription": name, "to_time_ms": to_time, "copied": copied})
+
+
+@subs.command("pause")
+@topic_argument
+@click.argument("name", type=SUBSCRIPTION)
+@json_option
+@pass_state
+def subs_pause(state, topic, name, as_json):
+    """Pause subscription NAME of TOPIC: its consumers take nothing.
+
+    Pushes keep filling its queues; the topic's other subscriptions go on. As
+    an NSQ client's /channel/pause; fdq subs play resumes it."""
+    was = state.supervisor.pause_subscription(topic, name)
+    render.note(f"subscription {name!r} of topic {topic!r} " + ("was already paused" if was else "paused"))
+    if as_json:
+        render.emit_json(_subscription_row(state.supervisor, topic, name))
+
+
+@subs.command("play")
+@topic_argument
+@click.argument("name", type=SUBSCRIPTION)
+@json_option
+@pass_state
+def subs_play(state, topic, name, as_json):
+    """Resume subscription NAME of TOPIC, paused by fdq subs pause (or /channel/pause)."""
+    was = state.supervisor.play_subscription(topic, name)
+    render.note(f"{'resumed' if was else 'nothing to resume:'} subscription {name!r} of topic {topic!r}"
+                + ("" if was else " was not paused"))
+    if as_json:
+        render.emit_json(_subscription_row(state.supervisor, topic, name))
 
 
 @subs.command("delete")

@@ -50,7 +50,7 @@ class Shards(click.ParamType):
 
 def topic_config_callback(ctx, param, value):
     """Check an option that is a ``TopicConfig`` field (same name) by FDQ's own rule."""
-    if value is not None:
+    if value is not None and value is not CLEARED:
         try:
             TopicConfig(**{param.name: value})
         except ConfigError as e:
@@ -107,6 +107,29 @@ class Seconds(click.ParamType):
         if not math.isfinite(s) or s < 0:
             self.fail(f"{value!r}: seconds must be a finite number >= 0", param, ctx)
         return s
+
+
+class Cleared:
+    """``none`` given for an optional setting: clear it (``OrNone``)."""
+
+    def __repr__(self):
+        return "none"
+
+
+CLEARED = Cleared()
+
+
+class OrNone(click.ParamType):
+    """``inner``'s values, or ``none`` (-> ``CLEARED``): an optional setting to clear."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.name = f"{inner.name}|none"
+
+    def convert(self, value, param, ctx):
+        if value is CLEARED or (isinstance(value, str) and value.strip().lower() == "none"):
+            return CLEARED
+        return self.inner.convert(value, param, ctx)
 
 
 class Time(click.ParamType):
@@ -264,6 +287,6 @@ class Tag(click.ParamType):
 TOPIC = Name("topic")
 SUBSCRIPTION = Name("subscription")
 
-__all__ = ["topic_config_callback", "envelope_callback", "subscription_config_callback", "Name", "Shards", "Seconds",
+__all__ = ["CLEARED", "OrNone", "topic_config_callback", "envelope_callback", "subscription_config_callback", "Name", "Shards", "Seconds",
            "SecondsList", "Time", "TimeOrNow", "Duration", "Address", "Header", "FilterHeader", "Tag",
            "headers_callback", "filter_headers_callback", "TOPIC", "SUBSCRIPTION"]

@@ -11,6 +11,7 @@ import time
 import click
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 PLAIN_EVERY_S = 2.0
 
@@ -54,8 +55,8 @@ def table(title: str | None, columns: list, rows: list):
         numeric = bool(cells) and all(isinstance(c[i], (int, float)) and not isinstance(c[i], bool)
                                       for c in cells)
         t.add_column(header, overflow="fold", justify="right" if numeric else "left")
-    for c in cells:
-        t.add_row(*[_text(v) for v in c])
+    for c in cells:     # Text, not str: a cell is data, never rich markup ("[/]" in a body)
+        t.add_row(*[Text(_text(v)) for v in c])
     _stdout_console().print(t)
 
 

@@ -53,6 +53,8 @@ def _consumer_row(sub: str, c: dict, owned: list) -> dict:
         "shards": owned,
         "heartbeats": c.get("heartbeats"),
         "heartbeat_age_s": c.get("heartbeat_age_s"),
+        "zombie_after_s": c.get("zombie_after_s"),
+        "zombie": c.get("zombie"),
     }
 
 
@@ -80,6 +82,8 @@ def stats_row(stats: dict) -> dict:
                 owned.setdefault(sh["owner"], []).append({"tag": _tag(sh["tag"]), "shard": sh["shard"]})
         subs.append({
             "name": sub,
+            "paused": s["paused"],
+            "catching_up": s["catching_up"],
             "backlog": s["backlog"],
             "in_flight": s["in_flight"],
             "delayed": s["delayed"],
@@ -119,7 +123,8 @@ def stats_row(stats: dict) -> dict:
 
 
 def consumer_rows(stats: dict) -> list:
-    """``fdq consumers``: the live consumers of every subscription."""
+    """``fdq consumers``: the registered consumers of every subscription (``zombie``: its
+    heartbeat is older than its zombie timeout, e.g. killed with none left to notice)."""
     return [c for s in stats_row(stats)["subscriptions"] for c in s["consumers"]]
 
 
@@ -134,6 +139,7 @@ def subscription_row(topic: str, info: dict, sub_stats: dict | None) -> dict:
         "name": info["name"],
         "ephemeral": info["ephemeral"],
         "catching_up": info["catching_up"],
+        "paused": info["paused"],
         "deliver_policy": config["deliver_policy"],
         "start_time_ms": config["start_time_ms"],
         "start_position": info["start_position"],

@@ -31,6 +31,7 @@ USAGE_ERRORS = [  # (argv, text the message must contain)
     (["topics", "create", "new", "--shards", "many"], "'many' is not an integer"),
     (["topics", "create", "new", "--shards", "5000"], "shards must be at most 4096"),
     (["rebalance", "orders", "--shards", "-3"], "shards must be an integer > 0"),
+    (["rebalance", "orders", "--shards", "9" * 20], "shards must be at most 4096, not 99999999999999999999"),
     (["topics", "create", "new", "--max-backlog", "0"], "max_backlog must be an integer > 0, not 0"),
     (["topics", "create", "new", "--max-backlog", "lots"], "'lots' is not a valid integer"),
     (["topics", "create", "new", "--retention-s", "-5"], "seconds must be a finite number >= 0"),

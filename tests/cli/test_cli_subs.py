@@ -9,7 +9,7 @@ import pytest
 import fdq
 from fdq.config import SubscriptionConfig
 
-ROW_KEYS = {"topic", "name", "ephemeral", "catching_up", "deliver_policy", "start_time_ms", "start_position",
+ROW_KEYS = {"topic", "name", "ephemeral", "catching_up", "paused", "deliver_policy", "start_time_ms", "start_position",
             "backlog", "in_flight", "delayed", "dlq", "consumers", "config"}
 
 
