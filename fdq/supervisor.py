@@ -261,6 +261,11 @@ def reshard_finish(tr, ts: TopicSpace) -> TopicConfig:
     tr[ts.config_key] = pack(config.as_dict())
     for sub in config.subs:
         membership.assign_shards(tr, ts, sub, config)
+    for sub in config.catchup:
+        # A reset's purge marks shards it finished; the reshard moved messages it had
+        # not purged yet into them: it scans every shard again (safe, it is idempotent).
+        r = ts.sub_records[sub]["purge"].range()
+        tr.clear_range(r.start, r.stop)
     return config
 
 

@@ -3,6 +3,8 @@ messages pushed during a reset kept exactly once."""
 import threading
 import time
 
+import pytest
+
 import fdq
 from subs_helpers import drain
 
@@ -174,3 +176,54 @@ def test_reset_killed_midway_is_finished_by_live_consumers(db, url, tmp_path):
         assert "r" not in sup.config("t").catchup
     finally:
         c.close()
+
+
+_RESET_KILLED_IN_PURGE = """
+import os, signal, sys
+import fdq
+from fdq import subscription as subs
+
+subs.CHUNK = 10
+chunk, calls = subs.catch_up_chunk, []
+
+def dies(*args, **kwargs):      # killed -9 after a few chunks of the purge of the old queue
+    calls.append(1)
+    if len(calls) == 15:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return chunk(*args, **kwargs)
+
+subs.catch_up_chunk = dies
+to = None if sys.argv[2] == "now" else int(sys.argv[2])
+fdq.Supervisor(fdq.connect(sys.argv[1])).reset("t", "r", to)
+"""
+
+
+@pytest.mark.parametrize("to", ["now", "0"])
+def test_reset_killed_in_its_purge_then_resharded_to_fewer_shards(db, url, tmp_path, to):
+    """A reset killed -9 while it purged the old queue shard by shard, then a reshard to
+    fewer shards (moving unpurged messages into shards the purge had finished), then
+    the catch-up finished: the old messages are purged all the same. A reset to now
+    delivered 83 of 400 old ones; a rewind delivered each once but counted 83 of them
+    routed twice (a backlog of 83 left for good)."""
+    import signal
+    import subprocess
+    import sys
+    from fdq.keyspace import Keyspace
+    from fdq.subscription import catch_up
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=4)
+    sup.create_subscription("t", "r")
+    a = _push(db, "a", 400)
+    script = tmp_path / "killed_reset.py"
+    script.write_text(_RESET_KILLED_IN_PURGE)
+    proc = subprocess.run([sys.executable, str(script), url, to], timeout=120, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    assert "r" in sup.config("t").catchup        # left midway
+    sup.pause("t")
+    sup.rebalance("t", shards=2)
+    sup.play("t")
+    catch_up(db, Keyspace().topic("t"), "r")        # as the subscription's consumers do
+    expected = set() if to == "now" else set(a)
+    assert sup.stats("t")["subscriptions"]["r"]["backlog"] == len(expected)
+    assert _ids(drain(db, "t", "r", idle_s=0.3)) == expected
+    assert sup.stats("t")["subscriptions"]["r"]["backlog"] == 0
