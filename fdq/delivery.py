@@ -120,6 +120,26 @@ def read_leases(reader, shard: ShardSpace, limit: int = 0) -> list:
     return [(kv.key, decode_leases(kv.key, kv.value)) for kv in reader.get_range(r.start, r.stop, limit=limit)]
 
 
+def in_shard(tr, shard: ShardSpace, vs, cache: dict) -> bool:
+    """Whether message ``vs`` is in ``shard``'s queue now: ready (a point read, not a
+    snapshot: a message taken, requeued or promoted to ready meanwhile conflicts),
+    leased or delayed (the shard's lease records and delayed area by snapshot, read
+    once per transaction into ``cache``: consumers and pushes do not abort the caller;
+    a lease settled meanwhile was that message's delivery). A writer putting a message
+    back at its ready key (a reset's copy, a DLQ redrive) checks first: a second copy at
+    the same key would count it routed twice (a backlog left for good), one in another
+    area would deliver it twice."""
+    if tr[shard.ready_key(vs)] != None:  # noqa: E711
+        return True
+    got = cache.get(shard)
+    if got is None:
+        got = {e[0] for _key, lr in read_leases(tr.snapshot, shard) for e in lr.entries}
+        r = shard.delayed.range()
+        got.update(shard.delayed.unpack(kv.key)[-1].to_bytes() for kv in tr.snapshot.get_range(r.start, r.stop))
+        cache[shard] = got
+    return vs.to_bytes() in got
+
+
 def _held_keys(tr, shard: ShardSpace) -> set:
     """Shard keys with a message leased or delayed (waiting for redelivery or due)."""
     held = set()
@@ -564,7 +584,8 @@ def dlq_list(tr, ts: TopicSpace, sub: str, limit: int = 100, after: bytes | None
 @transactional
 def dlq_redrive_chunk(tr, ts: TopicSpace, sub: str, config, limit: int) -> tuple:
     """Move up to ``limit`` dead letters (or ``CHUNK_WRITE_BYTES`` of them) back to their
-    shard's ready queue (attempts reset). Resumable: each chunk removes what it moved.
+    shard's ready queue (attempts reset); one queued there already (``in_shard``) is
+    only removed from the DLQ. Resumable: each chunk removes what it moved.
     Returns ``(moved, done)``. The shard count is the topic config's as this
     transaction reads it (not snapshot: a reshard beginning or ending meanwhile
     conflicts), the new count while a reshard runs, as ``_requeue``: the reshard may have
@@ -576,6 +597,7 @@ def dlq_redrive_chunk(tr, ts: TopicSpace, sub: str, config, limit: int) -> tuple
     space = ts.dlq(sub)
     r = space.range()
     moved = written = 0
+    queued = {}
     for kv in tr.get_range(r.start, r.stop, limit=limit):
         if written >= CHUNK_WRITE_BYTES:
             return moved, False
@@ -588,10 +610,15 @@ def dlq_redrive_chunk(tr, ts: TopicSpace, sub: str, config, limit: int) -> tuple
             int.from_bytes(vs.to_bytes()[-4:], "big") % shards
         from .headers import dispatch_tag
         shard = ts.shard(sub, dispatch_tag(rec.headers), n)
-        tr[shard.ready_key(vs)] = rec.encode()
         del tr[kv.key]
-        _add(tr, {shard.stat("routed"): 1, ts.sub_stat(sub, "dead"): -1})
         moved += 1
+        if in_shard(tr, shard, vs, queued):
+            # queued again already (a reset rewound the subscription over it): that
+            # copy delivers it; this one would count it routed twice
+            _add(tr, {ts.sub_stat(sub, "dead"): -1})
+            continue
+        tr[shard.ready_key(vs)] = rec.encode()
+        _add(tr, {shard.stat("routed"): 1, ts.sub_stat(sub, "dead"): -1})
     return moved, moved < limit
 
 

@@ -800,6 +800,10 @@ class Supervisor:
                 for vs, rec, reason, cid, _k in delivery.dlq_list(self.db, ts, subscription, limit)]
 
     def dlq_redrive(self, name: str, subscription: str = "default", progress=None) -> int:
+        """Move the subscription's dead letters back to their shards' ready queues
+        (attempts reset), in chunks; resumable. A dead letter whose message is queued
+        already (a ``reset`` rewound over it) leaves the DLQ without a second copy: the
+        queued one delivers it. Returns the dead letters moved."""
         ts = self._ts(name)
         config = self.config(name)
         self.subscription(name, subscription)

@@ -227,3 +227,58 @@ def test_reset_killed_in_its_purge_then_resharded_to_fewer_shards(db, url, tmp_p
     assert sup.stats("t")["subscriptions"]["r"]["backlog"] == len(expected)
     assert _ids(drain(db, "t", "r", idle_s=0.3)) == expected
     assert sup.stats("t")["subscriptions"]["r"]["backlog"] == 0
+
+
+def _queued(db, sub):
+    """The ready, delayed and leased messages of ``sub`` by a scan (its backlog, for real)."""
+    from fdq.keyspace import Keyspace
+    ts = Keyspace().topic("t")
+    tr = db.create_transaction()
+    r = ts.subs[sub].range()
+    return sum(1 for kv in tr.snapshot.get_range(r.start, r.stop)
+               if len(ts.subs.unpack(kv.key)) > 4 and ts.subs.unpack(kv.key)[4] in ("ready", "delayed", "leased"))
+
+
+def test_rewind_over_leases_returned_after_its_purge_counts_them_once(db):
+    """A rewind whose purge ran, then leases returned to ready (nak; or expired), then the
+    copy from the log (a reset killed between the two, finished later by consumers):
+    the copy found those messages not leased and wrote them again at their ready key,
+    counting them routed twice: a backlog of 10 left for good after all 50 were
+    delivered."""
+    from fdq import subscription as subs
+    from fdq.keyspace import Keyspace
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    sup.create_subscription("t", "r")
+    ids = _push(db, "a", 50)
+    ts = Keyspace().topic("t")
+    with fdq.Consumer(db, "t", subscription="r", config=fdq.ConsumerConfig(ack_wait_s=30)) as c:
+        leased = c.fetch(10, timeout=1)
+        assert len(leased) == 10
+        subs.begin_reset(db, ts, "r", 0)
+        subs.catch_up_chunk(db, ts, "r", 500)       # the purge
+        for m in leased:
+            m.nak(0)
+    subs.catch_up(db, ts, "r")
+    assert sup.stats("t")["subscriptions"]["r"]["backlog"] == _queued(db, "r") == 50
+    assert _ids(drain(db, "t", "r", idle_s=0.3)) == set(ids)
+    assert sup.stats("t")["subscriptions"]["r"]["backlog"] == 0
+
+
+def test_redrive_after_a_rewind_requeued_the_dead_letter_counts_it_once(db):
+    """A rewind queues a dead letter again (the DLQ is left alone); a redrive before it
+    is delivered wrote it again at the same ready key, counted routed twice: a backlog
+    of 1 left for good. Now the redrive drops the dead letter (that copy delivers it)."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=1)
+    sup.create_subscription("t", "r")
+    ids = _push(db, "a", 10)
+    with fdq.Consumer(db, "t", subscription="r") as c:
+        m = c.fetch(1, timeout=1)[0]
+        m.term("bad")
+    sup.reset("t", "r", 0)
+    assert sup.dlq_redrive("t", "r") == 1
+    st = sup.stats("t")["subscriptions"]["r"]
+    assert (st["backlog"], st["dlq"]) == (_queued(db, "r"), 0) == (10, 0)
+    assert _ids(drain(db, "t", "r", idle_s=0.3)) == set(ids)
+    assert sup.stats("t")["subscriptions"]["r"]["backlog"] == 0
