@@ -289,8 +289,9 @@ def supervisor(args):
                 result = sup.pause_subscription(TOPIC, op[1])
             elif kind == "play_sub":
                 result = sup.play_subscription(TOPIC, op[1])
-            elif kind == "reset":       # the exactly-once "rst": rewind, or skip to now
-                result = sup.reset(TOPIC, "rst", op[1])
+            elif kind == "reset":       # "rst" (exactly-once) or "rsa": rewind, or skip to now
+                sup.play(TOPIC)         # (refused while paused)
+                result = sup.reset(TOPIC, op[2] if len(op) > 2 else "rst", op[1])
             elif kind == "update":
                 result = sup.update_subscription(TOPIC, "flt", **op[1]).max_ack_pending
         except fdq.ConfigError as e:    # another supervisor's reshard under way
@@ -316,15 +317,16 @@ def supervisor(args):
             start = now - rng.randint(200, 3000)
             op = ["replay", start, start + rng.randint(20, 300)]
         elif r < 0.74:
-            op = ["redrive", rng.choice(["alo", "flt"])]
+            op = ["redrive", rng.choice(["alo", "flt", "rsa"])]
         elif r < 0.80:
             op = ["trim", int((time.time() - args.trim_age) * 1000)]
-        elif r < 0.86:
+        elif r < 0.84:
             op = ["pause_sub", rng.choice(subs)]
-        elif r < 0.92:
+        elif r < 0.88:
             op = ["play_sub", rng.choice(subs)]
         elif r < 0.96:
-            op = ["reset", rng.choice([None, int(time.time() * 1000) - rng.randint(0, 3000)])]
+            op = ["reset", rng.choice([None, int(time.time() * 1000) - rng.randint(0, 3000)]),
+                  rng.choice(["rst", "rsa"])]
         else:
             op = ["update", {"max_ack_pending": rng.choice([1, 2, 3, None]),
                              "ack_wait_s": rng.choice([None, 0.4, 0.8])}]
