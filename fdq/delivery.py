@@ -68,23 +68,34 @@ def _add(tr, counters: dict):
 def promote_due(tr, shard: ShardSpace, limit: int, promoted: dict | None = None) -> int | None:
     """Move delayed messages that are due (due <= the database clock, see
     ``membership.read_clock``) to the head of the ready queue. Returns the next due
-    time still waiting, if any; ``promoted`` collects {12-byte stamp: delayed key}."""
+    time still waiting, if any; ``promoted`` collects {12-byte stamp: delayed key}.
+    A message whose ready key holds it already (a reset's copy of a message nak'd with
+    a delay meanwhile) is one message: the delayed copy is dropped, counted done."""
     now = read_clock(tr, shard.clock_key)
     r = shard.delayed_range
-    moved, waiting = 0, None
+    due_now = []
+    waiting = None
     for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit + 1):
         due, vs = shard.delayed.unpack(kv.key)
-        if due > now or moved >= limit:
+        if due > now or len(due_now) >= limit:
             waiting = due
             break
+        # not a snapshot: a copy written there meanwhile conflicts (futures on FDB)
+        due_now.append((kv, vs, tr[shard.ready_key(vs)]))
+    merged = 0
+    for kv, vs, there in due_now:
         tr.add_read_conflict_key(kv.key)
         tr.clear(kv.key)
+        if there != None:  # noqa: E711
+            merged += 1
+            continue
         tr[shard.ready_key(vs)] = kv.value
         if promoted is not None:
             promoted[vs.to_bytes()] = kv.key
-        moved += 1
-    if moved:
-        tr.add(shard.stat("delayed"), counter(-moved))
+    if due_now:
+        tr.add(shard.stat("delayed"), counter(-len(due_now)))
+    if merged:
+        tr.add(shard.stat("done"), counter(merged))
     return waiting
 
 
@@ -121,22 +132,19 @@ def read_leases(reader, shard: ShardSpace, limit: int = 0) -> list:
 
 
 def in_shard(tr, shard: ShardSpace, vs, cache: dict) -> bool:
-    """Whether message ``vs`` is in ``shard``'s queue now: ready (a point read, not a
-    snapshot: a message taken, requeued or promoted to ready meanwhile conflicts),
-    leased or delayed (the shard's lease records and delayed area by snapshot, read
-    once per transaction into ``cache``: consumers and pushes do not abort the caller;
-    a lease settled meanwhile was that message's delivery). A writer putting a message
-    back at its ready key (a reset's copy, a DLQ redrive) checks first: a second copy at
-    the same key would count it routed twice (a backlog left for good), one in another
-    area would deliver it twice."""
+    """Whether message ``vs`` is ready in ``shard`` (a point read, not a snapshot: a
+    message taken, requeued or promoted to ready meanwhile conflicts) or leased there
+    (the shard's lease records by snapshot, read once per transaction into ``cache``:
+    consumers do not abort the caller; a lease settled meanwhile was that message's
+    delivery). A writer putting a message back at its ready key (a reset's copy, a DLQ
+    redrive) checks first: a second copy at the same key would count it routed twice (a
+    backlog left for good). One delayed (a nak with a delay) is not looked for (keyed
+    by due time): ``promote_due`` merges it with a ready copy."""
     if tr[shard.ready_key(vs)] != None:  # noqa: E711
         return True
     got = cache.get(shard)
     if got is None:
-        got = {e[0] for _key, lr in read_leases(tr.snapshot, shard) for e in lr.entries}
-        r = shard.delayed.range()
-        got.update(shard.delayed.unpack(kv.key)[-1].to_bytes() for kv in tr.snapshot.get_range(r.start, r.stop))
-        cache[shard] = got
+        got = cache[shard] = {e[0] for _key, lr in read_leases(tr.snapshot, shard) for e in lr.entries}
     return vs.to_bytes() in got
 
 

@@ -282,3 +282,42 @@ def test_redrive_after_a_rewind_requeued_the_dead_letter_counts_it_once(db):
     assert (st["backlog"], st["dlq"]) == (_queued(db, "r"), 0) == (10, 0)
     assert _ids(drain(db, "t", "r", idle_s=0.3)) == set(ids)
     assert sup.stats("t")["subscriptions"]["r"]["backlog"] == 0
+
+
+def test_rewind_over_leases_delayed_after_its_purge_counts_them_once(db):
+    """As above with the leases nak'd with a delay: the copy (it does not look in the
+    delayed area, keyed by due time) queues them ready, and their delayed copies, once
+    due, were promoted onto the same ready keys: counted routed twice, a backlog of 10
+    left for good. Now the promotion drops such a delayed copy, counted done."""
+    from fdq import subscription as subs
+    from fdq.keyspace import Keyspace
+    from fdq.membership import read_clock
+    from subs_helpers import FAST, wait_for
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    sup.create_subscription("t", "r")
+    ids = _push(db, "a", 50)
+    ts = Keyspace().topic("t")
+    with fdq.Consumer(db, "t", subscription="r", config=fdq.ConsumerConfig(**{**FAST, "ack_wait_s": 30})) as c:
+        leased = c.fetch(10, timeout=1)
+        assert len(leased) == 10
+        subs.begin_reset(db, ts, "r", 0)
+        subs.catch_up_chunk(db, ts, "r", 500)       # the purge
+        for m in leased:
+            m.nak(0.2)
+        subs.catch_up(db, ts, "r")
+        assert sup.stats("t")["subscriptions"]["r"]["backlog"] == _queued(db, "r") == 60
+        # the consumer advances the database clock (delays are due by it): both copies
+        # are there when the next take promotes the delayed ones
+        clock = read_clock(db.create_transaction(), ts.clock_key)
+        wait_for(lambda: read_clock(db.create_transaction(), ts.clock_key) > clock + 500, timeout=30,
+                 what="the delayed copies to be due")
+        got = []
+        while True:
+            ms = c.fetch(100, timeout=0.3)
+            if not ms:
+                break
+            c.ack_many(ms)
+            got += ms
+    assert _ids(got) == set(ids)
+    assert sup.stats("t")["subscriptions"]["r"]["backlog"] == _queued(db, "r") == 0
