@@ -321,3 +321,36 @@ def test_rewind_over_leases_delayed_after_its_purge_counts_them_once(db):
             got += ms
     assert _ids(got) == set(ids)
     assert sup.stats("t")["subscriptions"]["r"]["backlog"] == _queued(db, "r") == 0
+
+
+def test_a_consumer_starts_while_its_subscription_catches_up_on_a_paused_topic(db, url, tmp_path):
+    """A reset killed midway leaves the subscription catching up; the topic is paused
+    (or resharding). A consumer starting then tried to finish the catch-up in its
+    constructor and failed with the catch-up's ConfigError ("topic is paused"): it could
+    not start until the topic played. Now it starts, and finishes the catch-up once the
+    topic plays: the rewind's messages arrive, each once."""
+    import signal
+    import subprocess
+    import sys
+    from subs_helpers import FAST, wait_for
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    sup.create_subscription("t", "r")
+    a = _push(db, "a", 200)
+    assert _ids(drain(db, "t", "r", idle_s=0.3)) == set(a)
+    script = tmp_path / "killed_reset.py"
+    script.write_text(_KILLED_RESET)
+    proc = subprocess.run([sys.executable, str(script), url], timeout=120, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    sup.pause("t")
+    got = []
+    c = fdq.tail(db, "t", got.append, subscription="r", config=fdq.ConsumerConfig(**FAST),
+                 on_error=lambda e: None)
+    try:
+        assert "r" in sup.config("t").catchup
+        sup.play("t")
+        wait_for(lambda: len(got) >= len(a), timeout=60, what="the rewind's messages")
+        assert _ids(got) == set(a)
+        assert "r" not in sup.config("t").catchup
+    finally:
+        c.shutdown()
