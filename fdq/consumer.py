@@ -470,9 +470,15 @@ class Consumer:
         """Copy the subscription's start point into its queues if that is pending (a
         new subscription, a reset). After joining and with heartbeats running: a long
         catch-up must not look like a dead member (an ephemeral subscription's would be
-        deleted under it)."""
-        if self.subscription in self._topic_config.catchup:
-            _subs.catch_up(self.db, self._ts, self.subscription)
+        deleted under it). Not while the topic is paused or resharding (the catch-up
+        waits for it to play): the membership loop finishes it then (``_help_catch_up``)."""
+        for _attempt in range(3):
+            if self.subscription not in self._topic_config.catchup or not self._topic_config.routing:
+                return
+            try:
+                _subs.catch_up(self.db, self._ts, self.subscription)
+            except ConfigError:     # paused or resharding since: looked at again
+                pass
             self._topic_config = read_topic_config(self.db, self._ts)
 
     def _apply_subscription(self, config: SubscriptionConfig):

@@ -68,23 +68,34 @@ def _add(tr, counters: dict):
 def promote_due(tr, shard: ShardSpace, limit: int, promoted: dict | None = None) -> int | None:
     """Move delayed messages that are due (due <= the database clock, see
     ``membership.read_clock``) to the head of the ready queue. Returns the next due
-    time still waiting, if any; ``promoted`` collects {12-byte stamp: delayed key}."""
+    time still waiting, if any; ``promoted`` collects {12-byte stamp: delayed key}.
+    A message whose ready key holds it already (a reset's copy of a message nak'd with
+    a delay meanwhile) is one message: the delayed copy is dropped, counted done."""
     now = read_clock(tr, shard.clock_key)
     r = shard.delayed_range
-    moved, waiting = 0, None
+    due_now = []
+    waiting = None
     for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit + 1):
         due, vs = shard.delayed.unpack(kv.key)
-        if due > now or moved >= limit:
+        if due > now or len(due_now) >= limit:
             waiting = due
             break
+        # not a snapshot: a copy written there meanwhile conflicts (futures on FDB)
+        due_now.append((kv, vs, tr[shard.ready_key(vs)]))
+    merged = 0
+    for kv, vs, there in due_now:
         tr.add_read_conflict_key(kv.key)
         tr.clear(kv.key)
+        if there != None:  # noqa: E711
+            merged += 1
+            continue
         tr[shard.ready_key(vs)] = kv.value
         if promoted is not None:
             promoted[vs.to_bytes()] = kv.key
-        moved += 1
-    if moved:
-        tr.add(shard.stat("delayed"), counter(-moved))
+    if due_now:
+        tr.add(shard.stat("delayed"), counter(-len(due_now)))
+    if merged:
+        tr.add(shard.stat("done"), counter(merged))
     return waiting
 
 
@@ -118,6 +129,23 @@ def read_leases(reader, shard: ShardSpace, limit: int = 0) -> list:
     snapshot). ``limit``: records, 0 for all."""
     r = shard.leased.range()
     return [(kv.key, decode_leases(kv.key, kv.value)) for kv in reader.get_range(r.start, r.stop, limit=limit)]
+
+
+def in_shard(tr, shard: ShardSpace, vs, cache: dict) -> bool:
+    """Whether message ``vs`` is ready in ``shard`` (a point read, not a snapshot: a
+    message taken, requeued or promoted to ready meanwhile conflicts) or leased there
+    (the shard's lease records by snapshot, read once per transaction into ``cache``:
+    consumers do not abort the caller; a lease settled meanwhile was that message's
+    delivery). A writer putting a message back at its ready key (a reset's copy, a DLQ
+    redrive) checks first: a second copy at the same key would count it routed twice (a
+    backlog left for good). One delayed (a nak with a delay) is not looked for (keyed
+    by due time): ``promote_due`` merges it with a ready copy."""
+    if tr[shard.ready_key(vs)] != None:  # noqa: E711
+        return True
+    got = cache.get(shard)
+    if got is None:
+        got = cache[shard] = {e[0] for _key, lr in read_leases(tr.snapshot, shard) for e in lr.entries}
+    return vs.to_bytes() in got
 
 
 def _held_keys(tr, shard: ShardSpace) -> set:
@@ -564,7 +592,8 @@ def dlq_list(tr, ts: TopicSpace, sub: str, limit: int = 100, after: bytes | None
 @transactional
 def dlq_redrive_chunk(tr, ts: TopicSpace, sub: str, config, limit: int) -> tuple:
     """Move up to ``limit`` dead letters (or ``CHUNK_WRITE_BYTES`` of them) back to their
-    shard's ready queue (attempts reset). Resumable: each chunk removes what it moved.
+    shard's ready queue (attempts reset); one queued there already (``in_shard``) is
+    only removed from the DLQ. Resumable: each chunk removes what it moved.
     Returns ``(moved, done)``. The shard count is the topic config's as this
     transaction reads it (not snapshot: a reshard beginning or ending meanwhile
     conflicts), the new count while a reshard runs, as ``_requeue``: the reshard may have
@@ -576,6 +605,7 @@ def dlq_redrive_chunk(tr, ts: TopicSpace, sub: str, config, limit: int) -> tuple
     space = ts.dlq(sub)
     r = space.range()
     moved = written = 0
+    queued = {}
     for kv in tr.get_range(r.start, r.stop, limit=limit):
         if written >= CHUNK_WRITE_BYTES:
             return moved, False
@@ -588,10 +618,15 @@ def dlq_redrive_chunk(tr, ts: TopicSpace, sub: str, config, limit: int) -> tuple
             int.from_bytes(vs.to_bytes()[-4:], "big") % shards
         from .headers import dispatch_tag
         shard = ts.shard(sub, dispatch_tag(rec.headers), n)
-        tr[shard.ready_key(vs)] = rec.encode()
         del tr[kv.key]
-        _add(tr, {shard.stat("routed"): 1, ts.sub_stat(sub, "dead"): -1})
         moved += 1
+        if in_shard(tr, shard, vs, queued):
+            # queued again already (a reset rewound the subscription over it): that
+            # copy delivers it; this one would count it routed twice
+            _add(tr, {ts.sub_stat(sub, "dead"): -1})
+            continue
+        tr[shard.ready_key(vs)] = rec.encode()
+        _add(tr, {shard.stat("routed"): 1, ts.sub_stat(sub, "dead"): -1})
     return moved, moved < limit
 
 

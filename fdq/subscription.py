@@ -25,14 +25,14 @@ import json
 import struct
 import time
 
-from . import membership
+from . import delivery, membership
 from .config import (DEFAULT_SUBSCRIPTION, UPDATABLE_SUBSCRIPTION_FIELDS, SubscriptionConfig,
                      TopicConfig, check_name)
 from .engine import transactional
 from .errors import ConfigError, SubscriptionNotFound
 from .headers import dispatch_tag
 from .keyspace import TopicSpace, Versionstamp, counter
-from .keyspace.codec import CHUNK_WRITE_BYTES, Record, decode_leases, pack, shard_of, unpack
+from .keyspace.codec import CHUNK_WRITE_BYTES, Record, pack, shard_of, unpack
 from .log import SLACK_MS
 from .topic import read_topic_config, write_topic_config
 
@@ -299,27 +299,17 @@ def _position_for_time(tr, ts: TopicSpace, t_ms: int) -> Versionstamp | None:
     return None
 
 
-def _leased(tr, shard, leases: dict) -> set:
-    """The 12-byte stamps of the messages leased in ``shard``, read once per transaction
-    into ``leases`` (non-snapshot: a lease settled or expired meanwhile conflicts)."""
-    got = leases.get(shard)
-    if got is None:
-        r = shard.leased.range()
-        got = leases[shard] = {e[0] for kv in tr.get_range(r.start, r.stop)
-                               for e in decode_leases(kv.key, kv.value).entries}
-    return got
-
-
 def _copy(tr, ts: TopicSpace, topic_config: TopicConfig, sub: str, bucket: int, vs, raw, routed: dict,
           leases: dict | None = None):
     """Copy a log entry into ``sub``'s shard queue; with ``leases`` (a reset: a cache for
-    ``_leased``) not if it is leased."""
+    ``delivery.in_shard``) not if it is queued there already: leased, or (a lease
+    expired or nak'd since the purge) ready or delayed."""
     rec = Record.decode(raw)
     tag = dispatch_tag(rec.headers)
     n = shard_of(rec.shard_key, topic_config.shards) if rec.shard_key is not None else bucket % topic_config.shards
     shard = ts.shard(sub, tag, n)
-    if leases is not None and vs.to_bytes() in _leased(tr, shard, leases):
-        return 0    # a reset leaves leases alone: the leased copy is the one delivered
+    if leases is not None and delivery.in_shard(tr, shard, vs, leases):
+        return 0    # a reset leaves leases alone: the leased (or returned) copy is the one delivered
     if rec.due is not None and rec.due > membership.read_clock(tr, ts.clock_key):
         # a delayed message not due yet: it waits for its due time as its first copies do
         tr[shard.delayed_key(rec.due, vs)] = bytes(raw)

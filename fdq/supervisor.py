@@ -263,6 +263,11 @@ def reshard_finish(tr, ts: TopicSpace) -> TopicConfig:
     tr[ts.config_key] = pack(config.as_dict())
     for sub in config.subs:
         membership.assign_shards(tr, ts, sub, config)
+    for sub in config.catchup:
+        # A reset's purge marks shards it finished; the reshard moved messages it had
+        # not purged yet into them: it scans every shard again (safe, it is idempotent).
+        r = ts.sub_records[sub]["purge"].range()
+        tr.clear_range(r.start, r.stop)
     return config
 
 
@@ -811,6 +816,10 @@ class Supervisor:
                 for vs, rec, reason, cid, _k in delivery.dlq_list(self.db, ts, subscription, limit)]
 
     def dlq_redrive(self, name: str, subscription: str = "default", progress=None) -> int:
+        """Move the subscription's dead letters back to their shards' ready queues
+        (attempts reset), in chunks; resumable. A dead letter whose message is queued
+        already (a ``reset`` rewound over it) leaves the DLQ without a second copy: the
+        queued one delivers it. Returns the dead letters moved."""
         ts = self._ts(name)
         config = self.config(name)
         self.subscription(name, subscription)

@@ -3,6 +3,8 @@ messages pushed during a reset kept exactly once."""
 import threading
 import time
 
+import pytest
+
 import fdq
 from subs_helpers import drain
 
@@ -174,3 +176,181 @@ def test_reset_killed_midway_is_finished_by_live_consumers(db, url, tmp_path):
         assert "r" not in sup.config("t").catchup
     finally:
         c.close()
+
+
+_RESET_KILLED_IN_PURGE = """
+import os, signal, sys
+import fdq
+from fdq import subscription as subs
+
+subs.CHUNK = 10
+chunk, calls = subs.catch_up_chunk, []
+
+def dies(*args, **kwargs):      # killed -9 after a few chunks of the purge of the old queue
+    calls.append(1)
+    if len(calls) == 15:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return chunk(*args, **kwargs)
+
+subs.catch_up_chunk = dies
+to = None if sys.argv[2] == "now" else int(sys.argv[2])
+fdq.Supervisor(fdq.connect(sys.argv[1])).reset("t", "r", to)
+"""
+
+
+@pytest.mark.parametrize("to", ["now", "0"])
+def test_reset_killed_in_its_purge_then_resharded_to_fewer_shards(db, url, tmp_path, to):
+    """A reset killed -9 while it purged the old queue shard by shard, then a reshard to
+    fewer shards (moving unpurged messages into shards the purge had finished), then
+    the catch-up finished: the old messages are purged all the same. A reset to now
+    delivered 83 of 400 old ones; a rewind delivered each once but counted 83 of them
+    routed twice (a backlog of 83 left for good)."""
+    import signal
+    import subprocess
+    import sys
+    from fdq.keyspace import Keyspace
+    from fdq.subscription import catch_up
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=4)
+    sup.create_subscription("t", "r")
+    a = _push(db, "a", 400)
+    script = tmp_path / "killed_reset.py"
+    script.write_text(_RESET_KILLED_IN_PURGE)
+    proc = subprocess.run([sys.executable, str(script), url, to], timeout=120, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    assert "r" in sup.config("t").catchup        # left midway
+    sup.pause("t")
+    sup.rebalance("t", shards=2)
+    sup.play("t")
+    catch_up(db, Keyspace().topic("t"), "r")        # as the subscription's consumers do
+    expected = set() if to == "now" else set(a)
+    assert sup.stats("t")["subscriptions"]["r"]["backlog"] == len(expected)
+    assert _ids(drain(db, "t", "r", idle_s=0.3)) == expected
+    assert sup.stats("t")["subscriptions"]["r"]["backlog"] == 0
+
+
+def _queued(db, sub):
+    """The ready, delayed and leased messages of ``sub`` by a scan (its backlog, for real)."""
+    from fdq.keyspace import Keyspace
+    ts = Keyspace().topic("t")
+    tr = db.create_transaction()
+    r = ts.subs[sub].range()
+    return sum(1 for kv in tr.snapshot.get_range(r.start, r.stop)
+               if len(ts.subs.unpack(kv.key)) > 4 and ts.subs.unpack(kv.key)[4] in ("ready", "delayed", "leased"))
+
+
+def test_rewind_over_leases_returned_after_its_purge_counts_them_once(db):
+    """A rewind whose purge ran, then leases returned to ready (nak; or expired), then the
+    copy from the log (a reset killed between the two, finished later by consumers):
+    the copy found those messages not leased and wrote them again at their ready key,
+    counting them routed twice: a backlog of 10 left for good after all 50 were
+    delivered."""
+    from fdq import subscription as subs
+    from fdq.keyspace import Keyspace
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    sup.create_subscription("t", "r")
+    ids = _push(db, "a", 50)
+    ts = Keyspace().topic("t")
+    with fdq.Consumer(db, "t", subscription="r", config=fdq.ConsumerConfig(ack_wait_s=30)) as c:
+        leased = c.fetch(10, timeout=1)
+        assert len(leased) == 10
+        subs.begin_reset(db, ts, "r", 0)
+        subs.catch_up_chunk(db, ts, "r", 500)       # the purge
+        for m in leased:
+            m.nak(0)
+    subs.catch_up(db, ts, "r")
+    assert sup.stats("t")["subscriptions"]["r"]["backlog"] == _queued(db, "r") == 50
+    assert _ids(drain(db, "t", "r", idle_s=0.3)) == set(ids)
+    assert sup.stats("t")["subscriptions"]["r"]["backlog"] == 0
+
+
+def test_redrive_after_a_rewind_requeued_the_dead_letter_counts_it_once(db):
+    """A rewind queues a dead letter again (the DLQ is left alone); a redrive before it
+    is delivered wrote it again at the same ready key, counted routed twice: a backlog
+    of 1 left for good. Now the redrive drops the dead letter (that copy delivers it)."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=1)
+    sup.create_subscription("t", "r")
+    ids = _push(db, "a", 10)
+    with fdq.Consumer(db, "t", subscription="r") as c:
+        m = c.fetch(1, timeout=1)[0]
+        m.term("bad")
+    sup.reset("t", "r", 0)
+    assert sup.dlq_redrive("t", "r") == 1
+    st = sup.stats("t")["subscriptions"]["r"]
+    assert (st["backlog"], st["dlq"]) == (_queued(db, "r"), 0) == (10, 0)
+    assert _ids(drain(db, "t", "r", idle_s=0.3)) == set(ids)
+    assert sup.stats("t")["subscriptions"]["r"]["backlog"] == 0
+
+
+def test_rewind_over_leases_delayed_after_its_purge_counts_them_once(db):
+    """As above with the leases nak'd with a delay: the copy (it does not look in the
+    delayed area, keyed by due time) queues them ready, and their delayed copies, once
+    due, were promoted onto the same ready keys: counted routed twice, a backlog of 10
+    left for good. Now the promotion drops such a delayed copy, counted done."""
+    from fdq import subscription as subs
+    from fdq.keyspace import Keyspace
+    from fdq.membership import read_clock
+    from subs_helpers import FAST, wait_for
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    sup.create_subscription("t", "r")
+    ids = _push(db, "a", 50)
+    ts = Keyspace().topic("t")
+    with fdq.Consumer(db, "t", subscription="r", config=fdq.ConsumerConfig(**{**FAST, "ack_wait_s": 30})) as c:
+        leased = c.fetch(10, timeout=1)
+        assert len(leased) == 10
+        subs.begin_reset(db, ts, "r", 0)
+        subs.catch_up_chunk(db, ts, "r", 500)       # the purge
+        for m in leased:
+            m.nak(0.2)
+        subs.catch_up(db, ts, "r")
+        assert sup.stats("t")["subscriptions"]["r"]["backlog"] == _queued(db, "r") == 60
+        # the consumer advances the database clock (delays are due by it): both copies
+        # are there when the next take promotes the delayed ones
+        clock = read_clock(db.create_transaction(), ts.clock_key)
+        wait_for(lambda: read_clock(db.create_transaction(), ts.clock_key) > clock + 500, timeout=30,
+                 what="the delayed copies to be due")
+        got = []
+        while True:
+            ms = c.fetch(100, timeout=0.3)
+            if not ms:
+                break
+            c.ack_many(ms)
+            got += ms
+    assert _ids(got) == set(ids)
+    assert sup.stats("t")["subscriptions"]["r"]["backlog"] == _queued(db, "r") == 0
+
+
+def test_a_consumer_starts_while_its_subscription_catches_up_on_a_paused_topic(db, url, tmp_path):
+    """A reset killed midway leaves the subscription catching up; the topic is paused
+    (or resharding). A consumer starting then tried to finish the catch-up in its
+    constructor and failed with the catch-up's ConfigError ("topic is paused"): it could
+    not start until the topic played. Now it starts, and finishes the catch-up once the
+    topic plays: the rewind's messages arrive, each once."""
+    import signal
+    import subprocess
+    import sys
+    from subs_helpers import FAST, wait_for
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    sup.create_subscription("t", "r")
+    a = _push(db, "a", 200)
+    assert _ids(drain(db, "t", "r", idle_s=0.3)) == set(a)
+    script = tmp_path / "killed_reset.py"
+    script.write_text(_KILLED_RESET)
+    proc = subprocess.run([sys.executable, str(script), url], timeout=120, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    sup.pause("t")
+    got = []
+    c = fdq.tail(db, "t", got.append, subscription="r", config=fdq.ConsumerConfig(**FAST),
+                 on_error=lambda e: None)
+    try:
+        assert "r" in sup.config("t").catchup
+        sup.play("t")
+        wait_for(lambda: len(got) >= len(a), timeout=60, what="the rewind's messages")
+        assert _ids(got) == set(a)
+        assert "r" not in sup.config("t").catchup
+    finally:
+        c.shutdown()
