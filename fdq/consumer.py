@@ -1313,6 +1313,7 @@ class TailConsumer(Consumer):
     def _process_exactly_once(self, shard_id, epoch) -> int:
         shard = self._ts.shard(self.subscription, *shard_id)
         limit = self.batch_size
+        failed = None       # (taken, reason): a message whose handler raised behind the ones retried
         tr = self.db.create_transaction()
         while True:
             current = None
@@ -1331,10 +1332,14 @@ class TailConsumer(Consumer):
                 watch = tr.watch(self._watch_key(shard_id)) if not taken and self._watch_key(shard_id) else None
                 tr.commit().wait()
                 self._keep_watch(shard_id, watch)
+                if failed is not None:      # its attempt, not run again (once per attempt)
+                    self._fail_head(shard, epoch, *failed)
+                    return len(taken) + 1
                 return len(taken)
             except error_types() as e:
                 if e.code in (1007, 2101) and limit > 1 and len(taken) != 1:
                     limit = max(1, min(limit, len(taken) or limit) // 2)   # too slow or too big: halve
+                    failed = None           # not behind what commits now: it runs again
                     tr.reset()
                     continue
                 head = current or (taken[0] if len(taken) == 1 else None)
@@ -1353,10 +1358,16 @@ class TailConsumer(Consumer):
                 tr.reset()
                 self._report(e)
                 if current is not None:
-                    if limit > 1 and current is not taken[0]:
-                        limit = 1   # isolate the failing message (the first already is)
+                    reason = f"handler raised {type(e).__name__}: {e}"
+                    i = next(i for i, t in enumerate(taken) if t is current)
+                    if i > 0:
+                        # The messages before it commit without it (run again: their
+                        # transaction was discarded); its attempt is counted then, without
+                        # running it again (it ran i + 1 times per attempt, and those
+                        # before it as often, when it was retried until it came first).
+                        limit, failed = i, (current, reason)
                         continue
-                    self._fail_head(shard, epoch, current, f"handler raised {type(e).__name__}: {e}")
+                    self._fail_head(shard, epoch, current, reason)
                 return 1
 
     def _fail_head(self, shard, epoch, taken, reason, dead=False):
