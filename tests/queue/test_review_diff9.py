@@ -1,6 +1,8 @@
 """Found in the review of the session's diff (rv-diff9): each test failed before its fix."""
 from __future__ import annotations
 
+import pytest
+
 import fdq
 
 from qhelpers import sub_stats, wait_for
@@ -42,3 +44,44 @@ def test_exactly_once_failing_message_inside_a_batch_runs_once_per_attempt(db):
     wrote = sorted(kv.key for kv in tr.snapshot.get_range(b"qt/ok/", b"qt/ok0"))
     tr.cancel()
     assert wrote == sorted(b"qt/ok/" + b for b in bodies if b != b"poison")
+
+
+def test_aio_tail_of_an_ack_policy_none_subscription_loses_nothing(db):
+    """``fdq.aio.tail`` on a subscription with ``ack_policy='none'`` (its messages are
+    taken, not leased): at-least-once acked each handled message, which is not leased,
+    so the ack and then the nak raised, ending the shard's run: the rest of the batch,
+    already taken, was never handled (4 of 5 lost); at-most-once acked the taken batch
+    before any handler ran, raised, and lost all of it. As ``fdq.tail``: acking=True is
+    refused, otherwise it is at-most-once and every message reaches the handler."""
+    import asyncio
+
+    import fdq.aio
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=1)
+    sup.create_subscription("t", "s", fdq.SubscriptionConfig(ack_policy="none"))
+    got, errors = [], []
+
+    async def handler(m):
+        got.append(m.body)
+
+    async def run(acking, n):
+        fdq.Producer(db).push_many("t", [fdq.Envelope(b"%d" % i, shard_key="k") for i in range(n)])
+        t = await fdq.aio.tail(db, "t", handler, acking=acking, subscription="s", on_error=errors.append,
+                               config=fdq.ConsumerConfig(**FAST))
+        try:
+            deadline = asyncio.get_running_loop().time() + 30
+            while len(got) < n and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+        finally:
+            await t.shutdown()
+    for acking in (None, False):
+        got.clear()
+        asyncio.run(run(acking, 5))
+        assert sorted(got) == [b"%d" % i for i in range(5)], (acking, got, errors)
+        assert errors == []
+
+    async def refused():
+        await fdq.aio.tail(db, "t", handler, acking=True, subscription="s")
+    with pytest.raises(fdq.ConfigError, match="ack_policy"):
+        asyncio.run(refused())
+    assert sup.stats("t")["subscriptions"]["s"]["consumers"] == []
