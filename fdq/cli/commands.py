@@ -528,12 +528,17 @@ def _tail_error(e: BaseException):
     render.note(f"fdq: warning: {what}: {_one_line(e)}")
 
 
-def _print_and_ack(consumer, msgs, at_most_once: bool, as_json: bool) -> int:
+def _print_and_ack(consumer, msgs, at_most_once: bool, as_json: bool, taken: bool = False) -> int:
     """Print ``msgs`` (each line flushed to stdout) and ack them; returns how many were
     printed. At-most-once acks each one just before its line, so a write that fails
     (the reader went away, Ctrl-C) loses that one only, not the rest of the batch;
     at-least-once acks the lines written, also when a write fails, and leaves the rest
-    leased (``Consumer.close`` returns them at once)."""
+    leased (``Consumer.close`` returns them at once). ``taken``: the fetch took them
+    (an ack_policy='none' subscription): nothing to ack."""
+    if taken:
+        for m in msgs:
+            _print_message(m, as_json)
+        return len(msgs)
     written = []
     try:
         for m in msgs:
@@ -590,6 +595,8 @@ def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
     at-least-once acks the lines it wrote (the reader may not have read all of
     a pipe's buffer) and returns the rest of its batch to the subscription at
     once; at-most-once loses the one message whose line could not be written.
+    A subscription with ack_policy none has its messages taken when fetched
+    (nothing to ack, whatever --mode): a failed write loses the rest of a batch.
     """
     config = state.supervisor.config(topic)
     if tag is not None and not config.extend:
@@ -604,6 +611,8 @@ def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
     consumer = Consumer(state.db, topic, subscription=subscription, create=False,
                         extend_support=config.extend, desired_tag=tag, batch_size=TAIL_BATCH,
                         on_error=on_error)
+    # ack_policy='none': a fetch takes the messages (done when delivered), whatever --mode
+    taken = consumer.sub_config.ack_policy == "none"
     got = 0
     state.interrupted = lambda: f"tail stopped after {got:,} messages"
     try:                    # SIGTERM leaves as Ctrl-C does: shards and leases given back now
@@ -624,7 +633,7 @@ def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
                 if timeout is not None and time.monotonic() - last >= timeout:
                     break
                 continue
-            got += _print_and_ack(consumer, msgs, mode == "at-most-once", as_json)
+            got += _print_and_ack(consumer, msgs, mode == "at-most-once", as_json, taken)
             last = time.monotonic()
     except _Terminated:
         raise click.exceptions.Exit(128 + signal.SIGTERM) from None
