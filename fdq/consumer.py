@@ -115,7 +115,7 @@ class Message:
         """Never redeliver: move it to the subscription's dead-letter queue with ``reason``
         (cut to 1,000 characters). Exactly-once: in the handler's transaction, so the
         message is dead-lettered if and only if the transaction (with the handler's
-        writes) commits; the handler then returns as usual."""
+        writes) commits; the handler then returns as usual (after it returned: an error)."""
         if self._in_tr:
             if self._settled is not None:
                 raise FDQError(f"message {self.id} is already settled ({self._settled})")
@@ -1325,7 +1325,10 @@ class TailConsumer(Consumer):
                     current = t
                     m = _to_message(t, self.topic, self.subscription, self)
                     m._in_tr = True
-                    self.handler(tr, m)
+                    try:
+                        self.handler(tr, m)
+                    finally:
+                        m._in_tr = False    # term() only in its handler (then: not leased)
                     if m._settled == "term":
                         delivery.dead_letter_taken(tr, self._ts, t, f"terminated: {m._reason}", self.id)
                 current = None

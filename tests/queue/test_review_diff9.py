@@ -85,3 +85,32 @@ def test_aio_tail_of_an_ack_policy_none_subscription_loses_nothing(db):
     with pytest.raises(fdq.ConfigError, match="ack_policy"):
         asyncio.run(refused())
     assert sup.stats("t")["subscriptions"]["s"]["consumers"] == []
+
+
+def test_exactly_once_term_after_the_handler_returned_raises(db):
+    """Exactly-once ``msg.term()`` dead-letters the message in its handler's
+    transaction. Called after that handler returned (the message kept for later, or
+    termed while handling the next one), it did nothing and said nothing: the caller
+    believed it dead-lettered, but it had been processed (done) with its transaction.
+    It raises, as ``term()`` of a message no longer leased does."""
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"a", shard_key="k"), fdq.Envelope(b"b", shard_key="k")])
+    kept, errors = [], []
+
+    def handler(tr, m):
+        if kept:
+            try:
+                kept[0].term("too late, in the next handler")
+            except fdq.FDQError as e:
+                errors.append(e)
+        kept.append(m)
+    c = fdq.tail(db, "t", handler, transactional=True, batch_size=1, config=fdq.ConsumerConfig(**FAST))
+    try:
+        wait_for(lambda: sub_stats(db, "t")["backlog"] == 0 and len(kept) == 2, 30, what="both handled")
+    finally:
+        c.shutdown()
+    assert len(errors) == 1
+    with pytest.raises(fdq.FDQError):
+        kept[1].term("too late, after the consumer stopped")
+    assert fdq.Supervisor(db).dlq_list("t") == []
+    assert sub_stats(db, "t")["acked"] == 2
