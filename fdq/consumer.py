@@ -142,13 +142,16 @@ class _Round(list):
     def __init__(self, consumer, msgs):
         super().__init__()
         self._consumer, self._msgs = consumer, msgs
+        # the ack wait its leases were taken with (a subscription update may change the
+        # consumer's meanwhile: waiting for half a longer one, they expired in hand)
+        self._half = consumer.config.ack_wait_s / 2
         self._leased = self._touched = _monotonic()
         self._committing = threading.Lock()     # a keep's commit vs ``finish``
         self._finished = False
 
     def keep(self, now: float):
         """The membership thread's part (see the class)."""
-        half = self._consumer.config.ack_wait_s / 2
+        half = self._half
         if now - self._leased < half:
             return
         with self._committing:

@@ -114,3 +114,32 @@ def test_exactly_once_term_after_the_handler_returned_raises(db):
         kept[1].term("too late, after the consumer stopped")
     assert fdq.Supervisor(db).dlq_list("t") == []
     assert sub_stats(db, "t")["acked"] == 2
+
+
+def test_a_long_round_stays_leased_when_the_ack_wait_is_raised_meanwhile(db):
+    """A round running past half its ack wait is kept leased (``_Round.keep``). Its
+    leases were taken with the ack wait of the round's start; a subscription update
+    raising ``ack_wait_s`` (applied by the consumer at its next heartbeat) made the
+    round wait for half the new ack wait before touching them: the messages still
+    waiting expired and were redelivered while in hand."""
+    import time
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=1)
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"%d" % i) for i in range(4)])
+    seen, errors, first = [], [], []
+
+    def handler(m):
+        seen.append((m.body, m.attempts))
+        if not first:
+            first.append(1)
+            sup.update_subscription("t", "default", ack_wait_s=60)
+            wait_for(lambda: c.config.ack_wait_s == 60, 30, what="the consumer to apply the new ack wait")
+        time.sleep(0.6)
+    c = fdq.tail(db, "t", handler, batch_size=4, on_error=errors.append,
+                 config=fdq.ConsumerConfig(ack_wait_s=1.5, **FAST))
+    try:
+        wait_for(lambda: sub_stats(db, "t")["acked"] == 4, 60, what="the four acked")
+    finally:
+        c.shutdown()
+    assert seen == [(b"%d" % i, 1) for i in range(4)], f"redelivered while in hand: {seen}"
+    assert errors == []
