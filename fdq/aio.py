@@ -105,9 +105,10 @@ class AsyncTail:
                 await asyncio.sleep(0.05)
 
     async def _round(self, msgs):
-        if not self._acking:            # at most once: gone before any handler runs
+        leased = [m for m in msgs if m._taken.lease_id is not None]     # not: taken (ack_policy none)
+        if not self._acking and leased:     # at most once: gone before any handler runs
             try:
-                await self._call(self.consumer.ack_many, msgs)
+                await self._call(self.consumer.ack_many, leased)
             except LeaseLost as e:      # not ours to handle: redelivered elsewhere
                 self.consumer._report(e)
                 msgs = [m for m in msgs if m.id not in e.ids]
@@ -196,7 +197,8 @@ async def tail(db, topic: str, handler, acking: bool | None = None, transactiona
                **kwargs) -> AsyncTail:
     """As :func:`fdq.tail`, with ``handler`` a coroutine function ``async def h(msg)``;
     consumes on the running loop until ``await t.shutdown()``. ``acking=False`` is
-    at-most-once, otherwise at-least-once. Other keyword arguments go to
+    at-most-once, otherwise at-least-once (at-most-once on a subscription with
+    ``ack_policy='none'``, where ``acking=True`` is refused). Other keyword arguments go to
     :class:`fdq.Consumer` (``extend_support``, ``desired_tag``, ``on_error``, ...)."""
     check_delivery_args(acking, transactional)
     if transactional:
@@ -211,6 +213,13 @@ async def tail(db, topic: str, handler, acking: bool | None = None, transactiona
     consumer = await loop.run_in_executor(None, functools.partial(
         Consumer, db, topic, subscription=subscription, consumer_id=consumer_id, config=config,
         batch_size=batch_size, **kwargs))
+    if consumer.sub_config.ack_policy == "none":
+        # As ``fdq.tail``: its messages are taken, not leased (nothing to ack): at most once.
+        if acking is True:
+            await loop.run_in_executor(None, consumer.close)
+            raise ConfigError(f"acking=True needs ack_policy='explicit' (subscription "
+                              f"{subscription!r} has ack_policy='none')")
+        acking = False
     return AsyncTail(consumer, handler, acking is not False, poll_s)
 
 

@@ -115,7 +115,7 @@ class Message:
         """Never redeliver: move it to the subscription's dead-letter queue with ``reason``
         (cut to 1,000 characters). Exactly-once: in the handler's transaction, so the
         message is dead-lettered if and only if the transaction (with the handler's
-        writes) commits; the handler then returns as usual."""
+        writes) commits; the handler then returns as usual (after it returned: an error)."""
         if self._in_tr:
             if self._settled is not None:
                 raise FDQError(f"message {self.id} is already settled ({self._settled})")
@@ -142,13 +142,16 @@ class _Round(list):
     def __init__(self, consumer, msgs):
         super().__init__()
         self._consumer, self._msgs = consumer, msgs
+        # the ack wait its leases were taken with (a subscription update may change the
+        # consumer's meanwhile: waiting for half a longer one, they expired in hand)
+        self._half = consumer.config.ack_wait_s / 2
         self._leased = self._touched = _monotonic()
         self._committing = threading.Lock()     # a keep's commit vs ``finish``
         self._finished = False
 
     def keep(self, now: float):
         """The membership thread's part (see the class)."""
-        half = self._consumer.config.ack_wait_s / 2
+        half = self._half
         if now - self._leased < half:
             return
         with self._committing:
@@ -1319,6 +1322,7 @@ class TailConsumer(Consumer):
     def _process_exactly_once(self, shard_id, epoch) -> int:
         shard = self._ts.shard(self.subscription, *shard_id)
         limit = self.batch_size
+        failed = None       # (taken, reason): a message whose handler raised behind the ones retried
         tr = self.db.create_transaction()
         while True:
             current = None
@@ -1330,17 +1334,24 @@ class TailConsumer(Consumer):
                     current = t
                     m = _to_message(t, self.topic, self.subscription, self)
                     m._in_tr = True
-                    self.handler(tr, m)
+                    try:
+                        self.handler(tr, m)
+                    finally:
+                        m._in_tr = False    # term() only in its handler (then: not leased)
                     if m._settled == "term":
                         delivery.dead_letter_taken(tr, self._ts, t, f"terminated: {m._reason}", self.id)
                 current = None
                 watch = tr.watch(self._watch_key(shard_id)) if not taken and self._watch_key(shard_id) else None
                 tr.commit().wait()
                 self._keep_watch(shard_id, watch)
+                if failed is not None:      # its attempt, not run again (once per attempt)
+                    self._fail_head(shard, epoch, *failed)
+                    return len(taken) + 1
                 return len(taken)
             except error_types() as e:
                 if e.code in (1007, 2101) and limit > 1 and len(taken) != 1:
                     limit = max(1, min(limit, len(taken) or limit) // 2)   # too slow or too big: halve
+                    failed = None           # not behind what commits now: it runs again
                     tr.reset()
                     continue
                 head = current or (taken[0] if len(taken) == 1 else None)
@@ -1359,10 +1370,16 @@ class TailConsumer(Consumer):
                 tr.reset()
                 self._report(e)
                 if current is not None:
-                    if limit > 1 and current is not taken[0]:
-                        limit = 1   # isolate the failing message (the first already is)
+                    reason = f"handler raised {type(e).__name__}: {e}"
+                    i = next(i for i, t in enumerate(taken) if t is current)
+                    if i > 0:
+                        # The messages before it commit without it (run again: their
+                        # transaction was discarded); its attempt is counted then, without
+                        # running it again (it ran i + 1 times per attempt, and those
+                        # before it as often, when it was retried until it came first).
+                        limit, failed = i, (current, reason)
                         continue
-                    self._fail_head(shard, epoch, current, f"handler raised {type(e).__name__}: {e}")
+                    self._fail_head(shard, epoch, current, reason)
                 return 1
 
     def _fail_head(self, shard, epoch, taken, reason, dead=False):

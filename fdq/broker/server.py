@@ -769,7 +769,7 @@ class Conn:
 
     async def cmd_dpub(self, cmd):
         topic = cmd.params[0].decode()
-        ms = int(cmd.params[1])       # the parser checked its range
+        ms = p.parse_int(cmd.params[1], "DPUB could not parse timeout")    # the parser checked its range
         self._check_auth(topic, None, "publish", "DPUB")
         body = cmd.body
         self._publish(topic, lambda: (self.broker.producer.push(topic, body, delay=ms / 1000), 1)[1],

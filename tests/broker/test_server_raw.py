@@ -452,3 +452,16 @@ def test_cls_then_in_flight_messages(raw):
     assert got == sorted({b"a", b"b", b"c", b"d"} - {first})
     with pytest.raises(TimeoutError):
         other.frame(timeout=1.5)
+
+
+def test_dpub_with_an_empty_timeout_publishes_at_once(raw):
+    """nsqd parses DPUB's empty timeout as 0 (ByteToBase10), as the parser does since
+    RDY's empty count became 0; the command handler then parsed it again with int(),
+    a ValueError that killed the connection's task: no answer, nothing published."""
+    pub = raw()
+    pub.send(b"DPUB dpubempty \n" + struct.pack(">I", 3) + b"now")
+    pub.expect()
+    c = consumer(raw, "dpubempty", rdy=1)
+    _ts, _att, mid, body, _ = c.message(timeout=30)
+    assert body == b"now"
+    c.send(b"FIN " + mid + b"\n")
