@@ -129,6 +129,17 @@ class Channel:
             # another broker created it meanwhile, with the start point of a later channel
             kwargs.update(create=False, subscription_config=None, ephemeral=False)
             self.consumer = await b.run(functools.partial(Consumer, b.db, self.topic, **kwargs))
+        if self.consumer.sub_config.ack_policy == "none":
+            # Its fetch takes messages (done when delivered): FIN would fail and what the
+            # broker hands back (no connection can take it, paused) would be lost. Refused
+            # before anything is fetched; a live channel's subscription created again with
+            # ack_policy none is refused by its consumer (it does not rejoin).
+            consumer, self.consumer = self.consumer, None
+            await b.run(consumer.close)
+            raise fatal("E_BAD_CHANNEL", f"SUB channel {self.name!r} of topic {self.topic!r} has ack_policy "
+                                         f"'none' (messages are taken when delivered, never acknowledged): "
+                                         f"an NSQ channel is acknowledged with FIN/REQ/TOUCH; use a "
+                                         f"subscription with ack_policy 'explicit'")
         self._task = asyncio.get_running_loop().create_task(self._pump())
 
     def add(self, conn):
