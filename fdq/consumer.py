@@ -30,8 +30,8 @@ from . import delivery, membership
 from . import subscription as _subs
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig, SubscriptionConfig, TopicConfig, check_name
 from .engine import error_types, retry_or_raise, run_within
-from .errors import (ConfigError, ConsumerStalled, EngineError, FDQError, LeaseLost, TopicNotFound,
-                     is_maybe_committed)
+from .errors import (ConfigError, ConsumerStalled, EngineError, FDQError, LeaseLost, SubscriptionNotFound,
+                     TopicNotFound, is_maybe_committed)
 from .headers import check_tag
 from .keyspace import Keyspace, message_id, vs_from_bytes
 from .topic import create_topic, read_topic_config
@@ -364,6 +364,7 @@ class Consumer:
         # this instance, as opposed to another one started under the same id (membership.join)
         self._incarnation = os.urandom(8).hex()
         self._replaced = False
+        self._gone = None                # TopicNotFound or SubscriptionNotFound met rejoining
         self.on_error = on_error
         self._ts = self.keyspace.topic(self.topic)
         self._topic_config = self._load_topic(create, extend_support)
@@ -515,18 +516,32 @@ class Consumer:
 
     def _rejoin(self):
         """Join again after this consumer's record vanished: declared a zombie, or its
-        subscription deleted (and perhaps created again under its name, with another
-        config). The config is read and applied before joining, so no round runs with
+        subscription or topic deleted (and perhaps created again under its name, with
+        another config; while it is gone, TopicNotFound or SubscriptionNotFound is
+        reported each heartbeat, and its creation again is logged). The config is read and applied before joining, so no round runs with
         an old filter, order or flow control on the shards it gets; a subscription
         whose ``ack_policy`` is no longer the one this consumer bound to is refused
         (ConfigError, reported each heartbeat; it joins nothing): its delivery mode was
         chosen for that policy (a leasing consumer taking messages at most once lost
         them)."""
-        config = _subs.read_subscription(self.db, self._ts, self.subscription)
+        try:
+            config = _subs.read_subscription(self.db, self._ts, self.subscription)
+        except (TopicNotFound, SubscriptionNotFound) as e:
+            self._gone = e      # reported (on_error) each heartbeat until created again
+            raise
         if config != self.sub_config:
             self._apply_subscription(config)    # raises on another ack_policy
         _subs.join(self.db, self._ts, self.subscription, self.id, self._record(), self._topic_config,
                    expect=config)
+        gone, self._gone = self._gone, None
+        if isinstance(gone, TopicNotFound):
+            log.warning("consumer %s: topic %r was created again: joined it", self.id, self.topic)
+        elif gone is not None:
+            log.warning("consumer %s: subscription %r of topic %r was created again: joined it",
+                        self.id, self.subscription, self.topic)
+        else:   # no read between saw it gone: a peer's zombie declaration, or a deletion
+            log.warning("consumer %s: its membership record was gone (declared a zombie, or its "
+                        "subscription or topic deleted and created again): joined again", self.id)
         self._refresh_owned()
 
     def _leave(self):
@@ -574,7 +589,6 @@ class Consumer:
                         if membership.replaced(self.db, self._ts, self.subscription, self.id, self._incarnation):
                             self._refresh_owned()   # owns nothing, reports it once
                             continue
-                        log.warning("consumer %s was declared a zombie: joining again", self.id)
                         self._rejoin()
                     self._observe_peers(now)
                     self._topic_config = read_topic_config(self.db, self._ts, snapshot=True)

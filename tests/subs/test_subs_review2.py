@@ -84,3 +84,33 @@ def test_ack_many_of_unleased_messages_is_a_clear_error(db):
             c.ack_many(ms)
     finally:
         c.close()
+
+
+def test_consumer_of_a_deleted_topic_reports_it_and_names_its_creation_again(db, caplog):
+    """A consumer whose topic is deleted reports TopicNotFound (as one whose subscription
+    is deleted reports SubscriptionNotFound), and when a push creates the topic again it
+    joins the new topic, as a consumer joins a subscription created again. It logged
+    "was declared a zombie: joining again" at every heartbeat while the topic was gone,
+    and again when it joined the new one: misleading, as no peer had declared it
+    anything. It says the topic was created again."""
+    import logging
+    caplog.set_level(logging.WARNING, logger="fdq.consumer")
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=4)
+    handled, errors = [], []
+    c = fdq.tail(db, "t", lambda m: handled.append(m.body), acking=True,
+                 config=fdq.ConsumerConfig(**FAST), on_error=errors.append)
+    try:
+        fdq.Producer(db).push("t", b"old")
+        wait_for(lambda: handled == [b"old"], timeout=20, what="the first message")
+        sup.delete_topic("t")
+        wait_for(lambda: [e for e in errors if isinstance(e, fdq.TopicNotFound)], timeout=20,
+                 what="TopicNotFound reported")
+        fdq.Producer(db).push_many("t", [fdq.Envelope(b"m%d" % i, shard_key=f"k{i}") for i in range(20)])
+        wait_for(lambda: len(handled) == 21, timeout=20, what="the new topic's messages")
+    finally:
+        c.shutdown()
+    assert sorted(handled[1:]) == sorted(b"m%d" % i for i in range(20))
+    text = [r.getMessage() for r in caplog.records]
+    assert not [t for t in text if "declared a zombie" in t], text
+    assert [t for t in text if "topic 't' was created again" in t], text
