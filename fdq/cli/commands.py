@@ -261,7 +261,38 @@ def _settings_row(name: str, config: TopicConfig) -> dict:
     return {"topic": name, **{k: getattr(config, k) for k in UPDATABLE_TOPIC_FIELDS}}
 
 
-@topics.command("update")
+class TopicUpdateCommand(click.Command):
+    """``fdq topics update``: ``--shards`` gets told that ``fdq rebalance`` changes it."""
+
+    def parse_args(self, ctx, args):
+        given = list(args)      # click's parser consumes the list it is given
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as e:
+            if e.option_name != "--shards":
+                raise
+            args, shards, rest, i = given, "N", [], 0
+            while i < len(args):
+                if args[i] == "--shards":
+                    shards = args[i + 1] if i + 1 < len(args) else shards
+                    i += 2
+                    continue
+                if args[i].startswith("--shards="):
+                    shards = args[i].split("=", 1)[1]
+                else:
+                    rest.append(args[i])
+                i += 1
+            try:
+                super().parse_args(ctx, rest)
+                name = ctx.params.get("name") or "NAME"
+            except click.UsageError:
+                name = "NAME"
+            raise click.UsageError(f"--shards cannot be updated here: a topic's shard count changes with "
+                                   f"fdq rebalance {name} --shards {shards} (it moves the queued messages)",
+                                   ctx) from None
+
+
+@topics.command("update", cls=TopicUpdateCommand)
 @click.argument("name", type=TOPIC)
 @click.option("--max-backlog", type=OrNone(click.INT), default=None, metavar="N|none",
               callback=topic_config_callback, help="Refuse pushes beyond this backlog per subscription.")

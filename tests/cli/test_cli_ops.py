@@ -58,6 +58,18 @@ def test_topics_update_bad_values_exit_2_and_unknown_topic_exit_1(run, sup, stat
     assert state() == before
 
 
+@pytest.mark.parametrize("argv", [["--shards", "4"], ["--shards=4"], ["--retention-s", "60", "--shards", "4"]])
+def test_topics_update_shards_points_to_rebalance(run, sup, state, argv):
+    """``fdq topics update NAME --shards N`` answered click's bare "No such option:
+    --shards": a topic's shard count changes with ``fdq rebalance NAME --shards N``
+    (it moves every queued message); the usage error (exit 2) says so, changing nothing."""
+    run("topics", "create", "orders")
+    before = state()
+    r = run("topics", "update", "orders", *argv, code=2)
+    assert "--shards cannot be updated" in r.stderr and "fdq rebalance orders --shards 4" in r.stderr, r.stderr
+    assert state() == before
+
+
 def test_update_topic_refuses_what_it_cannot_change(sup):
     sup.create_topic("t", shards=4)
     with pytest.raises(fdq.ConfigError, match=r"topic option\(s\) extend, shards cannot be updated"):
