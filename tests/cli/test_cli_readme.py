@@ -36,3 +36,30 @@ def test_the_readme_examples_run(run):
     tailed = outputs["tail orders --count 10 --json"].splitlines()
     assert [line.count('"body"') for line in tailed] == [1] * 10                # prints (and acks) 10
     assert '"backlog": 990' in outputs["stats orders --json"]
+
+
+def test_the_readme_names_every_command_that_finishes_when_run_again():
+    """The README's list of chunked commands that finish when run again after Ctrl-C
+    names every command that says so when interrupted (``_resumable``): it lacked
+    ``fdq topics upgrade --count-log-bytes``."""
+    import inspect
+
+    import click
+
+    from fdq.cli import cli
+    text = README.read_text()
+    start = text.index("a chunked operation")
+    segment = text[start:text.index("finishes when run again", start)]
+    items = [re.split(r"[ |]+", item) for item in segment.split("`")[1::2]]
+
+    def commands(group, path):
+        for name, cmd in group.commands.items():
+            if isinstance(cmd, click.Group):
+                yield from commands(cmd, path + [name])
+            else:
+                yield path + [name], cmd
+    resumable = [p for p, cmd in commands(cli, []) if "_resumable(" in inspect.getsource(cmd.callback)]
+    assert len(resumable) >= 8, resumable
+    missing = [p for p in resumable
+               if not any(words[:len(p) - 1] == p[:-1] and p[-1] in words[len(p) - 1:] for words in items)]
+    assert not missing, f"not in the README's list: {missing}"
