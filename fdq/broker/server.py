@@ -121,6 +121,8 @@ class Channel:
         new = await b.run(b.ensure_channel, self.topic, self.name, not self.name.endswith("#ephemeral"))
         if new is not None:     # an ephemeral channel: created and joined in one transaction
             kwargs.update(create=True, subscription_config=new, ephemeral=True)
+        else:                   # refused before joining: a waiting ephemeral one would be deleted
+            self._check_acknowledged((await b.run(b.supervisor.subscription, self.topic, self.name))["config"])
         try:
             self.consumer = await b.run(functools.partial(Consumer, b.db, self.topic, **kwargs))
         except ConfigError:
@@ -129,18 +131,25 @@ class Channel:
             # another broker created it meanwhile, with the start point of a later channel
             kwargs.update(create=False, subscription_config=None, ephemeral=False)
             self.consumer = await b.run(functools.partial(Consumer, b.db, self.topic, **kwargs))
-        if self.consumer.sub_config.ack_policy == "none":
-            # Its fetch takes messages (done when delivered): FIN would fail and what the
-            # broker hands back (no connection can take it, paused) would be lost. Refused
-            # before anything is fetched; a live channel's subscription created again with
-            # ack_policy none is refused by its consumer (it does not rejoin).
+        try:        # created again meanwhile: refused before anything is fetched
+            self._check_acknowledged(self.consumer.sub_config)
+        except ProtocolError:
             consumer, self.consumer = self.consumer, None
             await b.run(consumer.close)
+            raise
+        self._task = asyncio.get_running_loop().create_task(self._pump())
+
+    def _check_acknowledged(self, config: SubscriptionConfig):
+        """An NSQ channel is acknowledged (FIN/REQ/TOUCH). A subscription with ack_policy
+        none takes its messages when fetched: FIN would fail, and what the broker hands
+        back (no connection can take it, paused during a fetch) would be lost. A live
+        channel's subscription created again with ack_policy none is refused by its
+        consumer (it does not rejoin)."""
+        if config.ack_policy == "none":
             raise fatal("E_BAD_CHANNEL", f"SUB channel {self.name!r} of topic {self.topic!r} has ack_policy "
                                          f"'none' (messages are taken when delivered, never acknowledged): "
                                          f"an NSQ channel is acknowledged with FIN/REQ/TOUCH; use a "
                                          f"subscription with ack_policy 'explicit'")
-        self._task = asyncio.get_running_loop().create_task(self._pump())
 
     def add(self, conn):
         self.conns.append(conn)
