@@ -518,7 +518,8 @@ class Consumer:
         """Join again after this consumer's record vanished: declared a zombie, or its
         subscription or topic deleted (and perhaps created again under its name, with
         another config; while it is gone, TopicNotFound or SubscriptionNotFound is
-        reported each heartbeat, and its creation again is logged). The config is read and applied before joining, so no round runs with
+        reported each heartbeat, and its creation again is logged). The config is read
+        and applied before joining, so no round runs with
         an old filter, order or flow control on the shards it gets; a subscription
         whose ``ack_policy`` is no longer the one this consumer bound to is refused
         (ConfigError, reported each heartbeat; it joins nothing): its delivery mode was
