@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 import weakref
-from itertools import islice, starmap
+from itertools import chain, islice, starmap
 
 import msgpack
 
@@ -576,10 +576,29 @@ _METADATA_VERSION_KEY = b"\xff/metadataVersion"
 _METADATA_VERSION_VALUE = b"\x00" * 14    # the only value it takes: a placeholder at offset 0
 _NO_VERSION = b"\xff" * 10
 
+def _upsert(w, rows: list):
+    """Write ``rows`` [(key, value)] in order (a later row of a key replaces an earlier
+    one), in multi-row statements where they fill one."""
+    i, n = 0, len(rows)
+    for size in _UPSERT_SIZES:
+        if n - i >= size:
+            sql = _UPSERT_ROWS[size]
+            while n - i >= size:
+                w.execute(sql, list(chain.from_iterable(rows[i:i + size])))
+                i += size
+    if i < n:
+        w.executemany(_UPSERT, rows[i:] if i else rows)
+
+
 _LAST_VERSION = "SELECT version, clock FROM txlog ORDER BY version DESC LIMIT 1"
 _WATCH_CHECK = "SELECT (SELECT max(version) FROM txlog),"
 _WATCH_VALUE = "(SELECT value FROM kv WHERE key = ?)"
 _UPSERT = "INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)"
+# Rows per multi-row upsert (_upsert): one statement of n rows costs less than n runs of
+# _UPSERT; two sizes keep the connection's statement cache small.
+_UPSERT_SIZES = (64, 8)
+_UPSERT_ROWS = {n: "INSERT OR REPLACE INTO kv (key, value) VALUES " + ", ".join(["(?, ?)"] * n)
+                for n in _UPSERT_SIZES}
 _RANGE_ASC = "SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key ASC LIMIT ?"
 _RANGE_DESC = "SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key DESC LIMIT ?"
 
@@ -1586,7 +1605,8 @@ class Transaction(_ReadView):
         self._clear_begins = []
         self._read_ranges = []
         self._write_ranges = []
-        # (key before its stamp, key after it, value, clears before it, read version then)
+        # (key as given: the stamp's 10-byte placeholder at offset, the offset in its last
+        # 4 bytes; offset, value, clears before it, read version then)
         self._vs_keys = []
         self._clear_log = []     # every clear / clear_range in order (only read for _vs_keys)
         self._unreadable = []    # [begin, end) unreadable until commit (versionstamped keys)
@@ -1740,7 +1760,8 @@ class Transaction(_ReadView):
         vs = self._vs_keys
         if self._unreadable_n < len(vs):
             by_head = self._unreadable_by_head
-            for head, tail, _value, _clears, rv in islice(vs, self._unreadable_n, None):
+            for key, offset, _value, _clears, rv in islice(vs, self._unreadable_n, None):
+                head, tail = key[:offset], key[offset + 10:-4]
                 r = (head + (rv or 0).to_bytes(8, "big") + b"\x00\x00" + tail, head + _NO_VERSION + tail + b"\x00")
                 self._unreadable.append(r)
                 by_head.setdefault(head, []).append(r)
@@ -2229,17 +2250,18 @@ class Transaction(_ReadView):
 
     def set_versionstamped_key(self, key, value):
         if type(key) is bytes and type(value) is bytes and self._state == "open" \
-                and len(value) <= VALUE_SIZE_LIMIT and 14 <= len(key) <= KEY_SIZE_LIMIT:
+                and not self._next_write_no_conflict:
             # The common case inline (a push writes two per message): a legal user key
             # with its placeholder inside; the same effects as the general path below.
-            offset = _U32.unpack_from(key, len(key) - 4)[0]
-            body = key[:-4]
-            if offset + 10 <= len(body) and body < b"\xff" and not self._next_write_no_conflict:
-                self._vs_keys.append((body[:offset], body[offset + 10:], value, len(self._clear_log),
-                                      self._rv))
-                self._mutation_bytes += len(key) + len(value) + ENTRY_OVERHEAD_BYTES
-                self._mutations += 1
-                return
+            # The key is kept whole, split at its stamp when the commit writes it.
+            n = len(key)
+            if 14 <= n <= KEY_SIZE_LIMIT and len(value) <= VALUE_SIZE_LIMIT and key < b"\xff":
+                offset = _U32.unpack_from(key, n - 4)[0]
+                if offset + 14 <= n:
+                    self._vs_keys.append((key, offset, value, len(self._clear_log), self._rv))
+                    self._mutation_bytes += n + len(value) + ENTRY_OVERHEAD_BYTES
+                    self._mutations += 1
+                    return
         self._check_writable()
         # As FDB: the option is taken by this write (it has no client-side conflict
         # range to drop), not left for the next one.
@@ -2251,11 +2273,10 @@ class Transaction(_ReadView):
         # As FDB: the size limit counts the key as given, its 4-byte offset included.
         if not self._check_write_key(key):
             return
-        body = key[:-4]
-        if not self._check_write_key(body):
+        if not self._check_write_key(key[:-4]):
             return
         # Unreadable until commit: every key the stamp could produce (_unreadable_ranges).
-        self._vs_keys.append((body[:offset], body[offset + 10:], value, len(self._clear_log), self._rv))
+        self._vs_keys.append((key, offset, value, len(self._clear_log), self._rv))
         self._mutation_bytes += len(key) + len(value) + ENTRY_OVERHEAD_BYTES
         self._mutations += 1
 
@@ -2500,9 +2521,11 @@ class Transaction(_ReadView):
             spans = {}
             clear_log = self._clear_log
             n_log = len(clear_log)
-            vs_keys = self._vs_keys
-            # Within one prefix, keys order as their tails (the stamp is the same).
-            for head, tail, _value, _n, _rv in vs_keys:
+            append = vs_sets.append
+            for key, offset, value, n_clears, _rv in self._vs_keys:
+                head = key[:offset]
+                tail = key[offset + 10:-4]
+                # Within one prefix, keys order as their tails (the stamp is the same).
                 span = spans.get(head)
                 if span is None:
                     spans[head] = [tail, tail]
@@ -2510,14 +2533,10 @@ class Transaction(_ReadView):
                     span[0] = tail
                 elif tail > span[1]:
                     span[1] = tail
-            if not n_log:
-                vs_sets = [(head + stamp + tail, value) for head, tail, value, _n, _rv in vs_keys]
-            else:
-                for head, tail, value, n_clears, _rv in vs_keys:
-                    k = head + stamp + tail
-                    # FDB applies mutations in order: a clear issued after it removes it.
-                    if n_clears == n_log or not any(b <= k < e for b, e in clear_log[n_clears:]):
-                        vs_sets.append((k, value))
+                k = head + stamp + tail
+                # FDB applies mutations in order: a clear issued after it removes it.
+                if n_clears == n_log or not any(b <= k < e for b, e in clear_log[n_clears:]):
+                    append((k, value))
             write_ranges = write_ranges + [(head + stamp + lo, head + stamp + hi + b"\x00")
                                            for head, (lo, hi) in spans.items()]
         w.execute("INSERT INTO txlog VALUES (?, ?, ?)", (version, now, _pack_ranges(write_ranges)))
@@ -2557,7 +2576,7 @@ class Transaction(_ReadView):
         if len(sets) == 1:
             w.execute(_UPSERT, sets[0])
         elif sets:
-            w.executemany(_UPSERT, sets)
+            _upsert(w, sets)
         if adds:
             w.executemany(_ADD_UPSERT, adds)
         if atomics:
