@@ -210,11 +210,12 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
     counters = defaultdict(int)
     tags_written = set()     # each tag's key once per transaction
     packb = packer()
-    plain = defaultdict(int)     # (plan, shard) -> plain messages pushed there
-    plain_bytes = defaultdict(int)   # (plan, shard) -> their records' bytes (log_bytes)
-    plain_body = defaultdict(int)    # (plan, shard) -> their bodies' bytes (inserted_bytes)
+    # (plan, shard) -> [plain messages pushed there, their records' bytes (log_bytes),
+    # their bodies' bytes (inserted_bytes)]
+    plain = {}
     set_stamped = tr.set_versionstamped_key
-    last_target = targets = None
+    minute = now_ms // 60000 * 60000
+    last_plan = last_n = targets = sums = None
     for uv, (topic, env) in enumerate(items):
         plan = plans.get(topic)
         if plan is None:
@@ -242,15 +243,17 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             # every subscription's ready queue of shard n.
             record = packb([now_ms, env.shard_key, None, None, body])   # = Record(...).encode()
             uvb = uv.to_bytes(2, "big")
-            if last_target != (plan, n):     # unkeyed messages: runs on one shard
-                last_target = (plan, n)
+            if n != last_n or plan is not last_plan:     # unkeyed messages: runs on one shard
+                last_plan, last_n = plan, n
                 targets = plan.targets(n)
+                sums = plain.get((plan, n))
+                if sums is None:
+                    sums = plain[(plan, n)] = [0, 0, 0]
             for head, offset in targets:
                 set_stamped(head + uvb + offset, record)
-            plain[last_target] += 1       # its counters, added below
-            plain_bytes[last_target] += len(record)
-            plain_body[last_target] += len(body)
-            minute = now_ms // 60000 * 60000
+            sums[0] += 1        # its counters, added below
+            sums[1] += len(record)
+            sums[2] += len(body)
             if time_index.get(topic) != minute:
                 time_index[topic] = minute   # a lost entry only makes a replay scan longer
                 tr.set_versionstamped_key(vs_key(ts.time_index.pack((minute,)), uv), b"")
@@ -319,7 +322,6 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
         counters[ts.stat("log_bytes")] += entry_bytes(ts, n, len(record), len(chunks),
                                                       len(env.body) if chunks else 0)
         counters[ts.stat("inserted_bytes")] += len(env.body)
-        minute = now_ms // 60000 * 60000
         if time_index.get(topic) != minute:
             time_index[topic] = minute   # a lost entry only makes a replay scan longer
             tr.set_versionstamped_key(vs_key(ts.time_index.pack((minute,)), uv), b"")
@@ -337,11 +339,11 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
                 _note_tag(tr, ts, tag)
             tr.set_versionstamped_key(vs_key(ts.pending.key(), uv), pack([n, env.delay]))
         results.append((topic, uv, n, None))
-    for (plan, n), count in plain.items():
+    for (plan, n), (count, record_bytes, body_bytes) in plain.items():
         for key in plan.counter_keys(n):
             counters[key] += count
-        counters[plan.ts.stat("log_bytes")] += plain_bytes[(plan, n)] + count * plan.log_key_bytes(n)
-        counters[plan.ts.stat("inserted_bytes")] += plain_body[(plan, n)]
+        counters[plan.ts.stat("log_bytes")] += record_bytes + count * plan.log_key_bytes(n)
+        counters[plan.ts.stat("inserted_bytes")] += body_bytes
     for key, amount in counters.items():
         tr.add(key, counter(amount))
     for topic, config in configs.items():
