@@ -620,6 +620,27 @@ class _GroupCommit:
         while len(self._queue) < min(self._callers, self._max_batch) and time.perf_counter() < deadline:
             time.sleep(0)
 
+    def _reset_in_child(self):
+        """After fork(), in the child: its locks may have been held by a thread of the
+        parent, its queue is the parent's (committed there), and nobody leads it. The
+        queued pushes' futures (the parent's, copied) fail here: the parent commits them."""
+        queued, self._queue = self._queue, []
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._leading = False
+        self._flusher = None
+        self._flusher_go = threading.Event()
+        self._callers = self._async_pending = 0
+        self._local = threading.local()
+        err = EngineError(1021, "this push was queued before the process forked: the parent process "
+                                "commits it, not this one (it may have committed)")
+        for it in queued:
+            if it.future is not None:
+                try:
+                    it.future.set_exception(err)
+                except InvalidStateError:
+                    pass
+
     def _handoff(self):
         with self._lock:
             if not self._queue:
@@ -629,7 +650,24 @@ class _GroupCommit:
 
 
 _LIVE_GROUPS = weakref.WeakSet()
+_LIVE_PRODUCERS = weakref.WeakSet()
 EXIT_FLUSH_S = 60.0     # at interpreter exit, how long pending push_async calls may take
+
+
+def _after_fork_in_child():
+    """A Producer used on both sides of a fork(): the child gets a session of its own
+    (the parent's would give both processes the same transaction ids, and a retry after
+    commit_unknown_result would take the other's marker for its own commit) and a group
+    commit with no leader (the parent's flusher thread is not in the child)."""
+    for producer in list(_LIVE_PRODUCERS):
+        producer._session = os.urandom(8)
+        producer._seq_lock = threading.Lock()
+    for group in list(_LIVE_GROUPS):
+        group._reset_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @atexit.register
@@ -662,6 +700,7 @@ class Producer:
         self._seq = 0
         self._seq_lock = threading.Lock()
         self._group = _GroupCommit(self._flush, self.config.max_batch, self.config.linger_ms / 1000)
+        _LIVE_PRODUCERS.add(self)
 
     def push(self, topic: str, body: bytes, *, shard_key: str | None = None, msg_id: str | None = None,
              delay: float | None = None, headers: Mapping | None = None) -> PushResult:
