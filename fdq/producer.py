@@ -509,6 +509,7 @@ class _GroupCommit:
         self._async_pending = 0  # asynchronous pushes queued or being committed
         self._idle = threading.Condition(self._lock)
         self._local = threading.local()     # .flushing: this thread is committing a batch
+        self._committing = []    # the batches being committed (a forked child fails their futures)
         _LIVE_GROUPS.add(self)
 
     def submit(self, item: _Item):
@@ -590,11 +591,13 @@ class _GroupCommit:
                         self._leading = False
                         return
                 t0 = time.perf_counter()
+                self._committing.append(batch)
                 try:
                     self._local.flushing = True
                     self._flush(batch)
                 finally:
                     self._local.flushing = False
+                    self._committing.remove(batch)
                     done = sum(it.future is not None for it in batch)
                     if done:
                         with self._lock:
@@ -623,8 +626,12 @@ class _GroupCommit:
     def _reset_in_child(self):
         """After fork(), in the child: its locks may have been held by a thread of the
         parent, its queue is the parent's (committed there), and nobody leads it. The
-        queued pushes' futures (the parent's, copied) fail here: the parent commits them."""
+        futures of the pushes queued or being committed (the parent's, copied) fail here:
+        the parent commits them."""
         queued, self._queue = self._queue, []
+        for batch in self._committing:    # being committed by a thread of the parent's
+            queued += batch
+        self._committing = []
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._leading = False

@@ -91,3 +91,43 @@ def test_a_child_forked_while_its_producer_lingers_can_push_and_flush(db, tmp_pa
     assert got["flushed"] and got["future_done"]
     stored = _stored_bodies(db, "t")
     assert stored == {b"parent-async": 1, b"child": 1}   # the parent's push once: not by the child
+
+
+def test_a_child_forked_while_its_producer_commits_fails_the_copied_futures(db, tmp_path):
+    # Forked while the parent's flusher was committing a push_async (waiting out a
+    # play's hold): the child's copy of that future was neither queued nor committed
+    # there, and never resolved; the child's flush() said all was done meanwhile.
+    from fdq.keyspace import Keyspace as _Ks
+    from fdq.supervisor import play_chunk
+    from fdqtest import wait_for
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=1)
+    sup.pause("t")
+    ts = _Ks().topic("t")
+    _n, done, hold = play_chunk(db, ts, 100)     # a play's hold: pushes wait ~1 s of versions
+    assert not done and hold is not None
+    p = fdq.Producer(db)
+    pending = p.push_async("t", b"held")
+    wait_for(lambda: not p._group._queue, timeout=10, what="the flusher to take the push")
+    assert not pending.done(), "the push was not held"
+    out = tmp_path / "child.json"
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            flushed = p.flush(timeout=5)
+            try:
+                got = pending.exception(timeout=5)
+                state = type(got).__name__ if got is not None else "result"
+            except Exception as e:   # concurrent.futures.TimeoutError: never resolved
+                state = type(e).__name__
+            out.write_text(json.dumps({"flushed": flushed, "state": state}))
+            code = 0
+        finally:
+            os._exit(code)
+    assert _reap(pid, 30) == 0
+    assert pending.result(30).id    # the parent commits it (once the hold lapses)
+    got = json.loads(out.read_text())
+    assert got == {"flushed": True, "state": "EngineError"}, got
+    sup.play("t")
+    assert _stored_bodies(db, "t") == {b"held": 1}
