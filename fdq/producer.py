@@ -344,9 +344,13 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
         counters[plan.ts.stat("inserted_bytes")] += plain_body[(plan, n)]
     for key, amount in counters.items():
         tr.add(key, counter(amount))
+    written = None
     for topic, config in configs.items():
         if config.max_backlog is not None:
-            _check_backlog(tr, ks.topic(topic), config)
+            if written is None:     # a duplicate msg_id writes nothing: it is answered, never refused
+                written = {r[0] for r in results if r[3] is None}
+            if topic in written:
+                _check_backlog(tr, ks.topic(topic), config)
     payload = pack(results)
     if len(payload) <= MARKER_PART_BYTES:
         tr.set_versionstamped_value(marker_key, _PLACEHOLDER + payload + _OFFSET0)
