@@ -561,15 +561,25 @@ class _GroupCommit:
             return self._idle.wait_for(lambda: not self._async_pending, timeout)
 
     def _wake_flusher(self):
-        if self._flusher is None or not self._flusher.is_alive():
-            self._flusher = threading.Thread(target=self._flusher_loop, name="fdq-producer-flush",
-                                             daemon=True)
-            self._flusher.start()
-        self._flusher_go.set()
+        with self._lock:    # (with the flusher's idle exit: a wake-up is never left unread)
+            self._flusher_go.set()
+            if self._flusher is None or not self._flusher.is_alive():
+                self._flusher = threading.Thread(target=self._flusher_loop, name="fdq-producer-flush",
+                                                 daemon=True)
+                self._flusher.start()
 
     def _flusher_loop(self):
         while True:
-            self._flusher_go.wait()
+            if not self._flusher_go.wait(FLUSHER_IDLE_S):
+                # Idle: end (a thread waiting forever would hold its Producer and
+                # connection: one made per request left one each). The next wake-up
+                # starts another.
+                with self._lock:
+                    if not self._flusher_go.is_set():
+                        if self._flusher is threading.current_thread():
+                            self._flusher = None
+                        return
+                continue
             self._flusher_go.clear()
             try:
                 self._lead(rounds=None)
@@ -661,6 +671,7 @@ class _GroupCommit:
 
 
 _LIVE_GROUPS = weakref.WeakSet()
+FLUSHER_IDLE_S = 2.0    # a producer's flusher thread ends after this long without work
 _LIVE_PRODUCERS = weakref.WeakSet()
 EXIT_FLUSH_S = 60.0     # at interpreter exit, how long pending push_async calls may take
 
