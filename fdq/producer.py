@@ -346,9 +346,13 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
         counters[plan.ts.stat("inserted_bytes")] += body_bytes
     for key, amount in counters.items():
         tr.add(key, counter(amount))
+    written = None
     for topic, config in configs.items():
         if config.max_backlog is not None:
-            _check_backlog(tr, ks.topic(topic), config)
+            if written is None:     # a duplicate msg_id writes nothing: it is answered, never refused
+                written = {r[0] for r in results if r[3] is None}
+            if topic in written:
+                _check_backlog(tr, ks.topic(topic), config)
     payload = pack(results)
     if len(payload) <= MARKER_PART_BYTES:
         tr.set_versionstamped_value(marker_key, _PLACEHOLDER + payload + _OFFSET0)
@@ -511,6 +515,7 @@ class _GroupCommit:
         self._async_pending = 0  # asynchronous pushes queued or being committed
         self._idle = threading.Condition(self._lock)
         self._local = threading.local()     # .flushing: this thread is committing a batch
+        self._committing = []    # the batches being committed (a forked child fails their futures)
         _LIVE_GROUPS.add(self)
 
     def submit(self, item: _Item):
@@ -558,15 +563,25 @@ class _GroupCommit:
             return self._idle.wait_for(lambda: not self._async_pending, timeout)
 
     def _wake_flusher(self):
-        if self._flusher is None or not self._flusher.is_alive():
-            self._flusher = threading.Thread(target=self._flusher_loop, name="fdq-producer-flush",
-                                             daemon=True)
-            self._flusher.start()
-        self._flusher_go.set()
+        with self._lock:    # (with the flusher's idle exit: a wake-up is never left unread)
+            self._flusher_go.set()
+            if self._flusher is None or not self._flusher.is_alive():
+                self._flusher = threading.Thread(target=self._flusher_loop, name="fdq-producer-flush",
+                                                 daemon=True)
+                self._flusher.start()
 
     def _flusher_loop(self):
         while True:
-            self._flusher_go.wait()
+            if not self._flusher_go.wait(FLUSHER_IDLE_S):
+                # Idle: end (a thread waiting forever would hold its Producer and
+                # connection: one made per request left one each). The next wake-up
+                # starts another.
+                with self._lock:
+                    if not self._flusher_go.is_set():
+                        if self._flusher is threading.current_thread():
+                            self._flusher = None
+                        return
+                continue
             self._flusher_go.clear()
             try:
                 self._lead(rounds=None)
@@ -592,11 +607,13 @@ class _GroupCommit:
                         self._leading = False
                         return
                 t0 = time.perf_counter()
+                self._committing.append(batch)
                 try:
                     self._local.flushing = True
                     self._flush(batch)
                 finally:
                     self._local.flushing = False
+                    self._committing.remove(batch)
                     done = sum(it.future is not None for it in batch)
                     if done:
                         with self._lock:
@@ -622,6 +639,31 @@ class _GroupCommit:
         while len(self._queue) < min(self._callers, self._max_batch) and time.perf_counter() < deadline:
             time.sleep(0)
 
+    def _reset_in_child(self):
+        """After fork(), in the child: its locks may have been held by a thread of the
+        parent, its queue is the parent's (committed there), and nobody leads it. The
+        futures of the pushes queued or being committed (the parent's, copied) fail here:
+        the parent commits them."""
+        queued, self._queue = self._queue, []
+        for batch in self._committing:    # being committed by a thread of the parent's
+            queued += batch
+        self._committing = []
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._leading = False
+        self._flusher = None
+        self._flusher_go = threading.Event()
+        self._callers = self._async_pending = 0
+        self._local = threading.local()
+        err = EngineError(1021, "this push was queued before the process forked: the parent process "
+                                "commits it, not this one (it may have committed)")
+        for it in queued:
+            if it.future is not None:
+                try:
+                    it.future.set_exception(err)
+                except InvalidStateError:
+                    pass
+
     def _handoff(self):
         with self._lock:
             if not self._queue:
@@ -631,7 +673,25 @@ class _GroupCommit:
 
 
 _LIVE_GROUPS = weakref.WeakSet()
+FLUSHER_IDLE_S = 2.0    # a producer's flusher thread ends after this long without work
+_LIVE_PRODUCERS = weakref.WeakSet()
 EXIT_FLUSH_S = 60.0     # at interpreter exit, how long pending push_async calls may take
+
+
+def _after_fork_in_child():
+    """A Producer used on both sides of a fork(): the child gets a session of its own
+    (the parent's would give both processes the same transaction ids, and a retry after
+    commit_unknown_result would take the other's marker for its own commit) and a group
+    commit with no leader (the parent's flusher thread is not in the child)."""
+    for producer in list(_LIVE_PRODUCERS):
+        producer._session = os.urandom(8)
+        producer._seq_lock = threading.Lock()
+    for group in list(_LIVE_GROUPS):
+        group._reset_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @atexit.register
@@ -664,6 +724,7 @@ class Producer:
         self._seq = 0
         self._seq_lock = threading.Lock()
         self._group = _GroupCommit(self._flush, self.config.max_batch, self.config.linger_ms / 1000)
+        _LIVE_PRODUCERS.add(self)
 
     def push(self, topic: str, body: bytes, *, shard_key: str | None = None, msg_id: str | None = None,
              delay: float | None = None, headers: Mapping | None = None) -> PushResult:
