@@ -980,18 +980,26 @@ def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None)
         def flush():
             nonlocal count, copies
             while batch:
-                # the progress's count, not what the last attempt pushed: an attempt that
-                # committed and reported commit_unknown_result leaves its retry nothing to do
-                while True:
-                    try:
-                        now, taken, copies = replay_chunk(db, ks, ts, (window, run, owner), batch, os.urandom(16),
-                                                          int(time.time() * 1000), index)
-                        break
-                    except TopicHeld:      # a play finishing: nothing written, try again
-                        time.sleep(HOLD_WAIT_S)
-                if progress:
-                    progress(now - count)
-                count = now
+                try:
+                    # the progress's count, not what the last attempt pushed: an attempt that
+                    # committed and reported commit_unknown_result leaves its retry nothing to do
+                    while True:
+                        try:
+                            now, taken, copies = replay_chunk(db, ks, ts, (window, run, owner), batch,
+                                                              os.urandom(16), int(time.time() * 1000), index)
+                            break
+                        except TopicHeld:      # a play finishing: nothing written, try again
+                            time.sleep(HOLD_WAIT_S)
+                    if progress:
+                        progress(now - count)
+                    count = now
+                except BaseException:
+                    # Interrupted (Ctrl-C lands right after a commit as easily as anywhere)
+                    # or failed: the chunk may have committed; progress hears what did.
+                    now = _committed_count(db, ts, window, run, owner)
+                    if progress and now is not None and now > count:
+                        progress(now - count)
+                    raise
                 del batch[:taken]
         for vs, _b, rec in iter_window(db, ts, log_buckets(db, ts), start_ms, end_ms):
             if int.from_bytes(vs.tr_version[:8], "big") > state["stop"]:
@@ -1143,6 +1151,19 @@ def replay_chunk(tr, ks: Keyspace, ts: TopicSpace, run: tuple, entries: list, tx
         state["count"] += len(todo)
         tr[key] = pack(state)
     return state["count"], skipped + len(todo), copies
+
+
+def _committed_count(db, ts: TopicSpace, window: str, run: str, owner: str) -> int | None:
+    """How many run ``run`` has pushed by its progress record (None if it is not
+    ``owner``'s any more, or cannot be read now): what an interrupted replay reports."""
+    try:
+        raw = db.create_transaction().snapshot[_run_key(ts, window, run)].wait()
+    except Exception:   # (the interrupt's report, not worth a retry loop)
+        return None
+    if raw == None:  # noqa: E711
+        return None
+    state = unpack(bytes(raw))
+    return state["count"] if state.get("owner") == owner else None
 
 
 @transactional

@@ -819,8 +819,10 @@ def replay(state, topic, start, end, as_json):
 
     def count(n):
         nonlocal done
-        done += n
+        # the bar first: an interrupt inside it leaves done as it was, and the replay
+        # then reports the chunk again from its progress record (once)
         advance(n)
+        done += n
     # Each chunk commits with the replay's progress: a rerun takes this run over (once its
     # heartbeat has stood still for ~3 s) and goes on after its last chunk.
     state.interrupted = lambda: (f"replayed {done:,} messages of {topic!r} so far; run the same command "
