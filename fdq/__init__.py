@@ -1,6 +1,6 @@
 """FDQ: a message queue layer on FoundationDB."""
 from .engine import connect, transactional
-from .errors import (BacklogFull, ConfigError, ConnectError, ConsumerStalled, EngineError, FDQError,
+from .errors import (BacklogFull, ClientForked, ConfigError, ConnectError, ConsumerStalled, EngineError, FDQError,
                      FormatError, InvalidHeader, InvalidMessage, InvalidName, LeaseLost,
                      MessageTooLarge, ReplayTakenOver, SubscriptionNotFound, TopicExists, TopicNotFound)
 
@@ -17,6 +17,6 @@ __all__ = [
     "tail", "aio", "Supervisor", "ConsumerConfig", "ProducerConfig", "TopicConfig", "SubscriptionConfig",
     "FDQError", "ConfigError", "ConnectError", "EngineError", "FormatError", "InvalidName",
     "TopicNotFound", "TopicExists", "SubscriptionNotFound", "MessageTooLarge",
-    "InvalidMessage", "InvalidHeader", "BacklogFull", "LeaseLost", "ConsumerStalled",
+    "InvalidMessage", "InvalidHeader", "BacklogFull", "LeaseLost", "ConsumerStalled", "ClientForked",
     "ReplayTakenOver",
 ]

@@ -16,6 +16,7 @@ the background in one of three modes:
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import os
@@ -29,7 +30,7 @@ from types import MappingProxyType
 from . import delivery, membership
 from . import subscription as _subs
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig, SubscriptionConfig, TopicConfig, check_name
-from .engine import error_types, retry_or_raise, run_within
+from .engine import check_process, error_types, retry_or_raise, run_within
 from .errors import (ConfigError, ConsumerStalled, EngineError, FDQError, LeaseLost, SubscriptionNotFound,
                      TopicNotFound, is_maybe_committed)
 from .headers import check_tag
@@ -51,6 +52,11 @@ _GOODBYE_MS = 10_000
 # per shard cost 16 every check interval; all of a consumer's shards in one could
 # outlast FDB's 5 s with large backlogs in flight.
 LEASE_SCAN_SHARDS = 4
+# At most this many shards are visited by one lease transaction (the rest wait for the
+# next round): a round's reads are sequential, and on a cluster (~1 ms a read) a round over
+# thousands of shards (a topic with many dispatch tags) would outlive the 5-second rule
+# and be retried for ever.
+LEASE_ROUND_SHARDS = 256
 # Heartbeats a subscription may stay catching up (its delivery stopped) before its live
 # consumers finish the catch-up themselves (``Consumer._help_catch_up``).
 CATCH_UP_HELP_AFTER = 3
@@ -381,6 +387,7 @@ class Consumer:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._watches = {}           # (tag, n) -> watch future on the shard's "routed" counter
+        self._unwatched = set()      # shards whose watch hit the watch limit: polled for now
         self._unarmed = []           # a round's watches still to set (``_lease_many(defer_arm=True)``)
         # ((tag, n), 12-byte vs) -> [lease_id, touches, since, ack_wait_s, record key]; bytes,
         # not the Versionstamp: its hash is Python code, two per message on the hot path
@@ -390,7 +397,7 @@ class Consumer:
         self._rounds = {}            # id -> _Round in hand (kept leased by the membership thread)
         self._lease_prefix, self._lease_seq = os.urandom(8), 0
         self._peers = {}             # consumer id -> (heartbeat, since)
-        self._rr = 0
+        self._rr_after = None        # the last shard the last round reached: the next starts after it
         self._dirty = set()          # shards that may have work (new, signalled, swept)
         self._last_sweep = 0.0
         self._last_hb = 0.0
@@ -804,11 +811,14 @@ class Consumer:
             if now - self._last_sweep >= self.config.poll_interval_s:
                 self._last_sweep = now
                 self._dirty.update(self._owned)
+                self._unwatched.clear()     # a watch may be free again: try one
             shards = sorted((s, e) for s, e in self._owned.items() if s in self._dirty)
             self._dirty.clear()
-        if shards:
-            self._rr = (self._rr + 1) % len(shards)
-            shards = shards[self._rr:] + shards[:self._rr]
+        if shards and self._rr_after is not None:
+            # Start after the last shard the last round reached: those its limit (or
+            # LEASE_ROUND_SHARDS) left out go first, so no shard waits for long.
+            i = bisect.bisect_right([s for s, _e in shards], self._rr_after)
+            shards = shards[i:] + shards[:i]
         return shards
 
     def _idle_for(self) -> float:
@@ -871,8 +881,8 @@ class Consumer:
             attempt[0] = None
             if rows:
                 settle_lost[0] = delivery.settle(tr, self._ts, rows, self.config.max_deliver)
-            for shard_id, epoch in shards:
-                if left <= 0:
+            for i, (shard_id, epoch) in enumerate(shards):
+                if left <= 0 or i >= LEASE_ROUND_SHARDS:
                     got.append((shard_id, None, False, None))     # not reached
                     continue
                 try:
@@ -911,6 +921,7 @@ class Consumer:
 
         settle_lost = [None]
         attempt = [None]     # this attempt's id, when it took messages (at most once)
+        check_process(self.db)
         tr = self.db.create_transaction()
         while True:
             got = None
@@ -930,6 +941,7 @@ class Consumer:
             error = self._settled(list(settlements), settle_lost[0], maybe_lost)
             if error is not None:
                 self._report(error)
+        self._rr_after = next((s for s, t, _d, _w in reversed(got) if t is not None), self._rr_after)
         out = []
         now = _monotonic()
         if not defer_arm:
@@ -962,6 +974,7 @@ class Consumer:
             return got
         got = list(got)
         try:
+            check_process(self.db)
             tr = self.db.create_transaction()
             armed = [(i, tr.watch(key), _raw(tr.snapshot[key]), before) for i, (key, before) in seen]
             tr.commit().wait()
@@ -991,13 +1004,29 @@ class Consumer:
         w = self._watches.get(shard_id)
         if w is not None and not w.is_ready():
             return None     # one watch per shard is enough
+        if shard_id in self._unwatched:
+            return None     # out of watches: polled until the next sweep
         return self._ts.shard(self.subscription, *shard_id).stat("routed")
 
     def _keep_watch(self, shard_id, watch):
         if watch is None:
             return
         self._watches[shard_id] = watch
-        watch.on_ready(lambda _f: self._mark(shard_id))
+        watch.on_ready(lambda f: self._watch_ended(shard_id, f))
+
+    def _watch_ended(self, shard_id, watch):
+        """A watch fired, or failed. ``too_many_watches`` (1032: on FDB, one process's
+        Database shares 10,000 watches among all its consumers) leaves the shard to the
+        sweep every ``poll_interval_s``, with no new watch until then: visiting it at
+        once would set the next watch, fail again, and loop. Any other end marks it."""
+        try:
+            watch.wait()
+        except error_types() as e:
+            if e.code == 1032:
+                with self._owned_lock:
+                    self._unwatched.add(shard_id)
+                return
+        self._mark(shard_id)
 
     def _idle(self, timeout: float):
         if self._wake.wait(timeout):
@@ -1057,6 +1086,7 @@ class Consumer:
                 raise FDQError(f"message {getattr(m, 'id', m)} is not leased: {action} needs "
                                "at-least-once delivery")
         rows = _settle_rows(items)
+        check_process(self.db)
         tr = self.db.create_transaction()
         maybe_lost = []     # lost sets of attempts that may have committed
         while True:
@@ -1338,6 +1368,7 @@ class TailConsumer(Consumer):
         shard = self._ts.shard(self.subscription, *shard_id)
         limit = self.batch_size
         failed = None       # (taken, reason): a message whose handler raised behind the ones retried
+        check_process(self.db)
         tr = self.db.create_transaction()
         while True:
             current = None

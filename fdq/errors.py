@@ -65,6 +65,11 @@ class ReplayTakenOver(FDQError):
     having pushed nothing the rerun will push again."""
 
 
+class ClientForked(FDQError):
+    """A FoundationDB client used in a process forked after it started (it cannot work
+    there: start such processes with ``spawn``, or connect after the fork)."""
+
+
 class LeaseLost(FDQError):
     """The message's lease or the shard's ownership moved to another consumer."""
 

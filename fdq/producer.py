@@ -30,7 +30,7 @@ import fdb.tuple as fdbtuple
 from fdb.tuple import Versionstamp
 
 from .config import ProducerConfig, TopicConfig, check_name
-from .engine import error_types, retry_or_raise, transactional
+from .engine import check_process, error_types, retry_or_raise, transactional
 from .times import MIN_BARE_MS, iso_ms
 from .errors import (BacklogFull, ConfigError, EngineError, FDQError, InvalidHeader, InvalidMessage,
                      MessageTooLarge, TopicHeld, TopicNotFound, is_maybe_committed)
@@ -694,7 +694,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-@atexit.register
 def _flush_at_exit():
     """The flusher is a daemon thread (it must not keep a process alive): at a normal
     exit, commit what ``push_async`` callers left queued before it is stopped."""
@@ -725,6 +724,11 @@ class Producer:
         self._seq_lock = threading.Lock()
         self._group = _GroupCommit(self._flush, self.config.max_batch, self.config.linger_ms / 1000)
         _LIVE_PRODUCERS.add(self)
+        # atexit runs handlers last-registered first: registered again here, the exit flush
+        # runs before the handler of FoundationDB's binding (registered when fdb.impl was
+        # imported, before any Database existed) stops its network thread.
+        atexit.unregister(_flush_at_exit)
+        atexit.register(_flush_at_exit)
 
     def push(self, topic: str, body: bytes, *, shard_key: str | None = None, msg_id: str | None = None,
              delay: float | None = None, headers: Mapping | None = None) -> PushResult:
@@ -835,6 +839,7 @@ class Producer:
             self._seq += 1
             txid = self._session + self._seq.to_bytes(8, "big")
         spread = _spread_start()
+        check_process(self.db)
         tr = self.db.create_transaction()
         maybe_committed = in_flight = False
         while True:
@@ -887,6 +892,7 @@ class Producer:
         surely did not (its unknown attempts are no longer in flight, and the marker is
         absent); else a ``commit_unknown_result`` EngineError (maybe committed)."""
         ts = self.keyspace.topic(topic)
+        check_process(self.db)
         tr = self.db.create_transaction()
         try:
             while True:

@@ -13,7 +13,7 @@ import time
 
 from . import delivery, logcount, membership
 from .config import UPDATABLE_TOPIC_FIELDS, ConsumerConfig, TopicConfig, check_name
-from .engine import transactional
+from .engine import error_types, transactional
 from .errors import ConfigError, TopicExists, TopicHeld, TopicNotFound
 from .headers import dispatch_tag
 from .keyspace import Keyspace, TopicSpace, Versionstamp, counter, decode_counter, message_id, vs_from_bytes
@@ -1156,9 +1156,10 @@ def replay_chunk(tr, ks: Keyspace, ts: TopicSpace, run: tuple, entries: list, tx
 def _committed_count(db, ts: TopicSpace, window: str, run: str, owner: str) -> int | None:
     """How many run ``run`` has pushed by its progress record (None if it is not
     ``owner``'s any more, or cannot be read now): what an interrupted replay reports."""
-    try:
-        raw = db.create_transaction().snapshot[_run_key(ts, window, run)].wait()
-    except Exception:   # (the interrupt's report, not worth a retry loop)
+    tr = db.create_transaction()    # held until the read is waited for: FDB cancels the
+    try:                            # reads of a transaction it destroys (1025)
+        raw = tr.snapshot[_run_key(ts, window, run)].wait()
+    except error_types():   # (the interrupt's report, not worth a retry loop)
         return None
     if raw == None:  # noqa: E711
         return None

@@ -1,15 +1,29 @@
-"""Fixtures shared by every test directory: a fresh embedded database per test."""
+"""Fixtures shared by every test directory: a fresh database per test, on the engine
+of this pass (``tests/fdqtest.py``: ``sqlite://``, or ``fdb://`` through FoundationDB's
+binding over the libfdb_c stand-in)."""
 from __future__ import annotations
+
+import os
 
 import pytest
 
-import fdq
+import fdqtest
+
+if fdqtest.STANDIN:
+    # Before anything loads fdb.impl: this process and every process a test starts (through
+    # tests/standin/site/sitecustomize.py) load the binding over the stand-in.
+    import standin
+
+    os.environ.update(standin.environment())
+    standin.install_from_env()
+
+import fdq  # noqa: E402
 
 
 @pytest.fixture
 def db_url(tmp_path):
-    """The URL of a fresh embedded database in the test's own directory."""
-    return f"sqlite://{tmp_path / 'fdq.db'}"
+    """The URL of a fresh database in the test's own directory."""
+    return fdqtest.database_url(tmp_path / "fdq.db")
 
 
 @pytest.fixture
@@ -17,18 +31,26 @@ def db(db_url):
     return fdq.connect(db_url)
 
 
+def pytest_report_header(config):
+    if fdqtest.STANDIN:
+        return "engine: fdb:// through FoundationDB's binding over the libfdb_c stand-in (FDQ_STANDIN=%s)" % (
+            os.environ["FDQ_STANDIN"])
+    if fdqtest.ON_FDB:
+        return f"engine: fdb:// on the cluster of {fdqtest.FDB_CLUSTER_FILE}"
+    return "engine: sqlite:// (the embedded engine)"
+
+
 def pytest_terminal_summary(terminalreporter):
-    """One line for the FoundationDB copies of the engine tests (skipped without a
-    cluster), every other skip with its reason."""
+    """Every skip with its reason, grouped by reason."""
     skipped = terminalreporter.stats.get("skipped", [])
-    fdb, other = [], []
+    by_reason = {}
     for r in skipped:
         reason = r.longrepr[2] if isinstance(r.longrepr, tuple) else str(r.longrepr)
-        (fdb if "FDQ_TEST_FDB_CLUSTER_FILE" in reason else other).append((r.nodeid, reason))
-    if fdb:
-        terminalreporter.write_line(f"{len(fdb)} FoundationDB cases skipped: {fdb[0][1]}")
-    for nodeid, reason in other:
-        terminalreporter.write_line(f"SKIPPED {nodeid}: {reason}")
+        by_reason.setdefault(reason, []).append(r.nodeid)
+    for reason, ids in sorted(by_reason.items(), key=lambda kv: -len(kv[1])):
+        terminalreporter.write_line(f"{len(ids)} skipped: {reason}")
+        for nodeid in ids[:3]:
+            terminalreporter.write_line(f"    {nodeid}")
 
 
 def pytest_collection_modifyitems(items):

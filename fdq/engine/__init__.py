@@ -16,39 +16,73 @@ import sys
 import types
 import urllib.parse
 
-from ..errors import ConnectError, EngineError
+from ..errors import ClientForked, ConnectError, EngineError
 from . import sqlite
 from .futures import Value
 from .sqlite import KeySelector, KeyValue, StreamingMode, strinc
 
-__all__ = ["connect", "transactional", "run_within", "retry_or_raise", "error_types", "is_transaction", "default_url", "KeySelector", "KeyValue",
-           "StreamingMode", "strinc", "API_VERSION"]
+__all__ = ["connect", "transactional", "run_within", "retry_or_raise", "error_types", "is_transaction",
+           "check_process", "describe", "default_url", "KeySelector", "KeyValue", "StreamingMode", "strinc",
+           "API_VERSION"]
 
-# 7.3 is FoundationDB's current production line; 730 brings 4-byte versionstamp
-# offsets (used by fdb.tuple.pack_with_versionstamp) and the transactional-generator
-# check; the 8.0 binding accepts it with libfdb_c >= 8.0.
+# 7.3 is FoundationDB's current production line: FDQ asks for API 730 and pins the
+# `foundationdb` binding to 7.3.x (setup.cfg), which loads libfdb_c 7.3 (the 8.0 binding
+# refuses a 7.3 library). An application that selected an API version itself before FDQ
+# connects is accepted from MIN_API_VERSION (get_range_split_points, 4-byte versionstamp
+# offsets and the transactional-generator check are all older).
 API_VERSION = 730
+MIN_API_VERSION = 710
+CLIENT_PACKAGE = "foundationdb-clients 7.3.x (.deb/.rpm from github.com/apple/foundationdb/releases)"
+CONNECT_TIMEOUT_S = 10.0
 
+# The types engine errors and transactions arrive as: the embedded engine's, and FDB's
+# once its binding is loaded (by fdq.connect or by the application: see _learn_fdb_types).
 _ERROR_TYPES: tuple = (EngineError,)
 _TRANSACTION_TYPES: tuple = (sqlite._ReadView,)
+_fdb_impl = None
+_fdb_pid = None     # the process whose FoundationDB client runs (its network thread)
 
 
-def _install_tuple_shim():
-    """``fdb.tuple`` packs Versionstamps by checking ``isinstance(x, fdb.impl.Value)``;
-    ``fdb.impl`` loads libfdb_c at import. Without the client library, give it the
-    embedded engine's Value so the tuple layer works (the real module replaces the shim
-    when ``fdb://`` is opened)."""
+def _learn_fdb_types() -> bool:
+    """Add FDB's error and transaction types once its binding is loaded, however it was
+    loaded (``fdq.connect("fdb://...")``, or the application's own ``fdb.api_version``
+    and ``fdb.open``). True if they were just added."""
+    global _ERROR_TYPES, _TRANSACTION_TYPES, _fdb_impl, _fdb_pid
+    impl = sys.modules.get("fdb.impl")
+    if impl is None or impl is _fdb_impl or not hasattr(impl, "TransactionRead"):
+        return False
+    _fdb_impl = impl
+    _fdb_pid = os.getpid()
+    _ERROR_TYPES = (EngineError, impl.FDBError)
+    _TRANSACTION_TYPES = (sqlite._ReadView, impl.TransactionRead)
+    return True
+
+
+def check_process(db):
+    """Raise ClientForked for an FDB ``db`` in a process forked after its client started:
+    FoundationDB's client has one network thread, which a forked child does not have, so
+    any call would hang there. The embedded engine reopens its file after a fork."""
+    if _fdb_pid is not None and _fdb_pid != os.getpid() and not isinstance(db, sqlite.Database):
+        raise ClientForked(
+            f"this process ({os.getpid()}) was forked from {_fdb_pid} after its FoundationDB client "
+            "started: the client cannot be used here. Start worker processes with the 'spawn' "
+            "method (multiprocessing.get_context('spawn')), or connect only after forking")
+
+
+def _tuple_layer_without_client():
+    """``fdb.tuple`` packs a Versionstamp after checking ``isinstance(x, fdb.impl.Value)``,
+    and ``fdb.impl`` loads libfdb_c when imported. Where that module is not loaded, give
+    the ``fdb`` package an ``impl`` attribute holding only ``Value`` (the embedded
+    engine's): the tuple layer then works without the client library. Nothing is put in
+    ``sys.modules``, so ``import fdb.impl`` (``fdb.api_version``, by FDQ or by the
+    application) still loads the real module, which replaces the attribute."""
     import fdb
 
-    if "fdb.impl" not in sys.modules:
-        shim = types.ModuleType("fdb.impl")
-        shim.Value = Value
-        shim._fdq_shim = True
-        sys.modules["fdb.impl"] = shim
-        fdb.impl = shim
+    if "fdb.impl" not in sys.modules and not hasattr(fdb, "impl"):
+        fdb.impl = types.SimpleNamespace(Value=Value)
 
 
-_install_tuple_shim()
+_tuple_layer_without_client()
 
 
 def default_url() -> str:
@@ -86,9 +120,22 @@ def connect(url: str | None = None, *, check_format: bool = True):
         raise ConnectError(f"{url!r}: unknown scheme {parts.scheme!r} "
                            "(use sqlite:///path/to/file.db or fdb:///path/to/fdb.cluster)")
     if check_format:
-        from ..keyspace import Keyspace, ensure_format
-        ensure_format(db, Keyspace(), write=False)
+        _check_format(db, url, parts)
     return db
+
+
+def _check_format(db, url, parts):
+    """The layout check of ``connect``, bounded: an unreachable cluster answers nothing."""
+    from ..keyspace import Keyspace, ensure_format
+    try:
+        run_within(db, int(CONNECT_TIMEOUT_S * 1000), ensure_format, Keyspace(), write=False)
+    except EngineError as e:
+        if e.code != 1031:
+            raise
+        where = (f"cluster file {(parts.netloc + parts.path) or 'the default'}"
+                 if parts.scheme == "fdb" else "its file")
+        raise ConnectError(f"{url!r}: no answer within {CONNECT_TIMEOUT_S:g} s ({where}): is the "
+                           "database running and reachable from here?") from None
 
 
 def _connect_sqlite(url, parts):
@@ -120,41 +167,59 @@ def _connect_sqlite(url, parts):
 
 
 def _connect_fdb(url, parts):
-    global _ERROR_TYPES, _TRANSACTION_TYPES
     cluster_file = (parts.netloc + parts.path) or None
+    if parts.query:
+        names = ", ".join(sorted(urllib.parse.parse_qs(parts.query, keep_blank_values=True)))
+        raise ConnectError(f"{url!r}: unknown option(s) {names} (fdb:// takes none: the cluster "
+                           "file names the cluster)")
     if cluster_file and not os.access(cluster_file, os.R_OK):
         raise ConnectError(f"{url!r}: cluster file {cluster_file!r} is not readable")
     import fdb
 
-    impl = sys.modules.get("fdb.impl")
-    if impl is not None and getattr(impl, "_fdq_shim", False):
-        del sys.modules["fdb.impl"]
-        del fdb.impl
-    try:
-        fdb.api_version(API_VERSION)
-    except Exception as e:
-        _install_tuple_shim()
-        raise ConnectError(
-            f"{url!r}: the FoundationDB client library (libfdb_c) cannot be loaded ({e}). "
-            "Install the FoundationDB clients package for your platform (foundationdb-clients "
-            "7.3 or newer: .deb/.rpm from FoundationDB's releases), or use sqlite:///path.db"
-        ) from None
+    _select_api_version(fdb, url)
     try:
         db = fdb.open(cluster_file)
     except fdb.FDBError as e:
-        raise ConnectError(f"{url!r}: {e.description} (code {e.code})") from None
-    _ERROR_TYPES = (EngineError, fdb.FDBError)
-    _TRANSACTION_TYPES = (sqlite._ReadView, fdb.impl.TransactionRead)
+        raise ConnectError(f"{url!r}: {describe(e)} (code {e.code})") from None
+    _learn_fdb_types()
     return db
+
+
+def _select_api_version(fdb, url):
+    """``fdb.api_version(API_VERSION)``, or accept the version the application chose."""
+    if fdb.is_api_version_selected():
+        chosen = fdb.get_api_version()
+        if chosen < MIN_API_VERSION:
+            raise ConnectError(f"{url!r}: the application selected FoundationDB API version {chosen} "
+                               f"(fdb.api_version); FDQ needs {MIN_API_VERSION} to {API_VERSION}")
+        return
+    try:
+        fdb.api_version(API_VERSION)
+    except Exception as e:
+        binding = getattr(fdb, "__version__", "?")
+        raise ConnectError(
+            f"{url!r}: the FoundationDB client library (libfdb_c) cannot be used with the "
+            f"'foundationdb' Python package {binding} at API version {API_VERSION} ({e}). "
+            f"Install {CLIENT_PACKAGE} with the Python package 'foundationdb>=7.3,<7.4', or use "
+            "sqlite:///path.db") from None
+
+
+def describe(e) -> str:
+    """An engine error's description as text (FDB's binding gives bytes)."""
+    d = getattr(e, "description", None)
+    if isinstance(d, bytes):
+        d = d.decode("utf-8", "replace")
+    return d or ""
 
 
 def is_transaction(obj) -> bool:
     """True for a transaction (or its snapshot view) of either engine."""
-    return isinstance(obj, _TRANSACTION_TYPES)
+    return isinstance(obj, _TRANSACTION_TYPES) or (_learn_fdb_types() and isinstance(obj, _TRANSACTION_TYPES))
 
 
 def error_types() -> tuple:
     """The exception types engine errors arrive as (with a ``code``)."""
+    _learn_fdb_types()
     return _ERROR_TYPES
 
 
@@ -162,7 +227,7 @@ def _translate(e):
     """An FDB error leaving FDQ becomes an EngineError with the same code."""
     if isinstance(e, EngineError):
         return e
-    return EngineError(e.code, getattr(e, "description", None))
+    return EngineError(e.code, describe(e) or None)
 
 
 def retry_or_raise(tr, e):
@@ -198,8 +263,9 @@ def transactional(func=None, *, parameter: str = "tr"):
         @functools.wraps(func)
         def wrapper(*args, **kwargs):
             target = args[index]
-            if isinstance(target, _TRANSACTION_TYPES):
+            if is_transaction(target):
                 return _no_generator(func(*args, **kwargs))
+            check_process(target)
             largs = list(args)
             tr = largs[index] = target.create_transaction()
             while True:
@@ -220,6 +286,8 @@ def run_within(db, timeout_ms: int, func, *args, **kwargs):
     timeout option, kept across retries): past it, ``EngineError`` 1031
     (transaction_timed_out). For work that may be given up, such as a leaving
     consumer's goodbye, whose effect others reach anyway by timeouts."""
+    _learn_fdb_types()
+    check_process(db)
     tr = db.create_transaction()
     tr.options.set_timeout(int(timeout_ms))
     while True:

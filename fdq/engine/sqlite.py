@@ -2652,6 +2652,16 @@ class Transaction(_ReadView):
 
     def on_error(self, error) -> Future:
         """As FDB: back off and reset for a retryable error, else re-raise it."""
+        f, delay = self.prepare_retry(error)
+        if delay > 0:
+            _sleep(delay)
+        return f
+
+    def prepare_retry(self, error) -> tuple:
+        """``on_error`` without its wait: ``(future, delay_s)``. A retryable error resets
+        the transaction at once and the future is ready after ``delay_s`` of backoff, which
+        the caller waits out (``on_error`` sleeps; a client with an event loop, such as
+        the ``libfdb_c`` stand-in of the tests, sets a timer)."""
         if isinstance(error, EngineError):
             code, err = error.code, error
         elif isinstance(error, int):
@@ -2659,15 +2669,15 @@ class Transaction(_ReadView):
         else:
             raise error  # as FDB's binding: anything but its error type or a code is re-raised
         if self._state in _CLOSED_STATE_ERRORS:
-            return Future.ready(None, EngineError(_CLOSED_STATE_ERRORS[self._state]))
+            return Future.ready(None, EngineError(_CLOSED_STATE_ERRORS[self._state])), 0.0
         if self._timeout_ms and (_clock() - self._created) * 1000 > self._timeout_ms:
             self._abandon(1031)
             self.cancel()
             self._state = "timed_out"
-            return Future.ready(None, EngineError(1031))
+            return Future.ready(None, EngineError(1031)), 0.0
         if not is_retryable(err) or (0 <= self._retry_limit <= self._retries):
             self.cancel()
-            return Future.ready(None, err)
+            return Future.ready(None, err), 0.0
         max_delay = self._max_retry_delay_ms / 1000.0
         if code in (1007, 1009):
             delay = min(0.01, max_delay)
@@ -2680,6 +2690,4 @@ class Transaction(_ReadView):
         self._reset_state()
         (self._timeout_ms, self._retry_limit, self._max_retry_delay_ms, self._created,
          self._retries, self._backoff) = keep
-        if delay > 0:
-            _sleep(delay)
-        return Future.ready(None)
+        return Future.ready(None), delay

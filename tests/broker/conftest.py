@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 
 from fdq.broker import protocol as p
-from fdqtest import readline_within, wait_for  # noqa: F401 - wait_for re-exported to this directory's tests
+from fdqtest import database_url, readline_within, wait_for  # noqa: F401 - wait_for re-exported to this directory's tests
 from nsqclient import RawClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -57,7 +57,7 @@ class BrokerProc:
 
 @pytest.fixture
 def db_url(tmp_path):
-    return f"sqlite:///{tmp_path / 'fdq.db'}"
+    return database_url(tmp_path / "fdq.db")
 
 
 @pytest.fixture
@@ -83,7 +83,7 @@ def broker(broker_factory):
 @pytest.fixture(scope="module")
 def shared_broker(tmp_path_factory):
     """One broker for a module whose tests use distinct topics (saves a start per test)."""
-    b = BrokerProc(f"sqlite:///{tmp_path_factory.mktemp('shared') / 'fdq.db'}")
+    b = BrokerProc(database_url(tmp_path_factory.mktemp("shared") / "fdq.db"))
     yield b
     b.stop(timeout=30)
     b.proc.stdout.close()

@@ -9,12 +9,12 @@ from click.testing import CliRunner
 
 import fdq
 from fdq.cli import cli
-from fdqtest import wait_for  # noqa: F401 - re-exported to this directory's tests
+from fdqtest import database_url, wait_for  # noqa: F401 - re-exported to this directory's tests
 
 
 @pytest.fixture
 def url(tmp_path):
-    return f"sqlite://{tmp_path / 'cli.db'}"
+    return database_url(tmp_path / "cli.db")
 
 
 @pytest.fixture

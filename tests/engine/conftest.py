@@ -1,11 +1,13 @@
 """Fixtures of the engine conformance suite.
 
-Every test that takes ``eng`` runs on the embedded engine (a fresh database in
-``tmp_path``) and, when ``FDQ_TEST_FDB_CLUSTER_FILE`` names a cluster file, unchanged on
-FoundationDB (keys under a fresh random prefix, cleared afterwards). Tests only use the
-FDB Python API surface, so the same assertions hold on both. ``FDQ_TEST_FDB=docker``
-instead starts docker/docker-compose.yml for the session with testcontainers (Docker and
-FoundationDB's client library needed; not run on the machine this was written on).
+Every test that takes ``eng`` runs on the engine of the pass (``tests/fdqtest.py``): the
+embedded engine on the ``sqlite://`` pass; on the ``fdb`` pass, FoundationDB's official
+binding over the libfdb_c stand-in (a fresh database per test), or a real cluster when
+``FDQ_TEST_FDB_CLUSTER_FILE`` names its cluster file (keys under a fresh random prefix,
+cleared afterwards). Tests only use the FDB Python API surface, so the same assertions
+hold on all three. ``FDQ_TEST_FDB=docker`` starts docker/docker-compose.yml for the
+session with testcontainers (Docker and FoundationDB's client library needed; not run on
+the machine this was written on).
 """
 from __future__ import annotations
 
@@ -16,26 +18,31 @@ from pathlib import Path
 import pytest
 
 import fdq
+from fdqtest import FDB_CLUSTER_FILE, ON_FDB, STANDIN, database_url
 
 FDB_ENV = "FDQ_TEST_FDB_CLUSTER_FILE"
-HOW_TO_ENABLE_FDB = (f"set {FDB_ENV}=/path/to/fdb.cluster (e.g. the cluster of docker/"
-                     "docker-compose.yml), or FDQ_TEST_FDB=docker to start that one with testcontainers, "
-                     "to run this case on FoundationDB")
 
 
 class Engine:
     """One engine under test: ``db``, its ``url``, and a key prefix ``p`` owned by the test."""
 
-    def __init__(self, name: str, url: str, prefix: bytes, tmp_path: Path):
+    def __init__(self, name: str, url: str, prefix: bytes, tmp_path: Path, path=None):
         self.name = name
         self.url = url
         self.p = prefix
         self.tmp_path = tmp_path
+        self.path = path
         self.db = fdq.connect(url, check_format=False)
 
     @property
     def embedded(self) -> bool:
+        """The embedded engine's own API (``sqlite://``), not FDB's binding."""
         return self.name == "sqlite"
+
+    @property
+    def standin(self) -> bool:
+        """FDB's binding over the libfdb_c stand-in (the embedded engine underneath)."""
+        return self.name == "fdb" and STANDIN
 
     @property
     def KeySelector(self):
@@ -45,6 +52,14 @@ class Engine:
             return KeySelector
         import fdb
         return fdb.KeySelector
+
+    @property
+    def Error(self):
+        """The exception type engine errors arrive as on this engine."""
+        if self.embedded:
+            return fdq.EngineError
+        import fdb
+        return fdb.FDBError
 
     def k(self, *parts: bytes) -> bytes:
         return self.p + b"".join(parts)
@@ -59,10 +74,11 @@ class Engine:
         return [(kv.key, kv.value) for kv in tr.get_range(self.p, self.end())]
 
     def fault_url(self, p: float, seed: int) -> str:
-        """The same database with fault injection (embedded engine only)."""
-        if not self.embedded:
-            pytest.skip("fault injection is a feature of the embedded engine's URL")
-        return f"{self.url}?fault_injection={p}&seed={seed}"
+        """The same database with fault injection (the embedded engine's, also under the
+        stand-in; not on a real cluster)."""
+        if self.path is None:
+            pytest.skip("fault injection is a feature of the embedded engine (or the libfdb_c stand-in)")
+        return database_url(self.path, fault_injection=p, seed=seed)
 
     def open(self, url: str | None = None):
         return fdq.connect(url or self.url, check_format=False)
@@ -94,10 +110,9 @@ def _wait_available(compose) -> None:
 
 @pytest.fixture(scope="session")
 def fdb_cluster_file():
-    """The cluster file of the FoundationDB the ``fdb`` cases run on, or None."""
-    path = os.environ.get(FDB_ENV)
-    if path or os.environ.get(FDB_DOCKER_ENV) != "docker":
-        yield path or None
+    """The cluster file of the real FoundationDB the ``fdb`` pass runs on."""
+    if FDB_CLUSTER_FILE or os.environ.get(FDB_DOCKER_ENV) != "docker":
+        yield FDB_CLUSTER_FILE
         return
     from testcontainers.compose import DockerCompose
     compose = DockerCompose(DOCKER_DIR, compose_file_name="docker-compose.yml", wait=False)
@@ -114,18 +129,20 @@ def fdb_cluster_file():
         compose.stop(down=True)
 
 
-@pytest.fixture(params=["sqlite", "fdb"])
+@pytest.fixture
 def eng(request, tmp_path):
-    if request.param == "fdb":
-        path = request.getfixturevalue("fdb_cluster_file")
-        url = f"fdb://{path}" if path else None
-        if url is None:
-            pytest.skip(HOW_TO_ENABLE_FDB)
-        prefix = b"fdqtest/" + uuid.uuid4().hex.encode() + b"/"
-        e = Engine("fdb", url, prefix, tmp_path)
-        yield e
-        tr = e.db.create_transaction()
-        tr.clear_range(e.p, e.end())
-        tr.commit().wait()
-    else:
-        yield Engine("sqlite", f"sqlite://{tmp_path / 'engine.db'}", b"t/", tmp_path)
+    if not ON_FDB:
+        path = tmp_path / "engine.db"
+        yield Engine("sqlite", database_url(path), b"t/", tmp_path, path)
+        return
+    if STANDIN:
+        path = tmp_path / "engine.db"
+        yield Engine("fdb", database_url(path), b"t/", tmp_path, path)
+        return
+    cluster = request.getfixturevalue("fdb_cluster_file")
+    prefix = b"fdqtest/" + uuid.uuid4().hex.encode() + b"/"
+    e = Engine("fdb", f"fdb://{cluster}", prefix, tmp_path)
+    yield e
+    tr = e.db.create_transaction()
+    tr.clear_range(e.p, e.end())
+    tr.commit().wait()

@@ -128,7 +128,8 @@ def cmd_watch(db, a):
         time.sleep(0.002)
     if f.is_ready():
         f.wait()
-        return {"fired": True, "value": bytes(db.create_transaction()[key].wait()).hex()}
+        tr = db.create_transaction()
+        return {"fired": True, "value": bytes(tr[key].wait()).hex()}
     return {"fired": False}
 
 

@@ -61,8 +61,8 @@ def _ids():
 
 
 def _read(eng, key):
-    v = eng.db.create_transaction()[key]
-    return v.value
+    tr = eng.db.create_transaction()
+    return tr[key].value
 
 
 @pytest.mark.parametrize("op,existing,param,expected", CASES, ids=_ids())

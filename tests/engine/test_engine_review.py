@@ -6,7 +6,7 @@ import struct
 import time
 
 from enginehelpers import code_of, wait_ready
-from fdqtest import readline_within
+from fdqtest import read_version, read, readline_within
 
 
 def _failed_commits(db, code: int, attempts: int, setup):
@@ -334,7 +334,7 @@ def test_an_injected_recovery_fails_reads_at_an_older_read_version(eng):
             w.commit().wait()
         except Exception:  # noqa: BLE001 - injected errors: go on
             pass
-        if eng.db.create_transaction().get_read_version().wait() > rv + 100_000_000:
+        if read_version(eng.db) > rv + 100_000_000:
             break
     else:
         raise AssertionError("no version jump in 3000 commits")
@@ -429,7 +429,7 @@ def test_metadata_version_reads_the_stamp_of_its_last_bump(eng):
     stored the bump: it read None forever, so a layer's metadata cache keyed on it would
     never be dropped."""
     mv = b"\xff/metadataVersion"
-    before = eng.db.create_transaction()[mv].wait()
+    before = read(eng.db, mv, snapshot=False)
     reader = eng.db.create_transaction()
     reader[mv].wait()
     reader[eng.k(b"r")] = b"1"
@@ -437,7 +437,7 @@ def test_metadata_version_reads_the_stamp_of_its_last_bump(eng):
     tr.set_versionstamped_value(mv, b"\x00" * 14)
     vs = tr.get_versionstamp()
     tr.commit().wait()
-    after = eng.db.create_transaction()[mv].wait()
+    after = read(eng.db, mv, snapshot=False)
     assert after != before
     assert bytes(after) == bytes(vs.wait())
     assert code_of(lambda: reader.commit().wait()) == 1020

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import fdq
-from fdqtest import wait_for  # noqa: F401 - re-exported to this directory's tests
+from fdqtest import database_url, wait_for  # noqa: F401 - re-exported to this directory's tests
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "worker.py")
@@ -19,7 +19,7 @@ WORKER = os.path.join(HERE, "worker.py")
 
 @pytest.fixture
 def db_url(tmp_path):
-    return f"sqlite://{tmp_path / 'fdq.db'}"
+    return database_url(tmp_path / "fdq.db")
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import pytest
 
 import fdq
 
+from fdqtest import database_url
 from qhelpers import Procs
 
 
@@ -16,7 +17,7 @@ def db_path(tmp_path):
 
 @pytest.fixture
 def url(db_path):
-    return f"sqlite://{db_path}"
+    return database_url(db_path)
 
 
 @pytest.fixture

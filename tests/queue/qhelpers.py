@@ -12,7 +12,7 @@ from pathlib import Path
 
 import fdq
 from fdq.keyspace import decode_counter
-from fdqtest import wait_for  # noqa: F401 - re-exported to this directory's tests
+from fdqtest import read, wait_for  # noqa: F401 - re-exported to this directory's tests
 
 WORKER = Path(__file__).with_name("worker.py")
 
@@ -109,7 +109,7 @@ class Procs:
 
 
 def counter_value(db, key: bytes) -> int:
-    return decode_counter(db.create_transaction().snapshot[key])
+    return decode_counter(read(db, key))
 
 
 def scan(db, prefix: bytes) -> list:

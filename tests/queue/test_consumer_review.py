@@ -7,6 +7,7 @@ import fdq
 from fdq.errors import LeaseLost
 
 from qhelpers import sub_stats, wait_for
+from fdqtest import read
 
 FAST = dict(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05, lease_check_interval_s=0.05)
 
@@ -165,7 +166,7 @@ def test_touch_during_a_database_stall_restarts_the_full_ack_wait(db, db_path):
         toucher.join(30)
         touched = time.monotonic()
         assert not toucher.is_alive()
-        leased = lambda: m._taken.lease_key is not None and db.create_transaction()[m._taken.lease_key].present()  # noqa: E731
+        leased = lambda: m._taken.lease_key is not None and read(db, m._taken.lease_key, snapshot=False) is not None  # noqa: E731
         while time.monotonic() < touched + 2.0:     # 1 s short of the ack wait the touch restarted
             assert leased(), f"lease expired {time.monotonic() - touched:.2f}s after its touch (ack wait 3s)"
             time.sleep(0.05)

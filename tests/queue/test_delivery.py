@@ -15,6 +15,7 @@ from fdq.keyspace import Keyspace, parse_message_id
 from fdq.keyspace.codec import CHUNK_BYTES
 
 from qhelpers import scan, sub_stats, wait_for
+from fdqtest import read
 
 FAST = dict(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05, lease_check_interval_s=0.05)
 
@@ -174,7 +175,7 @@ def test_auto_batching_from_8_threads(db):
             for i in range(per_thread):
                 r = p.push("t", f"{t}:{i}".encode(), shard_key=f"k{t}")
                 # The call returns after its commit: a new transaction sees the message.
-                raw = db.create_transaction().snapshot[ts.log_key(r.shard, parse_message_id(r.id))]
+                raw = read(db, ts.log_key(r.shard, parse_message_id(r.id)))
                 if raw == None:  # noqa: E711
                     errors.append(f"{r.id} not committed when push returned")
                 ids.append(r.id)

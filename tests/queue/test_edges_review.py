@@ -10,6 +10,7 @@ import pytest
 import fdq
 from fdq import membership
 from fdq.keyspace import Keyspace
+from fdqtest import read_version
 
 
 def _sub_stats(db, topic, sub):
@@ -230,7 +231,7 @@ def test_a_replay_resumes_a_run_an_older_version_left(db, monkeypatch):
     ids = [r.id for r in p.push_many("t", [fdq.Envelope(f"m{i}".encode()) for i in range(300)])]
     ts = Keyspace().topic("t")
     rows = list(supervisor.iter_window(db, ts, supervisor.log_buckets(db, ts), 0, None))
-    rv = db.create_transaction().get_read_version().wait()
+    rv = read_version(db)
     legacy = {"start": 0, "end": None, "stop": rv, "after": rows[99][0].to_bytes(), "count": 100}
 
     @fdq.transactional

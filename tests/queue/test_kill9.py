@@ -14,6 +14,7 @@ from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import shard_of
 
 from qhelpers import read_json, read_lines, scan, sub_stats, wait_for
+from fdqtest import read_version
 
 PRODUCERS, PER_PRODUCER, KEYS = 3, 400, 7
 CONSUMER_ARGS = ("--hb", 0.2, "--zombie", 1.5, "--batch", 10, "--ack-wait", 4)
@@ -43,7 +44,7 @@ def _run(procs, db, mode, url=None, seeds=None):
     assert any(p.poll() is None for p in prods), "producers finished before the kill: not mid-run"
     procs.kill9(victim)
     owned_at_kill = {n for _tag, n in read_json(victim.status)["owned"]}
-    kill_version = db.create_transaction().get_read_version().wait()
+    kill_version = read_version(db)
     cons.append(procs.start("consumer", "c3", "--mode", mode, *CONSUMER_ARGS, url=u("c3"), wait_ready=True))
     for p in prods:
         procs.wait(p, 180)

@@ -15,6 +15,7 @@ from fdq.keyspace import Keyspace, counter, decode_counter, parse_message_id
 from fdq.keyspace.codec import LEASE_RECORD_BYTES, Record, decode_leases, pack, shard_of
 
 from qhelpers import sub_stats, wait_for
+from fdqtest import read
 
 FAST = dict(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05, lease_check_interval_s=0.05)
 
@@ -296,4 +297,4 @@ def test_format1_lease_rows_still_read(db):
 
 
 def tr_get(db, key):
-    return db.create_transaction().snapshot[key]
+    return read(db, key)

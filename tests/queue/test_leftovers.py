@@ -10,12 +10,13 @@ from fdq import membership
 from fdq.keyspace import Keyspace, decode_counter
 
 from qhelpers import scan, wait_for
+from fdqtest import read_version, read
 
 JUMP = 90_000_000
 
 
 def _read_version(db) -> int:
-    return db.create_transaction().get_read_version().wait()
+    return read_version(db)
 
 
 def _jump(db, url: str) -> int:
@@ -49,7 +50,7 @@ def _consumer_row(db, topic: str, cid: str) -> dict:
 
 def _heartbeats(db, topic: str, cid: str) -> int:
     ts = Keyspace().topic(topic)
-    return decode_counter(db.create_transaction().snapshot[ts.heartbeat_key("default", cid)])
+    return decode_counter(read(db, ts.heartbeat_key("default", cid)))
 
 
 # -- 1. heartbeat age: honest after a version jump and under clock skew -------------------

@@ -15,6 +15,7 @@ from fdq import membership
 from fdq.keyspace import Keyspace
 
 from qhelpers import read_json, read_lines, scan, sub_stats, wait_for
+from fdqtest import read_version
 
 ZOMBIE = 1.5
 
@@ -72,7 +73,7 @@ def test_failover_within_two_zombie_timeouts(procs, db):
 
 
 def _read_version(db):
-    return db.create_transaction().get_read_version().wait()
+    return read_version(db)
 
 
 @pytest.mark.slow

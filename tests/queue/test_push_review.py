@@ -12,7 +12,7 @@ from fdq.errors import EngineError, is_maybe_committed
 from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import Record
 
-from fdqtest import kill_all, readline_within
+from fdqtest import read_version, read, kill_all, readline_within
 from qhelpers import scan
 
 
@@ -87,7 +87,7 @@ def test_a_producer_clock_days_ahead_neither_stalls_dedupe_cleanup_nor_stretches
         p.push("t", b"x", msg_id=f"id-{i}")
     ts = Keyspace().topic("t")
     first_version = int(first[:16], 16)
-    wait_for(lambda: db.create_transaction().get_read_version().wait() - first_version > 600_000,
+    wait_for(lambda: read_version(db) - first_version > 600_000,
              timeout=10, what="the window to pass by versions")
     # Past the window by versions and by this producer's clock: the id is new again
     # (and id-only-skewed, never pushed again, must not stop the cleanup below).
@@ -282,7 +282,7 @@ def test_a_topic_auto_created_by_a_push_records_the_layout_format(tmp_path):
     db = fdq.connect(f"sqlite://{tmp_path / 'fresh.db'}")
     fdq.Producer(db).push("t", b"x")
     ks = Keyspace()
-    raw = db.create_transaction()[ks.format_key]
+    raw = read(db, ks.format_key, snapshot=False)
     assert raw != None  # noqa: E711
 
 

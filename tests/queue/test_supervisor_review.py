@@ -17,6 +17,7 @@ from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import shard_of
 
 from qhelpers import read_lines, sub_stats, wait_for
+from fdqtest import read_version
 
 
 def _fetch_until(c, want: int, timeout: float) -> list:
@@ -416,7 +417,7 @@ def test_a_hold_from_another_version_space_does_not_block_pushes(db):
     sup.create_topic("t", shards=1)
     ts = Keyspace().topic("t")
     sup.pause("t")
-    rv = db.create_transaction().get_read_version().wait()
+    rv = read_version(db)
     fdq.topic.update_topic_config(db, ts, held_at=rv + 10 ** 12)    # as restored elsewhere
     out = []
     t = threading.Thread(target=lambda: out.append(fdq.Producer(db).push("t", b"x")), daemon=True)

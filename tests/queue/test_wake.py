@@ -68,3 +68,49 @@ def test_quiet_shard_messages_arrive_without_the_sweep(db, acking):
             wait_for(b)
     finally:
         c.shutdown()
+
+
+class CountingDatabase:
+    """``db`` itself, counting the transactions created through it (what a consumer
+    spinning on a failed watch would show)."""
+
+    def __init__(self, db):
+        self._db = db
+        self.transactions = 0
+
+    def create_transaction(self):
+        self.transactions += 1
+        return self._db.create_transaction()
+
+    def __getattr__(self, name):
+        return getattr(self._db, name)
+
+
+def test_a_consumer_out_of_watches_polls_instead_of_spinning(db_url):
+    """FDB's watch budget is per Database, so per process: past it a watch fails at once
+    with too_many_watches (1032). The consumer must leave such a shard to its sweep, not
+    set the next watch at once (a hot loop of transactions)."""
+    db = fdq.connect(db_url)
+    db.options.set_max_watches(2)
+    fdq.Supervisor(db).create_topic("t", shards=8)
+    counting = CountingDatabase(db)
+    got = []
+    c = fdq.tail(counting, "t", lambda m: got.append(m.body),
+                 config=fdq.ConsumerConfig(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.5))
+    try:
+        deadline = time.monotonic() + 10
+        while len(c.owned_shards) < 8:
+            assert time.monotonic() < deadline, "consumer never owned the shards"
+            time.sleep(0.02)
+        fdq.Producer(db).push_many("t", [fdq.Envelope(b"%d" % i, shard_key=str(i)) for i in range(16)])
+        while len(got) < 16:            # delivered: by watches where they fit, else by sweeps
+            assert time.monotonic() < deadline + 10, f"{len(got)} of 16 delivered"
+            time.sleep(0.02)
+        before = counting.transactions
+        time.sleep(2.0)     # idle: what it does with 6 shards it cannot watch
+        idle = counting.transactions - before
+    finally:
+        c.shutdown()
+    # Heartbeats (~10) and a sweep every 0.5 s (~4 rounds, each a transaction or two);
+    # a consumer re-arming a failing watch makes thousands.
+    assert idle < 100, f"{idle} transactions in 2 s idle"

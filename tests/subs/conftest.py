@@ -1,12 +1,13 @@
 import pytest
 
 import fdq
+from fdqtest import database_url
 from subs_helpers import Workers
 
 
 @pytest.fixture
 def url(tmp_path):
-    return f"sqlite:///{tmp_path}/subs.db"
+    return database_url(tmp_path / "subs.db")
 
 
 @pytest.fixture
