@@ -84,6 +84,21 @@ def kill_all(procs, timeout: float = 30.0):
                 pass
 
 
+def with_faults(url: str, p: float, seed: int | None = None) -> str:
+    """The database of ``url`` (a :func:`database_url`) with the embedded engine's fault
+    injection at probability ``p`` (also under the libfdb_c stand-in)."""
+    options = {"fault_injection": p} if seed is None else {"fault_injection": p, "seed": seed}
+    if url.startswith("sqlite://"):
+        return url + "?" + "&".join(f"{k}={v}" for k, v in options.items())
+    if not STANDIN:
+        pytest.skip("fault injection needs the embedded engine or the libfdb_c stand-in")
+    import json
+    from standin.libfdb_c import SERVED_MARK
+    with open(url[len("fdb://"):]) as f:
+        settings = json.loads(next(l for l in f.read().splitlines() if l.startswith(SERVED_MARK))[len(SERVED_MARK):])
+    return database_url(settings.pop("path"), **{**settings, **options})
+
+
 def read_version(db) -> int:
     """A fresh read version of ``db`` (its transaction is kept until the read is waited
     for: FDB cancels the pending reads of a transaction it destroys)."""

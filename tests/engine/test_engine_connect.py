@@ -12,6 +12,7 @@ import pytest
 
 import fdq
 from fdq.keyspace import FORMAT_VERSION, Keyspace
+from fdqtest import ON_FDB
 
 
 @pytest.mark.parametrize("url,cause", [
@@ -45,7 +46,8 @@ def test_non_string_url():
         fdq.connect(42)
 
 
-@pytest.mark.skipif(bool(ctypes.util.find_library("fdb_c")), reason="the FoundationDB client library is installed")
+@pytest.mark.skipif(bool(ctypes.util.find_library("fdb_c")) or ON_FDB,
+                    reason="a FoundationDB client library (or its stand-in) is installed")
 def test_fdb_without_the_client_library(tmp_path):
     """In a fresh process: loading the binding changes module state."""
     cluster = tmp_path / "fdb.cluster"

@@ -34,7 +34,7 @@ def test_push_async_queued_at_exit_is_committed_before_the_client_stops(tmp_path
             p.push_async("t", b"m%d" % i)
     """)
     assert out.returncode == 0, out.stderr
-    assert fdq.Supervisor(fdq.connect(url)).stats("t")["inserted"] == 20, out.stderr
+    assert fdq.Supervisor(fdq.connect(url)).stats("t")["counters"]["inserted"] == 20, out.stderr
 
 
 def test_importing_fdq_leaves_the_binding_usable_by_the_application(tmp_path):
@@ -71,7 +71,7 @@ def test_fdq_takes_a_database_the_application_opened(tmp_path):
                 got += c.fetch(2, timeout=5)
             c.ack_many(got)
         s = sup.stats("t")
-        assert (s["inserted"], s["acked"]) == (2, 2), s
+        assert (s["counters"]["inserted"], s["counters"]["acked"]) == (2, 2), s
 
         @fdq.transactional
         def too_big(tr):

@@ -9,6 +9,7 @@ import fdq
 from fdq import membership
 from fdq.headers import DISPATCH_TAG
 
+from fdqtest import database_url
 from .conftest import wait_for
 
 FAST = fdq.ConsumerConfig(heartbeat_interval_s=0.1, zombie_timeout_s=5.0, poll_interval_s=0.1)
@@ -218,7 +219,7 @@ def test_delayed_nak_and_dead_letters_stay_in_the_tag(db, topic):
 def test_tag_dispatch_under_fault_injection(tmp_path):
     """Retryable errors and commit_unknown_result (after a real commit) on every kind of
     transaction: pushes commit once, new tags still get owners, tags stay apart."""
-    db = fdq.connect(f"sqlite://{tmp_path / 'f.db'}?fault_injection=0.1&seed=7")
+    db = fdq.connect(database_url(tmp_path / "f.db", fault_injection=0.1, seed=7))
     fdq.Supervisor(db).create_topic("t", shards=2, extend=True)
     cfg = fdq.ConsumerConfig(heartbeat_interval_s=0.1, zombie_timeout_s=30.0, ack_wait_s=1.0,
                              poll_interval_s=0.1)

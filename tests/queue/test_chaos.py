@@ -69,6 +69,7 @@ import fdq
 from fdq.keyspace import Keyspace, message_id
 
 from qhelpers import read_lines, scan, wait_for
+from fdqtest import database_url, with_faults
 
 WORKER = Path(__file__).with_name("chaos_worker.py")
 CHAOS_S = float(os.environ.get("FDQ_CHAOS_SECONDS", "10"))
@@ -101,7 +102,7 @@ class Cluster:
 
     def url_for(self):
         self.n += 1
-        return f"{self.url}?fault_injection={FAULTS}&seed={self.rng.randrange(1 << 30)}" if self.faults else self.url
+        return with_faults(self.url, FAULTS, self.rng.randrange(1 << 30)) if self.faults else self.url
 
     def start(self, role, name, out, *args):
         err = open(self.tmp / f"{name}.{self.n}.err", "w")
@@ -231,7 +232,7 @@ def _check_first_in_order(log, first_t, what, at_least=1):
 def test_chaos(tmp_path, cluster_factory, seed):
     rng = random.Random(seed)
     faults = seed % 2 == 1
-    url = f"sqlite://{tmp_path / 'fdq.db'}"
+    url = database_url(tmp_path / "fdq.db")
     db = fdq.connect(url)
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=rng.randint(2, 8), extend=True)

@@ -7,7 +7,7 @@ import fdq
 from fdq.errors import LeaseLost
 
 from qhelpers import sub_stats, wait_for
-from fdqtest import read
+from fdqtest import with_faults, read
 
 FAST = dict(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05, lease_check_interval_s=0.05)
 
@@ -51,7 +51,7 @@ def test_exactly_once_failed_attempts_count_once_under_commit_unknown_result(url
     message is dead-lettered after ``max_deliver`` of them, not fewer."""
     fdq.Supervisor(fdq.connect(url)).create_topic("t", shards=1)
     fdq.Producer(fdq.connect(url)).push("t", b"poison", shard_key="k")
-    db = fdq.connect(url + "?fault_injection=0.4&seed=3")
+    db = fdq.connect(with_faults(url, 0.4, 3))
     seen = []
 
     def handler(tr, m):

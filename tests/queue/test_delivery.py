@@ -15,7 +15,7 @@ from fdq.keyspace import Keyspace, parse_message_id
 from fdq.keyspace.codec import CHUNK_BYTES
 
 from qhelpers import scan, sub_stats, wait_for
-from fdqtest import read
+from fdqtest import with_faults, read
 
 FAST = dict(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05, lease_check_interval_s=0.05)
 
@@ -498,7 +498,7 @@ def test_at_most_once_under_fault_injection_loses_nothing(db, url):
     p = fdq.Producer(db)
     fdq.Supervisor(db).create_topic("t", shards=2)
     pushed = [r.id for r in p.push_many("t", [fdq.Envelope(f"{i}".encode()) for i in range(600)])]
-    faulty = fdq.connect(f"{url}?fault_injection=0.1&seed=21")
+    faulty = fdq.connect(with_faults(url, 0.1, 21))
     handled = []
     c = fdq.tail(faulty, "t", lambda m: handled.append(m.id), acking=False, batch_size=10,
                  config=fdq.ConsumerConfig(**FAST), on_error=lambda e: None)
@@ -515,7 +515,7 @@ def test_acks_under_fault_injection_are_not_reported_lost(db, url):
     as a lost lease when retried (and nothing is redelivered)."""
     fdq.Supervisor(db).create_topic("t", shards=1)
     fdq.Producer(db).push_many("t", [fdq.Envelope(f"{i}".encode()) for i in range(200)])
-    faulty = fdq.connect(f"{url}?fault_injection=0.1&seed=8")
+    faulty = fdq.connect(with_faults(url, 0.1, 8))
     acked = 0
     with fdq.Consumer(faulty, "t", config=fdq.ConsumerConfig(ack_wait_s=60, **FAST)) as c:
         deadline = time.monotonic() + 60
@@ -568,7 +568,7 @@ def test_tail_carried_settlements_under_fault_injection_are_exact(db, url):
     is left in flight."""
     fdq.Supervisor(db).create_topic("t", shards=2)
     fdq.Producer(db).push_many("t", [fdq.Envelope(b"%d" % i) for i in range(300)])
-    faulty = fdq.connect(f"{url}?fault_injection=0.2&seed=11")
+    faulty = fdq.connect(with_faults(url, 0.2, 11))
     attempts, lost = collections.Counter(), []
 
     def handler(m):

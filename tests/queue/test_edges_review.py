@@ -10,7 +10,7 @@ import pytest
 import fdq
 from fdq import membership
 from fdq.keyspace import Keyspace
-from fdqtest import read_version
+from fdqtest import with_faults, read_version
 
 
 def _sub_stats(db, topic, sub):
@@ -172,7 +172,7 @@ def test_log_reads_and_a_replay_survive_retryable_read_errors(db, url):
     time.sleep(0.01)
     end = int(time.time() * 1000)       # the replays are inserted after it: not in the window
     time.sleep(0.01)
-    faulty = fdq.connect(f"{url}?fault_injection=0.5&seed=5")       # a read fault in 1 of 20 transactions
+    faulty = fdq.connect(with_faults(url, 0.5, 5))       # a read fault in 1 of 20 transactions
     ts = Keyspace().topic("t")
     for _ in range(60):         # some 4 bare transactions each: 240 in all
         rows = list(log.iter_window(faulty, ts, log.log_buckets(faulty, ts), 0, end))
@@ -251,7 +251,7 @@ def test_stats_and_trim_survive_retryable_read_errors(db, url):
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=4, retention_bytes=10_000_000)
     fdq.Producer(db).push_many("t", [fdq.Envelope(b"m", shard_key=f"k{i}") for i in range(50)])
-    faulty = fdq.Supervisor(fdq.connect(f"{url}?fault_injection=0.5&seed=7"))
+    faulty = fdq.Supervisor(fdq.connect(with_faults(url, 0.5, 7)))
     for _ in range(40):
         assert faulty.stats("t")["subscriptions"]["default"]["backlog"] == 50
         assert faulty.trim("t") == 0

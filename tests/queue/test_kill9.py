@@ -14,7 +14,7 @@ from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import shard_of
 
 from qhelpers import read_json, read_lines, scan, sub_stats, wait_for
-from fdqtest import read_version
+from fdqtest import with_faults, read_version
 
 PRODUCERS, PER_PRODUCER, KEYS = 3, 400, 7
 CONSUMER_ARGS = ("--hb", 0.2, "--zombie", 1.5, "--batch", 10, "--ack-wait", 4)
@@ -112,7 +112,7 @@ def test_exactly_once_kill9_3x3(procs, db):
 def test_exactly_once_kill9_3x3_fault_injection(procs, db, url):
     names = [f"c{i}" for i in range(4)] + [f"p{i}" for i in range(3)]
     seeds = {n: 1000 + i for i, n in enumerate(names)}
-    faulty = f"{url}?fault_injection=0.05"
+    faulty = with_faults(url, 0.05)
     pushed, cons, _victim = _run(procs, db, "eo", url=faulty, seeds=seeds)
     _check_push_stats(db, pushed)
     _check_exactly_once(procs, db, pushed, cons)
@@ -161,7 +161,7 @@ def test_asyncio_at_least_once_kill9_3x3(procs, db, url):
 def _at_least_once_kill9(procs, db, url, faults, mode):
     names = [f"c{i}" for i in range(4)] + [f"p{i}" for i in range(3)]
     seeds = {n: 2000 + i for i, n in enumerate(names)}
-    pushed, cons, victim = _run(procs, db, mode, url=f"{url}?fault_injection=0.05" if faults else None,
+    pushed, cons, victim = _run(procs, db, mode, url=with_faults(url, 0.05) if faults else None,
                                 seeds=seeds)
     _check_push_stats(db, pushed)
     ids = {r["id"] for r in pushed}

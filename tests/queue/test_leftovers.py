@@ -10,7 +10,7 @@ from fdq import membership
 from fdq.keyspace import Keyspace, decode_counter
 
 from qhelpers import scan, wait_for
-from fdqtest import read_version, read
+from fdqtest import database_url, with_faults, read_version, read
 
 JUMP = 90_000_000
 
@@ -23,7 +23,7 @@ def _jump(db, url: str) -> int:
     """Inject one FDB-recovery-like version jump (+100,000,000) into the database at
     ``url``: commit tiny transactions on a fault-injecting connection until one jumps.
     Returns the read version after it."""
-    jumper = fdq.connect(f"{url}?fault_injection=0.5&seed=11")
+    jumper = fdq.connect(with_faults(url, 0.5, 11))
     before = _read_version(db)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -284,7 +284,7 @@ def test_two_counts_at_once_under_fault_injection_are_exact(tmp_path):
     """Two counts at once on fault-injecting connections (retryable errors,
     commit_unknown_result, version jumps), while a thread pushes: nothing counted twice."""
     import threading
-    url = f"sqlite://{tmp_path / 'f.db'}"
+    url = database_url(tmp_path / "f.db")
     db = fdq.connect(url)
     sup = fdq.Supervisor(db)
     ts, _cut = _old_topic(db, "old", shards=3)
@@ -300,7 +300,7 @@ def test_two_counts_at_once_under_fault_injection_are_exact(tmp_path):
 
     def count(seed):
         try:
-            fdq.Supervisor(fdq.connect(f"{url}?fault_injection=0.3&seed={seed}")).count_log_bytes("old")
+            fdq.Supervisor(fdq.connect(with_faults(url, 0.3, seed))).count_log_bytes("old")
         except Exception as e:      # reported below
             errors.append(e)
     pusher = threading.Thread(target=push)

@@ -15,7 +15,7 @@ from fdq import membership
 from fdq.keyspace import Keyspace
 
 from qhelpers import read_json, read_lines, scan, sub_stats, wait_for
-from fdqtest import read_version
+from fdqtest import with_faults, read_version
 
 ZOMBIE = 1.5
 
@@ -99,7 +99,7 @@ def test_clock_skew_and_version_jumps_change_nothing(procs, db, url):
                                                                  lease_check_interval_s=0.05))
     [held] = wait_for(lambda: holder.fetch(1, timeout=0.2), 30, what="the held message")
 
-    jumper = procs.start("jumper", "jumper", url=f"{url}?fault_injection=0.5&seed=7", wait_ready=True)
+    jumper = procs.start("jumper", "jumper", url=with_faults(url, 0.5, 7), wait_ready=True)
     stop = threading.Event()
     pushed = []
     jumps = []
@@ -240,7 +240,7 @@ def test_version_jump_does_not_make_delays_due_early(procs, db, url):
         p.push("t", b"soon", delay=2)
         pushed = time.monotonic()
         last = _read_version(db)
-        jumper = procs.start("jumper", "jumper", url=f"{url}?fault_injection=0.5&seed=11", wait_ready=True)
+        jumper = procs.start("jumper", "jumper", url=with_faults(url, 0.5, 11), wait_ready=True)
         try:
             def jumped():
                 nonlocal last
@@ -264,7 +264,7 @@ def test_version_jump_does_not_shorten_the_dedupe_window(procs, db, url):
     p = fdq.Producer(db)
     first = p.push("t", b"x", msg_id="order-1")
     last = _read_version(db)
-    jumper = procs.start("jumper", "jumper", url=f"{url}?fault_injection=0.5&seed=5", wait_ready=True)
+    jumper = procs.start("jumper", "jumper", url=with_faults(url, 0.5, 5), wait_ready=True)
     try:
         def jumped():
             nonlocal last

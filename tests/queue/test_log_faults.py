@@ -8,6 +8,7 @@ import pytest
 import fdq
 from fdq import log
 from fdq.keyspace import Keyspace
+from fdqtest import with_faults
 
 
 def _fill(db, n=300):
@@ -21,7 +22,7 @@ def _fill(db, n=300):
 @pytest.mark.parametrize("seed", [1, 5, 6])    # seeds that injected a read error into the replay's log reads
 def test_replay_on_a_faulty_connection(db, url, seed):
     ids = _fill(db)
-    faulty = fdq.connect(f"{url}?fault_injection=0.5&seed={seed}")
+    faulty = fdq.connect(with_faults(url, 0.5, seed))
     assert fdq.Producer(faulty).replay("t", 0) == len(ids)
     st = fdq.Supervisor(db).stats("t")["counters"]
     assert st["inserted"] == 2 * len(ids)
@@ -29,7 +30,7 @@ def test_replay_on_a_faulty_connection(db, url, seed):
 
 def test_log_reads_on_a_faulty_connection(db, url):
     ids = _fill(db)
-    faulty = fdq.connect(f"{url}?fault_injection=0.2&seed=4")
+    faulty = fdq.connect(with_faults(url, 0.2, 4))
     ts = Keyspace().topic("t")
     for _ in range(5):     # each read faces injected errors many times over
         got = [fdq.keyspace.message_id(vs) for vs, _b, _r in log.iter_window(faulty, ts, log.log_buckets(faulty, ts),
@@ -51,7 +52,7 @@ def test_stats_and_trim_on_a_faulty_connection(db, url):
     """stats (a snapshot of counters and point reads) and trim (its read version and
     size estimate) are reads too."""
     ids = _fill(db)
-    faulty = fdq.connect(f"{url}?fault_injection=0.5&seed=2")
+    faulty = fdq.connect(with_faults(url, 0.5, 2))
     sup = fdq.Supervisor(faulty)
     for _ in range(20):
         assert sup.stats("t")["counters"]["inserted"] == len(ids)

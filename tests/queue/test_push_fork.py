@@ -9,11 +9,16 @@ import os
 import signal
 import time
 
+import pytest
+
 import fdq
 from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import Record
-
+from fdqtest import ON_FDB
 from qhelpers import scan
+
+pytestmark = pytest.mark.skipif(ON_FDB, reason="fork(): FoundationDB's client cannot be used in a forked child, "
+                                               "which FDQ refuses (ClientForked: tests/engine/test_fdb_client.py)")
 
 
 def _stored_bodies(db, topic: str) -> collections.Counter:
@@ -41,7 +46,7 @@ def test_a_producer_shared_over_fork_never_takes_the_other_process_commit_for_it
     # that id, and returned that process's message id as its own: acknowledged, never
     # stored.
     fdq.Supervisor(db).create_topic("t", shards=2)
-    faulty = fdq.connect(f"{url}?fault_injection=0.2&seed=7")
+    faulty = fdq.connect(with_faults(url, 0.2, 7))
     p = fdq.Producer(faulty)
     p.push("t", b"before")
     n = 40
@@ -99,7 +104,7 @@ def test_a_child_forked_while_its_producer_commits_fails_the_copied_futures(db, 
     # there, and never resolved; the child's flush() said all was done meanwhile.
     from fdq.keyspace import Keyspace as _Ks
     from fdq.supervisor import play_chunk
-    from fdqtest import wait_for
+    from fdqtest import with_faults, wait_for
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=1)
     sup.pause("t")

@@ -12,7 +12,7 @@ from fdq.errors import EngineError, is_maybe_committed
 from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import Record
 
-from fdqtest import read_version, read, kill_all, readline_within
+from fdqtest import database_url, with_faults, read_version, read, kill_all, readline_within
 from qhelpers import scan
 
 
@@ -27,7 +27,7 @@ def test_a_group_commit_that_gives_up_after_a_maybe_committed_attempt_pushes_not
     # push its messages again in halves (new transactions: duplicates), and a caller
     # told "not committed" must indeed have nothing stored.
     fdq.Supervisor(db).create_topic("t", shards=2)
-    faulty = fdq.connect(f"{url}?fault_injection=0.5&seed=3")
+    faulty = fdq.connect(with_faults(url, 0.5, 3))
     faulty.options.set_transaction_retry_limit(1)
     p = fdq.Producer(faulty)
     threads, per_thread = 4, 25
@@ -215,7 +215,7 @@ def test_push_many_of_thousands_fits_its_retry_marker(db, url):
     assert all(r.duplicate for r in again) and [r.id for r in again] == [r.id for r in first]
     assert len(p.push_many("t", [fdq.Envelope(b"x") for _ in range(30_000)])) == 30_000
     # Retries after commit_unknown_result read the split marker back: exact results.
-    faulty = fdq.Producer(fdq.connect(f"{url}?fault_injection=0.3&seed=5"))
+    faulty = fdq.Producer(fdq.connect(with_faults(url, 0.3, 5)))
     for k in range(6):
         envs = [fdq.Envelope(f"{k}:{i}".encode(), msg_id=f"f{k}-{i % 3000}") for i in range(4000)]
         rs = faulty.push_many(name, envs)
@@ -256,7 +256,7 @@ def test_the_same_msg_ids_pushed_by_concurrent_processes_under_faults_are_stored
     import sys
     fdq.Supervisor(db).create_topic("t", shards=4, dedupe_window_s=600)
     n = 150
-    procs = [subprocess.Popen([sys.executable, "-c", _DEDUPE_WORKER, f"{url}?fault_injection=0.2&seed={s}",
+    procs = [subprocess.Popen([sys.executable, "-c", _DEDUPE_WORKER, with_faults(url, 0.2, s),
                                f"p{s}", str(n)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for s in range(3)]
     outs = []
@@ -279,7 +279,7 @@ def test_a_topic_auto_created_by_a_push_records_the_layout_format(tmp_path):
     # Creating a topic writes meta/format (the layout version a later FDQ checks and
     # migrates from); a push that auto-creates the first topic of a fresh database did
     # not, so a later version would take the database for an empty one.
-    db = fdq.connect(f"sqlite://{tmp_path / 'fresh.db'}")
+    db = fdq.connect(database_url(tmp_path / "fresh.db"))
     fdq.Producer(db).push("t", b"x")
     ks = Keyspace()
     raw = read(db, ks.format_key, snapshot=False)
@@ -333,7 +333,7 @@ def test_topics_auto_created_by_racing_processes_have_one_config_and_every_messa
     # losers of the race retry with the winner's config) and keeps every message.
     import subprocess
     import sys
-    procs = [subprocess.Popen([sys.executable, "-c", _AUTOCREATE_WORKER, f"{url}?fault_injection=0.2&seed={s}",
+    procs = [subprocess.Popen([sys.executable, "-c", _AUTOCREATE_WORKER, with_faults(url, 0.2, s),
                                f"p{s}", str(2 + s)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for s in range(3)]
     try:

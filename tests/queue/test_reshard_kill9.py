@@ -13,6 +13,7 @@ import pytest
 import fdq
 
 from qhelpers import read_lines, scan, sub_stats, wait_for
+from fdqtest import with_faults
 
 CONSUMER_ARGS = ("--mode", "eo", "--hb", 0.2, "--zombie", 1.5, "--batch", 20)
 
@@ -49,7 +50,7 @@ def test_reshards_killed_and_faulty_under_load(procs, db, url):
     before = sup.stats("t")["counters"]["inserted"]
     procs.wait(procs.start("rebalance", "r2", "--count", 7), 120)
     assert sup.stats("t")["counters"]["inserted"] > before, "no push landed during the rerun: not under load"
-    procs.wait(procs.start("rebalance", "r3", "--count", 3, url=f"{url}?fault_injection=0.05&seed=7"), 180)
+    procs.wait(procs.start("rebalance", "r3", "--count", 3, url=with_faults(url, 0.05, 7)), 180)
     config = sup.config("t")
     assert (config.shards, config.resharding_to, config.paused) == (3, None, False)
     for p in prods:

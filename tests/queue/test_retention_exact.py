@@ -16,6 +16,7 @@ from fdq.keyspace import Keyspace
 from fdq.log import iter_window, log_buckets
 
 from qhelpers import counter_value, scan
+from fdqtest import database_url, with_faults
 
 
 def _log_bytes(db, ts) -> int:
@@ -121,13 +122,13 @@ def test_a_topic_without_the_counter_trims_by_the_estimate(db):
 
 
 def test_trim_under_fault_injection_keeps_the_counter_exact(tmp_path):
-    url = f"sqlite://{tmp_path / 'f.db'}"
+    url = database_url(tmp_path / "f.db")
     db = fdq.connect(url)
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=3, extend=True)
     ts = Keyspace().topic("t")
     _push_every_kind(db, "t", rounds=3)
-    faulty = fdq.connect(url + "?fault_injection=0.3&seed=7")
+    faulty = fdq.connect(with_faults(url, 0.3, 7))
     fs = fdq.Supervisor(faulty)
     budget = _log_bytes(db, ts) // 3
     fdq.topic.update_topic_config(db, ts, retention_bytes=budget)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import fdq
 from fdq.errors import LeaseLost
+from fdqtest import database_url, with_faults
 
 
 def test_acks_under_commit_unknown_result_are_exact(tmp_path):
-    url = f"sqlite://{tmp_path / 'f.db'}"
+    url = database_url(tmp_path / "f.db")
     fdq.Supervisor(fdq.connect(url)).create_topic("t", shards=2)
     fdq.Producer(fdq.connect(url)).push_many("t", [fdq.Envelope(b"%d" % i) for i in range(300)])
-    db = fdq.connect(url + "?fault_injection=0.3&seed=7")    # 1021 after ~30% of real commits
+    db = fdq.connect(with_faults(url, 0.3, 7))    # 1021 after ~30% of real commits
     lost, acked = [], set()
     with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=60)) as c:
         for _ in range(200):

@@ -43,6 +43,7 @@ from fdq.keyspace import Keyspace, decode_counter
 
 from qhelpers import read_lines, scan, wait_for
 from test_chaos import Cluster, _check_first_in_order, _handled, _log
+from fdqtest import database_url
 
 WORKER = Path(__file__).with_name("soak_worker.py")
 SOAK_S = float(os.environ.get("FDQ_SOAK_SECONDS", "10"))
@@ -135,7 +136,7 @@ def _check_shard_counters(db, ts) -> int:
 def test_soak(tmp_path, soak_factory, seed):
     rng = random.Random(seed)
     faults = seed % 2 == 1
-    url = f"sqlite://{tmp_path / 'fdq.db'}"
+    url = database_url(tmp_path / "fdq.db")
     db = fdq.connect(url)
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=rng.randint(2, 8), extend=True)

@@ -17,6 +17,7 @@ from fdq.keyspace.codec import pack, unpack
 from fdq.keyspace.codec import shard_of
 
 from qhelpers import scan, sub_stats, wait_for
+from fdqtest import with_faults
 
 FAST = fdq.ConsumerConfig(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.1,
                           lease_check_interval_s=0.1)
@@ -329,7 +330,7 @@ def test_replay_under_fault_injection_pushes_each_once(db, url):
     """Retryable errors and commit_unknown_result after real commits: each chunk's
     pushes and its progress commit together, so a retried chunk pushes nothing twice."""
     pushed = _push_keys(db, "t", 3000, 40)
-    faulty = fdq.connect(f"{url}?fault_injection=0.3&seed=11")
+    faulty = fdq.connect(with_faults(url, 0.3, 11))
     assert fdq.Producer(faulty).replay("t", 0) == 3000
     counts = _replayed(db, Keyspace().topic("t"))
     assert set(counts) == {i for i, _k, _b in pushed} and set(counts.values()) == {1}

@@ -13,6 +13,7 @@ from fdq.config import TopicConfig
 from fdq.keyspace import Keyspace
 
 from sparkhelpers import push_with_processes
+from fdqtest import database_url
 
 # 50,000 messages: the default read's partitions (one per bucket, 16 here) average ~3,100
 # rows, so most span two read batches (batchSize 2,048 rows), and numPartitions=3's span
@@ -24,7 +25,7 @@ TOTAL_PROCS, PER_PROC = 4, 12_500
 def big(tmp_path_factory):
     """A topic of 50,000 messages pushed by 4 producer processes at once."""
     d = tmp_path_factory.mktemp("big")
-    url = f"sqlite://{d}/fdq.db"
+    url = database_url(d / "fdq.db")
     db = fdq.connect(url)
     create_topic(db, Keyspace(), "events", TopicConfig(extend=True, shards=16))
     pushed = push_with_processes(url, "events", TOTAL_PROCS, PER_PROC, d)
@@ -137,7 +138,7 @@ def test_empty_windows(spark, big):
 
 
 def test_large_bodies_and_empty_topic(spark, tmp_path):
-    url = f"sqlite://{tmp_path}/fdq.db"
+    url = database_url(tmp_path / "fdq.db")
     db = fdq.connect(url)
     sup = fdq.Supervisor(db)
     sup.create_topic("big-bodies", extend=True)
@@ -159,7 +160,7 @@ def _error_of(fn) -> str:
 
 
 def test_unknown_topic_and_bad_options_fail_at_load(spark, tmp_path):
-    url = f"sqlite://{tmp_path}/fdq.db"
+    url = database_url(tmp_path / "fdq.db")
     fdq.Supervisor(fdq.connect(url)).create_topic("t")
     base = lambda: spark.read.format("fdq")  # noqa: E731
     msg = _error_of(lambda: base().option("url", url).option("topic", "nope").load())

@@ -12,10 +12,11 @@ from fdq import log
 from fdq.keyspace import Keyspace
 
 import sparkhelpers  # noqa: F401 - skips this module without pyspark, pyarrow or Java
+from fdqtest import database_url
 
 
 def _topic(tmp_path, name="t", shards=4):
-    url = f"sqlite://{tmp_path}/fdq.db"
+    url = database_url(tmp_path / "fdq.db")
     db = fdq.connect(url)
     fdq.Supervisor(db).create_topic(name, shards=shards, extend=True)
     return url, db
@@ -125,7 +126,7 @@ def test_writer_transactions_count_every_copy_a_push_writes(tmp_path, subs, bodi
     """A push writes a message to the log and to each subscription: the writer's ~2 MB of
     bodies per push_many made transactions over FDB's 10 MB on a topic with 4+
     subscriptions, and the write failed with transaction_too_large."""
-    url = f"sqlite://{tmp_path}/fdq.db"
+    url = database_url(tmp_path / "fdq.db")
     db = fdq.connect(url)
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=2)

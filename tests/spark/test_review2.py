@@ -8,10 +8,11 @@ import fdq
 import fdq.spark as fs
 
 from sparkhelpers import run_query, wait_for  # noqa: F401 - skips this module without pyspark or Java
+from fdqtest import database_url
 
 
 def _topic(tmp_path, name="t", shards=4):
-    url = f"sqlite://{tmp_path}/fdq.db"
+    url = database_url(tmp_path / "fdq.db")
     db = fdq.connect(url)
     fdq.Supervisor(db).create_topic(name, shards=shards)
     return url, db

@@ -13,6 +13,7 @@ from fdq import log
 from fdq.keyspace import Keyspace
 
 from sparkhelpers import ROOT, run_query, start_producers, wait_for, wait_producers
+from fdqtest import database_url
 
 # The session (tests/spark/conftest.py) runs local[2,4]: up to 4 attempts per task, so a
 # failed task is retried (the writer test). Arrow batches of 200 rows in this module.
@@ -44,7 +45,7 @@ def _rows_in(q) -> int:
 
 @pytest.mark.slow
 def test_stream_reads_every_message_once_across_a_restart(spark, tmp_path):
-    url = f"sqlite://{tmp_path}/fdq.db"
+    url = database_url(tmp_path / "fdq.db")
     fdq.Supervisor(fdq.connect(url)).create_topic("live", shards=8, extend=True)
     sink, ck = str(tmp_path / "sink"), str(tmp_path / "ck")
     ps = start_producers(url, "live", 3, 4000, tmp_path, batch=50, pause_ms=10)
@@ -74,7 +75,7 @@ def test_stream_reads_every_message_once_across_a_restart(spark, tmp_path):
 
 @pytest.mark.slow
 def test_starting_positions_latest_and_time(spark, tmp_path):
-    url = f"sqlite://{tmp_path}/fdq.db"
+    url = database_url(tmp_path / "fdq.db")
     db = fdq.connect(url)
     fdq.Supervisor(db).create_topic("pos")
     p = fdq.Producer(db)
@@ -109,7 +110,7 @@ def test_starting_positions_latest_and_time(spark, tmp_path):
 
 
 def test_stream_option_errors(spark, tmp_path):
-    url = f"sqlite://{tmp_path}/fdq.db"
+    url = database_url(tmp_path / "fdq.db")
     fdq.Supervisor(fdq.connect(url)).create_topic("t")
     for opt, value in [("startingPosition", "soon"), ("maxRecordsPerTrigger", "0")]:
         with pytest.raises(Exception) as ei:
@@ -155,7 +156,7 @@ def _flaky_body(url, topic, write_id, marker, fail_at):
 @pytest.mark.slow
 def test_writer_round_trip_with_a_task_retry_has_no_duplicates(spark, tmp_path):
     from pyspark.sql import functions as F
-    url = f"sqlite://{tmp_path}/fdq.db"
+    url = database_url(tmp_path / "fdq.db")
     db = fdq.connect(url)
     sup = fdq.Supervisor(db)
     sup.create_topic("out", extend=True)
@@ -191,7 +192,7 @@ def test_writer_round_trip_with_a_task_retry_has_no_duplicates(spark, tmp_path):
 
 
 def test_writer_errors(spark, tmp_path):
-    url = f"sqlite://{tmp_path}/fdq.db"
+    url = database_url(tmp_path / "fdq.db")
     fdq.Supervisor(fdq.connect(url)).create_topic("t")
     df = spark.createDataFrame([("a",)], "payload string")
     with pytest.raises(Exception) as ei:
@@ -222,7 +223,7 @@ def test_writer_errors(spark, tmp_path):
 
 @pytest.fixture()
 def replay_topic(tmp_path):
-    url = f"sqlite://{tmp_path}/fdq.db"
+    url = database_url(tmp_path / "fdq.db")
     db = fdq.connect(url)
     sup = fdq.Supervisor(db)
     sup.create_topic("src", extend=True)

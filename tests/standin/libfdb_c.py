@@ -103,10 +103,13 @@ _MUTATIONS = {code: next(n if hasattr(engine.Transaction, n) else "bit_" + n for
               for code, names in _names_by_code(fdboptions.MutationType).items()}
 _STREAMING = {v[0]: k for k, v in fdboptions.StreamingMode.items()}
 
-# Rows per batch, standing for FDB's bytes per batch (fdb_c.cpp's mode_bytes_array and the
-# iterator progression, at ~100 bytes a row).
-_ITERATOR_ROWS = (40, 61, 92, 138, 207, 311, 466, 699, 800, 1200)
-_MODE_ROWS = {"small": 3, "medium": 10, "large": 40, "serial": 800}
+# Bytes per range batch (bindings/c/fdb_c.cpp, fdb_transaction_get_range_impl): the
+# iterator mode's progression by iteration, the fixed modes' sizes; want_all is read as
+# serial; exact has no byte limit (its row limit alone). A batch holds the rows up to and
+# including the one that reaches the limit.
+_ITERATOR_BYTES = (4096, 6144, 9216, 13824, 20736, 31104, 46656, 69984, 80000, 120000)
+_MODE_BYTES = {"small": 256, "medium": 1000, "large": 4096, "serial": 80000, "want_all": 80000, "exact": None}
+_MIN_ROW_BYTES = 16     # the most rows a batch can hold: bytes / this
 
 SERVED_MARK = "# standin "
 TIMEOUT_OPTION = fdboptions.TransactionOption["timeout"][0]
@@ -790,24 +793,45 @@ class Library:
         end = _selector(_bytes(ekey, elen), eor, eoff)
         name = _STREAMING.get(mode)
         if name is None:
-            return self._failed("kvs", 2210 if mode == 0 else 2006)
+            return self._failed("kvs", 2006)
         if name == "exact" and limit <= 0:
             return self._failed("kvs", 2210)
-        if name in ("want_all", "exact"):
-            rows = limit
-        elif name == "iterator":
-            rows = _ITERATOR_ROWS[min(max(iteration, 1), len(_ITERATOR_ROWS)) - 1]
+        if name == "iterator":
+            max_bytes = _ITERATOR_BYTES[min(max(iteration, 1), len(_ITERATOR_BYTES)) - 1]
         else:
-            rows = _MODE_ROWS[name]
-        if limit > 0:
-            rows = min(rows, limit)
+            max_bytes = _MODE_BYTES[name]
+        reverse = bool(reverse)
+        want_all = engine.StreamingMode.want_all
 
         def get_range(tr):
-            view = tr.engine.snapshot if snapshot else tr.engine
-            got = [(kv.key, kv.value) for kv in
-                   view.get_range(begin, end, limit=rows, reverse=bool(reverse),
-                                  streaming_mode=engine.StreamingMode.want_all)]
-            more = bool(rows) and len(got) == rows and (limit <= 0 or rows < limit)
+            """One batch. Its rows are found by a snapshot read (no conflict), cut at
+            the byte limit, then read again with exactly that row limit when the read
+            conflicts: its conflict range ends at the last row delivered, as FDB's."""
+            if max_bytes is None:
+                view = tr.engine.snapshot if snapshot else tr.engine
+                got = [(kv.key, kv.value) for kv in view.get_range(begin, end, limit=limit, reverse=reverse,
+                                                                     streaming_mode=want_all)]
+                return got, False
+            peek_rows = max_bytes // _MIN_ROW_BYTES
+            if limit > 0:
+                peek_rows = min(peek_rows, limit)
+            peek = tr.engine.snapshot.get_range(begin, end, limit=peek_rows, reverse=reverse,
+                                                streaming_mode=want_all)
+            got, size = [], 0
+            for kv in peek:
+                got.append((kv.key, kv.value))
+                size += len(kv.key) + len(kv.value)
+                if size >= max_bytes:
+                    break
+            more = len(got) == peek_rows or size >= max_bytes
+            if limit > 0 and len(got) >= limit:
+                more = False
+            if not snapshot:
+                # cut by bytes: exactly the rows found; else as asked (an exhausted read
+                # conflicts on the whole range)
+                got = [(kv.key, kv.value) for kv in
+                       tr.engine.get_range(begin, end, limit=len(got) if more else max(limit, 0),
+                                           reverse=reverse, streaming_mode=want_all)]
             return got, more
         return self._future_op(t, "kvs", get_range)
 

@@ -3,13 +3,14 @@ and commit_unknown_result after a real commit (each function is safe to re-run).
 import pytest
 
 import fdq
+from fdqtest import database_url
 from subs_helpers import drain
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_create_catch_up_reset_delete_under_faults(tmp_path, seed):
-    db = fdq.connect(f"sqlite:///{tmp_path}/f.db?fault_injection=0.2&seed={seed}")
-    clean = fdq.connect(f"sqlite:///{tmp_path}/f.db")   # consumers read without faults
+    db = fdq.connect(database_url(tmp_path / "f.db", fault_injection=0.2, seed=seed))
+    clean = fdq.connect(database_url(tmp_path / "f.db"))   # consumers read without faults
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=3)
     p = fdq.Producer(db)
