@@ -30,7 +30,7 @@ from types import MappingProxyType
 from . import delivery, membership
 from . import subscription as _subs
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig, SubscriptionConfig, TopicConfig, check_name
-from .engine import check_process, error_types, retry_or_raise, run_within
+from .engine import after_interrupt, check_process, error_types, retry_or_raise, run_within
 from .errors import (ConfigError, ConsumerStalled, EngineError, FDQError, LeaseLost, SubscriptionNotFound,
                      TopicNotFound, is_maybe_committed)
 from .headers import check_tag
@@ -262,6 +262,7 @@ class _SettleGroup:
         try:
             outcomes = self._outcomes(batch)
         except BaseException as e:     # KeyboardInterrupt, SystemExit: this thread's
+            after_interrupt()
             outcomes = [e] + [FDQError(f"settle of {m.id} not committed: the thread committing it was "
                                        f"interrupted ({type(e).__name__})") for (m, _a, _g), _l, _o in batch[1:]]
         finally:
@@ -430,6 +431,7 @@ class Consumer:
             self._watchdog.start()
             self._finish_catch_up()
         except BaseException:
+            after_interrupt()
             Consumer.close(self)
             raise
 
@@ -472,6 +474,7 @@ class Consumer:
                 raise _subs._diff_error(self._ts, self.subscription, self.sub_config, given)
             self._topic_config = read_topic_config(self.db, self._ts)
         except BaseException:
+            after_interrupt()
             if joined:
                 self._leave()
             raise
@@ -1067,6 +1070,7 @@ class Consumer:
             try:
                 out = self._lease_many(shards, max_messages, ack_wait_s)
             except BaseException:
+                after_interrupt()
                 for s, _e in shards:
                     self._mark(s)
                 raise
@@ -1330,6 +1334,7 @@ class TailConsumer(Consumer):
         try:
             msgs = self._lease_many(shards, self.batch_size, settlements=carried, defer_arm=defer)
         except BaseException:
+            after_interrupt()
             self._carried = carried + self._carried    # not committed: settle them later
             raise
         pending = self._begin_round(msgs)

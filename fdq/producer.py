@@ -30,7 +30,7 @@ import fdb.tuple as fdbtuple
 from fdb.tuple import Versionstamp
 
 from .config import ProducerConfig, TopicConfig, check_name
-from .engine import check_process, error_types, retry_or_raise, transactional
+from .engine import after_interrupt, check_process, error_types, retry_or_raise, transactional
 from .times import MIN_BARE_MS, iso_ms
 from .errors import (BacklogFull, ConfigError, EngineError, FDQError, InvalidHeader, InvalidMessage,
                      MessageTooLarge, TopicHeld, TopicNotFound, is_maybe_committed)
@@ -623,6 +623,7 @@ class _GroupCommit:
                 self._commit_s = time.perf_counter() - t0
                 last = len(batch)
         except BaseException:
+            after_interrupt()
             # Interrupted (a signal handler's exception while lingering, say): the
             # flusher takes over what is queued, or nobody would lead it again.
             self._handoff()
@@ -789,6 +790,7 @@ class Producer:
                 if it.result is None and it.error is None:
                     it.error = e
         except BaseException as e:
+            after_interrupt()
             # The committing thread was interrupted (KeyboardInterrupt, a signal
             # handler's exception): that is its own to raise, once every push of the
             # batch is released with an error of its own, which cannot say more than

@@ -70,6 +70,7 @@ WRITE_OPTIONS = {"url", "topic", "batchsize", "writeid", "idempotent"}
 _CANONICAL = {o.lower(): o for o in ("url", "topic", "start", "end", "numPartitions", "batchSize",
                                      "batchFormat", "startingPosition", "maxRecordsPerTrigger",
                                      "writeId", "idempotent")}
+SPLIT_CHUNK_MAX = (1 << 31) - 1  # get_range_split_points' chunk size: a C int in FDB's binding
 WRITE_BATCH_BYTES = 4_000_000   # bytes a push transaction writes: bodies (and headers) times
                                 # their copies, the log's and one per subscription (FDB: 10 MB)
 
@@ -396,7 +397,9 @@ def plan_ranges(tr, ts, buckets, start_vs: bytes | None, end_vs: bytes | None, p
         return []
     if parts == 1:
         return [[(b, begin, end) for b, begin, end, _size in spans]]
-    chunk = max(64 << 10, total // (parts * 2) + 1)
+    # The binding passes the chunk size as a 32-bit C int: a larger one (a log of several
+    # GB read in few partitions) would arrive wrapped.
+    chunk = min(SPLIT_CHUNK_MAX, max(64 << 10, total // (parts * 2) + 1))
     pieces = []   # (bucket, begin, end, estimated bytes)
     for b, begin, end, size in spans:
         points = list(tr.get_range_split_points(begin, end, chunk).wait()) if size > chunk else [begin, end]

@@ -13,7 +13,7 @@ import time
 
 from . import delivery, logcount, membership
 from .config import UPDATABLE_TOPIC_FIELDS, ConsumerConfig, TopicConfig, check_name
-from .engine import error_types, transactional
+from .engine import after_interrupt, error_types, transactional
 from .errors import ConfigError, TopicExists, TopicHeld, TopicNotFound
 from .headers import dispatch_tag
 from .keyspace import Keyspace, TopicSpace, Versionstamp, counter, decode_counter, message_id, vs_from_bytes
@@ -996,6 +996,7 @@ def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None)
                 except BaseException:
                     # Interrupted (Ctrl-C lands right after a commit as easily as anywhere)
                     # or failed: the chunk may have committed; progress hears what did.
+                    after_interrupt()
                     now = _committed_count(db, ts, window, run, owner)
                     if progress and now is not None and now > count:
                         progress(now - count)

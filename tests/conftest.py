@@ -20,6 +20,52 @@ if fdqtest.STANDIN:
 import fdq  # noqa: E402
 
 
+FDB_START_S = 180
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _docker_cluster():
+    """``FDQ_TEST_FDB=docker``: the FoundationDB server of docker/docker-compose.yml for
+    the session, started with testcontainers (Docker and FoundationDB's client library
+    needed; not run on the machine this was written on)."""
+    if not (fdqtest.ON_FDB and os.environ.get("FDQ_TEST_FDB") == "docker"):
+        yield
+        return
+    import time
+    from testcontainers.compose import DockerCompose
+    docker_dir = os.path.dirname(fdqtest.DOCKER_CLUSTER_FILE)
+    compose = DockerCompose(docker_dir, compose_file_name="docker-compose.yml", wait=False)
+    compose.start()
+    try:
+        deadline, status = time.monotonic() + FDB_START_S, ""
+        while "is available" not in status:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"FoundationDB of {docker_dir}/docker-compose.yml not available after "
+                                   f"{FDB_START_S} s: {status.strip()[-300:]}")
+            try:
+                status = compose.exec_in_container(
+                    ["fdbcli", "-C", "/var/fdb/fdb.cluster", "--timeout", "5", "--exec", "status minimal"], "fdb")[0]
+            except Exception as e:  # noqa: BLE001 - not up yet: exec fails until the container runs
+                status = str(e)
+                time.sleep(1)
+        yield
+    finally:
+        compose.stop(down=True)
+
+
+@pytest.fixture(autouse=True)
+def _empty_real_cluster():
+    """On a real cluster every test's database is that one cluster: each test starts from
+    an empty FDQ layout (run the pass with one worker: -n 0)."""
+    if fdqtest.ON_FDB and not fdqtest.STANDIN:
+        from fdq.keyspace import Keyspace
+        db = fdq.connect(f"fdb://{fdqtest.FDB_CLUSTER_FILE}", check_format=False)
+        tr, r = db.create_transaction(), Keyspace().root.range()
+        tr.clear_range(r.start, r.stop)
+        tr.commit().wait()
+    yield
+
+
 @pytest.fixture
 def db_url(tmp_path):
     """The URL of a fresh database in the test's own directory."""

@@ -17,7 +17,12 @@ import pytest
 ENGINE = os.environ.get("FDQ_TEST_ENGINE", "sqlite")
 if ENGINE not in ("sqlite", "fdb"):
     raise RuntimeError(f"FDQ_TEST_ENGINE={ENGINE!r}: expected sqlite or fdb")
-FDB_CLUSTER_FILE = os.environ.get("FDQ_TEST_FDB_CLUSTER_FILE") or None
+DOCKER_CLUSTER_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docker",
+                                   "fdb.cluster")
+# A real cluster for the fdb pass: FDQ_TEST_FDB_CLUSTER_FILE, or FDQ_TEST_FDB=docker (the
+# server of docker/docker-compose.yml, started by tests/conftest.py with testcontainers).
+FDB_CLUSTER_FILE = os.environ.get("FDQ_TEST_FDB_CLUSTER_FILE") or (
+    DOCKER_CLUSTER_FILE if os.environ.get("FDQ_TEST_FDB") == "docker" else None)
 ON_FDB = ENGINE == "fdb"
 STANDIN = ON_FDB and FDB_CLUSTER_FILE is None
 
@@ -97,6 +102,14 @@ def with_faults(url: str, p: float, seed: int | None = None) -> str:
     with open(url[len("fdb://"):]) as f:
         settings = json.loads(next(l for l in f.read().splitlines() if l.startswith(SERVED_MARK))[len(SERVED_MARK):])
     return database_url(settings.pop("path"), **{**settings, **options})
+
+
+def engine_errors() -> tuple:
+    """What a raw engine call (``tr.commit().wait()``) raises on this pass: the embedded
+    engine's EngineError, or ``fdb.FDBError`` (FDQ translates only what leaves its own
+    functions)."""
+    from fdq.engine import error_types
+    return error_types()
 
 
 def read_version(db) -> int:

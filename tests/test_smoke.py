@@ -12,8 +12,7 @@ import time
 import pytest
 
 import fdq
-from fdq.errors import EngineError
-from fdqtest import wait_for  # noqa: F401 - re-exported to this directory's tests
+from fdqtest import engine_errors, wait_for  # noqa: F401 - re-exported to this directory's tests
 
 
 def test_read_then_write_conflict(db):
@@ -23,7 +22,7 @@ def test_read_then_write_conflict(db):
     a[b"k"] = b"a"
     b[b"k"] = b"b"
     a.commit().wait()
-    with pytest.raises(EngineError) as e:
+    with pytest.raises(engine_errors()) as e:
         b.commit().wait()
     assert e.value.code == 1020
     assert db[b"k"] == b"a"

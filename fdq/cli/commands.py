@@ -26,7 +26,7 @@ from ..config import (ACK_POLICIES, DELIVER_POLICIES, DEFAULT_SUBSCRIPTION, UPDA
                       UPDATABLE_TOPIC_FIELDS,
                       SubscriptionConfig, TopicConfig)
 from ..consumer import Consumer
-from ..engine import connect
+from ..engine import after_interrupt, connect
 from ..errors import ConfigError, ConsumerStalled, FDQError, LeaseLost, SubscriptionNotFound, TopicNotFound
 from ..keyspace.codec import ROUTE_BYTES
 from ..producer import Envelope, Producer
@@ -647,6 +647,7 @@ def _print_and_ack(consumer, msgs, at_most_once: bool, as_json: bool) -> int:
             _print_message(m, as_json)      # click.echo flushes each line
             written.append(m)
     except BaseException:
+        after_interrupt()
         if not at_most_once and written:
             try:
                 consumer.ack_many(written)

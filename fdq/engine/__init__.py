@@ -22,7 +22,7 @@ from .futures import Value
 from .sqlite import KeySelector, KeyValue, StreamingMode, strinc
 
 __all__ = ["connect", "transactional", "run_within", "retry_or_raise", "error_types", "is_transaction",
-           "check_process", "describe", "default_url", "KeySelector", "KeyValue", "StreamingMode", "strinc",
+           "check_process", "after_interrupt", "describe", "default_url", "KeySelector", "KeyValue", "StreamingMode", "strinc",
            "API_VERSION"]
 
 # 7.3 is FoundationDB's current production line: FDQ asks for API 730 and pins the
@@ -40,33 +40,55 @@ CONNECT_TIMEOUT_S = 10.0
 _ERROR_TYPES: tuple = (EngineError,)
 _TRANSACTION_TYPES: tuple = (sqlite._ReadView,)
 _fdb_impl = None
-_fdb_pid = None     # the process whose FoundationDB client runs (its network thread)
+_client_forked = False   # this process was forked after its FDB client's network started
 
 
 def _learn_fdb_types() -> bool:
     """Add FDB's error and transaction types once its binding is loaded, however it was
     loaded (``fdq.connect("fdb://...")``, or the application's own ``fdb.api_version``
     and ``fdb.open``). True if they were just added."""
-    global _ERROR_TYPES, _TRANSACTION_TYPES, _fdb_impl, _fdb_pid
+    global _ERROR_TYPES, _TRANSACTION_TYPES, _fdb_impl
     impl = sys.modules.get("fdb.impl")
     if impl is None or impl is _fdb_impl or not hasattr(impl, "TransactionRead"):
         return False
     _fdb_impl = impl
-    _fdb_pid = os.getpid()
     _ERROR_TYPES = (EngineError, impl.FDBError)
     _TRANSACTION_TYPES = (sqlite._ReadView, impl.TransactionRead)
     return True
+
+
+def _note_fork():
+    global _client_forked
+    impl = sys.modules.get("fdb.impl")
+    if impl is not None and getattr(impl, "_network_thread", None) is not None:
+        _client_forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_note_fork)
 
 
 def check_process(db):
     """Raise ClientForked for an FDB ``db`` in a process forked after its client started:
     FoundationDB's client has one network thread, which a forked child does not have, so
     any call would hang there. The embedded engine reopens its file after a fork."""
-    if _fdb_pid is not None and _fdb_pid != os.getpid() and not isinstance(db, sqlite.Database):
+    if _client_forked and not isinstance(db, sqlite.Database):
         raise ClientForked(
-            f"this process ({os.getpid()}) was forked from {_fdb_pid} after its FoundationDB client "
-            "started: the client cannot be used here. Start worker processes with the 'spawn' "
-            "method (multiprocessing.get_context('spawn')), or connect only after forking")
+            f"this process ({os.getpid()}) was forked after its FoundationDB client started: "
+            "the client cannot be used here. Start worker processes with the 'spawn' method "
+            "(multiprocessing.get_context('spawn')), or connect only after forking")
+
+
+def after_interrupt():
+    """Call where FDQ catches an exception that is not an ``Exception`` (KeyboardInterrupt,
+    a signal handler's) before this thread uses the database again. FoundationDB's
+    binding waits for a future on a per-thread semaphore, released by the future's
+    callback, and replaces it only after an ``Exception``: an interrupt leaves the
+    callback to release it later, and the thread's next wait could then return before
+    its own future is ready (``future_not_set``, 2015). The next wait makes a fresh one."""
+    impl = _fdb_impl
+    if impl is not None:
+        impl._thread_local_storage.__dict__.pop("future_block_semaphore", None)
 
 
 def _tuple_layer_without_client():

@@ -111,6 +111,12 @@ def test_broker_soak(broker_factory, db_url, seed):
                 f = c.frame(timeout=0.02)
             except TimeoutError:
                 continue
+            except OSError as e:        # its broker killed (frame() answers heartbeats)
+                if brokers[i].proc.poll() is None and c.addr_port == brokers[i].tcp_port:
+                    errors.append(f"a live broker closed a consumer: {e}")
+                c.close()
+                cons[i] = _consumer(brokers[i].tcp)
+                continue
             if f is None or f[0] != p.FRAME_MESSAGE:
                 if f is None or f[0] == p.FRAME_ERROR and b"E_FIN_FAILED" not in f[1] \
                         and b"E_REQ_FAILED" not in f[1] and b"E_TOUCH_FAILED" not in f[1]:

@@ -5,13 +5,10 @@ embedded engine on the ``sqlite://`` pass; on the ``fdb`` pass, FoundationDB's o
 binding over the libfdb_c stand-in (a fresh database per test), or a real cluster when
 ``FDQ_TEST_FDB_CLUSTER_FILE`` names its cluster file (keys under a fresh random prefix,
 cleared afterwards). Tests only use the FDB Python API surface, so the same assertions
-hold on all three. ``FDQ_TEST_FDB=docker`` starts docker/docker-compose.yml for the
-session with testcontainers (Docker and FoundationDB's client library needed; not run on
-the machine this was written on).
+hold on all three (``FDQ_TEST_FDB=docker``: see ``tests/conftest.py``).
 """
 from __future__ import annotations
 
-import os
 import uuid
 from pathlib import Path
 
@@ -19,8 +16,6 @@ import pytest
 
 import fdq
 from fdqtest import FDB_CLUSTER_FILE, ON_FDB, STANDIN, database_url
-
-FDB_ENV = "FDQ_TEST_FDB_CLUSTER_FILE"
 
 
 class Engine:
@@ -84,53 +79,8 @@ class Engine:
         return fdq.connect(url or self.url, check_format=False)
 
 
-FDB_DOCKER_ENV = "FDQ_TEST_FDB"
-DOCKER_DIR = Path(__file__).resolve().parents[2] / "docker"
-FDB_START_S = 180
-
-
-def _wait_available(compose) -> None:
-    """Until the compose file's server says the database is available (its fdb-init
-    service configures it on first start), at most FDB_START_S."""
-    import time
-    deadline = time.monotonic() + FDB_START_S
-    status = ""
-    while time.monotonic() < deadline:
-        try:
-            status, _err, _rc = compose.exec_in_container(
-                ["fdbcli", "-C", "/var/fdb/fdb.cluster", "--timeout", "5", "--exec", "status minimal"], "fdb")
-        except Exception as e:  # not up yet: exec fails until the container runs
-            status = str(e)
-        if "is available" in status:
-            return
-        time.sleep(1)
-    raise RuntimeError(f"FoundationDB from {DOCKER_DIR / 'docker-compose.yml'} not available after "
-                       f"{FDB_START_S} s: {status.strip()[-300:]}")
-
-
-@pytest.fixture(scope="session")
-def fdb_cluster_file():
-    """The cluster file of the real FoundationDB the ``fdb`` pass runs on."""
-    if FDB_CLUSTER_FILE or os.environ.get(FDB_DOCKER_ENV) != "docker":
-        yield FDB_CLUSTER_FILE
-        return
-    from testcontainers.compose import DockerCompose
-    compose = DockerCompose(DOCKER_DIR, compose_file_name="docker-compose.yml", wait=False)
-    try:
-        compose.start()
-    except Exception as e:
-        detail = getattr(e, "stderr", None) or b""
-        raise RuntimeError(f"{FDB_DOCKER_ENV}=docker: could not start {DOCKER_DIR / 'docker-compose.yml'} "
-                           f"({e}; {detail.decode(errors='replace').strip()[-300:]})") from e
-    try:
-        _wait_available(compose)
-        yield str(DOCKER_DIR / "fdb.cluster")
-    finally:
-        compose.stop(down=True)
-
-
 @pytest.fixture
-def eng(request, tmp_path):
+def eng(tmp_path):
     if not ON_FDB:
         path = tmp_path / "engine.db"
         yield Engine("sqlite", database_url(path), b"t/", tmp_path, path)
@@ -139,9 +89,8 @@ def eng(request, tmp_path):
         path = tmp_path / "engine.db"
         yield Engine("fdb", database_url(path), b"t/", tmp_path, path)
         return
-    cluster = request.getfixturevalue("fdb_cluster_file")
     prefix = b"fdqtest/" + uuid.uuid4().hex.encode() + b"/"
-    e = Engine("fdb", f"fdb://{cluster}", prefix, tmp_path)
+    e = Engine("fdb", f"fdb://{FDB_CLUSTER_FILE}", prefix, tmp_path)
     yield e
     tr = e.db.create_transaction()
     tr.clear_range(e.p, e.end())

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -177,3 +176,22 @@ def test_an_engine_error_reads_as_text():
     err = fdq.engine._translate(fdb.FDBError(1020))    # noqa: SLF001 - where FDB errors leave FDQ
     assert isinstance(err, fdq.EngineError) and err.code == 1020
     assert "b'" not in str(err) and "conflict" in str(err)
+
+
+def test_spark_plans_a_log_too_large_for_a_32_bit_split_chunk(tmp_path):
+    """The binding passes get_range_split_points' chunk size as a C int: a log of some
+    GB planned into two partitions asked for chunks past 2**31 (the stand-in plays the
+    log 10**7 times larger than it is)."""
+    import fdq.spark
+    from fdq import log
+    from fdq.keyspace import Keyspace
+    db = fdq.connect(database_url(tmp_path / "fdq.db"))
+    fdq.Supervisor(db).create_topic("t", shards=2)
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"x" * 1000, shard_key=str(i)) for i in range(2000)])
+    big = fdq.connect(database_url(tmp_path / "fdq.db", estimate_scale=10_000_000))
+    ts = Keyspace().topic("t")
+    plan = fdq.spark.plan_ranges(big, ts, log.last_positions(big, ts), None, None, 2)
+    assert 1 <= len(plan) <= 2
+    tr = db.create_transaction()
+    rows = sum(len(list(tr.snapshot.get_range(b, e))) for part in plan for _bucket, b, e in part)
+    assert rows == 2000

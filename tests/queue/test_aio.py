@@ -9,6 +9,7 @@ import pytest
 
 import fdq
 import fdq.aio
+from fdqtest import embedded_only
 
 from qhelpers import sub_stats, threads_in
 
@@ -176,6 +177,7 @@ def test_shutdown_ends_a_waiting_fetch_at_once(db):
     assert sub_stats(db, "t")["consumers"] == []
 
 
+@embedded_only     # holds a fetch at its commit by the embedded engine's lock: its frames show it
 def test_shutdown_after_a_cancel_returns_the_leases_of_the_fetch_under_way(db, db_path):
     """The tail's task is cancelled (its loop ending, a timeout) while its fetch is
     committing a lease in a worker thread; shutdown's close then runs while that fetch

@@ -106,7 +106,7 @@ def test_aio_round_longer_than_the_ack_wait_is_not_redelivered(db, shards):
     assert (s["backlog"], s["in_flight"], s["acked"], s["dlq"]) == (0, 0, 4, 0)
 
 
-@embedded_only
+@embedded_only     # holds the lease at its commit by the embedded engine's lock: its frames show it
 def test_no_handler_runs_on_a_batch_leased_after_shutdown_began(db, db_path):
     """``shutdown()`` from another thread while the worker is committing a lease: the
     batch it leases is given back (uncounted), not handed to the handler after

@@ -12,10 +12,10 @@ import pytest
 
 import fdq
 from fdq import delivery, membership
-from fdq.errors import EngineError
 from fdq.keyspace import Keyspace
 
 from qhelpers import sub_stats
+from fdqtest import engine_errors
 
 
 def _owner(db, ts):
@@ -57,7 +57,7 @@ def test_a_transaction_begun_before_the_shard_moved_cannot_commit(db, how, moved
     # nobody touched m0 and m1: only the fence can stop the stale commit
     assert sub_stats(db, "t")["backlog"] == 5
 
-    with pytest.raises(EngineError) as e:
+    with pytest.raises(engine_errors()) as e:
         stale.commit().wait()
     assert e.value.code == 1020          # the shard record it read changed: a conflict
     s = sub_stats(db, "t")

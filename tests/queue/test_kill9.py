@@ -25,14 +25,15 @@ def _handled(p):
     return st["handled"] if st else 0
 
 
-def _run(procs, db, mode, url=None, seeds=None):
-    """Start 3 consumers and 3 producers, kill -9 consumer c0 mid-run, start c3.
+def _run(procs, db, mode, faults=None, seeds=None):
+    """Start 3 consumers and 3 producers, kill -9 consumer c0 mid-run, start c3; with
+    ``faults``, each process injects faults at that probability (its seed from ``seeds``).
     Returns (pushed: [{"id", "key", "body"}], consumers, victim)."""
     fdq.Supervisor(db).create_topic("t", shards=8)
     seeds = seeds or {}
 
     def u(name):
-        return url and f"{url}&seed={seeds[name]}"
+        return with_faults(procs.url, faults, seeds[name]) if faults else None
     cons = [procs.start("consumer", f"c{i}", "--mode", mode, *CONSUMER_ARGS, url=u(f"c{i}"), wait_ready=True)
             for i in range(3)]
     wait_for(lambda: all(read_json(c.status) and read_json(c.status)["owned"] for c in cons), 60,
@@ -112,8 +113,7 @@ def test_exactly_once_kill9_3x3(procs, db):
 def test_exactly_once_kill9_3x3_fault_injection(procs, db, url):
     names = [f"c{i}" for i in range(4)] + [f"p{i}" for i in range(3)]
     seeds = {n: 1000 + i for i, n in enumerate(names)}
-    faulty = with_faults(url, 0.05)
-    pushed, cons, _victim = _run(procs, db, "eo", url=faulty, seeds=seeds)
+    pushed, cons, _victim = _run(procs, db, "eo", faults=0.05, seeds=seeds)
     _check_push_stats(db, pushed)
     _check_exactly_once(procs, db, pushed, cons)
     # The faults did happen: the processes retried injected errors, 1021 included.
@@ -161,8 +161,7 @@ def test_asyncio_at_least_once_kill9_3x3(procs, db, url):
 def _at_least_once_kill9(procs, db, url, faults, mode):
     names = [f"c{i}" for i in range(4)] + [f"p{i}" for i in range(3)]
     seeds = {n: 2000 + i for i, n in enumerate(names)}
-    pushed, cons, victim = _run(procs, db, mode, url=with_faults(url, 0.05) if faults else None,
-                                seeds=seeds)
+    pushed, cons, victim = _run(procs, db, mode, faults=0.05 if faults else None, seeds=seeds)
     _check_push_stats(db, pushed)
     ids = {r["id"] for r in pushed}
 

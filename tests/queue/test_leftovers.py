@@ -10,7 +10,7 @@ from fdq import membership
 from fdq.keyspace import Keyspace, decode_counter
 
 from qhelpers import scan, wait_for
-from fdqtest import database_url, with_faults, read_version, read
+from fdqtest import engine_errors, database_url, with_faults, read_version, read
 
 JUMP = 90_000_000
 
@@ -32,10 +32,10 @@ def _jump(db, url: str) -> int:
         try:
             tr.add(b"lt/jumper", (1).to_bytes(8, "little"))
             tr.commit().wait()
-        except fdq.EngineError as e:
+        except engine_errors() as e:
             try:
                 tr.on_error(e.code).wait()
-            except fdq.EngineError:
+            except engine_errors():
                 pass
         v = _read_version(db)
         if v - before >= JUMP:
@@ -130,7 +130,7 @@ def _commit_retrying(tr, attempt) -> int:
         try:
             tr.commit().wait()
             return retries
-        except fdq.EngineError as e:
+        except engine_errors() as e:
             tr.on_error(e.code).wait()
             retries += 1
             attempt(tr)

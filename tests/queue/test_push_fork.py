@@ -14,7 +14,7 @@ import pytest
 import fdq
 from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import Record
-from fdqtest import ON_FDB
+from fdqtest import ON_FDB, with_faults
 from qhelpers import scan
 
 pytestmark = pytest.mark.skipif(ON_FDB, reason="fork(): FoundationDB's client cannot be used in a forked child, "
@@ -104,7 +104,7 @@ def test_a_child_forked_while_its_producer_commits_fails_the_copied_futures(db, 
     # there, and never resolved; the child's flush() said all was done meanwhile.
     from fdq.keyspace import Keyspace as _Ks
     from fdq.supervisor import play_chunk
-    from fdqtest import with_faults, wait_for
+    from fdqtest import wait_for
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=1)
     sup.pause("t")

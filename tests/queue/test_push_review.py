@@ -12,7 +12,7 @@ from fdq.errors import EngineError, is_maybe_committed
 from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import Record
 
-from fdqtest import database_url, with_faults, read_version, read, kill_all, readline_within
+from fdqtest import engine_errors, database_url, with_faults, read_version, read, kill_all, readline_within
 from qhelpers import scan
 
 
@@ -446,7 +446,7 @@ def test_a_steady_stream_of_tagged_pushes_does_not_conflict_with_shard_assignmen
                     time.sleep(0.005)     # a transaction that takes a few ms, as under load
                     tr.commit().wait()
                     break
-                except EngineError as e:
+                except engine_errors() as e:
                     assert e.code == 1020, e
                     conflicts += 1
                     assert conflicts < 20, "shard assignment keeps conflicting with tagged pushes"

@@ -17,7 +17,7 @@ from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import shard_of
 
 from qhelpers import read_lines, sub_stats, wait_for
-from fdqtest import read_version
+from fdqtest import engine_errors, read_version
 
 
 def _fetch_until(c, want: int, timeout: float) -> list:
@@ -383,7 +383,7 @@ def test_play_ending_on_a_pause_does_not_route_twice(db):
     try:
         tr_a.commit().wait()                                 # A commits after B: must conflict
         committed = True
-    except fdq.errors.EngineError as e:
+    except engine_errors() as e:
         assert e.code == 1020
         committed = False
     sup.play("t")

@@ -17,11 +17,12 @@ from fdq.errors import EngineError
 from fdq.keyspace import Keyspace
 
 from qhelpers import wait_for
-from fdqtest import read
+from fdqtest import embedded_only, read
 
 FAST = dict(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05, lease_check_interval_s=0.05)
 
 
+@embedded_only      # injects commit_unknown_result into one chosen commit of the embedded engine
 def test_take_committed_then_shard_moved_is_handed_over(db, monkeypatch):
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=1)

@@ -297,10 +297,10 @@ def jumper(args):
                 tr.add(key, (1).to_bytes(8, "little"))
                 tr.commit().wait()
                 break
-            except fdq.EngineError as e:
+            except fdq.engine.error_types() as e:
                 try:
                     tr.on_error(e.code).wait()
-                except fdq.EngineError:
+                except fdq.engine.error_types():
                     break
         time.sleep(0.002)
 

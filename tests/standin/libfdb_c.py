@@ -77,6 +77,7 @@ MAX_API_VERSION = 730
 _ERRORS = {code: desc for code, (_name, desc) in ERROR_NAMES.items()}
 _ERRORS.update({
     1102: "Future has been released",
+    2015: "Future not ready",
     2008: "Action not possible before the network is configured",
     2009: "Network can be configured only once",
     2026: "Detected a deadlock in a callback called from the network thread",
@@ -207,12 +208,13 @@ class _Transaction:
 
 
 class _Database:
-    __slots__ = ("engine", "timeout_ms", "cluster_file")
+    __slots__ = ("engine", "timeout_ms", "cluster_file", "estimate_scale")
 
-    def __init__(self, engine_db, cluster_file):
+    def __init__(self, engine_db, cluster_file, estimate_scale=1):
         self.engine = engine_db   # None: a cluster the stand-in cannot reach
         self.timeout_ms = 0
         self.cluster_file = cluster_file
+        self.estimate_scale = estimate_scale   # plays a database this many times larger
 
 
 # -- reading the binding's arguments ------------------------------------------------------
@@ -259,6 +261,7 @@ class KeyStruct(ctypes.Structure):
 
 
 _CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
+_interrupts = threading.local()   # ffi mode: an interrupt raised inside a trampoline
 
 # The C signature of every function the binding configures: (restype, argtypes). Used
 # only by ffi mode's trampolines, which take pointers as addresses.
@@ -272,7 +275,7 @@ class Library:
                  max_api_version: int = MAX_API_VERSION):
         self._ffi, self._network, self._strict = ffi, network, strict
         self._max_api = max_api_version
-        self._pid = os.getpid()
+        self._pid = None        # the process that set up the network (a child of it cannot use it)
         self._api = None
         self._setup = False
         self._running = False
@@ -315,8 +318,10 @@ class Library:
         return obj
 
     def _check_process(self):
-        if self._strict and (os.getpid() != self._pid or self._stopped):
-            # A real client hangs here (its network thread is gone); fail loudly instead.
+        if self._strict and ((self._pid is not None and os.getpid() != self._pid) or self._stopped):
+            # A real client hangs here (its network thread is not in this process, or
+            # stopped); fail loudly instead. A library loaded before a fork, whose network
+            # was not set up yet, works in the child (PySpark's daemon forks its workers).
             raise _Err(2000)
 
     # -- the network thread -------------------------------------------------------------
@@ -419,6 +424,7 @@ class Library:
         if self._setup:
             return 2009
         self._setup = True
+        self._pid = os.getpid()
         return 0
 
     def _fdb_run_network(self):
@@ -638,11 +644,12 @@ class Library:
         for line in lines[1:]:
             if line.startswith(SERVED_MARK):
                 settings = json.loads(line[len(SERVED_MARK):])
-        engine_db = None
+        engine_db, scale = None, 1
         if settings is not None:
             settings = dict(settings)
+            scale = settings.pop("estimate_scale", 1)
             engine_db = engine.Database(settings.pop("path"), **settings)
-        _put(out, ctypes.c_void_p, self._new(_Database(engine_db, path)))
+        _put(out, ctypes.c_void_p, self._new(_Database(engine_db, path, scale)))
         return 0
 
     def _fdb_database_destroy(self, d):
@@ -842,11 +849,16 @@ class Library:
 
     def _fdb_transaction_get_estimated_range_size_bytes(self, t, bkey, blen, ekey, elen):
         b, e = _bytes(bkey, blen), _bytes(ekey, elen)
-        return self._future_op(t, "int64", lambda tr: tr.engine.get_estimated_range_size_bytes(b, e).wait())
+        return self._future_op(t, "int64", lambda tr: tr.db.estimate_scale *
+                               tr.engine.get_estimated_range_size_bytes(b, e).wait())
 
     def _fdb_transaction_get_range_split_points(self, t, bkey, blen, ekey, elen, chunk_size):
         b, e = _bytes(bkey, blen), _bytes(ekey, elen)
-        return self._future_op(t, "keys", lambda tr: tr.engine.get_range_split_points(b, e, chunk_size).wait())
+        if chunk_size <= 0:
+            # what a chunk size past the binding's 32-bit C int arrives as
+            return self._failed("keys", 2000)
+        return self._future_op(t, "keys", lambda tr: tr.engine.get_range_split_points(
+            b, e, max(1, chunk_size // tr.db.estimate_scale)).wait())
 
     def _fdb_transaction_get_addresses_for_key(self, t, key, length):
         return self._future_op(t, "strings", lambda tr: [b"127.0.0.1:4500"])
@@ -1099,7 +1111,14 @@ class _FfiFunction(_Function):
         built = self._built
         if built is None:
             built = self._built = self._build()
-        return built[0](*args)
+        result = built[0](*args)
+        interrupt = _interrupts.__dict__.pop("pending", None)
+        if interrupt is not None:
+            # Raised in the trampoline (a signal handler's KeyboardInterrupt, run by the
+            # interpreter there): ctypes would print and drop it. It surfaces here, when
+            # the C call returns, as it does after a real library's call.
+            raise interrupt
+        return result
 
     def _build(self):
         restype = self.restype
@@ -1109,7 +1128,11 @@ class _FfiFunction(_Function):
         lib = self.lib
 
         def body(*raw):
-            result = self._call(*raw)
+            try:
+                result = self._call(*raw)
+            except BaseException as e:     # noqa: BLE001 - see __call__
+                _interrupts.pending = e
+                return None if c_res is None else 0
             if restype is ctypes.c_char_p and result is not None:
                 buf = lib._error_strings.get(result)
                 if buf is None:
