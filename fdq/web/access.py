@@ -26,9 +26,11 @@ class Access:
     """``check_read(headers)`` and ``check_write(headers, topic, subscription)`` raise
     ``AccessDenied`` or return. ``headers``: lower-case names."""
 
-    def __init__(self, write_token: str | None = None, auth=None):
+    def __init__(self, write_token: str | None = None, auth=None, *,
+                 enable_hint: str = "fdq web --write-token TOKEN"):
         self.write_token = write_token or None
         self.auth = auth                # fdq.broker.auth.AuthFile, or None
+        self.enable_hint = enable_hint  # how to start the server so it takes actions
 
     @property
     def writable(self) -> bool:
@@ -61,8 +63,8 @@ class Access:
 
     def check_write(self, headers: dict, topic: str, subscription: str | None = None):
         if not self.writable:
-            raise AccessDenied("read-only: this dashboard was started without a write token "
-                               "(fdq web --write-token TOKEN)", "read_only")
+            raise AccessDenied(f"read-only: this dashboard was started without a write token "
+                               f"({self.enable_hint})", "read_only")
         cred = self.credential(headers)
         if cred is None:
             raise AccessDenied("this action needs the write token: enter it in the token field",

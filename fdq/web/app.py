@@ -86,6 +86,7 @@ class WebApp:
     ``write_token``: actions need it (None: read-only). ``auth``: a broker's
     ``AuthFile`` (``access.py``). ``base``: the path it is served under ("/", or the
     broker's "/web/"). ``sample_interval_s`` / ``history_s``: the charts' samples.
+    ``enable_hint``: how to start the server so it takes actions (said when it refuses).
     ``start()`` begins sampling, ``close()`` ends it.
 
     Example::
@@ -96,14 +97,15 @@ class WebApp:
     """
 
     def __init__(self, db, *, write_token: str | None = None, auth=None, base: str = "/",
-                 sample_interval_s: float = 1.0, history_s: float = 600.0):
+                 sample_interval_s: float = 1.0, history_s: float = 600.0,
+                 enable_hint: str = "fdq web --write-token TOKEN"):
         if not sample_interval_s > 0:
             raise ConfigError(f"sample interval must be > 0 seconds, not {sample_interval_s!r}")
         if not history_s >= sample_interval_s:
             raise ConfigError(f"history ({history_s!r} s) must be at least one sample interval "
                               f"({sample_interval_s!r} s)")
         self.supervisor = Supervisor(db)
-        self.access = Access(write_token, auth)
+        self.access = Access(write_token, auth, enable_hint=enable_hint)
         self.history = History(self.supervisor, interval_s=sample_interval_s, keep_s=history_s)
         self.base = "/" + base.strip("/") + "/" if base.strip("/") else "/"
         self._static = {p.name: p for p in resources.files(__package__).joinpath("static").iterdir()

@@ -128,7 +128,7 @@ function writeButton(label, attrs, onclick) {
   const writable = state.info && state.info.writable;
   return h("button", Object.assign({}, attrs, {
     onclick, disabled: !writable,
-    title: writable ? null : "read-only: start fdq web with --write-token to act from the page",
+    title: writable ? null : "read-only: the server was started without a write token",
   }), label);
 }
 
