@@ -207,7 +207,7 @@ class Chart {
 function niceCeil(v) {
   if (!(v > 0)) return 1;
   const p = Math.pow(10, Math.floor(Math.log10(v)));
-  for (const m of [1, 2, 2.5, 5, 10]) if (v <= m * p) return m * p;
+  for (const m of [1, 2, 4, 8, 10]) if (v <= m * p) return m * p;     // quarters stay round
   return 10 * p;
 }
 
@@ -515,7 +515,7 @@ async function refreshDlq(route, gen) {
   tbody.replaceChildren(...(data.dead_letters.length ? data.dead_letters.map((d) => h("tr", { dataset: { id: d.id } },
     h("td", {}, h("input", { type: "checkbox", value: d.id, "aria-label": "select " + d.id,
       onchange: (e) => { if (e.target.checked) state.selected.add(d.id); else state.selected.delete(d.id); syncChecks(); } })),
-    h("td", {}, h("code", { title: d.id }, d.id.slice(-10))),
+    h("td", {}, h("code", {}, d.id)),
     h("td", {}, d.reason),
     h("td", { class: "num" }, d.attempts),
     h("td", {}, d.consumer ? h("code", {}, d.consumer) : "–"),
