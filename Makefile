@@ -15,14 +15,24 @@ $(NSQJS)/node_modules/.installed: $(NSQJS)/package.json
 		cd $(NSQJS) && npm install --no-audit --no-fund --loglevel=error && touch node_modules/.installed; \
 	else echo "npm not found: the nsqjs test will skip"; fi
 
-.PHONY: demo test bench
+# Debian's Chromium and its driver for the dashboard's browser tests (tests/web), installed
+# with apt-get where it runs as root (as on CI); elsewhere those tests skip, saying why.
+browser:
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		echo "installing chromium and chromium-driver for the browser tests"; \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver \
+			>/dev/null; } || echo "could not install chromium: the browser tests will skip"; \
+	else echo "no chromium and no apt-get as root to install it: the browser tests will skip"; fi
+
+.PHONY: demo test bench browser
 demo: $(VENV)/.installed
 	$(PY) -m fdq.demo
 
 # Two pytest-xdist workers (the machine's 2 cores): the multi-process tests spend much of
 # their time waiting on timeouts and other processes. Every Spark test runs on one worker
 # (tests/conftest.py), so one JVM starts.
-test: $(VENV)/.installed $(NSQJS)/node_modules/.installed
+test: $(VENV)/.installed $(NSQJS)/node_modules/.installed browser
 	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 bench: $(VENV)/.installed
