@@ -11,7 +11,7 @@ import fdq
 from fdq.broker.auth import AuthFile
 from fdq.web import WebApp
 
-from conftest import TOKEN, Api
+from webhelpers import TOKEN, Api
 from fdqtest import wait_for
 
 FAST = dict(heartbeat_interval_s=0.2, zombie_timeout_s=1.0, poll_interval_s=0.05, lease_check_interval_s=0.05)

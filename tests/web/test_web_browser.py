@@ -19,9 +19,8 @@ import pytest
 
 import fdq
 
-from conftest import TOKEN
 from fdqtest import kill_all, wait_for
-from test_web_servers import start_web
+from webhelpers import TOKEN, start_web
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("browser")]
 

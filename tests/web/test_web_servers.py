@@ -3,55 +3,17 @@ the same app under ``--web-path`` with its ``--auth-file`` rules."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
 import sys
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import pytest
 
 import fdq
 
 from fdqtest import kill_all, readline_within
-
-FDQ = Path(sys.executable).parent / "fdq"
-
-
-def request(url, method="GET", body=None, headers=None):
-    """(status, headers, parsed JSON or raw bytes) of one HTTP request."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            status, hdrs, raw = r.status, r.headers, r.read()
-    except urllib.error.HTTPError as e:
-        status, hdrs, raw = e.code, e.headers, e.read()
-    ctype = hdrs.get("Content-Type", "")
-    return status, hdrs, json.loads(raw) if ctype.startswith("application/json") else raw
-
-
-def _env(url):
-    env = {k: v for k, v in os.environ.items() if k not in ("FDQ_URL", "FDQ_HOME", "FDQ_WEB_WRITE_TOKEN")}
-    env["FDQ_URL"] = url
-    return env
-
-
-def start_web(url, *args):
-    """``fdq web`` on a free port; returns (process, base URL) once it says it serves."""
-    assert FDQ.exists(), f"no console script at {FDQ}: pip install -e . first"
-    proc = subprocess.Popen([str(FDQ), "web", "--http-address", "127.0.0.1:0", *args], env=_env(url),
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
-    proc.stdout = proc.stderr          # readline_within reads .stdout
-    line = readline_within(proc, 60, "fdq web's ready line")
-    m = re.search(r"serving (http://127\.0\.0\.1:\d+/)", line)
-    assert m, f"unexpected first line from fdq web: {line!r}"
-    return proc, m.group(1)
-
+from webhelpers import env_for, request, start_web
 
 @pytest.mark.slow
 def test_fdq_web_serves_the_page_and_api_and_stops_on_sigterm(db_url, db):
@@ -115,7 +77,7 @@ def test_the_broker_serves_the_dashboard_under_its_web_path_with_its_auth_rules(
     auth.write_text(json.dumps(AUTH))
     proc = subprocess.Popen([sys.executable, "-m", "fdq.broker", "--url", db_url, "--tcp-address", "127.0.0.1:0",
                              "--http-address", "127.0.0.1:0", "--auth-file", str(auth), "--web-path", "/web/"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=_env(db_url))
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, env=env_for(db_url))
     try:
         line = readline_within(proc, 60, "the broker's ready line")
         port = int(re.search(r"http=[\d.]+:(\d+)", line).group(1))
