@@ -7,7 +7,7 @@ the broker mounts the same object under a path of its HTTP port (``HTTPServer.mo
 
 The JSON API (what the page polls; numbers as numbers, units in the names)::
 
-    GET  api/info                                   what this server allows
+    GET  api/info                                   what this server allows (no secret needed)
     GET  api/topics                                 one row per topic, with rates
     GET  api/topics/T                               settings, counters, subscriptions,
                                                     consumers, shard assignment, events
@@ -129,7 +129,8 @@ class WebApp:
             if not path.startswith("api/"):
                 return self._static_file(method, path)
             handler, args = self._route(method, path)
-            self.access.check_read(headers)
+            if handler != self._info:         # what the page needs to ask for a secret
+                self.access.check_read(headers)
             return 200, JSON, _dump(handler(query=query, headers=headers, body=body, **args))
         except HTTPError as e:
             return e.status, JSON, _error(e.code, str(e))

@@ -296,6 +296,8 @@ def test_under_an_auth_file_reading_needs_a_secret_and_acting_needs_admin_on_the
     status, out = api.get("api/topics")
     assert (status, out["error"]) == (401, "auth_required")
     assert api.get("api/topics", token="nobody")[0] == 403
+    assert api.get("api/info") == (200, {"writable": True, "access": "auth-file", "base": "/",
+                                         "sample_interval_s": 1.0, "history_s": 600.0})
     assert api.get("api/topics", token="reader")[0] == 200
     assert api.get("api/topics", headers={"x-nsq-auth-secret": "reader"})[0] == 200
     status, out = api.post("api/topics/orders/pause", token="reader")

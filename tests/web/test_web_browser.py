@@ -233,8 +233,10 @@ def test_a_killed_consumer_shows_as_a_zombie_and_its_shards_move_to_the_survivor
     page.shot("consumers")
     os.kill(victim.pid, signal.SIGKILL)
     victim.wait(30)
-    page.wait(lambda: page.consumer_state("worker-a") == "zombie", 30, "worker-a shown as a zombie")
-    assert page.js("return document.querySelectorAll('.shard.zombie').length") == 4
+    # one reading of the page: worker-a a zombie, and its four shards drawn as a zombie's
+    page.wait(lambda: page.js("return [document.querySelector('#consumers-table tr[data-consumer=\"worker-a\"]')"
+                              "?.dataset.state, document.querySelectorAll('.shard.zombie').length]") == ["zombie", 4],
+              30, "worker-a shown as a zombie, with its 4 shards")
     page.shot("consumer-zombie")
     page.wait(lambda: page.owners() == ["worker-b"] * 8 and page.consumer_state("worker-a") is None, 60,
               "every shard owned by worker-b, worker-a gone")

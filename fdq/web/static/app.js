@@ -7,6 +7,8 @@ const state = {
   route: null,
   gen: 0,                 // bumps on every route change: late answers of the old view are dropped
   timer: null,
+  busy: false,            // a refresh is on its way
+  again: false,           // ... and another was asked for meanwhile
   samples: [],            // the open topic's history samples (oldest first)
   windowS: 300,           // the charts' time window
   charts: {},
@@ -253,7 +255,12 @@ function pollMs() {
   return Math.max(500, Math.min(2000, s * 1000));
 }
 
+// One refresh at a time: a refresh asked for while one is on its way (an action, a route
+// change) runs right after it.
 async function poll() {
+  if (state.busy) { state.again = true; return; }
+  state.busy = true;
+  clearTimeout(state.timer);
   const gen = state.gen;
   try {
     await ({ topics: refreshTopics, topic: refreshTopic, dlq: refreshDlq })[state.route.view](state.route, gen);
@@ -268,8 +275,13 @@ async function poll() {
     b.textContent = e.status === 401 || e.status === 403 ? `${e.message}` : `cannot read the dashboard's data: ${e.message} (retrying)`;
     b.hidden = false;
     $("#live").classList.add("stale");
+  } finally {
+    state.busy = false;
   }
-  if (gen === state.gen) state.timer = setTimeout(poll, pollMs());
+  const soon = state.again || gen !== state.gen;
+  state.again = false;
+  clearTimeout(state.timer);
+  state.timer = setTimeout(poll, soon ? 100 : pollMs());
 }
 
 function refreshSoon() {
@@ -556,9 +568,8 @@ async function start() {
       break;
     } catch (e) {
       const b = $("#banner");
-      b.textContent = e.status === 401 || e.status === 403 ? `${e.message}` : `cannot reach the dashboard's API: ${e.message} (retrying)`;
+      b.textContent = `cannot reach the dashboard's API: ${e.message} (retrying)`;
       b.hidden = false;
-      if (e.status === 401 || e.status === 403) { state.info = { writable: true, access: "auth-file", sample_interval_s: 1, history_s: 600 }; break; }
       await new Promise((r) => setTimeout(r, 2000));
     }
   }
