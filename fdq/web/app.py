@@ -57,8 +57,9 @@ ERRORS = (
 )
 
 
-class HTTPError(Exception):
-    """A request the API cannot take (unknown path, wrong method, bad JSON)."""
+class HTTPError(FDQError):
+    """A request the API cannot take (unknown path, wrong method, bad JSON); answered
+    by ``handle``, never raised out of it."""
 
     def __init__(self, status: int, code: str, message: str):
         super().__init__(message)

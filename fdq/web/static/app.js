@@ -57,11 +57,33 @@ function fmtTime(ms) {
   return d.toLocaleTimeString("en-GB", { hour12: false }) + (Date.now() - ms > 86400e3 ? " " + d.toISOString().slice(0, 10) : "");
 }
 
-function colorOf(id) {          // a consumer's colour, the same on every page and poll
+// A consumer's colour: picked by a hash of its id from a palette of distinct ones, the
+// next free one where two consumers of a subscription would share it, and then kept for
+// as long as the page is open (a consumer leaving does not repaint the others).
+const OWNER_COLORS = ["#2f6fde", "#e0662b", "#1f9d55", "#8e44ad", "#d4a20b", "#16a0a0",
+  "#c2185b", "#5d6d7e", "#7cb342", "#6d4c41", "#3949ab", "#00897b"];
+const ownerColors = new Map();
+
+function hashOf(text) {
   let x = 2166136261;
-  for (const ch of String(id)) x = Math.imul(x ^ ch.charCodeAt(0), 16777619);
-  const hue = ((x >>> 0) % 360);
-  return `hsl(${hue} 62% 45%)`;
+  for (const ch of String(text)) x = Math.imul(x ^ ch.charCodeAt(0), 16777619);
+  return x >>> 0;
+}
+
+function assignColors(ids) {
+  const taken = new Set(ids.filter((id) => ownerColors.has(id)).map((id) => ownerColors.get(id)));
+  for (const id of [...ids].sort()) {
+    if (ownerColors.has(id)) continue;
+    let i = hashOf(id) % OWNER_COLORS.length;
+    for (let n = 0; n < OWNER_COLORS.length && taken.has(OWNER_COLORS[i]); n++) i = (i + 1) % OWNER_COLORS.length;
+    ownerColors.set(id, OWNER_COLORS[i]);
+    taken.add(OWNER_COLORS[i]);
+  }
+}
+
+function colorOf(id) {
+  if (!ownerColors.has(id)) assignColors([id]);
+  return ownerColors.get(id);
 }
 
 const enc = encodeURIComponent;
@@ -191,6 +213,7 @@ class Chart {
     }
     for (const s of this.series) {
       g.strokeStyle = s.color; g.lineWidth = 2; g.lineJoin = "round";
+      g.setLineDash(s.dash || []);
       g.beginPath();
       let pen = false;
       for (const [t, v] of s.points) {
@@ -200,6 +223,7 @@ class Chart {
         pen = true;
       }
       g.stroke();
+      g.setLineDash([]);
       const lastP = [...s.points].reverse().find((q) => q[1] !== null && q[0] >= t0);
       if (lastP) { g.fillStyle = s.color; g.beginPath(); g.arc(X(lastP[0]), Y(lastP[1]), 3, 0, 2 * Math.PI); g.fill(); }
     }
@@ -395,7 +419,7 @@ function drawCharts() {
   if (!state.charts.rates) return;
   state.charts.rates.set([
     { name: "inserted/s", color: PALETTE[0], format: fmtRate, points: ss.map((s) => [s.time_ms, s.inserted_per_s]) },
-    { name: "acked/s", color: PALETTE[2], format: fmtRate, points: ss.map((s) => [s.time_ms, s.acked_per_s]) },
+    { name: "acked/s", color: PALETTE[2], format: fmtRate, dash: [6, 4], points: ss.map((s) => [s.time_ms, s.acked_per_s]) },
   ], w);
   state.charts.backlog.set(perSub("backlog"), w);
   state.charts.lag.set(perSub("lag_s"), w);
@@ -456,6 +480,7 @@ function renderTopic(d) {
 }
 
 function renderAssignment(subs) {
+  for (const sub of subs) assignColors([...new Set([...sub.consumers.map((c) => c.id), ...sub.assignment.map((a) => a.owner).filter(Boolean)])]);
   const box = $("#assignment");
   box.replaceChildren(...subs.map((sub) => {
     const states = Object.fromEntries(sub.consumers.map((c) => [c.id, c.state]));
