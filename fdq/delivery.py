@@ -659,8 +659,9 @@ def dlq_redrive_ids(tr, ts: TopicSpace, sub: str, vss: list) -> tuple:
         value = tr[key]
         if value == None:  # noqa: E711
             continue
+        value = bytes(value)
         written += len(value)
-        _redrive_entry(tr, ts, sub, shards, key, bytes(value), queued)
+        _redrive_entry(tr, ts, sub, shards, key, value, queued)
         moved += 1
     return moved, looked
 
