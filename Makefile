@@ -15,7 +15,17 @@ $(NSQJS)/node_modules/.installed: $(NSQJS)/package.json
 		cd $(NSQJS) && npm install --no-audit --no-fund --loglevel=error && touch node_modules/.installed; \
 	else echo "npm not found: the nsqjs test will skip"; fi
 
-.PHONY: demo test test-sqlite test-fdb bench
+# Debian's Chromium and its driver for the dashboard's browser tests (tests/web), installed
+# with apt-get where it runs as root (as on CI); elsewhere those tests skip, saying why.
+browser:
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then :; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		echo "installing chromium and chromium-driver for the browser tests"; \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver \
+			>/dev/null; } || echo "could not install chromium: the browser tests will skip"; \
+	else echo "no chromium and no apt-get as root to install it: the browser tests will skip"; fi
+
+.PHONY: demo test test-sqlite test-fdb bench browser
 demo: $(VENV)/.installed
 	$(PY) -m fdq.demo
 
@@ -25,14 +35,15 @@ demo: $(VENV)/.installed
 # their time waiting on timeouts and other processes. Every Spark test runs on one worker
 # (tests/conftest.py), so one JVM starts.
 PYTEST := $(PY) -m pytest -q -n 2 --dist loadgroup
-test: $(VENV)/.installed $(NSQJS)/node_modules/.installed
+SETUP := $(VENV)/.installed $(NSQJS)/node_modules/.installed browser
+test: $(SETUP)
 	$(PYTEST)
 	FDQ_TEST_ENGINE=fdb $(PYTEST)
 
-test-sqlite: $(VENV)/.installed $(NSQJS)/node_modules/.installed
+test-sqlite: $(SETUP)
 	$(PYTEST)
 
-test-fdb: $(VENV)/.installed $(NSQJS)/node_modules/.installed
+test-fdb: $(SETUP)
 	FDQ_TEST_ENGINE=fdb $(PYTEST)
 
 bench: $(VENV)/.installed

@@ -589,45 +589,102 @@ def dlq_list(tr, ts: TopicSpace, sub: str, limit: int = 100, after: bytes | None
     return out
 
 
+def _redrive_shards(tr, ts: TopicSpace) -> int:
+    """The shard count a redrive routes by: the topic config's as this transaction reads
+    it (not snapshot: a reshard beginning or ending meanwhile conflicts), the new count
+    while a reshard runs, as ``_requeue``: the reshard may have passed the old shard
+    already, or remove it."""
+    from .topic import read_topic_config
+    config = read_topic_config(tr, ts)
+    return config.resharding_to if config.resharding_to is not None else config.shards
+
+
+def _redrive_entry(tr, ts: TopicSpace, sub: str, shards: int, key: bytes, value: bytes, queued: dict):
+    """Move one dead letter (its DLQ ``key`` and stored ``value``) back to its shard's
+    ready queue, attempts reset; one queued there already (``in_shard``: a reset rewound
+    the subscription over it) is only removed from the DLQ, as that copy delivers it."""
+    from .headers import dispatch_tag
+    from .keyspace.codec import shard_of
+    vs = ts.dlq(sub).unpack(key)[0]
+    raw, _reason, _cid = decode_dead(value)
+    rec = Record.decode(raw)
+    rec.attempts = 0
+    n = shard_of(rec.shard_key, shards) if rec.shard_key is not None else \
+        int.from_bytes(vs.to_bytes()[-4:], "big") % shards
+    shard = ts.shard(sub, dispatch_tag(rec.headers), n)
+    del tr[key]
+    if in_shard(tr, shard, vs, queued):
+        _add(tr, {ts.sub_stat(sub, "dead"): -1})     # counted routed once already
+        return
+    tr[shard.ready_key(vs)] = rec.encode()
+    _add(tr, {shard.stat("routed"): 1, ts.sub_stat(sub, "dead"): -1})
+
+
 @transactional
 def dlq_redrive_chunk(tr, ts: TopicSpace, sub: str, config, limit: int) -> tuple:
     """Move up to ``limit`` dead letters (or ``CHUNK_WRITE_BYTES`` of them) back to their
-    shard's ready queue (attempts reset); one queued there already (``in_shard``) is
-    only removed from the DLQ. Resumable: each chunk removes what it moved.
-    Returns ``(moved, done)``. The shard count is the topic config's as this
-    transaction reads it (not snapshot: a reshard beginning or ending meanwhile
-    conflicts), the new count while a reshard runs, as ``_requeue``: the reshard may have
-    passed the old shard already, or remove it. ``config`` is unused (kept for callers)."""
-    from .keyspace.codec import CHUNK_WRITE_BYTES, shard_of
-    from .topic import read_topic_config
-    config = read_topic_config(tr, ts)
-    shards = config.resharding_to if config.resharding_to is not None else config.shards
-    space = ts.dlq(sub)
-    r = space.range()
+    shard's ready queue (``_redrive_entry``). Resumable: each chunk removes what it moved.
+    Returns ``(moved, done)``. ``config`` is unused (kept for callers): the shard count
+    is read in this transaction (``_redrive_shards``)."""
+    from .keyspace.codec import CHUNK_WRITE_BYTES
+    shards = _redrive_shards(tr, ts)
+    r = ts.dlq(sub).range()
     moved = written = 0
     queued = {}
     for kv in tr.get_range(r.start, r.stop, limit=limit):
         if written >= CHUNK_WRITE_BYTES:
             return moved, False
         written += len(kv.value)
-        vs = space.unpack(kv.key)[0]
-        raw, _reason, _cid = decode_dead(kv.value)
-        rec = Record.decode(raw)
-        rec.attempts = 0
-        n = shard_of(rec.shard_key, shards) if rec.shard_key is not None else \
-            int.from_bytes(vs.to_bytes()[-4:], "big") % shards
-        from .headers import dispatch_tag
-        shard = ts.shard(sub, dispatch_tag(rec.headers), n)
-        del tr[kv.key]
+        _redrive_entry(tr, ts, sub, shards, kv.key, kv.value, queued)
         moved += 1
-        if in_shard(tr, shard, vs, queued):
-            # queued again already (a reset rewound the subscription over it): that
-            # copy delivers it; this one would count it routed twice
-            _add(tr, {ts.sub_stat(sub, "dead"): -1})
-            continue
-        tr[shard.ready_key(vs)] = rec.encode()
-        _add(tr, {shard.stat("routed"): 1, ts.sub_stat(sub, "dead"): -1})
     return moved, moved < limit
+
+
+@transactional
+def dlq_redrive_ids(tr, ts: TopicSpace, sub: str, vss: list) -> tuple:
+    """Move the dead letters of ``vss`` (versionstamps) back to their shards' ready
+    queues (``_redrive_entry``), skipping those not in the DLQ (redriven or purged
+    meanwhile: the read conflicts with a concurrent one), until ``CHUNK_WRITE_BYTES``
+    of them. Returns ``(moved, looked_at)``: the caller goes on with ``vss[looked_at:]``."""
+    from .keyspace.codec import CHUNK_WRITE_BYTES
+    shards = _redrive_shards(tr, ts)
+    space = ts.dlq(sub)
+    moved = written = looked = 0
+    queued = {}
+    for vs in vss:
+        if written >= CHUNK_WRITE_BYTES:
+            break
+        looked += 1
+        key = space.pack((vs,))
+        value = tr[key]
+        if value == None:  # noqa: E711
+            continue
+        value = bytes(value)
+        written += len(value)
+        _redrive_entry(tr, ts, sub, shards, key, value, queued)
+        moved += 1
+    return moved, looked
+
+
+@transactional
+def dlq_purge_ids(tr, ts: TopicSpace, sub: str, vss: list) -> int:
+    """Delete the dead letters of ``vss`` (versionstamps), with the body chunks a large
+    one keeps (``_dead_letter``), skipping those not in the DLQ. Returns how many."""
+    space = ts.dlq(sub)
+    n = 0
+    for vs in vss:
+        key = space.pack((vs,))
+        value = tr[key]
+        if value == None:  # noqa: E711
+            continue
+        if has_chunks(decode_dead(bytes(value))[0]):
+            c = ts.subs[sub]["chunks"][vs].range()
+            tr.clear_range(c.start, c.stop)
+        del tr[key]
+        n += 1
+    if n:
+        tr.add(ts.sub_stat(sub, "dead"), counter(-n))
+    return n
 
 
 @transactional
@@ -656,5 +713,5 @@ def dlq_size(reader, ts: TopicSpace, sub: str) -> int:
 
 __all__ = ["Taken", "Selection", "take_batch", "mark_take", "take_committed", "batch_leased", "lease_batch", "settle",
            "scan_leases", "scan_shards_leases", "expire_leases", "read_leases",
-           "promote_due", "fail_in_place", "dead_letter_taken", "mark_take", "take_committed", "dlq_list", "dlq_redrive_chunk", "dlq_purge_chunk",
+           "promote_due", "fail_in_place", "dead_letter_taken", "mark_take", "take_committed", "dlq_list", "dlq_redrive_chunk", "dlq_redrive_ids", "dlq_purge_chunk", "dlq_purge_ids",
            "dlq_size", "fdbtuple"]

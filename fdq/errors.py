@@ -141,3 +141,16 @@ def is_retryable(err) -> bool:
 def is_maybe_committed(err) -> bool:
     """As ``fdb.predicates.is_maybe_committed``."""
     return getattr(err, "code", None) in MAYBE_COMMITTED
+
+
+class AccessDenied(FDQError):
+    """A request lacks the token or permission its action needs (``fdq web``). ``code``:
+    ``auth_required`` (none given), ``auth_failed`` (not known), ``read_only`` (the
+    server takes no writes), ``forbidden`` (known, without this permission)."""
+
+    def __init__(self, message: str, code: str = "forbidden"):
+        super().__init__(message)
+        self.code = code
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.code))

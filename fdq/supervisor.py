@@ -16,7 +16,8 @@ from .config import UPDATABLE_TOPIC_FIELDS, ConsumerConfig, TopicConfig, check_n
 from .engine import after_interrupt, error_types, transactional
 from .errors import ConfigError, TopicExists, TopicHeld, TopicNotFound
 from .headers import dispatch_tag
-from .keyspace import Keyspace, TopicSpace, Versionstamp, counter, decode_counter, message_id, vs_from_bytes
+from .keyspace import (Keyspace, TopicSpace, Versionstamp, counter, decode_counter, message_id, parse_message_id,
+                       vs_from_bytes)
 from .keyspace.codec import CHUNK_BYTES, CHUNK_WRITE_BYTES, LeaseRecord, Record, decode_leases, pack, reshard_shard, shard_of, unpack
 from .log import buckets_in, chunks_bytes, entry_bytes, iter_window, log_buckets, read_chunk
 from .stats import SHARD_COUNTERS, shard_counters
@@ -841,6 +842,46 @@ class Supervisor:
             total += n
             if n < CHUNK:
                 return total
+
+    def dlq_redrive_ids(self, name: str, subscription: str, ids) -> int:
+        """Move the dead letters of ``ids`` (``dlq_list``'s ``id``) back to their shards'
+        ready queues, attempts reset, as ``dlq_redrive`` moves all of them; an id no
+        longer in the DLQ (redriven or purged meanwhile) is skipped. In chunks of at most
+        ``CHUNK`` ids (and ``CHUNK_WRITE_BYTES``). Returns the dead letters moved; an id
+        that is not a message id is a ``ConfigError``, nothing moved."""
+        ts, vss = self._dlq_ids(name, subscription, ids)
+        total = 0
+        while vss:
+            moved, looked = delivery.dlq_redrive_ids(self.db, ts, subscription, vss[:CHUNK])
+            total += moved
+            vss = vss[looked:]
+        return total
+
+    def dlq_purge_ids(self, name: str, subscription: str, ids) -> int:
+        """Delete the dead letters of ``ids`` (``dlq_list``'s ``id``), skipping those no
+        longer in the DLQ, ``CHUNK`` per transaction. Returns how many were deleted; an
+        id that is not a message id is a ``ConfigError``, nothing deleted."""
+        ts, vss = self._dlq_ids(name, subscription, ids)
+        total = 0
+        for i in range(0, len(vss), CHUNK):
+            total += delivery.dlq_purge_ids(self.db, ts, subscription, vss[i:i + CHUNK])
+        return total
+
+    def _dlq_ids(self, name: str, subscription: str, ids) -> tuple:
+        if isinstance(ids, (str, bytes)):
+            raise ConfigError(f"ids must be a list of message ids, not one {type(ids).__name__}")
+        vss, seen = [], set()
+        for mid in ids:
+            try:
+                vs = parse_message_id(mid)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            if vs.to_bytes() not in seen:        # each once, in the order given
+                seen.add(vs.to_bytes())
+                vss.append(vs)
+        ts = self._ts(name)
+        self.subscription(name, subscription)      # TopicNotFound, SubscriptionNotFound
+        return ts, vss
 
     def consumers(self, name: str) -> list:
         st = self.stats(name)

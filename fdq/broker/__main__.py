@@ -56,9 +56,18 @@ def build_options(args) -> BrokerOptions:
     percentiles = tuple(parse_percentiles(args.e2e_processing_latency_percentile or []))
     if args.e2e_processing_latency_window_time <= 0:
         raise ConfigError("--e2e-processing-latency-window-time must be > 0")
+    web_path = getattr(args, "web_path", None) or None
+    if web_path is not None and (not web_path.startswith("/") or web_path.strip("/") == ""
+                                 or web_path.strip("/").split("/")[0] in _NSQD_PATHS):
+        raise ConfigError(f"--web-path must be a path of its own such as /web/, not {web_path!r} "
+                          f"(nsqd's endpoints are {', '.join('/' + x for x in _NSQD_PATHS)})")
     return BrokerOptions(limits=limits, tls_cert=args.tls_cert, tls_key=args.tls_key,
                          tls_required=args.tls_required, auth_file=args.auth_file,
-                         e2e_percentiles=percentiles, e2e_window_s=args.e2e_processing_latency_window_time)
+                         e2e_percentiles=percentiles, e2e_window_s=args.e2e_processing_latency_window_time,
+                         web_path=web_path, web_write_token=getattr(args, "web_write_token", None) or None)
+
+
+_NSQD_PATHS = ("ping", "info", "stats", "metrics", "pub", "mpub", "pub_ext", "topic", "channel")
 
 
 def parse_percentiles(values) -> list:
@@ -117,6 +126,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tls-key")
     ap.add_argument("--tls-required", action="store_true")
     ap.add_argument("--auth-file", help="secrets -> permissions (see fdq/broker/auth.py)")
+    ap.add_argument("--web-path", default=None,
+                    help="serve the web dashboard (fdq web) under this path of the HTTP port, e.g. /web/")
+    ap.add_argument("--web-write-token", default=None,
+                    help="actions from the dashboard need this token (or an --auth-file secret with admin)")
     ap.add_argument("--log-level", default="WARNING")
     return ap
 

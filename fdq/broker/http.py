@@ -78,6 +78,7 @@ class HTTPServer:
             "/channel/empty": self.channel_empty, "/channel/pause": self.channel_pause,
             "/channel/unpause": self.channel_unpause,
         }
+        self._mounts = {}       # path prefix -> app (mount)
 
     async def start(self, host="127.0.0.1", port=4151) -> int:
         self.server = await asyncio.start_server(self._serve, host, port)
@@ -87,6 +88,14 @@ class HTTPServer:
     async def close(self):
         if self.server is not None:
             self.server.close()
+
+    def mount(self, prefix: str, app):
+        """Serve ``app`` under ``prefix`` (e.g. the web dashboard at ``/web/``): a request
+        for the prefix or below goes to ``app.handle(method, path, query, headers, body)``,
+        ``path`` relative to the prefix, run in the broker's executor (it may block), and
+        its ``(status, content_type, body)`` is the answer. The app applies the broker's
+        AUTH itself (``fdq.web.access``): give it ``broker.auth``."""
+        self._mounts["/" + prefix.strip("/")] = app
 
     # -- HTTP/1.1 framing --------------------------------------------------------------
 
@@ -190,6 +199,10 @@ class HTTPServer:
                 return None
 
     async def _dispatch(self, req: Request):
+        for prefix, app in self._mounts.items():
+            if req.path == prefix or req.path.startswith(prefix + "/"):
+                return await self.run(app.handle, req.method, req.path[len(prefix):], req.query, req.headers,
+                                      req.body)
         handler = self._routes.get(req.path)
         try:
             if handler is None:

@@ -79,6 +79,8 @@ class BrokerOptions:
     e2e_percentiles: tuple = ()      # --e2e-processing-latency-percentile (quantiles in (0, 1])
     e2e_window_s: float = 600.0      # --e2e-processing-latency-window-time
     broadcast_address: str = "127.0.0.1"
+    web_path: str | None = None      # --web-path: serve the web dashboard (fdq.web) there
+    web_write_token: str | None = None   # --web-write-token: actions from the dashboard with it
 
 
 class ChannelStats:
@@ -1020,6 +1022,13 @@ async def serve(url: str, tcp_address: str = "127.0.0.1:4150", http_address: str
         hhost, hport = split_address(http_address)
         http_server = HTTPServer(broker)
         http_port = await http_server.start(hhost, hport)
+    web = None
+    if http_server is not None and broker.options.web_path:
+        from ..web import WebApp
+        web = WebApp(db, write_token=broker.options.web_write_token, auth=broker.auth,
+                     base=broker.options.web_path,
+                     enable_hint="fdq broker --web-write-token TOKEN, or --auth-file with admin secrets").start()
+        http_server.mount(broker.options.web_path, web)
     stop = asyncio.Event()
     stopped_by = []
     loop = asyncio.get_running_loop()
@@ -1035,6 +1044,8 @@ async def serve(url: str, tcp_address: str = "127.0.0.1:4150", http_address: str
     await stop.wait()
     if http_server is not None:
         await http_server.close()
+    if web is not None:
+        web.close()
     await broker.close()
     return stopped_by[0] if stopped_by else None
 

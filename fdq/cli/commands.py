@@ -1278,6 +1278,11 @@ def _duration_default(name):
 @click.option("--tls-required", is_flag=True, help="Clients must upgrade to TLS.")
 @click.option("--auth-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Secrets and their permissions (JSON; see fdq/broker/auth.py).")
+@click.option("--web-path", default=None,
+              help="Serve the web dashboard (fdq web) under this path of the HTTP address, e.g. /web/.")
+@click.option("--web-write-token", envvar="FDQ_WEB_WRITE_TOKEN", default=None,
+              help="Dashboard actions need this token (or an --auth-file secret with admin) "
+                   "[env FDQ_WEB_WRITE_TOKEN].")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
               default=_BROKER["log_level"], help="Log level (stderr).")
 @pass_state
@@ -1304,7 +1309,9 @@ def broker(state, **flags):
 
     def ready(tcp_port, http_port):
         http = f"http={http_host}:{http_port}" if http_port is not None else "http=off"
-        render.note(f"fdq broker: listening tcp={tcp_host}:{tcp_port} {http}")
+        web = f" web=http://{http_host}:{http_port}/{flags['web_path'].strip('/')}/" \
+            if flags["web_path"] and http_port is not None else ""
+        render.note(f"fdq broker: listening tcp={tcp_host}:{tcp_port} {http}{web}")
 
     from ..broker.server import run
     state.interrupted = lambda: "broker stopped"
