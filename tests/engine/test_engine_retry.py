@@ -1,5 +1,6 @@
 """Conformance: the retry loop — ``fdq.transactional`` with a database and with a
-transaction, ``on_error`` backoff, non-retryable errors (shared/fdb-semantics.md §2, §7)."""
+transaction, ``on_error`` backoff, non-retryable errors (shared/fdb-semantics.md §2, §7), and
+``fdq.engine.transact``, the loop under them (attempts that may have committed, on_error)."""
 from __future__ import annotations
 
 import subprocess
@@ -10,7 +11,7 @@ import time
 import pytest
 
 import fdq
-from fdq.engine import error_types, run_within
+from fdq.engine import Again, Done, error_types, retry, run_within, transact
 from enginehelpers import code_of
 from fdqtest import readline_within, wait_for
 
@@ -209,3 +210,185 @@ def test_error_types_are_fdq_errors(eng):
     assert all(issubclass(t, Exception) for t in error_types())
     e = fdq.EngineError(1020)
     assert e.code == 1020 and e.name == "not_committed" and "1020" in str(e)
+
+
+# -- transact: the one retry loop (fdq.engine.retry) ----------------------------------
+
+
+def test_transact_tells_the_next_attempt_that_one_may_have_committed(eng):
+    """An attempt that raised commit_unknown_result (1021) may have committed: the body's
+    next attempt is told (say, to look for its marker before writing again)."""
+    seen = []
+
+    def body(tr, attempt):
+        seen.append((attempt.number, attempt.maybe_committed, attempt.in_flight))
+        tr[eng.k(b"a")] = b"%d" % attempt.number
+        if attempt.number == 1:
+            raise eng.Error(1021)
+        if attempt.number == 2:
+            raise eng.Error(1020)   # surely not committed: what an earlier one did still stands
+        return "done"
+
+    assert transact(eng.db, body) == "done"
+    assert seen == [(1, False, False), (2, True, False), (3, True, False)]
+    assert eng.items() == [(eng.k(b"a"), b"3")]
+
+
+class _Ready:
+    """A future that is ready: ``wait()`` returns None or raises ``error``."""
+
+    def __init__(self, error=None):
+        self.error = error
+
+    def wait(self):
+        if self.error is not None:
+            raise self.error
+
+
+def test_transact_reports_a_commit_that_timed_out_as_maybe_in_flight():
+    """A commit that times out (1031) may have committed and may still apply: on_error
+    sees it as maybe committed and in flight, and the error the engine gave up on."""
+    class Tr:
+        def __init__(self):
+            self.commits = 0
+
+        def commit(self):
+            self.commits += 1
+            return _Ready(fdq.EngineError(1031))
+
+        def on_error(self, code):
+            return _Ready(fdq.EngineError(code))    # 1031 is not retryable
+
+    class Db:
+        def create_transaction(self):
+            return Tr()
+
+    errors = []
+
+    def on_error(e, attempt):
+        errors.append((e.code, attempt.number, attempt.maybe_committed, attempt.in_flight, attempt.gave_up.code))
+    with pytest.raises(fdq.EngineError) as info:
+        transact(Db(), lambda tr, attempt: None, on_error=on_error)
+    assert info.value.code == 1031 and errors == [(1031, 1, True, True, 1031)]
+
+
+def test_transact_on_error_done_stops_and_returns_its_value(eng):
+    """on_error's Done(value): the call returns value, no more attempts (a caller's probe
+    found that an attempt which may have committed did)."""
+    calls = []
+
+    def body(tr, attempt):
+        calls.append(attempt.number)
+        tr[eng.k(b"a")] = b"1"
+        raise eng.Error(1021)
+
+    def on_error(e, attempt):
+        assert e.code == 1021 and attempt.maybe_committed and attempt.gave_up is None
+        assert attempt.result is None       # the body raised: no result
+        return Done("probed")
+
+    assert transact(eng.db, body, on_error=on_error) == "probed"
+    assert calls == [1] and eng.items() == []
+
+
+def test_transact_on_error_again_retries_what_would_be_raised(eng):
+    """on_error's Again(): reset and run again, also after an error the engine gives up
+    on (2101: the caller halves its batch) and after an exception that is not an engine
+    error (a hold that lapses); None raises them as usual."""
+    class Held(Exception):
+        pass
+
+    seen = []
+
+    def body(tr, attempt):
+        seen.append(attempt.number)
+        tr[eng.k(b"a")] = b"%d" % attempt.number
+        if attempt.number == 1:
+            raise eng.Error(2101)
+        if attempt.number == 2:
+            raise Held()
+        return attempt.number
+
+    answers = []
+
+    def on_error(e, attempt):
+        answers.append((type(e).__name__, getattr(attempt.gave_up, "code", None)))
+        return Again()
+
+    assert transact(eng.db, body, on_error=on_error) == 3
+    assert seen == [1, 2, 3] and eng.items() == [(eng.k(b"a"), b"3")]
+    assert answers == [(eng.Error.__name__, 2101), ("Held", None)]
+    # None: the final engine error leaves as an EngineError (on FDB too), others as they are
+    with pytest.raises(fdq.EngineError) as info:
+        transact(eng.db, lambda tr, a: (_ for _ in ()).throw(eng.Error(2101)), on_error=lambda e, a: None)
+    assert info.value.code == 2101
+    with pytest.raises(Held):
+        transact(eng.db, lambda tr, a: (_ for _ in ()).throw(Held()), on_error=lambda e, a: None)
+    with pytest.raises(TypeError):
+        transact(eng.db, lambda tr, a: (_ for _ in ()).throw(Held()), on_error=lambda e, a: "again")
+
+
+def test_transact_timeout_spans_attempts_and_agains(eng):
+    """timeout_ms bounds the whole call: retries keep the transaction's timeout, and an
+    Again (whose reset clears it) keeps what is left of it."""
+    calls = []
+
+    def body(tr, attempt):
+        calls.append(attempt.number)
+        tr[eng.k(b"a")].wait()
+        raise RuntimeError("held")
+
+    def on_error(e, attempt):
+        if attempt.gave_up is not None:
+            return None
+        time.sleep(0.05)
+        return Again()
+
+    t0 = time.monotonic()
+    with pytest.raises(fdq.EngineError) as info:
+        transact(eng.db, body, on_error=on_error, timeout_ms=400)
+    assert info.value.code == 1031 and 0.35 < time.monotonic() - t0 < 5 and len(calls) >= 3
+
+
+def test_transact_an_interrupt_leaves_through_after_interrupt(eng, monkeypatch):
+    """An interrupt in an attempt (KeyboardInterrupt, a signal handler's exception) gives
+    the thread a fresh wait semaphore on FDB's binding before it leaves (after_interrupt)."""
+    calls = []
+    monkeypatch.setattr(retry, "after_interrupt", lambda: calls.append(1))
+
+    def body(tr, attempt):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        transact(eng.db, body)
+    assert calls == [1]
+    with pytest.raises(KeyError):
+        transact(eng.db, lambda tr, a: {}["x"])
+    assert calls == [1]
+
+
+def test_transact_refuses_a_generator_and_transactional_runs_on_it(eng, monkeypatch):
+    """transact refuses a lazy result, as transactional; transactional's retries go
+    through transact's retry_or_raise (where tests count retries)."""
+    with pytest.raises(ValueError):
+        transact(eng.db, lambda tr, a: (kv for kv in tr.get_range(eng.p, eng.end())))
+    codes = []
+    real = retry.retry_or_raise
+
+    def counted(tr, e):
+        codes.append(e.code)
+        return real(tr, e)
+
+    attempts = []
+
+    @fdq.transactional
+    def once_conflicting(tr, key):
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise eng.Error(1020)
+        tr[key] = b"1"
+
+    monkeypatch.setattr(retry, "retry_or_raise", counted)
+    once_conflicting(eng.db, eng.k(b"a"))
+    assert run_within(eng.db, 5000, lambda tr: tr[eng.k(b"a")].value) == b"1"
+    assert codes == [1020] and len(attempts) == 2

@@ -118,8 +118,8 @@ def test_an_unreachable_cluster_gives_a_connect_error_naming_the_cluster_file(tm
     cluster = tmp_path / "down.cluster"
     cluster.write_text("down:down@10.255.255.1:4500\n")   # no stand-in line: nothing answers
     out = run(f"""
-        import time, fdq, fdq.engine
-        fdq.engine.CONNECT_TIMEOUT_S = 1.0
+        import time, fdq, fdq.engine.connection
+        fdq.engine.connection.CONNECT_TIMEOUT_S = 1.0
         t0 = time.monotonic()
         try:
             fdq.connect("fdb://{cluster}")
@@ -173,7 +173,8 @@ def test_fdb_urls_take_no_options(tmp_path):
 
 def test_an_engine_error_reads_as_text():
     import fdb
-    err = fdq.engine._translate(fdb.FDBError(1020))    # noqa: SLF001 - where FDB errors leave FDQ
+    from fdq.engine import retry
+    err = retry._translate(fdb.FDBError(1020))    # noqa: SLF001 - where FDB errors leave FDQ
     assert isinstance(err, fdq.EngineError) and err.code == 1020
     assert "b'" not in str(err) and "conflict" in str(err)
 
