@@ -333,12 +333,12 @@ def test_play_finishes_under_a_steady_push_stream(procs, db, monkeypatch):
     prods = [procs.start("producer", f"p{i}", "--count", 4000, "--batch", 1, "--keys", 5) for i in range(3)]
     wait_for(lambda: sup.stats("t")["counters"]["inserted"] >= 600, 60, what="pushes under way")
     retries = collections.Counter()     # this process's retries: the play's (producers are processes)
-    real = fdq.engine.retry_or_raise
+    real = fdq.engine.retry.retry_or_raise     # where transact (under transactional) retries
 
     def counted(tr, e):
         retries[getattr(e, "code", None)] += 1
         return real(tr, e)
-    monkeypatch.setattr(fdq.engine, "retry_or_raise", counted)
+    monkeypatch.setattr(fdq.engine.retry, "retry_or_raise", counted)
     done = []
     player = threading.Thread(target=lambda: done.append(sup.play("t")), daemon=True)
     player.start()

@@ -46,9 +46,9 @@ class Counters:
 
     def install(self):
         import fdq.consumer
-        import fdq.engine
+        import fdq.engine.retry
         import fdq.producer
-        for mod in (fdq.engine, fdq.consumer, fdq.producer):
+        for mod in (fdq.engine.retry, fdq.consumer, fdq.producer):
             mod.retry_or_raise = self.wrap(mod.retry_or_raise)
 
     def snapshot(self):
