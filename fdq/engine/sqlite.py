@@ -41,6 +41,8 @@ import msgpack
 
 from ..errors import EngineError, is_retryable
 from .futures import Future, Key, Value, VersionstampFuture
+from .types import (DEFAULT_MAX_WATCHES, KEY_SIZE_LIMIT, SYSTEM_KEY_SIZE_LIMIT, TRANSACTION_SIZE_LIMIT,
+                    VALUE_SIZE_LIMIT, KeySelector, KeyValue, StreamingMode, key_bytes, strinc, value_bytes)
 
 # The engine's own clock: captured at import, so a process that skews ``time.time`` or
 # patches ``time.monotonic`` (clock-skew tests) does not move database versions.
@@ -53,11 +55,6 @@ MVCC_WINDOW_VERSIONS = 5_000_000
 MVCC_WINDOW_S = 5.0
 RECOVERY_JUMP_VERSIONS = 100_000_000
 
-KEY_SIZE_LIMIT = 10_000
-SYSTEM_KEY_SIZE_LIMIT = 30_000
-VALUE_SIZE_LIMIT = 100_000
-TRANSACTION_SIZE_LIMIT = 10_000_000
-DEFAULT_MAX_WATCHES = 10_000
 ENTRY_OVERHEAD_BYTES = 24  # FDB adds a few dozen bytes of struct overhead per entry
 
 WATCH_POLL_S = 0.001  # cross-process watch latency without commit signals: about this, plus scheduling
@@ -99,102 +96,6 @@ def _close_inherited_locks():
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_close_inherited_locks)
-
-
-def _key(k) -> bytes:
-    """A key as FDB's keyToBytes takes it: as_foundationdb_key() if it has one, then
-    bytes or TypeError (bytearray and memoryview too)."""
-    if type(k) is bytes:
-        return k
-    f = getattr(k, "as_foundationdb_key", None)
-    if f is not None:
-        k = f()
-    if not isinstance(k, bytes):
-        raise TypeError(f"Key must be of type bytes, not {type(k).__name__}")
-    return bytes(k)
-
-
-def _value(v) -> bytes:
-    """A value as FDB's valueToBytes takes it (see ``_key``)."""
-    if type(v) is bytes:
-        return v
-    f = getattr(v, "as_foundationdb_value", None)
-    if f is not None:
-        v = f()
-    if not isinstance(v, bytes):
-        raise TypeError(f"Value must be of type bytes, not {type(v).__name__}")
-    return bytes(v)
-
-
-def strinc(key: bytes) -> bytes:
-    """The first key after every key starting with ``key`` (FDB's strinc)."""
-    key = key.rstrip(b"\xff")
-    if not key:
-        raise ValueError("Key must contain at least one byte not equal to 0xFF")
-    return key[:-1] + bytes([key[-1] + 1])
-
-
-class KeySelector:
-    """As ``fdb.KeySelector``: the last key < key (<= if or_equal), then offset keys on."""
-
-    __slots__ = ("key", "or_equal", "offset")
-
-    def __init__(self, key, or_equal, offset):
-        self.key = key
-        self.or_equal = or_equal
-        self.offset = offset
-
-    def __add__(self, offset):
-        return KeySelector(self.key, self.or_equal, self.offset + offset)
-
-    def __sub__(self, offset):
-        return KeySelector(self.key, self.or_equal, self.offset - offset)
-
-    @classmethod
-    def last_less_than(cls, key):
-        return cls(key, False, 0)
-
-    @classmethod
-    def last_less_or_equal(cls, key):
-        return cls(key, True, 0)
-
-    @classmethod
-    def first_greater_than(cls, key):
-        return cls(key, True, 1)
-
-    @classmethod
-    def first_greater_or_equal(cls, key):
-        return cls(key, False, 1)
-
-    def __repr__(self):
-        return f"KeySelector({self.key!r}, {self.or_equal!r}, {self.offset!r})"
-
-
-class KeyValue:
-    """As ``fdb.KeyValue``: ``.key``, ``.value`` (plain bytes), ``k, v = kv``."""
-
-    __slots__ = ("key", "value")
-
-    def __init__(self, key, value):
-        self.key = key
-        self.value = value
-
-    def __iter__(self):
-        yield self.key
-        yield self.value
-
-    def __repr__(self):
-        return f"{self.key!r}: {self.value!r}"
-
-
-class StreamingMode:
-    want_all = -2
-    iterator = -1
-    exact = 0
-    small = 1
-    medium = 2
-    large = 3
-    serial = 4
 
 
 # ---------------------------------------------------------------------------------
@@ -1466,7 +1367,7 @@ class _ReadView:
     def get(self, key) -> Value:
         tr = self._tr
         try:
-            key = _key(key)
+            key = key_bytes(key)
             tr._check_read(key, self._snap)
             v = tr._get(key, self._snap)
         except EngineError as e:
@@ -1479,7 +1380,7 @@ class _ReadView:
             if not isinstance(selector, KeySelector) and not hasattr(selector, "or_equal"):
                 raise TypeError("get_key takes a KeySelector")
             tr._check_use()
-            if _key(selector.key) > tr._max_key():
+            if key_bytes(selector.key) > tr._max_key():
                 raise EngineError(2004)     # as FDB's getKey; resolving off the end is clamped
             return Key(tr._resolve(selector, self._snap))
         except EngineError as e:
@@ -1499,7 +1400,7 @@ class _ReadView:
         return _Range(tr, b, e, limit, bool(reverse), self._snap, streaming_mode)
 
     def get_range_startswith(self, prefix, *args, **kwargs):
-        prefix = _key(prefix)
+        prefix = key_bytes(prefix)
         return self.get_range(prefix, strinc(prefix), *args, **kwargs)
 
     def get_read_version(self) -> Future:
@@ -1519,7 +1420,7 @@ class _ReadView:
     def get_estimated_range_size_bytes(self, begin, end) -> Future:
         tr = self._tr
         conn = tr._conn_for_metadata()
-        b, e = _key(begin), _key(end)
+        b, e = key_bytes(begin), key_bytes(end)
         row = conn.execute("SELECT count(*), coalesce(sum(length(key) + length(value)), 0) "
                            "FROM kv WHERE key >= ? AND key < ?", (b, e)).fetchone()
         return Future.ready(int(row[1]))
@@ -1531,7 +1432,7 @@ class _ReadView:
         if chunk_size <= 0:
             raise Exception("chunk_size must be positive")
         tr = self._tr
-        b, e = _key(begin), _key(end)
+        b, e = key_bytes(begin), key_bytes(end)
         conn = tr._conn_for_metadata()
         if b > tr._max_key() or e > tr._max_key():
             return Future.ready(None, EngineError(2004))     # as FDB's getRangeSplitPoints
@@ -1772,10 +1673,10 @@ class Transaction(_ReadView):
         if k is None:
             return default
         if isinstance(k, KeySelector) or hasattr(k, "or_equal"):
-            if _key(k.key) > self._max_key():
+            if key_bytes(k.key) > self._max_key():
                 raise EngineError(2004)
             return self._resolve(k, snap)
-        k = _key(k)
+        k = key_bytes(k)
         if k > self._max_key():
             raise EngineError(2004)
         return k
@@ -2019,7 +1920,7 @@ class Transaction(_ReadView):
 
     def _resolve(self, sel, snap) -> bytes:
         """Resolve a key selector (FDB's rule), adding the span it read as a conflict."""
-        key = _key(sel.key)
+        key = key_bytes(sel.key)
         offset = sel.offset
         top = self._max_key()
         ryw = self._ryw(snap)
@@ -2085,7 +1986,7 @@ class Transaction(_ReadView):
             self._mutations += 1
             return
         self._check_writable()
-        key, value = _key(key), _value(value)
+        key, value = key_bytes(key), value_bytes(value)
         if self._check_write_key(key) & self._check_value(value):
             self._put(key, (_SET, value))
             self._note_write(key)
@@ -2110,7 +2011,7 @@ class Transaction(_ReadView):
             self._mutations += 1
             return
         self._check_writable()
-        key = _key(key)
+        key = key_bytes(key)
         if len(key) > KEY_SIZE_LIMIT and not key.startswith(b"\xff"):
             self._next_write_no_conflict = False   # still takes the option, as FDB
             return  # clearing an oversized key is a no-op, as FDB
@@ -2127,8 +2028,8 @@ class Transaction(_ReadView):
 
     def clear_range(self, begin, end):
         self._check_writable()
-        b = b"" if begin is None else _key(begin)
-        e = self._max_write_key() if end is None else _key(end)
+        b = b"" if begin is None else key_bytes(begin)
+        e = self._max_write_key() if end is None else key_bytes(end)
         if b > e:
             self._defer(2005, "clear_range: begin key is larger than end key")
             return
@@ -2155,7 +2056,7 @@ class Transaction(_ReadView):
                     self._touch_watches(wk)
 
     def clear_range_startswith(self, prefix):
-        prefix = _key(prefix)
+        prefix = key_bytes(prefix)
         self.clear_range(prefix, strinc(prefix))
 
     def __delitem__(self, key):
@@ -2166,7 +2067,7 @@ class Transaction(_ReadView):
 
     def _atomic(self, name, key, param):
         self._check_writable()
-        key, param = _key(key), _value(param)
+        key, param = key_bytes(key), value_bytes(param)
         if not (self._check_write_key(key) & self._check_value(param)):
             return
         entry = self._writes.get(key)
@@ -2266,7 +2167,7 @@ class Transaction(_ReadView):
         # As FDB: the option is taken by this write (it has no client-side conflict
         # range to drop), not left for the next one.
         self._next_write_no_conflict = False
-        key, value = _key(key), _value(value)
+        key, value = key_bytes(key), value_bytes(value)
         offset = self._placeholder_offset(key, "key")
         if offset is None or not self._check_value(value):
             return
@@ -2282,7 +2183,7 @@ class Transaction(_ReadView):
 
     def set_versionstamped_value(self, key, value):
         self._check_writable()
-        key, value = _key(key), _value(value)
+        key, value = key_bytes(key), value_bytes(value)
         offset = self._placeholder_offset(value, "value")
         if offset is None:
             return
@@ -2306,7 +2207,7 @@ class Transaction(_ReadView):
 
     def add_read_conflict_range(self, begin, end):
         self._check_use()
-        b, e = _key(begin), _key(end)
+        b, e = key_bytes(begin), key_bytes(end)
         if b > e:
             raise EngineError(2005)
         if e > self._max_key() and (b != _METADATA_VERSION_KEY or e != _METADATA_VERSION_KEY + b"\x00"):
@@ -2314,12 +2215,12 @@ class Transaction(_ReadView):
         self._add_read_conflict(b, e)
 
     def add_read_conflict_key(self, key):
-        key = _key(key)
+        key = key_bytes(key)
         self.add_read_conflict_range(key, key + b"\x00")
 
     def add_write_conflict_range(self, begin, end):
         self._check_writable()
-        b, e = _key(begin), _key(end)
+        b, e = key_bytes(begin), key_bytes(end)
         if b > e:
             raise EngineError(2005)
         if e > self._max_write_key():
@@ -2328,7 +2229,7 @@ class Transaction(_ReadView):
             self._write_ranges.append((b, e))
 
     def add_write_conflict_key(self, key):
-        key = _key(key)
+        key = key_bytes(key)
         self.add_write_conflict_range(key, key + b"\x00")
 
     def _check_writable(self):
@@ -2349,7 +2250,7 @@ class Transaction(_ReadView):
         f = Future()
         try:
             self._check_use()
-            key = _key(key)
+            key = key_bytes(key)
             if self._ryw_disabled:
                 raise EngineError(1034)
             if key >= self._max_key() and key != _METADATA_VERSION_KEY:
