@@ -117,8 +117,8 @@ def cmd_watch(db, a):
     """Arm a watch on ``key``, say so on stdout, and report whether it fired in time."""
     key = bytes.fromhex(a["key"])
     if "fallback_poll_s" in a:     # the embedded engine's safety-net poll, made slow
-        from fdq.engine import sqlite as engine
-        engine.WATCH_FALLBACK_POLL_S = a["fallback_poll_s"]
+        from fdq.engine.sqlite import watches
+        watches.WATCH_FALLBACK_POLL_S = a["fallback_poll_s"]
     tr = db.create_transaction()
     f = tr.watch(key)
     tr.commit().wait()

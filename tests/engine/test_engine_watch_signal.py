@@ -16,7 +16,7 @@ import time
 import pytest
 
 import fdq
-from fdq.engine import sqlite as engine
+from fdq.engine.sqlite import watches
 
 from enginehelpers import collect, spawn, wait_ready
 from fdqtest import readline_within
@@ -47,7 +47,7 @@ def _set(db, key, value):
 
 def _signal_works(db) -> bool:
     db._get_store()     # creates the clock file
-    s = engine._CommitSignal.open(db.path + "-fdqclock")
+    s = watches._CommitSignal.open(db.path + "-fdqclock")
     if s is None:
         return False
     s.close()
@@ -55,7 +55,7 @@ def _signal_works(db) -> bool:
 
 
 def test_a_commit_of_another_database_object_wakes_a_watch_by_signal(embedded, monkeypatch):
-    monkeypatch.setattr(engine, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
     if not _signal_works(embedded.db):
         pytest.skip("no inotify here")
     other = fdq.connect(embedded.url, check_format=False)   # own store: no in-process kick
@@ -74,7 +74,7 @@ def test_a_commit_of_another_database_object_wakes_a_watch_by_signal(embedded, m
 
 @pytest.mark.slow
 def test_a_commit_in_another_process_wakes_a_watch_by_signal(embedded, monkeypatch):
-    monkeypatch.setattr(engine, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
     if not _signal_works(embedded.db):
         pytest.skip("no inotify here")
     k = embedded.k(b"xsig")
@@ -88,8 +88,8 @@ def test_a_commit_in_another_process_wakes_a_watch_by_signal(embedded, monkeypat
 @pytest.mark.slow
 def test_without_inotify_a_watch_still_fires_across_processes(embedded, monkeypatch):
     monkeypatch.setenv("FDQ_ENGINE_NO_INOTIFY", "1")        # forced fallback: the 1 ms poll
-    monkeypatch.setattr(engine, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
-    assert engine._CommitSignal.open(embedded.db.path + "-fdqclock") is None
+    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    assert watches._CommitSignal.open(embedded.db.path + "-fdqclock") is None
     k = embedded.k(b"nosig")
     f = _watch(embedded.db, k)
     collect(spawn("set", embedded.url, key=k.hex(), value=b"x".hex()))
@@ -99,8 +99,8 @@ def test_without_inotify_a_watch_still_fires_across_processes(embedded, monkeypa
 _SILENT_WRITER = """
 import sys
 import fdq
-from fdq.engine import sqlite as engine
-engine._Store.signal_commit = lambda self: None    # a writer that sends no commit signal
+from fdq.engine.sqlite import store
+store._Store.signal_commit = lambda self: None    # a writer that sends no commit signal
 db = fdq.connect(sys.argv[1], check_format=False)
 tr = db.create_transaction()
 tr[bytes.fromhex(sys.argv[2])] = b"silent"
@@ -110,7 +110,7 @@ tr.commit().wait()
 
 @pytest.mark.slow
 def test_a_commit_without_a_signal_is_found_by_the_fallback_poll(embedded, monkeypatch):
-    monkeypatch.setattr(engine, "WATCH_FALLBACK_POLL_S", 0.2)
+    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", 0.2)
     k = embedded.k(b"silent")
     f = _watch(embedded.db, k)
     subprocess.run([sys.executable, "-c", _SILENT_WRITER, embedded.url, k.hex()], check=True, timeout=60)
@@ -121,7 +121,7 @@ def test_a_commit_without_a_signal_is_found_by_the_fallback_poll(embedded, monke
 def test_the_signal_reports_a_watched_file_gone(tmp_path):
     path = tmp_path / "f"
     path.write_bytes(b"")
-    s = engine._CommitSignal.open(str(path))
+    s = watches._CommitSignal.open(str(path))
     if s is None:
         pytest.skip("no inotify here")
     try:
@@ -158,7 +158,7 @@ def test_a_watch_whose_snapshot_missed_a_checked_commit_fires(embedded, monkeypa
     consumed); then the watch is registered with the stale baseline and no signal is
     still to come. The registration must make the thread check it (the thread's last
     check is newer than the watch's snapshot)."""
-    monkeypatch.setattr(engine, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
     if not _signal_works(embedded.db):
         pytest.skip("no inotify here")
     keep = _watch(embedded.db, embedded.k(b"keep"))    # keeps the thread and its checks
@@ -190,7 +190,7 @@ def test_a_watch_registered_without_a_check_fires_on_the_next_commit(embedded, m
     the watch's snapshot): the next commit that changes the key fires it by its signal,
     whether it comes from another Database, another process, or this Database (whose
     own commits no longer kick the thread while the signal works)."""
-    monkeypatch.setattr(engine, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
     if not _signal_works(embedded.db):
         pytest.skip("no inotify here")
     other = fdq.connect(embedded.url, check_format=False)
@@ -220,7 +220,7 @@ class _GatedConnection(sqlite3.Connection):
 
     def execute(self, sql, *args):
         gate = _GatedConnection.gate
-        if gate is not None and sql.startswith(engine._WATCH_CHECK):
+        if gate is not None and sql.startswith(watches._WATCH_CHECK):
             _GatedConnection.gate = None
             gate[0].set()
             gate[1].wait(FIRE_BOUND_S)
@@ -233,11 +233,11 @@ def test_a_watch_registered_during_a_check_that_consumed_its_commit_fires(embedd
     thread wakes on that commit's signal and is held inside its check (keys taken, the
     signal consumed); the watch is registered then. The check's end must ask for
     another check: no signal is still to come for that commit."""
-    monkeypatch.setattr(engine, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
     if not _signal_works(embedded.db):
         pytest.skip("no inotify here")
     real_connect = sqlite3.connect
-    monkeypatch.setattr(engine.sqlite3, "connect",
+    monkeypatch.setattr(sqlite3, "connect",
                         lambda *a, **kw: real_connect(*a, factory=_GatedConnection, **kw))
     keep = _watch(embedded.db, embedded.k(b"keep"))    # starts the thread (gated connection)
     mgr = embedded.db._watches
@@ -265,8 +265,8 @@ def test_a_watch_registered_during_a_check_that_consumed_its_commit_fires(embedd
 def test_a_watch_registered_while_the_thread_lingers_fires_on_the_next_commit(embedded, monkeypatch):
     """With no watch left the thread waits (lingers) on its condition, not on signals;
     a registration that needs no check must still wake it to sleep on them again."""
-    monkeypatch.setattr(engine, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
-    monkeypatch.setattr(engine, "WATCH_LINGER_S", SLOW_POLL_S)
+    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    monkeypatch.setattr(watches, "WATCH_LINGER_S", SLOW_POLL_S)
     if not _signal_works(embedded.db):
         pytest.skip("no inotify here")
     other = fdq.connect(embedded.url, check_format=False)
@@ -293,7 +293,7 @@ def test_a_watch_whose_snapshot_missed_an_unsignalled_own_commit_fires(embedded,
     """A commit of this process sends no signal when no other process watches, and
     kicks the thread only if it wrote a watched key. A watch whose baseline missed
     such a commit (the key not yet watched then) must still be checked."""
-    monkeypatch.setattr(engine, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
     if not _signal_works(embedded.db):
         pytest.skip("no inotify here")
     keep = _watch(embedded.db, embedded.k(b"keep"))
@@ -311,7 +311,7 @@ def test_a_watch_whose_snapshot_missed_an_unsignalled_own_commit_fires(embedded,
 
 
 def test_an_own_commit_of_unwatched_keys_does_not_wake_the_thread(embedded, monkeypatch):
-    monkeypatch.setattr(engine, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
     if not _signal_works(embedded.db):
         pytest.skip("no inotify here")
     keep = _watch(embedded.db, embedded.k(b"keep"))
