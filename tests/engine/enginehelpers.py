@@ -32,6 +32,46 @@ def wait_ready(future, timeout: float = 20.0) -> bool:
     return True
 
 
+def commit_by_other(eng, fn):
+    """Run ``fn(tr)`` in a transaction of its own and commit it."""
+    tr = eng.db.create_transaction()
+    fn(tr)
+    tr.commit().wait()
+
+
+def started(eng):
+    """A transaction whose read version is fixed (later commits are after it)."""
+    tr = eng.db.create_transaction()
+    tr.get_read_version().wait()
+    return tr
+
+
+def failed_commits(db, code: int, attempts: int, setup):
+    """Yields ``(tr, setup(tr, i))`` for each of ``attempts`` transactions whose commit
+    failed with ``code`` (fault injection decides; other outcomes are skipped)."""
+    for i in range(attempts):
+        tr = db.create_transaction()
+        got = setup(tr, i)
+        try:
+            tr.commit().wait()
+            continue
+        except Exception as e:  # noqa: BLE001 - the engine's error type
+            if getattr(e, "code", None) != code:
+                continue
+        yield tr, got
+
+
+# A process that holds the embedded engine's version clock lock (argv[1]: its file) as a
+# commit does, stopped there: a committer that does not finish.
+HOLD_CLOCK_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
 def spawn(command: str, url: str, **args) -> subprocess.Popen:
     """Start ``engine_worker.py command`` in its own OS process."""
     return subprocess.Popen([sys.executable, WORKER, command, url, json.dumps(args)],

@@ -1,4 +1,4 @@
-"""Conformance: atomic operations (shared/fdb-semantics.md §3), on every code path:
+"""Conformance: atomic operations (docs/fdb-semantics.md §3), on every code path:
 applied at commit to a stored value, folded into the transaction's own set, and read
 back inside the transaction."""
 from __future__ import annotations

@@ -5,7 +5,8 @@ import struct
 
 import pytest
 
-from enginehelpers import code_of
+from fdq.engine import StreamingMode   # the same values as fdb.StreamingMode
+from enginehelpers import code_of, commit_by_other
 
 # Keys chosen to catch any order other than memcmp: NULs, 0xFF, prefixes of each other.
 SUFFIXES = [b"", b"\x00", b"\x00\x00", b"\x00\xff", b"\x01", b"a", b"a\x00", b"ab", b"b",
@@ -77,7 +78,6 @@ def test_ranges_forward_reverse_limit(eng):
     assert keys(tr3.get_range_startswith(eng.k(b"big/"), limit=2500)) == big[:2500]
     r = tr3.get_range_startswith(eng.k(b"big/"), limit=2100)   # past the first batches, then again
     assert keys(r) == big[:2100] and keys(r) == big[:2100]
-    from fdq.engine import StreamingMode   # the same values as fdb.StreamingMode
     for limit, rev in ((2100, False), (1500, True), (5000, False), (3000, True)):
         r = tr3.get_range_startswith(eng.k(b"big/"), limit=limit, reverse=rev, streaming_mode=StreamingMode.want_all)
         want = (big[::-1] if rev else big)[:limit]
@@ -263,3 +263,99 @@ def test_range_reads_beside_and_across_own_writes_and_clears(eng, reverse):
     tr[eng.k(b"b3")] = b"later"                                # a write after the first read
     assert rng(b"b", b"c") == want(b"b1", b"b2", b"b3")
     assert keys(tr.snapshot.get_range(eng.k(b"b"), eng.k(b"c"))) == [eng.k(b"b1"), eng.k(b"b2"), eng.k(b"b3")]
+
+
+# -- §1 read_your_writes_disable "before any read/write": RYW setOptionImpl throws
+# client_invalid_operation (2000) if reads are pending, the cache or the write map is
+# not empty; ThreadSafeTransaction::setOption defers it (deferredError): the next read
+# or the commit raises it.
+
+@pytest.mark.parametrize("first", ["read", "write"])
+def test_read_your_writes_disable_after_a_read_or_write_fails(eng, first):
+    tr = eng.db.create_transaction()
+    if first == "read":
+        tr[eng.k(b"a")].wait()
+    else:
+        tr[eng.k(b"a")] = b"1"
+    at_once = code_of(lambda: tr.options.set_read_your_writes_disable())
+    assert at_once in (None, 2000)
+    assert 2000 in (at_once, code_of(lambda: tr.commit().wait()))
+
+
+# -- §1 snapshot RYW: with snapshot RYW disabled (disables outnumber enables) snapshot
+# reads go straight to the database (RYWImpl::read with snapshot and
+# snapshotRywEnabled <= 0: no write map), for get, get_key and get_range alike, and
+# so never meet this transaction's unreadable versionstamped keys (§3). The database
+# option sets the default (ReadYourWritesTransactionOptions::reset copies
+# DatabaseContext::snapshotRywEnabled).
+
+def test_snapshot_reads_with_snapshot_ryw_disabled_miss_own_writes(eng):
+    a, b = eng.k(b"a"), eng.k(b"b")
+    commit_by_other(eng, lambda t: t.set(b, b"stored"))
+    tr = eng.db.create_transaction()
+    tr[a] = b"mine"
+    tr[b] = b"mine"
+    tr.options.set_snapshot_ryw_disable()
+    assert tr.snapshot[a] == None  # noqa: E711
+    assert tr.snapshot[b] == b"stored"
+    assert [(kv.key, kv.value) for kv in tr.snapshot.get_range(a, eng.end())] == [(b, b"stored")]
+    assert tr.snapshot.get_key(eng.KeySelector.first_greater_or_equal(a)) == b
+    assert tr[a] == b"mine"                                 # non-snapshot reads still see them
+    assert [kv.key for kv in tr.get_range(a, eng.end())] == [a, b]
+    tr.options.set_snapshot_ryw_enable()
+    assert tr.snapshot[a] == b"mine"
+    assert [kv.value for kv in tr.snapshot.get_range(a, eng.end())] == [b"mine", b"mine"]
+
+
+def test_the_database_snapshot_ryw_option_sets_the_default(eng):
+    a = eng.k(b"a")
+    eng.db.options.set_snapshot_ryw_disable()
+    try:
+        tr = eng.db.create_transaction()
+        tr[a] = b"mine"
+        assert tr.snapshot[a] == None  # noqa: E711
+        tr.options.set_snapshot_ryw_enable()
+        assert tr.snapshot[a] == b"mine"
+    finally:
+        eng.db.options.set_snapshot_ryw_enable()
+    tr = eng.db.create_transaction()
+    tr[a] = b"mine"
+    assert tr.snapshot[a] == b"mine"
+
+
+# -- §6 key selectors past the legal key space: RYW getKey and getRange return
+# key_outside_legal_range when the selector's key is above getMaxReadKey() (a selector
+# resolving off the end is clamped to \xff; one *written* past it is an error).
+
+def test_a_key_selector_past_the_legal_key_space_is_refused(eng):
+    KS = eng.KeySelector
+    tr = eng.db.create_transaction()
+    assert code_of(lambda: tr.get_key(KS.first_greater_or_equal(b"\xff\x01")).wait()) == 2004
+    assert code_of(lambda: tr.snapshot.get_key(KS.last_less_than(b"\xff\x01")).wait()) == 2004
+    assert code_of(lambda: list(tr.get_range(KS.first_greater_or_equal(eng.p), KS.first_greater_or_equal(b"\xff\x01")))) == 2004
+    # at exactly \xff, or resolving past the last key: clamped, no error
+    assert tr.get_key(KS.first_greater_or_equal(b"\xff")) == b"\xff"
+    assert tr.get_key(KS.first_greater_than(b"\xfe\xff\xff")) == b"\xff"
+    assert tr.get_key(KS.last_less_than(b"")) == b""
+    tr = eng.db.create_transaction()
+    tr.options.set_read_system_keys()
+    assert code_of(lambda: tr.get_key(KS.first_greater_or_equal(b"\xff\x01")).wait()) is None
+
+
+# -- §1 keys and values must be bytes: fdb.impl.keyToBytes / valueToBytes take
+# as_foundationdb_key/value() if present, then refuse anything that is not bytes
+# (TypeError at once): bytearray and memoryview included.
+
+@pytest.mark.parametrize("kind", [bytearray, memoryview])
+def test_bytearray_and_memoryview_keys_and_values_are_refused(eng, kind):
+    k, v = eng.k(b"a"), b"v"
+    tr = eng.db.create_transaction()
+    for call in (lambda: tr.set(kind(k), v), lambda: tr.set(k, kind(v)), lambda: tr.get(kind(k)),
+                 lambda: tr.clear(kind(k)), lambda: tr.add(k, kind(b"\x01")), lambda: tr.watch(kind(k)),
+                 lambda: tr.add_read_conflict_key(kind(k))):
+        with pytest.raises(TypeError):
+            call()
+    tr[k] = v                          # bytes, and a Value read back, are fine
+    tr[eng.k(b"b")] = tr[k]
+    tr.commit().wait()
+    assert eng.db[eng.k(b"b")] == v

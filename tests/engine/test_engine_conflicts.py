@@ -1,23 +1,19 @@
-"""Conformance: optimistic concurrency as FDB's resolver (shared/fdb-semantics.md §4)."""
+"""Conformance: optimistic concurrency as FDB's resolver (docs/fdb-semantics.md §4)."""
 from __future__ import annotations
 
 import struct
 
+import fdb.tuple
 import pytest
 
-from enginehelpers import code_of, collect, spawn
+from fdq.engine import StreamingMode   # the same values as fdb.StreamingMode
+from enginehelpers import code_of, collect, commit_by_other, spawn, started
 
 
 def setup(eng, **kv):
     tr = eng.db.create_transaction()
     for k, v in kv.items():
         tr[eng.k(k.encode())] = v
-    tr.commit().wait()
-
-
-def commit_by_other(eng, fn):
-    tr = eng.db.create_transaction()
-    fn(tr)
     tr.commit().wait()
 
 
@@ -153,7 +149,6 @@ def test_short_range_read_conflicts_on_the_whole_range(eng, write, expected):
 def test_long_range_read_stopped_at_its_limit(eng, mode, reverse, nth, expected):
     # Past the first batches: a limited read covers the rows it returned, in either
     # streaming mode (want_all reads up to the limit at once, iterator in growing batches).
-    from fdq.engine import StreamingMode   # the same values as fdb.StreamingMode
     tr = eng.db.create_transaction()
     for i in range(1500):
         tr[eng.k(b"r/%05d" % i)] = b""
@@ -260,3 +255,102 @@ def test_add_after_clears_and_sets_in_one_transaction(eng):
     assert tr[a] == struct.pack("<q", 2) and tr[b] == struct.pack("<q", 12)
     tr.commit().wait()
     assert [struct.unpack("<q", eng.db[x])[0] for x in (a, b, c)] == [2, 12, 10]
+
+
+# -- §4 RYW: parts of a read this transaction already set or cleared add no read conflict.
+# RYWImpl::updateConflictMap inserts a read conflict only where the write map is
+# unmodified or holds a dependent (atomic) operation; addReadConflictRange goes through
+# it too. A conflict the engine adds there and FDB does not is one FDQ could rely on.
+
+@pytest.mark.parametrize("write", ["set", "clear", "clear_range"])
+def test_add_read_conflict_on_a_key_already_written_adds_nothing(eng, write):
+    k = eng.k(b"a")
+    commit_by_other(eng, lambda t: t.set(k, b"0"))
+    t1 = started(eng)
+    {"set": lambda: t1.set(k, b"1"), "clear": lambda: t1.clear(k),
+     "clear_range": lambda: t1.clear_range(eng.k(b"a"), eng.k(b"b"))}[write]()
+    t1.add_read_conflict_key(k)
+    t1.add_read_conflict_range(eng.k(b"a"), eng.k(b"a\x00"))
+    commit_by_other(eng, lambda t: t.set(k, b"2"))
+    assert code_of(lambda: t1.commit().wait()) is None
+
+
+def test_add_read_conflict_before_the_write_or_on_an_atomic_key_conflicts(eng):
+    k = eng.k(b"a")
+    t1 = started(eng)
+    t1.add_read_conflict_key(k)     # recorded while the key is unmodified
+    t1.set(k, b"1")
+    commit_by_other(eng, lambda t: t.set(k, b"2"))
+    assert code_of(lambda: t1.commit().wait()) == 1020
+    t2 = started(eng)
+    t2.add(k, b"\x01")              # a dependent operation: still conflicts
+    t2.add_read_conflict_key(k)
+    commit_by_other(eng, lambda t: t.set(k, b"3"))
+    assert code_of(lambda: t2.commit().wait()) == 1020
+
+
+def test_reads_inside_an_own_cleared_range_add_no_read_conflict(eng):
+    commit_by_other(eng, lambda t: t.set(eng.k(b"c"), b"0"))
+    t1 = started(eng)
+    t1.clear_range(eng.k(b"a"), eng.k(b"m"))
+    assert t1[eng.k(b"c")] == None  # noqa: E711
+    assert list(t1.get_range(eng.k(b"a"), eng.k(b"m"))) == []
+    assert t1.get_key(eng.KeySelector.first_greater_or_equal(eng.k(b"b"))) >= eng.k(b"m")
+    commit_by_other(eng, lambda t: t.set(eng.k(b"c"), b"1"))
+    assert code_of(lambda: t1.commit().wait()) is None
+
+
+@pytest.mark.parametrize("write,expected", [(b"b", None), (b"d", None), (b"c", 1020), (b"e", 1020)])
+def test_a_range_read_conflicts_only_on_keys_it_did_not_write(eng, write, expected):
+    t1 = started(eng)
+    t1[eng.k(b"b")] = b"mine"
+    t1.clear(eng.k(b"d"))
+    t1.add(eng.k(b"e"), b"\x01")   # atomic: the read depends on the stored value
+    assert [kv.key for kv in t1.get_range(eng.k(b"a"), eng.k(b"z"))] == [eng.k(b"b"), eng.k(b"e")]
+    commit_by_other(eng, lambda t: t.set(eng.k(write), b"theirs"))
+    assert code_of(lambda: t1.commit().wait()) == expected
+
+
+# -- §1 next_write_no_write_conflict_range: every write consumes it at its start
+# (RYW set, clear and atomicOp call getAndResetWriteConflictDisabled first), a
+# versionstamped key included, so it never carries over to the write after.
+
+def test_a_versionstamped_key_consumes_next_write_no_write_conflict_range(eng):
+    k = eng.k(b"k")
+    reader = started(eng)
+    reader[k].wait()
+    reader[eng.k(b"r")] = b""
+    tr = eng.db.create_transaction()
+    tr.options.set_next_write_no_write_conflict_range()
+    tr.set_versionstamped_key(fdb.tuple.pack_with_versionstamp((fdb.tuple.Versionstamp(),), prefix=eng.k(b"v")), b"")
+    tr[k] = b"1"            # has its write conflict: the option went to the stamped key
+    tr.commit().wait()
+    assert code_of(lambda: reader.commit().wait()) == 1020
+
+
+def test_unconsumed_reads_still_conflict(eng):
+    """§4: ranges are recorded when reads complete and commit waits for pending reads."""
+    for read in (lambda t: t[eng.k(b"a")], lambda t: t.get_range(eng.k(b"a"), eng.k(b"b")),
+                 lambda t: t.get_key(eng.KeySelector.first_greater_or_equal(eng.k(b"a")))):
+        tr = started(eng)
+        read(tr)
+        tr[eng.k(b"w")] = b""
+        commit_by_other(eng, lambda t: t.set(eng.k(b"a"), b"1"))
+        assert code_of(lambda: tr.commit().wait()) == 1020
+
+
+# -- §1 get_range_split_points / get_estimated_range_size_bytes add no conflicts; split
+# points past the legal key space are key_outside_legal_range (RYW getRangeSplitPoints
+# checks getMaxReadKey(); getEstimatedRangeSizeBytes checks nothing).
+
+def test_size_estimates_and_split_points_add_no_conflicts(eng):
+    commit_by_other(eng, lambda t: [t.set(eng.k(b"s/%03d" % i), b"x" * 100) for i in range(100)])
+    tr = started(eng)
+    tr.get_estimated_range_size_bytes(eng.p, eng.end()).wait()
+    list(tr.get_range_split_points(eng.p, eng.end(), 1000).wait())
+    tr[eng.k(b"w")] = b""
+    commit_by_other(eng, lambda t: t.set(eng.k(b"s/000"), b"changed"))
+    assert code_of(lambda: tr.commit().wait()) is None
+    tr = eng.db.create_transaction()
+    assert code_of(lambda: tr.get_range_split_points(eng.p, b"\xff\x01", 1000).wait()) == 2004
+    assert code_of(lambda: tr.get_estimated_range_size_bytes(eng.p, b"\xff\x01").wait()) is None

@@ -1,5 +1,5 @@
 """Conformance: the retry loop — ``fdq.transactional`` with a database and with a
-transaction, ``on_error`` backoff, non-retryable errors (shared/fdb-semantics.md §2, §7), and
+transaction, ``on_error`` backoff, non-retryable errors (docs/fdb-semantics.md §2, §7), and
 ``fdq.engine.transact``, the loop under them (attempts that may have committed, on_error)."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import time
 import pytest
 
 import fdq
-from fdq.engine import Again, Done, error_types, retry, run_within, transact
-from enginehelpers import code_of
+from fdq.engine import Again, Done, StreamingMode, error_types, retry, run_within, transact
+from enginehelpers import HOLD_CLOCK_LOCK, code_of, commit_by_other, failed_commits, wait_ready
 from fdqtest import readline_within, wait_for
 
 
@@ -392,3 +392,177 @@ def test_transact_refuses_a_generator_and_transactional_runs_on_it(eng, monkeypa
     once_conflicting(eng.db, eng.k(b"a"))
     assert run_within(eng.db, 5000, lambda tr: tr[eng.k(b"a")].value) == b"1"
     assert codes == [1020] and len(attempts) == 2
+
+
+def test_on_error_reset_and_cancel_fail_what_the_attempt_left_pending(eng):
+    """As FDB's RYW reset (on_error, reset, cancel: 1025; timeout: 1031): a watch or
+    versionstamp future of an abandoned attempt fails; it is never left pending (a
+    waiter would hang forever)."""
+    k = eng.k(b"w")
+    for end in ("on_error", "reset", "cancel"):
+        tr = eng.db.create_transaction()
+        w = tr.watch(k)
+        tr[eng.k(b"a")] = b"1"
+        vs = tr.get_versionstamp()
+        if end == "on_error":
+            tr.on_error(1020).wait()
+        elif end == "reset":
+            tr.reset()
+        else:
+            tr.cancel()
+        assert wait_ready(w, 5), end
+        assert code_of(w.wait) == 1025, end
+        assert wait_ready(vs, 5), end
+        assert code_of(vs.wait) == 1025, end
+    # a timeout fails them with 1031
+    tr = eng.db.create_transaction()
+    tr.options.set_timeout(30)
+    w = tr.watch(k)
+    tr[eng.k(b"a")] = b"1"
+    vs = tr.get_versionstamp()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.1:
+        time.sleep(0.01)
+    assert code_of(lambda: tr.commit().wait()) == 1031
+    assert code_of(lambda: tr.on_error(1031).wait()) == 1031
+    assert wait_ready(w, 5) and code_of(w.wait) == 1031
+    assert wait_ready(vs, 5) and code_of(vs.wait) == 1031
+    # the versionstamp of a committed attempt stays as it was after reset()
+    tr = eng.db.create_transaction()
+    tr[eng.k(b"a")] = b"2"
+    vs = tr.get_versionstamp()
+    tr.commit().wait()
+    tr.reset()
+    assert len(bytes(vs.wait())) == 10
+
+
+def test_timeout_bounds_waiting_for_a_stalled_committer(eng):
+    """A process stopped in the middle of a commit (SIGSTOP, a frozen container) holds
+    the engine's version clock lock: a transaction with a timeout must still end with
+    transaction_timed_out (1031), for its reads and its commit, as FDB's timeout bounds
+    every wait of the transaction. The engine waited for the lock without bound."""
+    if not eng.embedded:
+        pytest.skip("the version clock lock is the embedded engine's")
+    eng.db[eng.k(b"a")] = b"1"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_CLOCK_LOCK, eng.db.path + "-fdqclock"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert readline_within(holder, 60, "locked").strip() == "locked"
+        results = {}
+
+        def read():
+            tr = eng.db.create_transaction()
+            tr.options.set_timeout(300)
+            results["read"] = code_of(lambda: tr[eng.k(b"a")].wait())
+
+        def commit():
+            tr = eng.db.create_transaction()
+            tr.options.set_timeout(300)
+            tr[eng.k(b"b")] = b"1"
+            results["commit"] = code_of(lambda: tr.commit().wait())
+
+        threads = [threading.Thread(target=f, daemon=True) for f in (read, commit)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert results == {"read": 1031, "commit": 1031}
+    finally:
+        holder.kill()
+        holder.wait(10)
+    # the lock released, both work again (the commit's SQLite write lock was let go)
+    for t in threads:
+        t.join(10)
+    tr = eng.db.create_transaction()
+    tr[eng.k(b"b")] = b"2"
+    tr.commit().wait()
+    assert eng.db[eng.k(b"b")] == b"2"
+
+
+def test_a_timed_out_commit_may_have_applied(eng):
+    """FDB: transaction_timed_out (1031) from a commit "may have committed" (a commit
+    in flight when the timeout fires still lands; FDB's client simulates exactly that).
+    Under fault injection the engine's 1031 never followed a real commit, so code that
+    takes a timed-out commit for "not committed" passed."""
+    db = eng.open(eng.fault_url(0.3, 9))
+    def setup(tr, i):
+        tr.options.set_timeout(60_000)
+        tr[eng.k(b"t%04d" % i)] = b"1"
+        return eng.k(b"t%04d" % i)
+    applied = 0
+    for tr, key in failed_commits(db, 1031, 400, setup):
+        # as FDB after a timeout: every later use is 1031, on_error included
+        assert code_of(lambda: tr.on_error(1031).wait()) == 1031
+        assert code_of(lambda: tr[key].wait()) == 1031
+        if eng.db[key] is not None:
+            applied += 1
+            if applied >= 3:
+                break
+    assert applied >= 3
+
+
+def test_the_timeout_spans_retries_and_only_three_options_survive_on_error(eng):
+    """§1/§5: only timeout, retry limit and max retry delay are persistent (RYW
+    resetRyow re-applies persistentOptions); the timeout counts from creation or
+    reset(), not from on_error (creationTime is set by reset() only)."""
+    k = eng.k(b"a")
+    commit_by_other(eng, lambda t: t.set(k, b"stored"))
+    tr = eng.db.create_transaction()
+    tr.options.set_size_limit(100)
+    tr.options.set_snapshot_ryw_disable()
+    tr.options.set_read_system_keys()
+    tr[k] = b"mine"
+    assert tr.snapshot[k] == b"stored"
+    tr.on_error(1020).wait()
+    assert code_of(lambda: tr[b"\xff/x"].wait()) == 2004     # system keys are off again
+    tr[k] = b"x" * 200
+    assert tr.snapshot[k] == b"x" * 200     # snapshot RYW is back on
+    tr.commit().wait()                      # the 100-byte size limit is gone too
+    tr = eng.db.create_transaction()
+    tr.options.set_retry_limit(1)
+    tr.on_error(1020).wait()
+    assert code_of(lambda: tr.on_error(1020).wait()) == 1020  # the retry limit survived
+    tr.reset()                              # ... and reset() clears it
+    t0 = time.monotonic()
+    tr.options.set_timeout(1000)
+    tr.options.set_max_retry_delay(5)
+    while time.monotonic() - t0 < 0.4:
+        tr.on_error(1020).wait()            # retries do not restart the clock
+    while time.monotonic() - t0 < 1.1:
+        time.sleep(0.01)
+    assert code_of(lambda: tr[k].wait()) == 1031
+
+
+def test_after_on_error_re_raises_the_transaction_is_cancelled_until_reset(eng):
+    """§7: after any re-raise RYW sends transaction_cancelled to resetPromise: every
+    later use fails with 1025 until reset()."""
+    tr = eng.db.create_transaction()
+    assert code_of(lambda: tr.on_error(2101).wait()) == 2101
+    assert code_of(lambda: tr[eng.k(b"a")].wait()) == 1025
+    assert code_of(lambda: tr.commit().wait()) == 1025
+    assert code_of(lambda: tr.on_error(1020).wait()) == 1025
+    tr.reset()
+    assert tr[eng.k(b"a")] == None  # noqa: E711
+
+
+# -- §2 a lazy FDBRange does not outlive its transaction: FDBRange keeps only its
+# first batch (requested at call time); each further batch is a new read, which after
+# commit fails with used_during_commit 2017. The first batch is byte-limited
+# (bindings/c/fdb_c.cpp, fdb_transaction_get_range_impl: iterator mode starts at 4,096
+# bytes; small 256, medium 1,000, large 4,096, serial and want_all 80,000; exact:
+# the row limit alone).
+
+def test_a_lazy_range_returned_from_a_transactional_function_fails_past_its_first_batch(eng):
+    commit_by_other(eng, lambda t: [t.set(eng.k(b"r/%02d" % i), b"x" * 300) for i in range(20)])
+
+    @fdq.transactional
+    def lazy(tr, **kw):
+        tr[eng.k(b"w")] = b""
+        return tr.get_range(eng.k(b"r/"), eng.k(b"r0"), **kw)
+
+    rows = []
+    assert code_of(lambda: [rows.append(kv.key) for kv in lazy(eng.db)]) == 2017
+    assert 0 < len(rows) < 20           # 6,000 bytes: more than the first 4,096
+    assert len(list(lazy(eng.db, limit=5))) == 5       # 1,500 bytes: one batch, no read after
+    assert len(list(lazy(eng.db, streaming_mode=StreamingMode.exact, limit=20))) == 20
+    assert code_of(lambda: list(lazy(eng.db, streaming_mode=StreamingMode.small))) == 2017

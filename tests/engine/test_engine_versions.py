@@ -1,4 +1,4 @@
-"""Conformance: versions, versionstamps, the 5-second rule (shared/fdb-semantics.md §3, §5)."""
+"""Conformance: versions, versionstamps, the 5-second rule (docs/fdb-semantics.md §3, §5)."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,8 @@ import fdb.tuple
 import pytest
 
 import fdq
-from enginehelpers import code_of, collect, spawn
-from fdqtest import read_version
+from enginehelpers import code_of, collect, commit_by_other, spawn, started
+from fdqtest import read, read_version
 
 
 def commit_one(eng, key=b"x", value=b""):
@@ -233,3 +233,111 @@ def test_versionstamped_keys_conflict_with_readers_of_their_keys_only(eng):
     assert code_of(lambda: readers["other"].commit().wait()) == 1020
     readers["after"].commit().wait()
     readers["before"].commit().wait()
+
+
+def _stamped_key(prefix: bytes, tail: bytes = b"") -> bytes:
+    return prefix + b"\x00" * 10 + tail + struct.pack("<I", len(prefix))
+
+
+def test_get_key_across_an_own_versionstamped_key_is_unreadable(eng):
+    """A key selector resolved across keys a versionstamped key of the transaction may
+    become is accessed_unreadable (1036) in FDB, as a range read there is; the engine
+    resolved it past them as if they did not exist."""
+    KS = eng.KeySelector
+    p = eng.k(b"p/")
+    tr = eng.db.create_transaction()
+    tr[eng.k(b"a")] = b"1"
+    tr[eng.k(b"z")] = b"1"
+    tr.commit().wait()
+    tr = eng.db.create_transaction()
+    tr.set_versionstamped_key(_stamped_key(p), b"v")
+    assert code_of(lambda: tr.get_key(KS.first_greater_or_equal(p)).wait()) == 1036
+    assert code_of(lambda: tr.get_key(KS.last_less_than(eng.k(b"z"))).wait()) == 1036
+    assert code_of(lambda: tr.snapshot.get_key(KS.first_greater_than(eng.k(b"a"))).wait()) == 1036
+    # selectors that resolve without crossing them are readable
+    assert tr.get_key(KS.first_greater_or_equal(eng.k(b"a"))).wait() == eng.k(b"a")
+    assert tr.get_key(KS.last_less_or_equal(eng.k(b"a"))).wait() == eng.k(b"a")
+    tr.commit().wait()
+
+
+def test_a_versionstamped_value_stays_unreadable_and_atomic_ops_apply_on_it(eng):
+    """FDB: the key of a versionstamped value is unreadable in its transaction even if
+    written again later (set, clear, atomic op); and an atomic op after it applies to
+    the stamped value at commit. The engine read the later value, and an atomic op
+    replaced the stamped value with the op's result on the stored one."""
+    k = eng.k(b"q")
+    for later in ("set", "clear", "byte_max"):
+        tr = eng.db.create_transaction()
+        tr.set_versionstamped_value(k, b"ab" + b"\x00" * 10 + struct.pack("<I", 2))
+        if later == "set":
+            tr[k] = b"x"
+        elif later == "clear":
+            tr.clear(k)
+        else:
+            tr.byte_max(k, b"a")
+        assert code_of(lambda: tr[k].wait()) == 1036, later
+        assert code_of(lambda: list(tr.get_range(eng.k(b"p"), eng.k(b"r")))) == 1036, later
+        tr.reset()
+    tr = eng.db.create_transaction()
+    tr.set_versionstamped_value(k, b"ab" + b"\x00" * 10 + struct.pack("<I", 2))
+    tr.byte_max(k, b"a")      # b"ab" + stamp > b"a": the stamped value stays
+    vs = tr.get_versionstamp()
+    tr.commit().wait()
+    assert eng.db[k] == b"ab" + bytes(vs.wait())
+    tr = eng.db.create_transaction()
+    tr.set_versionstamped_value(k, b"\x00" * 10 + b"\x01" + struct.pack("<I", 0))
+    tr.bit_or(k, b"\x00" * 10 + b"\x02")
+    vs = tr.get_versionstamp()
+    tr.commit().wait()
+    assert eng.db[k] == bytes(vs.wait()) + b"\x03"
+
+
+def test_metadata_version_reads_the_stamp_of_its_last_bump(eng):
+    """FDB: ``\\xff/metadataVersion`` reads as the 10-byte versionstamp of the last bump
+    (None if never bumped), and a reader of it conflicts with a bump. The engine never
+    stored the bump: it read None forever, so a layer's metadata cache keyed on it would
+    never be dropped."""
+    mv = b"\xff/metadataVersion"
+    before = read(eng.db, mv, snapshot=False)
+    reader = eng.db.create_transaction()
+    reader[mv].wait()
+    reader[eng.k(b"r")] = b"1"
+    tr = eng.db.create_transaction()
+    tr.set_versionstamped_value(mv, b"\x00" * 14)
+    vs = tr.get_versionstamp()
+    tr.commit().wait()
+    after = read(eng.db, mv, snapshot=False)
+    assert after != before
+    assert bytes(after) == bytes(vs.wait())
+    assert code_of(lambda: reader.commit().wait()) == 1020
+
+
+# -- §1 snapshot RYW: with snapshot RYW disabled (disables outnumber enables) snapshot
+# reads go straight to the database (RYWImpl::read with snapshot and
+# snapshotRywEnabled <= 0: no write map), for get, get_key and get_range alike, and
+# so never meet this transaction's unreadable versionstamped keys (§3). The database
+# option sets the default (ReadYourWritesTransactionOptions::reset copies
+# DatabaseContext::snapshotRywEnabled).
+
+def test_snapshot_reads_with_snapshot_ryw_disabled_ignore_own_versionstamped_keys(eng):
+    tr = eng.db.create_transaction()
+    tr.get_read_version().wait()
+    tr.set_versionstamped_key(fdb.tuple.pack_with_versionstamp((fdb.tuple.Versionstamp(),), prefix=eng.k(b"v")), b"x")
+    assert code_of(lambda: list(tr.snapshot.get_range(eng.p, eng.end()))) == 1036
+    tr.options.set_snapshot_ryw_disable()
+    assert list(tr.snapshot.get_range(eng.p, eng.end())) == []
+    assert code_of(lambda: list(tr.get_range(eng.p, eng.end()))) == 1036
+
+
+def test_committed_version_is_minus_one_after_a_failed_commit(eng):
+    """§1: get_committed_version() is -1 unless the last commit succeeded with writes."""
+    tr = started(eng)
+    tr[eng.k(b"a")].wait()
+    tr[eng.k(b"w")] = b""
+    commit_by_other(eng, lambda t: t.set(eng.k(b"a"), b"1"))
+    assert code_of(lambda: tr.commit().wait()) == 1020
+    assert tr.get_committed_version() == -1
+    tr.reset()
+    tr[eng.k(b"w")] = b""
+    tr.commit().wait()
+    assert tr.get_committed_version() > 0

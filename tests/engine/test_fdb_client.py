@@ -12,6 +12,7 @@ import textwrap
 import pytest
 
 import fdq
+from fdq.engine import retry
 from fdqtest import STANDIN, database_url
 
 pytestmark = pytest.mark.skipif(not STANDIN, reason="needs FoundationDB's binding over the libfdb_c stand-in "
@@ -173,7 +174,6 @@ def test_fdb_urls_take_no_options(tmp_path):
 
 def test_an_engine_error_reads_as_text():
     import fdb
-    from fdq.engine import retry
     err = retry._translate(fdb.FDBError(1020))    # noqa: SLF001 - where FDB errors leave FDQ
     assert isinstance(err, fdq.EngineError) and err.code == 1020
     assert "b'" not in str(err) and "conflict" in str(err)
