@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import threading
 
+from ..errors import EngineError
+
 
 class Future:
     """A one-shot result: ``wait()`` returns it or raises the stored error."""
@@ -52,8 +54,6 @@ class Future:
         callback(self)
 
     def cancel(self):
-        from ..errors import EngineError
-
         if self._resolve(None, EngineError(1101)) and self._on_cancel:
             self._on_cancel(self)
 
