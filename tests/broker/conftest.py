@@ -56,11 +56,6 @@ class BrokerProc:
 
 
 @pytest.fixture
-def db_url(tmp_path):
-    return database_url(tmp_path / "fdq.db")
-
-
-@pytest.fixture
 def broker_factory(db_url):
     procs = []
 

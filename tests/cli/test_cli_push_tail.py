@@ -3,20 +3,15 @@ from __future__ import annotations
 
 import base64
 import json
+from functools import partial
 
 import fdq
+import fdqtest
 
 
-def drain(db, topic, timeout=5.0, **kwargs):
-    """Every message the API can still fetch (leased, then acked)."""
-    out = []
-    with fdq.Consumer(db, topic, create=False, **kwargs) as c:
-        while True:
-            got = c.fetch(100, timeout=timeout if not out else 0.3)
-            if not got:
-                return out
-            c.ack_many(got)
-            out += got
+# Every message the API can still fetch (leased, then acked): up to 5 s for the first, then
+# until a fetch comes back empty.
+drain = partial(fdqtest.drain, first_wait_s=5.0, wait_s=0.3, settle="ack_many", create=False)
 
 
 def test_push_one(run, db, sup):

@@ -5,23 +5,18 @@ from __future__ import annotations
 import time
 
 import pytest
+from functools import partial
 
 import fdq
+import fdqtest
 from fdq.config import SubscriptionConfig
 
 ROW_KEYS = {"topic", "name", "ephemeral", "catching_up", "paused", "deliver_policy", "start_time_ms", "start_position",
             "backlog", "in_flight", "delayed", "dlq", "consumers", "config"}
 
 
-def drain(db, topic, subscription, timeout=5.0):
-    out = []
-    with fdq.Consumer(db, topic, subscription=subscription, create=False, extend_support=True) as c:
-        while True:
-            got = c.fetch(100, timeout=timeout if not out else 0.3)
-            if not got:
-                return out
-            c.ack_many(got)
-            out += got
+# Every message the API can still fetch: up to 5 s for the first, then until a fetch comes back empty.
+drain = partial(fdqtest.drain, first_wait_s=5.0, wait_s=0.3, settle="ack_many", create=False, extend_support=True)
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import pytest
 
 import fdq
 
-from .conftest import wait_for
+from fdqtest import wait_for
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import time
 import fdq
 from fdq.headers import DISPATCH_TAG
 
-from .conftest import wait_for
+from fdqtest import wait_for
 
 TAGS = 600          # x 16 shards: 9,616 shards owned by the one consumer
 

@@ -14,9 +14,8 @@ import fdq
 import fdq.aio
 from fdq.headers import DISPATCH_TAG
 
-from .conftest import wait_for
+from fdqtest import fast, FAST_STEADY, wait_for
 
-FAST = dict(heartbeat_interval_s=0.1, zombie_timeout_s=5.0, poll_interval_s=0.05)
 KEYS = [f"k{i}" for i in range(4)]
 PER_KEY_AND_TAG = 6
 
@@ -73,7 +72,7 @@ def test_tail_never_runs_one_key_twice_across_tags(db, mode):
         time.sleep(0.01)        # long enough for the pool's other threads to start theirs
         ov.leave(m)
     c = fdq.tail(db, "t", handler, acking=(mode == "at_least_once"), extend_support=True, batch_size=3,
-                 config=fdq.ConsumerConfig(max_concurrency=8, **FAST))
+                 config=fast(FAST_STEADY, max_concurrency=8))
     try:
         wait_for(lambda: len(ov.seen) >= total, 60, f"{total} deliveries")
     finally:
@@ -94,7 +93,7 @@ def test_aio_tail_never_runs_one_key_twice_across_tags(db):
             await asyncio.sleep(0.01)
             ov.leave(m)
         t = await fdq.aio.tail(db, "t", handler, extend_support=True,
-                               config=fdq.ConsumerConfig(max_concurrency=8, **FAST))
+                               config=fast(FAST_STEADY, max_concurrency=8))
         try:
             deadline = time.monotonic() + 60
             while len(ov.seen) < total and time.monotonic() < deadline:

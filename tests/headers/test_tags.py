@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 import fdq
+import fdqtest
 from fdq import membership
 from fdq.headers import DISPATCH_TAG
 
-from fdqtest import database_url
-from .conftest import wait_for
+from fdqtest import database_url, fast, FAST_STEADY, wait_for
 
-FAST = fdq.ConsumerConfig(heartbeat_interval_s=0.1, zombie_timeout_s=5.0, poll_interval_s=0.1)
+STEADY = fast(FAST_STEADY, poll_interval_s=0.1)
 
 
 def tagged(tag, body, key=None):
@@ -25,15 +25,8 @@ def owners(db, topic="t"):
 
 
 def drain(consumer, want: set, timeout=30.0) -> list:
-    got = []
-
-    def step():
-        for m in consumer.fetch(100, timeout=0.2):
-            got.append(m)
-            m.ack()
-        return want <= {m.body for m in got}
-    wait_for(step, timeout, f"{consumer.id} to receive {len(want)} messages")
-    return got
+    """What ``consumer`` fetches (and acks) until it got every body of ``want``."""
+    return fdqtest.drain(consumer, until=want, strict=True, timeout=timeout)
 
 
 @pytest.fixture
@@ -43,8 +36,8 @@ def topic(db):
 
 
 def test_new_tag_gets_owner_without_join_or_leave(db, topic):
-    u = fdq.Consumer(db, topic, consumer_id="u", extend_support=True, config=FAST)
-    a = fdq.Consumer(db, topic, consumer_id="a", extend_support=True, desired_tag="A", config=FAST)
+    u = fdq.Consumer(db, topic, consumer_id="u", extend_support=True, config=STEADY)
+    a = fdq.Consumer(db, topic, consumer_id="a", extend_support=True, desired_tag="A", config=STEADY)
     try:
         assert a.owned_shards == []
         p = fdq.Producer(db)
@@ -63,13 +56,13 @@ def test_new_tag_gets_owner_without_join_or_leave(db, topic):
 
 
 def test_fallback_then_ownership_moves_back_on_join(db, topic):
-    u = fdq.Consumer(db, topic, consumer_id="u", extend_support=True, config=FAST)
+    u = fdq.Consumer(db, topic, consumer_id="u", extend_support=True, config=STEADY)
     p = fdq.Producer(db)
     try:
         p.push_many(topic, [tagged("A", b"a%d" % i) for i in range(6)])
         got = drain(u, {b"a%d" % i for i in range(6)})          # no A consumer: untagged gets them
         assert {m.tag for m in got} == {"A"}
-        a = fdq.Consumer(db, topic, consumer_id="a", extend_support=True, desired_tag="A", config=FAST)
+        a = fdq.Consumer(db, topic, consumer_id="a", extend_support=True, desired_tag="A", config=STEADY)
         try:
             # The join itself moved the A shards (no wait for a heartbeat).
             assert sorted(a.owned_shards) == [("A", n) for n in range(3)]
@@ -87,9 +80,9 @@ def test_fallback_then_ownership_moves_back_on_join(db, topic):
 
 
 def test_two_consumers_share_a_tag_by_shard(db, topic):
-    a1 = fdq.Consumer(db, topic, consumer_id="a1", extend_support=True, desired_tag="A", config=FAST)
-    a2 = fdq.Consumer(db, topic, consumer_id="a2", extend_support=True, desired_tag="A", config=FAST)
-    u = fdq.Consumer(db, topic, consumer_id="u", extend_support=True, config=FAST)
+    a1 = fdq.Consumer(db, topic, consumer_id="a1", extend_support=True, desired_tag="A", config=STEADY)
+    a2 = fdq.Consumer(db, topic, consumer_id="a2", extend_support=True, desired_tag="A", config=STEADY)
+    u = fdq.Consumer(db, topic, consumer_id="u", extend_support=True, config=STEADY)
     try:
         fdq.Producer(db).push_many(topic, [tagged("A", b"m%d" % i, f"key{i % 5}") for i in range(30)])
         got = []
@@ -154,8 +147,8 @@ def test_reshard_keeps_tags(db, topic):
     p = fdq.Producer(db)
     p.push_many(topic, [tagged("A", b"a%d" % i, f"k{i}") for i in range(20)] +
                 [fdq.Envelope(b"u%d" % i, shard_key=f"k{i}") for i in range(20)])
-    a = fdq.Consumer(db, topic, consumer_id="a", extend_support=True, desired_tag="A", config=FAST)
-    u = fdq.Consumer(db, topic, consumer_id="u", extend_support=True, config=FAST)
+    a = fdq.Consumer(db, topic, consumer_id="a", extend_support=True, desired_tag="A", config=STEADY)
+    u = fdq.Consumer(db, topic, consumer_id="u", extend_support=True, config=STEADY)
     try:
         sup.rebalance(topic, shards=5)
         st = sup.stats(topic)["subscriptions"]["default"]["tags"]

@@ -10,9 +10,8 @@ import pytest
 import fdq
 from fdq.headers import DISPATCH_TAG, TRACE_ID
 
-from .conftest import dump, wait_for
+from fdqtest import FAST, wait_for
 
-FAST = fdq.ConsumerConfig(heartbeat_interval_s=0.1, poll_interval_s=0.1)
 
 RICH = {"s": "héllo ☃", "i": 2**64 - 1, "neg": -2**63, "f": 0.1, "one_f": 1.0, "one_i": 1,
         "t": True, "n": None, "l": [1, "x", [2.5, None], {"k": "v"}], "m": {"a": {"b": [False]}},
@@ -106,7 +105,7 @@ def test_push_many_mixing_tagged_and_untagged(db):
     assert len({r.id for r in res}) == 6 and sorted(r.id for r in res) == [r.id for r in res]
     tags = sup.stats("t")["subscriptions"]["default"]["tags"]
     assert {t: v["backlog"] for t, v in tags.items()} == {"": 3, "A": 2, "B": 1}
-    a = fdq.Consumer(db, "t", extend_support=True, desired_tag="A", config=FAST)
+    a = fdq.Consumer(db, "t", extend_support=True, desired_tag="A", config=fdq.ConsumerConfig(heartbeat_interval_s=0.1, poll_interval_s=0.1))
     try:
         got_a = []
         wait_for(lambda: got_a.extend(a.fetch(10, timeout=0.2)) or len(got_a) >= 2, 30, "A's two messages")
@@ -148,7 +147,7 @@ def test_headers_preserved_through_replay_and_consumer(db):
     assert [m.tag for m in again] == ["", "A", "", ""]
 
 
-def test_trace_id(db):
+def test_trace_id(db, dump):
     sup = fdq.Supervisor(db)
     sup.create_topic("t", extend=True)
     p = fdq.Producer(db)
@@ -162,7 +161,7 @@ def test_trace_id(db):
     d1 = p.push("t", b"z", msg_id="m-1", headers={TRACE_ID: "9"})
     d2 = p.push("t", b"z", msg_id="m-1", headers={TRACE_ID: "9"})
     assert d2.duplicate and d2.position == d1.id == d1.position and d2.trace_id == "9"
-    before = dump(db)
+    before = dump()
     with pytest.raises(fdq.InvalidHeader, match="'##trace'"):
         p.push("t", b"x", headers={"##trace": "1"})
-    assert dump(db) == before
+    assert dump() == before

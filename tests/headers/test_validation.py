@@ -8,7 +8,6 @@ import pytest
 import fdq
 from fdq.headers import DISPATCH_TAG, MAX_HEADER_BYTES, MAX_HEADERS, MAX_NAME_CHARS, TRACE_ID
 
-from .conftest import dump
 
 VALID = [
     ("simple", {"a": "b"}),
@@ -94,9 +93,9 @@ def test_valid_headers_are_stored_exactly(env, case, headers):
 
 @pytest.mark.parametrize("case,headers,names", INVALID, ids=[c for c, _, _ in INVALID])
 @pytest.mark.parametrize("how", ["push", "push_many", "envelope"])
-def test_invalid_headers_refused_nothing_written(env, case, headers, names, how):
+def test_invalid_headers_refused_nothing_written(env, dump, case, headers, names, how):
     db, p = env
-    before = dump(db)
+    before = dump()
     with pytest.raises(fdq.InvalidHeader) as e:
         if how == "push":
             p.push("ext", b"x", headers=headers)
@@ -106,21 +105,21 @@ def test_invalid_headers_refused_nothing_written(env, case, headers, names, how)
             fdq.Envelope(b"x", headers=headers)
     assert names in str(e.value)
     assert isinstance(e.value, fdq.FDQError)
-    assert dump(db) == before
+    assert dump() == before
 
 
-def test_headers_on_plain_topic_refused_in_transaction(env):
+def test_headers_on_plain_topic_refused_in_transaction(env, dump):
     """The plain-topic check runs inside the push transaction: the other envelopes of
     the batch, and an auto-created topic, are not written either."""
     db, p = env
-    before = dump(db)
+    before = dump()
     with pytest.raises(fdq.InvalidHeader, match="'plain' has no extend support"):
         p.push("plain", b"x", headers={"a": 1})
     with pytest.raises(fdq.InvalidHeader, match="no extend support"):
         p.push_many("plain", [b"fine", fdq.Envelope(b"x", headers={DISPATCH_TAG: "A"})])
     with pytest.raises(fdq.InvalidHeader, match="'auto-new' has no extend support"):
         p.push("auto-new", b"x", headers={"a": 1})          # auto-created topics are plain
-    assert dump(db) == before
+    assert dump() == before
     assert [t for t, _c in fdq.Supervisor(db).topics()] == ["ext", "plain"]
     # No headers (or an empty mapping) is fine on a plain topic.
     p.push("plain", b"y", headers={})

@@ -1,32 +1,19 @@
-"""Fixtures for the queue tests: a database per test and worker processes that are
-always reaped (killed by PID at teardown)."""
+"""Fixtures of the randomized guarantee tests."""
 from __future__ import annotations
 
 import pytest
 
-import fdq
-
-from fdqtest import database_url
-from qhelpers import Procs
+from chaoshelpers import Cluster
 
 
 @pytest.fixture
-def db_path(tmp_path):
-    return tmp_path / "fdq.db"
+def cluster_factory(tmp_path):
+    made = []
 
-
-@pytest.fixture
-def url(db_path):
-    return database_url(db_path)
-
-
-@pytest.fixture
-def db(url):
-    return fdq.connect(url)
-
-
-@pytest.fixture
-def procs(tmp_path, url):
-    ps = Procs(tmp_path, url)
-    yield ps
-    ps.cleanup()
+    def make(url, kind, faults, p, rng):
+        c = Cluster(tmp_path, url, kind, faults, p, rng)
+        made.append(c)
+        return c
+    yield make
+    for c in made:
+        c.cleanup()

@@ -9,12 +9,10 @@ import pytest
 
 import fdq
 import fdq.aio
-from fdqtest import embedded_only
+from fdqtest import embedded_only, fast, sub_stats, threads_in
 
-from qhelpers import sub_stats, threads_in
 
-FAST = fdq.ConsumerConfig(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05,
-                          lease_check_interval_s=0.05, max_concurrency=4)
+POOL = fast(max_concurrency=4)
 
 
 async def _until(cond, timeout, what):
@@ -58,7 +56,7 @@ def test_at_least_once_order_concurrency_and_settlements(db):
     errors = []
 
     async def main():
-        t = await fdq.aio.tail(db, "t", handler, config=FAST, batch_size=50, on_error=errors.append)
+        t = await fdq.aio.tail(db, "t", handler, config=POOL, batch_size=50, on_error=errors.append)
         assert t.is_acking and t.batch_size == 50
         try:
             await _until(lambda: sub_stats(db, "t")["backlog"] == 0 and attempts[b"retry-later"] == 2
@@ -69,7 +67,7 @@ def test_at_least_once_order_concurrency_and_settlements(db):
     asyncio.run(main())
     assert {k: v for k, v in seen.items() if k.isdigit()} == {str(k): list(range(40)) for k in range(10)}
     assert attempts[b"poison"] == 1 and attempts[b"fail-once"] == 2 and attempts[b"retry-later"] == 2
-    assert 1 < running["max"] <= FAST.max_concurrency
+    assert 1 < running["max"] <= POOL.max_concurrency
     assert [type(e).__name__ for e in errors] == ["RuntimeError"]
     [dead] = fdq.Supervisor(db).dlq_list("t")
     assert dead["body"] == b"poison" and dead["reason"] == "terminated: cannot parse"
@@ -89,7 +87,7 @@ def test_at_most_once_acks_before_handling(db):
         raise RuntimeError("not redelivered at most once")
 
     async def main():
-        async with await fdq.aio.tail(db, "t", handler, acking=False, config=FAST,
+        async with await fdq.aio.tail(db, "t", handler, acking=False, config=POOL,
                                       on_error=lambda e: None) as t:
             assert not t.is_acking
             await _until(lambda: len(handled) == 20, 30, "20 messages handled")

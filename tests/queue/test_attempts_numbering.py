@@ -8,15 +8,15 @@ import threading
 import pytest
 
 import fdq
+from fdqtest import FAST_STEADY
 
-FAST = dict(heartbeat_interval_s=0.1, zombie_timeout_s=5.0, poll_interval_s=0.05)
 
 
 @pytest.mark.parametrize("mode", ["at_most_once", "at_least_once", "exactly_once", "pull"])
 def test_first_delivery_is_attempt_one(db, mode):
     fdq.Producer(db).push("t", b"m")
     if mode == "pull":
-        with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+        with fdq.Consumer(db, "t", config=FAST_STEADY) as c:
             [m] = c.fetch(1, timeout=10)
             m.ack()
         assert m.attempts == 1
@@ -27,9 +27,9 @@ def test_first_delivery_is_attempt_one(db, mode):
         seen.append(m.attempts)
         done.set()
     if mode == "exactly_once":
-        c = fdq.tail(db, "t", lambda tr, m: handle(m), transactional=True, config=fdq.ConsumerConfig(**FAST))
+        c = fdq.tail(db, "t", lambda tr, m: handle(m), transactional=True, config=FAST_STEADY)
     else:
-        c = fdq.tail(db, "t", handle, acking=mode == "at_least_once", config=fdq.ConsumerConfig(**FAST))
+        c = fdq.tail(db, "t", handle, acking=mode == "at_least_once", config=FAST_STEADY)
     try:
         assert done.wait(30)
     finally:

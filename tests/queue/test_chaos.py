@@ -1,4 +1,4 @@
-"""Randomized chaos, driven by a seed, all in real OS processes (``chaos_worker.py``).
+"""Randomized chaos, driven by a seed, all in real OS processes (``tests/workers/chaos.py``).
 
 One topic, four subscriptions fed by the same pushes: ``default`` consumed exactly-once
 (the handler writes a marker per message in its transaction), ``alo`` (``ordered=True``)
@@ -44,7 +44,7 @@ stored; a push killed before its producer logged the result may or may not be th
 
 Bounded for the suite (2 fixed seeds, ~10 s of chaos each). A soak:
 
-    FDQ_CHAOS_SEEDS=100-139 FDQ_CHAOS_SECONDS=30 pytest -q tests/queue/test_chaos.py
+    FDQ_CHAOS_SEEDS=100-139 FDQ_CHAOS_SECONDS=30 pytest -q tests/guarantees/test_chaos.py
 
 (``FDQ_CHAOS_SEEDS``: ``a-b`` or a comma list; ``FDQ_CHAOS_SECONDS``: chaos per seed,
 default 10; odd seeds run with fault injection, ``FDQ_CHAOS_FAULTS`` its probability,
@@ -58,20 +58,17 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 import fdq
-from fdq.keyspace import Keyspace, message_id
+from fdq.keyspace import Keyspace
 
-from qhelpers import read_lines, scan, wait_for
-from fdqtest import database_url, with_faults
+from chaoshelpers import (LogReader, check_first_in_order, check_no_leftovers, drained, exactly_once_counts,
+                          fetch_redriven, handled, log_of, restart_producer, seeds, stop_while_reading, wait_producers)
+from fdqtest import database_url, read_lines, scan, wait_for
 
-WORKER = Path(__file__).with_name("chaos_worker.py")
 CHAOS_S = float(os.environ.get("FDQ_CHAOS_SECONDS", "10"))
 PRODUCERS, BUDGET = 2, int(40 * CHAOS_S)      # messages per producer slot, over its restarts
 CONSUMERS = (("default", "eo", 2), ("alo", "alo", 2), ("alu", "alo", 2), ("amo", "amo", 1))
@@ -81,124 +78,6 @@ FAULTS = float(os.environ.get("FDQ_CHAOS_FAULTS", "0.02"))
 TRIM_AGE_S = 5.0        # the supervisor trims log entries older than this
 
 
-def _seeds():
-    spec = os.environ.get("FDQ_CHAOS_SEEDS")
-    if not spec:
-        return [1, 2]
-    if "-" in spec:
-        a, b = spec.split("-")
-        return list(range(int(a), int(b) + 1))
-    return [int(s) for s in spec.split(",")]
-
-
-
-class Cluster:
-    """The worker processes; each one is reaped (killed by PID) at teardown."""
-
-    def __init__(self, tmp: Path, url: str, faults: bool, rng: random.Random):
-        self.tmp, self.url, self.faults, self.rng = tmp, url, faults, rng
-        self.all = []
-        self.n = 0
-
-    def url_for(self):
-        self.n += 1
-        return with_faults(self.url, FAULTS, self.rng.randrange(1 << 30)) if self.faults else self.url
-
-    def start(self, role, name, out, *args):
-        err = open(self.tmp / f"{name}.{self.n}.err", "w")
-        cmd = [sys.executable, str(WORKER), role, "--url", self.url_for(), "--name", name, "--out", str(out),
-               "--seed", str(self.rng.randrange(1 << 30)), *map(str, args)]
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
-        p.name, p.out, p.err = name, out, err.name
-        self.all.append(p)
-        return p
-
-    def wait_ready(self, p, timeout=60, meanwhile=None):
-        """Wait for the worker's ``ready`` line (its signal handler is set by then),
-        calling ``meanwhile()`` every 0.1 s or so while it does not come."""
-        import selectors
-        with selectors.DefaultSelector() as sel:
-            sel.register(p.stdout, selectors.EVENT_READ)
-            deadline = time.monotonic() + timeout
-            while True:
-                left = deadline - time.monotonic()
-                assert left > 0, f"{p.name}: not ready within {timeout}s: {self.stderr(p)}"
-                if not sel.select(min(left, 0.1) if meanwhile else left):
-                    if meanwhile:
-                        meanwhile()
-                    continue
-                line = p.stdout.readline()
-                assert line, f"{p.name} exited before it was ready: {self.stderr(p)}"
-                if line.strip() == "ready":
-                    return
-
-    def stderr(self, p):
-        return Path(p.err).read_text()[-6000:]
-
-    def kill9(self, p):
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGKILL)
-        p.wait(timeout=30)
-        p.killed = True     # (a producer killed after its last push is not restarted)
-
-    def stop(self, p, timeout=60):
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGTERM)
-        try:
-            rc = p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.kill(p.pid, signal.SIGUSR1)
-            wait_for(lambda: "Thread" in self.stderr(p), 5, what="a stack dump")
-            raise AssertionError(f"{p.name} did not stop within {timeout}s: {self.stderr(p)}")
-        assert rc == 0, f"{p.name} exited {rc}: {self.stderr(p)}"
-
-    def cleanup(self):
-        for p in self.all:
-            if p.poll() is None:
-                try:
-                    os.kill(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-            p.stdout.close()
-
-
-@pytest.fixture
-def cluster_factory(tmp_path):
-    made = []
-
-    def make(url, faults, rng):
-        c = Cluster(tmp_path, url, faults, rng)
-        made.append(c)
-        return c
-    yield make
-    for c in made:
-        c.cleanup()
-
-
-def _log(db, ts):
-    from fdq.log import iter_window, log_buckets
-    return [(message_id(vs), rec) for vs, _b, rec in iter_window(db, ts, log_buckets(db, ts), None, None)]
-
-
-def _handled(paths):
-    """{id: [(t_ns, attempts, outcome)]} and ids taken (at most once), per file list."""
-    calls, taken = collections.defaultdict(list), set()
-    for path in paths:
-        for line in read_lines(path):
-            parts = line.split(" ")
-            if parts[0] == "H":
-                calls[parts[2]].append((int(parts[1]), int(parts[3]), parts[4]))
-            elif parts[0] == "T":
-                taken.add(parts[1])
-            elif parts[0] == "BAD":
-                raise AssertionError(f"{path.name}: a large body delivered damaged: {line}")
-    return calls, taken
-
-
 def _poll(cond, timeout):
     """Poll ``cond`` for up to ``timeout`` s (a chaos moment to aim at, not a must)."""
     deadline = time.monotonic() + timeout
@@ -206,29 +85,8 @@ def _poll(cond, timeout):
         time.sleep(0.002)
 
 
-def _order_keys(rec):
-    return rec.shard_key is not None and not rec.shard_key.startswith("d-")
-
-
-def _check_first_in_order(log, first_t, what, at_least=1):
-    """Per shard key, the first delivery times (``first_t``: id -> time) follow the log's
-    order. Returns how many pairs (a message and the previous one of its key) were
-    compared: at least ``at_least``, so that the check cannot pass on nothing."""
-    last, compared = {}, 0
-    for mid, rec in log:
-        if not _order_keys(rec) or mid not in first_t:
-            continue
-        prev = last.get(rec.shard_key)
-        assert prev is None or prev[1] < first_t[mid], \
-            f"{what}: key {rec.shard_key}: {mid} first delivered before {prev[0]}, logged earlier"
-        compared += prev is not None
-        last[rec.shard_key] = (mid, first_t[mid])
-    assert compared >= at_least, f"{what}: only {compared} ordered pairs to compare"
-    return compared
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", _seeds())
+@pytest.mark.parametrize("seed", seeds("FDQ_CHAOS_SEEDS", [1, 2]))
 def test_chaos(tmp_path, cluster_factory, seed):
     rng = random.Random(seed)
     faults = seed % 2 == 1
@@ -239,7 +97,7 @@ def test_chaos(tmp_path, cluster_factory, seed):
     sup.create_subscription("t", "alo", fdq.SubscriptionConfig(deliver_policy="all", ordered=True))
     sup.create_subscription("t", "alu", fdq.SubscriptionConfig(deliver_policy="all"))
     sup.create_subscription("t", "amo", fdq.SubscriptionConfig(deliver_policy="all"))
-    cl = cluster_factory(url, faults, rng)
+    cl = cluster_factory(url, "chaos", faults, FAULTS, rng)
 
     # -- start everything
     prods = {}          # slot -> [process, generation, [out files]]
@@ -259,37 +117,18 @@ def test_chaos(tmp_path, cluster_factory, seed):
     kills = collections.Counter()
     sup_lines = 0
     ts = Keyspace().topic("t")
-    seen = {}           # id -> record: every log entry read, trimmed since or not
-    gaps = [0.0, time.monotonic()]      # the longest time between two reads, the last read
-
-    def read_log():
-        for mid, rec in _log(db, ts):
-            seen.setdefault(mid, rec)
-        now = time.monotonic()
-        gaps[0], gaps[1] = max(gaps[0], now - gaps[1]), now
-
-    def pushed(slot):
-        return sum(len(read_lines(f)) for f in prods[slot][2])
+    reader = LogReader(db, ts)
 
     # -- chaos: kill -9 and restart at random
     deadline = time.monotonic() + CHAOS_S
     while time.monotonic() < deadline:
         time.sleep(rng.uniform(0.1, 0.7))     # pacing of the chaos, not a synchronisation
-        read_log()
+        reader.read()
         r = rng.random()
         if r < 0.2:
-            slot = rng.randrange(PRODUCERS)
-            p, gen, outs = prods[slot]
-            if p.poll() is not None:
+            if not restart_producer(cl, prods, rng.randrange(PRODUCERS), BUDGET, tmp_path, *pace):
                 continue
-            cl.kill9(p)
             kills["producer"] += 1
-            left = BUDGET - pushed(slot)
-            if left > 0:
-                out = tmp_path / f"p{slot}.{gen + 1}.log"
-                outs.append(out)
-                prods[slot] = [cl.start("producer", f"p{slot}", out, "--gen", gen + 1, "--count", left, *pace),
-                               gen + 1, outs]
         elif r < 0.55:
             slot = rng.choice(sorted(cons))
             p, sub, mode, runs = cons[slot]
@@ -310,43 +149,24 @@ def test_chaos(tmp_path, cluster_factory, seed):
             supp = cl.start("supervisor", "s", journal, "--trim-age", TRIM_AGE_S)
 
     # -- drain: producers finish, the supervisor stops, a final rebalance and play
-    for slot in prods:
-        p = prods[slot][0]
-        t_end = time.monotonic() + 120
-        while p.poll() is None and time.monotonic() < t_end:
-            read_log()                  # the supervisor still trims meanwhile
-            time.sleep(0.1)
-        rc = p.wait(timeout=1)
-        assert rc == 0 or getattr(p, "killed", False), f"producer p{slot} exited {rc}: {cl.stderr(p)}"
+    wait_producers(cl, prods, reader)       # the supervisor still trims meanwhile
     # the supervisor still trims and replays (new entries) until it stops
-    cl.wait_ready(supp, meanwhile=read_log)
-    os.kill(supp.pid, signal.SIGTERM)
-    t_end = time.monotonic() + 120
-    while supp.poll() is None and time.monotonic() < t_end:
-        read_log()
-        time.sleep(0.1)
+    stop_while_reading(cl, supp, reader)
+    reader.until_exit(supp)
     cl.stop(supp, 1)
-    read_log()          # nothing more is written to the log, nor trimmed
+    reader.read()       # nothing more is written to the log, nor trimmed
     # each entry lived TRIM_AGE_S at least: read at least once if reads were closer
-    assert gaps[0] < TRIM_AGE_S - 1, f"the log was read {gaps[0]:.1f} s apart: a trimmed entry may be unseen"
+    assert reader.longest_gap < TRIM_AGE_S - 1, \
+        f"the log was read {reader.longest_gap:.1f} s apart: a trimmed entry may be unseen"
     t_drain = time.monotonic()
     sup.rebalance("t")
     sup.play("t")
     config = sup.config("t")
     assert (config.paused, config.resharding_to) == (False, None), config
 
-    log = sorted(seen.items())          # ids sort in log order
+    log = sorted(reader.seen.items())   # ids sort in log order
     ids = [mid for mid, _r in log]
-
-    def drained():
-        st = sup.stats("t")
-        if st["counters"]["pending"]:
-            return False
-        for s in st["subscriptions"].values():
-            if s["backlog"] or s["in_flight"] or s["delayed"]:
-                return False
-        return len(scan(db, b"ch/done/")) >= len(ids)
-    wait_for(drained, 120, interval=0.2, what="every subscription to drain")
+    wait_for(lambda: drained(sup, db, b"ch/done/", len(ids)), 120, interval=0.2, what="every subscription to drain")
     for p, _sub, _mode, _runs in cons.values():
         cl.wait_ready(p)
         cl.stop(p)
@@ -355,7 +175,7 @@ def test_chaos(tmp_path, cluster_factory, seed):
     for a, b in zip(jl, jl[1:]):
         if a.startswith("B ") and b.startswith("E "):
             done_ops[json.loads(a[2:].rsplit(" ", 1)[0])[0]].append(json.loads(b.split(" ", 2)[2]))
-    print(f"\nseed {seed}: faults={faults} logged={len(ids)} (trimmed {len(ids) - len(_log(db, ts))}) "
+    print(f"\nseed {seed}: faults={faults} logged={len(ids)} (trimmed {len(ids) - len(log_of(db, ts))}) "
           f"kills={dict(kills)} "
           f"supervisor ops={sum(1 for x in read_lines(journal) if x.startswith('B '))} "
           f"(killed mid-way: {sum(1 for a, b in zip(jl, jl[1:]) if a.startswith('B ') and b.startswith('B '))}; "
@@ -391,11 +211,11 @@ def test_chaos(tmp_path, cluster_factory, seed):
 
     # -- exactly-once
     assert scan(db, b"ch/bad/") == [], "a large body delivered damaged"
-    done = {k[len(b"ch/done/"):].decode(): int.from_bytes(bytes(v)[:8], "little") for k, v in scan(db, b"ch/done/")}
+    done = exactly_once_counts(db, b"ch/done/")
     assert set(done) == set(ids), f"eo: missing {len(set(ids) - set(done))}, unknown {len(set(done) - set(ids))}"
     assert [m for m, n in done.items() if n != 1] == [], "eo: processed more than once"
     eo_order = [bytes(v).decode() for _k, v in scan(db, b"ch/order/")]
-    _check_first_in_order(log, {m: i for i, m in enumerate(eo_order)}, "exactly-once")
+    check_first_in_order(log, {m: i for i, m in enumerate(eo_order)}, "exactly-once")
 
     # -- at-least-once, ordered (first deliveries in order across consumers) and not
     # (first deliveries in order within each consumer process)
@@ -404,12 +224,12 @@ def test_chaos(tmp_path, cluster_factory, seed):
     _check_alo(sup, st, log, ids, outs, "alu")
     # a message's first delivery is its earliest call; a redriven one starts again at
     # attempt 1, later, maybe in another process: not a first delivery
-    all_calls, _ = _handled(outs)
+    all_calls, _ = handled(outs)
     first = {m: min(t for t, _a, _o in v) for m, v in all_calls.items()}
     compared = 0
     for out in outs:            # a run killed early may have handled too little to compare
-        calls, _ = _handled([out])
-        compared += _check_first_in_order(
+        calls, _ = handled([out])
+        compared += check_first_in_order(
             log, {m: t for m, v in calls.items() for t, a, _o in v if a == 1 and t == first[m]},
             f"alu {out.name}", at_least=0)
     assert compared > 0, "alu: no ordered pair compared in any consumer run"
@@ -418,38 +238,29 @@ def test_chaos(tmp_path, cluster_factory, seed):
     tagged = {m for m, rec in log if (rec.headers or {}).get(TAG_HEADER) == "g"}
     by_tag_consumers = set()
     for slot in TAGGED - {"default1"}:
-        calls, _ = _handled([out for _p, out in cons[slot][3]])
+        calls, _ = handled([out for _p, out in cons[slot][3]])
         assert set(calls) <= tagged, f"{slot} (tag g) handled untagged {sorted(set(calls) - tagged)[:5]}"
         by_tag_consumers |= set(calls)
     print(f"tagged {len(tagged)}, handled by tag consumers {len(by_tag_consumers)}")
 
     # -- at-most-once
     runs = cons["amo0"][3]
-    calls, _ = _handled([out for _p, out in runs])
+    calls, _ = handled([out for _p, out in runs])
     assert [m for m, v in calls.items() if len(v) > 1] == [], "amo: handled twice"
     lost_by_kill = set()
     for p, out in runs:
         if p.returncode == -signal.SIGKILL:
-            h, taken = _handled([out])
+            h, taken = handled([out])
             lost_by_kill |= taken - set(h)
     missing = set(ids) - set(calls)
     assert missing <= lost_by_kill, f"amo: lost, never taken by a killed consumer: {sorted(missing - lost_by_kill)[:5]}"
-    _check_first_in_order(log, {m: v[0][0] for m, v in calls.items()}, "at-most-once")
+    check_first_in_order(log, {m: v[0][0] for m, v in calls.items()}, "at-most-once")
 
     # -- counters and leftovers
     for sub in ("default", "amo"):
         s = st["subscriptions"][sub]
         assert (s["emitted"], s["acked"]) == (len(ids), len(ids)), (sub, s["emitted"], s["acked"])
-    subs = st["subscriptions"].values()
-    assert c["emitted"] == sum(s["emitted"] for s in subs) and c["acked"] == sum(s["acked"] for s in subs), c
-    for s in subs:
-        assert (s["backlog"], s["in_flight"], s["delayed"]) == (0, 0, 0), s
-    left = []
-    for k, _v in scan(db, ts.subs.key()):
-        t = ts.subs.unpack(k)
-        if len(t) > 4 and t[1] == "shards" and t[4] in ("ready", "delayed", "leased"):
-            left.append(t)
-    assert left == [], f"left in queues: {left[:5]}"
+    check_no_leftovers(st, db, ts)
 
     # -- dead letters: a last redrive moves each listed one; each delivered once more
     for sub in ("alo", "alu"):
@@ -458,22 +269,14 @@ def test_chaos(tmp_path, cluster_factory, seed):
         assert sup.dlq_redrive("t", sub) == len(dead) == before["dlq"], sub
         s = sup.stats("t")["subscriptions"][sub]
         assert (s["dlq"], s["backlog"], s["in_flight"]) == (0, len(dead), 0), (sub, s)
-        got = {}
-        with fdq.Consumer(db, "t", subscription=sub, create=False, extend_support=True) as c:
-            while len(got) < len(dead):
-                ms = c.fetch(100, timeout=10)
-                assert ms, f"{sub}: {len(got)} of {len(dead)} redriven dead letters delivered"
-                c.ack_many(ms)
-                for m in ms:
-                    assert m.id not in got, f"{sub}: redriven {m.id} delivered twice"
-                    got[m.id] = m.attempts
+        got = fetch_redriven(db, sub, dead)
         assert set(got) == dead and set(got.values()) <= {1}, (sub, got)
         s = sup.stats("t")["subscriptions"][sub]
         assert (s["dlq"], s["backlog"], s["in_flight"], s["acked"]) == (0, 0, 0, len(ids)), (sub, s)
 
 
 def _check_alo(sup, st, log, ids, outs, sub):
-    calls, _ = _handled(outs)
+    calls, _ = handled(outs)
     assert set(calls) == set(ids), f"{sub}: never handled {sorted(set(ids) - set(calls))[:5]}"
     dlq = {d["id"]: d for d in sup.dlq_list("t", sub, limit=100000)}
     assert set(dlq) <= set(ids)
@@ -488,4 +291,4 @@ def _check_alo(sup, st, log, ids, outs, sub):
     assert s["acked"] + len(dlq) == len(ids) and s["dlq"] == len(dlq), (sub, s["acked"], len(dlq), len(ids))
     assert s["emitted"] >= sum(len(v) for v in calls.values()), sub
     if sub == "alo":
-        _check_first_in_order(log, {m: min(t for t, _a, _o in v) for m, v in calls.items()}, sub)
+        check_first_in_order(log, {m: min(t for t, _a, _o in v) for m, v in calls.items()}, sub)

@@ -8,11 +8,9 @@ import time
 import pytest
 
 import fdq
-from fdqtest import embedded_only
+from fdqtest import embedded_only, FAST, fast, sub_stats, threads_in, wait_for
 
-from qhelpers import sub_stats, threads_in, wait_for
 
-FAST = dict(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05, lease_check_interval_s=0.05)
 
 
 @pytest.mark.parametrize("max_concurrency", [1, 2])
@@ -37,7 +35,7 @@ def test_a_batch_longer_than_the_ack_wait_is_not_redelivered(db, touching, max_c
             time.sleep(0.6)
     ack_wait = 1.2 if touching else 1.5
     c = fdq.tail(db, "t", handler, batch_size=4, on_error=errors.append,
-                 config=fdq.ConsumerConfig(ack_wait_s=ack_wait, max_concurrency=max_concurrency, **FAST))
+                 config=fast(ack_wait_s=ack_wait, max_concurrency=max_concurrency))
     try:
         wait_for(lambda: sub_stats(db, "t")["acked"] == 4, 60, what="the four acked")
         time.sleep(ack_wait)    # a redelivery, if any, would come meanwhile
@@ -91,7 +89,7 @@ def test_aio_round_longer_than_the_ack_wait_is_not_redelivered(db, shards):
 
     async def run():
         t = await fdq.aio.tail(db, "t", handler, batch_size=4, on_error=errors.append,
-                               config=fdq.ConsumerConfig(ack_wait_s=1.5, **FAST))
+                               config=fast(ack_wait_s=1.5))
         try:
             deadline = time.monotonic() + 60
             while sub_stats(db, "t")["acked"] + sub_stats(db, "t")["dlq"] < 4 and time.monotonic() < deadline:
@@ -123,7 +121,7 @@ def test_no_handler_runs_on_a_batch_leased_after_shutdown_began(db, db_path):
         handling.append(m.body)
         assert release.wait(30)
     c = fdq.tail(db, "t", handler, batch_size=1,
-                 config=fdq.ConsumerConfig(ack_wait_s=600, **FAST))
+                 config=fast(ack_wait_s=600))
     wait_for(lambda: handling == [b"first"], 30, what="the first message handled")
     p.push("t", b"second")              # ready: the next round leases it
     lock = sqlite3.connect(str(db_path), isolation_level=None, timeout=30)
@@ -163,7 +161,7 @@ def test_a_stuck_handler_does_not_keep_its_batch_leased(db):
         seen.append(m.body)
         assert stuck.wait(60)
     c = fdq.tail(db, "t", handler, batch_size=3, on_error=lambda e: None,
-                 config=fdq.ConsumerConfig(ack_wait_s=1.0, **FAST))
+                 config=fast(ack_wait_s=1.0))
     try:
         wait_for(lambda: seen == [b"0"], 30, what="the first message handed over")
         wait_for(lambda: sub_stats(db, "t")["in_flight"] == 0, 30,
@@ -182,7 +180,7 @@ def test_long_round_kept_leased_across_processes_then_kill9(procs, db, mode):
     redeliver the messages A has in hand (A keeps them leased). Then A is killed
     (SIGKILL) mid-round: B takes its shard and redelivers every message A had not
     acked, so each of the 12 is handled at least once."""
-    from qhelpers import read_lines
+    from fdqtest import read_lines
     fdq.Supervisor(db).create_topic("t", shards=2)
     fdq.Producer(db).push_many("t", [fdq.Envelope(b"m:%d" % i, shard_key=f"k{i}") for i in range(12)])
     args = ("--mode", mode, "--hb", 0.2, "--zombie", 1.5, "--ack-wait", 2)
@@ -227,7 +225,7 @@ def test_aio_second_shutdown_returns_once_closed(db):
         pass
 
     async def run():
-        t = await fdq.aio.tail(db, "t", handler, config=fdq.ConsumerConfig(**FAST))
+        t = await fdq.aio.tail(db, "t", handler, config=FAST)
         assert len(sub_stats(db, "t")["consumers"]) == 1
         first = asyncio.ensure_future(t.shutdown())
         await asyncio.sleep(0)          # the first shutdown under way
@@ -258,7 +256,7 @@ def test_aio_shutdown_called_by_the_handler(db, outside_first):
             if len(got) == 2:
                 await gate.wait()
                 await asyncio.wait_for(t.shutdown(), 30)
-        t = await fdq.aio.tail(db, "t", handler, batch_size=10, config=fdq.ConsumerConfig(**FAST))
+        t = await fdq.aio.tail(db, "t", handler, batch_size=10, config=FAST)
         outside = None
         if outside_first:
             while len(got) < 2:
@@ -294,7 +292,7 @@ def test_exactly_once_failing_head_runs_the_handler_once_per_attempt(db):
             raise RuntimeError("cannot handle")
         tr[b"qt/ok/" + m.body] = b"1"
     c = fdq.tail(db, "t", handler, transactional=True, batch_size=10,
-                 config=fdq.ConsumerConfig(max_deliver=3, **FAST), on_error=lambda e: None)
+                 config=fast(max_deliver=3), on_error=lambda e: None)
     try:
         wait_for(lambda: sub_stats(db, "t")["backlog"] == 0, 60, what="the queue emptied")
     finally:

@@ -6,10 +6,8 @@ import pytest
 import fdq
 from fdq.errors import LeaseLost
 
-from qhelpers import sub_stats, wait_for
-from fdqtest import with_faults, read
+from fdqtest import FAST, fast, read, sub_stats, wait_for, with_faults
 
-FAST = dict(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05, lease_check_interval_s=0.05)
 
 
 def test_close_returns_only_its_own_leases(db):
@@ -19,12 +17,12 @@ def test_close_returns_only_its_own_leases(db):
     wait, while their holder is still working on them (and its ack then fails)."""
     fdq.Supervisor(db).create_topic("t", shards=2)
     fdq.Producer(db).push_many("t", [fdq.Envelope(b"%d" % i, shard_key=f"k{i}") for i in range(20)])
-    holder = fdq.Consumer(db, "t", consumer_id="holder", config=fdq.ConsumerConfig(ack_wait_s=600, **FAST))
+    holder = fdq.Consumer(db, "t", consumer_id="holder", config=fast(ack_wait_s=600))
     try:
         held = []
         wait_for(lambda: held.extend(holder.fetch(100, timeout=0.2)) or len(held) == 20, 30,
                  what="the holder leasing every message")
-        joiner = fdq.Consumer(db, "t", consumer_id="joiner", config=fdq.ConsumerConfig(ack_wait_s=600, **FAST))
+        joiner = fdq.Consumer(db, "t", consumer_id="joiner", config=fast(ack_wait_s=600))
         try:
             [(tag, n)] = joiner.owned_shards
             there = sum(1 for m in held if m.shard == n)
@@ -58,7 +56,7 @@ def test_exactly_once_failed_attempts_count_once_under_commit_unknown_result(url
         seen.append(m.attempts)
         raise RuntimeError("cannot handle")
     c = fdq.tail(db, "t", handler, transactional=True,
-                 config=fdq.ConsumerConfig(max_deliver=8, **FAST), on_error=lambda e: None)
+                 config=fast(max_deliver=8), on_error=lambda e: None)
     try:
         wait_for(lambda: sub_stats(fdq.connect(url), "t")["dlq"] == 1, 60, what="the message dead-lettered")
     finally:
@@ -83,7 +81,7 @@ def test_shutdown_returns_unhandled_messages_without_counting_an_attempt(db):
             assert started.wait(30)
             threading.Thread(target=c1.shutdown, daemon=True).start()
             wait_for(c1._stop.is_set, 30, what="the shutdown starting")
-    c1 = fdq.tail(db, "t", stopping, batch_size=10, config=fdq.ConsumerConfig(ack_wait_s=600, **FAST))
+    c1 = fdq.tail(db, "t", stopping, batch_size=10, config=fast(ack_wait_s=600))
     started.set()
     wait_for(lambda: c1._closed and not c1._thread.is_alive(), 60, what="the first consumer closed")
     assert first == [b"0"]
@@ -94,7 +92,7 @@ def test_shutdown_returns_unhandled_messages_without_counting_an_attempt(db):
     def failing(m):
         calls.setdefault(m.body, []).append(m.attempts)
         raise RuntimeError("cannot handle")
-    c2 = fdq.tail(db, "t", failing, config=fdq.ConsumerConfig(max_deliver=2, ack_wait_s=600, **FAST),
+    c2 = fdq.tail(db, "t", failing, config=fast(max_deliver=2, ack_wait_s=600),
                   on_error=lambda e: None)
     try:
         wait_for(lambda: sub_stats(db, "t")["dlq"] == 4, 30, what="the four dead-lettered")
@@ -118,7 +116,7 @@ def test_exactly_once_poison_delayed_message_is_dead_lettered(db):
         if m.body == b"poison":
             raise RuntimeError("cannot handle")
     c = fdq.tail(db, "t", handler, transactional=True,
-                 config=fdq.ConsumerConfig(max_deliver=3, **FAST), on_error=lambda e: None)
+                 config=fast(max_deliver=3), on_error=lambda e: None)
     try:
         wait_for(lambda: b"poison" in seen, 30, what="the delayed message delivered")
         p.push_many("t", [fdq.Envelope(b"after%d" % i, shard_key="k") for i in range(3)])
@@ -141,14 +139,14 @@ def test_touch_during_a_database_stall_restarts_the_full_ack_wait(db, db_path):
     import time
     fdq.Supervisor(db).create_topic("t", shards=2)
     fdq.Producer(db).push_many("t", [fdq.Envelope(b"%d" % i, shard_key=f"k{i}") for i in range(20)])
-    cfg = dict(FAST, heartbeat_interval_s=0.2, lease_check_interval_s=0.2)
-    holder = fdq.Consumer(db, "t", consumer_id="holder", config=fdq.ConsumerConfig(ack_wait_s=3.0, **cfg))
+    cfg = fast(heartbeat_interval_s=0.2, lease_check_interval_s=0.2, ack_wait_s=3.0)
+    holder = fdq.Consumer(db, "t", consumer_id="holder", config=cfg)
     owner = None
     try:
         held = []
         wait_for(lambda: held.extend(holder.fetch(100, timeout=0.2)) or len(held) == 20, 30,
                  what="the holder leasing every message")
-        owner = fdq.Consumer(db, "t", consumer_id="owner", config=fdq.ConsumerConfig(ack_wait_s=3.0, **cfg))
+        owner = fdq.Consumer(db, "t", consumer_id="owner", config=cfg)
         [(_tag, n)] = owner.owned_shards
         m = next(m for m in held if m.shard == n)
         key = (("", n), m._taken.vs.to_bytes())
@@ -193,13 +191,13 @@ def test_shutdown_called_by_the_handler(db, max_concurrency):
             assert started.wait(30)
             c.shutdown()
     c = fdq.tail(db, "t", handler, batch_size=10, on_error=errors.append,
-                 config=fdq.ConsumerConfig(max_concurrency=max_concurrency, **FAST))
+                 config=fast(max_concurrency=max_concurrency))
     started.set()
     wait_for(lambda: not sub_stats(db, "t")["consumers"], 30, what="the consumer leaving")
     assert errors == [] and got == [b"0", b"1"]
     s = sub_stats(db, "t")
     assert (s["backlog"], s["in_flight"], s["acked"]) == (3, 0, 2)
-    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as again:
+    with fdq.Consumer(db, "t", config=FAST) as again:
         rest = again.fetch(10, timeout=5)
         assert [(m.body, m.attempts) for m in rest] == [(b"2", 1), (b"3", 1), (b"4", 1)]
         again.ack_many(rest)

@@ -10,6 +10,7 @@ import fdq
 from fdq import membership
 from fdq.keyspace import Keyspace, parse_message_id
 from fdq.keyspace.codec import shard_of
+from fdqtest import drain
 
 
 SUBS = 9        # the default subscription and 8 more
@@ -25,17 +26,8 @@ def _fan_out_topic(db, name: str = "t"):
 
 
 def _drain_bodies(db, topic: str, sub: str, want: int, timeout: float = 30.0) -> list:
-    c = fdq.Consumer(db, topic, subscription=sub, config=fdq.ConsumerConfig(ack_wait_s=600))
-    got = []
-    deadline = time.monotonic() + timeout
-    try:
-        while len(got) < want and time.monotonic() < deadline:
-            for m in c.fetch(want - len(got), timeout=0.2):
-                got.append(m.body)
-                m.ack()
-    finally:
-        c.close()
-    return got
+    return [m.body for m in drain(db, topic, sub, until=want, batch=None, timeout=timeout,
+                                  config=fdq.ConsumerConfig(ack_wait_s=600))]
 
 
 def test_play_routes_a_big_message_after_smaller_ones_within_one_transaction_each(db):

@@ -7,9 +7,8 @@ import time
 
 import fdq
 
-from qhelpers import sub_stats
+from fdqtest import FAST, sub_stats
 
-FAST = dict(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05, lease_check_interval_s=0.05)
 
 
 def test_delayed_counter_exact_when_only_some_are_due(db):
@@ -17,7 +16,7 @@ def test_delayed_counter_exact_when_only_some_are_due(db):
     p = fdq.Producer(db)
     p.push("t", b"soon", delay=0.2)
     p.push("t", b"later", delay=600)
-    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+    with fdq.Consumer(db, "t", config=FAST) as c:
         got = []
         deadline = time.monotonic() + 20
         while not got and time.monotonic() < deadline:
@@ -40,7 +39,7 @@ def test_an_uncommitted_take_of_promoted_messages_is_not_taken_as_committed(db):
     fdq.Producer(db).push("t", b"due", delay=0.05)
     ts = Keyspace().topic("t")
     shard = ts.shard("default", "", 0)
-    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:   # owns the shard
+    with fdq.Consumer(db, "t", config=FAST) as c:   # owns the shard
         deadline = time.monotonic() + 20
         while True:
             epoch = c._owned.get(("", 0))

@@ -14,10 +14,8 @@ import fdq
 from fdq.keyspace import Keyspace, parse_message_id
 from fdq.keyspace.codec import CHUNK_BYTES
 
-from qhelpers import scan, sub_stats, wait_for
-from fdqtest import with_faults, read
+from fdqtest import FAST, fast, read, scan, sub_stats, wait_for, with_faults
 
-FAST = dict(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05, lease_check_interval_s=0.05)
 
 
 def _fetch_until(c, cond, timeout=30):
@@ -37,7 +35,7 @@ def test_delayed_message_does_not_block_ready_ones(db):
     p.push("t", b"later", shard_key="k", delay=3.0)
     for i in range(5):
         p.push("t", f"now{i}".encode(), shard_key="k")
-    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+    with fdq.Consumer(db, "t", config=FAST) as c:
         first = _fetch_until(c, lambda g: len(g) >= 5, 10)
         assert [m.body for m in first] == [f"now{i}".encode() for i in range(5)]
         assert time.monotonic() - t0 < 3.0, "ready messages waited for the delayed one"
@@ -60,7 +58,7 @@ def test_dead_letter_after_max_deliver(db):
     def handler(m):
         calls.append(m.attempts)
         raise RuntimeError("cannot handle")
-    c = fdq.tail(db, "t", handler, config=fdq.ConsumerConfig(max_deliver=3, **FAST), on_error=lambda e: None)
+    c = fdq.tail(db, "t", handler, config=fast(max_deliver=3), on_error=lambda e: None)
     try:
         wait_for(lambda: sub_stats(db, "t")["dlq"] == 1, 30, what="the message dead-lettered")
         time.sleep(0.3)
@@ -78,7 +76,7 @@ def test_term_nak_delay_and_in_progress(db):
     p = fdq.Producer(db)
     for body in (b"term", b"nak", b"touched", b"untouched"):
         p.push("t", body, shard_key="k")
-    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=1.0, **FAST)) as c:
+    with fdq.Consumer(db, "t", config=fast(ack_wait_s=1.0)) as c:
         got = {m.body: m for m in _fetch_until(c, lambda g: len(g) >= 4, 10)}
         leased_at = time.monotonic()
         got[b"term"].term("bad input")
@@ -104,7 +102,7 @@ def test_term_nak_delay_and_in_progress(db):
 def test_nak_delay_is_respected(db):
     fdq.Supervisor(db).create_topic("t", shards=1)
     fdq.Producer(db).push("t", b"x")
-    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+    with fdq.Consumer(db, "t", config=FAST) as c:
         [m] = _fetch_until(c, lambda g: g, 10)
         t0 = time.monotonic()
         m.nak(delay=1.2)
@@ -149,7 +147,7 @@ def test_max_backlog_refuses_whole_pushes(db):
     ts = Keyspace().topic("t")
     assert sup.stats("t")["counters"]["inserted"] == 10
     assert len(scan(db, ts.log.key())) == 10 and sub_stats(db, "t")["backlog"] == 10
-    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+    with fdq.Consumer(db, "t", config=FAST) as c:
         got = _fetch_until(c, lambda g: len(g) >= 4, 10)
         for m in got[:4]:
             m.ack()
@@ -224,7 +222,7 @@ def test_large_bodies_split_and_reassembled(db):
         p.push("small", os.urandom(200_001))
     assert sup.stats("t")["counters"]["inserted"] == 3
     assert sup.stats("small")["counters"]["inserted"] == 0
-    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+    with fdq.Consumer(db, "t", config=FAST) as c:
         got = _fetch_until(c, lambda g: len(g) >= 3, 30)
         assert [m.body for m in got] == bodies
         for m in got:
@@ -240,13 +238,13 @@ def test_large_dead_letter_listed_whole_and_redriven(db):
     sup.create_topic("t", shards=2)
     big = os.urandom(3 * CHUNK_BYTES + 7)
     fdq.Producer(db).push("t", big, shard_key="big")
-    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+    with fdq.Consumer(db, "t", config=FAST) as c:
         [m] = _fetch_until(c, lambda g: len(g) >= 1, 30)
         m.term("too big to handle")
     [dead] = sup.dlq_list("t")
     assert dead["body"] == big and dead["reason"] == "terminated: too big to handle"
     assert sup.dlq_redrive("t") == 1
-    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+    with fdq.Consumer(db, "t", config=FAST) as c:
         [m] = _fetch_until(c, lambda g: len(g) >= 1, 30)
         assert m.body == big
         m.ack()
@@ -293,7 +291,7 @@ def test_dlq_purge_removes_large_bodies_chunks(db):
     big, kept = os.urandom(2 * CHUNK_BYTES + 1), os.urandom(CHUNK_BYTES + 9)
     p = fdq.Producer(db)
     p.push("t", big, shard_key="k")
-    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+    with fdq.Consumer(db, "t", config=FAST) as c:
         [m] = _fetch_until(c, lambda g: len(g) >= 1, 30)
         m.term("purge me")
     p.push("t", kept, shard_key="k")         # queued: its chunks must survive the purge
@@ -301,7 +299,7 @@ def test_dlq_purge_removes_large_bodies_chunks(db):
     assert len(scan(db, chunks.key())) == 3 + 2
     assert sup.dlq_purge("t") == 1
     assert sup.dlq_list("t") == [] and len(scan(db, chunks.key())) == 2
-    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+    with fdq.Consumer(db, "t", config=FAST) as c:
         [m] = _fetch_until(c, lambda g: len(g) >= 1, 30)
         assert m.body == kept
         m.ack()
@@ -321,8 +319,7 @@ def test_records_at_the_value_limit_lease_and_dead_letter(db):
     for b in bodies:
         p.push("t", b, shard_key=key, headers=headers)
     p.push("t", os.urandom(CHUNK_BYTES), shard_key=key)      # no headers: fits inline
-    cfg = fdq.ConsumerConfig(**FAST)
-    with fdq.Consumer(db, "t", config=cfg, extend_support=True) as c:
+    with fdq.Consumer(db, "t", config=FAST, extend_support=True) as c:
         got = _fetch_until(c, lambda g: len(g) >= 4, 30)
         assert [m.body for m in got[:3]] == bodies and dict(got[0].headers) == headers
         for m in got:
@@ -331,7 +328,7 @@ def test_records_at_the_value_limit_lease_and_dead_letter(db):
     assert [d["body"] for d in dead[:3]] == bodies and len(dead) == 4
     assert all(len(d["reason"]) == 1000 and d["reason"].startswith("terminated: rrr") for d in dead)
     assert sup.dlq_redrive("t") == 4
-    with fdq.Consumer(db, "t", config=cfg, extend_support=True) as c:
+    with fdq.Consumer(db, "t", config=FAST, extend_support=True) as c:
         again = _fetch_until(c, lambda g: len(g) >= 4, 30)
         assert [m.body for m in again] == [m.body for m in got]
         c.ack_many(again)
@@ -343,7 +340,7 @@ def test_exactly_once_large_body(db):
     body = os.urandom(300_000)
     fdq.Producer(db).push("t", body)
     got = []
-    c = fdq.tail(db, "t", lambda tr, m: got.append(m.body), transactional=True, config=fdq.ConsumerConfig(**FAST))
+    c = fdq.tail(db, "t", lambda tr, m: got.append(m.body), transactional=True, config=FAST)
     try:
         wait_for(lambda: sub_stats(db, "t")["backlog"] == 0, 30, what="consumed")
     finally:
@@ -397,7 +394,7 @@ def test_bad_input_is_refused_clearly_and_harms_nothing(db):
     # Nothing already stored was harmed, nothing half-written, no stray topic.
     assert [n for n, _c in sup.topics()] == ["t"]
     assert sup.stats("t")["counters"]["inserted"] == 20
-    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+    with fdq.Consumer(db, "t", config=FAST) as c:
         got = _fetch_until(c, lambda g: len(g) >= 20, 10)
         assert [m.body for m in got] == stored
         for m in got:
@@ -424,7 +421,7 @@ def test_exactly_once_handler_errors_and_oversized_effects_go_to_dlq(db):
             return
         tr.add(b"qt/ok/" + m.body, (1).to_bytes(8, "little"))
     c = fdq.tail(db, "t", handler, transactional=True, batch_size=10,
-                 config=fdq.ConsumerConfig(max_deliver=2, **FAST), on_error=lambda e: None)
+                 config=fast(max_deliver=2), on_error=lambda e: None)
     try:
         wait_for(lambda: sub_stats(db, "t")["backlog"] == 0, 60, what="the queue emptied")
     finally:
@@ -443,9 +440,9 @@ def test_shutdown_releases_shards_at_once(db):
     returns what it leased unsettled."""
     from fdq import membership
     fdq.Supervisor(db).create_topic("t", shards=4)
-    slow = dict(FAST, zombie_timeout_s=30.0)
-    a = fdq.Consumer(db, "t", consumer_id="a", config=fdq.ConsumerConfig(**slow))
-    b = fdq.Consumer(db, "t", consumer_id="b", config=fdq.ConsumerConfig(**slow))
+    slow = fast(zombie_timeout_s=30.0)
+    a = fdq.Consumer(db, "t", consumer_id="a", config=slow)
+    b = fdq.Consumer(db, "t", consumer_id="b", config=slow)
     try:
         ts = Keyspace().topic("t")
         assert {o for o, _e in membership.read_owners(db, ts, "default").values()} == {"a", "b"}
@@ -483,7 +480,7 @@ def test_max_concurrency_never_runs_one_key_twice_at_once(db):
         with lock:
             active[m.shard_key] -= 1
             handled.append(m.body)
-    c = fdq.tail(db, "t", handler, batch_size=5, config=fdq.ConsumerConfig(max_concurrency=4, **FAST))
+    c = fdq.tail(db, "t", handler, batch_size=5, config=fast(max_concurrency=4))
     try:
         wait_for(lambda: sub_stats(db, "t")["backlog"] == 0, 60, what="all handled")
     finally:
@@ -501,7 +498,7 @@ def test_at_most_once_under_fault_injection_loses_nothing(db, url):
     faulty = fdq.connect(with_faults(url, 0.1, 21))
     handled = []
     c = fdq.tail(faulty, "t", lambda m: handled.append(m.id), acking=False, batch_size=10,
-                 config=fdq.ConsumerConfig(**FAST), on_error=lambda e: None)
+                 config=FAST, on_error=lambda e: None)
     try:
         wait_for(lambda: sub_stats(db, "t")["backlog"] == 0, 60, what="the queue emptied")
         wait_for(lambda: len(handled) >= len(pushed), 10, what="every message handled")
@@ -517,7 +514,7 @@ def test_acks_under_fault_injection_are_not_reported_lost(db, url):
     fdq.Producer(db).push_many("t", [fdq.Envelope(f"{i}".encode()) for i in range(200)])
     faulty = fdq.connect(with_faults(url, 0.1, 8))
     acked = 0
-    with fdq.Consumer(faulty, "t", config=fdq.ConsumerConfig(ack_wait_s=60, **FAST)) as c:
+    with fdq.Consumer(faulty, "t", config=fast(ack_wait_s=60)) as c:
         deadline = time.monotonic() + 60
         while acked < 200 and time.monotonic() < deadline:
             for m in c.fetch(20, timeout=0.2):
@@ -545,7 +542,7 @@ def test_tail_acks_ride_the_next_lease_and_are_flushed_when_idle(db):
     # No sweep within the test (poll_interval_s): only the worker's flush before it waits
     # can commit the last batch's acks in time.
     c = fdq.tail(db, "t", handler, batch_size=10, on_error=errors.append,
-                 config=fdq.ConsumerConfig(ack_wait_s=60, **{**FAST, "poll_interval_s": 60}))
+                 config=fast(ack_wait_s=60, poll_interval_s=60))
     try:
         wait_for(lambda: len(handled) >= 95, 60, what="every message handled")
         wait_for(lambda: sub_stats(db, "t")["in_flight"] == 0, 10, what="the last batch's acks committed")
@@ -584,7 +581,7 @@ def test_tail_carried_settlements_under_fault_injection_are_exact(db, url):
             lost.append(e)
 
     c = fdq.tail(faulty, "t", handler, batch_size=16, on_error=on_error,
-                 config=fdq.ConsumerConfig(ack_wait_s=60, **FAST))
+                 config=fast(ack_wait_s=60))
     try:
         wait_for(lambda: (lambda s: s["backlog"] == 0 and s["in_flight"] == 0)(sub_stats(db, "t")), 60,
                  what="everything settled")

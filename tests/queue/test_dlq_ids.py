@@ -11,9 +11,8 @@ import fdq
 from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import CHUNK_BYTES
 
-from qhelpers import scan, sub_stats
+from fdqtest import FAST, scan, sub_stats
 
-FAST = dict(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05, lease_check_interval_s=0.05)
 
 
 def _fetch(c, n, timeout=30):
@@ -32,7 +31,7 @@ def _dead_letters(db, bodies):
     p = fdq.Producer(db)
     for b in bodies:
         p.push("t", b, shard_key=b[:8].hex())
-    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+    with fdq.Consumer(db, "t", config=FAST) as c:
         for m in _fetch(c, len(bodies)):
             m.term(f"bad {m.body[:8]!r}")
     return {d["body"]: d["id"] for d in sup.dlq_list("t")}
@@ -45,7 +44,7 @@ def test_redrive_ids_moves_only_the_chosen_dead_letters_and_they_are_delivered_a
     assert [d["body"] for d in sup.dlq_list("t")] == [b"b"]
     s = sub_stats(db, "t")
     assert (s["dlq"], s["backlog"]) == (1, 2)
-    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+    with fdq.Consumer(db, "t", config=FAST) as c:
         got = _fetch(c, 2)
         assert sorted((m.body, m.attempts, m.id) for m in got) == [(b"a", 1, ids[b"a"]), (b"c", 1, ids[b"c"])]
         for m in got:

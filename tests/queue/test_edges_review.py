@@ -10,7 +10,7 @@ import pytest
 import fdq
 from fdq import membership
 from fdq.keyspace import Keyspace
-from fdqtest import with_faults, read_version
+from fdqtest import fast, read_version, with_faults
 
 
 def _sub_stats(db, topic, sub):
@@ -257,8 +257,7 @@ def test_stats_and_trim_survive_retryable_read_errors(db, url):
         assert faulty.trim("t") == 0
 
 
-AIO_FAST = fdq.ConsumerConfig(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05,
-                              lease_check_interval_s=0.05, ack_wait_s=30)
+AIO_FAST = fast(ack_wait_s=30)
 
 
 async def _aio_until(cond, timeout, what):

@@ -7,9 +7,8 @@ from __future__ import annotations
 import fdq
 from fdq.keyspace.codec import CHUNK_BYTES
 
-from fdqtest import wait_for
+from fdqtest import FAST_STEADY, wait_for
 
-FAST = dict(heartbeat_interval_s=0.1, zombie_timeout_s=5.0, poll_interval_s=0.05)
 BIG = bytes(range(256)) * ((2 * CHUNK_BYTES + 1234) // 256 + 1)     # three chunks
 
 
@@ -30,7 +29,7 @@ def test_term_dead_letters_in_the_transaction(db):
         tr[b"qt/wrote/" + m.id.encode()] = b"1"
         if m.body in (b"poison", BIG):
             m.term("cannot parse")
-    c = fdq.tail(db, "t", handler, transactional=True, batch_size=10, config=fdq.ConsumerConfig(**FAST))
+    c = fdq.tail(db, "t", handler, transactional=True, batch_size=10, config=FAST_STEADY)
     try:
         wait_for(lambda: _sub(db)["backlog"] == 0, 30, what="the queue emptied")
     finally:
@@ -51,7 +50,7 @@ def test_term_dead_letters_in_the_transaction(db):
     # the redrive brings both back whole; this time they are handled
     fdq.Supervisor(db).dlq_redrive("t")
     got = []
-    c = fdq.tail(db, "t", lambda tr, m: got.append(m.body), transactional=True, config=fdq.ConsumerConfig(**FAST))
+    c = fdq.tail(db, "t", lambda tr, m: got.append(m.body), transactional=True, config=FAST_STEADY)
     try:
         wait_for(lambda: len(got) == 2, 30, what="the redriven messages")
     finally:
@@ -72,7 +71,7 @@ def test_term_then_raise_counts_an_attempt_instead(db):
         if len(calls) == 1:
             m.term("first try")
             raise RuntimeError("then failed")
-    c = fdq.tail(db, "t", handler, transactional=True, config=fdq.ConsumerConfig(**FAST), on_error=lambda e: None)
+    c = fdq.tail(db, "t", handler, transactional=True, config=FAST_STEADY, on_error=lambda e: None)
     try:
         wait_for(lambda: _sub(db)["backlog"] == 0, 30, what="the queue emptied")
     finally:

@@ -14,8 +14,7 @@ import fdq
 from fdq import delivery, membership
 from fdq.keyspace import Keyspace
 
-from qhelpers import sub_stats
-from fdqtest import engine_errors
+from fdqtest import engine_errors, sub_stats
 
 
 def _owner(db, ts):

@@ -13,8 +13,7 @@ import fdq
 from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import shard_of
 
-from qhelpers import read_json, read_lines, scan, sub_stats, wait_for
-from fdqtest import with_faults, read_version
+from fdqtest import read_json, read_lines, read_version, scan, sub_stats, wait_for, with_faults
 
 PRODUCERS, PER_PRODUCER, KEYS = 3, 400, 7
 CONSUMER_ARGS = ("--hb", 0.2, "--zombie", 1.5, "--batch", 10, "--ack-wait", 4)

@@ -9,7 +9,7 @@ import time
 import fdq
 from fdq.keyspace.codec import shard_of
 
-from qhelpers import sub_stats
+from fdqtest import drain, sub_stats
 
 BIG = 80_000
 N = 150
@@ -22,16 +22,9 @@ def _fill(db, key="k"):
 
 
 def _drain(db, sub="default", n=N, term=False):
-    got = []
-    with fdq.Consumer(db, "t", subscription=sub, create=False) as c:
-        deadline = time.monotonic() + 60
-        while len(got) < n:
-            assert time.monotonic() < deadline, f"got {len(got)} of {n}"
-            ms = c.fetch(100, timeout=0.2)
-            got += [m.body[:5] for m in ms]
-            for m in ms:
-                m.term("x") if term else m.ack()
-    return got
+    """The first 5 bytes of the ``n`` next messages of ``sub``, each acked (or terminated)."""
+    return [m.body[:5] for m in drain(db, "t", sub, until=n, strict=True, settle="term" if term else "ack",
+                                      reason="x", create=False)]
 
 
 def test_play_replay_redrive_catch_up_and_reshard_of_large_messages(db):

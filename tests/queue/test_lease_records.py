@@ -14,10 +14,8 @@ from fdq.engine.sqlite import VALUE_SIZE_LIMIT
 from fdq.keyspace import Keyspace, counter, decode_counter, parse_message_id
 from fdq.keyspace.codec import LEASE_RECORD_BYTES, Record, decode_leases, pack, shard_of
 
-from qhelpers import sub_stats, wait_for
-from fdqtest import read
+from fdqtest import FAST, fast, read, sub_stats, wait_for
 
-FAST = dict(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05, lease_check_interval_s=0.05)
 
 
 def _records(db, topic="t", sub="default", shards=1, tag=""):
@@ -48,7 +46,7 @@ def _fetch(c, n, timeout=10):
 def test_whole_batch_is_one_record_and_one_ack_deletes_it(db):
     fdq.Supervisor(db).create_topic("t", shards=1)
     fdq.Producer(db).push_many("t", [fdq.Envelope(b"m%d" % i, shard_key=f"k{i}") for i in range(50)])
-    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+    with fdq.Consumer(db, "t", config=FAST) as c:
         got = _fetch(c, 50)
         [(key, lr)] = _records(db)[0]
         assert [bytes(e[0]).hex() for e in lr.entries] == [m.id for m in got]
@@ -64,7 +62,7 @@ def test_whole_batch_is_one_record_and_one_ack_deletes_it(db):
 def test_partial_settles_rewrite_the_record(db):
     fdq.Supervisor(db).create_topic("t", shards=1)
     fdq.Producer(db).push_many("t", [fdq.Envelope(b"m%d" % i, shard_key=f"k{i}") for i in range(10)])
-    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(max_deliver=5, **FAST)) as c:
+    with fdq.Consumer(db, "t", config=fast(max_deliver=5)) as c:
         got = _fetch(c, 10)
         got[0].ack()
         got[3].ack()
@@ -94,7 +92,7 @@ def test_partial_settles_rewrite_the_record(db):
 def test_touch_of_one_message_leaves_its_siblings_to_expire(db):
     fdq.Supervisor(db).create_topic("t", shards=1)
     fdq.Producer(db).push_many("t", [fdq.Envelope(b"m%d" % i, shard_key="k") for i in range(6)])
-    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=1.5, **FAST)) as c:
+    with fdq.Consumer(db, "t", config=fast(ack_wait_s=1.5)) as c:
         got = _fetch(c, 6)
         kept = got[2]
         back = []
@@ -118,7 +116,7 @@ def test_batch_over_the_value_limit_is_split(db):
     p = fdq.Producer(db)
     p.push_many("t", [fdq.Envelope(bytes([65 + i]) * 45_000, shard_key="big") for i in range(3)])
     p.push_many("t", [fdq.Envelope(b"s%03d" % i + b"." * 100, shard_key=f"k{i}") for i in range(300)])
-    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+    with fdq.Consumer(db, "t", config=FAST) as c:
         got = _fetch(c, 303)
         tr = db.create_transaction()
         r = Keyspace().topic("t").shard("default", "", 0).leased.range()
@@ -147,7 +145,7 @@ def test_unsettled_batch_expires_together_then_dead_letters(db, monkeypatch):
         calls.append(len(out))
         return out
     monkeypatch.setattr(delivery, "expire_leases", counted)    # counts, the real expiry runs
-    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=0.5, max_deliver=2, **FAST)) as c:
+    with fdq.Consumer(db, "t", config=fast(ack_wait_s=0.5, max_deliver=2)) as c:
         first = _fetch(c, 40)
         second = _fetch(c, 40, timeout=30)       # all expired: redelivered
         assert sorted(m.id for m in second) == sorted(m.id for m in first)
@@ -168,7 +166,7 @@ def test_retried_settle_and_expiry_apply_once(db):
     fdq.Producer(db).push_many("t", [fdq.Envelope(b"m%d" % i, shard_key=f"k{i}") for i in range(6)])
     ks = Keyspace()
     ts = ks.topic("t")
-    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+    with fdq.Consumer(db, "t", config=FAST) as c:
         got = _fetch(c, 6)
         rows = fdq.consumer._settle_rows([(got[0], "nak", 0), (got[1], "ack", None), (got[2], "term", "x")])
         assert delivery.settle(db, ts, rows, 10) == []
@@ -197,7 +195,7 @@ def test_reshard_with_batch_leases_in_flight(db):
     fdq.Producer(db).push_many("t", [fdq.Envelope(b"m%d" % i, shard_key=keys[i % 40]) for i in range(200)])
     # Expiry counts a lease's ack wait (3 s, from its record) from when the owner first
     # sees it: c2 below, however long the reshards take.
-    c = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=3, **FAST))
+    c = fdq.Consumer(db, "t", config=fast(ack_wait_s=3))
     got = _fetch(c, 200)
     c.ack_many(got[::2])
     held = {m.id: m.shard_key for m in got[1::2]}
@@ -221,7 +219,7 @@ def test_reshard_with_batch_leases_in_flight(db):
         assert sorted(seen) == sorted(held), f"after resharding to {shards}"
     # A consumer with a short ack wait gets every held message back (its leases expire).
     back = {}
-    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c2:
+    with fdq.Consumer(db, "t", config=FAST) as c2:
         deadline = time.monotonic() + 60
         while set(back) != set(held):
             assert time.monotonic() < deadline, f"{len(back)} of {len(held)} came back"
@@ -241,7 +239,7 @@ def test_reset_skips_every_leased_message_of_a_batch(db):
     sup.create_topic("t", shards=1)
     sup.create_subscription("t", "r")
     ids = [r.id for r in fdq.Producer(db).push_many("t", [fdq.Envelope(b"m%d" % i, shard_key="k") for i in range(8)])]
-    c = fdq.Consumer(db, "t", subscription="r", config=fdq.ConsumerConfig(**FAST))
+    c = fdq.Consumer(db, "t", subscription="r", config=FAST)
     try:
         first = _fetch(c, 3)
         first[0].ack()
@@ -283,7 +281,7 @@ def test_format1_lease_rows_still_read(db):
     [(k0, lr0), (k1, _lr1)] = _records(db)[0]
     assert (lr0.lease_id, lr0.bump, len(lr0.entries)) == (b"old-lease", 0, 1)
     assert decode_leases(k0, tr_get(db, k0)).delivered(lr0.entries[0]).attempts == 1
-    with fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST)) as c:
+    with fdq.Consumer(db, "t", config=FAST) as c:
         # the owner sees them unchanged for their 300 ms ack wait, then redelivers them
         back = []
         deadline = time.monotonic() + 30

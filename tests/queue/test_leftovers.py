@@ -9,8 +9,7 @@ import fdq
 from fdq import membership
 from fdq.keyspace import Keyspace, decode_counter
 
-from qhelpers import scan, wait_for
-from fdqtest import engine_errors, database_url, with_faults, read_version, read
+from fdqtest import database_url, engine_errors, read, read_version, scan, wait_for, with_faults
 
 JUMP = 90_000_000
 

@@ -14,8 +14,7 @@ import fdq
 from fdq import membership
 from fdq.keyspace import Keyspace
 
-from qhelpers import read_json, read_lines, scan, sub_stats, wait_for
-from fdqtest import with_faults, read_version
+from fdqtest import read_json, read_lines, read_version, scan, sub_stats, wait_for, with_faults
 
 ZOMBIE = 1.5
 

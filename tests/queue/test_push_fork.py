@@ -14,8 +14,7 @@ import pytest
 import fdq
 from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import Record
-from fdqtest import ON_FDB, with_faults
-from qhelpers import scan
+from fdqtest import ON_FDB, scan, with_faults
 
 pytestmark = pytest.mark.skipif(ON_FDB, reason="fork(): FoundationDB's client cannot be used in a forked child, "
                                                "which FDQ refuses (ClientForked: tests/engine/test_fdb_client.py)")

@@ -13,7 +13,7 @@ import fdq
 from fdq.keyspace import Keyspace, decode_counter, vs_key, vs_key_parts
 from fdq.keyspace.codec import Record
 
-from qhelpers import scan
+from fdqtest import scan
 
 
 @pytest.mark.parametrize("prefix", [b"", b"\x02fdq\x00", Keyspace().topic("o").log_prefix(7),

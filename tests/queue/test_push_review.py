@@ -12,8 +12,7 @@ from fdq.errors import EngineError, is_maybe_committed
 from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import Record
 
-from fdqtest import engine_errors, database_url, with_faults, read_version, read, kill_all, readline_within
-from qhelpers import scan
+from fdqtest import database_url, engine_errors, kill_all, read, read_version, readline_within, scan, with_faults
 
 
 def _stored_bodies(db, topic: str) -> collections.Counter:

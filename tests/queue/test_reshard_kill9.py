@@ -12,8 +12,7 @@ import pytest
 
 import fdq
 
-from qhelpers import read_lines, scan, sub_stats, wait_for
-from fdqtest import with_faults
+from fdqtest import read_lines, scan, sub_stats, wait_for, with_faults
 
 CONSUMER_ARGS = ("--mode", "eo", "--hb", 0.2, "--zombie", 1.5, "--batch", 20)
 

@@ -12,7 +12,7 @@ from fdq import supervisor as sv
 from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import shard_of
 
-from qhelpers import sub_stats
+from fdqtest import sub_stats
 
 
 @pytest.mark.parametrize("delay", [None, 0.2])

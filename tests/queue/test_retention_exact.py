@@ -15,8 +15,7 @@ from fdq.engine import sqlite as engine_sqlite
 from fdq.keyspace import Keyspace
 from fdq.log import iter_window, log_buckets
 
-from qhelpers import counter_value, scan
-from fdqtest import engine_errors, database_url, with_faults
+from fdqtest import counter_value, database_url, engine_errors, scan, with_faults
 
 
 def _log_bytes(db, ts) -> int:

@@ -5,9 +5,8 @@ import pytest
 
 import fdq
 
-from qhelpers import sub_stats, wait_for
+from fdqtest import FAST, fast, sub_stats, wait_for
 
-FAST = dict(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05, lease_check_interval_s=0.05)
 
 
 def test_exactly_once_failing_message_inside_a_batch_runs_once_per_attempt(db):
@@ -28,7 +27,7 @@ def test_exactly_once_failing_message_inside_a_batch_runs_once_per_attempt(db):
             raise RuntimeError("cannot handle")
         tr[b"qt/ok/" + m.body] = b"1"
     c = fdq.tail(db, "t", handler, transactional=True, batch_size=10,
-                 config=fdq.ConsumerConfig(max_deliver=3, **FAST), on_error=lambda e: None)
+                 config=fast(max_deliver=3), on_error=lambda e: None)
     try:
         wait_for(lambda: sub_stats(db, "t")["backlog"] == 0, 60, what="the queue emptied")
     finally:
@@ -67,7 +66,7 @@ def test_aio_tail_of_an_ack_policy_none_subscription_loses_nothing(db):
     async def run(acking, n):
         fdq.Producer(db).push_many("t", [fdq.Envelope(b"%d" % i, shard_key="k") for i in range(n)])
         t = await fdq.aio.tail(db, "t", handler, acking=acking, subscription="s", on_error=errors.append,
-                               config=fdq.ConsumerConfig(**FAST))
+                               config=FAST)
         try:
             deadline = asyncio.get_running_loop().time() + 30
             while len(got) < n and asyncio.get_running_loop().time() < deadline:
@@ -104,7 +103,7 @@ def test_exactly_once_term_after_the_handler_returned_raises(db):
             except fdq.FDQError as e:
                 errors.append(e)
         kept.append(m)
-    c = fdq.tail(db, "t", handler, transactional=True, batch_size=1, config=fdq.ConsumerConfig(**FAST))
+    c = fdq.tail(db, "t", handler, transactional=True, batch_size=1, config=FAST)
     try:
         wait_for(lambda: sub_stats(db, "t")["backlog"] == 0 and len(kept) == 2, 30, what="both handled")
     finally:
@@ -138,7 +137,7 @@ def test_a_long_round_stays_leased_when_the_ack_wait_is_raised_meanwhile(db):
             m.in_progress()     # its own lease: what it waited for may have taken long under load
         time.sleep(0.6)
     c = tail["c"] = fdq.tail(db, "t", handler, batch_size=4, on_error=errors.append,
-                             config=fdq.ConsumerConfig(ack_wait_s=1.5, **FAST))
+                             config=fast(ack_wait_s=1.5))
     try:
         wait_for(lambda: sub_stats(db, "t")["acked"] == 4, 60, what="the four acked")
     finally:

@@ -1,4 +1,4 @@
-"""A soak of features at once, in real OS processes (``soak_worker.py``), driven by a seed.
+"""A soak of features at once, in real OS processes (``tests/workers/soak.py``), driven by a seed.
 
 Where ``test_chaos.py`` runs one supervisor and tail consumers, this one runs, all at
 once: producers pushing from threads through auto-batching (``linger_ms``) and with
@@ -23,7 +23,7 @@ shard's counters equal its queues, in one read, every moment the test looks and 
 the end; the log's ``log_bytes`` its size; no queue entry, lease or counter left; a
 last redrive delivers each dead letter once.
 
-    FDQ_SOAK_SEEDS=1-10 FDQ_SOAK_SECONDS=30 pytest -q -s tests/queue/test_soak.py
+    FDQ_SOAK_SEEDS=1-10 FDQ_SOAK_SECONDS=30 pytest -q -s tests/guarantees/test_soak.py
 """
 from __future__ import annotations
 
@@ -31,21 +31,17 @@ import collections
 import json
 import os
 import random
-import signal
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 import fdq
 from fdq.keyspace import Keyspace, decode_counter
 
-from qhelpers import read_lines, scan, wait_for
-from test_chaos import Cluster, _check_first_in_order, _handled, _log
-from fdqtest import database_url
+from chaoshelpers import (LogReader, check_first_in_order, check_no_leftovers, drained, exactly_once_counts,
+                          fetch_redriven, handled, log_of, restart_producer, seeds, stop_while_reading, wait_producers)
+from fdqtest import database_url, read_lines, scan, wait_for
 
-WORKER = Path(__file__).with_name("soak_worker.py")
 SOAK_S = float(os.environ.get("FDQ_SOAK_SECONDS", "10"))
 PRODUCERS, BUDGET = 3, int(30 * SOAK_S)
 # (sub, mode, slot count, tagged slot)
@@ -53,41 +49,7 @@ CONSUMERS = (("default", "eo", 3), ("rst", "eo", 2), ("alo", "alo", 2), ("alo", 
 TAGGED = {"default-eo1", "alo-alo1", "aio-aio1"}
 SUBS = ("default", "alo", "aio", "flt", "rst", "rsa")
 TRIM_AGE_S = 5.0
-
-
-def _seeds():
-    spec = os.environ.get("FDQ_SOAK_SEEDS")
-    if not spec:
-        return [1]
-    if "-" in spec:
-        a, b = spec.split("-")
-        return list(range(int(a), int(b) + 1))
-    return [int(s) for s in spec.split(",")]
-
-
-class SoakCluster(Cluster):
-    def start(self, role, name, out, *args):
-        err = open(self.tmp / f"{name}.{self.n}.err", "w")
-        cmd = [sys.executable, str(WORKER), role, "--url", self.url_for(), "--name", name, "--out", str(out),
-               "--seed", str(self.rng.randrange(1 << 30)), *map(str, args)]
-        import subprocess
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
-        p.name, p.out, p.err = name, out, err.name
-        self.all.append(p)
-        return p
-
-
-@pytest.fixture
-def soak_factory(tmp_path):
-    made = []
-
-    def make(url, faults, rng):
-        c = SoakCluster(tmp_path, url, faults, rng)
-        made.append(c)
-        return c
-    yield make
-    for c in made:
-        c.cleanup()
+FAULTS = float(os.environ.get("FDQ_CHAOS_FAULTS", "0.02"))     # as the chaos test
 
 
 def _filtered(db, ts, sub):
@@ -132,8 +94,8 @@ def _check_shard_counters(db, ts) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", _seeds())
-def test_soak(tmp_path, soak_factory, seed):
+@pytest.mark.parametrize("seed", seeds("FDQ_SOAK_SEEDS", [1]))
+def test_soak(tmp_path, cluster_factory, seed):
     rng = random.Random(seed)
     faults = seed % 2 == 1
     url = database_url(tmp_path / "fdq.db")
@@ -146,7 +108,7 @@ def test_soak(tmp_path, soak_factory, seed):
                                                                max_ack_pending=3))
     sup.create_subscription("t", "rst", fdq.SubscriptionConfig(ack_policy="none"))
     sup.create_subscription("t", "rsa", fdq.SubscriptionConfig())
-    cl = soak_factory(url, faults, rng)
+    cl = cluster_factory(url, "soak", faults, FAULTS, rng)
 
     prods = {}
     for i in range(PRODUCERS):
@@ -168,37 +130,19 @@ def test_soak(tmp_path, soak_factory, seed):
                    journal, 0]
     kills = collections.Counter()
     ts = Keyspace().topic("t")
-    seen = {}
-    gaps = [0.0, time.monotonic()]
-
-    def read_log():
-        for mid, rec in _log(db, ts):
-            seen.setdefault(mid, rec)
-        now = time.monotonic()
-        gaps[0], gaps[1] = max(gaps[0], now - gaps[1]), now
-
-    def pushed(slot):
-        return sum(len(read_lines(f)) for f in prods[slot][2])
+    reader = LogReader(db, ts)
 
     deadline = time.monotonic() + SOAK_S
     while time.monotonic() < deadline:
         time.sleep(rng.uniform(0.1, 0.6))
-        read_log()
+        reader.read()
         _check_shard_counters(db, ts)
         r = rng.random()
         if r < 0.15:
-            slot = rng.randrange(PRODUCERS)
-            p, gen, outs = prods[slot]
-            if p.poll() is not None:
+            if not restart_producer(cl, prods, rng.randrange(PRODUCERS), BUDGET, tmp_path,
+                                    "--pace", max(0.1, deadline - time.monotonic()) * 0.8):
                 continue
-            cl.kill9(p)
             kills["producer"] += 1
-            left = BUDGET - pushed(slot)
-            if left > 0:
-                out = tmp_path / f"p{slot}.{gen + 1}.log"
-                outs.append(out)
-                prods[slot] = [cl.start("producer", f"p{slot}", out, "--gen", gen + 1, "--count", left,
-                                        "--pace", max(0.1, deadline - time.monotonic()) * 0.8), gen + 1, outs]
         elif r < 0.6:
             slot = rng.choice(sorted(cons))
             p, sub, mode, runs, tag = cons[slot]
@@ -218,27 +162,14 @@ def test_soak(tmp_path, soak_factory, seed):
                 sups[i] = [cl.start("supervisor", f"s{i}", journal, "--trim-age", TRIM_AGE_S,
                                     "--subs", ",".join(SUBS)), journal, len(read_lines(journal))]
 
-    for slot in prods:
-        p = prods[slot][0]
-        t_end = time.monotonic() + 120
-        while p.poll() is None and time.monotonic() < t_end:
-            read_log()
-            time.sleep(0.1)
-        rc = p.wait(timeout=1)
-        assert rc == 0 or getattr(p, "killed", False), f"producer p{slot} exited {rc}: {cl.stderr(p)}"
+    wait_producers(cl, prods, reader)
     for i in sups:
-        p = sups[i][0]
-        cl.wait_ready(p, meanwhile=read_log)
-        os.kill(p.pid, signal.SIGTERM)
+        stop_while_reading(cl, sups[i][0], reader)
     for i in sups:
-        p = sups[i][0]
-        t_end = time.monotonic() + 120
-        while p.poll() is None and time.monotonic() < t_end:
-            read_log()
-            time.sleep(0.1)
-        cl.stop(p, 1)
-    read_log()
-    assert gaps[0] < TRIM_AGE_S - 1, f"the log was read {gaps[0]:.1f} s apart"
+        reader.until_exit(sups[i][0])
+        cl.stop(sups[i][0], 1)
+    reader.read()
+    assert reader.longest_gap < TRIM_AGE_S - 1, f"the log was read {reader.longest_gap:.1f} s apart"
     t_drain = time.monotonic()
     sup.rebalance("t")
     sup.play("t")
@@ -250,20 +181,11 @@ def test_soak(tmp_path, soak_factory, seed):
     config = sup.config("t")
     assert (config.paused, config.resharding_to, config.paused_subs, config.catchup) == (False, None, (), ()), config
 
-    log = sorted(seen.items())
+    log = sorted(reader.seen.items())
     ids = [mid for mid, _r in log]
     red = [mid for mid, rec in log if (rec.headers or {}).get("color") == "red"]
-
-    def drained():
-        st = sup.stats("t")
-        if st["counters"]["pending"]:
-            return False
-        for s in st["subscriptions"].values():
-            if s["backlog"] or s["in_flight"] or s["delayed"]:
-                return False
-        return len(scan(db, b"so/default/done/")) >= len(ids)
     try:
-        wait_for(drained, 120, interval=0.2, what="every subscription to drain")
+        wait_for(lambda: drained(sup, db, b"so/default/done/", len(ids)), 120, interval=0.2, what="every subscription to drain")
     except AssertionError:
         st = sup.stats("t")
         raise AssertionError(f"not drained: {json.dumps({s: {k: v[k] for k in ('backlog', 'in_flight', 'delayed', 'paused')} for s, v in st['subscriptions'].items()})} "
@@ -281,7 +203,7 @@ def test_soak(tmp_path, soak_factory, seed):
                 ops[op[0] + ("!" if "ConfigError" in b else "")] += 1
                 if op[0] == "reset":
                     resets.setdefault(op[2] if len(op) > 2 else "rst", []).append(int(b.split(" ")[2]))
-    print(f"\nseed {seed}: faults={faults} logged={len(ids)} red={len(red)} (trimmed {len(ids) - len(_log(db, ts))}) "
+    print(f"\nseed {seed}: faults={faults} logged={len(ids)} red={len(red)} (trimmed {len(ids) - len(log_of(db, ts))}) "
           f"kills={dict(kills)} ops={dict(ops)} drained in {time.monotonic() - t_drain:.1f}s")
 
     # -- pushes
@@ -303,19 +225,17 @@ def test_soak(tmp_path, soak_factory, seed):
     assert (c["inserted"], c["routed"], c["pending"]) == (len(ids), len(ids), 0), c
 
     # -- exactly-once
-    done = {k[len(b"so/default/done/"):].decode(): int.from_bytes(bytes(v)[:8], "little")
-            for k, v in scan(db, b"so/default/done/")}
+    done = exactly_once_counts(db, b"so/default/done/")
     assert set(done) == set(ids), f"eo: missing {sorted(set(ids) - set(done))[:5]}, unknown {sorted(set(done) - set(ids))[:5]}"
     assert [m for m, n in done.items() if n != 1] == [], "eo: processed more than once"
     eo_order = [bytes(v).decode() for _k, v in scan(db, b"so/default/order/")]
-    _check_first_in_order(log, {m: i for i, m in enumerate(eo_order)}, "exactly-once")
+    check_first_in_order(log, {m: i for i, m in enumerate(eo_order)}, "exactly-once")
     s = st["subscriptions"]["default"]
     assert (s["emitted"], s["acked"]) == (len(ids), len(ids)), s
 
     # -- exactly-once with resets: what was pushed after the last reset ended, once;
     # nothing more often than once per reset plus one; counters as the deliveries
-    rdone = {k[len(b"so/rst/done/"):].decode(): int.from_bytes(bytes(v)[:8], "little")
-             for k, v in scan(db, b"so/rst/done/")}
+    rdone = exactly_once_counts(db, b"so/rst/done/")
     assert set(rdone) <= set(ids), "rst: unknown ids"
     after = [m for m, rec in log if rec.ts_ms > max(resets.get("rst", []), default=0) + 500]
     assert [m for m in after if rdone.get(m) != 1] == [], f"rst: after the last reset, not once ({resets})"
@@ -327,7 +247,7 @@ def test_soak(tmp_path, soak_factory, seed):
     def outs(sub):
         return [out for p, s, _m, runs, _t in cons.values() if s == sub for _p, out in runs]
     for sub, expected in (("alo", ids), ("aio", ids), ("flt", red)):
-        calls, _ = _handled(outs(sub))
+        calls, _ = handled(outs(sub))
         assert set(calls) == set(expected), \
             f"{sub}: never handled {sorted(set(expected) - set(calls))[:5]}, unexpected {sorted(set(calls) - set(expected))[:5]}"
         dlq = {d["id"]: d for d in sup.dlq_list("t", sub, limit=100000)}
@@ -343,10 +263,10 @@ def test_soak(tmp_path, soak_factory, seed):
         assert s["acked"] + len(dlq) == len(expected) and s["dlq"] == len(dlq), (sub, s["acked"], len(dlq), len(expected))
         assert s["emitted"] >= sum(len(v) for v in calls.values()), (sub, s["emitted"])
         if sub == "alo":
-            _check_first_in_order(log, {m: min(t for t, _a, _o in v) for m, v in calls.items()}, sub)
+            check_first_in_order(log, {m: min(t for t, _a, _o in v) for m, v in calls.items()}, sub)
     assert _filtered(db, ts, "flt") == len(ids) - len(red), (_filtered(db, ts, "flt"), len(ids), len(red))
     # at-least-once with resets: what was pushed after the last one ended, handled
-    calls, _ = _handled(outs("rsa"))
+    calls, _ = handled(outs("rsa"))
     after = [m for m, rec in log if rec.ts_ms > max(resets.get("rsa", []), default=0) + 500]
     assert [m for m in after if m not in calls] == [], f"rsa: after the last reset, never handled ({resets})"
 
@@ -354,30 +274,13 @@ def test_soak(tmp_path, soak_factory, seed):
     assert _check_shard_counters(db, ts)
     from test_retention_exact import _log_bytes
     assert c["log_bytes"] == _log_bytes(db, ts), (c["log_bytes"], _log_bytes(db, ts))
-    subs = st["subscriptions"].values()
-    assert c["emitted"] == sum(s["emitted"] for s in subs) and c["acked"] == sum(s["acked"] for s in subs), c
-    for s in subs:
-        assert (s["backlog"], s["in_flight"], s["delayed"]) == (0, 0, 0), s
-    left = []
-    for k, _v in scan(db, ts.subs.key()):
-        t = ts.subs.unpack(k)
-        if len(t) > 4 and t[1] == "shards" and t[4] in ("ready", "delayed", "leased"):
-            left.append(t)
-    assert left == [], f"left in queues: {left[:5]}"
+    check_no_leftovers(st, db, ts)
 
     # -- dead letters: a last redrive delivers each once more
     for sub, expected in (("alo", ids), ("aio", ids), ("flt", red), ("rsa", None)):
         dead = {d["id"] for d in sup.dlq_list("t", sub, limit=100000)}
         assert sup.dlq_redrive("t", sub) == len(dead), sub
-        got = {}
-        with fdq.Consumer(db, "t", subscription=sub, create=False, extend_support=True) as cc:
-            while len(got) < len(dead):
-                ms = cc.fetch(100, timeout=10)
-                assert ms, f"{sub}: {len(got)} of {len(dead)} redriven dead letters delivered"
-                cc.ack_many(ms)
-                for m in ms:
-                    assert m.id not in got, f"{sub}: redriven {m.id} delivered twice"
-                    got[m.id] = m.attempts
+        got = fetch_redriven(db, sub, dead)
         assert set(got) == dead, sub
         s = sup.stats("t")["subscriptions"][sub]
         assert (s["dlq"], s["backlog"], s["in_flight"]) == (0, 0, 0), (sub, s)

@@ -16,11 +16,8 @@ from fdq.keyspace import Keyspace, message_id, vs_key
 from fdq.keyspace.codec import pack, unpack
 from fdq.keyspace.codec import shard_of
 
-from qhelpers import scan, sub_stats, wait_for
-from fdqtest import with_faults
+from fdqtest import FAST, fast, scan, sub_stats, wait_for, with_faults
 
-FAST = fdq.ConsumerConfig(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.1,
-                          lease_check_interval_s=0.1)
 
 
 class Recorder:
@@ -88,7 +85,7 @@ def test_pause_play_inserted_vs_routed(db):
     assert (c["inserted"], c["routed"], c["pending"]) == (400, 100, 300)
     assert sub_stats(db, "t")["backlog"] == 100
     rec = Recorder()
-    consumer = fdq.tail(db, "t", rec, transactional=True, config=FAST)
+    consumer = fdq.tail(db, "t", rec, transactional=True, config=fast(poll_interval_s=0.1, lease_check_interval_s=0.1))
     try:
         time.sleep(0.5)   # a paused topic delivers nothing, even what was routed before
         assert rec.committed(db) == {}
@@ -245,7 +242,7 @@ def test_replay_time_window(db):
     time.sleep(0.05)
     after = _push_keys(db, "t", 30, 5, "after")
     rec = Recorder()
-    consumer = fdq.tail(db, "t", rec, transactional=True, config=FAST)
+    consumer = fdq.tail(db, "t", rec, transactional=True, config=fast(poll_interval_s=0.1, lease_check_interval_s=0.1))
     try:
         wait_for(lambda: len(rec.committed(db)) == 160, 60, what="the originals consumed")
         assert p.replay("t", start, end) == 80

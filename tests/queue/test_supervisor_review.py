@@ -16,8 +16,7 @@ from fdq import supervisor as sv
 from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import shard_of
 
-from qhelpers import read_lines, sub_stats, wait_for
-from fdqtest import engine_errors, read_version
+from fdqtest import engine_errors, read_lines, read_version, sub_stats, wait_for
 
 
 def _fetch_until(c, want: int, timeout: float) -> list:

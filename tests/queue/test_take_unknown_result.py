@@ -16,10 +16,8 @@ from fdq.engine import sqlite as engine
 from fdq.errors import EngineError
 from fdq.keyspace import Keyspace
 
-from qhelpers import wait_for
-from fdqtest import embedded_only, read
+from fdqtest import embedded_only, FAST, read, wait_for
 
-FAST = dict(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05, lease_check_interval_s=0.05)
 
 
 @embedded_only      # injects commit_unknown_result into one chosen commit of the embedded engine
@@ -54,7 +52,7 @@ def test_take_committed_then_shard_moved_is_handed_over(db, monkeypatch):
 
     seen = []
     c = fdq.tail(db, "t", lambda m: seen.append(m.body), acking=False, batch_size=10,
-                 config=fdq.ConsumerConfig(**FAST))
+                 config=FAST)
     try:
         wait_for(lambda: c.owned_shards, 30, what="the consumer to own the shard")
         fdq.Producer(db).push_many("t", [fdq.Envelope(b"m%d" % i) for i in range(5)])

@@ -8,7 +8,10 @@ import pytest
 
 import fdq
 from fdq.keyspace.codec import shard_of
-from subs_helpers import FAST, wait_for
+from fdqtest import fast, wait_for
+
+# The subscription tests' consumer: FAST with slower polls and lease checks.
+SUBS_FAST = fast(lease_check_interval_s=0.2, poll_interval_s=0.1)
 
 KEYS = [f"k{i}" for i in range(6)]
 PER_KEY = 25
@@ -41,7 +44,7 @@ def _run_random_naks(db, sub, ordered, seed):
                 return
             acked.append((time.monotonic(), key, seq))
     c = fdq.tail(db, "t", handler, subscription=sub, batch_size=10,
-                 config=fdq.ConsumerConfig(**FAST), create=False)
+                 config=SUBS_FAST, create=False)
     try:
         _push_keys(db, "t")
         wait_for(lambda: len(acked) >= len(KEYS) * PER_KEY, timeout=90, what=f"{sub}: every message acked")
@@ -89,7 +92,7 @@ def test_max_ack_pending_per_shard_pull(db):
     sup.create_topic("t", shards=4)
     sup.create_subscription("t", "fc", fdq.SubscriptionConfig(max_ack_pending=3, deliver_policy="new"))
     fdq.Producer(db).push_many("t", [fdq.Envelope(b"x", shard_key=f"k{i}") for i in range(100)])
-    c = fdq.Consumer(db, "t", subscription="fc", create=False, config=fdq.ConsumerConfig(**FAST))
+    c = fdq.Consumer(db, "t", subscription="fc", create=False, config=SUBS_FAST)
     try:
         got = c.fetch(100, timeout=0.5)
         per = {}
@@ -113,7 +116,7 @@ def test_max_ack_pending_never_exceeded_under_concurrency(db):
     ts = sup.keyspace.topic("t")
     fdq.Producer(db).push_many("t", [fdq.Envelope(b"x", shard_key=f"k{i}") for i in range(300)])
     done = []
-    cfg = fdq.ConsumerConfig(max_concurrency=4, **FAST)
+    cfg = fast(SUBS_FAST, max_concurrency=4)
     consumers = [fdq.tail(db, "t", lambda m: (time.sleep(0.002), done.append(1)), subscription="fc",
                           batch_size=50, config=cfg, create=False) for _ in range(2)]
     peak = 0
@@ -186,7 +189,7 @@ def test_ack_policy_none_delivers_at_most_once(db):
     def handler(m):
         got.append(m)
         raise RuntimeError("not redelivered: ack_policy none")
-    c = fdq.tail(db, "t", handler, subscription="fire", config=fdq.ConsumerConfig(**FAST), on_error=lambda e: None)
+    c = fdq.tail(db, "t", handler, subscription="fire", config=SUBS_FAST, on_error=lambda e: None)
     try:
         wait_for(lambda: len(got) >= 10, what="10 deliveries")
         time.sleep(0.5)
@@ -206,7 +209,7 @@ def test_ack_policy_none_delivers_at_most_once(db):
 def test_stall_alarm_when_owning_no_shard(db):
     fdq.Supervisor(db).create_topic("t", shards=1)
     errors = {"a": [], "b": []}
-    cfg = fdq.ConsumerConfig(**FAST)
+    cfg = SUBS_FAST
     a = fdq.Consumer(db, "t", config=cfg, consumer_id="a", on_error=errors["a"].append)
     b = fdq.Consumer(db, "t", config=cfg, consumer_id="b", on_error=errors["b"].append)
     try:
@@ -225,7 +228,7 @@ def test_update_is_picked_up_and_fixed_fields_refused(db):
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=1)
     sup.create_subscription("t", "s", fdq.SubscriptionConfig(max_ack_pending=1))
-    c = fdq.Consumer(db, "t", subscription="s", config=fdq.ConsumerConfig(**FAST))
+    c = fdq.Consumer(db, "t", subscription="s", config=SUBS_FAST)
     try:
         new = sup.update_subscription("t", "s", max_ack_pending=5, ack_wait_s=7.0, description="x")
         assert new.max_ack_pending == 5
@@ -239,17 +242,17 @@ def test_update_is_picked_up_and_fixed_fields_refused(db):
         c.close()
 
 
-def test_stall_alarm_when_the_database_is_unreachable(db, url, tmp_path):
+def test_stall_alarm_when_the_database_is_unreachable(db, url, db_path):
     """Another process holds SQLite's exclusive lock: nothing of the consumer's reaches
     the database; after 3 heartbeats the alarm fires, and it clears once the lock goes."""
     import sqlite3
     fdq.Supervisor(db).create_topic("t", shards=1)
     errors = []
-    c = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(**FAST), on_error=errors.append)
+    c = fdq.Consumer(db, "t", config=SUBS_FAST, on_error=errors.append)
     try:
         time.sleep(0.5)
         assert not [e for e in errors if isinstance(e, fdq.ConsumerStalled)]
-        lock = sqlite3.connect(str(tmp_path / "subs.db"), isolation_level=None)
+        lock = sqlite3.connect(str(db_path), isolation_level=None)
         lock.execute("BEGIN EXCLUSIVE")
         try:
             wait_for(lambda: [e for e in errors if isinstance(e, fdq.ConsumerStalled)], timeout=20,
@@ -273,7 +276,7 @@ def test_ordered_holds_a_key_while_its_lease_expires(db):
     sup.create_subscription("t", "o", fdq.SubscriptionConfig(ordered=True, ack_wait_s=1.0, max_deliver=10))
     fdq.Producer(db).push_many("t", [fdq.Envelope(f"{k}:{s}".encode(), shard_key=k)
                                      for s in range(5) for k in ("k0", "k1", "k2")])
-    c = fdq.Consumer(db, "t", subscription="o", create=False, config=fdq.ConsumerConfig(**FAST))
+    c = fdq.Consumer(db, "t", subscription="o", create=False, config=SUBS_FAST)
     try:
         first = c.fetch(100, timeout=1)
         assert sorted(m.body for m in first) == [b"k0:0", b"k1:0", b"k2:0"]   # one per key
@@ -316,7 +319,7 @@ def test_consumers_of_a_deleted_subscription_are_told(db):
     sup.create_topic("t", shards=2)
     sup.create_subscription("t", "s")
     errors = []
-    c = fdq.Consumer(db, "t", subscription="s", config=fdq.ConsumerConfig(**FAST), on_error=errors.append)
+    c = fdq.Consumer(db, "t", subscription="s", config=SUBS_FAST, on_error=errors.append)
     try:
         sup.delete_subscription("t", "s")
         wait_for(lambda: [e for e in errors if isinstance(e, fdq.SubscriptionNotFound)], timeout=10,

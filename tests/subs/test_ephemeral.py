@@ -9,8 +9,11 @@ import pytest
 
 import fdq
 from fdq.keyspace import decode_counter
-from subs_helpers import FAST, wait_for
-from worker import seen_key
+from fdqtest import fast, wait_for
+from workers.common import seen_key
+
+# The subscription tests' consumer: FAST with slower polls and lease checks.
+SUBS_FAST = fast(lease_check_interval_s=0.2, poll_interval_s=0.1)
 
 
 def seen_all(db, sub, ids):
@@ -45,16 +48,16 @@ def test_ephemeral_lifecycle_two_members(db, url, workers):
     sup.create_topic("events", shards=4)
     sub = "watch#ephemeral"
     sup.create_subscription("events", sub, fdq.SubscriptionConfig(deliver_policy="new"))
-    a = workers.start(url, "events", sub, "acking", "a")
-    b = workers.start(url, "events", sub, "acking", "b")
+    a = workers.start("subs-consumer", "a", "--topic", "events", "--sub", sub, "--mode", "acking", wait_ready=True)
+    b = workers.start("subs-consumer", "b", "--topic", "events", "--sub", sub, "--mode", "acking", wait_ready=True)
     ids = push(db, 40, "x")
     wait_for(lambda: seen_all(db, sub, ids), what="both members consuming")
-    workers.leave(a)                        # the first member leaves: nothing is deleted
+    workers.term(a)                        # the first member leaves: nothing is deleted
     assert sub in sup.config("events").subs
     ids = push(db, 40, "y")
     wait_for(lambda: seen_all(db, sub, ids), what="the second member receiving everything")
     assert sub in sup.config("events").subs
-    workers.leave(b)                        # the last member leaves: deleted with it
+    workers.term(b)                        # the last member leaves: deleted with it
     assert sub not in sup.config("events").subs
     assert sub_keys(db, sup, sub) == 0
     assert sup.stats("events")["subscriptions"].keys() == {"default"}
@@ -66,20 +69,20 @@ def test_ephemeral_deleted_after_kill9_of_last_member(db, url, workers):
     sup.create_topic("events", shards=4)
     sub = "tmp"
     sup.create_subscription("events", sub, ephemeral=True)
-    a = workers.start(url, "events", sub, "acking", "a")
-    b = workers.start(url, "events", sub, "acking", "b")
+    a = workers.start("subs-consumer", "a", "--topic", "events", "--sub", sub, "--mode", "acking", wait_ready=True)
+    b = workers.start("subs-consumer", "b", "--topic", "events", "--sub", sub, "--mode", "acking", wait_ready=True)
     ids = push(db, 30, "x")
     wait_for(lambda: seen_all(db, sub, ids), what="members consuming")
-    workers.kill(a)     # b declares a a zombie; the subscription stays and b takes over
+    workers.kill9(a)     # b declares a a zombie; the subscription stays and b takes over
     wait_for(lambda: len(sup.stats("events")["subscriptions"][sub]["consumers"]) == 1, timeout=30,
              what="a declared a zombie")
     assert sub in sup.config("events").subs
     ids = push(db, 30, "y")
     wait_for(lambda: seen_all(db, sub, ids), what="b receiving after a's death")
     # The last member dies: a consumer of another subscription of the topic notices.
-    observer = fdq.tail(db, "events", lambda m: None, config=fdq.ConsumerConfig(**FAST))
+    observer = fdq.tail(db, "events", lambda m: None, config=SUBS_FAST)
     try:
-        workers.kill(b)
+        workers.kill9(b)
         t0 = time.monotonic()
         wait_for(lambda: sub not in sup.config("events").subs, timeout=30, what="ephemeral reaped")
         assert time.monotonic() - t0 >= 1.0, "deleted before the zombie timeout"
@@ -91,7 +94,7 @@ def test_ephemeral_deleted_after_kill9_of_last_member(db, url, workers):
 def test_ephemeral_in_process_and_supervisor_reap(db):
     sup = fdq.Supervisor(db)
     sup.create_topic("events", shards=2)
-    cfg = fdq.ConsumerConfig(**FAST)
+    cfg = SUBS_FAST
     c1 = fdq.Consumer(db, "events", subscription="e#ephemeral", subscription_config=fdq.SubscriptionConfig(
         deliver_policy="new"), config=cfg)
     c2 = fdq.Consumer(db, "events", subscription="e#ephemeral", config=cfg)
@@ -124,6 +127,7 @@ _DIE_AT_JOIN = """
 import os, signal, sys
 import fdq
 from fdq import membership
+
 
 def die(*args, **kwargs):          # the process is killed where it joins the subscription
     os.kill(os.getpid(), signal.SIGKILL)
@@ -195,7 +199,7 @@ def test_reaped_after_recreated_ephemeral_under_a_durable_name(db, url, workers)
     once its last member is killed."""
     sup = fdq.Supervisor(db)
     sup.create_topic("events", shards=2)
-    observer = fdq.tail(db, "events", lambda m: None, config=fdq.ConsumerConfig(**FAST))
+    observer = fdq.tail(db, "events", lambda m: None, config=SUBS_FAST)
     try:
         sup.create_subscription("events", "tmp")            # durable, seen by the observer
         def beats():
@@ -205,8 +209,8 @@ def test_reaped_after_recreated_ephemeral_under_a_durable_name(db, url, workers)
         wait_for(lambda: beats() >= hb + 2, timeout=30, what="the observer's heartbeats")
         sup.delete_subscription("events", "tmp")
         sup.create_subscription("events", "tmp", ephemeral=True)
-        a = workers.start(url, "events", "tmp", "acking", "a")
-        workers.kill(a)
+        a = workers.start("subs-consumer", "a", "--topic", "events", "--sub", "tmp", "--mode", "acking", wait_ready=True)
+        workers.kill9(a)
         wait_for(lambda: "tmp" not in sup.config("events").subs, timeout=30, what="ephemeral reaped")
     finally:
         observer.shutdown()

@@ -8,8 +8,8 @@ import pytest
 
 import fdq
 from fdq.keyspace import decode_counter
-from subs_helpers import wait_for
-from worker import seen_key
+from fdqtest import wait_for
+from workers.common import seen_key
 
 N = 600
 
@@ -29,7 +29,8 @@ def test_two_subscriptions_survive_kill9(db, url, workers, mode):
     sup.create_topic("orders", shards=8)
     sup.create_subscription("orders", "billing")
     sup.create_subscription("orders", "analytics", fdq.SubscriptionConfig(deliver_policy="new"))
-    procs = {sub: [workers.start(url, "orders", sub, mode, f"{sub}-{i}") for i in range(2)]
+    procs = {sub: [workers.start("subs-consumer", f"{sub}-{i}", "--topic", "orders", "--sub", sub, "--mode", mode,
+                                      wait_ready=True) for i in range(2)]
              for sub in ("billing", "analytics")}
     ids = []
     producer = fdq.Producer(db)
@@ -56,7 +57,7 @@ def test_two_subscriptions_survive_kill9(db, url, workers, mode):
         owned = {s: c["shards"] for s, st in sup.stats("orders")["subscriptions"].items() if s in procs
                  for c in st["consumers"] if c["id"] == f"{s}-0"}
         for sub in procs:
-            workers.kill(procs[sub][0])
+            workers.kill9(procs[sub][0])
     finally:
         killed.set()        # the pusher goes on (and ends) whatever happened
     assert all(owned.get(s) for s in procs), f"a victim owned no shard when killed: {owned}"
@@ -83,4 +84,4 @@ def test_two_subscriptions_survive_kill9(db, url, workers, mode):
     # The default subscription got every message too and nobody consumed it.
     assert st["default"]["backlog"] == N
     for sub in procs:
-        workers.leave(procs[sub][1])
+        workers.term(procs[sub][1])

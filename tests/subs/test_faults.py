@@ -1,10 +1,17 @@
 """Subscription state changes survive fault injection: retryable errors before commit
 and commit_unknown_result after a real commit (each function is safe to re-run)."""
 import pytest
+from functools import partial
 
 import fdq
 from fdqtest import database_url
-from subs_helpers import drain
+import fdqtest
+from fdqtest import fast
+
+# The subscription tests' consumer: FAST with slower polls and lease checks.
+SUBS_FAST = fast(lease_check_interval_s=0.2, poll_interval_s=0.1)
+# Everything a subscription delivers until it stays empty for idle_s (acked, unless settle=None).
+drain = partial(fdqtest.drain, idle_s=1.0, batch=500, settle="ack_many", create=False, config=SUBS_FAST)
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

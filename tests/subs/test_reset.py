@@ -2,11 +2,18 @@
 messages pushed during a reset kept exactly once."""
 import threading
 import time
+from functools import partial
 
 import pytest
 
 import fdq
-from subs_helpers import drain
+import fdqtest
+from fdqtest import fast, wait_for
+
+# The subscription tests' consumer: FAST with slower polls and lease checks.
+SUBS_FAST = fast(lease_check_interval_s=0.2, poll_interval_s=0.1)
+# Everything a subscription delivers until it stays empty for idle_s (acked, unless settle=None).
+drain = partial(fdqtest.drain, idle_s=1.0, batch=500, settle="ack_many", create=False, config=SUBS_FAST)
 
 
 def _push(db, tag, n):
@@ -149,13 +156,12 @@ def test_reset_killed_midway_is_finished_by_live_consumers(db, url, tmp_path):
     import signal
     import subprocess
     import sys
-    from subs_helpers import FAST, wait_for
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=2)
     sup.create_subscription("t", "r")
     a = _push(db, "a", 200)
     assert _ids(drain(db, "t", "r", idle_s=0.3)) == set(a)
-    c = fdq.Consumer(db, "t", subscription="r", create=False, config=fdq.ConsumerConfig(**FAST),
+    c = fdq.Consumer(db, "t", subscription="r", create=False, config=SUBS_FAST,
                      on_error=lambda e: None)
     try:
         script = tmp_path / "killed_reset.py"
@@ -182,6 +188,7 @@ _RESET_KILLED_IN_PURGE = """
 import os, signal, sys
 import fdq
 from fdq import subscription as subs
+
 
 subs.CHUNK = 10
 chunk, calls = subs.catch_up_chunk, []
@@ -292,13 +299,12 @@ def test_rewind_over_leases_delayed_after_its_purge_counts_them_once(db):
     from fdq import subscription as subs
     from fdq.keyspace import Keyspace
     from fdq.membership import read_clock
-    from subs_helpers import FAST, wait_for
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=2)
     sup.create_subscription("t", "r")
     ids = _push(db, "a", 50)
     ts = Keyspace().topic("t")
-    with fdq.Consumer(db, "t", subscription="r", config=fdq.ConsumerConfig(**{**FAST, "ack_wait_s": 30})) as c:
+    with fdq.Consumer(db, "t", subscription="r", config=fast(SUBS_FAST, ack_wait_s=30)) as c:
         leased = c.fetch(10, timeout=1)
         assert len(leased) == 10
         subs.begin_reset(db, ts, "r", 0)
@@ -332,7 +338,6 @@ def test_a_consumer_starts_while_its_subscription_catches_up_on_a_paused_topic(d
     import signal
     import subprocess
     import sys
-    from subs_helpers import FAST, wait_for
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=2)
     sup.create_subscription("t", "r")
@@ -344,7 +349,7 @@ def test_a_consumer_starts_while_its_subscription_catches_up_on_a_paused_topic(d
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     sup.pause("t")
     got = []
-    c = fdq.tail(db, "t", got.append, subscription="r", config=fdq.ConsumerConfig(**FAST),
+    c = fdq.tail(db, "t", got.append, subscription="r", config=SUBS_FAST,
                  on_error=lambda e: None)
     try:
         assert "r" in sup.config("t").catchup

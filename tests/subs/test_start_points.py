@@ -1,19 +1,22 @@
 """Subscriptions created while producer processes keep pushing receive exactly the
 right set for their deliver policy: no gap and no duplicate at the catch-up boundary."""
 import json
-import os
-import subprocess
-import sys
 import time
+from functools import partial
 
 import pytest
 
 import fdq
 from fdq.keyspace import decode_counter
 from fdq.log import iter_window
-from subs_helpers import drain, wait_for
+import fdqtest
+from fdqtest import fast, kill_all, wait_for
 
-PRODUCER = os.path.join(os.path.dirname(__file__), "producer.py")
+# The subscription tests' consumer: FAST with slower polls and lease checks.
+SUBS_FAST = fast(lease_check_interval_s=0.2, poll_interval_s=0.1)
+# Everything a subscription delivers until it stays empty for idle_s (acked, unless settle=None).
+drain = partial(fdqtest.drain, idle_s=1.0, batch=500, settle="ack_many", create=False, config=SUBS_FAST)
+
 COUNT = 1500
 
 
@@ -32,12 +35,10 @@ def log_entries(db, topic, shards):
 
 
 @pytest.mark.slow
-def test_late_subscriptions_get_exactly_their_start_point(db, url):
+def test_late_subscriptions_get_exactly_their_start_point(db, url, procs):
     sup = fdq.Supervisor(db)
     sup.create_topic("orders", shards=4)
-    procs = [subprocess.Popen([sys.executable, PRODUCER, url, "orders", str(COUNT)],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-             for _ in range(2)]
+    producers = [procs.start("push-ids", f"p{i}", "--topic", "orders", "--count", COUNT) for i in range(2)]
     try:
         wait_for(lambda: inserted(db, "orders") >= 300, what="first pushes")
         sup.create_subscription("orders", "all", fdq.SubscriptionConfig(deliver_policy="all"))
@@ -48,13 +49,10 @@ def test_late_subscriptions_get_exactly_their_start_point(db, url):
         sup.create_subscription("orders", "new", fdq.SubscriptionConfig(deliver_policy="new"))
         sup.create_subscription("orders", "last", fdq.SubscriptionConfig(deliver_policy="last"))
         # Creations happened while both producers were still pushing.
-        assert all(p.poll() is None for p in procs), "producers finished too early: no live boundary"
-        outs = [p.communicate(timeout=120)[0] for p in procs]
+        assert all(p.poll() is None for p in producers), "producers finished too early: no live boundary"
+        outs = [p.communicate(timeout=120)[0] for p in producers]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
+        kill_all(producers)
     pushed = set()
     for out in outs:
         pushed |= set(json.loads(out))

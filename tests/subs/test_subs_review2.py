@@ -1,9 +1,16 @@
 """Second review of subscriptions: consumers of a subscription deleted and created again
 under the same name while they run."""
 import pytest
+from functools import partial
 
 import fdq
-from subs_helpers import FAST, drain, wait_for
+import fdqtest
+from fdqtest import fast, wait_for
+
+# The subscription tests' consumer: FAST with slower polls and lease checks.
+SUBS_FAST = fast(lease_check_interval_s=0.2, poll_interval_s=0.1)
+# Everything a subscription delivers until it stays empty for idle_s (acked, unless settle=None).
+drain = partial(fdqtest.drain, idle_s=1.0, batch=500, settle="ack_many", create=False, config=SUBS_FAST)
 
 
 def _refused(errors):
@@ -21,7 +28,7 @@ def test_consumer_does_not_rejoin_a_recreated_subscription_with_another_ack_poli
     sup.create_subscription("t", "s")
     handled, errors = [], []
     c = fdq.tail(db, "t", lambda m: handled.append(m.id), subscription="s", acking=True,
-                 config=fdq.ConsumerConfig(**FAST), on_error=errors.append)
+                 config=SUBS_FAST, on_error=errors.append)
     try:
         sup.delete_subscription("t", "s")
         sup.create_subscription("t", "s", fdq.SubscriptionConfig(ack_policy="none"))
@@ -42,7 +49,7 @@ def test_consumer_does_not_rejoin_a_recreated_subscription_with_another_ack_poli
                  timeout=20, what="the refusal reported, or the messages taken")
     finally:
         c.shutdown()
-    left = {m.id for m in drain(db, "t", "s", ack=False)}
+    left = {m.id for m in drain(db, "t", "s", settle=None)}
     lost = pushed - left - set(handled)
     assert not lost, f"{len(lost)} of {len(pushed)} messages lost"
     assert _refused(errors) and not handled
@@ -77,7 +84,7 @@ def test_ack_many_of_unleased_messages_is_a_clear_error(db):
     sup.create_topic("t", shards=2)
     sup.create_subscription("t", "n", fdq.SubscriptionConfig(ack_policy="none"))
     fdq.Producer(db).push_many("t", [fdq.Envelope(b"x") for _ in range(3)])
-    c = fdq.Consumer(db, "t", subscription="n", config=fdq.ConsumerConfig(**FAST))
+    c = fdq.Consumer(db, "t", subscription="n", config=SUBS_FAST)
     try:
         ms = wait_for(lambda: c.fetch(10, timeout=0.2), timeout=20, what="messages")
         with pytest.raises(fdq.FDQError, match="is not leased: ack needs at-least-once delivery"):
@@ -99,7 +106,7 @@ def test_consumer_of_a_deleted_topic_reports_it_and_names_its_creation_again(db,
     sup.create_topic("t", shards=4)
     handled, errors = [], []
     c = fdq.tail(db, "t", lambda m: handled.append(m.body), acking=True,
-                 config=fdq.ConsumerConfig(**FAST), on_error=errors.append)
+                 config=SUBS_FAST, on_error=errors.append)
     try:
         fdq.Producer(db).push("t", b"old")
         wait_for(lambda: handled == [b"old"], timeout=20, what="the first message")
