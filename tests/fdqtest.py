@@ -10,6 +10,7 @@ real cluster). Tests name their databases with :func:`database_url`, never a URL
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -20,6 +21,7 @@ import time
 import zlib
 from pathlib import Path
 
+import msgpack
 import pytest
 
 ENGINE = os.environ.get("FDQ_TEST_ENGINE", "sqlite")
@@ -43,6 +45,10 @@ if STANDIN:
     standin.install_from_env()
 
 import fdq  # noqa: E402
+from workers.common import read_lines  # noqa: E402,F401 - the worker logs' reader, for the tests too
+from fdq import membership  # noqa: E402
+from fdq.keyspace import Keyspace  # noqa: E402
+from fdq.keyspace.codec import Record  # noqa: E402
 
 embedded_only = pytest.mark.skipif(ON_FDB, reason="about the embedded engine itself (sqlite:// only)")
 
@@ -204,6 +210,114 @@ def threads_in(*names) -> list:
     return out
 
 
+# -- helpers of several test files ------------------------------------------------
+
+def fetch_until(c, cond, timeout=30):
+    """Fetch repeatedly (bounded) until ``cond(all fetched so far)``; returns them."""
+    got = []
+    deadline = time.monotonic() + timeout
+    while not cond(got):
+        assert time.monotonic() < deadline, f"timed out; fetched {[(m.body, m.attempts) for m in got]}"
+        got += c.fetch(100, timeout=0.2)
+    return got
+
+
+def advance_clock(db, ms):
+    """Move the database clock (what delays are due by) ``ms`` ahead, as consumers do
+    with the time their monotonic clocks saw pass."""
+    ck = Keyspace().clock_key
+    tr = db.create_transaction()
+    now = membership.read_clock(tr, ck)
+    tr.cancel()
+    membership.advance_clock(db, ck, now + ms)
+
+
+def replay_counts(db, topic):
+    import collections
+
+    from fdq.keyspace.codec import Record
+    ts = Keyspace().topic(topic)
+    counts = collections.Counter()
+    r = ts.log.range()
+    tr = db.create_transaction()
+    for kv in tr.snapshot.get_range(r.start, r.stop):
+        rec = Record.decode(kv.value)
+        if rec.replay_of is not None:
+            counts[rec.replay_of] += 1
+    tr.cancel()
+    return counts
+
+
+def log_records(db, topic) -> list:
+    """Raw record fields of the "all" log, in log order per bucket, decoded with bytes
+    kept as bytes (so header encodings compare byte for byte)."""
+    ts = fdq.Supervisor(db).keyspace.topic(topic)
+    r = ts.log.range()
+    tr = db.create_transaction()
+    rows = []
+    for kv in tr.snapshot.get_range(r.start, r.stop):
+        vs = ts.log.unpack(kv.key)[1]
+        rows.append((vs, msgpack.unpackb(bytes(kv.value), raw=False)))
+    tr.cancel()
+    rows.sort(key=lambda x: x[0])
+    return [f for _vs, f in rows]
+
+
+def stored_bodies(db, topic: str) -> collections.Counter:
+    ts = Keyspace().topic(topic)
+    return collections.Counter(Record.decode(v).body for _k, v in scan(db, ts.log.key()))
+
+
+def collect(db, topic, want: int, **kw) -> list:
+    got = []
+    with fdq.Consumer(db, topic, config=FAST, **kw) as c:
+        def step():
+            for m in c.fetch(100, timeout=0.2):
+                got.append(m)
+                m.ack()
+            return len(got) >= want
+        wait_for(step, 30, f"{want} messages from {topic}")
+    return got
+
+
+def fetch_n(c, n: int, timeout: float = 30) -> list:
+    """Exactly ``n`` messages fetched by consumer ``c`` (never more), failing the test
+    after ``timeout`` s."""
+    got = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n:
+        assert time.monotonic() < deadline, f"fetched only {len(got)} of {n}"
+        got += c.fetch(n - len(got), timeout=0.2)
+    return got
+
+
+def fetch_ids(db, topic, sub, timeout=0.3, **consumer_kwargs):
+    """The ids of one fetch (up to 100, acked) of ``sub`` (a replayed copy: the id it
+    replays)."""
+    c = fdq.Consumer(db, topic, subscription=sub, create=False, **consumer_kwargs)
+    try:
+        got = c.fetch(100, timeout=timeout)
+        c.ack_many(got)
+        return [m.replay_of or m.id for m in got]
+    finally:
+        c.close()
+
+
+def commit_retrying(tr, attempt) -> int:
+    """Commit ``tr`` (its first attempt made by the caller, the other transaction
+    interleaved by hand), retrying as ``fdq.transactional`` does: on a conflict, reset
+    and run ``attempt(tr)`` again. Returns how many retries it took."""
+    retries = 0
+    while True:
+        try:
+            tr.commit().wait()
+            return retries
+        except engine_errors() as e:
+            tr.on_error(e.code).wait()
+            retries += 1
+            attempt(tr)
+
+
 # -- draining a subscription ---------------------------------------------------------
 
 def drain(source, topic: str | None = None, sub: str = "default", *, until=None, idle_s: float = 0.0,
@@ -264,15 +378,6 @@ def read_json(path):
             return json.load(f)
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-
-
-def read_lines(path):
-    """The complete lines of ``path`` (a killed writer's last line may be cut: left out)."""
-    try:
-        with open(path) as f:
-            return [line.rstrip("\n") for line in f if line.endswith("\n")]
-    except FileNotFoundError:
-        return []
 
 
 class Procs:
@@ -353,7 +458,7 @@ class Procs:
             rc = self.term(p, timeout)
         except subprocess.TimeoutExpired:
             os.kill(p.pid, signal.SIGUSR1)     # the worker dumps every thread's stack
-            wait_for(lambda: "Thread" in self.stderr(p), 5, what="a stack dump")
+            wait_for(lambda: "hread 0x" in self.stderr(p), 5, what="a stack dump")   # "(Current t|T)hread 0x…"
             raise AssertionError(f"{p.name} did not stop within {timeout}s: {self.stderr(p)[-6000:]}")
         assert rc == 0, f"{p.name} exited {rc}: {self.stderr(p)}"
 

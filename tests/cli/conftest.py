@@ -28,6 +28,15 @@ class Fdq:
             f"stdout: {result.stdout}\nstderr: {result.stderr}")
         return result
 
+    def usage_error(self, argv, text, input=None):
+        """``fdq *argv`` refused as a usage error: exit 2, nothing on stdout, one
+        ``Error:`` line on stderr that holds ``text``."""
+        r = self(*argv, code=2, input=input)
+        assert r.stdout == ""
+        error_lines = [line for line in r.stderr.splitlines() if line.startswith("Error: ")]
+        assert len(error_lines) == 1 and text in error_lines[0], r.stderr
+        return r
+
     def json(self, *args, **kwargs):
         return json.loads(self(*args, "--json", **kwargs).stdout)
 

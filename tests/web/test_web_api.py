@@ -3,7 +3,6 @@ consumers: what each endpoint reports, what each action does, and how bad input 
 missing tokens are refused (a JSON error naming the problem, nothing changed)."""
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -12,18 +11,9 @@ from fdq.broker.auth import AuthFile
 from fdq.web import WebApp
 
 from webhelpers import TOKEN, Api
-from fdqtest import fast, wait_for
+from fdqtest import fast, fetch_n, wait_for
 
 WEB_FAST = fast(zombie_timeout_s=1.0)
-
-
-def _fetch(c, n, timeout=30):
-    got = []
-    deadline = time.monotonic() + timeout
-    while len(got) < n:
-        assert time.monotonic() < deadline, f"fetched only {len(got)} of {n}"
-        got += c.fetch(n - len(got), timeout=0.2)
-    return got
 
 
 def _sub(detail, name="default"):
@@ -56,7 +46,7 @@ def test_topic_shows_subscription_backlog_in_flight_delayed_redeliveries_and_dea
         p.push("orders", body, shard_key="k")
     p.push("orders", b"later", delay=600)
     with fdq.Consumer(db, "orders", consumer_id="pull", config=WEB_FAST) as c:
-        got = {m.body: m for m in _fetch(c, 4)}
+        got = {m.body: m for m in fetch_n(c, 4)}
         got[b"nak"].nak()
         got[b"term"].term("bad input")
         got[b"wait"].nak()
@@ -119,9 +109,9 @@ def test_dlq_lists_dead_letters_with_reason_and_attempts(api, sup, db):
     fdq.Producer(db).push("orders", b"poison", shard_key="cust-1")
     fdq.Producer(db).push("orders", b"\xff\xfe", shard_key="cust-2")
     with fdq.Consumer(db, "orders", config=fast(WEB_FAST, max_deliver=2)) as c:
-        for m in _fetch(c, 2):
+        for m in fetch_n(c, 2):
             m.nak()
-        for m in _fetch(c, 2):
+        for m in fetch_n(c, 2):
             m.nak()
     d = api.ok("api/topics/orders/subscriptions/default/dlq")
     assert d["total"] == 2
@@ -139,7 +129,7 @@ def test_redrive_of_selected_dead_letters_delivers_them_again_and_purge_deletes_
     for body in (b"a", b"b", b"c"):
         p.push("orders", body)
     with fdq.Consumer(db, "orders", config=WEB_FAST) as c:
-        for m in _fetch(c, 3):
+        for m in fetch_n(c, 3):
             m.term("no")
     ids = {d["body"]: d["id"] for d in api.ok("api/topics/orders/subscriptions/default/dlq")["dead_letters"]}
     status, out = api.post("api/topics/orders/subscriptions/default/dlq/redrive", {"ids": [ids["a"]]})
@@ -148,7 +138,7 @@ def test_redrive_of_selected_dead_letters_delivers_them_again_and_purge_deletes_
     assert status == 200 and out["purged"] == 1 and "1 no longer in the dead-letter queue" in out["message"]
     assert [d["body"] for d in sup.dlq_list("orders")] == [b"c"]
     with fdq.Consumer(db, "orders", config=WEB_FAST) as c:
-        [m] = _fetch(c, 1)
+        [m] = fetch_n(c, 1)
         assert (m.body, m.id) == (b"a", ids["a"])
         m.ack()
 

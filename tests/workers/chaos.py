@@ -20,7 +20,7 @@ import time
 
 from common import Log, exactly_once_evidence, random_parser, random_tail_kwargs, stop_on_sigterm
 from consume import log_takes
-from operate import apply, random_ops
+from operate import apply, chooser, random_ops
 
 TOPIC = "t"
 TAG = "g"                     # the dispatch tag some messages carry and some consumers want
@@ -160,23 +160,8 @@ def supervisor(args, stop):
             sup.play(TOPIC)
             return None
 
-    def choose(rng):
-        r = rng.random()
-        if r < 0.22:
-            return ["pause"]
-        if r < 0.44:
-            return ["play"]
-        if r < 0.56:
-            return ["rebalance", None]
-        if r < 0.72:
-            return ["rebalance", rng.randint(2, 9)]
-        if r < 0.86:
-            now = int(time.time() * 1000)
-            start = now - rng.randint(200, 3000)
-            return ["replay", start, start + rng.randint(20, 300)]
-        if r < 0.94:
-            return ["redrive", rng.choice(["alo", "alu"])]
-        return ["trim", int((time.time() - args.trim_age) * 1000)]
+    choose = chooser([(0.22, "pause"), (0.44, "play"), (0.56, "rebalance"), (0.72, "reshard"), (0.86, "replay"),
+                      (0.94, "redrive"), (1.0, "trim")], trim_age=args.trim_age, redrive=("alo", "alu"))
     random_ops(args, choose, run, stop)
 
 

@@ -63,9 +63,13 @@ def write_status(path, status: dict):
 
 
 def stop_on_sigterm() -> threading.Event:
-    """An event SIGTERM sets (a clean stop); SIGUSR1 dumps every thread's stack."""
+    """An event SIGTERM sets (a clean stop); SIGUSR1 dumps every thread's stack.
+
+    The handler sets it from a thread of its own: a handler runs in the main thread,
+    which may be inside ``stop.wait()`` holding the event's lock, and ``set()`` there
+    would wait for that lock forever."""
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=stop.set, daemon=True).start())
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     return stop
 

@@ -116,6 +116,47 @@ def apply(sup, prod, topic: str, op: list):
     return None
 
 
+def make_op(kind: str, rng, *, trim_age: float = 5.0, redrive=("default",), subs=("default",)) -> list:
+    """A random operation of ``kind`` (its arguments drawn with ``rng``), as :func:`apply`
+    takes it: ``reshard`` is a rebalance to 2-9 shards, ``replay`` a window of the last
+    3 s, ``trim`` the log older than ``trim_age`` s, ``redrive`` one of ``redrive``,
+    ``pause_sub`` / ``play_sub`` one of ``subs``, ``reset`` of ``rst`` or ``rsa`` (rewound
+    or skipped to now), ``update`` of ``flt``'s max_ack_pending and ack wait."""
+    if kind in ("pause", "play"):
+        return [kind]
+    if kind == "rebalance":
+        return ["rebalance", None]
+    if kind == "reshard":
+        return ["rebalance", rng.randint(2, 9)]
+    if kind == "replay":
+        now = int(time.time() * 1000)
+        start = now - rng.randint(200, 3000)
+        return ["replay", start, start + rng.randint(20, 300)]
+    if kind == "redrive":
+        return ["redrive", rng.choice(list(redrive))]
+    if kind == "trim":
+        return ["trim", int((time.time() - trim_age) * 1000)]
+    if kind in ("pause_sub", "play_sub"):
+        return [kind, rng.choice(list(subs))]
+    if kind == "reset":
+        return ["reset", rng.choice([None, int(time.time() * 1000) - rng.randint(0, 3000)]),
+                rng.choice(["rst", "rsa"])]
+    if kind == "update":
+        return ["update", {"max_ack_pending": rng.choice([1, 2, 3, None]),
+                           "ack_wait_s": rng.choice([None, 0.4, 0.8])}]
+    raise ValueError(f"unknown operation {kind!r}")
+
+
+def chooser(table, **options):
+    """``choose(rng)`` for :func:`random_ops`: ``table`` is [(upper bound, kind)], in
+    increasing bounds up to 1; one draw picks the kind, :func:`make_op` its arguments."""
+    def choose(rng):
+        r = rng.random()
+        kind = next((k for bound, k in table if r < bound), table[-1][1])
+        return make_op(kind, rng, **options)
+    return choose
+
+
 def random_ops(args, choose, run, stop, wall_time: bool = False):
     """Operations ``choose(rng)`` run with ``run(op)`` until ``stop`` is set (the one under
     way finishes first), ``random.Random(--seed)`` choosing them and the pauses between.

@@ -22,7 +22,7 @@ import threading
 import time
 
 from common import Log, exactly_once_evidence, random_parser, random_tail_kwargs, stop_on_sigterm
-from operate import apply, random_ops
+from operate import apply, chooser, random_ops
 
 TOPIC = "t"
 TAG = "g"
@@ -135,14 +135,18 @@ def consumer(args, stop):
         return "nak" if r < 0.07 else "term" if r < 0.10 else "slow" if r < 0.105 else \
             "inprog" if r < 0.12 else "ack"
 
-    def handler(m):
-        o = outcome()
+    def begin(m, o):
+        """Log the handler call; nak (raise) or term as ``o`` says."""
         out.write(f"H {time.monotonic_ns()} {m.id} {m.attempts} {o}")
         if o == "nak":
             raise RuntimeError("soak nak")
         if o == "term":
             m.term("soak term")
-        elif o == "slow":
+
+    def handler(m):
+        o = outcome()
+        begin(m, o)
+        if o == "slow":
             time.sleep(args.ack_wait * 1.3)
         elif o == "inprog":
             for _ in range(3):
@@ -153,14 +157,10 @@ def consumer(args, stop):
         o = outcome()
         if o == "inprog":
             o = "ack"
-        out.write(f"H {time.monotonic_ns()} {m.id} {m.attempts} {o}")
-        if o == "nak":
-            raise RuntimeError("soak nak")
-        if o == "term":
-            m.term("soak term")
-        elif o == "slow":
+        begin(m, o)
+        if o == "slow":
             await asyncio.sleep(args.ack_wait * 1.3)
-        else:
+        elif o != "term":
             await asyncio.sleep(0)
 
     def on_error(e):
@@ -241,33 +241,9 @@ def supervisor(args, stop):
         except fdq.ConfigError as e:    # another supervisor's reshard under way
             return f"ConfigError: {e}"
 
-    def choose(rng):
-        r = rng.random()
-        if r < 0.15:
-            return ["pause"]
-        if r < 0.32:
-            return ["play"]
-        if r < 0.42:
-            return ["rebalance", None]
-        if r < 0.56:
-            return ["rebalance", rng.randint(2, 9)]
-        if r < 0.68:
-            now = int(time.time() * 1000)
-            start = now - rng.randint(200, 3000)
-            return ["replay", start, start + rng.randint(20, 300)]
-        if r < 0.74:
-            return ["redrive", rng.choice(["alo", "flt", "rsa"])]
-        if r < 0.80:
-            return ["trim", int((time.time() - args.trim_age) * 1000)]
-        if r < 0.84:
-            return ["pause_sub", rng.choice(subs)]
-        if r < 0.88:
-            return ["play_sub", rng.choice(subs)]
-        if r < 0.96:
-            return ["reset", rng.choice([None, int(time.time() * 1000) - rng.randint(0, 3000)]),
-                    rng.choice(["rst", "rsa"])]
-        return ["update", {"max_ack_pending": rng.choice([1, 2, 3, None]),
-                           "ack_wait_s": rng.choice([None, 0.4, 0.8])}]
+    choose = chooser([(0.15, "pause"), (0.32, "play"), (0.42, "rebalance"), (0.56, "reshard"), (0.68, "replay"),
+                      (0.74, "redrive"), (0.80, "trim"), (0.84, "pause_sub"), (0.88, "play_sub"), (0.96, "reset"),
+                      (1.0, "update")], trim_age=args.trim_age, redrive=("alo", "flt", "rsa"), subs=subs)
     random_ops(args, choose, run, stop, wall_time=True)
 
 
