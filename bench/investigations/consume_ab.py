@@ -9,7 +9,7 @@ thread CPU time each side spent. Alternating every few milliseconds puts both si
 the same machine load, which a shared 2-core VM changes from second to second: the ratio
 holds where wall-clock rates and separate runs do not.
 
-    python bench/consume_ab.py --a /work/main --b . --mode at_most_once
+    python -m bench.investigations.consume_ab --a /work/main --b . --mode at_most_once
 """
 from __future__ import annotations
 

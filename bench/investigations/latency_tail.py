@@ -5,11 +5,11 @@ membership step of both processes recorded on CLOCK_MONOTONIC.
 
 For the slowest 1% of messages and for 40 median ones it prints the mean time per message
 that each kind of event overlapped the message's life (push called -> handler called),
-the segments of bench/latency_trace.py, and the consumer worker thread's CPU time and
+the segments of bench/investigations/latency_trace.py, and the consumer worker thread's CPU time and
 run-queue wait (``/proc/thread-self/schedstat``: runnable but not running, i.e. the host's
 CPUs were busy) over that life; then each event kind's duration (count, p50, p99, max).
 
-    python bench/latency_tail.py [--seconds 4] [--switch-interval S]
+    python -m bench.investigations.latency_tail [--seconds 4] [--switch-interval S]
 
 ``--switch-interval`` sets ``sys.setswitchinterval`` in the consumer process (an
 experiment: CPython's default is 5 ms).
@@ -24,13 +24,13 @@ import sys
 import tempfile
 import threading
 import time
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import fdq  # noqa: E402
-from fdq import consumer as _c  # noqa: E402
-from fdq import membership as _m  # noqa: E402
-from fdq.engine import sqlite as _eng  # noqa: E402
+import fdq
+from fdq import consumer as _c
+from fdq import membership as _m
+from fdq.engine import sqlite as _eng
 
-from queue_bench import BODY, FAST, SHARDS, _pct  # noqa: E402
+from bench._common import FAST, pct
+from bench.queue_bench import BODY, SHARDS
 
 _ns = time.monotonic_ns
 
@@ -78,7 +78,7 @@ def _producer(url, rate, seconds, out):
         late.append(time.monotonic() - target)
         p.push("lat", _ns().to_bytes(8, "big") + i.to_bytes(4, "big") + BODY, shard_key=f"k{i % 64}")
         done[i] = _ns()
-    out.put((done, ev, sorted(late)[len(late)//2], sorted(late)[int(len(late)*.99)]))
+    out.put((done, ev, pct(late, .5), pct(late, .99)))
 
 def _consumer_proc(url, n, seconds, ready, out, switch_interval):
     if switch_interval:
@@ -175,7 +175,7 @@ def run(rate=1000, seconds=4.0, switch_interval=None):
     print(f"load {la0:.2f}; producer lateness p50 {late50*1e3:.2f} p99 {late99*1e3:.2f} ms; consumer cpu {cpu:.2f}s; "
           f"CPU s per consumer thread (whole process life): {threads}")
     tot = sorted(((t_h - t_p) / 1e6, i, t_p, t_h, ls, le, sh) for i, t_p, t_h, ls, le, sh in recs)
-    print("total p50 %.2f p99 %.2f" % (_pct([x[0] for x in tot], .5), _pct([x[0] for x in tot], .99)))
+    print("total p50 %.2f p99 %.2f" % (pct([x[0] for x in tot], .5), pct([x[0] for x in tot], .99)))
     allev = [(k, "P:" + th, s, e) for k, th, s, e in pev] + [(k, "C:" + th, s, e) for k, th, s, e in ev]
     wt = [x[0] for x in wss]
     def window_stats(sel, label):
@@ -218,7 +218,7 @@ def run(rate=1000, seconds=4.0, switch_interval=None):
     print("--- event durations (count, p50, p99, max ms)")
     for k, v in sorted(kinds.items()):
         v.sort()
-        print(f"  {k:<32} {len(v):6d} {_pct(v,.5):7.2f} {_pct(v,.99):7.2f} {v[-1]:7.2f}")
+        print(f"  {k:<32} {len(v):6d} {pct(v,.5):7.2f} {pct(v,.99):7.2f} {v[-1]:7.2f}")
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

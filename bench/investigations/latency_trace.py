@@ -14,7 +14,7 @@ processes of one machine), and each message's latency is split into segments:
 
 Run::
 
-    python bench/latency_trace.py [--rate 1000] [--seconds 4]
+    python -m bench.investigations.latency_trace [--rate 1000] [--seconds 4]
 
 Prints p50/p90/p99 per segment. Tracing only wraps methods (a few µs per event).
 """
@@ -30,11 +30,11 @@ import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import fdq  # noqa: E402
-from fdq import consumer as _consumer  # noqa: E402
+import fdq
+from fdq import consumer as _consumer
 
-from queue_bench import BODY, FAST, SHARDS, _pct  # noqa: E402
+from bench._common import FAST, pct
+from bench.queue_bench import BODY, SHARDS
 
 _ns = time.monotonic_ns
 
@@ -175,8 +175,8 @@ def _consumer_proc(url, n, seconds, ready, out):
     c.shutdown()
     counts["cpu_s"] = round(time.process_time(), 2)
     for k, v in rounds.items():
-        counts[f"{k}_p50_ms"] = round(_pct(v, .5) / 1e6, 2)
-        counts[f"{k}_p90_ms"] = round(_pct(v, .9) / 1e6, 2)
+        counts[f"{k}_p50_ms"] = round(pct(v, .5) / 1e6, 2)
+        counts[f"{k}_p90_ms"] = round(pct(v, .9) / 1e6, 2)
         counts[f"{k}_sum_s"] = round(sum(v) / 1e9, 2)
     if os.environ.get("FDQ_TRACE_PROFILE"):
         dump()
@@ -223,7 +223,7 @@ def run(rate, seconds):
     print(f"{'segment':<12}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'max ms':>9}  n")
     for k, v in seg.items():
         v = [x / 1e6 for x in v]
-        print(f"{k:<12}{_pct(v, .5):9.2f}{_pct(v, .9):9.2f}{_pct(v, .99):9.2f}"
+        print(f"{k:<12}{pct(v, .5):9.2f}{pct(v, .9):9.2f}{pct(v, .99):9.2f}"
               f"{(max(v) if v else float('nan')):9.2f}  {len(v)}")
     return seg
 

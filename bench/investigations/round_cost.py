@@ -10,7 +10,7 @@ on each of those ``k`` shards. Thread CPU time per round and per message, and SQ
 statements per round (``set_trace_callback`` on the engine's connections, this thread
 only; a second pass, so tracing does not bias the timing).
 
-    python bench/round_cost.py [--shards 1,2,4,8,16] [--rounds 600] [--json]
+    python -m bench.investigations.round_cost [--shards 1,2,4,8,16] [--rounds 600] [--json]
 
 What it shows (bench/RESULTS.md): a fixed cost per round plus a cost per shard visited,
 both mostly Python in the engine and the delivery code, not SQLite.
@@ -28,9 +28,8 @@ import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import fdq  # noqa: E402
-from fdq.engine import sqlite as _engine  # noqa: E402
+import fdq
+from fdq.engine import sqlite as _engine
 
 SHARDS = 16
 BODY = b"x" * 100

@@ -7,7 +7,7 @@ WAL frame written at COMMIT), far more than with its rows: a single push writes 
 it dirties ~7 pages. Run it twice with ``--dir /dev/shm`` to see how much of a page's cost
 is the file system's.
 
-    python bench/sqlite_floor.py [--dir DIR] [--commits N]
+    python -m bench.investigations.sqlite_floor [--dir DIR] [--commits N]
 """
 import argparse
 import os
