@@ -233,9 +233,7 @@ def advance_clock(db, ms):
 
 
 def replay_counts(db, topic):
-    import collections
-
-    from fdq.keyspace.codec import Record
+    """{original id: copies} of the replayed copies in ``topic``'s "all" log."""
     ts = Keyspace().topic(topic)
     counts = collections.Counter()
     r = ts.log.range()
@@ -264,20 +262,15 @@ def log_records(db, topic) -> list:
 
 
 def stored_bodies(db, topic: str) -> collections.Counter:
+    """How many times each body is stored in ``topic``'s "all" log."""
     ts = Keyspace().topic(topic)
     return collections.Counter(Record.decode(v).body for _k, v in scan(db, ts.log.key()))
 
 
-def collect(db, topic, want: int, **kw) -> list:
-    got = []
-    with fdq.Consumer(db, topic, config=FAST, **kw) as c:
-        def step():
-            for m in c.fetch(100, timeout=0.2):
-                got.append(m)
-                m.ack()
-            return len(got) >= want
-        wait_for(step, 30, f"{want} messages from {topic}")
-    return got
+def collect(db, topic, want: int, **consumer_kwargs) -> list:
+    """``want`` messages of ``topic``'s default subscription, each acked, by a FAST
+    consumer made with ``consumer_kwargs`` (failing the test after 30 s)."""
+    return drain(db, topic, until=want, strict=True, timeout=30, config=FAST, **consumer_kwargs)
 
 
 def fetch_n(c, n: int, timeout: float = 30) -> list:

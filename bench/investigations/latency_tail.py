@@ -30,7 +30,8 @@ from fdq import membership as _m
 from fdq.engine import sqlite as _eng
 
 from bench._common import FAST, pct
-from bench.queue_bench import BODY, SHARDS
+from bench.investigations.latency_trace import push_paced
+from bench.queue_bench import SHARDS
 
 _ns = time.monotonic_ns
 
@@ -63,21 +64,8 @@ def instrument(ev):
 def _producer(url, rate, seconds, out):
     ev = []
     instrument(ev)
-    db = fdq.connect(url)
-    p = fdq.Producer(db)
-    interval = 1.0 / rate
-    n = int(rate * seconds)
-    done = [0] * n
     late = []
-    t0 = time.monotonic()
-    for i in range(n):
-        target = t0 + i * interval
-        now = time.monotonic()
-        if target > now:
-            time.sleep(target - now)
-        late.append(time.monotonic() - target)
-        p.push("lat", _ns().to_bytes(8, "big") + i.to_bytes(4, "big") + BODY, shard_key=f"k{i % 64}")
-        done[i] = _ns()
+    done = push_paced(fdq.Producer(fdq.connect(url)), rate, seconds, late)
     out.put((done, ev, pct(late, .5), pct(late, .99)))
 
 def _consumer_proc(url, n, seconds, ready, out, switch_interval):

@@ -39,9 +39,10 @@ from bench.queue_bench import BODY, SHARDS
 _ns = time.monotonic_ns
 
 
-def _producer(url, rate, seconds, out):
-    db = fdq.connect(url)
-    p = fdq.Producer(db)
+def push_paced(p, rate, seconds, late=None) -> list:
+    """Push ``rate`` single messages a second for ``seconds`` to topic ``lat`` (keys over
+    64 shards; a body starts with the push's start time in ns and its number); returns
+    when each push returned (ns). ``late``: appended how late each push started (s)."""
     interval = 1.0 / rate
     n = int(rate * seconds)
     done = [0] * n
@@ -51,8 +52,15 @@ def _producer(url, rate, seconds, out):
         now = time.monotonic()
         if target > now:
             time.sleep(target - now)
+        if late is not None:
+            late.append(time.monotonic() - target)
         p.push("lat", _ns().to_bytes(8, "big") + i.to_bytes(4, "big") + BODY, shard_key=f"k{i % 64}")
         done[i] = _ns()
+    return done
+
+
+def _producer(url, rate, seconds, out):
+    done = push_paced(fdq.Producer(fdq.connect(url)), rate, seconds)
     print(f"producer cpu_s {time.process_time():.2f}", flush=True)
     out.put(done)
 

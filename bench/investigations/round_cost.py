@@ -21,7 +21,6 @@ import argparse
 import collections
 import hashlib
 import json
-import os
 import shutil
 import sys
 import tempfile

@@ -8,6 +8,8 @@ from chaoshelpers import Cluster
 
 @pytest.fixture
 def cluster_factory(tmp_path):
+    """``make(url, kind, faults, p, rng)``: a :class:`chaoshelpers.Cluster` of ``kind``
+    (``chaos`` or ``soak``) worker processes, each killed at teardown."""
     made = []
 
     def make(url, kind, faults, p, rng):
