@@ -47,5 +47,5 @@ test-fdb: $(SETUP)
 	FDQ_TEST_ENGINE=fdb $(PYTEST)
 
 bench: $(VENV)/.installed
-	$(PY) bench/engine.py
-	$(PY) bench/queue_bench.py
+	$(PY) -m bench.engine
+	$(PY) -m bench.queue_bench

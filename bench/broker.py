@@ -2,10 +2,11 @@
 
 Run::
 
-    python bench/broker.py             # about 1-2 minutes, every case bounded in count and time
-    python bench/broker.py --quick     # smaller counts
-    python bench/broker.py --markdown  # a markdown table for bench/RESULTS.md
-    python bench/broker.py --json
+    python -m bench.broker             # about 1-2 minutes, every case bounded in count and time
+    python -m bench.broker --quick     # smaller counts
+    python -m bench.broker --markdown  # a markdown table for bench/RESULTS.md
+    python -m bench.broker --json
+    python -m bench.broker --cases channels --channels 1,10,100,300 --rounds 20
 
 Cases (a fresh database and broker process for each):
 
@@ -23,6 +24,16 @@ Cases (a fresh database and broker process for each):
 * ``client_*``: the raw client alone against a null server (answers OK at once /
   streams pre-built message frames by RDY): what the client can do, so the broker
   numbers above are not client-bound.
+* ``channels`` (only when named: ``--cases channels``): PUB round trip against the number
+  of idle channels of the topic (``--channels 1,10,100``). One broker process and
+  database; one topic per channel count, its channels created by ``/channel/create`` (no
+  consumers). The topics are published to in turn, round by round (same run, same
+  machine load), one PUB at a time (send, wait for OK): p50/p90 round trip and the
+  broker's CPU per PUB (from /proc, the rounds of each topic alone). Each channel is an
+  FDQ subscription, and a push writes the message into every subscription's shard queue
+  (fan-out on write): the cost grows with channels. Then the same in process
+  (``Producer.push`` one at a time, topics with as many subscriptions, a database of its
+  own) as the reference: what the push itself costs.
 
 The raw client is a plain blocking socket with pre-encoded frames.
 """
@@ -33,22 +44,27 @@ import json
 import os
 import platform
 import socket
-import statistics
 import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from fdq.broker import protocol as p  # noqa: E402
+
+from fdq.broker import protocol as p
+
+from bench._common import pct
 
 CASE_LIMIT_S = 20.0
 
 
 class Broker:
+    """A broker process on a fresh database in ``tmp``, on free ports (``port``: TCP,
+    ``http``: its HTTP address)."""
+
     def __init__(self, tmp):
         self.proc = subprocess.Popen([sys.executable, "-m", "fdq.broker", "--url", f"sqlite:///{tmp}/fdq.db",
                                       "--tcp-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0"],
@@ -58,6 +74,7 @@ class Broker:
             raise RuntimeError(f"broker did not start: {line!r}")
         parts = dict(kv.split("=") for kv in line.split()[1:])
         self.port = int(parts["tcp"].rsplit(":", 1)[1])
+        self.http = parts["http"]
 
     def stop(self):
         self.proc.terminate()
@@ -97,11 +114,6 @@ class Client:
                 raise RuntimeError("connection closed")
             self.buf += chunk
         return out
-
-
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
 
 def pub_one_at_a_time(port, n):
@@ -320,12 +332,78 @@ def pynsq(mode, port, n):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+# -- channels: PUB round trip against the topic's idle channels ----------------------
+
+def cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def channels(counts, rounds, per_round, size):
+    """The ``channels`` case: {"broker": {count: row}, "in_process": {count: row}}."""
+    body = b"x" * size
+    with tempfile.TemporaryDirectory() as tmp:
+        b = Broker(tmp)
+        try:
+            for n in counts:
+                for i in range(n):
+                    req = urllib.request.Request(f"http://{b.http}/channel/create?topic=t{n}&channel=c{i}", data=b"")
+                    urllib.request.urlopen(req, timeout=30).read()
+            s = socket.create_connection(("127.0.0.1", b.port), timeout=30)
+            s.sendall(b"  V2")
+            frames = {n: f"PUB t{n}\n".encode() + struct.pack(">I", len(body)) + body for n in counts}
+
+            def pub(n):
+                s.sendall(frames[n])
+                got = b""
+                while len(got) < 10:
+                    got += s.recv(10 - len(got))
+            broker = _rounds(counts, rounds, per_round, pub, lambda: cpu_s(b.proc.pid))
+        finally:
+            b.stop()
+    import fdq
+    with tempfile.TemporaryDirectory() as tmp:
+        db = fdq.connect(f"sqlite:///{tmp}/ref.db")
+        sup = fdq.Supervisor(db)
+        for n in counts:
+            sup.create_topic(f"t{n}", subs=tuple(f"c{i}" for i in range(n)))
+        prod = fdq.Producer(db)
+        in_process = _rounds(counts, rounds, per_round, lambda n: prod.push(f"t{n}", body), time.process_time)
+    return {"broker": broker, "in_process": in_process}
+
+
+def _rounds(counts, rounds, per_round, call, cpu, limit_s=600):
+    """``rounds`` of ``per_round`` calls of ``call(count)`` for each count in turn: per
+    count, p50 (and its ratio to the first count's), p90, CPU ms per call."""
+    lat = {n: [] for n in counts}
+    spent = {n: 0.0 for n in counts}
+    deadline = time.monotonic() + limit_s
+    for _ in range(rounds):
+        for n in counts:
+            c0 = cpu()
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                call(n)
+                lat[n].append(time.perf_counter() - t0)
+            spent[n] += cpu() - c0
+        if time.monotonic() > deadline:
+            break
+    base = pct(lat[counts[0]], .5)
+    return {n: {"p50_ms": pct(lat[n], .5) * 1e3, "of_first": pct(lat[n], .5) / base,
+                "p90_ms": pct(lat[n], .9) * 1e3, "cpu_ms_per_call": spent[n] / len(lat[n]) * 1e3} for n in counts}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--cases", default="")
+    ap.add_argument("--channels", default="1,10,100", help="channels: the channel counts")
+    ap.add_argument("--rounds", type=int, default=15, help="channels: rounds of --per-round PUBs per count")
+    ap.add_argument("--per-round", type=int, default=40)
+    ap.add_argument("--size", type=int, default=100, help="channels: the body size")
     args = ap.parse_args()
     k = 0.25 if args.quick else 1.0
     want = set(args.cases.split(",")) if args.cases else None
@@ -363,6 +441,10 @@ def main():
             print(f"... {name}", file=sys.stderr, flush=True)
             results[name] = fn(null_server("consume" if "consume" in name else "pub"))
             print(f"    {results[name]}", file=sys.stderr, flush=True)
+    if want and "channels" in want:
+        print("... channels", file=sys.stderr, flush=True)
+        results["channels"] = channels([int(x) for x in args.channels.split(",")],
+                                       max(1, int(args.rounds * k)), args.per_round, args.size)
     meta = {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine()}
     if args.json:
         print(json.dumps({"meta": meta, "results": results}, indent=2))
@@ -373,13 +455,23 @@ def main():
                   f"{d['push_many100_per_s']:,.0f} msgs/s; fetch(200) + ack_many {d['fetch200_ack_per_s']:,.0f} msgs/s\n")
         print("| case | msgs | msgs/s | p50 ms | p99 ms |\n|---|---:|---:|---:|---:|")
         for name, r in results.items():
-            if name == "direct":
+            if name in ("direct", "channels"):
                 continue
             f = lambda v: "" if v is None else (f"{v:,.0f}" if v >= 100 else f"{v:.2f}")  # noqa: E731
             print(f"| {name} | {r.get('msgs', '')} | {f(r.get('msgs_per_s'))} | {f(r.get('p50_ms'))} | {f(r.get('p99_ms'))} |")
     else:
         for name, r in results.items():
-            print(f"{name:16} {r}")
+            if name != "channels":
+                print(f"{name:16} {r}")
+    if "channels" in results and not args.json:
+        print(f"\nload average {os.getloadavg()[0]:.2f}; {args.size}-byte PUBs, one at a time")
+        for where, rows in results["channels"].items():
+            what, cpu, per = ("channels", "broker CPU", "PUB") if where == "broker" else ("subscriptions", "CPU", "push")
+            if where != "broker":
+                print("in process (Producer.push, the reference):")
+            for n, r in rows.items():
+                print(f"{n:>5} {what}: p50 {r['p50_ms']:6.2f} ms ({r['of_first']:4.1f}x)  p90 {r['p90_ms']:6.2f} ms"
+                      f"  {cpu} {r['cpu_ms_per_call']:5.2f} ms/{per}")
 
 
 if __name__ == "__main__":

@@ -2,11 +2,11 @@
 
 Run::
 
-    python bench/engine.py            # full run, about 45 s (bounded under 90 s)
-    python bench/engine.py --quick    # about 11 s, smaller counts
-    python bench/engine.py --json     # a machine-readable dict instead of the table
-    python bench/engine.py --markdown # the table in markdown, for bench/RESULTS.md
-    python bench/engine.py --profile single   # cProfile of one engine path (single,
+    python -m bench.engine            # full run, about 45 s (bounded under 90 s)
+    python -m bench.engine --quick    # about 11 s, smaller counts
+    python -m bench.engine --json     # a machine-readable dict instead of the table
+    python -m bench.engine --markdown # the table in markdown, for bench/RESULTS.md
+    python -m bench.engine --profile single   # cProfile of one engine path (single,
                                               # batch, range, snapshot), top functions
 
 Every case runs on a fresh database in a fresh temporary directory (``--dir`` to choose
@@ -51,6 +51,8 @@ from time import perf_counter, process_time
 
 import fdq
 import fdb.tuple  # noqa: E402  (fdq installs the fdb.impl shim it needs)
+
+from bench._common import pct
 
 VALUE_SIZE = 100
 BATCH = 1000
@@ -190,13 +192,6 @@ def make_values(n: int):
     return [base + i.to_bytes(8, "little") for i in range(n)]
 
 
-def pct(sorted_values, p):
-    if not sorted_values:
-        return None
-    i = min(len(sorted_values) - 1, max(0, int(round(p / 100.0 * (len(sorted_values) - 1)))))
-    return sorted_values[i]
-
-
 def ratio(a, b):
     return (a / b) if a and b else None
 
@@ -269,8 +264,8 @@ def case_single(root, plan):
         wal_e.sample()
         eng_wal = c.wal(c.engine_path)
         lat.sort()
-        eng = dict(ops=n, seconds=el, tx_per_s=n / el, tx_per_cpu_s=n / cpu, p50_us=pct(lat, 50) * 1e6,
-                   p99_us=pct(lat, 99) * 1e6, p999_us=pct(lat, 99.9) * 1e6,
+        eng = dict(ops=n, seconds=el, tx_per_s=n / el, tx_per_cpu_s=n / cpu, p50_us=pct(lat, .50) * 1e6,
+                   p99_us=pct(lat, .99) * 1e6, p999_us=pct(lat, .999) * 1e6,
                    wal_bytes=eng_wal, wal_peak_bytes=wal_e.peak, tx_per_op=1.0,
                    db_bytes=os.path.getsize(c.engine_path))
         del db
@@ -283,8 +278,8 @@ def case_single(root, plan):
         n, el, lat, cpu = raw_single(conn, keys, values, plan["raw_single_n"], plan["raw_single_s"], wal_r)
         wal_r.sample()
         lat.sort()
-        raw = dict(ops=n, seconds=el, tx_per_s=n / el, tx_per_cpu_s=n / cpu, p50_us=pct(lat, 50) * 1e6,
-                   p99_us=pct(lat, 99) * 1e6, p999_us=pct(lat, 99.9) * 1e6,
+        raw = dict(ops=n, seconds=el, tx_per_s=n / el, tx_per_cpu_s=n / cpu, p50_us=pct(lat, .50) * 1e6,
+                   p99_us=pct(lat, .99) * 1e6, p999_us=pct(lat, .999) * 1e6,
                    wal_bytes=c.wal(c.raw_path), wal_peak_bytes=wal_r.peak,
                    db_bytes=os.path.getsize(c.raw_path))
         conn.close()

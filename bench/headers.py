@@ -2,11 +2,11 @@
 
 Run::
 
-    python bench/headers.py             # 3 rounds x 20,000 messages per case, ~1 min
-    python bench/headers.py --quick     # 1 round x 5,000 messages
-    python bench/headers.py --markdown  # the table in markdown, for bench/RESULTS.md
-    python bench/headers.py --json
-    python bench/headers.py --profile push|consume   # cProfile of the headers case
+    python -m bench.headers             # 3 rounds x 20,000 messages per case, ~1 min
+    python -m bench.headers --quick     # 1 round x 5,000 messages
+    python -m bench.headers --markdown  # the table in markdown, for bench/RESULTS.md
+    python -m bench.headers --json
+    python -m bench.headers --profile push|consume   # cProfile of the headers case
 
 Cases, measured in the same run, rounds interleaved (so machine load hits all alike),
 each on a fresh embedded database (``sqlite://`` in a temporary directory):

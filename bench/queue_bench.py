@@ -3,11 +3,11 @@ equivalent rows in the same run as the reference.
 
 Run::
 
-    python bench/queue_bench.py              # full run, bounded (about 2 minutes)
-    python bench/queue_bench.py --quick      # smaller counts (about 40 s)
-    python bench/queue_bench.py --json       # machine-readable
-    python bench/queue_bench.py --markdown   # the table for bench/RESULTS.md
-    python bench/queue_bench.py --cases push_many,consume   # a subset
+    python -m bench.queue_bench              # full run, bounded (about 2 minutes)
+    python -m bench.queue_bench --quick      # smaller counts (about 40 s)
+    python -m bench.queue_bench --json       # machine-readable
+    python -m bench.queue_bench --markdown   # the table for bench/RESULTS.md
+    python -m bench.queue_bench --cases push_many,consume   # a subset
 
 Cases (100-byte bodies, fresh database per case, each bounded in count and seconds):
 
@@ -41,17 +41,14 @@ each process).
 """
 from __future__ import annotations
 
-import argparse
-import json
+import itertools
 import multiprocessing as mp
 import os
-import platform
 import random
 import shutil
 import signal
 import sqlite3
 import statistics
-import sys
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -63,43 +60,12 @@ import msgpack
 
 import fdq
 import fdb.tuple
-from fdq.engine import sqlite as engine_sqlite
+
+from bench._common import COMMITS, FAST, count_commits, output, parser, pct, progress, timed
 
 BODY = b"x" * 100
 SHARDS = 16
 FAILOVER_ACK_WAIT_S = 2.0   # the dead consumer's leases come back after this
-FAST = dict(heartbeat_interval_s=0.25, zombie_timeout_s=1.5, poll_interval_s=0.05,
-            lease_check_interval_s=0.25)
-
-
-# -- transaction counting (per process) ------------------------------------------------
-
-_COMMITS = [0]
-
-
-def _count_commits():
-    """Count commits that wrote something: the engine's transactions per message."""
-    original = engine_sqlite.Transaction.commit
-    if getattr(original, "_counted", False):
-        return
-
-    def commit(self):
-        if self._writes or self._clears or self._vs_keys:
-            _COMMITS[0] += 1
-        return original(self)
-    commit._counted = True
-    engine_sqlite.Transaction.commit = commit
-
-
-def _progress(msg):
-    print(f"  {msg}", file=sys.stderr, flush=True)
-
-
-def _pct(values, p):
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(len(values) * p))]
 
 
 # -- push ---------------------------------------------------------------------------
@@ -108,28 +74,18 @@ def bench_push_single(url, n, seconds):
     db = fdq.connect(url)
     p = fdq.Producer(db)
     p.push("t", BODY)
-    c0 = _COMMITS[0]
-    lat = []
-    c0_cpu = time.process_time()
-    t0 = perf_counter()
-    deadline = t0 + seconds
-    for _ in range(n):
-        s = perf_counter()
-        p.push("t", BODY)
-        lat.append(perf_counter() - s)
-        if s > deadline:
-            break
-    el = perf_counter() - t0
-    return {"msgs_per_s": len(lat) / el, "msgs_per_cpu_s": len(lat) / (time.process_time() - c0_cpu),
-            "p50_ms": _pct(lat, .5) * 1e3, "p99_ms": _pct(lat, .99) * 1e3,
-            "tx_per_msg": (_COMMITS[0] - c0) / len(lat)}
+    c0 = COMMITS[0]
+    lat, el, cpu = timed(lambda: p.push("t", BODY), n, seconds)
+    return {"msgs_per_s": len(lat) / el, "msgs_per_cpu_s": len(lat) / cpu,
+            "p50_ms": pct(lat, .5) * 1e3, "p99_ms": pct(lat, .99) * 1e3,
+            "tx_per_msg": (COMMITS[0] - c0) / len(lat)}
 
 
 def bench_push_threads(url, n, seconds, threads=8):
     db = fdq.connect(url)
     p = fdq.Producer(db)
     p.push("t", BODY)
-    c0 = _COMMITS[0]
+    c0 = COMMITS[0]
     counts = [0] * threads
     lat = [[] for _ in range(threads)]
     deadline = perf_counter() + seconds
@@ -153,30 +109,21 @@ def bench_push_threads(url, n, seconds, threads=8):
     total = sum(counts)
     all_lat = [x for lst in lat for x in lst]
     return {"msgs_per_s": total / el, "msgs_per_cpu_s": total / (time.process_time() - c0_cpu),
-            "p50_ms": _pct(all_lat, .5) * 1e3, "p99_ms": _pct(all_lat, .99) * 1e3,
-            "tx_per_msg": (_COMMITS[0] - c0) / total}
+            "p50_ms": pct(all_lat, .5) * 1e3, "p99_ms": pct(all_lat, .99) * 1e3,
+            "tx_per_msg": (COMMITS[0] - c0) / total}
 
 
 def _push_many_worker(url, batches, seconds, topic, out):
-    _count_commits()
+    count_commits()
     db = fdq.connect(url)
     p = fdq.Producer(db)
     envs = [fdq.Envelope(BODY) for _ in range(100)]
     p.push_many(topic, envs[:1])
-    c0 = _COMMITS[0]
-    lat = []
-    c0_cpu = time.process_time()
+    c0 = COMMITS[0]
     t0 = perf_counter()
-    deadline = t0 + seconds
-    for _ in range(batches):
-        s = perf_counter()
-        p.push_many(topic, envs)
-        lat.append(perf_counter() - s)
-        if s > deadline:
-            break
-    el = perf_counter() - t0
-    out.put({"msgs": len(lat) * 100, "elapsed": el, "t0": t0, "t1": t0 + el, "p50_ms": _pct(lat, .5) * 1e3,
-             "p99_ms": _pct(lat, .99) * 1e3, "tx": _COMMITS[0] - c0, "cpu": time.process_time() - c0_cpu})
+    lat, el, cpu = timed(lambda: p.push_many(topic, envs), batches, seconds)
+    out.put({"msgs": len(lat) * 100, "elapsed": el, "t0": t0, "t1": t0 + el, "p50_ms": pct(lat, .5) * 1e3,
+             "p99_ms": pct(lat, .99) * 1e3, "tx": COMMITS[0] - c0, "cpu": cpu})
 
 
 def bench_push_many(url, batches, seconds, procs=1):
@@ -234,13 +181,11 @@ def bench_raw(path, batches, seconds, per=100):
     log_prefixes, ready_prefixes, marks_by_version = keys.log_prefixes, keys.ready_prefixes, keys.marks_by_version
     session = os.urandom(8)
     spread = random.randrange(1 << 30)
-    lat = []
-    commits = written = 0
-    c0_cpu = time.process_time()
-    t0 = perf_counter()
-    deadline = t0 + seconds
-    for b in range(batches):
-        s = perf_counter()
+    state = {"commits": 0, "written": 0}
+    batch_no = itertools.count()
+
+    def step():
+        b = next(batch_no)
         rows = []
         stamp = (b + 1).to_bytes(10, "big")
         now_ms = int(time.time() * 1000)
@@ -263,20 +208,17 @@ def bench_raw(path, batches, seconds, per=100):
             old = int.from_bytes(row[0], "little") if row else 0
             conn.execute(upsert, (k, (old + per).to_bytes(8, "little")))
         conn.execute("COMMIT")
-        commits += 1
-        written += sum(len(k) + len(v) + 24 for k, v in rows)
-        if commits % 128 == 0 or written >= 4_000_000:
-            written = 0
+        state["commits"] += 1
+        state["written"] += sum(len(k) + len(v) + 24 for k, v in rows)
+        if state["commits"] % 128 == 0 or state["written"] >= 4_000_000:
+            state["written"] = 0
             frames = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[1]
             if frames >= 4096:
                 conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-        lat.append(perf_counter() - s)
-        if s > deadline:
-            break
-    el = perf_counter() - t0
+    lat, el, cpu = timed(step, batches, seconds)
     conn.close()
-    return {"msgs_per_s": len(lat) * per / el, "msgs_per_cpu_s": len(lat) * per / (time.process_time() - c0_cpu),
-            "p50_ms": _pct(lat, .5) * 1e3, "p99_ms": _pct(lat, .99) * 1e3, "tx_per_msg": 1 / per}
+    return {"msgs_per_s": len(lat) * per / el, "msgs_per_cpu_s": len(lat) * per / cpu,
+            "p50_ms": pct(lat, .5) * 1e3, "p99_ms": pct(lat, .99) * 1e3, "tx_per_msg": 1 / per}
 
 
 def bench_raw_single(path, n, seconds):
@@ -292,12 +234,10 @@ def bench_raw_single(path, n, seconds):
     conn.execute(upsert, (config_key, msgpack.packb({"shards": SHARDS, "subs": ["default"]})))
     session = os.urandom(8)
     spread = random.randrange(1 << 30)
-    lat = []
-    c0_cpu = time.process_time()
-    t0 = perf_counter()
-    deadline = t0 + seconds
-    for i in range(n):
-        s = perf_counter()
+    push_no = itertools.count()
+
+    def step():
+        i = next(push_no)
         shard = (spread + i) % SHARDS
         stamp = (i + 1).to_bytes(10, "big")
         vs = b"\x33" + stamp + b"\x00\x00"
@@ -317,19 +257,16 @@ def bench_raw_single(path, n, seconds):
         if i % 128 == 127:
             if conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[1] >= 4096:
                 conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-        lat.append(perf_counter() - s)
-        if s > deadline:
-            break
-    el = perf_counter() - t0
+    lat, el, cpu = timed(step, n, seconds)
     conn.close()
-    return {"msgs_per_s": len(lat) / el, "msgs_per_cpu_s": len(lat) / (time.process_time() - c0_cpu),
-            "p50_ms": _pct(lat, .5) * 1e3, "p99_ms": _pct(lat, .99) * 1e3, "tx_per_msg": 1}
+    return {"msgs_per_s": len(lat) / el, "msgs_per_cpu_s": len(lat) / cpu,
+            "p50_ms": pct(lat, .5) * 1e3, "p99_ms": pct(lat, .99) * 1e3, "tx_per_msg": 1}
 
 
 # -- consume ------------------------------------------------------------------------
 
 def _consume_worker(url, topic, mode, total, seconds, out, drained):
-    _count_commits()
+    count_commits()
     db = fdq.connect(url)
     first, last, count = [None], [None], [0]
     lock = threading.Lock()
@@ -359,7 +296,7 @@ def _consume_worker(url, topic, mode, total, seconds, out, drained):
     drained.wait(seconds)
     cpu = time.process_time() - cpu0[0] if cpu0[0] is not None else 0.0
     c.shutdown()
-    out.put({"first": first[0], "last": last[0], "count": count[0], "tx": _COMMITS[0], "cpu_s": cpu,
+    out.put({"first": first[0], "last": last[0], "count": count[0], "tx": COMMITS[0], "cpu_s": cpu,
              "wall_first": time.monotonic() - (perf_counter() - first[0]) if first[0] else None,
              "wall_last": time.monotonic() - (perf_counter() - last[0]) if last[0] else None})
 
@@ -423,7 +360,7 @@ def bench_pull(url, total, threads, seconds):
         lat.append(perf_counter() - s)
     got = 0
     with fdq.Consumer(db, "pull", config=fdq.ConsumerConfig(ack_wait_s=60)) as c:
-        c0, c0_cpu = _COMMITS[0], time.process_time()
+        c0, c0_cpu = COMMITS[0], time.process_time()
         t0 = perf_counter()
         while got < total and perf_counter() - t0 < seconds:
             msgs = c.fetch(100, timeout=1.0)
@@ -435,11 +372,11 @@ def bench_pull(url, total, threads, seconds):
             got += len(msgs)
         el = perf_counter() - t0
         cpu = time.process_time() - c0_cpu
-        commits = _COMMITS[0] - c0
+        commits = COMMITS[0] - c0
     if pool is not None:
         pool.shutdown()
-    return {"msgs_per_s": got / el, "msgs_per_cpu_s": got / cpu, "p50_ms": _pct(lat, .5) * 1e3,
-            "p99_ms": _pct(lat, .99) * 1e3, "tx_per_msg": commits / max(got, 1), "delivered": got}
+    return {"msgs_per_s": got / el, "msgs_per_cpu_s": got / cpu, "p50_ms": pct(lat, .5) * 1e3,
+            "p99_ms": pct(lat, .99) * 1e3, "tx_per_msg": commits / max(got, 1), "delivered": got}
 
 
 # -- end-to-end latency ---------------------------------------------------------------
@@ -459,7 +396,7 @@ def _latency_producer(url, rate, seconds):
 
 
 def _latency_consumer(url, n, seconds, ready, out):
-    _count_commits()
+    count_commits()
     db = fdq.connect(url)
     lat = []
     done = threading.Event()
@@ -474,7 +411,7 @@ def _latency_consumer(url, n, seconds, ready, out):
     done.wait(seconds)
     cpu = time.process_time() - cpu0
     c.shutdown()
-    out.put((lat, cpu, _COMMITS[0]))
+    out.put((lat, cpu, COMMITS[0]))
 
 
 def bench_latency(url, rate, seconds):
@@ -491,7 +428,7 @@ def bench_latency(url, rate, seconds):
     lat, cpu, commits = q.get(timeout=seconds + 120)
     prod.join(30)
     cons.join(30)
-    return {"p50_ms": _pct(lat, .5), "p99_ms": _pct(lat, .99), "max_ms": max(lat) if lat else float("nan"),
+    return {"p50_ms": pct(lat, .5), "p99_ms": pct(lat, .99), "max_ms": max(lat) if lat else float("nan"),
             "delivered": len(lat), "pushed": n, "consumer_cpu_ms_per_msg": cpu * 1000 / max(len(lat), 1),
             "tx_per_msg": commits / max(len(lat), 1)}
 
@@ -564,14 +501,10 @@ def bench_failover(url):
 # -- driver ---------------------------------------------------------------------------
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--markdown", action="store_true")
+    ap = parser(__doc__.split("\n")[0], quick="smaller counts, about 40 s")
     ap.add_argument("--cases", default="push,raw,consume,pull,latency,failover")
-    ap.add_argument("--dir", default=None)
     args = ap.parse_args(argv)
-    _count_commits()
+    count_commits()
     cases = set(args.cases.split(","))
     q = args.quick
     secs = 3.0 if q else 6.0
@@ -585,7 +518,7 @@ def main(argv=None):
 
     def row(name, r, target=""):
         rows.append({"case": name, **r, "target": target})
-        _progress(f"{name}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+        progress(f"{name}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                           for k, v in r.items()))
     try:
         if "push" in cases or "push_many" in cases:
@@ -635,36 +568,9 @@ def main(argv=None):
     if raw8 and threads:
         threads["of_raw"] = threads["msgs_per_s"] / raw8["msgs_per_s"]
         threads["of_raw_cpu"] = threads["msgs_per_cpu_s"] / raw8["msgs_per_cpu_s"]
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, SQLite {sqlite3.sqlite_version}"
-    if args.json:
-        print(json.dumps({"machine": machine, "rows": rows}, indent=1, default=str))
-        return
     cols = ["case", "msgs_per_s", "msgs_per_cpu_s", "p50_ms", "p99_ms", "consumer_cpu_ms_per_msg", "tx_per_msg",
             "of_raw", "of_raw_cpu", "takeover_s", "drained_s", "delivered", "target"]
-    used = [c for c in cols if any(c in r for r in rows)]
-
-    def fmt(v):
-        if v is None:
-            return "–"
-        if isinstance(v, float):
-            return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
-        return f"{v:,}" if isinstance(v, int) else str(v)
-    if args.markdown:
-        print("| " + " | ".join(used) + " |")
-        print("|" + "|".join("---" if c in ("case", "target") else "---:" for c in used) + "|")
-        for r in rows:
-            print("| " + " | ".join(fmt(r.get(c, "")) if c in r else "" for c in used) + " |")
-        print(f"\nMachine: {machine}")
-        return
-    from rich.console import Console
-    from rich.table import Table
-    t = Table(title=f"FDQ queue benchmarks ({machine})")
-    for c in used:
-        t.add_column(c, justify="left" if c in ("case", "target") else "right")
-    for r in rows:
-        t.add_row(*[fmt(r.get(c)) if c in r else "" for c in used])
-    Console(width=max(160, shutil.get_terminal_size().columns)).print(t)
-
+    output(args, "FDQ queue benchmarks", rows, cols)
 
 if __name__ == "__main__":
     main()

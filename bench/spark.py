@@ -2,9 +2,9 @@
 against a plain Arrow scan of the same SQLite rows without FDQ (same run), Arrow vs tuple
 batches, and streaming throughput and delay.
 
-    python bench/spark.py                  # 1,000,000 messages (fill ~2-4 min on 2 cores)
-    python bench/spark.py --messages 100000 --quick
-    python bench/spark.py --db /tmp/fdq-bench.db   # keep the database between runs
+    python -m bench.spark                  # 1,000,000 messages (fill ~2-4 min on 2 cores)
+    python -m bench.spark --messages 100000 --quick
+    python -m bench.spark --db /tmp/fdq-bench.db   # keep the database between runs
 
 Prints a markdown report (bench/RESULTS.md, Spark section). Every phase is bounded:
 --budget seconds per Spark action (it is reported as a timeout, not waited out).
@@ -24,11 +24,12 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 
-import fdq  # noqa: E402
-from fdq import log  # noqa: E402
-from fdq.keyspace import Keyspace  # noqa: E402
+import fdq
+from fdq import log
+from fdq.keyspace import Keyspace
+
+from bench._common import machine
 
 TOPIC = "bench"
 _FILL = r"""
@@ -311,8 +312,7 @@ def main():
     spark.stop()
     shutil.rmtree(tmp, ignore_errors=True)   # checkpoints, and the database unless --db
 
-    print(f"* Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"{platform.system()} {platform.release()}, Python {platform.python_version()}, "
+    print(f"* Machine: {machine()}, {platform.system()} {platform.release()}, "
           f"load average at the end {os.getloadavg()[0]:.1f}")
     import pyspark
     print(f"* pyspark {pyspark.__version__}, Spark local[4] (2 cores), {args.messages:,} messages "

@@ -2,10 +2,10 @@
 
 Run::
 
-    python bench/subs.py              # about 2-3 minutes, bounded (2 interleaved rounds, best of)
-    python bench/subs.py --quick      # smaller counts
-    python bench/subs.py --markdown   # the table for bench/RESULTS.md
-    python bench/subs.py --json
+    python -m bench.subs              # about 2-3 minutes, bounded (2 interleaved rounds, best of)
+    python -m bench.subs --quick      # smaller counts
+    python -m bench.subs --markdown   # the table for bench/RESULTS.md
+    python -m bench.subs --json
 
 For 1, 2 and 4 subscriptions of one 16-shard topic (``default`` plus 0, 1 or 3 created
 with ``Supervisor.create_subscription``), on a fresh database each:
@@ -21,18 +21,15 @@ with ``Supervisor.create_subscription``), on a fresh database each:
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import shutil
-import sqlite3
 import sys
 import tempfile
 from time import perf_counter
 
 import fdq
 from fdq.engine import sqlite as engine_sqlite
+
+from bench._common import output, parser
 
 BODY = b"x" * 100
 SHARDS = 16
@@ -117,12 +114,9 @@ def bench(url, nsubs, batches, seconds):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--markdown", action="store_true")
+    ap = parser(__doc__.split("\n")[0])
     args = ap.parse_args(argv)
-    base = tempfile.mkdtemp(prefix="fdq-bench-subs-")
+    base = tempfile.mkdtemp(prefix="fdq-bench-subs-", dir=args.dir)
     best = {}
     try:
         # Interleaved rounds, best of each: the machine is shared, so load comes and goes.
@@ -143,22 +137,7 @@ def main(argv=None):
         r["push_of_1_sub"] = r["push_msgs_per_s"] / one["push_msgs_per_s"]
         r["bytes_per_msg_per_extra_sub"] = ((r["bytes_per_msg"] - one["bytes_per_msg"]) / (r["subs"] - 1)
                                             if r["subs"] > 1 else 0.0)
-    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-               f"Python {platform.python_version()}, SQLite {sqlite3.sqlite_version}")
-    if args.json:
-        print(json.dumps({"machine": machine, "rows": rows}, indent=1))
-        return
-    cols = list(rows[0])
-    if args.markdown:
-        print("| " + " | ".join(cols) + " |")
-        print("|" + "|".join("---:" for _ in cols) + "|")
-        for r in rows:
-            print("| " + " | ".join(f"{r[c]:,.0f}" if r[c] >= 100 else f"{r[c]:.3g}" for c in cols) + " |")
-        print(f"\nMachine: {machine}")
-        return
-    for r in rows:
-        print(r)
-
+    output(args, "FDQ subscriptions", rows, list(rows[0]), text_columns=())
 
 if __name__ == "__main__":
     main()

@@ -1,21 +1,15 @@
 """Fixtures shared by every test directory: a fresh database per test, on the engine
 of this pass (``tests/fdqtest.py``: ``sqlite://``, or ``fdb://`` through FoundationDB's
-binding over the libfdb_c stand-in)."""
+binding over the libfdb_c stand-in, installed when fdqtest is imported), its supervisor,
+worker processes reaped at teardown, a dump of its key space. A directory's conftest
+keeps only what is its own."""
 from __future__ import annotations
 
 import os
 
 import pytest
 
-import fdqtest
-
-if fdqtest.STANDIN:
-    # Before anything loads fdb.impl: this process and every process a test starts (through
-    # tests/standin/site/sitecustomize.py) load the binding over the stand-in.
-    import standin
-
-    os.environ.update(standin.environment())
-    standin.install_from_env()
+import fdqtest  # first: on the fdb pass it installs the libfdb_c stand-in
 
 import fdq  # noqa: E402
 
@@ -67,14 +61,52 @@ def _empty_real_cluster():
 
 
 @pytest.fixture
-def db_url(tmp_path):
+def db_path(tmp_path):
+    """Where the test's database is stored (its own directory)."""
+    return tmp_path / "fdq.db"
+
+
+@pytest.fixture
+def db_url(db_path):
     """The URL of a fresh database in the test's own directory."""
-    return fdqtest.database_url(tmp_path / "fdq.db")
+    return fdqtest.database_url(db_path)
+
+
+@pytest.fixture
+def url(db_url):
+    """The same as ``db_url``."""
+    return db_url
 
 
 @pytest.fixture
 def db(db_url):
     return fdq.connect(db_url)
+
+
+@pytest.fixture
+def sup(db):
+    return fdq.Supervisor(db)
+
+
+@pytest.fixture
+def procs(tmp_path, db_url):
+    """Worker processes (``tests/workers``) on the test's database, killed at teardown."""
+    ps = fdqtest.Procs(tmp_path, db_url)
+    yield ps
+    ps.cleanup()
+
+
+@pytest.fixture
+def workers(procs):
+    """The same as ``procs`` (tests of consumer processes name it so)."""
+    return procs
+
+
+@pytest.fixture
+def dump(db):
+    """``dump()``: every key and value of the test's database (to prove a refused
+    operation wrote nothing)."""
+    return lambda: fdqtest.dump(db)
 
 
 def pytest_report_header(config):

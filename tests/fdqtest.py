@@ -1,5 +1,7 @@
 """Helpers shared by every test directory (``tests/`` is on ``sys.path`` through its
-conftest): the engine a test runs on, and bounded waiting on a condition.
+conftest): the engine a test runs on, bounded waiting on a condition, the consumer
+configurations of the tests (:data:`FAST`), draining a subscription (:func:`drain`),
+key-space reads, and worker processes (:class:`Procs`, running ``tests/workers``).
 
 The suite runs twice (``make test``): on the embedded engine (``sqlite://``), and with
 ``FDQ_TEST_ENGINE=fdb`` on ``fdb://`` through FoundationDB's official Python binding over
@@ -8,10 +10,18 @@ real cluster). Tests name their databases with :func:`database_url`, never a URL
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
+import json
 import os
+import signal
+import subprocess
+import sys
 import time
 import zlib
+from pathlib import Path
 
+import msgpack
 import pytest
 
 ENGINE = os.environ.get("FDQ_TEST_ENGINE", "sqlite")
@@ -25,6 +35,20 @@ FDB_CLUSTER_FILE = os.environ.get("FDQ_TEST_FDB_CLUSTER_FILE") or (
     DOCKER_CLUSTER_FILE if os.environ.get("FDQ_TEST_FDB") == "docker" else None)
 ON_FDB = ENGINE == "fdb"
 STANDIN = ON_FDB and FDB_CLUSTER_FILE is None
+
+if STANDIN:
+    # Before anything loads fdb.impl: this process and every process a test starts (through
+    # tests/standin/site/sitecustomize.py) load the binding over the stand-in.
+    import standin
+
+    os.environ.update(standin.environment())
+    standin.install_from_env()
+
+import fdq  # noqa: E402
+from workers.common import read_lines  # noqa: E402,F401 - the worker logs' reader, for the tests too
+from fdq import membership  # noqa: E402
+from fdq.keyspace import Keyspace  # noqa: E402
+from fdq.keyspace.codec import Record  # noqa: E402
 
 embedded_only = pytest.mark.skipif(ON_FDB, reason="about the embedded engine itself (sqlite:// only)")
 
@@ -124,3 +148,331 @@ def read(db, key, snapshot: bool = True):
     kept until the read is waited for."""
     tr = db.create_transaction()
     return (tr.snapshot if snapshot else tr)[key].wait().value
+
+
+# -- consumer configurations ---------------------------------------------------------
+
+#: The tests' consumer: quick heartbeats, polls and lease checks (a zombie after 1.5 s).
+FAST = fdq.ConsumerConfig(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.05,
+                          lease_check_interval_s=0.05)
+#: A consumer that must never look dead to its peers (zombie after 5 s) on a loaded machine.
+FAST_STEADY = fdq.ConsumerConfig(heartbeat_interval_s=0.1, zombie_timeout_s=5.0, poll_interval_s=0.05)
+
+
+def fast(base: fdq.ConsumerConfig = FAST, **overrides) -> fdq.ConsumerConfig:
+    """``base`` (default :data:`FAST`) with ``overrides``."""
+    return dataclasses.replace(base, **overrides)
+
+
+# -- reading the database ------------------------------------------------------------
+
+def scan(db, prefix: bytes) -> list:
+    """Every (key, value) under ``prefix``, in key order, in bounded transactions."""
+    out = []
+    begin, end = prefix, prefix + b"\xff"
+    while True:
+        tr = db.create_transaction()
+        rows = list(tr.snapshot.get_range(begin, end, limit=5000))
+        out += [(kv.key, kv.value) for kv in rows]
+        if len(rows) < 5000:
+            return out
+        begin = rows[-1].key + b"\x00"
+
+
+def dump(db) -> dict:
+    """Every key and value of the database (the tests' databases are small)."""
+    tr = db.create_transaction()
+    out = {bytes(kv.key): bytes(kv.value) for kv in tr.snapshot.get_range(b"", b"\xff")}
+    tr.cancel()
+    return out
+
+
+def counter_value(db, key: bytes) -> int:
+    from fdq.keyspace import decode_counter
+    return decode_counter(read(db, key))
+
+
+def sub_stats(db, topic: str, sub: str = "default") -> dict:
+    return fdq.Supervisor(db).stats(topic)["subscriptions"][sub]
+
+
+def threads_in(*names) -> list:
+    """Idents of the threads whose stack has a frame of each function in ``names`` (a
+    name, or a tuple of names any one of which will do)."""
+    out = []
+    for ident, frame in sys._current_frames().items():
+        seen = set()
+        while frame is not None:
+            seen.add(frame.f_code.co_name)
+            frame = frame.f_back
+        if all(n in seen if isinstance(n, str) else seen & set(n) for n in names):
+            out.append(ident)
+    return out
+
+
+# -- helpers of several test files ------------------------------------------------
+
+def fetch_until(c, cond, timeout=30):
+    """Fetch repeatedly (bounded) until ``cond(all fetched so far)``; returns them."""
+    got = []
+    deadline = time.monotonic() + timeout
+    while not cond(got):
+        assert time.monotonic() < deadline, f"timed out; fetched {[(m.body, m.attempts) for m in got]}"
+        got += c.fetch(100, timeout=0.2)
+    return got
+
+
+def advance_clock(db, ms):
+    """Move the database clock (what delays are due by) ``ms`` ahead, as consumers do
+    with the time their monotonic clocks saw pass."""
+    ck = Keyspace().clock_key
+    tr = db.create_transaction()
+    now = membership.read_clock(tr, ck)
+    tr.cancel()
+    membership.advance_clock(db, ck, now + ms)
+
+
+def replay_counts(db, topic):
+    """{original id: copies} of the replayed copies in ``topic``'s "all" log."""
+    ts = Keyspace().topic(topic)
+    counts = collections.Counter()
+    r = ts.log.range()
+    tr = db.create_transaction()
+    for kv in tr.snapshot.get_range(r.start, r.stop):
+        rec = Record.decode(kv.value)
+        if rec.replay_of is not None:
+            counts[rec.replay_of] += 1
+    tr.cancel()
+    return counts
+
+
+def log_records(db, topic) -> list:
+    """Raw record fields of the "all" log, in log order per bucket, decoded with bytes
+    kept as bytes (so header encodings compare byte for byte)."""
+    ts = fdq.Supervisor(db).keyspace.topic(topic)
+    r = ts.log.range()
+    tr = db.create_transaction()
+    rows = []
+    for kv in tr.snapshot.get_range(r.start, r.stop):
+        vs = ts.log.unpack(kv.key)[1]
+        rows.append((vs, msgpack.unpackb(bytes(kv.value), raw=False)))
+    tr.cancel()
+    rows.sort(key=lambda x: x[0])
+    return [f for _vs, f in rows]
+
+
+def stored_bodies(db, topic: str) -> collections.Counter:
+    """How many times each body is stored in ``topic``'s "all" log."""
+    ts = Keyspace().topic(topic)
+    return collections.Counter(Record.decode(v).body for _k, v in scan(db, ts.log.key()))
+
+
+def collect(db, topic, want: int, **consumer_kwargs) -> list:
+    """``want`` messages of ``topic``'s default subscription, each acked, by a FAST
+    consumer made with ``consumer_kwargs`` (failing the test after 30 s)."""
+    return drain(db, topic, until=want, strict=True, timeout=30, config=FAST, **consumer_kwargs)
+
+
+def fetch_n(c, n: int, timeout: float = 30) -> list:
+    """Exactly ``n`` messages fetched by consumer ``c`` (never more), failing the test
+    after ``timeout`` s."""
+    got = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n:
+        assert time.monotonic() < deadline, f"fetched only {len(got)} of {n}"
+        got += c.fetch(n - len(got), timeout=0.2)
+    return got
+
+
+def fetch_ids(db, topic, sub, timeout=0.3, **consumer_kwargs):
+    """The ids of one fetch (up to 100, acked) of ``sub`` (a replayed copy: the id it
+    replays)."""
+    c = fdq.Consumer(db, topic, subscription=sub, create=False, **consumer_kwargs)
+    try:
+        got = c.fetch(100, timeout=timeout)
+        c.ack_many(got)
+        return [m.replay_of or m.id for m in got]
+    finally:
+        c.close()
+
+
+def commit_retrying(tr, attempt) -> int:
+    """Commit ``tr`` (its first attempt made by the caller, the other transaction
+    interleaved by hand), retrying as ``fdq.transactional`` does: on a conflict, reset
+    and run ``attempt(tr)`` again. Returns how many retries it took."""
+    retries = 0
+    while True:
+        try:
+            tr.commit().wait()
+            return retries
+        except engine_errors() as e:
+            tr.on_error(e.code).wait()
+            retries += 1
+            attempt(tr)
+
+
+# -- draining a subscription ---------------------------------------------------------
+
+def drain(source, topic: str | None = None, sub: str = "default", *, until=None, idle_s: float = 0.0,
+          first_wait_s: float = 0.2, wait_s: float = 0.2, batch: int | None = 100, timeout: float = 60.0,
+          strict: bool = False, settle: str | None = "ack", reason: str = "drained", **consumer_kwargs) -> list:
+    """Fetch what a subscription delivers, settling each batch, and return the messages.
+
+    ``source`` is a consumer (used as it is, left open), or a database: then a consumer
+    of ``topic``/``sub`` is made with ``consumer_kwargs`` and closed at the end. It stops
+    once ``until`` is reached (a message count, or a set of bodies all received), or,
+    with ``until=None``, once a fetch comes back empty ``idle_s`` or more after the last
+    message. The first fetch waits up to ``first_wait_s``, later ones ``wait_s``; each
+    asks for ``batch`` messages (None: as many as ``until`` still wants). After
+    ``timeout`` it returns what it got (``strict``: fails the test). ``settle``: ``"ack"``
+    (each message), ``"ack_many"`` (each batch at once), ``"term"`` (with ``reason``) or None."""
+    own = not isinstance(source, fdq.Consumer)
+    c = fdq.Consumer(source, topic, subscription=sub, **consumer_kwargs) if own else source
+    got = []
+    deadline = time.monotonic() + timeout
+    quiet_since = time.monotonic()
+
+    def reached():
+        if isinstance(until, int):
+            return len(got) >= until
+        return until is not None and until <= {m.body for m in got}
+    try:
+        while not reached():
+            if time.monotonic() > deadline:
+                if strict:
+                    raise AssertionError(f"timed out after {timeout}s draining: got {len(got)} of {until}")
+                break
+            ms = c.fetch(batch or until - len(got), timeout=first_wait_s if not got else wait_s)
+            if ms:
+                got += ms
+                if settle == "ack_many":
+                    c.ack_many(ms)
+                elif settle is not None:
+                    for m in ms:
+                        m.ack() if settle == "ack" else m.term(reason)
+                quiet_since = time.monotonic()
+            elif until is None and time.monotonic() - quiet_since >= idle_s:
+                break
+    finally:
+        if own:
+            c.close()
+    return got
+
+
+# -- worker processes ----------------------------------------------------------------
+
+#: The worker entry point: ``python tests/workers ROLE --url URL --name NAME ...``.
+WORKERS = Path(__file__).with_name("workers")
+
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+class Procs:
+    """Starts worker processes (``tests/workers``, one role each) and reaps every one of
+    them at teardown (killed by PID). Each gets ``--url``, ``--name``, ``--out`` (its
+    event log, default ``NAME.log``) and ``--status`` (``NAME.status``); its stderr
+    goes to ``err`` (default ``NAME.err``) in the test's directory."""
+
+    def __init__(self, tmp_path: Path, url: str):
+        self.tmp = Path(tmp_path)
+        self.url = url
+        self.procs = []
+
+    def start(self, role: str, name: str, *args, url: str | None = None, out=None, err=None,
+              wait_ready=False, timeout: float = 60):
+        out = str(out or self.tmp / f"{name}.log")
+        status = str(self.tmp / f"{name}.status")
+        err = str(err or self.tmp / f"{name}.err")
+        cmd = [sys.executable, str(WORKERS), role, "--url", url or self.url, "--name", name,
+               "--out", out, "--status", status, *map(str, args)]
+        with open(err, "w") as f:
+            p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=f, text=True)
+        p.name, p.out, p.status, p.err = name, out, status, err
+        self.procs.append(p)
+        if wait_ready:
+            line = self.readline(p, timeout)
+            assert line.strip() == "ready", f"{name} did not start: {line!r} {self.stderr(p)}"
+        return p
+
+    def readline(self, p, timeout: float) -> str:
+        import selectors
+        with selectors.DefaultSelector() as sel:
+            sel.register(p.stdout, selectors.EVENT_READ)
+            if not sel.select(timeout):
+                raise AssertionError(f"{p.name}: no output within {timeout}s; stderr: {self.stderr(p)}")
+        return p.stdout.readline()
+
+    def wait_ready(self, p, timeout: float = 60, meanwhile=None):
+        """Wait for the worker's ``ready`` line (its signal handler is set by then),
+        calling ``meanwhile()`` every 0.1 s or so while it does not come."""
+        import selectors
+        with selectors.DefaultSelector() as sel:
+            sel.register(p.stdout, selectors.EVENT_READ)
+            deadline = time.monotonic() + timeout
+            while True:
+                left = deadline - time.monotonic()
+                assert left > 0, f"{p.name}: not ready within {timeout}s: {self.stderr(p)}"
+                if not sel.select(min(left, 0.1) if meanwhile else left):
+                    if meanwhile:
+                        meanwhile()
+                    continue
+                line = p.stdout.readline()
+                assert line, f"{p.name} exited before it was ready: {self.stderr(p)}"
+                if line.strip() == "ready":
+                    return
+
+    def stderr(self, p) -> str:
+        try:
+            return Path(p.err).read_text()[-8000:]
+        except FileNotFoundError:
+            return ""
+
+    def kill9(self, p):
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+        p.killed = True     # (a producer killed after its last push is not restarted)
+
+    def term(self, p, timeout: float = 60):
+        """SIGTERM (a clean shutdown) and wait; returns the exit code."""
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGTERM)
+        return p.wait(timeout=timeout)
+
+    def stop(self, p, timeout: float = 90):
+        """SIGTERM (the worker shuts its consumer down cleanly), wait, and check it exited 0."""
+        try:
+            rc = self.term(p, timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(p.pid, signal.SIGUSR1)     # the worker dumps every thread's stack
+            wait_for(lambda: "hread 0x" in self.stderr(p), 5, what="a stack dump")   # "(Current t|T)hread 0x…"
+            raise AssertionError(f"{p.name} did not stop within {timeout}s: {self.stderr(p)[-6000:]}")
+        assert rc == 0, f"{p.name} exited {rc}: {self.stderr(p)}"
+
+    def wait(self, p, timeout: float = 120):
+        rc = p.wait(timeout=timeout)
+        assert rc == 0, f"{p.name} exited {rc}: {self.stderr(p)}"
+
+    def events(self, p) -> list:
+        """The JSON lines of the worker's event log (a killed writer's last line may be cut)."""
+        return [json.loads(line) for line in read_lines(p.out) if line.endswith("}")]
+
+    def cleanup(self):
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.kill(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            if p.stdout:
+                p.stdout.close()

@@ -56,11 +56,6 @@ class BrokerProc:
 
 
 @pytest.fixture
-def db_url(tmp_path):
-    return database_url(tmp_path / "fdq.db")
-
-
-@pytest.fixture
 def broker_factory(db_url):
     procs = []
 
@@ -101,3 +96,16 @@ def raw(broker):
     yield connect
     for c in clients:
         c.close()
+
+
+@pytest.fixture
+def cert(tmp_path):
+    """(certificate, key) files of a self-signed certificate for 127.0.0.1 (openssl)."""
+    key, crt = tmp_path / "key.pem", tmp_path / "cert.pem"
+    try:
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                        "-out", str(crt), "-days", "2", "-subj", "/CN=127.0.0.1"],
+                       check=True, capture_output=True, timeout=60)
+    except (FileNotFoundError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"openssl cannot make a test certificate: {e}")
+    return str(crt), str(key)

@@ -3,7 +3,6 @@ import json
 import select
 import ssl
 import struct
-import subprocess
 
 import pytest
 
@@ -147,18 +146,6 @@ def test_auth_disabled_without_auth_file(broker):
     c = RawClient(broker.tcp)
     auth(c, "x")
     assert c.error().startswith("E_AUTH_DISABLED")
-
-
-@pytest.fixture
-def cert(tmp_path):
-    key, crt = tmp_path / "key.pem", tmp_path / "cert.pem"
-    try:
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
-                        "-out", str(crt), "-days", "2", "-subj", "/CN=127.0.0.1"],
-                       check=True, capture_output=True, timeout=60)
-    except (FileNotFoundError, subprocess.CalledProcessError) as e:
-        pytest.skip(f"openssl cannot make a test certificate: {e}")
-    return str(crt), str(key)
 
 
 def test_tls_upgrade_and_required(broker_factory, cert):

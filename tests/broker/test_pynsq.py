@@ -85,15 +85,9 @@ def test_pynsq_with_snappy(broker):
     assert r["snappy"] is True, r          # negotiated: pynsq upgraded its socket
 
 
-def test_pynsq_with_tls(broker_factory, tmp_path):
-    key, crt = tmp_path / "key.pem", tmp_path / "cert.pem"
-    try:
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
-                        "-out", str(crt), "-days", "2", "-subj", "/CN=127.0.0.1"],
-                       check=True, capture_output=True, timeout=60)
-    except (FileNotFoundError, subprocess.CalledProcessError) as e:
-        pytest.skip(f"openssl cannot make a test certificate: {e}")
-    b = broker_factory("--tls-cert", str(crt), "--tls-key", str(key), "--tls-required")
+def test_pynsq_with_tls(broker_factory, cert):
+    crt, key = cert
+    b = broker_factory("--tls-cert", crt, "--tls-key", key, "--tls-required")
     env = {"PYNSQ_TLS": "1"}
     assert b.http_req("/channel/create?topic=pyt&channel=c", b"")[0] == 200
     assert run_client("pub", b.tcp, "pyt", 30, env=env)["ok"] == 30

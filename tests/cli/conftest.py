@@ -1,5 +1,6 @@
-"""Fixtures of the CLI tests: a fresh embedded database per test and a way to run
-``fdq`` on it through click's CliRunner (stdout and stderr kept apart)."""
+"""Fixtures of the CLI tests: a way to run ``fdq`` on the test's database (``url``, from
+tests/conftest.py) through click's CliRunner (stdout and stderr kept apart), and a
+snapshot of everything stored."""
 from __future__ import annotations
 
 import json
@@ -7,24 +8,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-import fdq
 from fdq.cli import cli
-from fdqtest import database_url, wait_for  # noqa: F401 - re-exported to this directory's tests
-
-
-@pytest.fixture
-def url(tmp_path):
-    return database_url(tmp_path / "cli.db")
-
-
-@pytest.fixture
-def db(url):
-    return fdq.connect(url)
-
-
-@pytest.fixture
-def sup(db):
-    return fdq.Supervisor(db)
+from fdqtest import wait_for
 
 
 class Fdq:
@@ -42,6 +27,15 @@ class Fdq:
             f"fdq {' '.join(map(str, args))}: exit {result.exit_code}, expected {code}\n"
             f"stdout: {result.stdout}\nstderr: {result.stderr}")
         return result
+
+    def usage_error(self, argv, text, input=None):
+        """``fdq *argv`` refused as a usage error: exit 2, nothing on stdout, one
+        ``Error:`` line on stderr that holds ``text``."""
+        r = self(*argv, code=2, input=input)
+        assert r.stdout == ""
+        error_lines = [line for line in r.stderr.splitlines() if line.startswith("Error: ")]
+        assert len(error_lines) == 1 and text in error_lines[0], r.stderr
+        return r
 
     def json(self, *args, **kwargs):
         return json.loads(self(*args, "--json", **kwargs).stdout)

@@ -86,10 +86,7 @@ USAGE_ERRORS = [  # (argv, text the message must contain)
 @pytest.mark.parametrize("argv,text", USAGE_ERRORS, ids=[" ".join(a)[:40] for a, _t in USAGE_ERRORS])
 def test_usage_errors_exit_2(run, stored, state, argv, text):
     before = state()
-    r = run(*argv, code=2, input="a\n")
-    assert r.stdout == ""
-    error_lines = [line for line in r.stderr.splitlines() if line.startswith("Error: ")]
-    assert len(error_lines) == 1 and text in error_lines[0], r.stderr
+    run.usage_error(argv, text, input="a\n")
     assert state() == before
 
 

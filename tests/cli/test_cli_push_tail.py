@@ -3,20 +3,18 @@ from __future__ import annotations
 
 import base64
 import json
+from functools import partial
+
+import pytest
 
 import fdq
 
+import fdqtest
 
-def drain(db, topic, timeout=5.0, **kwargs):
-    """Every message the API can still fetch (leased, then acked)."""
-    out = []
-    with fdq.Consumer(db, topic, create=False, **kwargs) as c:
-        while True:
-            got = c.fetch(100, timeout=timeout if not out else 0.3)
-            if not got:
-                return out
-            c.ack_many(got)
-            out += got
+
+# Every message the API can still fetch (leased, then acked): up to 5 s for the first, then
+# until a fetch comes back empty.
+drain = partial(fdqtest.drain, first_wait_s=5.0, wait_s=0.3, settle="ack_many", create=False)
 
 
 def test_push_one(run, db, sup):
@@ -170,3 +168,20 @@ def test_push_stdin_big_lines_to_a_topic_with_subscriptions(run, db, sup):
     r = run("push", "tagged", "-", "-H", "note=" + "n" * 8000, input=b"".join(b"%d\n" % i for i in range(500)))
     assert len(r.stdout.split()) == 500
     assert sup.stats("tagged")["counters"]["inserted"] == 500
+
+
+@pytest.mark.parametrize("mode", ["at-least-once", "at-most-once"])
+def test_tail_of_an_ack_policy_none_subscription(run, sup, mode):
+    """``fdq tail --subscription S`` where S has ack_policy='none' (fetch takes its
+    messages: done when delivered, nothing to ack): at-most-once acked each taken
+    message before printing it, which raised, so the batch fetched was lost unprinted
+    (exit 1); at-least-once printed them, then failed acking them (exit 1). Both print
+    every message and exit 0."""
+    sup.create_topic("t", shards=1)
+    sup.create_subscription("t", "s", fdq.SubscriptionConfig(ack_policy="none"))
+    fdq.Producer(sup.db).push_many("t", [fdq.Envelope(b"m%d" % i) for i in range(5)])
+    rows = [line for line in run("tail", "t", "--subscription", "s", "--count", "5", "--mode", mode,
+                                 "--json").stdout.splitlines() if line]
+    import json
+    assert [json.loads(r)["body"] for r in rows] == ["m%d" % i for i in range(5)]
+    assert sup.stats("t")["subscriptions"]["s"]["backlog"] == 0

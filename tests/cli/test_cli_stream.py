@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import fdq
-from fdqtest import wait_for
+from fdqtest import kill_all, wait_for
 
 FDQ = Path(sys.executable).parent / "fdq"
 
@@ -55,11 +55,8 @@ def test_tail_stopped_by_sigterm_leaves_at_once(url, db, sup):
     not after the zombie timeout and the ack wait)."""
     import signal
     fdq.Producer(db).push("orders", b"before")
-    p = subprocess.Popen([str(FDQ), "tail", "orders"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env=_env(url))
+    p = _tail_consuming(url, sup)
     try:
-        wait_for(lambda: sup.stats("orders")["subscriptions"]["default"]["acked"] == 1
-                 and sup.consumers("orders"), timeout=30, what="tail consuming")
         p.send_signal(signal.SIGTERM)
         out, err = p.communicate(timeout=30)
     finally:
@@ -71,6 +68,19 @@ def test_tail_stopped_by_sigterm_leaves_at_once(url, db, sup):
     assert b"Traceback" not in err
     assert sup.consumers("orders") == []                         # left: no zombie to wait for
     assert sup.stats("orders")["subscriptions"]["default"]["in_flight"] == 0
+
+
+def _tail_consuming(url, sup):
+    """``fdq tail orders`` in its own process, once it acked the message pushed before."""
+    p = subprocess.Popen([str(FDQ), "tail", "orders"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=_env(url))
+    try:
+        wait_for(lambda: sup.stats("orders")["subscriptions"]["default"]["acked"] == 1
+                 and sup.consumers("orders"), timeout=30, what="tail consuming")
+    except BaseException:
+        kill_all([p])
+        raise
+    return p
 
 
 def test_push_with_stdin_closed_is_one_line(url):
@@ -93,11 +103,8 @@ def test_tail_ends_when_its_topic_is_deleted(url, db, sup):
     """A tail whose topic is deleted under it stops with one line naming the problem
     (exit 1), as a tail of an unknown topic does, instead of warning forever."""
     fdq.Producer(db).push("orders", b"before")
-    p = subprocess.Popen([str(FDQ), "tail", "orders"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env=_env(url))
+    p = _tail_consuming(url, sup)
     try:
-        wait_for(lambda: sup.stats("orders")["subscriptions"]["default"]["acked"] == 1
-                 and sup.consumers("orders"), timeout=30, what="tail consuming")
         sup.delete_topic("orders")
         out, err = p.communicate(timeout=30)
     finally:

@@ -3,25 +3,25 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import pytest
+from click.testing import CliRunner
 
 import fdq
+from fdq.cli.commands import cli
 from fdq.config import SubscriptionConfig
+
+import fdqtest
+from fdqtest import fetch_ids
+
 
 ROW_KEYS = {"topic", "name", "ephemeral", "catching_up", "paused", "deliver_policy", "start_time_ms", "start_position",
             "backlog", "in_flight", "delayed", "dlq", "consumers", "config"}
 
 
-def drain(db, topic, subscription, timeout=5.0):
-    out = []
-    with fdq.Consumer(db, topic, subscription=subscription, create=False, extend_support=True) as c:
-        while True:
-            got = c.fetch(100, timeout=timeout if not out else 0.3)
-            if not got:
-                return out
-            c.ack_many(got)
-            out += got
+# Every message the API can still fetch: up to 5 s for the first, then until a fetch comes back empty.
+drain = partial(fdqtest.drain, first_wait_s=5.0, wait_s=0.3, settle="ack_many", create=False, extend_support=True)
 
 
 @pytest.fixture
@@ -215,10 +215,7 @@ USAGE_ERRORS = [  # (argv, text the one "Error:" line must contain)
 @pytest.mark.parametrize("argv,text", USAGE_ERRORS, ids=[" ".join(a)[:50] for a, _t in USAGE_ERRORS])
 def test_usage_errors_exit_2(run, orders, state, argv, text):
     before = state()
-    r = run(*argv, code=2, input="y\n")
-    assert r.stdout == ""
-    error_lines = [line for line in r.stderr.splitlines() if line.startswith("Error: ")]
-    assert len(error_lines) == 1 and text in error_lines[0], r.stderr
+    run.usage_error(argv, text, input="y\n")
     assert state() == before
 
 
@@ -280,3 +277,15 @@ def test_catch_up_of_a_long_log_reports_progress_on_stderr(run, db, sup, monkeyp
                                          "1,200 messages copied from the log")
     assert any(line.startswith("resetting big/late: ") for line in r.stderr.splitlines())
     assert sup.stats("big")["subscriptions"]["late"]["backlog"] == 1200    # rewound: each message once
+
+
+def test_cli_header_and_filter_header_agree(db, db_url):
+    """The CLI's own spelling: pushed with --header flag=true, filtered with
+    --filter-header flag=true."""
+    run = CliRunner().invoke
+    assert run(cli, ["--url", db_url, "topics", "create", "t", "--extend"]).exit_code == 0
+    res = run(cli, ["--url", db_url, "subs", "create", "t", "f", "--filter-header", "flag=true"])
+    assert res.exit_code == 0, res.output
+    res = run(cli, ["--url", db_url, "push", "t", "--header", "flag=true", "hello"])
+    assert res.exit_code == 0, res.output
+    assert len(fetch_ids(db, "t", "f", timeout=0.5, extend_support=True)) == 1

@@ -19,7 +19,7 @@ if not (shutil.which("java") or os.environ.get("JAVA_HOME")):
 
 import fdq  # noqa: E402
 import fdq.spark  # noqa: E402
-from fdqtest import wait_for  # noqa: F401 - re-exported to this directory's tests
+from fdqtest import WORKERS, wait_for  # noqa: F401 - wait_for re-exported to this directory's tests
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -47,13 +47,14 @@ def make_session(master: str = "local[2]", **conf):
 
 def start_producers(url: str, topic: str, procs: int, per_proc: int, out_dir, *,
                     batch: int = 500, pause_ms: int = 0) -> list:
-    """Start ``procs`` producer processes (tests/spark/producer_proc.py); returns
-    [(Popen, output file)]."""
+    """Start ``procs`` producer processes (``tests/workers`` role ``spark-producer``);
+    returns [(Popen, output file)]."""
     ps = []
     for i in range(procs):
         out = os.path.join(str(out_dir), f"pushed-{topic}-{i}.jsonl")
-        ps.append((subprocess.Popen([sys.executable, os.path.join(HERE, "producer_proc.py"), url, topic,
-                                     str(i), str(per_proc), str(batch), str(pause_ms), out]), out))
+        ps.append((subprocess.Popen([sys.executable, str(WORKERS), "spark-producer", "--url", url, "--name", f"p{i}",
+                                     "--out", out, "--topic", topic, "--proc", str(i), "--count", str(per_proc),
+                                     "--batch", str(batch), "--pause-ms", str(pause_ms)]), out))
     return ps
 
 

@@ -1,13 +1,12 @@
-"""Fixtures of the dashboard's tests: a ``WebApp`` over a fresh database, called the way
-a server calls it (``api``), and consumer processes killed by PID at teardown."""
+"""Fixtures of the dashboard's tests: a ``WebApp`` over the test's database, called the
+way a server calls it (``api``)."""
 from __future__ import annotations
 
 import pytest
 
-import fdq
 from fdq.web import WebApp
 
-from webhelpers import TOKEN, Api, Workers
+from webhelpers import TOKEN, Api
 
 
 @pytest.fixture
@@ -22,15 +21,3 @@ def app(db):
 @pytest.fixture
 def api(app):
     return Api(app)
-
-
-@pytest.fixture
-def sup(db):
-    return fdq.Supervisor(db)
-
-
-@pytest.fixture
-def workers(tmp_path, db_url):
-    w = Workers(tmp_path, db_url)
-    yield w
-    w.cleanup()

@@ -3,7 +3,6 @@ consumers: what each endpoint reports, what each action does, and how bad input 
 missing tokens are refused (a JSON error naming the problem, nothing changed)."""
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -12,18 +11,9 @@ from fdq.broker.auth import AuthFile
 from fdq.web import WebApp
 
 from webhelpers import TOKEN, Api
-from fdqtest import wait_for
+from fdqtest import fast, fetch_n, wait_for
 
-FAST = dict(heartbeat_interval_s=0.2, zombie_timeout_s=1.0, poll_interval_s=0.05, lease_check_interval_s=0.05)
-
-
-def _fetch(c, n, timeout=30):
-    got = []
-    deadline = time.monotonic() + timeout
-    while len(got) < n:
-        assert time.monotonic() < deadline, f"fetched only {len(got)} of {n}"
-        got += c.fetch(n - len(got), timeout=0.2)
-    return got
+WEB_FAST = fast(zombie_timeout_s=1.0)
 
 
 def _sub(detail, name="default"):
@@ -55,8 +45,8 @@ def test_topic_shows_subscription_backlog_in_flight_delayed_redeliveries_and_dea
     for body in (b"lease", b"nak", b"term", b"wait"):
         p.push("orders", body, shard_key="k")
     p.push("orders", b"later", delay=600)
-    with fdq.Consumer(db, "orders", consumer_id="pull", config=fdq.ConsumerConfig(**FAST)) as c:
-        got = {m.body: m for m in _fetch(c, 4)}
+    with fdq.Consumer(db, "orders", consumer_id="pull", config=WEB_FAST) as c:
+        got = {m.body: m for m in fetch_n(c, 4)}
         got[b"nak"].nak()
         got[b"term"].term("bad input")
         got[b"wait"].nak()
@@ -74,8 +64,8 @@ def test_topic_shows_subscription_backlog_in_flight_delayed_redeliveries_and_dea
 
 def test_consumers_show_liveness_heartbeat_age_and_the_shards_each_owns(api, sup, db):
     sup.create_topic("orders", shards=6)
-    a = fdq.tail(db, "orders", lambda m: None, consumer_id="a", config=fdq.ConsumerConfig(**FAST))
-    b = fdq.tail(db, "orders", lambda m: None, consumer_id="b", config=fdq.ConsumerConfig(**FAST))
+    a = fdq.tail(db, "orders", lambda m: None, consumer_id="a", config=WEB_FAST)
+    b = fdq.tail(db, "orders", lambda m: None, consumer_id="b", config=WEB_FAST)
     try:
         def split():
             s = _sub(api.ok("api/topics/orders"))
@@ -97,7 +87,7 @@ def test_history_holds_samples_and_events_of_consumers_joining_and_shards_moving
     sup.create_topic("orders", shards=4)
     app.history.sample_all()
     fdq.Producer(db).push_many("orders", [fdq.Envelope(b"x")] * 3)
-    c = fdq.tail(db, "orders", lambda m: None, consumer_id="solo", config=fdq.ConsumerConfig(**FAST))
+    c = fdq.tail(db, "orders", lambda m: None, consumer_id="solo", config=WEB_FAST)
     try:
         wait_for(lambda: _sub(api.ok("api/topics/orders"))["consumers"], 30, what="the consumer registered")
         app.history.sample_all()
@@ -118,10 +108,10 @@ def test_dlq_lists_dead_letters_with_reason_and_attempts(api, sup, db):
     sup.create_topic("orders", shards=1)
     fdq.Producer(db).push("orders", b"poison", shard_key="cust-1")
     fdq.Producer(db).push("orders", b"\xff\xfe", shard_key="cust-2")
-    with fdq.Consumer(db, "orders", config=fdq.ConsumerConfig(max_deliver=2, **FAST)) as c:
-        for m in _fetch(c, 2):
+    with fdq.Consumer(db, "orders", config=fast(WEB_FAST, max_deliver=2)) as c:
+        for m in fetch_n(c, 2):
             m.nak()
-        for m in _fetch(c, 2):
+        for m in fetch_n(c, 2):
             m.nak()
     d = api.ok("api/topics/orders/subscriptions/default/dlq")
     assert d["total"] == 2
@@ -138,8 +128,8 @@ def test_redrive_of_selected_dead_letters_delivers_them_again_and_purge_deletes_
     p = fdq.Producer(db)
     for body in (b"a", b"b", b"c"):
         p.push("orders", body)
-    with fdq.Consumer(db, "orders", config=fdq.ConsumerConfig(**FAST)) as c:
-        for m in _fetch(c, 3):
+    with fdq.Consumer(db, "orders", config=WEB_FAST) as c:
+        for m in fetch_n(c, 3):
             m.term("no")
     ids = {d["body"]: d["id"] for d in api.ok("api/topics/orders/subscriptions/default/dlq")["dead_letters"]}
     status, out = api.post("api/topics/orders/subscriptions/default/dlq/redrive", {"ids": [ids["a"]]})
@@ -147,8 +137,8 @@ def test_redrive_of_selected_dead_letters_delivers_them_again_and_purge_deletes_
     status, out = api.post("api/topics/orders/subscriptions/default/dlq/purge", {"ids": [ids["b"], ids["a"]]})
     assert status == 200 and out["purged"] == 1 and "1 no longer in the dead-letter queue" in out["message"]
     assert [d["body"] for d in sup.dlq_list("orders")] == [b"c"]
-    with fdq.Consumer(db, "orders", config=fdq.ConsumerConfig(**FAST)) as c:
-        [m] = _fetch(c, 1)
+    with fdq.Consumer(db, "orders", config=WEB_FAST) as c:
+        [m] = fetch_n(c, 1)
         assert (m.body, m.id) == (b"a", ids["a"])
         m.ack()
 

@@ -1,6 +1,6 @@
 """End to end in a real browser: headless Chromium (Debian's ``chromium`` and
 ``chromium-driver``, through Selenium) on ``fdq web`` in its own process, over a real
-database with real producers and consumer processes (``worker.py``, killed by PID).
+database with real producers and consumer processes (``tests/workers`` role ``web-consumer``, killed by PID).
 
 Screenshots of the main views are written to ``$FDQ_WEB_SCREENSHOTS`` if set, else to a
 ``screenshots`` folder under pytest's temporary directory (its path is printed). Without
@@ -19,7 +19,7 @@ import pytest
 
 import fdq
 
-from fdqtest import kill_all, wait_for
+from fdqtest import kill_all, read_lines, wait_for
 from webhelpers import TOKEN, start_web
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("browser")]
@@ -224,8 +224,8 @@ def test_a_killed_consumer_shows_as_a_zombie_and_its_shards_move_to_the_survivor
     fdq.Producer(db).push_many("orders", [fdq.Envelope(b"m%d" % i, shard_key=f"k{i}") for i in range(200)])
     # The survivor waits 6 s before taking a silent peer's shards; the victim's record says
     # it is a zombie after 1 s: the page has ~5 s to show it as one.
-    victim = workers.start("worker-a", zombie_timeout_s=1.0)
-    workers.start("worker-b", zombie_timeout_s=6.0)
+    victim = workers.start("web-consumer", "worker-a", "--topic", "orders", "--zombie", 1.0)
+    workers.start("web-consumer", "worker-b", "--topic", "orders", "--zombie", 6.0)
     page.open("#/topic/orders")
     page.wait(lambda: set(page.owners()) == {"worker-a", "worker-b"} and
               page.consumer_state("worker-a") == page.consumer_state("worker-b") == "live", 60,
@@ -249,10 +249,10 @@ def test_a_killed_consumer_shows_as_a_zombie_and_its_shards_move_to_the_survivor
 
 def test_pausing_from_the_page_stops_deliveries_and_play_resumes_them(page, db, sup, workers):
     sup.create_topic("orders", shards=2)
-    workers.start("worker-p")
+    worker = workers.start("web-consumer", "worker-p", "--topic", "orders")
     p = fdq.Producer(db)
     p.push("orders", b"before")
-    wait_for(lambda: "ack before" in workers.lines("worker-p"), 60, what="the first message delivered")
+    wait_for(lambda: "ack before" in read_lines(worker.out), 60, what="the first message delivered")
     page.open("#/topic/orders")
     page.use_token(TOKEN)
     page.click("#pause-topic")
@@ -267,19 +267,19 @@ def test_pausing_from_the_page_stops_deliveries_and_play_resumes_them(page, db, 
     beats = lambda: sup.stats("orders")["subscriptions"]["default"]["consumers"][0]["heartbeats"]  # noqa: E731
     first = beats()
     wait_for(lambda: beats() >= first + 3, 30, what="three more heartbeats of the consumer")
-    assert not [line for line in workers.lines("worker-p") if "during" in line]
+    assert not [line for line in read_lines(worker.out) if "during" in line]
     page.shot("topic-paused")
     page.click("#play-topic")
     page.confirm()
     page.toast("ok", "resumed topic 'orders' (3 pushed while paused routed)")
-    wait_for(lambda: {f"ack during-{i}" for i in range(3)} <= set(workers.lines("worker-p")), 60,
+    wait_for(lambda: {f"ack during-{i}" for i in range(3)} <= set(read_lines(worker.out)), 60,
              what="the paused pushes delivered after play")
 
 
 def test_a_dead_letter_redriven_from_the_page_is_delivered_again(page, db, sup, workers, tmp_path):
     sup.create_topic("orders", shards=2)
     cure = tmp_path / "cure"
-    workers.start("worker-d", max_deliver=1, cure=cure)
+    worker = workers.start("web-consumer", "worker-d", "--topic", "orders", "--max-deliver", 1, "--cure", cure)
     fdq.Producer(db).push("orders", b"poison-1", shard_key="cust-7")
     page.open("#/topic/orders")
     page.wait(lambda: page.text('#subs-table tr[data-sub="default"] [data-field=dlq]') == "1", 60,
@@ -297,8 +297,8 @@ def test_a_dead_letter_redriven_from_the_page_is_delivered_again(page, db, sup, 
     page.click("#dlq-redrive")
     page.confirm()
     page.toast("ok", "redrove 1 dead letter")
-    wait_for(lambda: "ack poison-1" in workers.lines("worker-d"), 60, what="the redriven message handled")
-    got = [line for line in workers.lines("worker-d") if line.startswith("got poison-1")]
+    wait_for(lambda: "ack poison-1" in read_lines(worker.out), 60, what="the redriven message handled")
+    got = [line for line in read_lines(worker.out) if line.startswith("got poison-1")]
     assert len(got) == 2 and got[0].split()[3] == got[1].split()[3], got     # the same message, twice
     page.wait(lambda: page.text("#dlq-table tbody") == "No dead letters.", 30, "the dead-letter queue empty")
 

@@ -1,5 +1,5 @@
 """Helpers of the dashboard's tests (``tests/web`` is on ``sys.path``): the API called as
-a server calls it, consumer processes, ``fdq web`` in its own process, HTTP requests."""
+a server calls it, ``fdq web`` in its own process, HTTP requests."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from fdq.web import WebApp
-from fdqtest import kill_all, readline_within
+from fdqtest import readline_within
 
 HERE = Path(__file__).parent
 TOKEN = "s3cret-token"
@@ -44,30 +44,6 @@ class Api:
         status, data = self.get(path, **kw)
         assert status == 200, (path, status, data)
         return data
-
-
-class Workers:
-    """Consumer processes (``worker.py``), each logging to its own file; all SIGKILLed
-    at teardown."""
-
-    def __init__(self, tmp_path, url):
-        self.tmp_path, self.url = tmp_path, url
-        self.procs = {}
-
-    def start(self, cid, topic="orders", **options):
-        log = self.tmp_path / f"{cid}.log"
-        args = [sys.executable, str(HERE / "worker.py"), self.url, topic, cid, str(log)]
-        for k, v in options.items():
-            args += [f"--{k.replace('_', '-')}", str(v)]
-        self.procs[cid] = subprocess.Popen(args, stdin=subprocess.DEVNULL)
-        return self.procs[cid]
-
-    def lines(self, cid):
-        path = self.tmp_path / f"{cid}.log"
-        return path.read_text().splitlines() if path.exists() else []
-
-    def cleanup(self):
-        kill_all(list(self.procs.values()))
 
 
 FDQ = Path(sys.executable).parent / "fdq"

@@ -1,0 +1,61 @@
+"""Dead letters: a message goes to the DLQ after max_deliver, and records at the value
+limit lease and dead-letter whole."""
+from __future__ import annotations
+
+import os
+import time
+
+import fdq
+from fdq.keyspace.codec import CHUNK_BYTES
+
+from fdqtest import FAST, fast, fetch_until, sub_stats, wait_for
+
+
+def test_dead_letter_after_max_deliver(db):
+    fdq.Supervisor(db).create_topic("t", shards=2)
+    fdq.Producer(db).push("t", b"poison", shard_key="k")
+    calls = []
+
+    def handler(m):
+        calls.append(m.attempts)
+        raise RuntimeError("cannot handle")
+    c = fdq.tail(db, "t", handler, config=fast(max_deliver=3), on_error=lambda e: None)
+    try:
+        wait_for(lambda: sub_stats(db, "t")["dlq"] == 1, 30, what="the message dead-lettered")
+        time.sleep(0.3)
+    finally:
+        c.shutdown()
+    assert calls == [1, 2, 3]
+    [dead] = fdq.Supervisor(db).dlq_list("t")
+    assert dead["body"] == b"poison" and "max_deliver (3)" in dead["reason"] and dead["attempts"] == 3
+    s = sub_stats(db, "t")
+    assert s["backlog"] == 0 and s["in_flight"] == 0
+
+
+def test_records_at_the_value_limit_lease_and_dead_letter(db):
+    """A body that fits one value alone but not with its headers and a long shard key is
+    chunked; leased and then dead-lettered with a 200,000-character reason (cut), it stays
+    whole (before: a lease or dead letter over FDB's value limit failed every attempt)."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=1, extend=True)
+    key = "k" * 1024
+    headers = {f"h{i}": "v" * 1000 for i in range(8)}
+    bodies = [os.urandom(CHUNK_BYTES), os.urandom(CHUNK_BYTES - 100), b"small"]
+    p = fdq.Producer(db)
+    for b in bodies:
+        p.push("t", b, shard_key=key, headers=headers)
+    p.push("t", os.urandom(CHUNK_BYTES), shard_key=key)      # no headers: fits inline
+    with fdq.Consumer(db, "t", config=FAST, extend_support=True) as c:
+        got = fetch_until(c, lambda g: len(g) >= 4, 30)
+        assert [m.body for m in got[:3]] == bodies and dict(got[0].headers) == headers
+        for m in got:
+            m.term("r" * 200_000)
+    dead = sup.dlq_list("t")
+    assert [d["body"] for d in dead[:3]] == bodies and len(dead) == 4
+    assert all(len(d["reason"]) == 1000 and d["reason"].startswith("terminated: rrr") for d in dead)
+    assert sup.dlq_redrive("t") == 4
+    with fdq.Consumer(db, "t", config=FAST, extend_support=True) as c:
+        again = fetch_until(c, lambda g: len(g) >= 4, 30)
+        assert [m.body for m in again] == [m.body for m in got]
+        c.ack_many(again)
+    assert sub_stats(db, "t")["backlog"] == 0

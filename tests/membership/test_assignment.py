@@ -1,0 +1,118 @@
+"""Shard assignment: a consumer leaving with a config from before a reshard leaves no
+shard unowned, an assignment racing a deletion leaves no records, and a steady stream of
+tagged pushes does not conflict with it."""
+from __future__ import annotations
+
+import time
+
+import fdq
+from fdq import membership
+from fdq.keyspace import Keyspace
+from fdq.keyspace.codec import shard_of
+
+from fdqtest import engine_errors, readline_within
+
+
+_TAGGED_STREAM = """
+import sys, time, fdq
+p = fdq.Producer(fdq.connect(sys.argv[1]))
+print("ready", flush=True)
+deadline = time.monotonic() + float(sys.argv[2])
+n = 0
+while time.monotonic() < deadline and n < 200_000:
+    p.push("t", b"x", headers={"##client_dispatch_tag": "blue"})
+    n += 1
+"""
+
+
+def test_a_steady_stream_of_tagged_pushes_does_not_conflict_with_shard_assignment(db, url):
+    # A tagged push wrote the topic's tag key blind in every transaction; shard
+    # assignment reads the tags (to give each tag's shards owners) with a conflict
+    # range, so every assignment attempt conflicted with the stream: consumers could
+    # not join or take over while tagged messages kept coming.
+    import subprocess
+    import sys
+    from fdq import membership
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2, extend=True)
+    fdq.Producer(db).push("t", b"first", headers={"##client_dispatch_tag": "blue"})
+    ts = Keyspace().topic("t")
+    config = sup.config("t")
+    stream = subprocess.Popen([sys.executable, "-c", _TAGGED_STREAM, url, "20"], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert readline_within(stream, 60, "ready").strip() == "ready"
+        before = sup.stats("t")["counters"]["inserted"]
+        from fdqtest import wait_for
+        wait_for(lambda: sup.stats("t")["counters"]["inserted"] > before + 50, timeout=20, what="the stream")
+        conflicts = 0
+        for _ in range(20):
+            tr = db.create_transaction()
+            while True:
+                try:
+                    membership.assign_shards(tr, ts, "default", config)
+                    time.sleep(0.005)     # a transaction that takes a few ms, as under load
+                    tr.commit().wait()
+                    break
+                except engine_errors() as e:
+                    assert e.code == 1020, e
+                    conflicts += 1
+                    assert conflicts < 20, "shard assignment keeps conflicting with tagged pushes"
+                    tr.on_error(e).wait()
+    finally:
+        stream.kill()
+        stream.wait(30)
+
+
+def test_a_consumer_leaving_with_a_config_from_before_a_reshard_leaves_no_shard_unowned(db):
+    """Join, leave and zombie takeover re-divided the shards with the caller's cached
+    topic config: a consumer that left (or declared a peer a zombie) before its next
+    heartbeat refreshed that copy after a reshard to more shards planned the old count
+    and set the new shards' owner to nobody. No later event re-assigns an existing
+    record, so their messages were never delivered while the survivor ran."""
+    s = fdq.Supervisor(db)
+    s.create_topic("t", shards=4)
+    slow = fdq.ConsumerConfig(heartbeat_interval_s=30, ack_wait_s=600)   # cached config stays as read
+    a = fdq.Consumer(db, "t", consumer_id="a", config=slow)
+    b = fdq.Consumer(db, "t", consumer_id="b", config=slow)
+    ts = Keyspace().topic("t")
+    try:
+        s.rebalance("t", shards=8)
+        b.close()
+        owners = membership.read_owners(db, ts, "default")
+        assert sorted(owners) == [("", n) for n in range(8)]
+        assert {o for o, _e in owners.values()} == {"a"}, owners
+        keys = [next(f"k{i}" for i in range(1000) if shard_of(f"k{i}", 8) == n) for n in range(8)]
+        fdq.Producer(db).push_many("t", [fdq.Envelope(k.encode(), shard_key=k) for k in keys])
+        got = []
+        deadline = time.monotonic() + 20
+        while len(got) < len(keys) and time.monotonic() < deadline:
+            for m in a.fetch(len(keys), timeout=0.2):
+                got.append(m.body)
+                m.ack()
+        assert sorted(got) == sorted(k.encode() for k in keys)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_assignment_racing_a_deletion_leaves_no_shard_records(db):
+    """A consumer's membership round (``assign_new_tags``, ``assign_shards``) that runs
+    just after its subscription's deletion wrote an owner-less record for every shard
+    (and the assignment counter): state of a deleted subscription left for good."""
+    from fdq import membership
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=4, extend=True)
+    sup.create_subscription("t", "s")
+    fdq.Producer(db).push("t", b"x", headers={"##client_dispatch_tag": "g"})
+    ts = sup.keyspace.topic("t")
+    sup.delete_subscription("t", "s")
+    membership.assign_new_tags(db, ts, "s")
+    membership.assign_shards(db, ts, "s")
+    tr = db.create_transaction()
+    r = ts.shard_records["s"].range()
+    left = list(tr.get_range(r.start, r.stop))
+    counter = tr[ts.assignment_key("s")].wait()
+    tr.cancel()
+    assert not left, f"{len(left)} shard records of the deleted subscription"
+    assert counter == None  # noqa: E711 - FDB's absent Value

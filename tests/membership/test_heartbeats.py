@@ -1,0 +1,188 @@
+"""Heartbeats: a peer's heartbeat is timed from when it was seen; ``heartbeat_age``
+across version jumps, client clock skew and no consumer at all; heartbeat keys left by
+a zombie declaration or without a record."""
+from __future__ import annotations
+
+import time
+
+import fdq
+from fdq import membership
+from fdq.keyspace import decode_counter, Keyspace
+
+from fdqtest import commit_retrying, engine_errors, read, read_version, scan, wait_for, with_faults
+
+
+def test_a_peer_heartbeat_seen_after_a_held_up_round_is_timed_from_when_it_was_seen(db):
+    """The membership loop takes ``now`` before its heartbeat and then observes its
+    peers with it. A round held up in its heartbeat (an FDB recovery stalls commits for
+    seconds; the peers' too) stamped a peer's heartbeat first seen after the stall with
+    the time from before it: a peer that then went one heartbeat interval without
+    beating again had been "unchanged" for the stall plus that interval and was
+    declared a zombie while alive. The loop's steps are run by hand here, in its order,
+    with the stall as a sleep."""
+    fdq.Supervisor(db).create_topic("t", shards=2)
+    ts = Keyspace().topic("t")
+    obs = fdq.Consumer(db, "t", consumer_id="obs", config=fdq.ConsumerConfig(heartbeat_interval_s=0.5))
+    try:
+        obs._stop.set()                 # its own loop stops: this test runs the rounds
+        obs._thread.join(10)
+        assert obs.config.zombie_after_s == 1.5
+        membership.join(db, ts, "default", "peer", {"id": "peer", "zombie_after_s": 1.5}, None)
+        obs._observe_peers(time.monotonic())            # a round sees the peer
+        now = time.monotonic()                          # the next round starts
+        time.sleep(2.0)                                 # its heartbeat held up 2 s ...
+        assert membership.heartbeat(db, ts, "default", "peer")     # ... the peer's went through
+        obs._observe_peers(now)                         # the round observes (its `now`)
+        time.sleep(0.3)                                 # one round later, the peer beat 0.3 s ago
+        obs._observe_peers(time.monotonic())
+        assert "peer" in membership.read_members(db, ts, "default")
+    finally:
+        obs.close()
+
+
+JUMP = 90_000_000
+
+
+def _read_version(db) -> int:
+    return read_version(db)
+
+
+def _jump(db, url: str) -> int:
+    """Inject one FDB-recovery-like version jump (+100,000,000) into the database at
+    ``url``: commit tiny transactions on a fault-injecting connection until one jumps.
+    Returns the read version after it."""
+    jumper = fdq.connect(with_faults(url, 0.5, 11))
+    before = _read_version(db)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        tr = jumper.create_transaction()
+        tr.options.set_max_retry_delay(50)
+        try:
+            tr.add(b"lt/jumper", (1).to_bytes(8, "little"))
+            tr.commit().wait()
+        except engine_errors() as e:
+            try:
+                tr.on_error(e.code).wait()
+            except engine_errors():
+                pass
+        v = _read_version(db)
+        if v - before >= JUMP:
+            return v
+    raise AssertionError("no version jump was injected within 30 s")
+
+
+def _consumer_row(db, topic: str, cid: str) -> dict:
+    [row] = [c for c in fdq.Supervisor(db).consumers(topic) if c["id"] == cid]
+    return row
+
+
+def _heartbeats(db, topic: str, cid: str) -> int:
+    ts = Keyspace().topic(topic)
+    return decode_counter(read(db, ts.heartbeat_key("default", cid)))
+
+
+def _member_keys(db, ts, cid: str) -> list:
+    return [k for k, _v in scan(db, ts.consumers["default"][cid].range().start[:-1])
+            if ts.consumers["default"].unpack(k)[0] == cid]
+
+
+def test_heartbeat_age_after_a_version_jump(db, url):
+    """A live consumer whose last heartbeat was before a version jump of 100,000,000
+    (~100 s of versions) shows the time since that heartbeat, not ~100 s, once the
+    database clock has moved on (any live consumer moves it every lease check). It
+    heartbeats every 30 s, so no heartbeat of its own lands between the jump and the
+    read (asserted): by versions alone (before the fix) its age read >= 100 s."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    cfg = fdq.ConsumerConfig(heartbeat_interval_s=30, zombie_timeout_s=90, lease_check_interval_s=0.05)
+    c = fdq.Consumer(db, "t", consumer_id="live", config=cfg)
+    try:
+        wait_for(lambda: _consumer_row(db, "t", "live")["heartbeat_age_s"] is not None, 30,
+                 what="the consumer's first heartbeat")
+        beats = _heartbeats(db, "t", "live")
+        ck = Keyspace().clock_key
+        jumped_at = _jump(db, url)
+        clock0 = membership.read_clock(db.create_transaction(), ck)
+        # the clock advances after the jump: a lease check of the live consumer
+        wait_for(lambda: membership.read_clock(db.create_transaction(), ck) > clock0 + 100, 30,
+                 what="the database clock to advance after the jump")
+        assert _read_version(db) >= jumped_at
+        age = _consumer_row(db, "t", "live")["heartbeat_age_s"]
+        assert _heartbeats(db, "t", "live") == beats, "a heartbeat landed: the test proves nothing"
+        assert age is not None and age < 10, f"heartbeat age {age} s after a version jump"
+    finally:
+        c.close()
+
+
+def test_heartbeat_age_under_client_clock_skew(db, monkeypatch):
+    """A consumer (and the stats reader) whose time.time() is 3 hours ahead: the age
+    is seconds, not hours (no wall clock is compared)."""
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3 * 3600)
+    fdq.Supervisor(db).create_topic("t", shards=2)
+    cfg = fdq.ConsumerConfig(heartbeat_interval_s=0.1, zombie_timeout_s=1.0, lease_check_interval_s=0.05)
+    c = fdq.Consumer(db, "t", consumer_id="skewed", config=cfg)
+    try:
+        beats = _heartbeats(db, "t", "skewed")
+        wait_for(lambda: _heartbeats(db, "t", "skewed") >= beats + 3, 30, what="three heartbeats")
+        age = _consumer_row(db, "t", "skewed")["heartbeat_age_s"]
+        assert age is not None and 0 <= age < 5, f"heartbeat age {age} s under a 3 h clock skew"
+    finally:
+        c.close()
+
+
+def test_heartbeat_age_grows_when_no_consumer_runs(db):
+    """The database clock stands still while no consumer runs: a member record whose
+    consumer died (no process left to advance the clock) still ages, by versions."""
+    fdq.Supervisor(db).create_topic("t", shards=2)
+    ts = Keyspace().topic("t")
+    config = fdq.Supervisor(db).config("t")
+    membership.join(db, ts, "default", "dead", {"id": "dead"}, config)
+    assert membership.heartbeat(db, ts, "default", "dead")
+    t0 = time.monotonic()
+    wait_for(lambda: (_consumer_row(db, "t", "dead")["heartbeat_age_s"] or 0) >= 1.0, 30,
+             what="the dead member's heartbeat age to reach 1 s")
+    assert time.monotonic() - t0 >= 0.9     # the age is not ahead of real time (no jump here)
+
+
+def test_heartbeat_racing_a_zombie_declaration_leaves_no_keys(db):
+    """T1 (heartbeat) reads the member's record; T2 (declare_zombie) removes the member
+    and commits; T1 commits. Before the fix T1 read the record by snapshot, committed,
+    and left its "hb"/"hbv" keys without a record for good. Now T1 conflicts, and its
+    retry finds the member gone: no key of it remains."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    ts = Keyspace().topic("t")
+    config = sup.config("t")
+    membership.join(db, ts, "default", "zombie", {"id": "zombie"}, config)
+    membership.join(db, ts, "default", "survivor", {"id": "survivor"}, config)
+    observed = membership.read_members(db, ts, "default")["zombie"]["hb"]
+
+    t1 = db.create_transaction()
+    assert membership.heartbeat(t1, ts, "default", "zombie") is True       # read, not committed
+    assert membership.declare_zombie(db, ts, "default", "zombie", observed, config) is True
+    results = []
+    retries = commit_retrying(t1, lambda tr: results.append(membership.heartbeat(tr, ts, "default", "zombie")))
+
+    assert retries == 1 and results == [False], "the heartbeat committed after the zombie declaration"
+    assert _member_keys(db, ts, "zombie") == []
+    assert set(membership.read_members(db, ts, "default")) == {"survivor"}
+
+
+def test_assignment_clears_heartbeat_keys_left_without_a_record(db):
+    """Keys an older FDQ's racing heartbeat left behind are cleared by the next
+    re-division of shards (a join, leave or zombie declaration)."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    ts = Keyspace().topic("t")
+    config = sup.config("t")
+
+    @fdq.transactional
+    def leak(tr):   # what the race left: a heartbeat's keys, no record
+        tr.add(ts.heartbeat_key("default", "gone"), (7).to_bytes(8, "little"))
+        tr.max(ts.consumers.pack(("default", "gone", "hbv")), (5).to_bytes(8, "little"))
+    leak(db)
+    assert len(_member_keys(db, ts, "gone")) == 2
+    membership.join(db, ts, "default", "next", {"id": "next"}, config)
+    assert _member_keys(db, ts, "gone") == []
+    assert set(membership.read_members(db, ts, "default")) == {"next"}

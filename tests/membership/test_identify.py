@@ -1,0 +1,73 @@
+"""Consumers identify: extend topic × consumer matrix (Consumer and tail)."""
+from __future__ import annotations
+
+import pytest
+
+import fdq
+
+from fdqtest import wait_for
+
+
+@pytest.fixture
+def topics(db):
+    s = fdq.Supervisor(db)
+    s.create_topic("ext", shards=2, extend=True)
+    s.create_topic("plain", shards=2)
+    return s
+
+
+def _consumers(sup, topic):
+    return sup.stats(topic)["subscriptions"]["default"]["consumers"]
+
+
+@pytest.mark.parametrize("topic,extend_support,desired_tag,error", [
+    ("ext", True, None, None),
+    ("ext", True, "A", None),
+    ("ext", False, None, "has extend support: consumers must set extend_support=True"),
+    ("ext", False, "A", "has extend support: consumers must set extend_support=True"),
+    ("plain", False, None, None),
+    ("plain", False, "A", None),            # desired_tag ignored on a plain topic
+    ("plain", True, None, "has no extend support"),
+    ("plain", True, "A", "has no extend support"),
+])
+@pytest.mark.parametrize("api", ["Consumer", "tail"])
+def test_identify_matrix(db, topics, topic, extend_support, desired_tag, error, api):
+    def make():
+        if api == "Consumer":
+            return fdq.Consumer(db, topic, extend_support=extend_support, desired_tag=desired_tag)
+        return fdq.tail(db, topic, lambda m: None, extend_support=extend_support, desired_tag=desired_tag)
+    if error:
+        with pytest.raises(fdq.ConfigError, match=error):
+            make()
+        assert _consumers(topics, topic) == []        # never joined
+        return
+    c = make()
+    try:
+        (rec,) = _consumers(topics, topic)
+        expected_tag = desired_tag if topic == "ext" else None
+        assert c.desired_tag == expected_tag and rec["tag"] == expected_tag
+        tagged = topic == "ext" and desired_tag is not None
+        assert c.owned_shards == ([] if tagged else [("", 0), ("", 1)])   # untagged shards: untagged only
+    finally:
+        c.close()
+
+
+def test_tagged_consumer_owns_no_untagged_shard(db, topics):
+    a = fdq.Consumer(db, "ext", extend_support=True, desired_tag="A")
+    try:
+        assert a.owned_shards == []
+        fdq.Producer(db).push("ext", b"u")
+        assert a.fetch(10, timeout=0.3) == []
+    finally:
+        a.close()
+
+
+def test_desired_tag_on_plain_topic_is_a_normal_consumer(db, topics):
+    c = fdq.Consumer(db, "plain", desired_tag="A",
+                     config=fdq.ConsumerConfig(heartbeat_interval_s=0.1))
+    try:
+        fdq.Producer(db).push("plain", b"u")
+        got = wait_for(lambda: c.fetch(10, timeout=0.2), 20, "the plain consumer to get the message")
+        assert [m.body for m in got] == [b"u"] and got[0].tag == "" and dict(got[0].headers) == {}
+    finally:
+        c.close()

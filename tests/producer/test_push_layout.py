@@ -1,0 +1,56 @@
+"""What a push writes, byte for byte: the producer builds its stamped keys from prepared
+prefixes (``vs_key_parts``) instead of tuple-packing each one, and encodes plain
+records directly; the keys must stay exactly the layout's tuple encoding and the records
+exactly ``Record.encode()``, for every subscription, keyed and unkeyed, and the counters
+must add up."""
+from __future__ import annotations
+
+import fdb.tuple
+import pytest
+from fdb.tuple import Versionstamp
+
+import fdq
+from fdq.keyspace import decode_counter, Keyspace, vs_key, vs_key_parts
+from fdq.keyspace.codec import Record
+
+from fdqtest import scan
+
+
+@pytest.mark.parametrize("prefix", [b"", b"\x02fdq\x00", Keyspace().topic("o").log_prefix(7),
+                                    Keyspace().topic("o").shard("default", "", 3).ready_prefix])
+@pytest.mark.parametrize("uv", [0, 1, 99, 255, 256, 65535])
+def test_vs_key_parts_build_the_tuple_layers_incomplete_versionstamp_key(prefix, uv):
+    head, offset = vs_key_parts(prefix)
+    expected = fdb.tuple.pack_with_versionstamp((Versionstamp(user_version=uv),), prefix=prefix)
+    assert head + uv.to_bytes(2, "big") + offset == expected
+    assert vs_key(prefix, uv) == expected
+
+
+def test_pushed_keys_and_records_are_the_layouts_tuple_encoding(db):
+    sup = fdq.Supervisor(db)
+    sup.create_topic("o", shards=4)
+    sup.create_subscription("o", "second")
+    p = fdq.Producer(db)
+    envs = [fdq.Envelope(f"m{i}".encode(), shard_key=f"k{i % 3}" if i % 2 else None) for i in range(250)]
+    results = p.push_many("o", envs)
+    results += [p.push("o", b"single"), p.push("o", b"keyed", shard_key="k1")]
+    envs += [fdq.Envelope(b"single"), fdq.Envelope(b"keyed", shard_key="k1")]
+    rows = dict(scan(db, fdb.tuple.pack(("fdq",))))
+    routed = {}
+    for env, r in zip(envs, results):
+        vs = Versionstamp.from_bytes(bytes.fromhex(r.id))
+        record = rows[fdb.tuple.pack(("fdq", "topic", "o", "all", "log", r.shard, vs))]
+        decoded = Record.decode(record)
+        assert record == Record(decoded.ts_ms, env.shard_key, None, None, env.body).encode()
+        for sub in ("default", "second"):
+            assert rows[fdb.tuple.pack(("fdq", "topic", "o", "subs", sub, "shards", "", r.shard, "ready", vs))] \
+                == record
+            routed[(sub, r.shard)] = routed.get((sub, r.shard), 0) + 1
+    assert sum(1 for k in rows if k.startswith(fdb.tuple.pack(("fdq", "topic", "o", "all", "log")))) == len(envs)
+
+    def counter(*path):
+        return decode_counter(rows.get(fdb.tuple.pack(("fdq", "topic", "o") + path)))
+    assert counter("all", "stats", "inserted") == len(envs)
+    assert counter("all", "stats", "routed") == len(envs)
+    for (sub, n), count in routed.items():
+        assert counter("subs", sub, "shards", "", n, "stats", "routed") == count
