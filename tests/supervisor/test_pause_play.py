@@ -127,40 +127,45 @@ def test_push_while_paused_that_play_could_never_route_is_refused(db):
     assert [i for i, _k, _b in got] == [small]
 
 
-def test_play_finishes_under_a_steady_push_stream(procs, db, monkeypatch):
+def test_play_finishes_under_a_steady_push_stream(procs, db, monkeypatch, tmp_path):
     """``play``'s last chunk reads the whole pending area to resume the topic in the
     same transaction; every push landing there meanwhile made it conflict, so under a
     steady stream play retried until a gap in the pushes (forever, for a service that
     keeps pushing hard). Its brief hold lets it finish, without one conflict, while 3
-    producer processes push (pushes landed after it returned), nothing lost, each key
-    in push order."""
+    producer processes push (each still pushing when it returned: they stop only when
+    told), nothing lost, each key in push order."""
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=4)
     sup.pause("t")
-    prods = [procs.start("producer", f"p{i}", "--count", 4000, "--batch", 1, "--keys", 5) for i in range(3)]
-    wait_for(lambda: sup.stats("t")["counters"]["inserted"] >= 600, 60, what="pushes under way")
-    retries = collections.Counter()     # this process's retries: the play's (producers are processes)
-    real = fdq.engine.retry.retry_or_raise     # where transact (under transactional) retries
+    stop = tmp_path / "stop"
+    prods = [procs.start("producer", f"p{i}", "--count", 60000, "--batch", 1, "--keys", 5,
+                         "--sleep", 0.002, "--until", stop) for i in range(3)]
+    try:
+        wait_for(lambda: sup.stats("t")["counters"]["inserted"] >= 600, 60, what="pushes under way")
+        retries = collections.Counter()     # this process's retries: the play's (producers are processes)
+        real = fdq.engine.retry.retry_or_raise     # where transact (under transactional) retries
 
-    def counted(tr, e):
-        retries[getattr(e, "code", None)] += 1
-        return real(tr, e)
-    monkeypatch.setattr(fdq.engine.retry, "retry_or_raise", counted)
-    done = []
-    player = threading.Thread(target=lambda: done.append(sup.play("t")), daemon=True)
-    player.start()
-    player.join(60)
-    assert done, "play did not finish within 60 s"
-    at_play = sup.stats("t")["counters"]["inserted"]
+        def counted(tr, e):
+            retries[getattr(e, "code", None)] += 1
+            return real(tr, e)
+        monkeypatch.setattr(fdq.engine.retry, "retry_or_raise", counted)
+        done = []
+        player = threading.Thread(target=lambda: done.append(sup.play("t")), daemon=True)
+        player.start()
+        player.join(60)
+        assert done, "play did not finish within 60 s"
+        pushing = [p.poll() is None for p in prods]
+    finally:
+        stop.touch()    # the producers end their stream
+    assert all(pushing), "play finished only once the pushes stopped"
     assert not retries, f"play retried: {dict(retries)}"
     assert not sup.config("t").paused
     for p in prods:
         procs.wait(p, 120)
     pushed = [json.loads(line) for p in prods for line in read_lines(p.out)]
-    assert len(pushed) == 12000 and at_play < 12000, "play finished only once the pushes stopped"
     c = sup.stats("t")["counters"]
-    assert (c["inserted"], c["routed"], c["pending"]) == (12000, 12000, 0)
-    got = consume(db, 12000, 60)
+    assert (c["inserted"], c["routed"], c["pending"]) == (len(pushed), len(pushed), 0)
+    got = consume(db, len(pushed), 60)
     assert sorted(i for i, _k, _b in got) == sorted(x["id"] for x in pushed)
     order = collections.defaultdict(list)
     for _i, key, body in got:

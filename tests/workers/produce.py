@@ -2,7 +2,8 @@
 
 * ``producer``: ``--count`` messages (bodies ``NAME:SEQ``, keys ``NAME-k<seq % keys>``)
   in batches of ``--batch`` (1: ``push``, else ``push_many``), each logged after it
-  returned; retries counted in the status file.
+  returned; retries counted in the status file. With ``--until FILE`` it also stops
+  once that file exists (a stream the test ends when it has seen what it waits for).
 * ``push-ids``: ``--count`` messages to ``--topic`` in batches of 10 with short pauses;
   prints the JSON list of their ids at the end.
 * ``spark-producer``: ``--count`` messages of producer number ``--proc`` (bodies,
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import time
 
 from common import Counters, Log, parser, skew_clock, write_status
@@ -27,7 +29,7 @@ def producer(args):
     p = fdq.Producer(db)
     out = Log(args.out)
     seq = 0
-    while seq < args.count:
+    while seq < args.count and not (args.until and os.path.exists(args.until)):
         n = min(args.batch, args.count - seq)
         envs = [fdq.Envelope(f"{args.name}:{s}".encode(), shard_key=f"{args.name}-k{s % args.keys}")
                 for s in range(seq, seq + n)]
@@ -92,5 +94,6 @@ def main(role, argv):
     ap.add_argument("--skew-s", type=float, default=0.0)
     ap.add_argument("--proc", type=int, default=0)
     ap.add_argument("--pause-ms", type=int, default=0)
+    ap.add_argument("--until", default=None)
     args = ap.parse_args(argv)
     {"producer": producer, "push-ids": push_ids, "spark-producer": spark_producer}[role](args)
