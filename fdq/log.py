@@ -306,6 +306,8 @@ def decode_entries(db, ts: TopicSpace, keys, raws, start_ms=None, end_ms=None, s
         cols = list(zip(*recs))
     tss, sks, mids, hds, bodies = cols[:5]
     del cols
+    if int in set(map(type, sks)):   # an unkeyed message's slot holds its home (Record.home)
+        sks = [None if type(k) is int else k for k in sks]
     n = len(recs)
     top = max(map(len, recs))
     nchunks = [r[6] if len(r) > 6 else 0 for r in recs] if top > 6 else None

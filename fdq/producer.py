@@ -13,7 +13,6 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
-import random
 import struct
 import threading
 import time
@@ -37,10 +36,11 @@ from .errors import (BacklogFull, ConfigError, EngineError, FDQError, InvalidHea
 from .headers import dispatch_tag, trace_id, validate_headers
 from .keyspace import (Keyspace, TopicSpace, counter, decode_counter, ensure_format, message_id, vs_key,
                        vs_key_parts)
-from .keyspace.codec import (CHUNK_BYTES, RECORD_BYTES, ROUTE_BYTES, Record, pack, packer, shard_of, split_body,
+from .keyspace.codec import (CHUNK_BYTES, RECORD_BYTES, ROUTE_BYTES, Record, pack, packer, split_body,
                              unpack)
 from .log import entry_bytes
 from .membership import read_clock
+from .ops.routing import home_for, shard_for, spread_start
 from .topic import HOLD_WAIT_S, check_hold, load_config, write_new_topic_config
 
 VERSIONS_PER_S = 1_000_000
@@ -175,16 +175,6 @@ class _Item:
         self.done.acquire()
 
 
-# Messages without a shard key: a transaction puts runs of STICKY_RUN of them on one
-# shard, starting at a random shard (Kafka's sticky partitioner, KIP-480). Even over
-# time, and a batch touches a few shards' key ranges instead of every one of them.
-STICKY_RUN = 100
-
-
-def _spread_start() -> int:
-    return random.randrange(1 << 30)
-
-
 @transactional
 def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_create,
                now_ms: int, time_index: dict, check_marker: bool = True):
@@ -234,14 +224,15 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             raise MessageTooLarge(f"message body of {len(body):,} bytes is too large to route to topic {topic!r}'s "
                                   f"log and its {len(config.subs)} subscriptions in one transaction (at most "
                                   f"{ROUTE_BYTES // (1 + len(config.subs)):,} bytes each)")
-        n = shard_of(env.shard_key, config.shards) if env.shard_key is not None else \
-            (spread + uv // STICKY_RUN) % config.shards
+        key = env.shard_key
+        # unkeyed: its home, kept in its record (the shard key's slot) for every later copy
+        n = shard_for(key, config.shards) if key is not None else home_for(spread, uv, config.shards)
         if plan.routing and env.msg_id is None and not env.delay and not env.headers \
                 and 0 < len(body) <= CHUNK_BYTES and getattr(env, "replay_of", None) is None:
             # The common message (what route_message does for it, with the keys'
             # prefixes prepared once per transaction): its record into the log and into
             # every subscription's ready queue of shard n.
-            record = packb([now_ms, env.shard_key, None, None, body])   # = Record(...).encode()
+            record = packb([now_ms, n if key is None else key, None, None, body])   # = Record(...).encode()
             uvb = uv.to_bytes(2, "big")
             if n != last_n or plan is not last_plan:     # unkeyed messages: runs on one shard
                 last_plan, last_n = plan, n
@@ -304,12 +295,13 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
         headers = getattr(env, "_plain_headers", None)
         if headers is None and env.headers:
             headers = dict(env.headers)
-        record = Record(now_ms, env.shard_key, env.msg_id, headers, inline, 0, len(chunks),
-                        getattr(env, "replay_of", None), due).encode()
+        home = n if key is None else None
+        record = Record(now_ms, key, env.msg_id, headers, inline, 0, len(chunks),
+                        getattr(env, "replay_of", None), due, home).encode()
         if len(record) > RECORD_BYTES:      # the body fits a value, not with its headers and keys
             inline, chunks = split_body(env.body, force=True)
-            record = Record(now_ms, env.shard_key, env.msg_id, headers, inline, 0, len(chunks),
-                            getattr(env, "replay_of", None), due).encode()
+            record = Record(now_ms, key, env.msg_id, headers, inline, 0, len(chunks),
+                            getattr(env, "replay_of", None), due, home).encode()
         if not config.routing and len(config.subs) * (len(record) + len(env.body)) > ROUTE_BYTES:
             # play routes it alone, to every subscription, in one transaction: refuse what
             # could never be routed (it would block the play, and every message behind it)
@@ -840,7 +832,7 @@ class Producer:
         with self._seq_lock:
             self._seq += 1
             txid = self._session + self._seq.to_bytes(8, "big")
-        spread = _spread_start()
+        spread = spread_start()
         check_process(self.db)
         tr = self.db.create_transaction()
         maybe_committed = in_flight = False

@@ -1,11 +1,14 @@
 """Value codecs: messages, leases, dead letters, topic configs (msgpack).
 
-A message record is a msgpack array ``[ts_ms, shard_key, msg_id, headers, body, attempts,
-nchunks, replay_of, due]``; trailing defaults are dropped so a plain message costs a few bytes
-over its body (and a record written before a field existed decodes with its default).
-``due``: a delayed message's due time (database clock ms, ``membership.read_clock``), kept
-in its log entry so a copy made from the log (catch-up, reset, replay, play) waits for it. Bodies over ``CHUNK_BYTES`` are split: the record keeps the chunk count and
-the chunks live beside it (``.../chunks/<vs>/<i>``).
+A message record is a msgpack array ``[ts_ms, shard_key | home, msg_id, headers, body,
+attempts, nchunks, replay_of, due]``; trailing defaults are dropped so a plain message costs
+a few bytes over its body (and a record written before a field existed decodes with its
+default). Slot 1 holds the shard key (a str), or for an unkeyed message its home shard (an
+int: ``Record.home``, the shard its push chose, ``fdq.ops.routing``); msgpack writes an int
+up to 127 in one byte, as nil. ``due``: a delayed message's due time (database clock ms,
+``membership.read_clock``), kept in its log entry so a copy made from the log (catch-up,
+reset, replay, play) waits for it. Bodies over ``CHUNK_BYTES`` are split: the record keeps
+the chunk count and the chunks live beside it (``.../chunks/<vs>/<i>``).
 """
 from __future__ import annotations
 
@@ -57,9 +60,10 @@ class Record:
     nchunks: int = 0
     replay_of: str | None = None
     due: int | None = None      # database clock ms a delayed message is due at
+    home: int | None = None     # unkeyed: the shard its push chose (stored in shard_key's slot)
 
     def encode(self) -> bytes:
-        fields = [self.ts_ms, self.shard_key, self.msg_id, self.headers, self.body,
+        fields = [self.ts_ms, self.shard_key if self.shard_key is not None else self.home, self.msg_id, self.headers, self.body,
                   self.attempts, self.nchunks, self.replay_of, self.due]
         while len(fields) > 1 and fields[-1] == _DEFAULTS[len(fields) - 1]:
             fields.pop()
@@ -70,6 +74,9 @@ class Record:
         fields = _unpackb(raw if type(raw) is bytes else bytes(raw))
         if len(fields) > _NFIELDS:      # written by a newer version: its extra fields ignored
             del fields[_NFIELDS:]
+        if len(fields) > 1 and type(fields[1]) is int:      # an unkeyed message's home
+            home, fields[1] = fields[1], None
+            return cls(*fields, home=home)
         return cls(*fields)
 
 
