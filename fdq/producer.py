@@ -13,7 +13,6 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
-import struct
 import threading
 import time
 import weakref
@@ -25,7 +24,6 @@ from concurrent.futures import InvalidStateError
 from dataclasses import dataclass
 from types import MappingProxyType
 
-import fdb.tuple as fdbtuple
 from fdb.tuple import Versionstamp
 
 from .config import ProducerConfig, TopicConfig, check_name
@@ -34,24 +32,15 @@ from .times import MIN_BARE_MS, iso_ms
 from .errors import (BacklogFull, ConfigError, EngineError, FDQError, InvalidHeader, InvalidMessage,
                      MessageTooLarge, TopicHeld, TopicNotFound, is_maybe_committed)
 from .headers import dispatch_tag, trace_id, validate_headers
-from .keyspace import (Keyspace, TopicSpace, counter, decode_counter, ensure_format, message_id, vs_key,
-                       vs_key_parts)
-from .keyspace.codec import (CHUNK_BYTES, RECORD_BYTES, ROUTE_BYTES, Record, pack, packer, split_body,
-                             unpack)
+from .keyspace import (VERSIONS_PER_S, Keyspace, TopicSpace, counter, decode_counter, ensure_format, message_id,
+                       vs_key, vs_key_parts)
+from .keyspace.codec import (CHUNK_BYTES, RECORD_BYTES, ROUTE_BYTES, Record, decode_dedupe, decode_marker,
+                             encode_dedupe, encode_marker, encode_pending, packer, split_body)
 from .log import entry_bytes
 from .membership import read_clock
 from .ops.routing import home_for, shard_for, spread_start
 from .topic import HOLD_WAIT_S, check_hold, load_config, write_new_topic_config
 
-VERSIONS_PER_S = 1_000_000
-MARKER_TTL_S = 600.0          # push markers outlive any commit_unknown_result retry
-# A marker holds its transaction's results: over this, its payload is split into parts
-# at marks/<txid>/<i> (FDB's value limit is 100,000 bytes); its value then starts with
-# _SPLIT (a byte msgpack never uses) and the part count.
-MARKER_PART_BYTES = 90_000
-_SPLIT = b"\xc1"
-_OFFSET0 = struct.pack("<I", 0)
-_PLACEHOLDER = b"\x00" * 10
 MAX_DELAY_S = 10 * 365 * 86400   # (NaN, inf and overflowing delays are refused at the call)
 MAX_SHARD_KEY_BYTES = 1024    # a shard key is stored with every copy of its message
 MAX_PER_TRANSACTION = 1 << 16   # a versionstamp's user version (2 bytes) numbers them
@@ -187,7 +176,7 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
     cannot have committed yet). ``dup_of`` is a message id (an earlier push) or an int
     (the user version of an earlier message of this batch)."""
     first = ks.topic(items[0][0])
-    marker_key = first.marks.pack((txid,))
+    marker_key = first.marker_key(txid)
     if check_marker:
         found = read_marker(tr, first, txid)
         if found is not None:   # committed before: return what it returned
@@ -247,7 +236,7 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             sums[2] += len(body)
             if time_index.get(topic) != minute:
                 time_index[topic] = minute   # a lost entry only makes a replay scan longer
-                tr.set_versionstamped_key(vs_key(ts.time_index.pack((minute,)), uv), b"")
+                tr.set_versionstamped_key(ts.time_index_vs_key(minute, uv), b"")
             results.append((topic, uv, n, None))
             continue
         if env.headers and not config.extend:
@@ -260,28 +249,22 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
                 continue
             if rv is None:
                 rv = tr.get_read_version().wait()
-            dkey = ts.dedupe.pack((env.msg_id,))
+            dkey = ts.dedupe_key(env.msg_id)
             seen = tr[dkey]
             if seen != None:  # noqa: E711
-                raw = bytes(seen)
-                first_vs = Versionstamp.from_bytes(raw[:12])
+                entry = decode_dedupe(seen)
                 # Within the window by versions, or by the producers' clock: a version
                 # jump (FDB recovery, ~100 s) must not make a recent id look old. Clocks
                 # disagree both ways: a first push "in the future" beyond the window is
                 # a skewed clock, not a young id (else the id stays a duplicate for as
                 # long as that clock is ahead).
-                young = int.from_bytes(first_vs.tr_version[:8], "big") >= rv - int(config.dedupe_window_s * VERSIONS_PER_S)
-                if not young and len(raw) >= 20:
-                    young = abs(now_ms - int.from_bytes(raw[12:20], "big")) < config.dedupe_window_s * 1000
+                young = entry.version >= rv - int(config.dedupe_window_s * VERSIONS_PER_S) \
+                    or abs(now_ms - entry.ts_ms) < config.dedupe_window_s * 1000
                 if young:
-                    # the first one's shard (kept from its push; entries written before
-                    # it was kept: this push's, as then)
-                    first_n = int.from_bytes(raw[20:24], "big") if len(raw) >= 24 else n
-                    results.append((topic, uv, first_n, message_id(first_vs)))
+                    results.append((topic, uv, entry.shard, message_id(entry.vs)))
                     continue
             batch_ids[(topic, env.msg_id)] = (uv, n)
-            tr.set_versionstamped_value(dkey, _PLACEHOLDER + uv.to_bytes(2, "big") + now_ms.to_bytes(8, "big")
-                                        + n.to_bytes(4, "big") + _OFFSET0)
+            tr.set_versionstamped_value(dkey, encode_dedupe(uv, now_ms, n))
             tr.set_versionstamped_key(vs_key(ts.dedupe_by_version.key(), uv), env.msg_id.encode())
         due = None
         due_at = getattr(env, "due_at", None)     # a replay: the original's due time
@@ -310,13 +293,13 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
                                   f"(at most {ROUTE_BYTES:,} bytes in all)")
         tr.set_versionstamped_key(vs_key(ts.log_prefix(n), uv), record)
         for i, chunk in enumerate(chunks):
-            tr.set_versionstamped_key(vs_key(ts.all_chunks.key(), uv, fdbtuple.pack((i,))), chunk)
+            tr.set_versionstamped_key(ts.chunk_vs_key(uv, i), chunk)
         counters[ts.stat("log_bytes")] += entry_bytes(ts, n, len(record), len(chunks),
                                                       len(env.body) if chunks else 0)
         counters[ts.stat("inserted_bytes")] += len(env.body)
         if time_index.get(topic) != minute:
             time_index[topic] = minute   # a lost entry only makes a replay scan longer
-            tr.set_versionstamped_key(vs_key(ts.time_index.pack((minute,)), uv), b"")
+            tr.set_versionstamped_key(ts.time_index_vs_key(minute, uv), b"")
         counters[ts.stat("inserted")] += 1
         if config.routing:
             tag = dispatch_tag(headers)
@@ -329,7 +312,7 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             if tag and (topic, tag) not in tags_written:
                 tags_written.add((topic, tag))
                 _note_tag(tr, ts, tag)
-            tr.set_versionstamped_key(vs_key(ts.pending.key(), uv), pack([n, env.delay]))
+            tr.set_versionstamped_key(ts.pending_vs_key(uv), encode_pending(n))
         results.append((topic, uv, n, None))
     for (plan, n), (count, record_bytes, body_bytes) in plain.items():
         for key in plan.counter_keys(n):
@@ -345,15 +328,10 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
                 written = {r[0] for r in results if r[3] is None}
             if topic in written:
                 _check_backlog(tr, ks.topic(topic), config)
-    payload = pack(results)
-    if len(payload) <= MARKER_PART_BYTES:
-        tr.set_versionstamped_value(marker_key, _PLACEHOLDER + payload + _OFFSET0)
-    else:   # over one value: the rest in parts beside it (read_marker)
-        parts = [payload[i:i + MARKER_PART_BYTES] for i in range(0, len(payload), MARKER_PART_BYTES)]
-        tr.set_versionstamped_value(marker_key, _PLACEHOLDER + _SPLIT + len(parts).to_bytes(4, "big")
-                                    + parts[0] + _OFFSET0)
-        for i, part in enumerate(parts[1:], 1):
-            tr[first.marks.pack((txid, i))] = part
+    value, parts = encode_marker(results)
+    tr.set_versionstamped_value(marker_key, value)
+    for i, part in enumerate(parts, 1):     # over one value: the rest in parts beside it
+        tr[first.marker_part_key(txid, i)] = part
     tr.set_versionstamped_key(vs_key(first.marks_by_version.key(), 0), txid)
     return results, tr.get_versionstamp()
 
@@ -361,15 +339,15 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
 def read_marker(tr, ts: TopicSpace, txid: bytes):
     """``(results, stamp)`` of the push transaction ``txid`` if it committed (its
     marker, under the topic of its first message), else None."""
-    marker = tr[ts.marks.pack((txid,))]
+    marker = tr[ts.marker_key(txid)]
     if marker == None:  # noqa: E711
         return None
-    raw = bytes(marker)
-    stamp, payload = raw[:10], raw[10:]
-    if payload[:1] == _SPLIT:
-        r = ts.marks[txid].range()
-        payload = payload[5:] + b"".join(bytes(kv.value) for kv in tr.get_range(r.start, r.stop))
-    return unpack(payload), stamp
+
+    def parts():
+        r = ts.marker_parts_range(txid)
+        return [kv.value for kv in tr.get_range(r.start, r.stop)]
+    stamp, results = decode_marker(marker, parts)
+    return results, stamp
 
 
 def _note_tag(tr, ts: TopicSpace, tag: str):
@@ -377,7 +355,7 @@ def _note_tag(tr, ts: TopicSpace, tag: str):
     by snapshot, written only when absent: shard assignment reads the tags with a
     conflict range, so a tag key rewritten by every push made each assignment conflict
     with a tagged push stream."""
-    key = ts.tags.pack((tag,))
+    key = ts.tag_key(tag)
     if tr.snapshot[key] == None:  # noqa: E711
         tr[key] = b""
 
@@ -437,10 +415,10 @@ def route_message(tr, ts: TopicSpace, config: TopicConfig, tag: str, n: int, uv:
         if due is None:
             tr.set_versionstamped_key(vs_key(shard.ready_prefix, uv), record)
         else:
-            tr.set_versionstamped_key(vs_key(shard.delayed.pack((due,)), uv), record)
+            tr.set_versionstamped_key(shard.delayed_vs_key(due, uv), record)
             counters[shard.stat("delayed")] += 1
         for i, chunk in enumerate(chunks):
-            tr.set_versionstamped_key(vs_key(shard.chunks.key(), uv, fdbtuple.pack((i,))), chunk)
+            tr.set_versionstamped_key(shard.chunk_vs_key(uv, i), chunk)
         counters[shard.stat("routed")] += 1   # consumers watch this key
     counters[ts.stat("routed")] += 1
 
