@@ -176,7 +176,7 @@ class TopicSpace:
         self._shards = {}
         self._stat_keys = {}
         self.log_prefixes = {}
-        self.push_plans = {}     # the producer's per-config cache (producer._PushPlan)
+        self.push_plans = {}     # push's per-config cache (fdq.ops.push._PushPlan)
 
     def log_prefix(self, bucket: int) -> bytes:
         p = self.log_prefixes.get(bucket)
