@@ -28,6 +28,7 @@ from .headers import trace_id
 from .keyspace import Keyspace, message_id
 from .ops.push import TX_WRITE_BYTES, fits, push_batch, read_marker
 from .ops.routing import spread_start
+from .supervisor import replay_window
 from .times import to_ms
 from .topic import HOLD_WAIT_S
 # Re-exported at their old names until the wrap-up (other partitions import them here).
@@ -511,7 +512,6 @@ class Producer:
         ``fdq.supervisor.REPLAY_ORPHAN_S``) and continues where it stopped; nothing is
         pushed twice. ``start``/``end``: epoch ms or datetimes (naive = UTC); ``end``
         before ``start`` is a ConfigError. Returns how many this call replayed."""
-        from .supervisor import replay_window
         return replay_window(self.db, self.keyspace, topic, to_ms(start), to_ms(end), progress=progress)
 
 
