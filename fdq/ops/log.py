@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import heapq
 
-import fdb.tuple as fdbtuple
-
 from ..engine import StreamingMode, transactional   # the same values as fdb.StreamingMode
 from ..keyspace import STAMP_BYTES, TopicSpace, Versionstamp, position_of
 from ..keyspace.codec import CHUNK_BYTES, Record
 from ..keyspace.stamps import FIRST_VS
 
 SLACK_MS = 60_000   # producers' clocks may disagree: start a time window this much earlier
-
-_CHUNK_INDEX_BYTES = [len(fdbtuple.pack((i,))) for i in range(256)]
-
 
 def entry_bytes(ts: TopicSpace, bucket: int, record_len: int, nchunks: int = 0, chunk_bytes: int = 0) -> int:
     """A log entry's size as the topic's ``log_bytes`` counter counts it (what
@@ -30,8 +25,7 @@ def entry_bytes(ts: TopicSpace, bucket: int, record_len: int, nchunks: int = 0, 
     pending keys are not counted. Push adds it, trim subtracts it when it deletes."""
     n = len(ts.log_prefix(bucket)) + STAMP_BYTES + record_len
     if nchunks:
-        idx = sum(_CHUNK_INDEX_BYTES[i] if i < 256 else len(fdbtuple.pack((i,))) for i in range(nchunks))
-        n += nchunks * (len(ts.all_chunks.key()) + STAMP_BYTES) + idx + chunk_bytes
+        n += ts.chunk_keys_bytes(nchunks) + chunk_bytes
     return n
 
 
