@@ -412,9 +412,12 @@ class Producer:
         items = (None if e is None else (topic, e if isinstance(e, Envelope) else Envelope(e)) for e in envelopes)
         return self._push_items(items, max_messages=max_messages)
 
-    def _push_items(self, items: Iterable, *, max_messages: int = 500) -> Iterator[list]:
+    def _push_items(self, items: Iterable, *, max_messages: int = 500, also=None) -> Iterator[list]:
         """``push_stream`` over ``(topic, Envelope or ops.push.PushItem)`` items (``None``:
-        commit what is pending)."""
+        commit what is pending). ``also(tr, taken)``, if given, runs inside each push
+        transaction after its pushes (``taken``: the items it pushed), on every attempt,
+        also on a retry that finds the first attempt committed (its marker): it must be
+        idempotent (a replay advancing its progress to ``taken[-1]``, fencing its owner)."""
         pending = []
         body_bytes = 0
         for item in items:
@@ -425,20 +428,21 @@ class Producer:
                 if len(pending) < max_messages and fits(0, body_bytes):
                     continue
             while pending:
-                results = self._commit(pending, budget=TX_WRITE_BYTES)
+                results = self._commit(pending, budget=TX_WRITE_BYTES, also=also)
                 del pending[:len(results)]
                 body_bytes = sum(len(it[1].body) for it in pending)
                 yield results
                 if item is not None and len(pending) < max_messages and fits(0, body_bytes):
                     break   # room again: read on
         while pending:
-            results = self._commit(pending, budget=TX_WRITE_BYTES)
+            results = self._commit(pending, budget=TX_WRITE_BYTES, also=also)
             del pending[:len(results)]
             yield results
 
-    def _commit(self, items: list, budget: int | None = None) -> list:
+    def _commit(self, items: list, budget: int | None = None, also=None) -> list:
         """Push ``items`` [(topic, envelope)] in one transaction through the retry loop;
-        their results (with ``budget``: of the first ones that fit, ``ops.push.push_batch``).
+        their results (with ``budget``: of the first ones that fit, ``ops.push.push_batch``;
+        ``also``: as ``_push_items``'s).
         A retry after an attempt that may have committed finds its marker first, so no
         message is pushed twice; giving up then asks the marker (``_resolve``)."""
         now_ms = int(time.time() * 1000)
@@ -451,8 +455,11 @@ class Producer:
 
         def body(tr, attempt):
             held[0] = tr
-            return push_batch(tr, self.keyspace, items, txid, spread, self.config.auto_create,
-                              now_ms, self._time_index, attempt.maybe_committed, budget)
+            pushed = push_batch(tr, self.keyspace, items, txid, spread, self.config.auto_create,
+                                now_ms, self._time_index, attempt.maybe_committed, budget)
+            if also is not None:
+                also(tr, items[:len(pushed[0])])
+            return pushed
 
         def on_error(e, attempt):
             if isinstance(e, TopicHeld):    # a play finishing (~ms; lapses by itself): not written

@@ -9,7 +9,7 @@ from fdq.ops.push import TX_WRITE_BYTES, write_bytes
 from fdq.topic import read_topic_config
 from fdq.keyspace import Keyspace
 
-from fdqtest import log_records, stored_bodies, with_faults
+from fdqtest import log_records, read, stored_bodies, with_faults
 
 
 def test_transactions_hold_what_fits_every_copy_counted_and_keep_the_order(db):
@@ -62,3 +62,29 @@ def test_push_stream_under_fault_injection_pushes_each_message_once(db, url):
     results = [r for batch in fdq.Producer(faulty).push_stream("t", envs, max_messages=50) for r in batch]
     assert len(results) == len(envs) and len({r.id for r in results}) == len(envs)
     assert stored_bodies(db, "t") == {e.body: 1 for e in envs}
+
+
+def test_the_also_hook_runs_in_each_push_transaction_and_a_refusal_pushes_nothing(db):
+    """``Producer._push_items(also=)`` (a replay advancing its progress): what ``also``
+    writes commits with the pushes it was given, and an exception from it fails that
+    transaction whole."""
+    fdq.Supervisor(db).create_topic("t", shards=2)
+    p = fdq.Producer(db)
+    progress = b"qt/progress"
+
+    def advance(tr, taken):
+        tr[progress] = taken[-1][1].body
+        if taken[-1][1].body == b"stop":
+            raise fdq.errors.ReplayTakenOver("fenced")
+    envs = [("t", fdq.Envelope(b"m%d" % i)) for i in range(7)]
+    sizes = [len(r) for r in p._push_items(iter(envs), max_messages=3, also=advance)]
+    assert sizes == [3, 3, 1]
+    assert read(db, progress) == b"m6"
+    try:
+        list(p._push_items(iter([("t", fdq.Envelope(b"x")), ("t", fdq.Envelope(b"stop"))]), also=advance))
+    except fdq.errors.ReplayTakenOver:
+        pass
+    else:
+        raise AssertionError("the hook's exception must fail the push")
+    assert read(db, progress) == b"m6"
+    assert sorted(stored_bodies(db, "t")) == sorted(e.body for _t, e in envs)
