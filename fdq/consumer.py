@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from . import delivery, membership
+from .delivery import SettleRow
 from . import subscription as _subs
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig, SubscriptionConfig, TopicConfig, check_name
 from .engine import after_interrupt, check_process, error_types, retry_or_raise, run_within
@@ -35,6 +36,7 @@ from .errors import (ConfigError, ConsumerStalled, EngineError, FDQError, LeaseL
                      TopicNotFound, is_maybe_committed)
 from .headers import check_tag
 from .keyspace import Keyspace, message_id, vs_from_bytes
+from .settlement import Action, Settlement
 from .topic import create_topic, read_topic_config
 
 log = logging.getLogger("fdq.consumer")
@@ -66,11 +68,17 @@ def _ms_until(deadline: float) -> int:
     return max(1, int((deadline - _monotonic()) * 1000))   # never 0: a timeout of 0 is none
 
 
+def _check_delay(delay):
+    if delay is not None and (isinstance(delay, bool) or not isinstance(delay, (int, float))
+                              or not 0 <= delay < 1e9):
+        raise ConfigError(f"nak delay must be a number of seconds >= 0, not {delay!r}")
+
+
 @dataclass
 class Message:
     """A delivered message. In at-least-once mode settle it with ``ack()``, ``nak()``,
-    ``term()``; ``in_progress()`` extends its lease. A handler that returns acks it.
-    ``attempts``: this delivery's number, 1 for the first, in every mode."""
+    ``term()`` or ``release()``; ``in_progress()`` extends its lease. A handler that
+    returns acks it. ``attempts``: this delivery's number, 1 for the first, in every mode."""
 
     id: str
     topic: str
@@ -86,36 +94,45 @@ class Message:
     replay_of: str | None = None
     _consumer: "Consumer" = field(default=None, repr=False, compare=False)
     _taken: object = field(default=None, repr=False, compare=False)
-    _settled: str | None = field(default=None, repr=False, compare=False)
-    _deferred: list | None = field(default=None, repr=False, compare=False)
+    _settled: Action | None = field(default=None, repr=False, compare=False)
+    _deferred: list | None = field(default=None, repr=False, compare=False)    # [Settlement] of a round
     _handed: bool = field(default=False, repr=False, compare=False)    # to a handler (``_Round``)
     _in_tr: bool = field(default=False, repr=False, compare=False)     # exactly-once: ``(tr, message)``
     _reason: str | None = field(default=None, repr=False, compare=False)
 
-    def _settle(self, action, arg=None):
+    def _settle(self, action: Action, delay_s: float | None = None, reason: str | None = None):
         if self._taken is None or self._taken.lease_id is None:
-            raise FDQError(f"message {self.id} is not leased: {action} needs at-least-once delivery")
-        if self._settled is not None and action != "touch":
-            raise FDQError(f"message {self.id} is already settled ({self._settled})")
-        if action != "touch":
-            self._settled = action
-        if self._deferred is not None and action != "touch":
-            self._deferred.append((self, action, arg))   # committed with the batch
+            raise FDQError(f"message {self.id} is not leased: {action.value} needs at-least-once delivery")
+        if action is Action.TOUCH:
+            self._consumer._settle_group.submit(Settlement(self, action))
             return
-        self._consumer._settle_group.submit((self, action, arg))
+        if self._settled is not None:
+            raise FDQError(f"message {self.id} is already settled ({self._settled.value})")
+        self._settled = action
+        if self._deferred is not None:
+            self._deferred.append(Settlement(self, action, delay_s, reason))   # committed with the batch
+            return
+        self._consumer._settle_group.submit(Settlement(self, action, delay_s, reason))
 
     def ack(self):
         """Done: remove it for good."""
-        self._settle("ack")
+        self._settle(Action.ACK)
 
     def nak(self, delay: float | None = None):
         """Redeliver it, after ``delay`` seconds (default: the consumer's backoff)."""
-        if delay is not None and (isinstance(delay, bool) or not isinstance(delay, (int, float))
-                                  or not 0 <= delay < 1e9):
-            raise ConfigError(f"nak delay must be a number of seconds >= 0, not {delay!r}")
+        _check_delay(delay)
         if delay is None and self._consumer is not None:
             delay = self._consumer.config.backoff_for(self.attempts)
-        self._settle("nak", delay)
+        self._settle(Action.NAK, delay)
+
+    def release(self):
+        """Give it back at once without counting an attempt, first in line again: for a
+        message fetched but never handed to a handler (one that cannot be processed
+        now, say). One a handler had is ``nak()``'d: it was an attempt."""
+        if self._handed:
+            raise FDQError(f"message {self.id} was handed to a handler: nak() it (release() is for "
+                           "messages never handed over)")
+        self._settle(Action.RELEASE)
 
     def term(self, reason: str = "terminated by consumer"):
         """Never redeliver: move it to the subscription's dead-letter queue with ``reason``
@@ -124,14 +141,14 @@ class Message:
         writes) commits; the handler then returns as usual (after it returned: an error)."""
         if self._in_tr:
             if self._settled is not None:
-                raise FDQError(f"message {self.id} is already settled ({self._settled})")
-            self._settled, self._reason = "term", str(reason)
+                raise FDQError(f"message {self.id} is already settled ({self._settled.value})")
+            self._settled, self._reason = Action.TERM, str(reason)
             return
-        self._settle("term", str(reason))
+        self._settle(Action.TERM, reason=str(reason))
 
     def in_progress(self):
         """Still working on it: restart its lease."""
-        self._settle("touch")
+        self._settle(Action.TOUCH)
 
 
 class _Round(list):
@@ -171,7 +188,7 @@ class _Round(list):
             if not settled and not waiting:
                 return
             try:
-                self._consumer.settle(settled + [(m, "touch", None) for m in waiting])
+                self._consumer.settle(settled + [Settlement(m, Action.TOUCH) for m in waiting])
             except LeaseLost as e:
                 self._consumer._report(e)
             except Exception as e:      # not committed: at the round's end
@@ -205,6 +222,19 @@ class _Round(list):
 _LEAD = object()     # a waiting settle's turn to commit the queue (``_SettleGroup``)
 
 
+class _Waiter:
+    """A settlement queued in a ``_SettleGroup``: ``done`` is released with its
+    ``outcome`` (None: committed; an error; or ``_LEAD``: its turn to commit the queue)."""
+
+    __slots__ = ("settlement", "done", "outcome")
+
+    def __init__(self, settlement: Settlement):
+        self.settlement = settlement
+        self.done = threading.Lock()
+        self.done.acquire()
+        self.outcome = None
+
+
 class _SettleGroup:
     """Settles of one consumer's messages made one by one (``ack()`` and the others
     outside a handler's round: pull style, often from several threads) commit together
@@ -215,56 +245,55 @@ class _SettleGroup:
     the batch's lease record and conflicted with each other."""
 
     def __init__(self, commit):
-        self._commit = commit       # commit(items): Consumer.settle
+        self._commit = commit       # commit([Settlement]): Consumer.settle
         self._lock = threading.Lock()
-        self._queue = []            # [item, done lock, outcome]
+        self._queue = []            # [_Waiter]
         self._leading = False
 
-    def submit(self, item):
-        entry = [item, threading.Lock(), None]
-        entry[1].acquire()
+    def submit(self, settlement: Settlement):
+        waiter = _Waiter(settlement)
         with self._lock:
-            self._queue.append(entry)
+            self._queue.append(waiter)
             lead = not self._leading
             self._leading = True
         if not lead:
             try:
-                entry[1].acquire()      # released with its outcome, or with _LEAD: commit
+                waiter.done.acquire()   # released with its outcome, or with _LEAD: commit
             except BaseException:       # interrupted (a signal handler raised): unqueue
                 with self._lock:        # it, or pass on the turn it was given
-                    lead = entry[2] is _LEAD
-                    if not lead and entry in self._queue:
-                        self._queue.remove(entry)
-                        if entry[0][1] != "touch":
-                            entry[0][0]._settled = None     # not committed: may settle again
+                    lead = waiter.outcome is _LEAD
+                    if not lead and waiter in self._queue:
+                        self._queue.remove(waiter)
+                        if settlement.action is not Action.TOUCH:
+                            settlement.message._settled = None     # not committed: may settle again
                 if lead:
                     self._lead()
                 raise
-            if entry[2] is not _LEAD:
-                if entry[2] is not None:
-                    raise entry[2]
+            if waiter.outcome is not _LEAD:
+                if waiter.outcome is not None:
+                    raise waiter.outcome
                 return
         self._lead()
-        if entry[2] is not None:
-            raise entry[2]
+        if waiter.outcome is not None:
+            raise waiter.outcome
 
     def _lead(self):
         with self._lock:
             batch, seen = [], set()
-            for entry in self._queue:   # one settle per message id per transaction (a
-                mid = entry[0][0].id    # lost lease is reported by id)
+            for waiter in self._queue:  # one settle per message id per transaction (a
+                mid = waiter.settlement.message.id     # lost lease is reported by id)
                 if mid in seen:
                     break
                 seen.add(mid)
-                batch.append(entry)
+                batch.append(waiter)
             del self._queue[:len(batch)]
         outcomes = None
         try:
             outcomes = self._outcomes(batch)
         except BaseException as e:     # KeyboardInterrupt, SystemExit: this thread's
             after_interrupt()
-            outcomes = [e] + [FDQError(f"settle of {m.id} not committed: the thread committing it was "
-                                       f"interrupted ({type(e).__name__})") for (m, _a, _g), _l, _o in batch[1:]]
+            outcomes = [e] + [FDQError(f"settle of {w.settlement.message.id} not committed: the thread "
+                                       f"committing it was interrupted ({type(e).__name__})") for w in batch[1:]]
         finally:
             if outcomes is None:
                 outcomes = [FDQError("settle not committed: interrupted")] * len(batch)
@@ -272,27 +301,27 @@ class _SettleGroup:
                 nxt = self._queue[0] if self._queue else None
                 self._leading = nxt is not None
                 if nxt is not None:
-                    nxt[2] = _LEAD
-            for entry, outcome in zip(batch, outcomes):
-                entry[2] = outcome
-                entry[1].release()
+                    nxt.outcome = _LEAD
+            for waiter, outcome in zip(batch, outcomes):
+                waiter.outcome = outcome
+                waiter.done.release()
             if nxt is not None:
-                nxt[1].release()
+                nxt.done.release()
 
     def _outcomes(self, batch) -> list:
-        """Commit ``batch``; -> each entry's error or None."""
+        """Commit ``batch`` [_Waiter]; -> each one's error or None."""
         try:
-            self._commit([e[0] for e in batch])
+            self._commit([w.settlement for w in batch])
             return [None] * len(batch)
         except LeaseLost as e:      # the others committed
             lost = set(e.ids)
-            return [LeaseLost(f"lease lost (expired and redelivered, or settled elsewhere): {m.id}", [m.id])
-                    if m.id in lost else None for (m, _a, _g), _l, _o in batch]
+            return [LeaseLost(f"lease lost (expired and redelivered, or settled elsewhere): {mid}", [mid])
+                    if mid in lost else None for mid in (w.settlement.message.id for w in batch)]
         except Exception as e:
             if len(batch) == 1:
                 return [e]
         # Not committed: each alone, so that an error is its own settle's only.
-        return [self._outcomes([entry])[0] for entry in batch]
+        return [self._outcomes([waiter])[0] for waiter in batch]
 
 
 _NO_HEADERS = MappingProxyType({})     # read-only and empty: shared by every message without headers
@@ -311,16 +340,25 @@ def _to_message(taken: delivery.Taken, topic: str, sub: str, consumer) -> Messag
 
 
 def _settle_rows(items: list) -> list:
-    """``delivery.settle``'s rows for settlements [(message, action, arg)]."""
-    return [(m._taken.shard, m._taken.vs, m._taken.lease_id, action, arg, m._taken.lease_key)
-            for m, action, arg in items]
+    """``delivery.settle``'s rows [SettleRow] for settlements [Settlement]."""
+    rows = []
+    for s in items:
+        t = s.message._taken
+        rows.append(SettleRow(t.shard, t.vs, t.lease_id, t.lease_key, s.action,
+                              s.reason if s.action is Action.TERM else s.delay_s))
+    return rows
+
+
+def _row_id(row) -> tuple:
+    """A settle row's message across attempts (a row object is made once per call)."""
+    return row.shard.sub, row.shard.tag, row.shard.n, row.vs
 
 
 def _note_maybe_lost(maybe_lost: list, e, lost):
     """An attempt that settled and then failed with an error that may have committed:
     remember which leases it found lost (see ``Consumer._settled``)."""
     if is_maybe_committed(e) and lost is not None:
-        maybe_lost.append({(r[0].sub, r[0].tag, r[0].n, r[1]) for r in lost})
+        maybe_lost.append({_row_id(r) for r in lost})
 
 
 def _raw(value):
@@ -764,7 +802,7 @@ class Consumer:
                 with self._leases_lock:
                     for vs, _t in expiring:
                         self._leases.pop((shard_id, vs.to_bytes()), None)
-                if any(o != "changed" for o in outcome.values()):
+                if any(o is not delivery.Expiry.CHANGED for o in outcome.values()):
                     self._mark(shard_id)
             with self._leases_lock:
                 for key in [k for k in self._leases if k[0] == shard_id and k not in live_keys]:
@@ -854,7 +892,7 @@ class Consumer:
         transaction, and a shard whose counter moved between the two read versions (a
         push this transaction did not see) is visited again.
 
-        ``settlements`` [(message, action, arg)] (the previous round's, see
+        ``settlements`` [Settlement] (the previous round's, see
         ``TailConsumer._process_at_least_once``) commit first in the same transaction: one
         commit per round. A lease lost among them is reported (``on_error``), not raised:
         this round's messages are leased and handed over.
@@ -1079,16 +1117,22 @@ class Consumer:
                 return out
             self._idle(min(left, self._idle_for()))
 
-    def settle(self, items: list):
-        """Commit settlements [(message, action, arg)] in one transaction. Raises
+    def settle(self, items):
+        """Commit settlements [:class:`~fdq.Settlement`] in one transaction. Raises
         LeaseLost naming the messages whose lease moved on (they will be redelivered)."""
+        items = list(items)
         if not items:
             return
-        for m, action, _arg in items:
-            taken = getattr(m, "_taken", None)
+        for s in items:
+            if not isinstance(s, Settlement) or not isinstance(s.action, Action):
+                raise ConfigError(f"settle takes fdq.Settlement(message, fdq.Action.X, ...) items, "
+                                  f"not {s!r:.80}")
+            taken = getattr(s.message, "_taken", None)
             if taken is None or taken.lease_id is None:     # as Message._settle (it was a TypeError)
-                raise FDQError(f"message {getattr(m, 'id', m)} is not leased: {action} needs "
-                               "at-least-once delivery")
+                raise FDQError(f"message {getattr(s.message, 'id', s.message)} is not leased: "
+                               f"{s.action.value} needs at-least-once delivery")
+            if s.action is Action.NAK:
+                _check_delay(s.delay_s)
         rows = _settle_rows(items)
         check_process(self.db)
         tr = self.db.create_transaction()
@@ -1112,29 +1156,30 @@ class Consumer:
         for earlier in maybe_lost:
             # A lease that attempt settled (if it committed) is gone on retry: lost only
             # if every attempt that may have committed found it lost too.
-            lost = [r for r in lost if (r[0].sub, r[0].tag, r[0].n, r[1]) in earlier]
+            lost = [r for r in lost if _row_id(r) in earlier]
         now = _monotonic()
         with self._leases_lock:
-            for m, action, _arg in items:
+            for s in items:
+                m = s.message
                 key = ((m.tag, m.shard), m._taken.vs.to_bytes())
-                if action == "touch":
+                if s.action is Action.TOUCH:
                     seen = self._leases.get(key)
                     if seen is not None:
                         seen[1] += 1
                         seen[2] = now
                 else:
                     self._leases.pop(key, None)
-        for m, action, _arg in items:
+        for s in items:
             # back in a queue, or (flow control, ordered keys) room freed: visit its shard again
-            if action != "ack" or self._sel is not None:
-                self._mark((m.tag, m.shard))
+            if s.action is not Action.ACK or self._sel is not None:
+                self._mark((s.message.tag, s.message.shard))
         if lost:
-            ids = [message_id(r[1]) for r in lost]
+            ids = [message_id(r.vs) for r in lost]
             return LeaseLost(f"lease lost (expired and redelivered, or settled elsewhere): {', '.join(ids)}", ids)
         return None
 
     def ack_many(self, messages):
-        self.settle([(m, "ack", None) for m in messages])
+        self.settle([Settlement(m, Action.ACK) for m in messages])
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -1178,7 +1223,8 @@ class Consumer:
             mine = [(k, v) for k, v in self._leases.items() if v[0][:8] == self._lease_prefix]
         rows = []
         for (shard_id, vs12), (lease_id, _t, _s, _w, key) in mine:
-            rows.append((self._ts.shard(self.subscription, *shard_id), vs_from_bytes(vs12), lease_id, "nak", 0, key))
+            rows.append(SettleRow(self._ts.shard(self.subscription, *shard_id), vs_from_bytes(vs12), lease_id, key,
+                                  Action.NAK, 0))
         if rows:
             try:
                 run_within(self.db, _ms_until(deadline), delivery.settle, self._ts, rows, 1 << 30)
@@ -1342,8 +1388,9 @@ class TailConsumer(Consumer):
             for i, m in enumerate(msgs):
                 if self._stop.is_set():     # shutting down: the rest go back uncounted
                     for rest in msgs[i:]:
-                        rest._settled = "release"
-                        pending.append((rest, "release", None))
+                        rest._deferred = pending
+                        rest.release()
+                        rest._deferred = None
                     break
                 m._handed = True
                 m._deferred = pending
@@ -1389,7 +1436,7 @@ class TailConsumer(Consumer):
                         self.handler(tr, m)
                     finally:
                         m._in_tr = False    # term() only in its handler (then: not leased)
-                    if m._settled == "term":
+                    if m._settled is Action.TERM:
                         delivery.dead_letter_taken(tr, self._ts, t, f"terminated: {m._reason}", self.id)
                 current = None
                 watch = tr.watch(self._watch_key(shard_id)) if not taken and self._watch_key(shard_id) else None

@@ -17,7 +17,9 @@ transaction reads the shard record first (the owner-epoch fence).
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import fdb.tuple as fdbtuple
 
@@ -27,6 +29,7 @@ from .keyspace import (ShardSpace, StoredVersionstamp, TopicSpace, Versionstamp,
 from .keyspace.codec import (LEASE_ENTRY_OVERHEAD, LEASE_RECORD_BYTES, LeaseRecord, Record, decode_dead,
                              decode_leases, encode_dead, encode_leases, has_chunks, reshard_shard)
 from .membership import ensure_owner, read_clock
+from .settlement import Action
 
 ONE, MINUS_ONE = counter(1), counter(-1)
 
@@ -388,34 +391,47 @@ def _put_record(tr, key: bytes, lr: LeaseRecord, gone: set):
         del tr[key]
 
 
-def _acks_all(lr: LeaseRecord, items: list) -> bool:
-    """Whether ``items`` ack every message of lease record ``lr``, each once (the common
+class SettleRow(NamedTuple):
+    """One settlement as ``settle`` applies it: the leased message (its shard, its key's
+    versionstamp, the lease id and the key of the lease record holding it), the
+    :class:`~fdq.settlement.Action`, and ``arg``: a ``NAK``'s delay in seconds, a
+    ``TERM``'s reason (else None)."""
+
+    shard: ShardSpace
+    vs: Versionstamp
+    lease_id: bytes
+    lease_key: bytes
+    action: Action
+    arg: object = None
+
+
+def _acks_all(lr: LeaseRecord, rows: list) -> bool:
+    """Whether ``rows`` ack every message of lease record ``lr``, each once (the common
     case: a handler returned for each message of its batch)."""
-    if len(items) != len(lr.entries):
+    if len(rows) != len(lr.entries):
         return False
-    for it in items:
-        if it[3] != "ack" or it[2] != lr.lease_id:
+    for row in rows:
+        if row.action is not Action.ACK or row.lease_id != lr.lease_id:
             return False
-    return {it[1].to_bytes() for it in items} == {e[0] for e in lr.entries}
+    return {row.vs.to_bytes() for row in rows} == {e[0] for e in lr.entries}
 
 
 @transactional
-def settle(tr, ts: TopicSpace, items: list, max_deliver: int) -> list:
-    """Apply settlements [(shard, vs, lease_id, action, arg, lease_key)] in one
-    transaction: ``ack``; ``nak`` (arg: delay s; to the DLQ after max_deliver attempts);
-    ``term`` (arg: reason); ``touch`` (restarts that message's ack wait only);
-    ``release`` (back to ready uncounted: leased but never handed to a handler). Each lease
-    record named is read once (non-snapshot: a conflict with an expiry or another settle
-    of it) and written back once, or deleted when its last message is settled: a whole
-    batch acked is one delete. Returns the items whose lease was lost; a retry after
-    ``commit_unknown_result`` finds what the first attempt settled gone (lost), so
-    nothing is applied twice."""
+def settle(tr, ts: TopicSpace, rows: list, max_deliver: int) -> list:
+    """Apply settlements ``rows`` [SettleRow] in one transaction: ``ACK``; ``NAK`` (arg:
+    delay s; to the DLQ after max_deliver attempts); ``TERM`` (arg: reason); ``TOUCH``
+    (restarts that message's ack wait only); ``RELEASE`` (back to ready uncounted: leased
+    but never handed to a handler). Each lease record named is read once (non-snapshot:
+    a conflict with an expiry or another settle of it) and written back once, or deleted
+    when its last message is settled: a whole batch acked is one delete. Returns the rows
+    whose lease was lost; a retry after ``commit_unknown_result`` finds what the first
+    attempt settled gone (lost), so nothing is applied twice."""
     by_key = {}
-    for it in items:
-        group = by_key.get(it[5])
+    for row in rows:
+        group = by_key.get(row.lease_key)
         if group is None:
-            group = by_key[it[5]] = []
-        group.append(it)
+            group = by_key[row.lease_key] = []
+        group.append(row)
     futures = [(key, tr[key]) for key in by_key]
     lost = []
     acked = {}      # counters summed per transaction: one atomic op per key, not per message
@@ -425,7 +441,7 @@ def settle(tr, ts: TopicSpace, items: list, max_deliver: int) -> list:
             lost += group
             continue
         lr = decode_leases(key, raw)
-        shard = group[0][0]
+        shard = group[0].shard
         if _acks_all(lr, group):
             del tr[key]
             for e in lr.entries:
@@ -435,38 +451,38 @@ def settle(tr, ts: TopicSpace, items: list, max_deliver: int) -> list:
             continue
         index = {e[0]: e for e in lr.entries}
         gone, touched = set(), False
-        for item in group:
-            _shard, vs, lease_id, action, arg, _key = item
+        for row in group:
+            vs, action = row.vs, row.action
             vs12 = vs.to_bytes()
-            entry = index.get(vs12) if lr.lease_id == lease_id and vs12 not in gone else None
+            entry = index.get(vs12) if lr.lease_id == row.lease_id and vs12 not in gone else None
             if entry is None:
-                lost.append(item)
+                lost.append(row)
                 continue
-            if action == "touch":
+            if action is Action.TOUCH:
                 entry[2] += 1
                 touched = True
                 continue
             gone.add(vs12)
-            if action == "ack":
+            if action is Action.ACK:
                 if has_chunks(entry[1]):
                     _clear_chunks(tr, shard, vs, Record.decode(entry[1]))
                 acked[shard] = acked.get(shard, 0) + 1
                 continue
             tr.add(shard.stat("in_flight"), MINUS_ONE)
-            if action == "release":     # never handed to a handler: back, no attempt counted
+            if action is Action.RELEASE:    # never handed to a handler: back, no attempt counted
                 _requeue(tr, ts, shard, vs, entry[1], 0)
                 continue
             rec = lr.delivered(entry)
-            if action == "term":
-                _dead_letter(tr, ts, shard, vs, rec.encode(), f"terminated: {arg}", lr.consumer_id)
-            elif action == "nak":
+            if action is Action.TERM:
+                _dead_letter(tr, ts, shard, vs, rec.encode(), f"terminated: {row.arg}", lr.consumer_id)
+            elif action is Action.NAK:
                 if rec.attempts >= max_deliver:
                     _dead_letter(tr, ts, shard, vs, rec.encode(),
                                  f"max_deliver ({max_deliver}) reached: last attempt nak'd", lr.consumer_id)
                 else:
-                    _requeue(tr, ts, shard, vs, rec.encode(), int((arg or 0) * 1000))
+                    _requeue(tr, ts, shard, vs, rec.encode(), int((row.arg or 0) * 1000))
             else:
-                raise ValueError(f"unknown settlement {action!r}")
+                raise ValueError(f"unknown settlement action {action!r}")
         if gone or touched:
             _put_record(tr, key, lr, gone)
     total = 0
@@ -497,6 +513,14 @@ def scan_shards_leases(tr, shards: dict, limit: int = 10_000) -> dict:
     return {shard_id: scan_leases(tr, shard, limit) for shard_id, shard in shards.items()}
 
 
+class Expiry(enum.Enum):
+    """What ``expire_leases`` did with one expiring message."""
+
+    REQUEUED = "requeued"   # back to ready (or delayed by its backoff)
+    DEAD = "dead"           # max_deliver reached: to the dead-letter queue
+    CHANGED = "changed"     # settled, touched or expired meanwhile: left alone
+
+
 @transactional
 def expire_leases(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, key: bytes,
                   lease_id: bytes, expiring: list, max_deliver: int, backoff_s: tuple = ()) -> dict:
@@ -505,8 +529,7 @@ def expire_leases(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch
     delayed by the ``backoff_s`` entry for its attempts), or to the DLQ after
     ``max_deliver`` attempts; the record keeps the others. Fenced by shard ownership. A
     message settled, touched or expired meanwhile (a retry after
-    ``commit_unknown_result`` included) is left alone. Returns {vs: "requeued" | "dead" |
-    "changed"}."""
+    ``commit_unknown_result`` included) is left alone. Returns {vs: Expiry}."""
     ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
     raw = tr[key]
     lr = decode_leases(key, raw) if raw != None else None  # noqa: E711
@@ -515,7 +538,7 @@ def expire_leases(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch
     for vs, touches in expiring:
         entry = index.get(vs.to_bytes())
         if entry is None or entry[2] != touches or entry[0] in gone:
-            out[vs] = "changed"
+            out[vs] = Expiry.CHANGED
             continue
         gone.add(entry[0])
         tr.add(shard.stat("in_flight"), MINUS_ONE)
@@ -523,21 +546,29 @@ def expire_leases(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch
         if rec.attempts >= max_deliver:
             _dead_letter(tr, ts, shard, vs, rec.encode(),
                          f"max_deliver ({max_deliver}) reached: lease expired", lr.consumer_id)
-            out[vs] = "dead"
+            out[vs] = Expiry.DEAD
             continue
         attempts = rec.attempts
         delay = backoff_s[min(attempts, len(backoff_s)) - 1] if backoff_s and attempts else 0
         _requeue(tr, ts, shard, vs, rec.encode(), int(delay * 1000))
-        out[vs] = "requeued"
+        out[vs] = Expiry.REQUEUED
     if gone:
         _put_record(tr, key, lr, gone)
     return out
 
 
+class Fate(enum.Enum):
+    """What ``fail_in_place`` did with the message whose handler failed."""
+
+    GONE = "gone"       # not at its ready key any more (taken, or failed in place meanwhile)
+    RETRY = "retry"     # its attempt counted (now or by an earlier attempt): stays first in line
+    DEAD = "dead"       # max_deliver reached: to the dead-letter queue
+
+
 @transactional
 def fail_in_place(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, vs,
                   max_deliver: int, reason: str, seen_attempts: int | None = None,
-                  delayed_key: bytes | None = None) -> str:
+                  delayed_key: bytes | None = None) -> Fate:
     """Exactly-once: a handler failed on the message at the head of the queue. Count
     the attempt on its ready record; after ``max_deliver`` attempts, dead-letter it.
     ``seen_attempts``: the record's attempts when the failed handler got it; a record
@@ -555,17 +586,17 @@ def fail_in_place(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch
             tr.add(shard.stat("delayed"), MINUS_ONE)
             tr[key] = raw
     if raw == None:  # noqa: E711
-        return "gone"
+        return Fate.GONE
     rec = Record.decode(raw)
     if seen_attempts is not None and rec.attempts != seen_attempts:
-        return "retry"
+        return Fate.RETRY
     rec.attempts += 1
     if rec.attempts >= max_deliver:
         del tr[key]
         _dead_letter(tr, ts, shard, vs, rec.encode(), reason, consumer_id)
-        return "dead"
+        return Fate.DEAD
     tr[key] = rec.encode()
-    return "retry"
+    return Fate.RETRY
 
 
 # -- dead-letter queue ---------------------------------------------------------------
@@ -711,7 +742,7 @@ def dlq_size(reader, ts: TopicSpace, sub: str) -> int:
     return decode_counter(reader[ts.sub_stat(sub, "dead")])
 
 
-__all__ = ["Taken", "Selection", "take_batch", "mark_take", "take_committed", "batch_leased", "lease_batch", "settle",
+__all__ = ["Taken", "Selection", "SettleRow", "Expiry", "Fate", "take_batch", "mark_take", "take_committed", "batch_leased", "lease_batch", "settle",
            "scan_leases", "scan_shards_leases", "expire_leases", "read_leases",
            "promote_due", "fail_in_place", "dead_letter_taken", "mark_take", "take_committed", "dlq_list", "dlq_redrive_chunk", "dlq_redrive_ids", "dlq_purge_chunk", "dlq_purge_ids",
            "dlq_size", "fdbtuple"]
