@@ -31,12 +31,12 @@ from . import delivery, membership
 from .delivery import SettleRow
 from . import subscription as _subs
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig, SubscriptionConfig, TopicConfig, check_name
-from .engine import after_interrupt, check_process, error_types, retry_or_raise, run_within
+from .engine import Again, Done, after_interrupt, error_types, run_within, transact
 from .errors import (ConfigError, ConsumerStalled, EngineError, FDQError, LeaseLost, SubscriptionNotFound,
                      TopicNotFound, is_maybe_committed)
 from .headers import check_tag
 from .keyspace import Keyspace, message_id, vs_from_bytes
-from .settlement import Action, Settlement
+from .settlement import ACK, NAK, RELEASE, TERM, TOUCH, Action, Settlement
 from .topic import create_topic, read_topic_config
 
 log = logging.getLogger("fdq.consumer")
@@ -62,6 +62,11 @@ LEASE_ROUND_SHARDS = 256
 # Heartbeats a subscription may stay catching up (its delivery stopped) before its live
 # consumers finish the catch-up themselves (``Consumer._help_catch_up``).
 CATCH_UP_HELP_AFTER = 3
+
+
+# A named tuple made from its fields' tuple, skipping the class's Python-level __new__
+# (about half the cost): for the settlements and settle rows made per delivered message.
+_new_tuple = tuple.__new__
 
 
 def _ms_until(deadline: float) -> int:
@@ -103,27 +108,28 @@ class Message:
     def _settle(self, action: Action, delay_s: float | None = None, reason: str | None = None):
         if self._taken is None or self._taken.lease_id is None:
             raise FDQError(f"message {self.id} is not leased: {action.value} needs at-least-once delivery")
-        if action is Action.TOUCH:
+        if action is TOUCH:
             self._consumer._settle_group.submit(Settlement(self, action))
             return
         if self._settled is not None:
             raise FDQError(f"message {self.id} is already settled ({self._settled.value})")
         self._settled = action
+        settlement = _new_tuple(Settlement, (self, action, delay_s, reason))    # Settlement(...), faster
         if self._deferred is not None:
-            self._deferred.append(Settlement(self, action, delay_s, reason))   # committed with the batch
+            self._deferred.append(settlement)   # committed with the batch
             return
-        self._consumer._settle_group.submit(Settlement(self, action, delay_s, reason))
+        self._consumer._settle_group.submit(settlement)
 
     def ack(self):
         """Done: remove it for good."""
-        self._settle(Action.ACK)
+        self._settle(ACK)
 
     def nak(self, delay: float | None = None):
         """Redeliver it, after ``delay`` seconds (default: the consumer's backoff)."""
         _check_delay(delay)
         if delay is None and self._consumer is not None:
             delay = self._consumer.config.backoff_for(self.attempts)
-        self._settle(Action.NAK, delay)
+        self._settle(NAK, delay)
 
     def release(self):
         """Give it back at once without counting an attempt, first in line again: for a
@@ -132,7 +138,7 @@ class Message:
         if self._handed:
             raise FDQError(f"message {self.id} was handed to a handler: nak() it (release() is for "
                            "messages never handed over)")
-        self._settle(Action.RELEASE)
+        self._settle(RELEASE)
 
     def term(self, reason: str = "terminated by consumer"):
         """Never redeliver: move it to the subscription's dead-letter queue with ``reason``
@@ -142,13 +148,13 @@ class Message:
         if self._in_tr:
             if self._settled is not None:
                 raise FDQError(f"message {self.id} is already settled ({self._settled.value})")
-            self._settled, self._reason = Action.TERM, str(reason)
+            self._settled, self._reason = TERM, str(reason)
             return
-        self._settle(Action.TERM, reason=str(reason))
+        self._settle(TERM, reason=str(reason))
 
     def in_progress(self):
         """Still working on it: restart its lease."""
-        self._settle(Action.TOUCH)
+        self._settle(TOUCH)
 
 
 class _Round(list):
@@ -188,7 +194,7 @@ class _Round(list):
             if not settled and not waiting:
                 return
             try:
-                self._consumer.settle(settled + [Settlement(m, Action.TOUCH) for m in waiting])
+                self._consumer.settle(settled + [Settlement(m, TOUCH) for m in waiting])
             except LeaseLost as e:
                 self._consumer._report(e)
             except Exception as e:      # not committed: at the round's end
@@ -264,7 +270,7 @@ class _SettleGroup:
                     lead = waiter.outcome is _LEAD
                     if not lead and waiter in self._queue:
                         self._queue.remove(waiter)
-                        if settlement.action is not Action.TOUCH:
+                        if settlement.action is not TOUCH:
                             settlement.message._settled = None     # not committed: may settle again
                 if lead:
                     self._lead()
@@ -342,10 +348,11 @@ def _to_message(taken: delivery.Taken, topic: str, sub: str, consumer) -> Messag
 def _settle_rows(items: list) -> list:
     """``delivery.settle``'s rows [SettleRow] for settlements [Settlement]."""
     rows = []
-    for s in items:
-        t = s.message._taken
-        rows.append(SettleRow(t.shard, t.vs, t.lease_id, t.lease_key, s.action,
-                              s.reason if s.action is Action.TERM else s.delay_s))
+    append = rows.append
+    for m, action, delay_s, reason in items:
+        t = m._taken
+        append(_new_tuple(SettleRow, (t.shard, t.vs, t.lease_id, t.lease_key, action,    # SettleRow(...)
+                                      reason if action is TERM else delay_s)))
     return rows
 
 
@@ -355,8 +362,9 @@ def _row_id(row) -> tuple:
 
 
 def _note_maybe_lost(maybe_lost: list, e, lost):
-    """An attempt that settled and then failed with an error that may have committed:
-    remember which leases it found lost (see ``Consumer._settled``)."""
+    """An attempt that settled (finding ``lost`` lost; None: it did not get that far) and
+    then failed with an error that may have committed: remember which leases it found
+    lost (see ``Consumer._settled``)."""
     if is_maybe_committed(e) and lost is not None:
         maybe_lost.append({_row_id(r) for r in lost})
 
@@ -364,6 +372,48 @@ def _note_maybe_lost(maybe_lost: list, e, lost):
 def _raw(value):
     """A read's value as bytes, or None if absent."""
     return bytes(value) if value.present() else None
+
+
+class ShardTake:
+    """One shard's part of a lease round (``Consumer._lease_many``).
+
+    ``taken``: what the round took from it ([Taken]; None: the round's limit left it
+    out, visited next round). ``drained``: fewer than asked, no selection in the way: not
+    visited again until its watch fires. A drained shard's ``watch_key`` (its ``routed``
+    counter; None if it has a watch already, or is out of watches) gets a ``watch``: set
+    in the lease transaction if that took nothing, else after its commit by ``_arm``,
+    which compares the counter with ``seen``, the value the lease transaction read."""
+
+    __slots__ = ("shard_id", "taken", "drained", "watch_key", "seen", "watch")
+
+    def __init__(self, shard_id):
+        self.shard_id = shard_id
+        self.taken = None
+        self.drained = False
+        self.watch_key = None
+        self.seen = None
+        self.watch = None
+
+    @property
+    def armed(self) -> bool:
+        """No watch left to set (``_arm``)."""
+        return self.watch_key is None or self.watch is not None
+
+
+class LeaseRound:
+    """What one attempt of ``Consumer._lease_many``'s transaction did: its ``parts``
+    [ShardTake] in visiting order (a shard no longer ours left out: ``lost``), whether it
+    ``took`` anything, its take ``mark`` (at most once: ``delivery.mark_take``) and the
+    carried settlements whose lease it found lost (``settle_lost``)."""
+
+    __slots__ = ("parts", "lost", "took", "mark", "settle_lost")
+
+    def __init__(self):
+        self.parts = []
+        self.lost = False
+        self.took = False
+        self.mark = None
+        self.settle_lost = None
 
 
 def _peer_timeout(config: ConsumerConfig, record: dict) -> float:
@@ -878,7 +928,7 @@ class Consumer:
         """Lease (or, with ack policy "none", take) up to ``limit`` messages from
         ``shards`` [(shard_id, epoch)], in that order, in ONE transaction: a transaction
         per shard made the worker's round cost a commit per dirty shard, which bounded
-        end-to-end latency (bench/latency_trace.py).
+        end-to-end latency (bench/investigations/latency_trace.py).
 
         A shard drained by it (fewer messages than asked, no selection in the way) is not
         visited again until its watch fires; one that filled its share, or that the limit
@@ -909,22 +959,22 @@ class Consumer:
                     self._report(e)
             return []
         rows = _settle_rows(settlements) if settlements else None
-        maybe_lost = []
         none = take or self.sub_config.ack_policy == "none"    # delivered = done: nothing to lease
         lease_id = self._next_lease_id()
         ack_wait_s = self.config.ack_wait_s if ack_wait_s is None else ack_wait_s
         ack_wait_ms = int(ack_wait_s * 1000)
         spaces = {s: self._ts.shard(self.subscription, *s) for s, _e in shards}
+        maybe_lost = []     # lost sets of settle attempts that may have committed
 
-        def body(tr):
-            got, lost, left = [], False, limit
-            settle_lost[0] = None
-            attempt[0] = None
+        def body(tr, attempt) -> LeaseRound:
+            rnd = LeaseRound()
             if rows:
-                settle_lost[0] = delivery.settle(tr, self._ts, rows, self.config.max_deliver)
+                rnd.settle_lost = delivery.settle(tr, self._ts, rows, self.config.max_deliver)
+            left = limit
             for i, (shard_id, epoch) in enumerate(shards):
+                part = ShardTake(shard_id)
                 if left <= 0 or i >= LEASE_ROUND_SHARDS:
-                    got.append((shard_id, None, False, None))     # not reached
+                    rnd.parts.append(part)      # not reached: visited next round
                     continue
                 try:
                     if none:
@@ -934,100 +984,103 @@ class Consumer:
                         taken = delivery.lease_batch(tr, self._ts, spaces[shard_id], self.id, epoch, left,
                                                      lease_id, ack_wait_ms, sel=self._sel)
                 except LeaseLost:
-                    lost = True
+                    rnd.lost = True
                     continue
-                drained = not taken or (self._sel is None and len(taken) < left)
-                key = self._watch_key(shard_id) if drained else None
-                got.append((shard_id, taken, drained, key))
+                part.taken = taken
+                part.drained = not taken or (self._sel is None and len(taken) < left)
+                if part.drained:
+                    part.watch_key = self._watch_key(shard_id)
+                rnd.parts.append(part)
                 left -= len(taken)
             if none and left < limit:
                 # what this attempt took is ours if it committed: recorded, so a check after
-                # commit_unknown_result can tell even once the shards moved
-                attempt[0] = os.urandom(12)
-                delivery.mark_take(tr, self._ts, self.subscription, self.id, attempt[0])
-            if left == limit and not rows:   # took nothing: read-only, the watches cannot abort it
-                got = [(s, t, d, tr.watch(k) if k is not None else None) for s, t, d, k in got]
-            else:               # counters as this transaction saw them (snapshot: no conflict)
-                got = [(s, t, d, (k, _raw(tr.snapshot[k])) if k is not None else None) for s, t, d, k in got]
-            return got, lost
+                # commit_unknown_result can tell even once the shards moved (one mark per attempt)
+                rnd.mark = lease_id + attempt.number.to_bytes(4, "big")
+                delivery.mark_take(tr, self._ts, self.subscription, self.id, rnd.mark)
+            rnd.took = left < limit
+            read_only = not rnd.took and not rows
+            for part in rnd.parts:
+                if part.watch_key is None:
+                    continue
+                if read_only:           # the watches cannot abort it
+                    part.watch = tr.watch(part.watch_key)
+                else:                   # the counter as this transaction saw it (snapshot: no conflict)
+                    part.seen = _raw(tr.snapshot[part.watch_key])
+            return rnd
 
-        def committed(got):
+        def committed(rnd: LeaseRound) -> bool:
             if none:
-                return delivery.take_committed(self.db, self._ts, self.subscription, self.id, attempt[0])
-            for shard_id, taken, _d, _w in got:
-                if taken and not delivery.batch_leased(self.db, spaces[shard_id], {t.lease_key for t in taken},
-                                                       lease_id):
-                    return False
-            return True
+                return delivery.take_committed(self.db, self._ts, self.subscription, self.id, rnd.mark)
+            return all(delivery.batch_leased(self.db, spaces[t.shard_id], {m.lease_key for m in t.taken}, lease_id)
+                       for t in rnd.parts if t.taken)
 
-        settle_lost = [None]
-        attempt = [None]     # this attempt's id, when it took messages (at most once)
-        check_process(self.db)
-        tr = self.db.create_transaction()
-        while True:
-            got = None
-            try:
-                got, lost = body(tr)
-                tr.commit().wait()
-                break
-            except error_types() as e:
-                if got is not None and any(t for _s, t, _d, _w in got) and is_maybe_committed(e) \
-                        and committed(got):
-                    # our commit took them: hand them over; no watches (visit all again)
-                    got = [(s, t, False, None) for s, t, _d, _w in got]
-                    break
-                _note_maybe_lost(maybe_lost, e, settle_lost[0])
-                retry_or_raise(tr, e)
+        def on_error(e, attempt):
+            rnd = attempt.result            # None: the body did not finish
+            if rnd is None or not is_maybe_committed(e):
+                return None
+            if rnd.took and committed(rnd):
+                # our commit took them: hand them over; no watches (visit all again)
+                for part in rnd.parts:
+                    part.watch_key = part.watch = None
+                    part.drained = False
+                return Done(rnd)
+            _note_maybe_lost(maybe_lost, e, rnd.settle_lost)
+            return None
+
+        rnd = transact(self.db, body, on_error=on_error)
         if rows:
-            error = self._settled(list(settlements), settle_lost[0], maybe_lost)
+            error = self._settled(list(settlements), rnd.settle_lost, maybe_lost)
             if error is not None:
                 self._report(error)
-        self._rr_after = next((s for s, t, _d, _w in reversed(got) if t is not None), self._rr_after)
+        self._rr_after = next((t.shard_id for t in reversed(rnd.parts) if t.taken is not None), self._rr_after)
+        if not defer_arm:
+            self._arm(rnd.parts)
         out = []
         now = _monotonic()
-        if not defer_arm:
-            got = self._arm(got)
-        for shard_id, taken, drained, watch in got:
-            if type(watch) is tuple:        # deferred: (key, counter as the lease saw it)
-                self._unarmed.append((shard_id, None, drained, watch))
-            else:
-                self._keep_watch(shard_id, watch)
-                if not drained:
-                    self._mark(shard_id)
+        for part in rnd.parts:
+            if part.armed:
+                self._keep_watch(part.shard_id, part.watch)
+                if not part.drained:
+                    self._mark(part.shard_id)
+            else:       # the watch is left to ``_arm_pending``
+                self._unarmed.append(part)
+            taken = part.taken
             if not taken:
                 continue
             if not none:
                 with self._leases_lock:
                     for t in taken:
-                        self._leases[(shard_id, t.vs.to_bytes())] = [lease_id, 0, now, ack_wait_s, t.lease_key]
+                        self._leases[(part.shard_id, t.vs.to_bytes())] = [lease_id, 0, now, ack_wait_s, t.lease_key]
             out += [_to_message(t, self.topic, self.subscription, self) for t in taken]
-        if lost:
+        if rnd.lost:
             self._refresh_owned()
         return out
 
-    def _arm(self, got):
+    def _arm(self, parts: list):
         """``_lease_many``'s watches for a transaction that took messages: set in a
         read-only transaction; a shard whose ``routed`` counter differs from what the
-        leasing transaction saw gets a push it did not see: it is marked not drained.
-        If this fails, every such shard is visited again (no watch)."""
-        seen = [(i, w) for i, (_s, _t, _d, w) in enumerate(got) if type(w) is tuple]
-        if not seen:
-            return got
-        got = list(got)
-        try:
-            check_process(self.db)
-            tr = self.db.create_transaction()
-            armed = [(i, tr.watch(key), _raw(tr.snapshot[key]), before) for i, (key, before) in seen]
-            tr.commit().wait()
-        except error_types():
-            for i, _w in seen:
-                s, t, _d, _w = got[i]
-                got[i] = (s, t, False, None)
-            return got
-        for i, watch, now, before in armed:
-            s, t, _d, _w = got[i]
-            got[i] = (s, t, now == before, watch)
-        return got
+        leasing transaction saw got a push it did not see: it is marked not drained.
+        If this fails, every such shard is visited again (no watch): one attempt, not
+        retried (a failed one costs those shards a visit)."""
+        pending = [t for t in parts if not t.armed]
+        if not pending:
+            return
+
+        def body(tr, _attempt):
+            return [(t, tr.watch(t.watch_key), _raw(tr.snapshot[t.watch_key])) for t in pending]
+
+        def give_up(e, _attempt):
+            return Done(None) if isinstance(e, error_types()) else None
+
+        armed = transact(self.db, body, on_error=give_up)
+        if armed is None:
+            for t in pending:
+                t.watch_key = None
+                t.drained = False
+            return
+        for t, watch, now in armed:
+            t.watch = watch
+            t.drained = now == t.seen
 
     def _arm_pending(self):
         """Set the watches a ``_lease_many(defer_arm=True)`` round left (see ``_arm``)."""
@@ -1035,11 +1088,12 @@ class Consumer:
             return
         pending, self._unarmed = self._unarmed, []
         with self._owned_lock:      # a shard lost meanwhile needs no watch
-            pending = [p for p in pending if p[0] in self._owned]
-        for shard_id, _t, drained, watch in self._arm(pending):
-            self._keep_watch(shard_id, watch)
-            if not drained:
-                self._mark(shard_id)
+            pending = [t for t in pending if t.shard_id in self._owned]
+        self._arm(pending)
+        for part in pending:
+            self._keep_watch(part.shard_id, part.watch)
+            if not part.drained:
+                self._mark(part.shard_id)
 
     def _watch_key(self, shard_id):
         w = self._watches.get(shard_id)
@@ -1131,21 +1185,16 @@ class Consumer:
             if taken is None or taken.lease_id is None:     # as Message._settle (it was a TypeError)
                 raise FDQError(f"message {getattr(s.message, 'id', s.message)} is not leased: "
                                f"{s.action.value} needs at-least-once delivery")
-            if s.action is Action.NAK:
+            if s.action is NAK:
                 _check_delay(s.delay_s)
         rows = _settle_rows(items)
-        check_process(self.db)
-        tr = self.db.create_transaction()
         maybe_lost = []     # lost sets of attempts that may have committed
-        while True:
-            lost = None
-            try:
-                lost = delivery.settle(tr, self._ts, rows, self.config.max_deliver)
-                tr.commit().wait()
-                break
-            except error_types() as e:
-                _note_maybe_lost(maybe_lost, e, lost)
-                retry_or_raise(tr, e)
+
+        def on_error(e, attempt):
+            _note_maybe_lost(maybe_lost, e, attempt.result)
+
+        lost = transact(self.db, lambda tr, _attempt: delivery.settle(tr, self._ts, rows, self.config.max_deliver),
+                        on_error=on_error)
         error = self._settled(items, lost, maybe_lost)
         if error is not None:
             raise error
@@ -1158,28 +1207,31 @@ class Consumer:
             # if every attempt that may have committed found it lost too.
             lost = [r for r in lost if _row_id(r) in earlier]
         now = _monotonic()
+        revisit = set()     # back in a queue, or (flow control, ordered keys) room freed
+        selecting = self._sel is not None
+        leases = self._leases
         with self._leases_lock:
-            for s in items:
-                m = s.message
-                key = ((m.tag, m.shard), m._taken.vs.to_bytes())
-                if s.action is Action.TOUCH:
-                    seen = self._leases.get(key)
+            for m, action, _d, _r in items:
+                shard_id = (m.tag, m.shard)
+                key = (shard_id, m._taken.vs.to_bytes())
+                if action is TOUCH:
+                    seen = leases.get(key)
                     if seen is not None:
                         seen[1] += 1
                         seen[2] = now
                 else:
-                    self._leases.pop(key, None)
-        for s in items:
-            # back in a queue, or (flow control, ordered keys) room freed: visit its shard again
-            if s.action is not Action.ACK or self._sel is not None:
-                self._mark((s.message.tag, s.message.shard))
+                    leases.pop(key, None)
+                if action is not ACK or selecting:
+                    revisit.add(shard_id)
+        for shard_id in revisit:
+            self._mark(shard_id)
         if lost:
             ids = [message_id(r.vs) for r in lost]
             return LeaseLost(f"lease lost (expired and redelivered, or settled elsewhere): {', '.join(ids)}", ids)
         return None
 
     def ack_many(self, messages):
-        self.settle([Settlement(m, Action.ACK) for m in messages])
+        self.settle([Settlement(m, ACK) for m in messages])
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -1224,7 +1276,7 @@ class Consumer:
         rows = []
         for (shard_id, vs12), (lease_id, _t, _s, _w, key) in mine:
             rows.append(SettleRow(self._ts.shard(self.subscription, *shard_id), vs_from_bytes(vs12), lease_id, key,
-                                  Action.NAK, 0))
+                                  NAK, 0))
         if rows:
             try:
                 run_within(self.db, _ms_until(deadline), delivery.settle, self._ts, rows, 1 << 30)
@@ -1240,6 +1292,26 @@ class Consumer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class _OnceAttempt:
+    """The attempt of ``TailConsumer._process_exactly_once``'s transaction under way: what
+    it took, the message whose handler runs (None between them), its watch."""
+
+    __slots__ = ("taken", "current", "watch")
+
+    def __init__(self):
+        self.taken, self.current, self.watch = [], None, None
+
+
+class _HeadFailure:
+    """``_process_exactly_once`` gave up on its transaction: ``taken`` (None: no message
+    to blame) fails in place with ``reason`` (dead-lettered at once if ``dead``)."""
+
+    __slots__ = ("taken", "reason", "dead")
+
+    def __init__(self, taken, reason: str = "", dead: bool = False):
+        self.taken, self.reason, self.dead = taken, reason, dead
 
 
 class TailConsumer(Consumer):
@@ -1417,68 +1489,78 @@ class TailConsumer(Consumer):
         return len(msgs)
 
     def _process_exactly_once(self, shard_id, epoch) -> int:
+        """Take a batch and run the handler on each message inside the taking
+        transaction; returns how many messages it settled (0: none there).
+
+        Too slow or too big to commit (1007, 2101): the batch is halved and run again;
+        one message alone that cannot commit fails in place (``_fail_head``: an attempt
+        counted; too large never fits: dead-lettered). A handler that raises fails its
+        message, after the messages before it commit without it (run again: their
+        transaction was discarded); its attempt is counted then, without running it
+        again (it ran i + 1 times per attempt, and those before it as often, when it was
+        retried until it came first)."""
         shard = self._ts.shard(self.subscription, *shard_id)
         limit = self.batch_size
         failed = None       # (taken, reason): a message whose handler raised behind the ones retried
-        check_process(self.db)
-        tr = self.db.create_transaction()
-        while True:
-            current = None
-            taken = []
-            try:
-                taken = delivery.take_batch(tr, self._ts, shard, self.id, epoch, limit, finish=True,
-                                            sel=self._sel)
-                for t in taken:
-                    current = t
-                    m = _to_message(t, self.topic, self.subscription, self)
-                    m._in_tr = True
-                    try:
-                        self.handler(tr, m)
-                    finally:
-                        m._in_tr = False    # term() only in its handler (then: not leased)
-                    if m._settled is Action.TERM:
-                        delivery.dead_letter_taken(tr, self._ts, t, f"terminated: {m._reason}", self.id)
-                current = None
-                watch = tr.watch(self._watch_key(shard_id)) if not taken and self._watch_key(shard_id) else None
-                tr.commit().wait()
-                self._keep_watch(shard_id, watch)
-                if failed is not None:      # its attempt, not run again (once per attempt)
-                    self._fail_head(shard, epoch, *failed)
-                    return len(taken) + 1
-                return len(taken)
-            except error_types() as e:
-                if e.code in (1007, 2101) and limit > 1 and len(taken) != 1:
-                    limit = max(1, min(limit, len(taken) or limit) // 2)   # too slow or too big: halve
+        run = _OnceAttempt()
+
+        def body(tr, _attempt) -> int:
+            run.taken, run.current, run.watch = [], None, None
+            run.taken = delivery.take_batch(tr, self._ts, shard, self.id, epoch, limit, finish=True, sel=self._sel)
+            for t in run.taken:
+                run.current = t
+                m = _to_message(t, self.topic, self.subscription, self)
+                m._in_tr = True
+                try:
+                    self.handler(tr, m)
+                finally:
+                    m._in_tr = False    # term() only in its handler (then: not leased)
+                if m._settled is TERM:
+                    delivery.dead_letter_taken(tr, self._ts, t, f"terminated: {m._reason}", self.id)
+            run.current = None
+            key = self._watch_key(shard_id) if not run.taken else None
+            run.watch = tr.watch(key) if key is not None else None
+            return len(run.taken)
+
+        def on_error(e, attempt):
+            nonlocal limit, failed
+            if isinstance(e, LeaseLost):
+                return None
+            taken, current = run.taken, run.current
+            if isinstance(e, error_types()):
+                too_slow_or_big = e.code in (1007, 2101)
+                if too_slow_or_big and limit > 1 and len(taken) != 1:
+                    limit = max(1, min(limit, len(taken) or limit) // 2)   # halve
                     failed = None           # not behind what commits now: it runs again
-                    tr.reset()
-                    continue
+                    return Again()
                 head = current or (taken[0] if len(taken) == 1 else None)
-                if e.code in (1007, 2101) and head is not None:
+                if too_slow_or_big and head is not None:
                     # One message that cannot commit (raised by the handler's reads or at
                     # commit). Too large never fits: dead-letter it now. Too old may be a
                     # slow moment (a recovery, a loaded host): count it as an attempt.
-                    tr.reset()
-                    self._fail_head(shard, epoch, head, f"handler cannot finish within one transaction "
-                                                        f"({EngineError(e.code).name})", dead=e.code == 2101)
-                    return 1
-                retry_or_raise(tr, e)
-            except LeaseLost:
-                raise
-            except Exception as e:
-                tr.reset()
-                self._report(e)
-                if current is not None:
-                    reason = f"handler raised {type(e).__name__}: {e}"
-                    i = next(i for i, t in enumerate(taken) if t is current)
-                    if i > 0:
-                        # The messages before it commit without it (run again: their
-                        # transaction was discarded); its attempt is counted then, without
-                        # running it again (it ran i + 1 times per attempt, and those
-                        # before it as often, when it was retried until it came first).
-                        limit, failed = i, (current, reason)
-                        continue
-                    self._fail_head(shard, epoch, current, reason)
-                return 1
+                    return Done(_HeadFailure(head, f"handler cannot finish within one transaction "
+                                                   f"({EngineError(e.code).name})", e.code == 2101))
+                return None
+            self._report(e)
+            if current is None:
+                return Done(_HeadFailure(None))
+            reason = f"handler raised {type(e).__name__}: {e}"
+            i = next(i for i, t in enumerate(taken) if t is current)
+            if i > 0:
+                limit, failed = i, (current, reason)
+                return Again()
+            return Done(_HeadFailure(current, reason))
+
+        n = transact(self.db, body, on_error=on_error)
+        if isinstance(n, _HeadFailure):
+            if n.taken is not None:
+                self._fail_head(shard, epoch, n.taken, n.reason, dead=n.dead)
+            return 1
+        self._keep_watch(shard_id, run.watch)
+        if failed is not None:      # its attempt, not run again (once per attempt)
+            self._fail_head(shard, epoch, *failed)
+            return n + 1
+        return n
 
     def _fail_head(self, shard, epoch, taken, reason, dead=False):
         max_deliver = 1 if dead else self.config.max_deliver

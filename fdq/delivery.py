@@ -29,7 +29,7 @@ from .keyspace import (ShardSpace, StoredVersionstamp, TopicSpace, Versionstamp,
 from .keyspace.codec import (LEASE_ENTRY_OVERHEAD, LEASE_RECORD_BYTES, LeaseRecord, Record, decode_dead,
                              decode_leases, encode_dead, encode_leases, has_chunks, reshard_shard)
 from .membership import ensure_owner, read_clock
-from .settlement import Action
+from .settlement import ACK, NAK, RELEASE, TERM, TOUCH, Action
 
 ONE, MINUS_ONE = counter(1), counter(-1)
 
@@ -411,7 +411,7 @@ def _acks_all(lr: LeaseRecord, rows: list) -> bool:
     if len(rows) != len(lr.entries):
         return False
     for row in rows:
-        if row.action is not Action.ACK or row.lease_id != lr.lease_id:
+        if row.action is not ACK or row.lease_id != lr.lease_id:
             return False
     return {row.vs.to_bytes() for row in rows} == {e[0] for e in lr.entries}
 
@@ -458,24 +458,24 @@ def settle(tr, ts: TopicSpace, rows: list, max_deliver: int) -> list:
             if entry is None:
                 lost.append(row)
                 continue
-            if action is Action.TOUCH:
+            if action is TOUCH:
                 entry[2] += 1
                 touched = True
                 continue
             gone.add(vs12)
-            if action is Action.ACK:
+            if action is ACK:
                 if has_chunks(entry[1]):
                     _clear_chunks(tr, shard, vs, Record.decode(entry[1]))
                 acked[shard] = acked.get(shard, 0) + 1
                 continue
             tr.add(shard.stat("in_flight"), MINUS_ONE)
-            if action is Action.RELEASE:    # never handed to a handler: back, no attempt counted
+            if action is RELEASE:    # never handed to a handler: back, no attempt counted
                 _requeue(tr, ts, shard, vs, entry[1], 0)
                 continue
             rec = lr.delivered(entry)
-            if action is Action.TERM:
+            if action is TERM:
                 _dead_letter(tr, ts, shard, vs, rec.encode(), f"terminated: {row.arg}", lr.consumer_id)
-            elif action is Action.NAK:
+            elif action is NAK:
                 if rec.attempts >= max_deliver:
                     _dead_letter(tr, ts, shard, vs, rec.encode(),
                                  f"max_deliver ({max_deliver}) reached: last attempt nak'd", lr.consumer_id)

@@ -25,6 +25,12 @@ class Action(enum.Enum):
     RELEASE = "release"    # given back uncounted: leased but never handed to a handler
 
 
+# The members as module names, for FDQ's own hot paths: ``Action.ACK`` is a class
+# attribute lookup costing ~0.1 us on CPython 3.11, and a settlement is compared with
+# several of them on its way (per delivered message).
+ACK, NAK, TERM, TOUCH, RELEASE = Action.ACK, Action.NAK, Action.TERM, Action.TOUCH, Action.RELEASE
+
+
 class Settlement(NamedTuple):
     """One message's settlement. ``delay_s``: a ``NAK``'s redelivery delay in seconds
     (None or 0: at once); ``reason``: a ``TERM``'s, kept with the dead letter.

@@ -98,10 +98,9 @@ class Counters:
         return counted
 
     def install(self):
-        import fdq.consumer
         import fdq.engine.retry
         import fdq.producer
-        for mod in (fdq.engine.retry, fdq.consumer, fdq.producer):
+        for mod in (fdq.engine.retry, fdq.producer):
             mod.retry_or_raise = self.wrap(mod.retry_or_raise)
 
     def snapshot(self):
