@@ -99,9 +99,7 @@ class Counters:
 
     def install(self):
         import fdq.engine.retry
-        import fdq.producer
-        for mod in (fdq.engine.retry, fdq.producer):
-            mod.retry_or_raise = self.wrap(mod.retry_or_raise)
+        fdq.engine.retry.retry_or_raise = self.wrap(fdq.engine.retry.retry_or_raise)   # every loop is on transact
 
     def snapshot(self):
         with self.lock:
