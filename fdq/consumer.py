@@ -27,8 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from . import delivery, membership
-from .delivery import SettleRow
+from . import membership
+from .ops import queue
+from .ops.queue import SettleRow
 from . import subscription as _subs
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig, SubscriptionConfig, TopicConfig, check_name
 from .engine import Again, Done, after_interrupt, error_types, run_within, transact
@@ -333,7 +334,7 @@ class _SettleGroup:
 _NO_HEADERS = MappingProxyType({})     # read-only and empty: shared by every message without headers
 
 
-def _to_message(taken: delivery.Taken, topic: str, sub: str, consumer) -> Message:
+def _to_message(taken: queue.Taken, topic: str, sub: str, consumer) -> Message:
     """``attempts`` is this delivery's number in every mode, 1 for the first: a lease
     counted it in the record (``lease_batch``); a take (at most once, exactly once)
     leaves the record as queued, which counts failed attempts only."""
@@ -346,7 +347,7 @@ def _to_message(taken: delivery.Taken, topic: str, sub: str, consumer) -> Messag
 
 
 def _settle_rows(items: list) -> list:
-    """``delivery.settle``'s rows [SettleRow] for settlements [Settlement]."""
+    """``queue.settle``'s rows [SettleRow] for settlements [Settlement]."""
     rows = []
     append = rows.append
     for m, action, delay_s, reason in items:
@@ -403,7 +404,7 @@ class ShardTake:
 class LeaseRound:
     """What one attempt of ``Consumer._lease_many``'s transaction did: its ``parts``
     [ShardTake] in visiting order (a shard no longer ours left out: ``lost``), whether it
-    ``took`` anything, its take ``mark`` (at most once: ``delivery.mark_take``) and the
+    ``took`` anything, its take ``mark`` (at most once: ``queue.mark_take``) and the
     carried settlements whose lease it found lost (``settle_lost``)."""
 
     __slots__ = ("parts", "lost", "took", "mark", "settle_lost")
@@ -599,7 +600,7 @@ class Consumer:
         self.config = _subs.effective_consumer_config(self._own_config, config)
         self._sel = None
         if config.max_ack_pending is not None or config.ordered or _subs.matcher(config):
-            self._sel = delivery.Selection(config.max_ack_pending, config.ordered, _subs.matcher(config))
+            self._sel = queue.Selection(config.max_ack_pending, config.ordered, _subs.matcher(config))
 
     def _record(self) -> dict:
         return {"id": self.id, "host": socket.gethostname(), "pid": os.getpid(), "mode": self.mode,
@@ -822,7 +823,7 @@ class Consumer:
         spaces = {shard_id: self._ts.shard(self.subscription, *shard_id) for shard_id in owned}
         scans, ids = {}, list(spaces)
         for i in range(0, len(ids), LEASE_SCAN_SHARDS):     # a few shards per read-only transaction
-            scans.update(delivery.scan_shards_leases(self.db, {s: spaces[s] for s in ids[i:i + LEASE_SCAN_SHARDS]}))
+            scans.update(queue.scan_shards_leases(self.db, {s: spaces[s] for s in ids[i:i + LEASE_SCAN_SHARDS]}))
         # A lease state first seen now is timed from after the read that saw it: ``now``
         # was taken before this round's heartbeat and these reads, which a database stall
         # can hold up for seconds while a touch commits (timed from ``now``, it expired
@@ -844,7 +845,7 @@ class Consumer:
                         due.setdefault((rkey, lease_id), []).append((vs, touches))
             for (rkey, lease_id), expiring in due.items():
                 try:
-                    outcome = delivery.expire_leases(self.db, self._ts, shard, self.id, epoch, rkey, lease_id,
+                    outcome = queue.expire_leases(self.db, self._ts, shard, self.id, epoch, rkey, lease_id,
                                                      expiring, self.config.max_deliver, self.config.backoff_s)
                 except LeaseLost:
                     self._refresh_owned()
@@ -852,7 +853,7 @@ class Consumer:
                 with self._leases_lock:
                     for vs, _t in expiring:
                         self._leases.pop((shard_id, vs.to_bytes()), None)
-                if any(o is not delivery.Expiry.CHANGED for o in outcome.values()):
+                if any(o is not queue.Expiry.CHANGED for o in outcome.values()):
                     self._mark(shard_id)
             with self._leases_lock:
                 for key in [k for k in self._leases if k[0] == shard_id and k not in live_keys]:
@@ -969,7 +970,7 @@ class Consumer:
         def body(tr, attempt) -> LeaseRound:
             rnd = LeaseRound()
             if rows:
-                rnd.settle_lost = delivery.settle(tr, self._ts, rows, self.config.max_deliver)
+                rnd.settle_lost = queue.settle(tr, self._ts, rows, self.config.max_deliver)
             left = limit
             for i, (shard_id, epoch) in enumerate(shards):
                 part = ShardTake(shard_id)
@@ -978,10 +979,10 @@ class Consumer:
                     continue
                 try:
                     if none:
-                        taken = delivery.take_batch(tr, self._ts, spaces[shard_id], self.id, epoch, left,
+                        taken = queue.take_batch(tr, self._ts, spaces[shard_id], self.id, epoch, left,
                                                     sel=self._sel)
                     else:
-                        taken = delivery.lease_batch(tr, self._ts, spaces[shard_id], self.id, epoch, left,
+                        taken = queue.lease_batch(tr, self._ts, spaces[shard_id], self.id, epoch, left,
                                                      lease_id, ack_wait_ms, sel=self._sel)
                 except LeaseLost:
                     rnd.lost = True
@@ -996,7 +997,7 @@ class Consumer:
                 # what this attempt took is ours if it committed: recorded, so a check after
                 # commit_unknown_result can tell even once the shards moved (one mark per attempt)
                 rnd.mark = lease_id + attempt.number.to_bytes(4, "big")
-                delivery.mark_take(tr, self._ts, self.subscription, self.id, rnd.mark)
+                queue.mark_take(tr, self._ts, self.subscription, self.id, rnd.mark)
             rnd.took = left < limit
             read_only = not rnd.took and not rows
             for part in rnd.parts:
@@ -1010,8 +1011,8 @@ class Consumer:
 
         def committed(rnd: LeaseRound) -> bool:
             if none:
-                return delivery.take_committed(self.db, self._ts, self.subscription, self.id, rnd.mark)
-            return all(delivery.batch_leased(self.db, spaces[t.shard_id], {m.lease_key for m in t.taken}, lease_id)
+                return queue.take_committed(self.db, self._ts, self.subscription, self.id, rnd.mark)
+            return all(queue.batch_leased(self.db, spaces[t.shard_id], {m.lease_key for m in t.taken}, lease_id)
                        for t in rnd.parts if t.taken)
 
         def on_error(e, attempt):
@@ -1193,7 +1194,7 @@ class Consumer:
         def on_error(e, attempt):
             _note_maybe_lost(maybe_lost, e, attempt.result)
 
-        lost = transact(self.db, lambda tr, _attempt: delivery.settle(tr, self._ts, rows, self.config.max_deliver),
+        lost = transact(self.db, lambda tr, _attempt: queue.settle(tr, self._ts, rows, self.config.max_deliver),
                         on_error=on_error)
         error = self._settled(items, lost, maybe_lost)
         if error is not None:
@@ -1279,7 +1280,7 @@ class Consumer:
                                   NAK, 0))
         if rows:
             try:
-                run_within(self.db, _ms_until(deadline), delivery.settle, self._ts, rows, 1 << 30)
+                run_within(self.db, _ms_until(deadline), queue.settle, self._ts, rows, 1 << 30)
             except FDQError as e:
                 self._report(e)
 
@@ -1506,7 +1507,7 @@ class TailConsumer(Consumer):
 
         def body(tr, _attempt) -> int:
             run.taken, run.current, run.watch = [], None, None
-            run.taken = delivery.take_batch(tr, self._ts, shard, self.id, epoch, limit, finish=True, sel=self._sel)
+            run.taken = queue.take_batch(tr, self._ts, shard, self.id, epoch, limit, finish=True, sel=self._sel)
             for t in run.taken:
                 run.current = t
                 m = _to_message(t, self.topic, self.subscription, self)
@@ -1516,7 +1517,7 @@ class TailConsumer(Consumer):
                 finally:
                     m._in_tr = False    # term() only in its handler (then: not leased)
                 if m._settled is TERM:
-                    delivery.dead_letter_taken(tr, self._ts, t, f"terminated: {m._reason}", self.id)
+                    queue.dead_letter_taken(tr, self._ts, t, f"terminated: {m._reason}", self.id)
             run.current = None
             key = self._watch_key(shard_id) if not run.taken else None
             run.watch = tr.watch(key) if key is not None else None
@@ -1564,7 +1565,7 @@ class TailConsumer(Consumer):
 
     def _fail_head(self, shard, epoch, taken, reason, dead=False):
         max_deliver = 1 if dead else self.config.max_deliver
-        delivery.fail_in_place(self.db, self._ts, shard, self.id, epoch, taken.vs, max_deliver, reason,
+        queue.fail_in_place(self.db, self._ts, shard, self.id, epoch, taken.vs, max_deliver, reason,
                                taken.record.attempts, taken.delayed_key)
 
     def close(self):

@@ -9,7 +9,8 @@ import time
 import pytest
 
 import fdq
-from fdq import Action, Settlement, delivery
+from fdq import Action, Settlement
+from fdq.ops import queue
 from fdq.engine.sqlite import VALUE_SIZE_LIMIT
 from fdq.keyspace import decode_counter, Keyspace, parse_message_id
 from fdq.keyspace.codec import LEASE_RECORD_BYTES, Record, shard_of
@@ -21,7 +22,7 @@ def _records(db, topic="t", sub="default", shards=1, tag=""):
     """{shard n: [(key, LeaseRecord)]} of every lease record."""
     ts = Keyspace().topic(topic)
     tr = db.create_transaction()
-    return {n: delivery.read_leases(tr.snapshot, ts.shard(sub, tag, n)) for n in range(shards)}
+    return {n: queue.read_leases(tr.snapshot, ts.shard(sub, tag, n)) for n in range(shards)}
 
 
 def _leased_ids(db, **kw) -> list:
@@ -129,13 +130,13 @@ def test_unsettled_batch_expires_together_then_dead_letters(db, monkeypatch):
     fdq.Supervisor(db).create_topic("t", shards=1)
     fdq.Producer(db).push_many("t", [fdq.Envelope(b"m%d" % i, shard_key=f"k{i}") for i in range(40)])
     calls = []
-    real = delivery.expire_leases
+    real = queue.expire_leases
 
     def counted(*a, **kw):
         out = real(*a, **kw)
         calls.append(len(out))
         return out
-    monkeypatch.setattr(delivery, "expire_leases", counted)    # counts, the real expiry runs
+    monkeypatch.setattr(queue, "expire_leases", counted)    # counts, the real expiry runs
     with fdq.Consumer(db, "t", config=fast(ack_wait_s=0.5, max_deliver=2)) as c:
         first = fetch_n(c, 40, timeout=10)
         second = fetch_n(c, 40, timeout=30)       # all expired: redelivered
@@ -161,19 +162,19 @@ def test_retried_settle_and_expiry_apply_once(db):
         got = fetch_n(c, 6, timeout=10)
         rows = fdq.consumer._settle_rows([Settlement(got[0], Action.NAK, 0), Settlement(got[1], Action.ACK),
                                           Settlement(got[2], Action.TERM, reason="x")])
-        assert delivery.settle(db, ts, rows, 10) == []
+        assert queue.settle(db, ts, rows, 10) == []
         before = _counts(db)
-        assert delivery.settle(db, ts, rows, 10) == rows      # all lost: nothing applied twice
+        assert queue.settle(db, ts, rows, 10) == rows      # all lost: nothing applied twice
         assert _counts(db) == before == (4, 3, 1, 0, 1)
         shard = ts.shard("default", "", 0)
         [(key, lr)] = _records(db)[0]
         epoch = c._owned[("", 0)]
         expiring = [(parse_message_id(m.id), 0) for m in got[3:5]]
-        out = delivery.expire_leases(db, ts, shard, c.id, epoch, key, lr.lease_id, expiring, 10)
-        assert set(out.values()) == {delivery.Expiry.REQUEUED}
+        out = queue.expire_leases(db, ts, shard, c.id, epoch, key, lr.lease_id, expiring, 10)
+        assert set(out.values()) == {queue.Expiry.REQUEUED}
         mid = _counts(db)
-        again = delivery.expire_leases(db, ts, shard, c.id, epoch, key, lr.lease_id, expiring, 10)
-        assert set(again.values()) == {delivery.Expiry.CHANGED} and _counts(db) == mid == (4, 1, 1, 0, 1)
+        again = queue.expire_leases(db, ts, shard, c.id, epoch, key, lr.lease_id, expiring, 10)
+        assert set(again.values()) == {queue.Expiry.CHANGED} and _counts(db) == mid == (4, 1, 1, 0, 1)
         assert _leased_ids(db) == [got[5].id]
 
 
