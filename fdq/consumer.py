@@ -27,8 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from . import membership
-from .ops import queue
+from .ops import clock, membership, queue
 from .ops.queue import SettleRow
 from . import subscription as _subs
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig, SubscriptionConfig, TopicConfig, check_name
@@ -786,7 +785,7 @@ class Consumer:
         if self._clock_base is not None:
             base, since = self._clock_base
             candidate = base + int((now - since) * 1000)
-        self._clock_base = (membership.advance_clock(self.db, self._ts.clock_key, candidate,
+        self._clock_base = (clock.advance_clock(self.db, self._ts.clock_key, candidate,
                                                      self._ts.clock_version_key), now)
 
     def _observe_peers(self, now: float):

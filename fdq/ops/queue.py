@@ -32,9 +32,10 @@ from ..keyspace import (ShardSpace, StoredVersionstamp, TopicSpace, Versionstamp
                         position_of, vs_from_bytes)
 from ..keyspace.codec import (CHUNK_BYTES, LEASE_ENTRY_OVERHEAD, LEASE_RECORD_BYTES, LeaseRecord, Record,
                               decode_leases, encode_dead, encode_leases, has_chunks)
-from ..membership import ensure_owner, read_clock
 from ..settlement import ACK, NAK, RELEASE, TERM, TOUCH, Action
 from ..topic import load_config
+from .clock import read_clock
+from .membership import ensure_owner
 from .routing import target
 
 ONE, MINUS_ONE = counter(1), counter(-1)
@@ -76,7 +77,7 @@ def _add(tr, counters: dict):
 @transactional
 def promote_due(tr, shard: ShardSpace, limit: int, promoted: dict | None = None) -> int | None:
     """Move delayed messages that are due (due <= the database clock, see
-    ``membership.read_clock``) to the head of the ready queue. Returns the next due
+    ``clock.read_clock``) to the head of the ready queue. Returns the next due
     time still waiting, if any; ``promoted`` collects {12-byte stamp: delayed key}.
     A message whose ready key holds it already (a reset's copy of a message nak'd with
     a delay meanwhile) is one message: the delayed copy is dropped, counted done."""

@@ -156,7 +156,7 @@ def test_shutdown_called_by_the_handler(db, max_concurrency):
 def test_shutdown_releases_shards_at_once(db):
     """shutdown() hands the shards to the others now, not after the zombie timeout, and
     returns what it leased unsettled."""
-    from fdq import membership
+    from fdq.ops import membership
     fdq.Supervisor(db).create_topic("t", shards=4)
     slow = fast(zombie_timeout_s=30.0)
     a = fdq.Consumer(db, "t", consumer_id="a", config=slow)

@@ -12,7 +12,7 @@ import time
 import pytest
 
 import fdq
-from fdq import membership
+from fdq.ops import membership
 from fdq.ops import queue
 from fdq.keyspace import Keyspace
 
@@ -31,8 +31,7 @@ def test_a_transaction_begun_before_the_shard_moved_cannot_commit(db, how, moved
     ids = [r.id for r in fdq.Producer(db).push_many("t", [fdq.Envelope(b"m%d" % i, shard_key="k")
                                                           for i in range(5)])]
     ts = Keyspace().topic("t")
-    config = sup.config("t")
-    membership.join(db, ts, "default", "a", {"id": "a", "incarnation": "a-1"}, config)
+    membership.join(db, ts, "default", "a", {"id": "a", "incarnation": "a-1"})
     owner, epoch = _owner(db, ts)
     assert owner == "a"
     shard = ts.shard("default", "", 0)
@@ -48,12 +47,12 @@ def test_a_transaction_begun_before_the_shard_moved_cannot_commit(db, how, moved
     # meanwhile the shard moves: a is declared a zombie (b owns it now), or a
     # replacement instance joins under a's id (same owner id, new epoch)
     if moved_by == "zombie":
-        membership.join(db, ts, "default", "b", {"id": "b"}, config)
+        membership.join(db, ts, "default", "b", {"id": "b"})
         hb = membership.read_members(db, ts, "default")["a"]["hb"]
-        assert membership.declare_zombie(db, ts, "default", "a", hb, config)
+        assert membership.declare_zombie(db, ts, "default", "a", hb)
         assert _owner(db, ts) == ("b", epoch + 1)
     else:
-        membership.join(db, ts, "default", "a", {"id": "a", "incarnation": "a-2"}, config)
+        membership.join(db, ts, "default", "a", {"id": "a", "incarnation": "a-2"})
         assert _owner(db, ts) == ("a", epoch + 1)
     # nobody touched m0 and m1: only the fence can stop the stale commit
     assert sub_stats(db, "t")["backlog"] == 5

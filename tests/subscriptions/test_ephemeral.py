@@ -128,13 +128,14 @@ def test_ephemeral_in_process_and_supervisor_reap(db):
 _DIE_AT_JOIN = """
 import os, signal, sys
 import fdq
-from fdq import membership
+import fdq.membership
+import fdq.ops.membership
 
 
 def die(*args, **kwargs):          # the process is killed where it joins the subscription
     os.kill(os.getpid(), signal.SIGKILL)
 
-membership.join = die
+fdq.membership.join = fdq.ops.membership.join = die     # the old name re-exports it until issue 22's wrap-up
 db = fdq.connect(sys.argv[1])
 fdq.Consumer(db, "events", subscription=sys.argv[2], config=fdq.ConsumerConfig(heartbeat_interval_s=0.2,
              zombie_timeout_s=1.5), subscription_config=fdq.SubscriptionConfig(deliver_policy=sys.argv[3]))
