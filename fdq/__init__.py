@@ -5,8 +5,10 @@ from .errors import (BacklogFull, ClientForked, ConfigError, ConnectError, Consu
                      MessageTooLarge, ReplayTakenOver, SubscriptionNotFound, TopicExists, TopicNotFound)
 
 from .config import ConsumerConfig, ProducerConfig, SubscriptionConfig, TopicConfig
-from .consumer import Consumer, Message, tail
+from .consumer import Consumer
+from .message import Message
 from .settlement import Action, Settlement
+from .tailing import tail
 from .producer import Envelope, Producer, PushResult
 from .supervisor import Supervisor
 from . import aio

@@ -12,7 +12,7 @@ import enum
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from .consumer import Message
+    from .message import Message
 
 
 class Action(enum.Enum):

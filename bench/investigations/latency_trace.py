@@ -161,7 +161,7 @@ def _consumer_proc(url, n, seconds, ready, out):
                 finally:
                     pr.disable()
             return run
-        _consumer.TailConsumer._work_loop = profiled(_consumer.TailConsumer._work_loop)
+        fdq.tailing.TailConsumer._work_loop = profiled(fdq.tailing.TailConsumer._work_loop)
         _eng._WatchManager._run = profiled(_eng._WatchManager._run)
 
         def dump():

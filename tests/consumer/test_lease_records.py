@@ -193,7 +193,7 @@ def test_reshard_with_batch_leases_in_flight(db):
     c.ack_many(got[::2])
     held = {m.id: m.shard_key for m in got[1::2]}
     c._stop.set()           # its lease check stopped first (it refills _leases from the
-    c._thread.join(10)      # shards' records), then keep its leases through close (as a
+    c._member.thread.join(10)      # shards' records), then keep its leases through close (as a
     c._leases.clear()       # crash would)
     c.close()
     for shards in (7, 3):

@@ -107,7 +107,7 @@ def test_shutdown_returns_unhandled_messages_without_counting_an_attempt(db):
             wait_for(c1._stop.is_set, 30, what="the shutdown starting")
     c1 = fdq.tail(db, "t", stopping, batch_size=10, config=fast(ack_wait_s=600))
     started.set()
-    wait_for(lambda: c1._closed and not c1._thread.is_alive(), 60, what="the first consumer closed")
+    wait_for(lambda: c1._closed and not c1._member.thread.is_alive(), 60, what="the first consumer closed")
     assert first == [b"0"]
     s = sub_stats(db, "t")
     assert (s["backlog"], s["in_flight"]) == (4, 0), "the unhandled messages were not returned at once"

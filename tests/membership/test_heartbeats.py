@@ -25,16 +25,16 @@ def test_a_peer_heartbeat_seen_after_a_held_up_round_is_timed_from_when_it_was_s
     obs = fdq.Consumer(db, "t", consumer_id="obs", config=fdq.ConsumerConfig(heartbeat_interval_s=0.5))
     try:
         obs._stop.set()                 # its own loop stops: this test runs the rounds
-        obs._thread.join(10)
+        obs._member.thread.join(10)
         assert obs.config.zombie_after_s == 1.5
         membership.join(db, ts, "default", "peer", {"id": "peer", "zombie_after_s": 1.5})
-        obs._observe_peers(time.monotonic())            # a round sees the peer
+        obs._member.observe_peers(time.monotonic())            # a round sees the peer
         now = time.monotonic()                          # the next round starts
         time.sleep(2.0)                                 # its heartbeat held up 2 s ...
         assert membership.heartbeat(db, ts, "default", "peer")     # ... the peer's went through
-        obs._observe_peers(now)                         # the round observes (its `now`)
+        obs._member.observe_peers(now)                         # the round observes (its `now`)
         time.sleep(0.3)                                 # one round later, the peer beat 0.3 s ago
-        obs._observe_peers(time.monotonic())
+        obs._member.observe_peers(time.monotonic())
         assert "peer" in membership.read_members(db, ts, "default")
     finally:
         obs.close()

@@ -113,14 +113,14 @@ def test_ephemeral_in_process_and_supervisor_reap(db):
     # kill -9) is reaped by Supervisor.reap after the zombie timeout.
     c3 = fdq.Consumer(db, "events", subscription="r", ephemeral=True, config=cfg)
     c3._stop.set()
-    c3._thread.join(timeout=10)
+    c3._member.thread.join(timeout=10)
     assert "r" in sup.config("events").subs
     assert sup.reap("events", zombie_after_s=1.0) == ["r"]
     assert "r" not in sup.config("events").subs
     # A durable subscription is never reaped.
     c4 = fdq.Consumer(db, "events", subscription="durable", config=cfg)
     c4._stop.set()
-    c4._thread.join(timeout=10)
+    c4._member.thread.join(timeout=10)
     assert sup.reap("events", zombie_after_s=1.0) == []
     assert "durable" in sup.config("events").subs
 
