@@ -5,7 +5,10 @@ from .errors import (BacklogFull, ClientForked, ConfigError, ConnectError, Consu
                      MessageTooLarge, ReplayTakenOver, SubscriptionNotFound, TopicExists, TopicNotFound)
 
 from .config import ConsumerConfig, ProducerConfig, SubscriptionConfig, TopicConfig
-from .consumer import Consumer, Message, tail
+from .consumer import Consumer
+from .message import Message
+from .settlement import Action, Settlement
+from .tailing import tail
 from .producer import Envelope, Producer, PushResult
 from .supervisor import Supervisor
 from . import aio
@@ -13,8 +16,8 @@ from . import aio
 __version__ = "0.1.0"
 
 __all__ = [
-    "connect", "transactional", "Producer", "Envelope", "PushResult", "Consumer", "Message",
-    "tail", "aio", "Supervisor", "ConsumerConfig", "ProducerConfig", "TopicConfig", "SubscriptionConfig",
+    "connect", "transactional", "Producer", "Envelope", "PushResult", "Consumer", "Message", "Settlement",
+    "Action", "tail", "aio", "Supervisor", "ConsumerConfig", "ProducerConfig", "TopicConfig", "SubscriptionConfig",
     "FDQError", "ConfigError", "ConnectError", "EngineError", "FormatError", "InvalidName",
     "TopicNotFound", "TopicExists", "SubscriptionNotFound", "MessageTooLarge",
     "InvalidMessage", "InvalidHeader", "BacklogFull", "LeaseLost", "ConsumerStalled", "ClientForked",

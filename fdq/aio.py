@@ -28,7 +28,8 @@ import functools
 import logging
 
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig
-from .consumer import Consumer, check_delivery_args
+from .consumer import Consumer
+from .tailing import check_delivery_args
 from .errors import ConfigError, LeaseLost
 
 log = logging.getLogger("fdq.aio")
@@ -112,14 +113,14 @@ class AsyncTail:
             except LeaseLost as e:      # not ours to handle: redelivered elsewhere
                 self.consumer._report(e)
                 msgs = [m for m in msgs if m.id not in e.ids]
-        # kept leased while it runs long (``fdq.consumer._Round``)
+        # kept leased while it runs long (``fdq.message._Round``)
         pending = self.consumer._begin_round(msgs) if self._acking else None
         by_shard = {}
         for m in msgs:
             if self._acking:
                 m._deferred = pending
             # by shard number, across dispatch tags: a key's tagged and untagged
-            # messages are on shards of one number (``consumer._by_shard_number``)
+            # messages are on shards of one number (``tailing._by_shard_number``)
             by_shard.setdefault(m.shard, []).append(m)
         try:
             await asyncio.gather(*(self._handle_in_order(ms) for ms in by_shard.values()))

@@ -37,7 +37,7 @@ def _setup(fdq, path, total, mode, count):
     def handler(*_a):
         count[0] += 1
     kw = {"transactional": True} if mode == "exactly_once" else {"acking": mode == "at_least_once"}
-    cls = fdq.consumer.TailConsumer
+    cls = getattr(fdq, "tailing", fdq.consumer).TailConsumer      # (fdq.consumer's before issue 22)
     loop = cls._work_loop
     cls._work_loop = lambda self: None      # its worker returns at once: we run the rounds
     try:

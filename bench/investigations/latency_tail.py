@@ -27,6 +27,7 @@ import time
 import fdq
 from fdq import consumer as _c
 from fdq import membership as _m
+from fdq.member import Member
 from fdq.engine import sqlite as _eng
 
 from bench._common import FAST, pct
@@ -101,8 +102,10 @@ def _consumer_proc(url, n, seconds, ready, out, switch_interval):
         ev.append(("idle", "worker", s, e))
         return r
     _c.Consumer._idle = _idle
-    for name in ("_check_leases", "_tick_clock", "_observe_peers", "_refresh_owned", "_observe_subscriptions", "_arm", "settle"):
-        fn = getattr(_c.Consumer, name)
+    for cls, name in ((Member, "check_leases"), (Member, "tick_clock"), (Member, "observe_peers"),
+                      (_c.Consumer, "_refresh_owned"), (Member, "observe_subscriptions"), (_c.Consumer, "_arm"),
+                      (_c.Consumer, "settle")):
+        fn = getattr(cls, name)
         def mk(fn, name):
             def w(self, *a, **k):
                 s = _ns()
@@ -111,7 +114,7 @@ def _consumer_proc(url, n, seconds, ready, out, switch_interval):
                 finally:
                     ev.append((name, threading.current_thread().name[:10], s, _ns()))
             return w
-        setattr(_c.Consumer, name, mk(fn, name))
+        setattr(cls, name, mk(fn, name))
     fn = _m.heartbeat
     def hb(*a, **k):
         s = _ns()

@@ -31,6 +31,7 @@ import threading
 import time
 
 import fdq
+import fdq.engine.retry
 from fdq import consumer as _consumer
 
 from bench._common import FAST, pct
@@ -130,12 +131,12 @@ def _consumer_proc(url, n, seconds, ready, out):
     if orig_arm is not None:
         _consumer.Consumer._arm = _arm
 
-    orig_retry = _consumer.retry_or_raise
+    orig_retry = fdq.engine.retry.retry_or_raise    # where transact retries the consumer's loops
 
     def retry_or_raise(tr, e):
         counts[f"retry_{getattr(e, 'code', '?')}"] = counts.get(f"retry_{getattr(e, 'code', '?')}", 0) + 1
         return orig_retry(tr, e)
-    _consumer.retry_or_raise = retry_or_raise
+    fdq.engine.retry.retry_or_raise = retry_or_raise
 
     orig_idle = _consumer.Consumer._idle
 
@@ -160,7 +161,7 @@ def _consumer_proc(url, n, seconds, ready, out):
                 finally:
                     pr.disable()
             return run
-        _consumer.TailConsumer._work_loop = profiled(_consumer.TailConsumer._work_loop)
+        fdq.tailing.TailConsumer._work_loop = profiled(fdq.tailing.TailConsumer._work_loop)
         _eng._WatchManager._run = profiled(_eng._WatchManager._run)
 
         def dump():

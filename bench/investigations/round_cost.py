@@ -84,7 +84,7 @@ def _rounds(c, owned, keys, p, k, rounds, stmts=None):
             stmts.on = False
         cpu += time.thread_time_ns() - t
         msgs += len(out)
-        carried = [(m, "ack", None) for m in out]
+        carried = [fdq.Settlement(m, fdq.Action.ACK) for m in out]
     if carried:
         c.settle(carried)
     return cpu, msgs

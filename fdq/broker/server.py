@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from .. import Consumer, ConsumerConfig, Producer, Supervisor, connect
 from ..config import DEFAULT_SUBSCRIPTION, ProducerConfig, SubscriptionConfig, TopicConfig
 from ..errors import ConfigError, FDQError, InvalidHeader, LeaseLost, MessageTooLarge, TopicNotFound
+from ..settlement import Action, Settlement
 from . import compress, protocol as p
 from .quantile import Quantile
 from .protocol import ProtocolError, fatal, nonfatal
@@ -239,7 +240,7 @@ class Channel:
         try:
             while self._settles:
                 batch, self._settles = self._settles, []
-                items = [(m, a, x) for _c, m, a, x, _i in batch]
+                items = [Settlement(m, Action(a), x) for _c, m, a, x, _i in batch]
                 failed, why = [], ""
                 try:
                     await self.broker.run(self.consumer.settle, items)

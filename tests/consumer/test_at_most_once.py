@@ -13,7 +13,8 @@ from __future__ import annotations
 import threading
 
 import fdq
-from fdq import delivery, supervisor
+from fdq import supervisor
+from fdq.ops import queue
 from fdq.engine import sqlite as engine
 from fdq.errors import EngineError
 from fdq.keyspace import Keyspace
@@ -29,14 +30,14 @@ def test_take_committed_then_shard_moved_is_handed_over(db, monkeypatch):
     fired = threading.Event()
     doomed = []     # the transaction whose real commit reports 1021
 
-    take_batch = delivery.take_batch
+    take_batch = queue.take_batch
 
     def take_then_doom(tr, *a, **kw):
         taken = take_batch(tr, *a, **kw)
         if taken and not fired.is_set() and isinstance(tr, engine.Transaction):
             doomed.append(tr)
         return taken
-    monkeypatch.setattr(delivery, "take_batch", take_then_doom)
+    monkeypatch.setattr(queue, "take_batch", take_then_doom)
 
     commit = engine.Transaction._commit
 

@@ -8,7 +8,7 @@ import time
 import fdq
 from fdq.keyspace.codec import CHUNK_BYTES
 
-from fdqtest import FAST, fast, fetch_until, sub_stats, wait_for
+from fdqtest import FAST, drain, fast, fetch_until, sub_stats, wait_for
 
 
 def test_dead_letter_after_max_deliver(db):
@@ -59,3 +59,26 @@ def test_records_at_the_value_limit_lease_and_dead_letter(db):
         assert [m.body for m in again] == [m.body for m in got]
         c.ack_many(again)
     assert sub_stats(db, "t")["backlog"] == 0
+
+
+def test_an_unkeyed_dead_letter_redriven_after_a_rewind_over_it_is_queued_once(db):
+    """A rewind queues dead letters again (the DLQ is left alone) where their push put
+    them; a redrive then only drops a dead letter whose copy is queued (that copy
+    delivers it). An unkeyed one was looked for in the shard of its versionstamp
+    (``vs[-4:] % shards``), not where the copy was, and queued a second time: delivered
+    twice, a backlog left for good. Every copy now goes where its push put it."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=4)
+    sup.create_subscription("t", "r")
+    ids = {r.id for r in fdq.Producer(db).push_many("t", [fdq.Envelope(b"m%d" % i) for i in range(8)])}
+    with fdq.Consumer(db, "t", subscription="r", config=FAST) as c:
+        for m in fetch_until(c, lambda g: len(g) >= 8, 30):
+            m.term("bad")
+    assert sub_stats(db, "t", "r")["dlq"] == 8
+    sup.reset("t", "r", 0)
+    assert sup.dlq_redrive("t", "r") == 8
+    st = sub_stats(db, "t", "r")
+    assert (st["backlog"], st["dlq"]) == (8, 0)
+    got = [m.id for m in drain(db, "t", "r", idle_s=1.0, settle="ack_many", create=False, config=FAST)]
+    assert sorted(got) == sorted(ids)
+    assert sub_stats(db, "t", "r")["backlog"] == 0

@@ -35,7 +35,7 @@ def test_an_uncommitted_take_of_promoted_messages_is_not_taken_as_committed(db):
     a ready key): handed over while still delayed, delivered again (found in review). The
     attempt's marker (``mark_take``, written by the take) answers it: absent, not ours."""
     import os
-    from fdq import delivery
+    from fdq.ops import queue
     from fdq.keyspace import Keyspace
     fdq.Supervisor(db).create_topic("t", shards=1)
     fdq.Producer(db).push("t", b"due", delay=0.05)
@@ -46,16 +46,16 @@ def test_an_uncommitted_take_of_promoted_messages_is_not_taken_as_committed(db):
         while True:
             epoch = c._owned.get(("", 0))
             tr = db.create_transaction()
-            taken = delivery.take_batch(tr, ts, shard, c.id, epoch, 10) if epoch is not None else []
+            taken = queue.take_batch(tr, ts, shard, c.id, epoch, 10) if epoch is not None else []
             if taken or time.monotonic() > deadline:
                 break
             tr.cancel()
             time.sleep(0.05)
         assert [t.body for t in taken] == [b"due"] and taken[0].delayed_key is not None
         attempt = os.urandom(12)
-        delivery.mark_take(tr, ts, "default", c.id, attempt)
+        queue.mark_take(tr, ts, "default", c.id, attempt)
         tr.cancel()                                   # this attempt never commits
-        assert not delivery.take_committed(db, ts, "default", c.id, attempt)
+        assert not queue.take_committed(db, ts, "default", c.id, attempt)
         got = []
         while not got and time.monotonic() < deadline:  # still there: delivered once
             got = c.fetch(10, timeout=0.2)

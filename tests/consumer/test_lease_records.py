@@ -9,7 +9,8 @@ import time
 import pytest
 
 import fdq
-from fdq import delivery
+from fdq import Action, Settlement
+from fdq.ops import queue
 from fdq.engine.sqlite import VALUE_SIZE_LIMIT
 from fdq.keyspace import decode_counter, Keyspace, parse_message_id
 from fdq.keyspace.codec import LEASE_RECORD_BYTES, Record, shard_of
@@ -21,7 +22,7 @@ def _records(db, topic="t", sub="default", shards=1, tag=""):
     """{shard n: [(key, LeaseRecord)]} of every lease record."""
     ts = Keyspace().topic(topic)
     tr = db.create_transaction()
-    return {n: delivery.read_leases(tr.snapshot, ts.shard(sub, tag, n)) for n in range(shards)}
+    return {n: queue.read_leases(tr.snapshot, ts.shard(sub, tag, n)) for n in range(shards)}
 
 
 def _leased_ids(db, **kw) -> list:
@@ -58,7 +59,8 @@ def test_partial_settles_rewrite_the_record(db):
         got[3].ack()
         assert _leased_ids(db) == [m.id for i, m in enumerate(got) if i not in (0, 3)]
         # One transaction: a nak, a term, a touch and an ack of the same batch.
-        c.settle([(got[1], "nak", 0), (got[2], "term", "bad"), (got[4], "touch", None), (got[5], "ack", None)])
+        c.settle([Settlement(got[1], Action.NAK, 0), Settlement(got[2], Action.TERM, reason="bad"),
+                  Settlement(got[4], Action.TOUCH), Settlement(got[5], Action.ACK)])
         [(_k, lr)] = _records(db)[0]
         assert [bytes(e[0]).hex() for e in lr.entries] == [m.id for m in got[4:5] + got[6:]]
         assert [e[2] for e in lr.entries] == [1, 0, 0, 0, 0]      # the touch is that message's alone
@@ -116,7 +118,7 @@ def test_batch_over_the_value_limit_is_split(db):
         assert sorted(_leased_ids(db)) == sorted(m.id for m in got)      # each message in one record
         assert [m.body for m in got[:3]] == [bytes([65 + i]) * 45_000 for i in range(3)]
         # settle across records in one transaction: some acked, one nak'd from the middle
-        c.settle([(m, "ack", None) for m in got[:150]] + [(got[200], "nak", 0)])
+        c.settle([Settlement(m, Action.ACK) for m in got[:150]] + [Settlement(got[200], Action.NAK, 0)])
         [again] = fetch_n(c, 1, timeout=10)
         assert again.id == got[200].id and again.attempts == 2
         c.ack_many([m for m in got[150:] if m is not got[200]] + [again])
@@ -128,13 +130,13 @@ def test_unsettled_batch_expires_together_then_dead_letters(db, monkeypatch):
     fdq.Supervisor(db).create_topic("t", shards=1)
     fdq.Producer(db).push_many("t", [fdq.Envelope(b"m%d" % i, shard_key=f"k{i}") for i in range(40)])
     calls = []
-    real = delivery.expire_leases
+    real = queue.expire_leases
 
     def counted(*a, **kw):
         out = real(*a, **kw)
         calls.append(len(out))
         return out
-    monkeypatch.setattr(delivery, "expire_leases", counted)    # counts, the real expiry runs
+    monkeypatch.setattr(queue, "expire_leases", counted)    # counts, the real expiry runs
     with fdq.Consumer(db, "t", config=fast(ack_wait_s=0.5, max_deliver=2)) as c:
         first = fetch_n(c, 40, timeout=10)
         second = fetch_n(c, 40, timeout=30)       # all expired: redelivered
@@ -158,20 +160,21 @@ def test_retried_settle_and_expiry_apply_once(db):
     ts = ks.topic("t")
     with fdq.Consumer(db, "t", config=FAST) as c:
         got = fetch_n(c, 6, timeout=10)
-        rows = fdq.consumer._settle_rows([(got[0], "nak", 0), (got[1], "ack", None), (got[2], "term", "x")])
-        assert delivery.settle(db, ts, rows, 10) == []
+        rows = fdq.consumer._settle_rows([Settlement(got[0], Action.NAK, 0), Settlement(got[1], Action.ACK),
+                                          Settlement(got[2], Action.TERM, reason="x")])
+        assert queue.settle(db, ts, rows, 10) == []
         before = _counts(db)
-        assert delivery.settle(db, ts, rows, 10) == rows      # all lost: nothing applied twice
+        assert queue.settle(db, ts, rows, 10) == rows      # all lost: nothing applied twice
         assert _counts(db) == before == (4, 3, 1, 0, 1)
         shard = ts.shard("default", "", 0)
         [(key, lr)] = _records(db)[0]
         epoch = c._owned[("", 0)]
         expiring = [(parse_message_id(m.id), 0) for m in got[3:5]]
-        out = delivery.expire_leases(db, ts, shard, c.id, epoch, key, lr.lease_id, expiring, 10)
-        assert set(out.values()) == {"requeued"}
+        out = queue.expire_leases(db, ts, shard, c.id, epoch, key, lr.lease_id, expiring, 10)
+        assert set(out.values()) == {queue.Expiry.REQUEUED}
         mid = _counts(db)
-        again = delivery.expire_leases(db, ts, shard, c.id, epoch, key, lr.lease_id, expiring, 10)
-        assert set(again.values()) == {"changed"} and _counts(db) == mid == (4, 1, 1, 0, 1)
+        again = queue.expire_leases(db, ts, shard, c.id, epoch, key, lr.lease_id, expiring, 10)
+        assert set(again.values()) == {queue.Expiry.CHANGED} and _counts(db) == mid == (4, 1, 1, 0, 1)
         assert _leased_ids(db) == [got[5].id]
 
 
@@ -190,7 +193,7 @@ def test_reshard_with_batch_leases_in_flight(db):
     c.ack_many(got[::2])
     held = {m.id: m.shard_key for m in got[1::2]}
     c._stop.set()           # its lease check stopped first (it refills _leases from the
-    c._thread.join(10)      # shards' records), then keep its leases through close (as a
+    c._member.thread.join(10)      # shards' records), then keep its leases through close (as a
     c._leases.clear()       # crash would)
     c.close()
     for shards in (7, 3):

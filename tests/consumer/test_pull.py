@@ -61,7 +61,7 @@ def test_a_lost_lease_fails_only_its_own_settle(url, db, monkeypatch):
         real, entered, go, batches = c.settle, threading.Event(), threading.Event(), []
 
         def settle(items):
-            batches.append([m.id for m, _a, _g in items])
+            batches.append([s.message.id for s in items])
             if len(batches) == 1:
                 entered.set()
                 assert go.wait(30)
@@ -155,3 +155,61 @@ def test_ack_many_of_unleased_messages_is_a_clear_error(db):
             c.ack_many(ms)
     finally:
         c.close()
+
+
+def test_release_gives_a_message_back_without_counting_an_attempt(url, db):
+    """``release()``: a fetched message never handed to a handler goes back first in line,
+    its attempt not counted (a ``nak`` counts it, and dead-letters it at max_deliver)."""
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"a"), fdq.Envelope(b"b")])
+    with fdq.Consumer(db, "t", config=fast(max_deliver=1)) as c:
+        for _ in range(3):
+            a, b = c.fetch(2, timeout=5)
+            assert (a.body, a.attempts, b.body, b.attempts) == (b"a", 1, b"b", 1)
+            c.settle([fdq.Settlement(a, fdq.Action.RELEASE), fdq.Settlement(b, fdq.Action.RELEASE)])
+        a, = c.fetch(1, timeout=5)
+        a.release()
+        with pytest.raises(fdq.FDQError, match="already settled"):
+            a.ack()
+        a, b = c.fetch(2, timeout=5)
+        assert (a.body, a.attempts) == (b"a", 1)
+        a.ack()
+        b.release()
+        assert _stats(url) == (1, 0, 1)
+        assert sub_stats(db, "t")["dlq"] == 0
+
+
+def test_release_of_a_message_a_handler_had_is_refused(db):
+    """A handler's message was an attempt: ``nak()`` it; ``release()`` would hide it from
+    max_deliver."""
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    fdq.Producer(db).push("t", b"x")
+    errors = []
+
+    def handler(m):
+        try:
+            m.release()
+        except fdq.FDQError as e:
+            errors.append(e)
+            raise
+    t = fdq.tail(db, "t", handler, config=fast(max_deliver=1))
+    try:
+        wait_for(lambda: errors and sub_stats(db, "t")["dlq"] == 1, 30, what="the failed handler's nak")
+    finally:
+        t.shutdown()
+    assert "nak() it" in str(errors[0])
+
+
+def test_settle_takes_settlements(db):
+    """``Consumer.settle`` takes ``fdq.Settlement`` items: anything else (the tuples of
+    earlier versions, a string action) is refused before anything commits."""
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    fdq.Producer(db).push("t", b"x")
+    with fdq.Consumer(db, "t") as c:
+        m, = c.fetch(1, timeout=5)
+        for bad in ([(m, "ack", None)], [fdq.Settlement(m, "ack")], [fdq.Settlement(m, fdq.Action.NAK, -1)]):
+            with pytest.raises(fdq.ConfigError):
+                c.settle(bad)
+        assert sub_stats(db, "t")["in_flight"] == 1
+        c.settle([fdq.Settlement(m, fdq.Action.ACK)])
+        assert sub_stats(db, "t")["in_flight"] == 0

@@ -107,7 +107,7 @@ def test_shutdown_returns_unhandled_messages_without_counting_an_attempt(db):
             wait_for(c1._stop.is_set, 30, what="the shutdown starting")
     c1 = fdq.tail(db, "t", stopping, batch_size=10, config=fast(ack_wait_s=600))
     started.set()
-    wait_for(lambda: c1._closed and not c1._thread.is_alive(), 60, what="the first consumer closed")
+    wait_for(lambda: c1._closed and not c1._member.thread.is_alive(), 60, what="the first consumer closed")
     assert first == [b"0"]
     s = sub_stats(db, "t")
     assert (s["backlog"], s["in_flight"]) == (4, 0), "the unhandled messages were not returned at once"
@@ -156,7 +156,7 @@ def test_shutdown_called_by_the_handler(db, max_concurrency):
 def test_shutdown_releases_shards_at_once(db):
     """shutdown() hands the shards to the others now, not after the zombie timeout, and
     returns what it leased unsettled."""
-    from fdq import membership
+    from fdq.ops import membership
     fdq.Supervisor(db).create_topic("t", shards=4)
     slow = fast(zombie_timeout_s=30.0)
     a = fdq.Consumer(db, "t", consumer_id="a", config=slow)

@@ -265,7 +265,7 @@ def test_stopped_consumer_is_fenced_when_it_resumes(procs, db):
     conflicts_before = read_json(victim.status)["retries"].get("1020", 0)
     try:
         ts = Keyspace().topic("t")
-        from fdq import membership
+        from fdq.ops import membership
         wait_for(lambda: not any(o == "c0" for o, _e in membership.read_owners(db, ts, "default").values()),
                  60, what="c0's shards taken over while it is stopped")
     finally:

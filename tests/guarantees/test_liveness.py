@@ -11,7 +11,7 @@ import time
 import pytest
 
 import fdq
-from fdq import membership
+from fdq.ops import membership
 from fdq.keyspace import Keyspace
 
 from fdqtest import read_json, read_lines, read_version, scan, sub_stats, wait_for, with_faults

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import fdq
-from fdq import membership
+from fdq.ops import membership
 from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import shard_of
 
@@ -32,12 +32,11 @@ def test_a_steady_stream_of_tagged_pushes_does_not_conflict_with_shard_assignmen
     # not join or take over while tagged messages kept coming.
     import subprocess
     import sys
-    from fdq import membership
+    from fdq.ops import membership
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=2, extend=True)
     fdq.Producer(db).push("t", b"first", headers={"##client_dispatch_tag": "blue"})
     ts = Keyspace().topic("t")
-    config = sup.config("t")
     stream = subprocess.Popen([sys.executable, "-c", _TAGGED_STREAM, url, "20"], stdout=subprocess.PIPE,
                               text=True)
     try:
@@ -50,7 +49,7 @@ def test_a_steady_stream_of_tagged_pushes_does_not_conflict_with_shard_assignmen
             tr = db.create_transaction()
             while True:
                 try:
-                    membership.assign_shards(tr, ts, "default", config)
+                    membership.assign_shards(tr, ts, "default")
                     time.sleep(0.005)     # a transaction that takes a few ms, as under load
                     tr.commit().wait()
                     break
@@ -100,7 +99,7 @@ def test_assignment_racing_a_deletion_leaves_no_shard_records(db):
     """A consumer's membership round (``assign_new_tags``, ``assign_shards``) that runs
     just after its subscription's deletion wrote an owner-less record for every shard
     (and the assignment counter): state of a deleted subscription left for good."""
-    from fdq import membership
+    from fdq.ops import membership
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=4, extend=True)
     sup.create_subscription("t", "s")

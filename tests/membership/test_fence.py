@@ -12,7 +12,8 @@ import time
 import pytest
 
 import fdq
-from fdq import delivery, membership
+from fdq.ops import membership
+from fdq.ops import queue
 from fdq.keyspace import Keyspace
 
 from fdqtest import engine_errors, sub_stats
@@ -30,8 +31,7 @@ def test_a_transaction_begun_before_the_shard_moved_cannot_commit(db, how, moved
     ids = [r.id for r in fdq.Producer(db).push_many("t", [fdq.Envelope(b"m%d" % i, shard_key="k")
                                                           for i in range(5)])]
     ts = Keyspace().topic("t")
-    config = sup.config("t")
-    membership.join(db, ts, "default", "a", {"id": "a", "incarnation": "a-1"}, config)
+    membership.join(db, ts, "default", "a", {"id": "a", "incarnation": "a-1"})
     owner, epoch = _owner(db, ts)
     assert owner == "a"
     shard = ts.shard("default", "", 0)
@@ -39,20 +39,20 @@ def test_a_transaction_begun_before_the_shard_moved_cannot_commit(db, how, moved
     # a's transaction takes the head of the queue; a stalls before its commit
     stale = db.create_transaction()
     if how == "take":
-        taken = delivery.take_batch(stale, ts, shard, "a", epoch, 2)
+        taken = queue.take_batch(stale, ts, shard, "a", epoch, 2)
     else:
-        taken = delivery.lease_batch(stale, ts, shard, "a", epoch, 2, os.urandom(12), 30_000)
+        taken = queue.lease_batch(stale, ts, shard, "a", epoch, 2, os.urandom(12), 30_000)
     assert [t.record.body for t in taken] == [b"m0", b"m1"]
 
     # meanwhile the shard moves: a is declared a zombie (b owns it now), or a
     # replacement instance joins under a's id (same owner id, new epoch)
     if moved_by == "zombie":
-        membership.join(db, ts, "default", "b", {"id": "b"}, config)
+        membership.join(db, ts, "default", "b", {"id": "b"})
         hb = membership.read_members(db, ts, "default")["a"]["hb"]
-        assert membership.declare_zombie(db, ts, "default", "a", hb, config)
+        assert membership.declare_zombie(db, ts, "default", "a", hb)
         assert _owner(db, ts) == ("b", epoch + 1)
     else:
-        membership.join(db, ts, "default", "a", {"id": "a", "incarnation": "a-2"}, config)
+        membership.join(db, ts, "default", "a", {"id": "a", "incarnation": "a-2"})
         assert _owner(db, ts) == ("a", epoch + 1)
     # nobody touched m0 and m1: only the fence can stop the stale commit
     assert sub_stats(db, "t")["backlog"] == 5
@@ -66,12 +66,12 @@ def test_a_transaction_begun_before_the_shard_moved_cannot_commit(db, how, moved
     # the stale consumer's retry finds it is no longer the owner it was
     retry = db.create_transaction()
     with pytest.raises(fdq.LeaseLost):
-        delivery.take_batch(retry, ts, shard, "a", epoch, 2)
+        queue.take_batch(retry, ts, shard, "a", epoch, 2)
     retry.cancel()
 
     # the new owner gets every message, in push order
     new_owner, new_epoch = _owner(db, ts)
-    got = delivery.take_batch(db, ts, shard, new_owner, new_epoch, 10)
+    got = queue.take_batch(db, ts, shard, new_owner, new_epoch, 10)
     assert [fdq.keyspace.message_id(t.vs) for t in got] == ids
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import fdq
-from fdq import membership
+from fdq.ops import clock, membership
 from fdq.keyspace import decode_counter, Keyspace
 
 from fdqtest import commit_retrying, engine_errors, read, read_version, scan, wait_for, with_faults
@@ -25,16 +25,16 @@ def test_a_peer_heartbeat_seen_after_a_held_up_round_is_timed_from_when_it_was_s
     obs = fdq.Consumer(db, "t", consumer_id="obs", config=fdq.ConsumerConfig(heartbeat_interval_s=0.5))
     try:
         obs._stop.set()                 # its own loop stops: this test runs the rounds
-        obs._thread.join(10)
+        obs._member.thread.join(10)
         assert obs.config.zombie_after_s == 1.5
-        membership.join(db, ts, "default", "peer", {"id": "peer", "zombie_after_s": 1.5}, None)
-        obs._observe_peers(time.monotonic())            # a round sees the peer
+        membership.join(db, ts, "default", "peer", {"id": "peer", "zombie_after_s": 1.5})
+        obs._member.observe_peers(time.monotonic())            # a round sees the peer
         now = time.monotonic()                          # the next round starts
         time.sleep(2.0)                                 # its heartbeat held up 2 s ...
         assert membership.heartbeat(db, ts, "default", "peer")     # ... the peer's went through
-        obs._observe_peers(now)                         # the round observes (its `now`)
+        obs._member.observe_peers(now)                         # the round observes (its `now`)
         time.sleep(0.3)                                 # one round later, the peer beat 0.3 s ago
-        obs._observe_peers(time.monotonic())
+        obs._member.observe_peers(time.monotonic())
         assert "peer" in membership.read_members(db, ts, "default")
     finally:
         obs.close()
@@ -102,9 +102,9 @@ def test_heartbeat_age_after_a_version_jump(db, url):
         beats = _heartbeats(db, "t", "live")
         ck = Keyspace().clock_key
         jumped_at = _jump(db, url)
-        clock0 = membership.read_clock(db.create_transaction(), ck)
+        clock0 = clock.read_clock(db.create_transaction(), ck)
         # the clock advances after the jump: a lease check of the live consumer
-        wait_for(lambda: membership.read_clock(db.create_transaction(), ck) > clock0 + 100, 30,
+        wait_for(lambda: clock.read_clock(db.create_transaction(), ck) > clock0 + 100, 30,
                  what="the database clock to advance after the jump")
         assert _read_version(db) >= jumped_at
         age = _consumer_row(db, "t", "live")["heartbeat_age_s"]
@@ -136,8 +136,7 @@ def test_heartbeat_age_grows_when_no_consumer_runs(db):
     consumer died (no process left to advance the clock) still ages, by versions."""
     fdq.Supervisor(db).create_topic("t", shards=2)
     ts = Keyspace().topic("t")
-    config = fdq.Supervisor(db).config("t")
-    membership.join(db, ts, "default", "dead", {"id": "dead"}, config)
+    membership.join(db, ts, "default", "dead", {"id": "dead"})
     assert membership.heartbeat(db, ts, "default", "dead")
     t0 = time.monotonic()
     wait_for(lambda: (_consumer_row(db, "t", "dead")["heartbeat_age_s"] or 0) >= 1.0, 30,
@@ -153,36 +152,16 @@ def test_heartbeat_racing_a_zombie_declaration_leaves_no_keys(db):
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=2)
     ts = Keyspace().topic("t")
-    config = sup.config("t")
-    membership.join(db, ts, "default", "zombie", {"id": "zombie"}, config)
-    membership.join(db, ts, "default", "survivor", {"id": "survivor"}, config)
+    membership.join(db, ts, "default", "zombie", {"id": "zombie"})
+    membership.join(db, ts, "default", "survivor", {"id": "survivor"})
     observed = membership.read_members(db, ts, "default")["zombie"]["hb"]
 
     t1 = db.create_transaction()
     assert membership.heartbeat(t1, ts, "default", "zombie") is True       # read, not committed
-    assert membership.declare_zombie(db, ts, "default", "zombie", observed, config) is True
+    assert membership.declare_zombie(db, ts, "default", "zombie", observed) is True
     results = []
     retries = commit_retrying(t1, lambda tr: results.append(membership.heartbeat(tr, ts, "default", "zombie")))
 
     assert retries == 1 and results == [False], "the heartbeat committed after the zombie declaration"
     assert _member_keys(db, ts, "zombie") == []
     assert set(membership.read_members(db, ts, "default")) == {"survivor"}
-
-
-def test_assignment_clears_heartbeat_keys_left_without_a_record(db):
-    """Keys an older FDQ's racing heartbeat left behind are cleared by the next
-    re-division of shards (a join, leave or zombie declaration)."""
-    sup = fdq.Supervisor(db)
-    sup.create_topic("t", shards=2)
-    ts = Keyspace().topic("t")
-    config = sup.config("t")
-
-    @fdq.transactional
-    def leak(tr):   # what the race left: a heartbeat's keys, no record
-        tr.add(ts.heartbeat_key("default", "gone"), (7).to_bytes(8, "little"))
-        tr.max(ts.consumers.pack(("default", "gone", "hbv")), (5).to_bytes(8, "little"))
-    leak(db)
-    assert len(_member_keys(db, ts, "gone")) == 2
-    membership.join(db, ts, "default", "next", {"id": "next"}, config)
-    assert _member_keys(db, ts, "gone") == []
-    assert set(membership.read_members(db, ts, "default")) == {"next"}

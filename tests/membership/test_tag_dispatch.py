@@ -11,7 +11,7 @@ import pytest
 
 import fdq
 import fdq.aio
-from fdq import membership
+from fdq.ops import membership
 from fdq.headers import DISPATCH_TAG
 
 import fdqtest
@@ -115,12 +115,11 @@ def test_two_consumers_share_a_tag_by_shard(db, topic):
 def test_rebalance_applies_tag_rules(db, topic):
     sup = fdq.Supervisor(db)
     ts = sup.keyspace.topic(topic)
-    cfg = sup.config(topic)
     p = fdq.Producer(db)
     p.push_many(topic, [tagged("A", b"a"), tagged("C", b"c"), fdq.Envelope(b"u")])
     # Consumer records written directly (no background threads to race the check).
-    membership.join(db, ts, "default", "u1", {"tag": None}, cfg)
-    membership.join(db, ts, "default", "a1", {"tag": "A"}, cfg)
+    membership.join(db, ts, "default", "u1", {"tag": None})
+    membership.join(db, ts, "default", "a1", {"tag": "A"})
     # Scramble ownership against the rules, then rebalance.
     tr = db.create_transaction()
     for n in range(3):
@@ -141,7 +140,7 @@ def test_rebalance_applies_tag_rules(db, topic):
     assert cons["a1"]["tag"] == "A" and cons["a1"]["tag_shards"] == [["A", n] for n in range(3)]
     assert cons["u1"]["tag_shards"] == sorted([t, n] for t in ("", "C") for n in range(3))
     # No untagged consumer: untagged and unwanted-tag shards have no owner, never a tagged one.
-    membership.leave(db, ts, "default", "u1", cfg)
+    membership.leave(db, ts, "default", "u1")
     sup.rebalance(topic)
     o = owners(db)
     assert {o[("C", n)] for n in range(3)} == {o[("", n)] for n in range(3)} == {None}

@@ -113,14 +113,14 @@ def test_ephemeral_in_process_and_supervisor_reap(db):
     # kill -9) is reaped by Supervisor.reap after the zombie timeout.
     c3 = fdq.Consumer(db, "events", subscription="r", ephemeral=True, config=cfg)
     c3._stop.set()
-    c3._thread.join(timeout=10)
+    c3._member.thread.join(timeout=10)
     assert "r" in sup.config("events").subs
     assert sup.reap("events", zombie_after_s=1.0) == ["r"]
     assert "r" not in sup.config("events").subs
     # A durable subscription is never reaped.
     c4 = fdq.Consumer(db, "events", subscription="durable", config=cfg)
     c4._stop.set()
-    c4._thread.join(timeout=10)
+    c4._member.thread.join(timeout=10)
     assert sup.reap("events", zombie_after_s=1.0) == []
     assert "durable" in sup.config("events").subs
 
@@ -128,13 +128,14 @@ def test_ephemeral_in_process_and_supervisor_reap(db):
 _DIE_AT_JOIN = """
 import os, signal, sys
 import fdq
-from fdq import membership
+import fdq.membership
+import fdq.ops.membership
 
 
 def die(*args, **kwargs):          # the process is killed where it joins the subscription
     os.kill(os.getpid(), signal.SIGKILL)
 
-membership.join = die
+fdq.membership.join = fdq.ops.membership.join = die     # the old name re-exports it until issue 22's wrap-up
 db = fdq.connect(sys.argv[1])
 fdq.Consumer(db, "events", subscription=sys.argv[2], config=fdq.ConsumerConfig(heartbeat_interval_s=0.2,
              zombie_timeout_s=1.5), subscription_config=fdq.SubscriptionConfig(deliver_policy=sys.argv[3]))

@@ -184,7 +184,7 @@ def test_consumer_does_not_rejoin_a_recreated_subscription_with_another_ack_poli
             # (the next heartbeat's rejoin would then find nothing changed).
             import time
             with pytest.raises(fdq.ConfigError, match="ack_policy"):
-                c._observe_subscriptions(time.monotonic())
+                c._member.observe_subscriptions(time.monotonic())
             assert c.sub_config.ack_policy == "explicit"
         # the consumer noticed: it tried to rejoin (and was refused) or rejoined
         wait_for(lambda: _refused(errors) or sup.stats("t")["subscriptions"]["s"]["consumers"],

@@ -264,7 +264,7 @@ def test_stall_alarm_when_the_database_is_unreachable(db, url, db_path):
             lock.close()
         stalls = [e for e in errors if isinstance(e, fdq.ConsumerStalled)]
         assert "has not completed a heartbeat" in str(stalls[0])
-        wait_for(lambda: not c._stall_reported, timeout=20, what="recovery")
+        wait_for(lambda: not c._member.stall_reported, timeout=20, what="recovery")
     finally:
         c.close()
 

@@ -98,10 +98,8 @@ class Counters:
         return counted
 
     def install(self):
-        import fdq.consumer
         import fdq.engine.retry
-        for mod in (fdq.engine.retry, fdq.consumer):     # (the producer retries in engine.transact)
-            mod.retry_or_raise = self.wrap(mod.retry_or_raise)
+        fdq.engine.retry.retry_or_raise = self.wrap(fdq.engine.retry.retry_or_raise)   # every loop is on transact
 
     def snapshot(self):
         with self.lock:

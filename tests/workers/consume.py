@@ -31,16 +31,16 @@ from common import ONE, Counters, Log, exactly_once_evidence, parser, seen_key, 
 def log_takes(out: Log):
     """At most once: log what each taking transaction may take (``T <id>``), before its
     commit: a superset of what this process removed from the queue."""
-    import fdq.delivery
     import fdq.keyspace
-    original = fdq.delivery.take_batch
+    import fdq.ops.queue
+    original = fdq.ops.queue.take_batch
 
     def take_batch(*a, **kw):
         taken = original(*a, **kw)
         for t in taken:
             out.write(f"T {fdq.keyspace.message_id(t.vs)}")
         return taken
-    fdq.delivery.take_batch = take_batch
+    fdq.ops.queue.take_batch = take_batch
 
 
 def consumer(args):

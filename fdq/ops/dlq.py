@@ -1,0 +1,160 @@
+"""The dead-letter queue: list, redrive and purge a subscription's dead letters.
+
+Messages get there from the queue (:mod:`fdq.ops.queue`: ``term``, ``max_deliver``
+reached, a handler that cannot commit), one entry per message under its versionstamp
+(``codec.encode_dead``: the record as delivered, the reason, the consumer); a large
+body's chunks stay in the subscription's chunk area beside it. A redrive puts a dead
+letter back where its push put it (:func:`~fdq.ops.routing.target`), attempts reset,
+unless a copy is queued there already.
+"""
+from __future__ import annotations
+
+from ..engine import transactional
+from ..keyspace import TopicSpace, counter, decode_counter
+from ..keyspace.codec import CHUNK_WRITE_BYTES, Record, decode_dead, has_chunks
+from ..topic import read_topic_config
+from .queue import in_shard
+from .routing import target
+
+
+_ONE, _MINUS_ONE = counter(1), counter(-1)
+
+
+@transactional
+def dlq_list(tr, ts: TopicSpace, sub: str, limit: int = 100, after: bytes | None = None) -> list:
+    """[(vs, Record, reason, consumer_id, key)] of the DLQ, oldest first; each
+    record's ``body`` is the whole body (a large one's chunks joined)."""
+    space = ts.dlq(sub)
+    r = space.range()
+    begin = after + b"\x00" if after else r.start
+    out = []
+    for kv in tr.snapshot.get_range(begin, r.stop, limit=limit):
+        raw, reason, cid = decode_dead(kv.value)
+        vs = space.unpack(kv.key)[0]
+        rec = Record.decode(raw)
+        if rec.nchunks:     # the chunks stay in the subscription's chunk area (queue._dead_letter)
+            c = ts.subs[sub]["chunks"][vs].range()
+            rec.body = b"".join(c.value for c in tr.snapshot.get_range(c.start, c.stop))
+        out.append((vs, rec, reason, cid, kv.key))
+    return out
+
+
+def _redrive_shards(tr, ts: TopicSpace) -> int:
+    """The shard count a redrive routes by: the topic config's as this transaction reads
+    it (not snapshot: a reshard beginning or ending meanwhile conflicts), the new count
+    while a reshard runs, as ``_requeue``: the reshard may have passed the old shard
+    already, or remove it."""
+    config = read_topic_config(tr, ts)
+    return config.resharding_to if config.resharding_to is not None else config.shards
+
+
+def _redrive_entry(tr, ts: TopicSpace, sub: str, shards: int, key: bytes, value: bytes, queued: dict):
+    """Move one dead letter (its DLQ ``key`` and stored ``value``) back to its shard's
+    ready queue, attempts reset; one queued there already (``in_shard``: a reset rewound
+    the subscription over it) is only removed from the DLQ, as that copy delivers it.
+    Where: ``routing.target``, as every copy (an unkeyed one looked in the shard of its
+    versionstamp, not its push's, and was queued twice)."""
+    vs = ts.dlq(sub).unpack(key)[0]
+    raw, _reason, _cid = decode_dead(value)
+    rec = Record.decode(raw)
+    rec.attempts = 0
+    shard = ts.shard(sub, *target(rec, shards))
+    del tr[key]
+    tr.add(ts.sub_stat(sub, "dead"), _MINUS_ONE)
+    if in_shard(tr, shard, vs, queued):
+        return      # counted routed once already
+    tr[shard.ready_key(vs)] = rec.encode()
+    tr.add(shard.stat("routed"), _ONE)
+
+
+@transactional
+def dlq_redrive_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> tuple:
+    """Move up to ``limit`` dead letters (or ``CHUNK_WRITE_BYTES`` of them) back to their
+    shard's ready queue (``_redrive_entry``). Resumable: each chunk removes what it moved.
+    Returns ``(moved, done)``. The shard count is read in this transaction
+    (``_redrive_shards``)."""
+    shards = _redrive_shards(tr, ts)
+    r = ts.dlq(sub).range()
+    moved = written = 0
+    queued = {}
+    for kv in tr.get_range(r.start, r.stop, limit=limit):
+        if written >= CHUNK_WRITE_BYTES:
+            return moved, False
+        written += len(kv.value)
+        _redrive_entry(tr, ts, sub, shards, kv.key, kv.value, queued)
+        moved += 1
+    return moved, moved < limit
+
+
+@transactional
+def dlq_redrive_ids(tr, ts: TopicSpace, sub: str, vss: list) -> tuple:
+    """Move the dead letters of ``vss`` (versionstamps) back to their shards' ready
+    queues (``_redrive_entry``), skipping those not in the DLQ (redriven or purged
+    meanwhile: the read conflicts with a concurrent one), until ``CHUNK_WRITE_BYTES``
+    of them. Returns ``(moved, looked_at)``: the caller goes on with ``vss[looked_at:]``."""
+    shards = _redrive_shards(tr, ts)
+    space = ts.dlq(sub)
+    moved = written = looked = 0
+    queued = {}
+    for vs in vss:
+        if written >= CHUNK_WRITE_BYTES:
+            break
+        looked += 1
+        key = space.pack((vs,))
+        value = tr[key]
+        if value == None:  # noqa: E711
+            continue
+        value = bytes(value)
+        written += len(value)
+        _redrive_entry(tr, ts, sub, shards, key, value, queued)
+        moved += 1
+    return moved, looked
+
+
+@transactional
+def dlq_purge_ids(tr, ts: TopicSpace, sub: str, vss: list) -> int:
+    """Delete the dead letters of ``vss`` (versionstamps), with the body chunks a large
+    one keeps, skipping those not in the DLQ. Returns how many."""
+    space = ts.dlq(sub)
+    n = 0
+    for vs in vss:
+        key = space.pack((vs,))
+        value = tr[key]
+        if value == None:  # noqa: E711
+            continue
+        if has_chunks(decode_dead(bytes(value))[0]):
+            c = ts.subs[sub]["chunks"][vs].range()
+            tr.clear_range(c.start, c.stop)
+        del tr[key]
+        n += 1
+    if n:
+        tr.add(ts.sub_stat(sub, "dead"), counter(-n))
+    return n
+
+
+@transactional
+def dlq_purge_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
+    """Delete up to ``limit`` dead letters, oldest first, with the body chunks a large
+    one keeps in the subscription's chunk area. Returns how many."""
+    space = ts.dlq(sub)
+    r = space.range()
+    n = 0
+    last = None
+    for kv in tr.get_range(r.start, r.stop, limit=limit):
+        last = kv.key
+        n += 1
+        if has_chunks(decode_dead(kv.value)[0]):
+            c = ts.subs[sub]["chunks"][space.unpack(kv.key)[0]].range()
+            tr.clear_range(c.start, c.stop)
+    if last is not None:
+        tr.clear_range(r.start, last + b"\x00")
+        tr.add(ts.sub_stat(sub, "dead"), counter(-n))
+    return n
+
+
+def dlq_size(reader, ts: TopicSpace, sub: str) -> int:
+    """How many dead letters ``sub`` holds (its counter, through ``reader``)."""
+    return decode_counter(reader[ts.sub_stat(sub, "dead")])
+
+
+__all__ = ["dlq_list", "dlq_redrive_chunk", "dlq_redrive_ids", "dlq_purge_ids", "dlq_purge_chunk", "dlq_size"]

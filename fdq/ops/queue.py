@@ -1,0 +1,610 @@
+"""The queue: the transactional functions that move messages through a shard's queues.
+
+    ready --take (at most once / exactly once)--> gone
+    ready --lease--> leased --ack--> gone
+                            --nak / expire--> ready (same key: first in line) or delayed
+                            --term / max_deliver--> dead-letter queue
+
+A leased batch is one lease record per shard (``leased/<first vs>/<lease id>``, split in
+parts of ``LEASE_RECORD_BYTES``), not a row per message: acking a whole batch deletes one
+row. Settling or expiring part of a batch rewrites its record without those messages;
+``in_progress()`` counts a touch on its own message inside the record (its siblings' ack
+wait does not restart). A message's settle names its record's key (``Taken.lease_key``).
+
+Consumers read the ready queue with snapshot range reads plus a read conflict on each
+key they take, so pushes into the same shard never abort them; every consuming
+transaction reads the shard record first (the owner-epoch fence).
+
+A message put back in a queue (a nak, an expiry) while the topic reshards goes where the
+reshard puts it (:func:`~fdq.ops.routing.target`). The dead-letter queue's own
+operations (list, redrive, purge) are :mod:`fdq.ops.dlq`'s.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import fdb.tuple as fdbtuple
+
+from ..engine import transactional
+from ..keyspace import (ShardSpace, StoredVersionstamp, TopicSpace, Versionstamp, counter, decode_counter,
+                        position_of, vs_from_bytes)
+from ..keyspace.codec import (CHUNK_BYTES, LEASE_ENTRY_OVERHEAD, LEASE_RECORD_BYTES, LeaseRecord, Record,
+                              decode_leases, encode_dead, encode_leases, has_chunks)
+from ..settlement import ACK, NAK, RELEASE, TERM, TOUCH, Action
+from ..topic import load_config
+from .clock import read_clock
+from .membership import ensure_owner
+from .routing import target
+
+ONE, MINUS_ONE = counter(1), counter(-1)
+
+
+@dataclass(slots=True)
+class Taken:
+    """A message taken from a shard: its key's versionstamp, decoded record, full body."""
+
+    shard: ShardSpace
+    vs: Versionstamp
+    record: Record
+    body: bytes
+    raw: bytes          # the encoded record as stored
+    lease_id: bytes | None = None
+    lease_key: bytes | None = None      # the key of the lease record holding it
+    delayed_key: bytes | None = None    # its delayed key, if this transaction promoted it
+
+
+def _body(reader, shard: ShardSpace, vs, record: Record) -> bytes:
+    if not record.nchunks:
+        return record.body
+    r = shard.chunks_range(vs)
+    return b"".join(kv.value for kv in reader.get_range(r.start, r.stop))
+
+
+def _clear_chunks(tr, shard: ShardSpace, vs, record: Record):
+    if record.nchunks:
+        r = shard.chunks_range(vs)
+        tr.clear_range(r.start, r.stop)
+
+
+def _add(tr, counters: dict):
+    for key, n in counters.items():
+        if n:
+            tr.add(key, counter(n))
+
+
+@transactional
+def promote_due(tr, shard: ShardSpace, limit: int, promoted: dict | None = None) -> int | None:
+    """Move delayed messages that are due (due <= the database clock, see
+    ``clock.read_clock``) to the head of the ready queue. Returns the next due
+    time still waiting, if any; ``promoted`` collects {12-byte stamp: delayed key}.
+    A message whose ready key holds it already (a reset's copy of a message nak'd with
+    a delay meanwhile) is one message: the delayed copy is dropped, counted done."""
+    now = read_clock(tr, shard.clock_key)
+    r = shard.delayed_range
+    due_now = []
+    waiting = None
+    for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit + 1):
+        due, vs = shard.delayed.unpack(kv.key)
+        if due > now or len(due_now) >= limit:
+            waiting = due
+            break
+        # not a snapshot: a copy written there meanwhile conflicts (futures on FDB)
+        due_now.append((kv, vs, tr[shard.ready_key(vs)]))
+    merged = 0
+    for kv, vs, there in due_now:
+        tr.add_read_conflict_key(kv.key)
+        tr.clear(kv.key)
+        if there != None:  # noqa: E711
+            merged += 1
+            continue
+        tr[shard.ready_key(vs)] = kv.value
+        if promoted is not None:
+            promoted[vs.to_bytes()] = kv.key
+    if due_now:
+        tr.add(shard.stat("delayed"), counter(-len(due_now)))
+    if merged:
+        tr.add(shard.stat("done"), counter(merged))
+    return waiting
+
+
+def _consumable(tr, ts: TopicSpace, sub: str | None = None) -> bool:
+    """Paused or resharding topics deliver nothing, nor a paused subscription or one still
+    catching up. A non-snapshot read: a pause that commits meanwhile makes this
+    transaction conflict."""
+    config = load_config(tr[ts.config_key])
+    return (config is not None and config.routing and sub not in config.catchup
+            and sub not in config.paused_subs)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What a subscription's configuration changes in taking ready messages:
+    ``max_pending`` (leased messages per shard), ``ordered`` (one message per shard key
+    leased or waiting for redelivery at a time), ``match`` (the filter; others dropped)."""
+
+    max_pending: int | None = None
+    ordered: bool = False
+    match: object = None
+
+
+SCAN_LIMIT = 10_000   # ready entries one take may skip over (held keys) before giving up
+
+
+def read_leases(reader, shard: ShardSpace, limit: int = 0) -> list:
+    """[(key, LeaseRecord)] of the shard's lease records in key order, read through
+    ``reader`` (a transaction: conflicts with any lease change of the shard; or its
+    snapshot). ``limit``: records, 0 for all."""
+    r = shard.leased.range()
+    return [(kv.key, decode_leases(kv.key, kv.value)) for kv in reader.get_range(r.start, r.stop, limit=limit)]
+
+
+def in_shard(tr, shard: ShardSpace, vs, cache: dict) -> bool:
+    """Whether message ``vs`` is ready in ``shard`` (a point read, not a snapshot: a
+    message taken, requeued or promoted to ready meanwhile conflicts) or leased there
+    (the shard's lease records by snapshot, read once per transaction into ``cache``:
+    consumers do not abort the caller; a lease settled meanwhile was that message's
+    delivery). A writer putting a message back at its ready key (a reset's copy, a DLQ
+    redrive) checks first: a second copy at the same key would count it routed twice (a
+    backlog left for good). One delayed (a nak with a delay) is not looked for (keyed
+    by due time): ``promote_due`` merges it with a ready copy."""
+    if tr[shard.ready_key(vs)] != None:  # noqa: E711
+        return True
+    got = cache.get(shard)
+    if got is None:
+        got = cache[shard] = {e[0] for _key, lr in read_leases(tr.snapshot, shard) for e in lr.entries}
+    return vs.to_bytes() in got
+
+
+def _held_keys(tr, shard: ShardSpace) -> set:
+    """Shard keys with a message leased or delayed (waiting for redelivery or due)."""
+    held = set()
+    for _key, lr in read_leases(tr.snapshot, shard, SCAN_LIMIT):
+        for e in lr.entries:
+            held.add(Record.decode(e[1]).shard_key)
+    r = shard.delayed.range()
+    for kv in tr.snapshot.get_range(r.start, r.stop, limit=SCAN_LIMIT):
+        held.add(Record.decode(kv.value).shard_key)
+    held.discard(None)
+    return held
+
+
+def _select_ready(tr, shard: ShardSpace, limit: int, sel: Selection) -> list:
+    """``_read_ready`` for a subscription with flow control, ordering or a filter.
+
+    ``max_pending``: the shard's ``in_flight`` counter (snapshot) bounds the batch. Only
+    the shard's owner raises it, in this fenced transaction, so the bound is exact.
+    ``ordered``: messages whose key is held (leased or delayed, or taken earlier in this
+    batch) are skipped without a read conflict; keys behind them still flow, within
+    ``SCAN_LIMIT`` skipped entries. Filtered-out messages are removed and counted done."""
+    if sel.max_pending is not None:
+        limit = min(limit, sel.max_pending - decode_counter(tr.snapshot[shard.stat("in_flight")]))
+        if limit <= 0:
+            return []
+    held = _held_keys(tr, shard) if sel.ordered else set()
+    out, dropped, scanned = [], 0, 0
+    r = shard.ready.range()
+    begin, page_size = r.start, max(64, 4 * limit)
+    while len(out) < limit and scanned < SCAN_LIMIT:
+        page = list(tr.snapshot.get_range(begin, r.stop, limit=page_size))
+        for kv in page:
+            scanned += 1
+            vs = vs_from_bytes(position_of(kv.key))
+            rec = Record.decode(kv.value)
+            if sel.match is not None and not sel.match(rec):
+                tr.add_read_conflict_key(kv.key)
+                tr.clear(kv.key)
+                _clear_chunks(tr, shard, vs, rec)
+                dropped += 1
+                continue
+            if sel.ordered and rec.shard_key is not None:
+                if rec.shard_key in held:
+                    continue
+                held.add(rec.shard_key)
+            tr.add_read_conflict_key(kv.key)
+            out.append(Taken(shard, vs, rec, _body(tr.snapshot, shard, vs, rec), kv.value))
+            if len(out) >= limit:
+                break
+        if len(page) < page_size:
+            break
+        begin = page[-1].key + b"\x00"
+    if dropped:
+        _add(tr, {shard.stat("done"): dropped, shard.stat("filtered"): dropped})
+    return out
+
+
+def _read_ready(tr, shard: ShardSpace, limit: int, sel: Selection | None = None):
+    promoted = {}
+    promote_due(tr, shard, limit, promoted)
+    out = _select_ready(tr, shard, limit, sel) if sel is not None else _read_head(tr, shard, limit)
+    if promoted:
+        for t in out:
+            t.delayed_key = promoted.get(t.vs.to_bytes())
+    return out
+
+
+def _read_head(tr, shard: ShardSpace, limit: int):
+    r = shard.ready_range
+    out = []
+    append, decode = out.append, Record.decode
+    snap = tr.snapshot
+    for kv in snap.get_range(r.start, r.stop, limit=limit):
+        # Ready keys end in 0x33 + the 12-byte stamp their push's commit completed.
+        vs = StoredVersionstamp(position_of(kv.key))
+        rec = decode(kv.value)
+        append(Taken(shard, vs, rec, rec.body if not rec.nchunks else _body(snap, shard, vs, rec), kv.value))
+    if out:
+        # Conflict only on what we take: the head of the queue, first to last key taken
+        # (one range, not a key each; nothing else was between them at our snapshot, and
+        # a push commits above every key there).
+        first = shard.ready_key(out[0].vs)
+        tr.add_read_conflict_range(first, shard.ready_key(out[-1].vs) + b"\x00")
+    return out
+
+
+@transactional
+def take_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, limit: int,
+               *, finish: bool = True, sel: Selection | None = None) -> list:
+    """Remove up to ``limit`` ready messages (at-most-once and exactly-once delivery).
+    ``finish``: count them done (exactly-once counts in the caller's transaction)."""
+    ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
+    if not _consumable(tr, ts, shard.sub):
+        return []
+    taken = _read_ready(tr, shard, limit, sel)
+    if taken and sel is None:
+        # The head of the queue, first to last key: ``_read_ready`` read it all and holds
+        # a read conflict on it, so one range clear removes exactly what it took.
+        tr.clear_range(shard.ready_key(taken[0].vs), shard.ready_key(taken[-1].vs) + b"\x00")
+        for t in taken:
+            if t.record.nchunks:
+                _clear_chunks(tr, shard, t.vs, t.record)
+    else:
+        for t in taken:
+            tr.clear(shard.ready_key(t.vs))
+            _clear_chunks(tr, shard, t.vs, t.record)
+    if taken:
+        k = len(taken)
+        _add(tr, {shard.stat("emitted"): k, shard.stat("done"): k if finish else 0,
+                  shard.stat("acked"): k if finish else 0,
+                  ts.stat("emitted"): k, ts.stat("acked"): k if finish else 0})
+    return taken
+
+
+def mark_take(tr, ts: TopicSpace, sub: str, consumer_id: str, attempt: bytes):
+    """In a transaction that took messages (at most once): record its ``attempt`` id
+    (a blind write nobody else reads), so ``take_committed`` can tell after
+    ``commit_unknown_result`` whether it committed, even once the shards moved."""
+    tr[ts.take_marker_key(sub, consumer_id)] = attempt
+
+
+@transactional
+def take_committed(tr, ts: TopicSpace, sub: str, consumer_id: str, attempt: bytes) -> bool:
+    """Whether the take transaction that recorded ``attempt`` (``mark_take``) committed."""
+    raw = tr[ts.take_marker_key(sub, consumer_id)]
+    return raw != None and bytes(raw) == attempt  # noqa: E711
+
+
+@transactional
+def batch_leased(tr, shard: ShardSpace, keys, lease_id: bytes) -> bool:
+    """After ``commit_unknown_result`` on ``lease_batch``: True if the lease records
+    ``keys`` (``Taken.lease_key`` of its messages) exist under ``lease_id`` (a random id
+    per attempt series, part of the key: our commit wrote them)."""
+    futures = [(k, tr[k]) for k in keys]
+    return all(f != None and decode_leases(k, f).lease_id == lease_id for k, f in futures)  # noqa: E711
+
+
+@transactional
+def lease_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, limit: int,
+                lease_id: bytes, ack_wait_ms: int, *, sel: Selection | None = None) -> list:
+    """Lease up to ``limit`` ready messages (at-least-once): they move into one lease
+    record (several if their records exceed ``LEASE_RECORD_BYTES``) under ``lease_id``,
+    with the consumer and its ack wait; each delivery counts ``attempts + 1``."""
+    ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
+    if not _consumable(tr, ts, shard.sub):
+        return []
+    taken = _read_ready(tr, shard, limit, sel)
+    if not taken:
+        return taken
+    if sel is None:
+        # The head of the queue, first to last key: ``_read_ready`` read it all and holds
+        # a read conflict on it, so one range clear removes exactly what it took.
+        tr.clear_range(shard.ready_key(taken[0].vs), shard.ready_key(taken[-1].vs) + b"\x00")
+    else:
+        for t in taken:
+            tr.clear(shard.ready_key(t.vs))
+    packed_id = fdbtuple.pack((lease_id,))
+    budget = LEASE_RECORD_BYTES - 64 - len(consumer_id)
+    flat, size, key = [], 0, None
+    for t in taken:
+        t.record.attempts += 1      # what the handler sees; the record keeps its queued bytes
+        t.lease_id = lease_id
+        vs12 = t.vs.to_bytes()
+        n = len(t.raw) + LEASE_ENTRY_OVERHEAD
+        if flat and size + n > budget:
+            tr[key] = encode_leases(lease_id, consumer_id, ack_wait_ms, flat)
+            flat, size = [], 0
+        if not flat:
+            key = shard.lease_key(vs12, packed_id)
+        t.lease_key = key
+        flat += (vs12, t.raw, 0)
+        size += n
+    tr[key] = encode_leases(lease_id, consumer_id, ack_wait_ms, flat)
+    k = len(taken)
+    _add(tr, {shard.stat("emitted"): k, shard.stat("in_flight"): k, ts.stat("emitted"): k})
+    return taken
+
+
+MAX_REASON_CHARS = 1000    # a dead letter's reason is cut to this (a record plus it fits a value)
+
+
+def _dead_letter(tr, ts: TopicSpace, shard: ShardSpace, vs, record_raw: bytes, reason: str,
+                 consumer_id: str | None):
+    if len(reason) > MAX_REASON_CHARS:
+        reason = reason[:MAX_REASON_CHARS - 1] + "…"
+    tr[ts.dlq(shard.sub).pack((vs,))] = encode_dead(record_raw, reason, consumer_id)
+    # Chunks of large bodies stay in the subscription's chunk area with the DLQ entry.
+    _add(tr, {shard.stat("done"): 1, shard.stat("dead"): 1, ts.sub_stat(shard.sub, "dead"): 1})
+
+
+def dead_letter_taken(tr, ts: TopicSpace, taken: Taken, reason: str, consumer_id: str):
+    """Exactly-once ``term()``: dead-letter a message ``take_batch`` took in this
+    transaction (and counted acked): its DLQ entry with this delivery counted, its body
+    chunks written back beside it (the take cleared them), acked counted back, dead
+    counted (done stays: a dead letter is done)."""
+    shard, rec = taken.shard, Record.decode(taken.raw)
+    rec.attempts += 1
+    for i in range(rec.nchunks):
+        tr[shard.chunk_key(taken.vs, i)] = taken.body[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES]
+    if len(reason) > MAX_REASON_CHARS:
+        reason = reason[:MAX_REASON_CHARS - 1] + "…"
+    tr[ts.dlq(shard.sub).pack((taken.vs,))] = encode_dead(rec.encode(), reason, consumer_id)
+    _add(tr, {shard.stat("acked"): -1, ts.stat("acked"): -1, shard.stat("dead"): 1, ts.sub_stat(shard.sub, "dead"): 1})
+
+
+def _requeue(tr, ts: TopicSpace, shard: ShardSpace, vs, record_raw: bytes, delay_ms: int):
+    """Back to ``shard``'s ready queue (its original key) or, with a delay, its delayed
+    area. While the topic is resharding, to the shard the reshard moves it to instead
+    (``routing.target`` for the new count): a reshard may have passed this shard's ready
+    and delayed areas already (and removes the shard when the count shrinks). The topic
+    config is read non-snapshot, so a reshard that begins or ends meanwhile makes this
+    transaction conflict."""
+    config = load_config(tr[ts.config_key])
+    if config is not None and config.resharding_to is not None:
+        _tag, n = target(Record.decode(record_raw), config.resharding_to)
+        if n != shard.n:
+            dst = ts.shard(shard.sub, shard.tag, n)
+            tr.add(shard.stat("routed"), MINUS_ONE)
+            tr.add(dst.stat("routed"), ONE)
+            shard = dst
+    if delay_ms > 0:
+        due = read_clock(tr, shard.clock_key) + delay_ms
+        tr[shard.delayed_key(due, vs)] = record_raw
+        tr.add(shard.stat("delayed"), ONE)
+    else:
+        tr[shard.ready_key(vs)] = record_raw   # its original key: first in line again
+    tr.add(shard.stat("requeued"), ONE)
+
+
+def _put_record(tr, key: bytes, lr: LeaseRecord, gone: set):
+    """Write back a lease record without the entries whose vs is in ``gone`` (delete it
+    if none is left)."""
+    lr.entries = [e for e in lr.entries if e[0] not in gone]
+    if lr.entries:
+        tr[key] = lr.encode()
+    else:
+        del tr[key]
+
+
+class SettleRow(NamedTuple):
+    """One settlement as ``settle`` applies it: the leased message (its shard, its key's
+    versionstamp, the lease id and the key of the lease record holding it), the
+    :class:`~fdq.settlement.Action`, and ``arg``: a ``NAK``'s delay in seconds, a
+    ``TERM``'s reason (else None)."""
+
+    shard: ShardSpace
+    vs: Versionstamp
+    lease_id: bytes
+    lease_key: bytes
+    action: Action
+    arg: object = None
+
+
+def _acks_all(lr: LeaseRecord, rows: list) -> bool:
+    """Whether ``rows`` ack every message of lease record ``lr``, each once (the common
+    case: a handler returned for each message of its batch)."""
+    if len(rows) != len(lr.entries):
+        return False
+    for row in rows:
+        if row.action is not ACK or row.lease_id != lr.lease_id:
+            return False
+    return {row.vs.to_bytes() for row in rows} == {e[0] for e in lr.entries}
+
+
+@transactional
+def settle(tr, ts: TopicSpace, rows: list, max_deliver: int) -> list:
+    """Apply settlements ``rows`` [SettleRow] in one transaction: ``ACK``; ``NAK`` (arg:
+    delay s; to the DLQ after max_deliver attempts); ``TERM`` (arg: reason); ``TOUCH``
+    (restarts that message's ack wait only); ``RELEASE`` (back to ready uncounted: leased
+    but never handed to a handler). Each lease record named is read once (non-snapshot:
+    a conflict with an expiry or another settle of it) and written back once, or deleted
+    when its last message is settled: a whole batch acked is one delete. Returns the rows
+    whose lease was lost; a retry after ``commit_unknown_result`` finds what the first
+    attempt settled gone (lost), so nothing is applied twice."""
+    by_key = {}
+    for row in rows:
+        group = by_key.get(row.lease_key)
+        if group is None:
+            group = by_key[row.lease_key] = []
+        group.append(row)
+    futures = [(key, tr[key]) for key in by_key]
+    lost = []
+    acked = {}      # counters summed per transaction: one atomic op per key, not per message
+    for key, raw in futures:
+        group = by_key[key]
+        if raw == None:  # noqa: E711
+            lost += group
+            continue
+        lr = decode_leases(key, raw)
+        shard = group[0].shard
+        if _acks_all(lr, group):
+            del tr[key]
+            for e in lr.entries:
+                if has_chunks(e[1]):
+                    _clear_chunks(tr, shard, vs_from_bytes(e[0]), Record.decode(e[1]))
+            acked[shard] = acked.get(shard, 0) + len(group)
+            continue
+        index = {e[0]: e for e in lr.entries}
+        gone, touched = set(), False
+        for row in group:
+            vs, action = row.vs, row.action
+            vs12 = vs.to_bytes()
+            entry = index.get(vs12) if lr.lease_id == row.lease_id and vs12 not in gone else None
+            if entry is None:
+                lost.append(row)
+                continue
+            if action is TOUCH:
+                entry[2] += 1
+                touched = True
+                continue
+            gone.add(vs12)
+            if action is ACK:
+                if has_chunks(entry[1]):
+                    _clear_chunks(tr, shard, vs, Record.decode(entry[1]))
+                acked[shard] = acked.get(shard, 0) + 1
+                continue
+            tr.add(shard.stat("in_flight"), MINUS_ONE)
+            if action is RELEASE:    # never handed to a handler: back, no attempt counted
+                _requeue(tr, ts, shard, vs, entry[1], 0)
+                continue
+            rec = lr.delivered(entry)
+            if action is TERM:
+                _dead_letter(tr, ts, shard, vs, rec.encode(), f"terminated: {row.arg}", lr.consumer_id)
+            elif action is NAK:
+                if rec.attempts >= max_deliver:
+                    _dead_letter(tr, ts, shard, vs, rec.encode(),
+                                 f"max_deliver ({max_deliver}) reached: last attempt nak'd", lr.consumer_id)
+                else:
+                    _requeue(tr, ts, shard, vs, rec.encode(), int((row.arg or 0) * 1000))
+            else:
+                raise ValueError(f"unknown settlement action {action!r}")
+        if gone or touched:
+            _put_record(tr, key, lr, gone)
+    total = 0
+    for shard, n in acked.items():
+        _add(tr, {shard.stat("in_flight"): -n, shard.stat("done"): n, shard.stat("acked"): n})
+        total += n
+    if total:
+        tr.add(ts.stat("acked"), counter(total))
+    return lost
+
+
+@transactional
+def scan_leases(tr, shard: ShardSpace, limit: int = 10_000) -> list:
+    """[(lease record key, vs, lease_id, touches, ack_wait_ms)] of every message leased
+    in the shard, from up to ``limit`` records (snapshot)."""
+    out = []
+    for key, lr in read_leases(tr.snapshot, shard, limit):
+        for vs12, _rec, touches in lr.entries:
+            out.append((key, vs_from_bytes(vs12), lr.lease_id, touches, lr.ack_wait_ms))
+    return out
+
+
+@transactional
+def scan_shards_leases(tr, shards: dict, limit: int = 10_000) -> dict:
+    """{shard id: ``scan_leases`` of that shard} for ``shards`` {shard id: ShardSpace},
+    all at one read version, in one (read-only, snapshot) transaction: a lease check of
+    a consumer owning 16 shards was 16 transactions every check interval."""
+    return {shard_id: scan_leases(tr, shard, limit) for shard_id, shard in shards.items()}
+
+
+class Expiry(enum.Enum):
+    """What ``expire_leases`` did with one expiring message."""
+
+    REQUEUED = "requeued"   # back to ready (or delayed by its backoff)
+    DEAD = "dead"           # max_deliver reached: to the dead-letter queue
+    CHANGED = "changed"     # settled, touched or expired meanwhile: left alone
+
+
+@transactional
+def expire_leases(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, key: bytes,
+                  lease_id: bytes, expiring: list, max_deliver: int, backoff_s: tuple = ()) -> dict:
+    """Redeliver messages of lease record ``key`` that the shard's owner observed
+    unchanged for their ack wait, ``expiring`` [(vs, touches)]: each back to ready (or
+    delayed by the ``backoff_s`` entry for its attempts), or to the DLQ after
+    ``max_deliver`` attempts; the record keeps the others. Fenced by shard ownership. A
+    message settled, touched or expired meanwhile (a retry after
+    ``commit_unknown_result`` included) is left alone. Returns {vs: Expiry}."""
+    ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
+    raw = tr[key]
+    lr = decode_leases(key, raw) if raw != None else None  # noqa: E711
+    index = {e[0]: e for e in lr.entries} if lr is not None and lr.lease_id == lease_id else {}
+    out, gone = {}, set()
+    for vs, touches in expiring:
+        entry = index.get(vs.to_bytes())
+        if entry is None or entry[2] != touches or entry[0] in gone:
+            out[vs] = Expiry.CHANGED
+            continue
+        gone.add(entry[0])
+        tr.add(shard.stat("in_flight"), MINUS_ONE)
+        rec = lr.delivered(entry)
+        if rec.attempts >= max_deliver:
+            _dead_letter(tr, ts, shard, vs, rec.encode(),
+                         f"max_deliver ({max_deliver}) reached: lease expired", lr.consumer_id)
+            out[vs] = Expiry.DEAD
+            continue
+        attempts = rec.attempts
+        delay = backoff_s[min(attempts, len(backoff_s)) - 1] if backoff_s and attempts else 0
+        _requeue(tr, ts, shard, vs, rec.encode(), int(delay * 1000))
+        out[vs] = Expiry.REQUEUED
+    if gone:
+        _put_record(tr, key, lr, gone)
+    return out
+
+
+class Fate(enum.Enum):
+    """What ``fail_in_place`` did with the message whose handler failed."""
+
+    GONE = "gone"       # not at its ready key any more (taken, or failed in place meanwhile)
+    RETRY = "retry"     # its attempt counted (now or by an earlier attempt): stays first in line
+    DEAD = "dead"       # max_deliver reached: to the dead-letter queue
+
+
+@transactional
+def fail_in_place(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, vs,
+                  max_deliver: int, reason: str, seen_attempts: int | None = None,
+                  delayed_key: bytes | None = None) -> Fate:
+    """Exactly-once: a handler failed on the message at the head of the queue. Count
+    the attempt on its ready record; after ``max_deliver`` attempts, dead-letter it.
+    ``seen_attempts``: the record's attempts when the failed handler got it; a record
+    counted past that already (a retry after ``commit_unknown_result`` whose first
+    attempt committed) is left alone: the attempt counts once. ``delayed_key``: the
+    message's delayed key if the failed transaction promoted it (``Taken.delayed_key``):
+    that promotion was discarded with the transaction, so it is promoted here."""
+    ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
+    key = shard.ready_key(vs)
+    raw = tr[key]
+    if raw == None and delayed_key is not None:  # noqa: E711
+        raw = tr[delayed_key]
+        if raw != None:  # noqa: E711
+            del tr[delayed_key]
+            tr.add(shard.stat("delayed"), MINUS_ONE)
+            tr[key] = raw
+    if raw == None:  # noqa: E711
+        return Fate.GONE
+    rec = Record.decode(raw)
+    if seen_attempts is not None and rec.attempts != seen_attempts:
+        return Fate.RETRY
+    rec.attempts += 1
+    if rec.attempts >= max_deliver:
+        del tr[key]
+        _dead_letter(tr, ts, shard, vs, rec.encode(), reason, consumer_id)
+        return Fate.DEAD
+    tr[key] = rec.encode()
+    return Fate.RETRY
+
+
+__all__ = ["Taken", "Selection", "SettleRow", "Expiry", "Fate", "MAX_REASON_CHARS", "SCAN_LIMIT",
+           "promote_due", "read_leases", "in_shard", "take_batch", "mark_take", "take_committed", "batch_leased",
+           "lease_batch", "dead_letter_taken", "settle", "scan_leases", "scan_shards_leases", "expire_leases",
+           "fail_in_place"]

@@ -1,0 +1,368 @@
+"""``tail``: a consumer that runs a handler on its shards' messages in the background.
+
+One worker thread visits the shards that may have work, in one of three modes:
+
+* at-most-once (``acking=False``): a batch is removed in one transaction, then handled;
+* at-least-once (default): each message is leased for ``ack_wait_s``; handler return →
+  ack, exception → nak with backoff; ``ack()``, ``nak(delay)``, ``term(reason)``,
+  ``in_progress()``; redelivered after its lease expires; dead-lettered after
+  ``max_deliver`` attempts. A batch's settlements commit in one transaction: (without a
+  thread pool) the next round's lease transaction, so a round costs one commit (see
+  ``TailConsumer._process_at_least_once`` for when an ack is durable);
+* exactly-once (``transactional=True``): the handler gets ``(tr, message)`` and runs
+  inside the dequeue transaction; its writes through ``tr`` commit with the dequeue or
+  not at all. Effects outside the transaction (HTTP calls, files) may repeat on retry.
+
+(The module is not named ``tail``: ``fdq.tail`` is the function, and a submodule of that
+name would be shadowed by it for ``fdq.tail.X`` lookups such as ``mock.patch``'s.)
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig
+from .consumer import AT_LEAST_ONCE, AT_MOST_ONCE, EXACTLY_ONCE, Consumer
+from .engine import Again, Done, after_interrupt, error_types, transact
+from .errors import ConfigError, EngineError, LeaseLost
+from .message import _to_message
+from .ops import queue
+from .settlement import TERM
+
+# How long a tail worker with nothing to do keeps its last batch's settlements for the
+# next round's lease transaction before committing them on their own.
+ACK_LINGER_S = 0.005
+
+
+class _OnceAttempt:
+    """The attempt of ``TailConsumer._process_exactly_once``'s transaction under way: what
+    it took, the message whose handler runs (None between them), its watch."""
+
+    __slots__ = ("taken", "current", "watch")
+
+    def __init__(self):
+        self.taken, self.current, self.watch = [], None, None
+
+
+class _HeadFailure:
+    """``_process_exactly_once`` gave up on its transaction: ``taken`` (None: no message
+    to blame) fails in place with ``reason`` (dead-lettered at once if ``dead``)."""
+
+    __slots__ = ("taken", "reason", "dead")
+
+    def __init__(self, taken, reason: str = "", dead: bool = False):
+        self.taken, self.reason, self.dead = taken, reason, dead
+
+
+class TailConsumer(Consumer):
+    """A consumer that runs ``handler`` on its shards' messages in the background."""
+
+    def __init__(self, db, topic, handler, *, mode: str, **kwargs):
+        if not callable(handler):
+            raise ConfigError("handler must be callable")
+        self.handler = handler
+        self.mode = mode
+        explicit_acking = kwargs.pop("_explicit_acking", False)
+        self._carried = []      # the last batch's settlements, committed by the next round
+        self._in_round = threading.local()  # .active: this thread runs a round (and handlers)
+        self._close_in_worker = False       # shutdown() came from a handler: the worker closes
+        super().__init__(db, topic, **kwargs)
+        if self.sub_config.ack_policy == "none" and self.mode == AT_LEAST_ONCE:
+            if explicit_acking:
+                Consumer.close(self)
+                raise ConfigError(f"acking=True needs ack_policy='explicit' (subscription "
+                                  f"{self.subscription!r} has ack_policy='none')")
+            self.mode = AT_MOST_ONCE
+        self._pool = (ThreadPoolExecutor(self.config.max_concurrency, thread_name_prefix=f"fdq-{self.id}")
+                      if self.config.max_concurrency > 1 else None)
+        self._worker = threading.Thread(target=self._work_loop, name=f"fdq-tail-{self.id}", daemon=True)
+        self._worker.start()
+
+    @property
+    def is_acking(self) -> bool:
+        return self.mode == AT_LEAST_ONCE
+
+    def _work_loop(self):
+        try:
+            while not self._stop.is_set():
+                shards = self._next_shards()
+                if self._pool is not None and len(shards) > 1:
+                    done = sum(self._pool.map(self._visit_group, _by_shard_number(shards)))
+                elif self.mode != EXACTLY_ONCE:
+                    done = self._visit(shards) if shards else 0    # one transaction for them all
+                else:
+                    done = sum(self._visit([s]) for s in shards)
+                if not done and self._carried:
+                    # Nothing to do now: wait a moment for a watch, whose round commits
+                    # the acks with its lease, else commit them on their own.
+                    self._idle(min(self._idle_for(), ACK_LINGER_S))
+                    if not self._has_dirty():
+                        self._flush_carried()
+                elif not done:
+                    self._idle(self._idle_for())
+        finally:
+            self._flush_carried()
+            if self._close_in_worker:
+                self._finish_close()
+
+    def _visit_group(self, group) -> int:
+        """Visit shards of one shard number (``_by_shard_number``) in this thread, one
+        after the other: a key's messages of several dispatch tags never run at once."""
+        if self.mode != EXACTLY_ONCE:
+            return self._visit(group)       # one transaction for them all
+        return sum(self._visit([s]) for s in group)
+
+    def _has_dirty(self) -> bool:
+        with self._owned_lock:
+            return bool(self._dirty)
+
+    def _flush_carried(self):
+        """Commit the settlements of the last batch that no lease round took along."""
+        if not self._carried:
+            return
+        items, self._carried = self._carried, []
+        try:
+            self.settle(items)
+        except Exception as e:  # LeaseLost, or not settled: redelivered after the ack wait
+            self._report(e)
+
+    def _visit(self, shards) -> int:
+        """Process shards [(shard_id, epoch)] (several only in one transaction: not
+        exactly-once). A shard that filled its batch (or failed) is visited again next
+        round; one it drained waits for its watch or the next sweep."""
+        self._in_round.active = True
+        try:
+            return self._process(shards)
+        except Exception as e:
+            self._report(e)
+            for shard_id, _e in shards:
+                self._mark(shard_id)
+            self._stop.wait(0.05)
+            return 0
+        finally:
+            self._in_round.active = False
+
+    def _process(self, shards) -> int:
+        if self._stop.is_set():
+            return 0
+        try:
+            if self.mode == EXACTLY_ONCE:
+                (shard_id, epoch), = shards
+                n = self._process_exactly_once(shard_id, epoch)
+                if n:
+                    self._mark(shard_id)
+                return n
+            if self.mode == AT_MOST_ONCE:
+                return self._process_at_most_once(shards)
+            return self._process_at_least_once(shards)
+        except LeaseLost:
+            self._refresh_owned()
+            return 0
+
+    def _process_at_most_once(self, shards) -> int:
+        # After commit_unknown_result: if the take's attempt marker is there, our commit
+        # took the batch: hand it over (else it would be lost unhandled), shards moved or not.
+        defer = self._pool is None
+        msgs = self._lease_many(shards, self.batch_size, take=True, defer_arm=defer)
+        try:
+            for m in msgs:
+                try:
+                    self.handler(m)
+                except Exception as e:  # at most once: the message is gone either way
+                    self._report(e)
+        finally:
+            if defer:
+                self._arm_pending()
+        return len(msgs)
+
+    def _process_at_least_once(self, shards) -> int:
+        """Lease a batch, run the handler on each message, collect the settlements.
+        Without a thread pool they are carried into the next round's lease transaction
+        (``_lease_many``): one commit per round, and an ack is durable before the handler
+        is given the next batch, as when it had a commit of its own. A round that leases
+        nothing still commits them; a worker with nothing to do commits them after
+        ``ACK_LINGER_S`` unless a watch starts a round first, and before it stops
+        (``_flush_carried``). So an ack is durable before the next batch is handed over
+        or within ~5 ms, whichever comes first; a crash before that redelivers the
+        message (at least once). Explicit ``ack()`` etc. after the handler returned
+        commit at once. A round that runs past half its ack wait is kept leased
+        (``_Round``); ``shutdown()`` gives back what no handler got yet."""
+        carried, self._carried = self._carried, []
+        defer = self._pool is None
+        try:
+            msgs = self._lease_many(shards, self.batch_size, settlements=carried, defer_arm=defer)
+        except BaseException:
+            after_interrupt()
+            self._carried = carried + self._carried    # not committed: settle them later
+            raise
+        pending = self._begin_round(msgs)
+        try:
+            for i, m in enumerate(msgs):
+                if self._stop.is_set():     # shutting down: the rest go back uncounted
+                    for rest in msgs[i:]:
+                        rest._deferred = pending
+                        rest.release()
+                        rest._deferred = None
+                    break
+                m._handed = True
+                m._deferred = pending
+                try:
+                    self.handler(m)
+                    if m._settled is None:
+                        m.ack()
+                except Exception as e:
+                    if m._settled is None:
+                        m.nak()
+                    self._report(e)
+                m._deferred = None
+        finally:
+            pending = self._end_round(pending)
+            if defer:
+                self._arm_pending()
+        if self._pool is None and not self._stop.is_set():
+            self._carried = pending
+            return len(msgs)
+        try:
+            self.settle(pending)
+        except LeaseLost as e:
+            self._report(e)
+        return len(msgs)
+
+    def _process_exactly_once(self, shard_id, epoch) -> int:
+        """Take a batch and run the handler on each message inside the taking
+        transaction; returns how many messages it settled (0: none there).
+
+        Too slow or too big to commit (1007, 2101): the batch is halved and run again;
+        one message alone that cannot commit fails in place (``_fail_head``: an attempt
+        counted; too large never fits: dead-lettered). A handler that raises fails its
+        message, after the messages before it commit without it (run again: their
+        transaction was discarded); its attempt is counted then, without running it
+        again (it ran i + 1 times per attempt, and those before it as often, when it was
+        retried until it came first)."""
+        shard = self._ts.shard(self.subscription, *shard_id)
+        limit = self.batch_size
+        failed = None       # (taken, reason): a message whose handler raised behind the ones retried
+        run = _OnceAttempt()
+
+        def body(tr, _attempt) -> int:
+            run.taken, run.current, run.watch = [], None, None
+            run.taken = queue.take_batch(tr, self._ts, shard, self.id, epoch, limit, finish=True, sel=self._sel)
+            for t in run.taken:
+                run.current = t
+                m = _to_message(t, self.topic, self.subscription, self)
+                m._in_tr = True
+                try:
+                    self.handler(tr, m)
+                finally:
+                    m._in_tr = False    # term() only in its handler (then: not leased)
+                if m._settled is TERM:
+                    queue.dead_letter_taken(tr, self._ts, t, f"terminated: {m._reason}", self.id)
+            run.current = None
+            key = self._watch_key(shard_id) if not run.taken else None
+            run.watch = tr.watch(key) if key is not None else None
+            return len(run.taken)
+
+        def on_error(e, attempt):
+            nonlocal limit, failed
+            if isinstance(e, LeaseLost):
+                return None
+            taken, current = run.taken, run.current
+            if isinstance(e, error_types()):
+                too_slow_or_big = e.code in (1007, 2101)
+                if too_slow_or_big and limit > 1 and len(taken) != 1:
+                    limit = max(1, min(limit, len(taken) or limit) // 2)   # halve
+                    failed = None           # not behind what commits now: it runs again
+                    return Again()
+                head = current or (taken[0] if len(taken) == 1 else None)
+                if too_slow_or_big and head is not None:
+                    # One message that cannot commit (raised by the handler's reads or at
+                    # commit). Too large never fits: dead-letter it now. Too old may be a
+                    # slow moment (a recovery, a loaded host): count it as an attempt.
+                    return Done(_HeadFailure(head, f"handler cannot finish within one transaction "
+                                                   f"({EngineError(e.code).name})", e.code == 2101))
+                return None
+            self._report(e)
+            if current is None:
+                return Done(_HeadFailure(None))
+            reason = f"handler raised {type(e).__name__}: {e}"
+            i = next(i for i, t in enumerate(taken) if t is current)
+            if i > 0:
+                limit, failed = i, (current, reason)
+                return Again()
+            return Done(_HeadFailure(current, reason))
+
+        n = transact(self.db, body, on_error=on_error)
+        if isinstance(n, _HeadFailure):
+            if n.taken is not None:
+                self._fail_head(shard, epoch, n.taken, n.reason, dead=n.dead)
+            return 1
+        self._keep_watch(shard_id, run.watch)
+        if failed is not None:      # its attempt, not run again (once per attempt)
+            self._fail_head(shard, epoch, *failed)
+            return n + 1
+        return n
+
+    def _fail_head(self, shard, epoch, taken, reason, dead=False):
+        max_deliver = 1 if dead else self.config.max_deliver
+        queue.fail_in_place(self.db, self._ts, shard, self.id, epoch, taken.vs, max_deliver, reason,
+                               taken.record.attempts, taken.delayed_key)
+
+    def close(self):
+        """Stop consuming and leave. Called by a handler (``shutdown()`` from inside a
+        round: the worker or a pool thread, which cannot wait for itself), it returns at
+        once; the worker finishes the round (the message in hand settled as usual, the
+        rest of the batch given back) and then closes the consumer."""
+        if self._closed:
+            return
+        self._stop.set()
+        self._wake.set()
+        if getattr(self._in_round, "active", False):
+            self._close_in_worker = True
+            return
+        self._finish_close()
+
+    def _finish_close(self):
+        if threading.current_thread() is not self._worker:
+            self._worker.join(timeout=max(30.0, self.config.ack_wait_s))
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        super().close()
+
+
+def _by_shard_number(shards) -> list:
+    """[(shard_id, epoch)] grouped by shard number, across dispatch tags: a shard key
+    maps to the same number in every tag's shards (``shard_of``), so handlers running one
+    group at a time per thread never run two messages of one key at once, tagged or not."""
+    groups = {}
+    for s in shards:
+        groups.setdefault(s[0][1], []).append(s)
+    return list(groups.values())
+
+
+def check_delivery_args(acking, transactional):
+    """``tail``'s mode arguments: ``acking`` None or a bool, ``transactional`` a bool
+    (``acking=0`` was at-least-once: only ``False`` selects at-most-once), not both."""
+    if acking is not None and not isinstance(acking, bool):
+        raise ConfigError(f"acking must be True, False or None, not {acking!r:.80}")
+    if not isinstance(transactional, bool):
+        raise ConfigError(f"transactional must be True or False, not {transactional!r:.80}")
+    if transactional and acking is not None:
+        raise ConfigError("transactional=True is exactly-once delivery: it cannot be combined with acking=")
+
+
+def tail(db, topic: str, handler, acking: bool | None = None, transactional: bool = False,
+         batch_size: int = 100, consumer_id: str | None = None,
+         subscription: str = DEFAULT_SUBSCRIPTION, config: ConsumerConfig | None = None, **kwargs):
+    """Consume ``topic`` in the background until ``shutdown()``.
+
+    ``transactional=True``: exactly-once, ``handler(tr, message)``. Otherwise
+    ``acking=False`` is at-most-once and ``acking=None``/``True`` at-least-once,
+    ``handler(message)``. Combining ``transactional=True`` with ``acking`` is an error.
+    """
+    check_delivery_args(acking, transactional)
+    mode = EXACTLY_ONCE if transactional else (AT_MOST_ONCE if acking is False else AT_LEAST_ONCE)
+    return TailConsumer(db, topic, handler, mode=mode, batch_size=batch_size, consumer_id=consumer_id,
+                        subscription=subscription, config=config, _explicit_acking=acking is True, **kwargs)
+
+
+__all__ = ["TailConsumer", "tail", "check_delivery_args"]
