@@ -56,11 +56,6 @@ class TopicConfig:
     entries' keys and records and of their body chunks' keys and values (not the time
     index), kept exactly in a counter: push adds by atomic add, trim subtracts in the
     transaction that deletes (``fdq.log.entry_bytes``).
-    ``log_bytes_counted``: set by topic creation (never by hand): the counter covers the
-    whole log. A topic created before it (an older FDQ) has no such count: its trim by
-    size falls back to FDB's sampled size estimate (coarse below a few MB) and its
-    ``log_bytes`` stat is None, until ``Supervisor.count_log_bytes`` (``fdq topics
-    upgrade --count-log-bytes``) counts its log and sets the flag.
     ``max_message_bytes``: the largest body (split into chunks above 90,000 bytes); a
     push also refuses a body whose copies (the log's, one per subscription) exceed
     ``fdq.keyspace.codec.ROUTE_BYTES`` (9 MB: they are written in one transaction).
@@ -82,7 +77,6 @@ class TopicConfig:
     paused_subs: tuple = ()            # subscriptions paused on their own (NSQ channel pause)
     held_at: int | None = None         # a play's last step: the version from which pushes
                                        # wait a moment (``fdq.supervisor.play_chunk``)
-    log_bytes_counted: bool = False    # the log_bytes counter covers the whole log (set at creation)
 
     def __post_init__(self):
         if isinstance(self.shards, int) and self.shards > 4096:    # before _positive's int64 bound

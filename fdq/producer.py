@@ -337,7 +337,7 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             if tag and (topic, tag) not in tags_written:
                 tags_written.add((topic, tag))
                 _note_tag(tr, ts, tag)
-            tr.set_versionstamped_key(vs_key(ts.pending.key(), uv), pack([n, env.delay]))
+            tr.set_versionstamped_key(vs_key(ts.pending.key(), uv), pack(n))
         results.append((topic, uv, n, None))
     for (plan, n), (count, record_bytes, body_bytes) in plain.items():
         for key in plan.counter_keys(n):

@@ -5,8 +5,8 @@ Storage. The topic config (``config/topics/<t>``, read by every push) lists the
 subscriptions' names in ``subs`` (pushes fan out to each) and, in ``catchup``, those
 still copying their start point from the "all" log (their consumers deliver nothing
 until it is done). Each subscription's own configuration lives beside it, in
-``config/topics/<t>/subs/<sub>``, so pushes never decode consumer settings; the legacy
-``default`` subscription has no record and uses ``SubscriptionConfig()``.
+``config/topics/<t>/subs/<sub>``, so pushes never decode consumer settings; a topic's
+first subscriptions (``default``) get theirs with the topic (``topic.write_new_topic_config``).
 
 The start boundary is exact. ``create_subscription`` adds the name to ``subs`` in a
 transaction C that also stores C's own versionstamp (``.../subs/<sub>/boundary``). A push
@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import json
-import struct
 import time
 
 from . import delivery, membership
@@ -34,11 +33,10 @@ from .headers import dispatch_tag
 from .keyspace import TopicSpace, Versionstamp, counter
 from .keyspace.codec import CHUNK_WRITE_BYTES, Record, pack, shard_of, unpack
 from .log import SLACK_MS
-from .topic import read_topic_config, write_topic_config
+from .topic import (read_topic_config, stamp_subscription_start, subscription_boundary_key, subscription_record_key,
+                    write_subscription_record, write_topic_config)
 
 CHUNK = 500
-_OFFSET0 = struct.pack("<I", 0)
-_PLACEHOLDER = b"\x00" * 10
 _DONE = b"done"
 
 
@@ -48,12 +46,8 @@ def is_ephemeral(name: str, config: SubscriptionConfig) -> bool:
 
 # -- records ----------------------------------------------------------------------------
 
-def _record_key(ts: TopicSpace, sub: str) -> bytes:
-    return ts.sub_records.pack((sub,))
-
-
-def _boundary_key(ts: TopicSpace, sub: str) -> bytes:
-    return ts.sub_records.pack((sub, "boundary"))
+_record_key = subscription_record_key
+_boundary_key = subscription_boundary_key
 
 
 def _cursors(ts: TopicSpace, sub: str):
@@ -76,19 +70,18 @@ def read_subscription(tr, ts: TopicSpace, sub: str, *, snapshot: bool = False,
     if sub not in config.subs:
         raise SubscriptionNotFound(f"subscription {sub!r} of topic {ts.name!r} does not exist "
                                    f"(subscriptions: {', '.join(config.subs) or 'none'})")
-    rec = _load(reader[_record_key(ts, sub)])
-    return SubscriptionConfig.from_dict(rec["config"]) if rec else SubscriptionConfig()
+    return SubscriptionConfig.from_dict(_load(reader[_record_key(ts, sub)])["config"])
 
 
 @transactional
 def subscription_info(tr, ts: TopicSpace, sub: str) -> dict:
     """{"config", "ephemeral", "catching_up", "paused", "start_position"} (the id of the
-    first position after the start boundary; None for a subscription older than this
-    code). ``paused``: paused on its own (``set_subscription_paused``)."""
+    first position after the start boundary). ``paused``: paused on its own
+    (``set_subscription_paused``)."""
     topic_config = read_topic_config(tr, ts, snapshot=True)
     config = read_subscription(tr, ts, sub, snapshot=True, topic_config=topic_config)
     raw = tr.snapshot[_boundary_key(ts, sub)]
-    boundary = bytes(raw)[:10].hex() + "0000" if raw != None else None  # noqa: E711
+    boundary = bytes(raw)[:10].hex() + "0000"
     return {"name": sub, "config": config, "ephemeral": is_ephemeral(sub, config),
             "catching_up": sub in topic_config.catchup, "paused": sub in topic_config.paused_subs,
             "start_position": boundary}
@@ -125,10 +118,7 @@ def create_subscription(tr, ts: TopicSpace, sub: str, config: SubscriptionConfig
     if not topic_config.routing:
         raise ConfigError(f"topic {ts.name!r} is {'paused' if topic_config.paused else 'resharding'}: "
                           "subscriptions can be created once it is playing again")
-    tr[_record_key(ts, sub)] = pack({"config": config.as_dict()})
-    r = ts.sub_records[sub].range()
-    tr.clear_range(r.start, r.stop)     # cursors of an earlier subscription of that name
-    tr.set_versionstamped_value(_boundary_key(ts, sub), _PLACEHOLDER + _OFFSET0)
+    write_subscription_record(tr, ts, sub, config)
     catchup = topic_config.catchup + ((sub,) if config.deliver_policy != "new" else ())
     new = dataclasses.replace(topic_config, subs=topic_config.subs + (sub,), catchup=catchup)
     write_topic_config(tr, ts, new)
@@ -165,7 +155,7 @@ def update_subscription(tr, ts: TopicSpace, sub: str, **changes) -> Subscription
                           f"{', '.join(UPDATABLE_SUBSCRIPTION_FIELDS)} may change (create a new "
                           "subscription, or reset it for a new start point)")
     config = dataclasses.replace(read_subscription(tr, ts, sub), **changes)
-    rec = _load(tr[_record_key(ts, sub)]) or {}
+    rec = _load(tr[_record_key(ts, sub)])
     rec["config"] = config.as_dict()
     tr[_record_key(ts, sub)] = pack(rec)
     return config
@@ -201,12 +191,10 @@ def begin_reset(tr, ts: TopicSpace, sub: str, to_time_ms: int | None):
     if not topic_config.routing:
         raise ConfigError(f"topic {ts.name!r} is {'paused' if topic_config.paused else 'resharding'}: "
                           "reset it once it is playing again")
-    rec = _load(tr[_record_key(ts, sub)]) or {"config": SubscriptionConfig().as_dict()}
+    rec = _load(tr[_record_key(ts, sub)])
     rec["reset"] = {"to_time_ms": to_time_ms, "purged": False}
     tr[_record_key(ts, sub)] = pack(rec)
-    r = ts.sub_records[sub].range()
-    tr.clear_range(r.start, r.stop)
-    tr.set_versionstamped_value(_boundary_key(ts, sub), _PLACEHOLDER + _OFFSET0)
+    stamp_subscription_start(tr, ts, sub)
     if sub not in topic_config.catchup:
         write_topic_config(tr, ts, dataclasses.replace(topic_config, catchup=topic_config.catchup + (sub,)))
 
@@ -339,7 +327,7 @@ def catch_up_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
     if not topic_config.routing:
         raise ConfigError(f"topic {ts.name!r} is {'paused' if topic_config.paused else 'resharding'}: "
                           f"subscription {sub!r} catches up once it is playing again")
-    rec = _load(tr[_record_key(ts, sub)]) or {"config": SubscriptionConfig().as_dict()}
+    rec = _load(tr[_record_key(ts, sub)])
     config = SubscriptionConfig.from_dict(rec["config"])
     reset = rec.get("reset")
     if reset is not None and not reset.get("purged"):

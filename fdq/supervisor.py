@@ -11,7 +11,7 @@ import dataclasses
 import os
 import time
 
-from . import delivery, logcount, membership
+from . import delivery, membership
 from .config import UPDATABLE_TOPIC_FIELDS, ConsumerConfig, TopicConfig, check_name
 from .engine import after_interrupt, error_types, transactional
 from .errors import ConfigError, TopicExists, TopicHeld, TopicNotFound
@@ -30,12 +30,11 @@ VERSIONS_PER_S = 1_000_000
 
 # -- routing of messages already in the log ----------------------------------------------
 
-def _route_existing(tr, ts: TopicSpace, config: TopicConfig, n: int, vs, raw: bytes, delay_s, clock):
+def _route_existing(tr, ts: TopicSpace, config: TopicConfig, n: int, vs, raw: bytes, clock):
     """Route a logged message (complete versionstamp ``vs``) to every subscription: delayed
-    until its record's due time if it has one and it is still ahead of ``clock`` (a pending
-    entry written before records kept it: ``delay_s`` from ``clock``), else ready."""
+    until its record's due time if it has one and it is still ahead of ``clock``, else ready."""
     rec = Record.decode(raw)
-    due = rec.due if rec.due is not None else (clock + int(delay_s * 1000) if delay_s else None)
+    due = rec.due
     if due is not None and due <= clock:
         due = None
     tag = dispatch_tag(rec.headers)
@@ -82,7 +81,7 @@ def play_chunk(tr, ts: TopicSpace, limit: int, hold: int | None = None) -> tuple
     full = False
     for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit):
         vs = ts.pending.unpack(kv.key)[0]
-        n, delay_s = unpack(kv.value)
+        n = unpack(kv.value)
         raw = tr.snapshot[ts.log_key(n, vs)]
         if raw != None:  # noqa: E711 - trimmed meanwhile: nothing to route
             rec = Record.decode(raw)
@@ -93,7 +92,7 @@ def play_chunk(tr, ts: TopicSpace, limit: int, hold: int | None = None) -> tuple
                 full = True
                 break
             target = shard_of(rec.shard_key, config.shards) if rec.shard_key is not None else n % config.shards
-            written += _route_existing(tr, ts, config, target, vs, bytes(raw), delay_s, clock)
+            written += _route_existing(tr, ts, config, target, vs, bytes(raw), clock)
         last = kv.key
         moved += 1
     if last is not None:
@@ -284,7 +283,7 @@ def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: in
     ``before_ms`` and committed at or after version ``young_from``; an entry inserted
     "later" but committed before ``young_from`` is a producer clock running ahead: it is
     kept and the scan goes on (None: stop at the first entry not due). The bytes freed
-    that the ``log_bytes`` counter holds (``logcount.holds_entry``) are subtracted here.
+    are subtracted from the ``log_bytes`` counter here.
 
     Entries are read by snapshot (pushes appending to the bucket do not abort a trim)
     with a read conflict on each deleted one: two trims never both delete (and
@@ -293,8 +292,7 @@ def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: in
     r = space.range()
     begin = ts.log_key(bucket, after) + b"\x00" if after is not None else r.start
     pending = first_pending(tr, ts)
-    holds = logcount.holds_entry(tr, ts)
-    deleted = freed = held = 0
+    deleted = freed = 0
     rows = list(tr.snapshot.get_range(begin, r.stop, limit=limit))
     last, done = after, len(rows) < limit
     for kv in rows:
@@ -309,12 +307,10 @@ def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: in
                 break
             last = vs       # a clock ahead: kept, and not a reason to keep what follows
             continue
-        size = _delete_entry(tr, ts, bucket, kv.key, vs, kv.value, rec.nchunks)
-        freed += size
-        held += size if holds(bucket, kv.key) else 0
+        freed += _delete_entry(tr, ts, bucket, kv.key, vs, kv.value, rec.nchunks)
         deleted += 1
         last = vs
-    _note_trimmed(tr, ts, deleted, held)
+    _note_trimmed(tr, ts, deleted, freed)
     return deleted, freed, last, done
 
 
@@ -349,21 +345,18 @@ def _delete_entry(tr, ts: TopicSpace, bucket: int, key: bytes, vs, raw, nchunks:
 
 
 @transactional
-def trim_oldest_chunk(tr, ts: TopicSpace, entries: list, max_bytes: int, size: int | None = None) -> tuple:
+def trim_oldest_chunk(tr, ts: TopicSpace, entries: list, max_bytes: int) -> tuple:
     """Delete the oldest of ``entries`` [(bucket, vs)] (the log's oldest, in log order)
-    while the log is over ``max_bytes`` by its ``log_bytes`` counter (or by ``size``, a
-    topic without one: see ``TopicConfig``), never one not yet routed nor any after it.
-    -> (deleted, bytes freed, done). An entry already gone (a concurrent trim) is
-    skipped. The counter is read by snapshot (concurrent pushes do not abort a trim),
-    ``trimmed`` with a conflict (a concurrent trim does); the bytes freed that the
-    counter holds (``logcount.holds_entry``) are subtracted from it here."""
+    while the log is over ``max_bytes`` by its ``log_bytes`` counter, never one not yet
+    routed nor any after it. -> (deleted, bytes freed, done). An entry already gone (a
+    concurrent trim) is skipped. The counter is read by snapshot (concurrent pushes do
+    not abort a trim), ``trimmed`` with a conflict (a concurrent trim does); the bytes
+    freed are subtracted from it here."""
     tr.add_read_conflict_key(ts.stat("trimmed"))    # any other trim's commit (``_note_trimmed``)
-    if size is None:
-        size = decode_counter(tr.snapshot[ts.stat("log_bytes")])
+    size = decode_counter(tr.snapshot[ts.stat("log_bytes")])
     pending = first_pending(tr, ts)
-    holds = logcount.holds_entry(tr, ts)
     raws = [tr.snapshot[ts.log_key(b, vs)] for b, vs in entries]    # (futures on FDB)
-    deleted = freed = held = 0
+    deleted = freed = 0
     done = False
     for (bucket, vs), raw in zip(entries, raws):
         if size - freed <= max_bytes or (pending is not None and vs >= pending):
@@ -371,12 +364,9 @@ def trim_oldest_chunk(tr, ts: TopicSpace, entries: list, max_bytes: int, size: i
             break
         if raw == None:  # noqa: E711 - deleted meanwhile
             continue
-        key = ts.log_key(bucket, vs)
-        n = _delete_entry(tr, ts, bucket, key, vs, raw, Record.decode(raw).nchunks)
-        freed += n
-        held += n if holds(bucket, key) else 0
+        freed += _delete_entry(tr, ts, bucket, ts.log_key(bucket, vs), vs, raw, Record.decode(raw).nchunks)
         deleted += 1
-    _note_trimmed(tr, ts, deleted, held)
+    _note_trimmed(tr, ts, deleted, freed)
     return deleted, freed, done
 
 
@@ -414,22 +404,9 @@ def first_pending(tr, ts: TopicSpace):
     return None
 
 
-def _range(r):
-    return r.start, r.stop
-
-
 @transactional
 def _read_version(tr) -> int:
     return tr.get_read_version().wait()
-
-
-@transactional
-def _estimated_log_bytes(tr, ts: TopicSpace, buckets: list) -> int:
-    """The "all" log's estimated size (its buckets' and body chunks'; sampled on FDB)."""
-    size = tr.get_estimated_range_size_bytes(*_range(ts.all_chunks.range())).wait()
-    for b in buckets:
-        size += tr.get_estimated_range_size_bytes(*_range(ts.log[b].range())).wait()
-    return size
 
 
 @transactional
@@ -455,7 +432,7 @@ def expire_index_chunk(tr, space, older_than_version: int, limit: int, target=No
             if current != None:  # noqa: E711
                 cur = bytes(current)
                 if cur[:10] == vs.tr_version:
-                    if keep_after_ms is not None and len(cur) >= 20 and \
+                    if keep_after_ms is not None and \
                             keep_after_ms <= int.from_bytes(cur[12:20], "big") < (keep_before_ms or 1 << 63):
                         break
                     del tr[tkey]
@@ -679,48 +656,21 @@ class Supervisor:
         return deleted
 
     def _trim_to_size(self, ts: TopicSpace, buckets: list, config: TopicConfig, progress=None) -> int:
-        """Delete the log's oldest entries until its size is at most ``retention_bytes``:
-        by its ``log_bytes`` counter (exact; read again in every chunk), or for a topic
-        created by an older FDQ (no counter) by FDB's size estimate, read once (sampled on
-        a cluster: coarse below a few MB)."""
-        size = None if config.log_bytes_counted else _estimated_log_bytes(self.db, ts, buckets)
+        """Delete the log's oldest entries until its size is at most ``retention_bytes``
+        by its ``log_bytes`` counter (exact; read again in every chunk)."""
         deleted, cursors = 0, {}
         while True:
             rows = read_chunk(self.db, ts, buckets, cursors, CHUNK)
             if not rows:
                 break
-            n, freed, done = trim_oldest_chunk(self.db, ts, [(b, vs) for vs, b, _rec, _raw in rows],
-                                               config.retention_bytes, size)
+            n, _freed, done = trim_oldest_chunk(self.db, ts, [(b, vs) for vs, b, _rec, _raw in rows],
+                                                config.retention_bytes)
             deleted += n
-            if size is not None:
-                size -= freed
             if progress:
                 progress(n)
             if done:
                 break       # fits, or reached messages not routed yet: they and later ones stay
         return deleted
-
-    def count_log_bytes(self, name: str, progress=None) -> int:
-        """Give a topic an older FDQ created (``TopicConfig.log_bytes_counted`` False) an
-        exact ``log_bytes`` counter: count its log in chunks while pushes and trims go on
-        (``fdq.logcount``), then trim by size uses the counter and ``stats`` shows it.
-        Resumable and safe to run twice at once: a run killed midway is finished by the
-        next, exactly. Returns the entries this call counted (0: the counter was exact)."""
-        ts = self._ts(name)
-        if not logcount.count_begin(self.db, ts):
-            return 0
-        total = 0
-        while True:
-            for b in log_buckets(self.db, ts):
-                while True:
-                    n, done = logcount.count_chunk(self.db, ts, b, CHUNK)
-                    total += n
-                    if progress:
-                        progress(n)
-                    if done:
-                        break
-            if logcount.count_finish(self.db, ts):
-                return total
 
     # -- subscriptions (see fdq.subscription) -----------------------------------------
 
@@ -901,12 +851,11 @@ def topic_stats(tr, ts: TopicSpace, name: str) -> dict:
     clock_version = _counter_or_none(snap[ts.clock_version_key])
     topic = {k: decode_counter(snap[ts.stat(k)]) for k in ("inserted", "routed", "emitted", "acked")}
     topic["pending"] = topic["inserted"] - topic["routed"]
-    # Bodies pushed, all time (nsqd's message_bytes; since the upgrade for an older
-    # FDQ's topic), log entries trim deleted, and the log's size now (TopicConfig; None
-    # without a counter).
+    # Bodies pushed, all time (nsqd's message_bytes), log entries trim deleted, and the
+    # log's size now (TopicConfig).
     topic["inserted_bytes"] = decode_counter(snap[ts.stat("inserted_bytes")])
     topic["trimmed"] = decode_counter(snap[ts.stat("trimmed")])
-    topic["log_bytes"] = decode_counter(snap[ts.stat("log_bytes")]) if config.log_bytes_counted else None
+    topic["log_bytes"] = decode_counter(snap[ts.stat("log_bytes")])
     subs = {}
     for sub in config.subs:
         shards = shard_counters(snap, ts, sub, config)
@@ -1090,9 +1039,7 @@ def _replay_heartbeat(db, ts: TopicSpace, window: str, run: str, stop):
 
 @transactional
 def _replay_runs(tr, ts: TopicSpace, window: str) -> dict:
-    """{run: (owner, heartbeat)} of the unfinished runs of ``window``; a run left by a
-    version that kept one progress per window (``replays/<window>``, no heartbeat) is
-    ``None: (None, its raw progress)``."""
+    """{run: (owner, heartbeat)} of the unfinished runs of ``window``."""
     r = ts.replays[window].range()
     out, beats = {}, {}
     for kv in tr.snapshot.get_range(r.start, r.stop):
@@ -1101,11 +1048,7 @@ def _replay_runs(tr, ts: TopicSpace, window: str) -> dict:
             out[key[1]] = unpack(bytes(kv.value)).get("owner")
         else:
             beats[key[1]] = decode_counter(kv.value)
-    out = {run: (o, beats.get(run, 0)) for run, o in out.items()}
-    legacy = tr.snapshot[ts.replays.pack((window,))]
-    if legacy != None:  # noqa: E711
-        out[None] = (None, bytes(legacy))
-    return out
+    return {run: (o, beats.get(run, 0)) for run, o in out.items()}
 
 
 def _orphaned_runs(db, ts: TopicSpace, window: str) -> list:
@@ -1129,21 +1072,12 @@ def replay_begin(tr, ts: TopicSpace, window: str, owner: str, start_ms, end_ms, 
     is still as seen (else None). Returns ``(run, progress)``."""
     if claim is not None:
         run, old_owner, seen = claim
-        if run is None:     # an older version's per-window progress: becomes our run
-            key = ts.replays.pack((window,))
-            raw = tr[key]
-            if raw == None or bytes(raw) != seen:  # noqa: E711
-                return None
-            del tr[key]
-            state = unpack(bytes(raw))
-            run = owner
-        else:
-            raw = tr[_run_key(ts, window, run)]
-            if raw == None or decode_counter(tr[_beat_key(ts, window, run)]) != seen:  # noqa: E711
-                return None
-            state = unpack(bytes(raw))
-            if state.get("owner") != old_owner:
-                return None
+        raw = tr[_run_key(ts, window, run)]
+        if raw == None or decode_counter(tr[_beat_key(ts, window, run)]) != seen:  # noqa: E711
+            return None
+        state = unpack(bytes(raw))
+        if state.get("owner") != old_owner:
+            return None
         state["owner"] = owner
         tr[_run_key(ts, window, run)] = pack(state)
         return run, state

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import struct
 
-from .config import TopicConfig, check_name
+from .config import SubscriptionConfig, TopicConfig, check_name
 from .engine import transactional
 from .errors import TopicExists, TopicHeld, TopicNotFound
 from .keyspace import Keyspace, TopicSpace, ensure_format
@@ -71,13 +72,39 @@ def create_topic(tr, ks: Keyspace, name: str, config: TopicConfig, *, exist_ok: 
 
 
 def write_new_topic_config(tr, ts: TopicSpace, config: TopicConfig) -> TopicConfig:
-    """Write the config of a topic that does not exist (in the caller's transaction). Its
-    log is empty: its ``log_bytes`` counter (push adds, trim subtracts) covers all of it
-    from here on, which ``log_bytes_counted`` records (an older FDQ's topic lacks it)."""
-    config = dataclasses.replace(config, log_bytes_counted=True)
-    tr.clear(ts.stat("log_bytes"))
+    """Write the config of a topic that does not exist (in the caller's transaction) and
+    a record of each of its subscriptions (``default``), with the defaults, starting at
+    this transaction (nothing to catch up: the log is empty)."""
     write_topic_config(tr, ts, config)
+    for sub in config.subs:
+        write_subscription_record(tr, ts, sub, SubscriptionConfig())
     return config
+
+
+def subscription_record_key(ts: TopicSpace, sub: str) -> bytes:
+    return ts.sub_records.pack((sub,))
+
+
+def subscription_boundary_key(ts: TopicSpace, sub: str) -> bytes:
+    return ts.sub_records.pack((sub, "boundary"))
+
+
+_STAMPED_VALUE = b"\x00" * 10 + struct.pack("<I", 0)     # set_versionstamped_value: the stamp at 0
+
+
+def write_subscription_record(tr, ts: TopicSpace, sub: str, config: SubscriptionConfig):
+    """Write a new subscription's record (its config) and its start boundary (this
+    transaction's versionstamp: pushes committed after it fan out to ``sub``)."""
+    tr[subscription_record_key(ts, sub)] = pack({"config": config.as_dict()})
+    stamp_subscription_start(tr, ts, sub)
+
+
+def stamp_subscription_start(tr, ts: TopicSpace, sub: str):
+    """Set ``sub``'s start boundary to this transaction's versionstamp, clearing what
+    the catch-up of an earlier start left (cursors, purge marks)."""
+    r = ts.sub_records[sub].range()
+    tr.clear_range(r.start, r.stop)
+    tr.set_versionstamped_value(subscription_boundary_key(ts, sub), _STAMPED_VALUE)
 
 
 @transactional

@@ -339,33 +339,17 @@ def topics_delete(state, name, yes):
 @topics.command("upgrade")
 @click.argument("name", type=TOPIC)
 @click.option("--extend", is_flag=True, help="Give the topic extend support (one-way).")
-@click.option("--count-log-bytes", "count_log", is_flag=True,
-              help="Count the log of a topic an older FDQ created, for an exact log_bytes.")
 @json_option
 @pass_state
-def topics_upgrade(state, name, extend, count_log, as_json):
-    """Give topic NAME extend support (--extend) or an exact log size (--count-log-bytes).
+def topics_upgrade(state, name, extend, as_json):
+    """Give topic NAME extend support (--extend).
 
     --extend: headers and tag dispatch. One-way; stored messages stay readable;
-    consumers must then connect with extend support.
-
-    --count-log-bytes: count the log of a topic an older FDQ created (its
-    log_bytes shows "-"), while pushes go on; then retention by size uses the
-    count. Resumable: run it again to finish an interrupted count."""
-    if not (extend or count_log):
-        raise click.UsageError("nothing to upgrade: give --extend or --count-log-bytes")
-    sup = state.supervisor
-    if extend:
-        sup.upgrade_extend(name)
-        render.note(f"topic {name!r} has extend support")
-    if count_log:
-        _resumable(state, f"count of {name!r}'s log")
-        counters = sup.stats(name)["counters"]
-        entries = max(0, counters["inserted"] - counters["trimmed"])     # in the log now, about
-        with render.progress(f"counting the log of {name}", entries) as advance:
-            n = sup.count_log_bytes(name, progress=advance)
-        log_bytes = sup.stats(name)["counters"]["log_bytes"]
-        render.note(f"the log of topic {name!r} is {log_bytes:,} bytes" + (f" ({n:,} entries counted)" if n else ""))
+    consumers must then connect with extend support."""
+    if not extend:
+        raise click.UsageError("nothing to upgrade: give --extend")
+    state.supervisor.upgrade_extend(name)
+    render.note(f"topic {name!r} has extend support")
     _show_topic(state, name, as_json)
 
 

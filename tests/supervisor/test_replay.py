@@ -16,7 +16,7 @@ from fdq.headers import DISPATCH_TAG, TRACE_ID
 from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import unpack
 
-from fdqtest import (advance_clock, collect, fetch_ids, log_records, read_version, replay_counts, scan, sub_stats,
+from fdqtest import (advance_clock, collect, fetch_ids, log_records, replay_counts, scan, sub_stats,
                      wait_for, with_faults)
 from ophelpers import check_order, consume, drain_bodies, fan_out_topic, push_keys, Recorder, SUPERVISED
 
@@ -184,30 +184,6 @@ def test_a_killed_replay_run_is_taken_over_once_and_its_old_owner_fenced(db, mon
         supervisor.replay_chunk(db, ks, ts, (window, run2, "dead-2"), first, b"y" * 16, end, {})
     with pytest.raises(fdq.ConfigError, match="not running"):
         supervisor.replay_chunk(db, ks, ts, (window, run, "dead-owner"), first, b"z" * 16, end, {})
-
-
-def test_a_replay_resumes_a_run_an_older_version_left(db, monkeypatch):
-    """Progress written by a version that kept one record per window (no owner, no
-    heartbeat) is resumed, not replayed again from the start."""
-    from fdq import supervisor
-    from fdq.keyspace.codec import pack
-    monkeypatch.setattr(supervisor, "REPLAY_ORPHAN_S", 0.3)
-    p = fdq.Producer(db)
-    ids = [r.id for r in p.push_many("t", [fdq.Envelope(f"m{i}".encode()) for i in range(300)])]
-    ts = Keyspace().topic("t")
-    rows = list(supervisor.iter_window(db, ts, supervisor.log_buckets(db, ts), 0, None))
-    rv = read_version(db)
-    legacy = {"start": 0, "end": None, "stop": rv, "after": rows[99][0].to_bytes(), "count": 100}
-
-    @fdq.transactional
-    def put(tr):
-        tr[ts.replays.pack(("0:None",))] = pack(legacy)
-    put(db)
-    assert p.replay("t", 0) == 200
-    counts = replay_counts(db, "t")
-    assert set(counts) == set(ids[100:]) and set(counts.values()) == {1}
-    tr = db.create_transaction()
-    assert list(tr.get_range(*[ts.replays.range().start, ts.replays.range().stop])) == []
 
 
 def test_replay_racing_a_trim_pushes_no_empty_bodies(db):

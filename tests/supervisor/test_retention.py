@@ -141,21 +141,6 @@ def test_trim_by_size_is_exact_and_needs_no_estimate(db, coarse_estimate):
     assert sup.trim("t") == 0
 
 
-def test_a_topic_without_the_counter_trims_by_the_estimate(db):
-    """A topic an older FDQ created (its config without ``log_bytes_counted``): its
-    log_bytes stat is None and trim by size uses the estimate (exact on the engine)."""
-    sup = fdq.Supervisor(db)
-    ts = Keyspace().topic("old")
-    cfg = fdq.TopicConfig(shards=2, retention_bytes=50_000)
-    fdq.topic.write_topic_config(db, ts, cfg)          # as an older create_topic wrote it
-    p = fdq.Producer(db)
-    for _ in range(10):
-        p.push_many("old", [fdq.Envelope(b"z" * 1000, shard_key=f"k{j}") for j in range(20)])
-    assert sup.stats("old")["counters"]["log_bytes"] is None
-    assert sup.trim("old") > 0
-    assert 0 < _log_bytes(db, ts) <= 50_000
-
-
 def test_trim_under_fault_injection_keeps_the_counter_exact(tmp_path):
     url = database_url(tmp_path / "f.db")
     db = fdq.connect(url)
