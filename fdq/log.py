@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import heapq
 from itertools import chain
-from operator import itemgetter
 
 import fdb.tuple as fdbtuple
 import msgpack
 
 from .engine import StreamingMode, transactional   # the same values as fdb.StreamingMode
-from .keyspace import TopicSpace, Versionstamp
+from .keyspace import STAMP_BYTES, TopicSpace, Versionstamp, position_of
+from .keyspace.stamps import FIRST_VS
 from .keyspace.codec import CHUNK_BYTES, Record
 
 SLACK_MS = 60_000   # producers' clocks may disagree: start a time window this much earlier
 
 
-STAMP_BYTES = 13   # a stamped key's tuple-layer Versionstamp: its code (0x33) and 12 bytes
 _CHUNK_INDEX_BYTES = [len(fdbtuple.pack((i,))) for i in range(256)]
 
 
@@ -44,24 +43,20 @@ def chunks_bytes(last_chunk_len: int, nchunks: int) -> int:
     return (nchunks - 1) * CHUNK_BYTES + last_chunk_len if nchunks else 0
 
 
-def _first_vs():
-    return Versionstamp(b"\x00" * 10, 0)
-
-
 @transactional
 def position_for_time(tr, ts: TopicSpace, t_ms: int | None) -> Versionstamp:
     """A log position at or before every message inserted at ``t_ms`` or later, from the
     sparse time index (the last index entry of a minute before ``t_ms - SLACK_MS``)."""
     if t_ms is None:
-        return _first_vs()
+        return FIRST_VS
     minute = (t_ms - SLACK_MS) // 60000 * 60000
     r = ts.time_index.range()
-    end = ts.time_index.pack((minute,))
+    end = ts.time_index_key(minute)
     best = None
     for kv in tr.snapshot.get_range(r.start, end, limit=1, reverse=True):
         _m, vs = ts.time_index.unpack(kv.key)
         best = vs
-    return best or _first_vs()
+    return best or FIRST_VS
 
 
 def read_chunk(db, ts: TopicSpace, buckets, cursors: dict, limit: int):
@@ -99,7 +94,7 @@ def _read_heads(tr, ts: TopicSpace, buckets, cursors: dict, per_bucket: int) -> 
     for b in buckets:
         space = ts.log[b]
         r = space.range()
-        begin = space.pack((cursors[b],)) + b"\x00" if cursors.get(b) is not None else r.start
+        begin = ts.log_key(b, cursors[b]) + b"\x00" if cursors.get(b) is not None else r.start
         rows = list(tr.snapshot.get_range(begin, r.stop, limit=per_bucket))
         if len(rows) < per_bucket:
             exhausted.add(b)
@@ -118,7 +113,7 @@ def body_of(db, ts: TopicSpace, vs, record: Record, *, strict: bool = False) -> 
 
 @transactional
 def _chunked_body(tr, ts: TopicSpace, vs, record: Record, strict: bool) -> bytes | None:
-    r = ts.all_chunks[vs].range()
+    r = ts.chunks_range(vs)
     chunks = [kv.value for kv in tr.snapshot.get_range(r.start, r.stop)]
     if strict and len(chunks) != record.nchunks:
         return None
@@ -150,7 +145,6 @@ def iter_window(db, ts: TopicSpace, buckets, start_ms: int | None, end_ms: int |
 # Versionstamp code (0x33) and the 12 stamp bytes, so a key's last 12 bytes are the
 # message's position (its id is their hex) and positions compare as those bytes.
 
-VS_CODE = b"\x33"
 _RECORD_PAD = [None, None, None, None, b"", 0, 0, None]   # a record's dropped trailing defaults
 
 
@@ -183,7 +177,7 @@ def bucket_range(ts: TopicSpace, bucket: int) -> tuple:
 
 def entry_key(ts: TopicSpace, bucket: int, vs12: bytes) -> bytes:
     """The key of the entry at position ``vs12`` (12 bytes) in ``bucket``."""
-    return ts.log_prefix(bucket) + VS_CODE + vs12
+    return ts.log_entry_key(bucket, vs12)
 
 
 def after_key(ts: TopicSpace, bucket: int, vs12: bytes | None) -> bytes:
@@ -208,8 +202,8 @@ def position_after_time(tr, ts: TopicSpace, t_ms: int | None) -> bytes | None:
         return None
     minute = -(-(t_ms + SLACK_MS) // 60000) * 60000
     r = ts.time_index.range()
-    for kv in tr.snapshot.get_range(ts.time_index.pack((minute,)), r.stop, limit=1):
-        return bytes(kv.key[-12:])
+    for kv in tr.snapshot.get_range(ts.time_index_key(minute), r.stop, limit=1):
+        return position_of(kv.key)
     return None
 
 
@@ -221,7 +215,7 @@ def last_positions(tr, ts: TopicSpace) -> dict:
     for b in buckets_in(tr, ts):
         begin, end = bucket_range(ts, b)
         for kv in tr.snapshot.get_range(begin, end, limit=1, reverse=True):
-            out[b] = bytes(kv.key[-12:])
+            out[b] = position_of(kv.key)
     return out
 
 
@@ -236,7 +230,7 @@ def advance_positions(tr, ts: TopicSpace, cursors: dict, limit: int) -> tuple:
     heads, exhausted = [], set()
     for b in buckets:
         begin, end = after_key(ts, b, cursors.get(b)), bucket_range(ts, b)[1]
-        rows = [bytes(kv.key[-12:]) for kv in tr.snapshot.get_range(begin, end, limit=per_bucket)]
+        rows = [position_of(kv.key) for kv in tr.snapshot.get_range(begin, end, limit=per_bucket)]
         if len(rows) < per_bucket:
             exhausted.add(b)
         heads.append([(vs, b) for vs in rows])
@@ -281,7 +275,6 @@ def _scan_page(tr, begin: bytes, end: bytes, limit: int) -> list:
     return list(tr.snapshot.get_range(begin, end, limit=limit, streaming_mode=StreamingMode.want_all))
 
 
-_VS_OF_KEY = itemgetter(slice(-12, None))   # a log entry key ends with its position
 _EMPTY_COLUMNS = ("vs", "ts_ms", "shard_key", "headers", "body", "msg_id", "replay_of")
 
 
@@ -306,6 +299,8 @@ def decode_entries(db, ts: TopicSpace, keys, raws, start_ms=None, end_ms=None, s
         cols = list(zip(*recs))
     tss, sks, mids, hds, bodies = cols[:5]
     del cols
+    if int in set(map(type, sks)):   # an unkeyed message's slot holds its home (Record.home)
+        sks = [None if type(k) is int else k for k in sks]
     n = len(recs)
     top = max(map(len, recs))
     nchunks = [r[6] if len(r) > 6 else 0 for r in recs] if top > 6 else None
@@ -325,11 +320,11 @@ def decode_entries(db, ts: TopicSpace, keys, raws, start_ms=None, end_ms=None, s
         bodies = list(bodies)
         for i, nc in enumerate(nchunks):
             if nc:
-                vs = Versionstamp.from_bytes(keys[i][-12:])
+                vs = Versionstamp.from_bytes(position_of(keys[i]))
                 bodies[i] = body_of(db, ts, vs, Record(tss[i], nchunks=nc), strict=True)
         if None in bodies:   # trimmed since its record was read: it is gone, not empty
             keep = [i for i, b in enumerate(bodies) if b is not None]
             tss, sks, mids, hds, bodies, reps, keys = (
                 [col[i] for i in keep] for col in (tss, sks, mids, hds, bodies, reps, keys))
-    return {"vs": b"".join(map(_VS_OF_KEY, keys)), "ts_ms": tss, "shard_key": sks,
+    return {"vs": b"".join(map(position_of, keys)), "ts_ms": tss, "shard_key": sks,
             "headers": hds, "body": bodies, "msg_id": mids, "replay_of": reps}

@@ -1,164 +1,40 @@
 """Producers: push messages into a topic.
 
-A push is one transaction that reads the topic's config key and otherwise writes blind:
-the message into the "all" log and into every subscription's shard queue, counters by
-atomic add. So producers never conflict with each other or with consumers; a config
-change (pause, reshard, new subscription) makes in-flight pushes retry with it.
-
-Retries are exact: each push transaction writes a marker holding its versionstamp; a
-retry after ``commit_unknown_result`` finds it and returns the first commit's ids.
+``Producer`` is the entry point: it batches concurrent pushes into shared transactions
+(group commit), runs each through the one retry loop and turns their results into
+``PushResult`` s. What a push transaction writes, and how much it may, is
+:mod:`fdq.ops.push`'s; where a message goes, :mod:`fdq.ops.routing`'s.
 """
 from __future__ import annotations
 
 import atexit
-import datetime
 import os
-import random
-import struct
 import threading
 import time
 import weakref
 from _thread import allocate_lock as _allocate_lock
-from collections import defaultdict
 from collections.abc import Mapping
 from concurrent.futures import Future as _ConcurrentFuture
 from concurrent.futures import InvalidStateError
-from dataclasses import dataclass
-from types import MappingProxyType
 
-import fdb.tuple as fdbtuple
 from fdb.tuple import Versionstamp
 
-from .config import ProducerConfig, TopicConfig, check_name
-from .engine import after_interrupt, check_process, error_types, retry_or_raise, transactional
-from .times import MIN_BARE_MS, iso_ms
-from .errors import (BacklogFull, ConfigError, EngineError, FDQError, InvalidHeader, InvalidMessage,
-                     MessageTooLarge, TopicHeld, TopicNotFound, is_maybe_committed)
-from .headers import dispatch_tag, trace_id, validate_headers
-from .keyspace import (Keyspace, TopicSpace, counter, decode_counter, ensure_format, message_id, vs_key,
-                       vs_key_parts)
-from .keyspace.codec import (CHUNK_BYTES, RECORD_BYTES, ROUTE_BYTES, Record, pack, packer, shard_of, split_body,
-                             unpack)
-from .log import entry_bytes
-from .membership import read_clock
-from .topic import HOLD_WAIT_S, check_hold, load_config, write_new_topic_config
+from .config import ProducerConfig, check_name
+from .engine import after_interrupt, check_process, error_types, retry_or_raise
+from .envelope import Envelope, PushResult, _plain_result
+from .errors import (ConfigError, EngineError, FDQError, InvalidMessage, MessageTooLarge, TopicHeld,
+                     is_maybe_committed)
+from .headers import trace_id
+from .keyspace import Keyspace, message_id
+from .ops.push import push_batch, read_marker
+from .ops.routing import spread_start
+from .times import to_ms
+from .topic import HOLD_WAIT_S
+# Re-exported at their old names until the wrap-up (other partitions import them here).
+from .envelope import MAX_DELAY_S, MAX_SHARD_KEY_BYTES  # noqa: E402,F401
+from .ops.push import route_message  # noqa: E402,F401
 
-VERSIONS_PER_S = 1_000_000
-MARKER_TTL_S = 600.0          # push markers outlive any commit_unknown_result retry
-# A marker holds its transaction's results: over this, its payload is split into parts
-# at marks/<txid>/<i> (FDB's value limit is 100,000 bytes); its value then starts with
-# _SPLIT (a byte msgpack never uses) and the part count.
-MARKER_PART_BYTES = 90_000
-_SPLIT = b"\xc1"
-_OFFSET0 = struct.pack("<I", 0)
-_PLACEHOLDER = b"\x00" * 10
-MAX_DELAY_S = 10 * 365 * 86400   # (NaN, inf and overflowing delays are refused at the call)
-MAX_SHARD_KEY_BYTES = 1024    # a shard key is stored with every copy of its message
 MAX_PER_TRANSACTION = 1 << 16   # a versionstamp's user version (2 bytes) numbers them
-
-
-_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
-
-
-MAX_TIME_MS = 1 << 62     # |epoch ms| beyond this is no time (stored times are int64)
-
-
-def to_ms(t, *, refuse_seconds: bool = True) -> int | None:
-    """Epoch milliseconds from an int/float (ms) or a datetime (naive = UTC). NaN,
-    infinities and times beyond ``MAX_TIME_MS`` are refused (ConfigError), and so is a
-    number from 1 to ``MIN_BARE_MS`` (1973-03-03 as milliseconds): it is almost surely
-    epoch seconds (``time.time()``), which as milliseconds would mean January 1970 and
-    replay or rewind to the start of the log (``refuse_seconds=False``: a time already
-    checked, e.g. by ``Producer.replay``)."""
-    if t is None:
-        return None
-    if isinstance(t, datetime.datetime):
-        if t.tzinfo is None:
-            t = t.replace(tzinfo=datetime.timezone.utc)
-        return (t - _EPOCH) // datetime.timedelta(milliseconds=1)     # exact: no float
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t or not -MAX_TIME_MS <= t <= MAX_TIME_MS:
-        raise ConfigError(f"time must be epoch milliseconds (within ±2**62) or a datetime, not {t!r}")
-    if refuse_seconds and 0 < t < MIN_BARE_MS:
-        raise ConfigError(f"time {t!r} looks like epoch seconds (as epoch milliseconds it is "
-                          f"{iso_ms(int(t))}): times are epoch milliseconds or a datetime; "
-                          f"pass {int(t * 1000)} or a datetime")
-    return int(t)
-
-
-def _utf8(what: str, text: str):
-    """Refuse a str that has no UTF-8 form (lone surrogates): caught at the call, it
-    cannot fail the other pushes of a shared transaction."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidMessage(f"{what} must be valid Unicode (it has no UTF-8 form): {text!r}") from None
-
-
-@dataclass(frozen=True)
-class Envelope:
-    """What a producer pushes. ``headers`` is a read-only mapping (extend topics only).
-    Limits: ``shard_key`` at most ``MAX_SHARD_KEY_BYTES`` (UTF-8), ``msg_id`` 256
-    characters, the body the topic's ``max_message_bytes``."""
-
-    body: bytes
-    shard_key: str | None = None
-    delay: float | None = None
-    msg_id: str | None = None
-    headers: Mapping | None = None
-
-    def __post_init__(self):
-        if isinstance(self.body, (bytearray, memoryview)):
-            object.__setattr__(self, "body", bytes(self.body))
-        if not isinstance(self.body, bytes):
-            raise InvalidMessage(f"message body must be bytes, not {type(self.body).__name__}"
-                                 + (" (encode the str first)" if isinstance(self.body, str) else ""))
-        if self.shard_key is not None:
-            if not isinstance(self.shard_key, str):
-                raise InvalidMessage(f"shard_key must be a str, not {type(self.shard_key).__name__}")
-            if not self.shard_key.isascii():
-                _utf8("shard_key", self.shard_key)
-            if len(self.shard_key) > MAX_SHARD_KEY_BYTES // 4 and len(self.shard_key.encode()) > MAX_SHARD_KEY_BYTES:
-                raise InvalidMessage(f"shard_key of {len(self.shard_key.encode()):,} bytes (UTF-8) exceeds "
-                                     f"the limit of {MAX_SHARD_KEY_BYTES:,}")
-        if self.msg_id is not None and (not isinstance(self.msg_id, str) or not 0 < len(self.msg_id) <= 256):
-            raise InvalidMessage(f"msg_id must be a non-empty str of at most 256 characters, not {self.msg_id!r}")
-        if self.msg_id is not None and not self.msg_id.isascii():
-            _utf8("msg_id", self.msg_id)
-        if isinstance(self.delay, datetime.timedelta):
-            object.__setattr__(self, "delay", self.delay.total_seconds())
-        if self.delay is not None and (isinstance(self.delay, bool) or not isinstance(self.delay, (int, float))
-                                       or not 0 <= self.delay <= MAX_DELAY_S):
-            raise InvalidMessage(f"delay must be seconds from 0 to {MAX_DELAY_S:,}, not {self.delay!r}")
-        if self.headers is not None:
-            plain = validate_headers(self.headers)
-            object.__setattr__(self, "headers", MappingProxyType(plain))
-            object.__setattr__(self, "_plain_headers", plain or None)   # what push encodes: no copy
-
-
-@dataclass(frozen=True)
-class PushResult:
-    """The outcome of one push: ``id`` is the message's id (the first one's, for a
-    deduplicated ``msg_id``). When the message's ``##trace_id`` header is a string of
-    digits, ``trace_id`` echoes it and ``position`` is the message's position in the
-    topic's log (its id: commit versionstamp + index), as NSQ's PUB_EXT response does."""
-
-    id: str
-    topic: str
-    shard: int
-    duplicate: bool = False
-    trace_id: str | None = None
-    position: str | None = None
-
-
-_new = object.__new__
-
-
-def _plain_result(mid: str, topic: str, shard: int) -> PushResult:
-    """``PushResult(mid, topic, shard)`` without the frozen dataclass's ``__init__``
-    (one ``object.__setattr__`` per field: half of a push_many's result time)."""
-    r = _new(PushResult)
-    r.__dict__.update(id=mid, topic=topic, shard=shard, duplicate=False, trace_id=None, position=None)
-    return r
 
 
 class _Item:
@@ -173,324 +49,6 @@ class _Item:
         self.result = self.error = None
         self.done = _allocate_lock()
         self.done.acquire()
-
-
-# Messages without a shard key: a transaction puts runs of STICKY_RUN of them on one
-# shard, starting at a random shard (Kafka's sticky partitioner, KIP-480). Even over
-# time, and a batch touches a few shards' key ranges instead of every one of them.
-STICKY_RUN = 100
-
-
-def _spread_start() -> int:
-    return random.randrange(1 << 30)
-
-
-@transactional
-def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_create,
-               now_ms: int, time_index: dict, check_marker: bool = True):
-    """Push ``items`` [(topic, Envelope)] in this transaction. Returns ``(results,
-    stamp)``: results [(topic, user_version, shard, dup_of)] and the commit's stamp: 10
-    bytes if this push had already committed (a retry after commit_unknown_result), else
-    the ``get_versionstamp()`` future, ready once the transaction commits.
-
-    ``check_marker=False`` skips the marker read on a first attempt (a fresh ``txid``
-    cannot have committed yet). ``dup_of`` is a message id (an earlier push) or an int
-    (the user version of an earlier message of this batch)."""
-    first = ks.topic(items[0][0])
-    marker_key = first.marks.pack((txid,))
-    if check_marker:
-        found = read_marker(tr, first, txid)
-        if found is not None:   # committed before: return what it returned
-            return found
-    rv = clock = None
-    configs = {}
-    plans = {}
-    results = []
-    batch_ids = {}
-    counters = defaultdict(int)
-    tags_written = set()     # each tag's key once per transaction
-    packb = packer()
-    # (plan, shard) -> [plain messages pushed there, their records' bytes (log_bytes),
-    # their bodies' bytes (inserted_bytes)]
-    plain = {}
-    set_stamped = tr.set_versionstamped_key
-    minute = now_ms // 60000 * 60000
-    last_plan = last_n = targets = sums = None
-    for uv, (topic, env) in enumerate(items):
-        plan = plans.get(topic)
-        if plan is None:
-            ts = ks.topic(topic)
-            config = configs[topic] = _config_for_push(tr, ks, ts, auto_create)
-            if not config.routing and config.held_at is not None:
-                check_hold(tr, ts, config)      # TopicHeld: the caller waits and retries
-            plan = plans[topic] = _push_plan(ts, config)
-        ts, config = plan.ts, plan.config
-        body = env.body
-        if len(body) > config.max_message_bytes:
-            raise MessageTooLarge(f"message body of {len(body):,} bytes exceeds topic {topic!r}'s "
-                                  f"max_message_bytes ({config.max_message_bytes:,})")
-        if len(body) > CHUNK_BYTES and len(body) * (1 + len(config.subs)) > ROUTE_BYTES:
-            # its copies (the log's, one per subscription) are written in one transaction
-            raise MessageTooLarge(f"message body of {len(body):,} bytes is too large to route to topic {topic!r}'s "
-                                  f"log and its {len(config.subs)} subscriptions in one transaction (at most "
-                                  f"{ROUTE_BYTES // (1 + len(config.subs)):,} bytes each)")
-        n = shard_of(env.shard_key, config.shards) if env.shard_key is not None else \
-            (spread + uv // STICKY_RUN) % config.shards
-        if plan.routing and env.msg_id is None and not env.delay and not env.headers \
-                and 0 < len(body) <= CHUNK_BYTES and getattr(env, "replay_of", None) is None:
-            # The common message (what route_message does for it, with the keys'
-            # prefixes prepared once per transaction): its record into the log and into
-            # every subscription's ready queue of shard n.
-            record = packb([now_ms, env.shard_key, None, None, body])   # = Record(...).encode()
-            uvb = uv.to_bytes(2, "big")
-            if n != last_n or plan is not last_plan:     # unkeyed messages: runs on one shard
-                last_plan, last_n = plan, n
-                targets = plan.targets(n)
-                sums = plain.get((plan, n))
-                if sums is None:
-                    sums = plain[(plan, n)] = [0, 0, 0]
-            for head, offset in targets:
-                set_stamped(head + uvb + offset, record)
-            sums[0] += 1        # its counters, added below
-            sums[1] += len(record)
-            sums[2] += len(body)
-            if time_index.get(topic) != minute:
-                time_index[topic] = minute   # a lost entry only makes a replay scan longer
-                tr.set_versionstamped_key(vs_key(ts.time_index.pack((minute,)), uv), b"")
-            results.append((topic, uv, n, None))
-            continue
-        if env.headers and not config.extend:
-            raise InvalidHeader(f"topic {topic!r} has no extend support: headers are refused "
-                                "(create it with extend=True or upgrade it)")
-        if env.msg_id is not None:
-            if (topic, env.msg_id) in batch_ids:
-                first_uv, first_n = batch_ids[(topic, env.msg_id)]
-                results.append((topic, uv, first_n, first_uv))
-                continue
-            if rv is None:
-                rv = tr.get_read_version().wait()
-            dkey = ts.dedupe.pack((env.msg_id,))
-            seen = tr[dkey]
-            if seen != None:  # noqa: E711
-                raw = bytes(seen)
-                first_vs = Versionstamp.from_bytes(raw[:12])
-                # Within the window by versions, or by the producers' clock: a version
-                # jump (FDB recovery, ~100 s) must not make a recent id look old. Clocks
-                # disagree both ways: a first push "in the future" beyond the window is
-                # a skewed clock, not a young id (else the id stays a duplicate for as
-                # long as that clock is ahead).
-                young = int.from_bytes(first_vs.tr_version[:8], "big") >= rv - int(config.dedupe_window_s * VERSIONS_PER_S)
-                if not young and len(raw) >= 20:
-                    young = abs(now_ms - int.from_bytes(raw[12:20], "big")) < config.dedupe_window_s * 1000
-                if young:
-                    # the first one's shard (kept from its push; entries written before
-                    # it was kept: this push's, as then)
-                    first_n = int.from_bytes(raw[20:24], "big") if len(raw) >= 24 else n
-                    results.append((topic, uv, first_n, message_id(first_vs)))
-                    continue
-            batch_ids[(topic, env.msg_id)] = (uv, n)
-            tr.set_versionstamped_value(dkey, _PLACEHOLDER + uv.to_bytes(2, "big") + now_ms.to_bytes(8, "big")
-                                        + n.to_bytes(4, "big") + _OFFSET0)
-            tr.set_versionstamped_key(vs_key(ts.dedupe_by_version.key(), uv), env.msg_id.encode())
-        due = None
-        due_at = getattr(env, "due_at", None)     # a replay: the original's due time
-        if env.delay or due_at is not None:
-            if clock is None:
-                clock = read_clock(tr, ts.clock_key)
-            due = clock + int(env.delay * 1000) if env.delay else due_at
-            if due <= clock:
-                due = None      # (a replayed message already due: ready at once)
-        inline, chunks = split_body(env.body)
-        headers = getattr(env, "_plain_headers", None)
-        if headers is None and env.headers:
-            headers = dict(env.headers)
-        record = Record(now_ms, env.shard_key, env.msg_id, headers, inline, 0, len(chunks),
-                        getattr(env, "replay_of", None), due).encode()
-        if len(record) > RECORD_BYTES:      # the body fits a value, not with its headers and keys
-            inline, chunks = split_body(env.body, force=True)
-            record = Record(now_ms, env.shard_key, env.msg_id, headers, inline, 0, len(chunks),
-                            getattr(env, "replay_of", None), due).encode()
-        if not config.routing and len(config.subs) * (len(record) + len(env.body)) > ROUTE_BYTES:
-            # play routes it alone, to every subscription, in one transaction: refuse what
-            # could never be routed (it would block the play, and every message behind it)
-            raise MessageTooLarge(f"message body of {len(env.body):,} bytes is too large to route to "
-                                  f"topic {topic!r}'s {len(config.subs)} subscriptions in one transaction "
-                                  f"(at most {ROUTE_BYTES:,} bytes in all)")
-        tr.set_versionstamped_key(vs_key(ts.log_prefix(n), uv), record)
-        for i, chunk in enumerate(chunks):
-            tr.set_versionstamped_key(vs_key(ts.all_chunks.key(), uv, fdbtuple.pack((i,))), chunk)
-        counters[ts.stat("log_bytes")] += entry_bytes(ts, n, len(record), len(chunks),
-                                                      len(env.body) if chunks else 0)
-        counters[ts.stat("inserted_bytes")] += len(env.body)
-        if time_index.get(topic) != minute:
-            time_index[topic] = minute   # a lost entry only makes a replay scan longer
-            tr.set_versionstamped_key(vs_key(ts.time_index.pack((minute,)), uv), b"")
-        counters[ts.stat("inserted")] += 1
-        if config.routing:
-            tag = dispatch_tag(headers)
-            if tag and (topic, tag) not in tags_written:
-                tags_written.add((topic, tag))
-                _note_tag(tr, ts, tag)
-            route_message(tr, ts, config, tag, n, uv, record, chunks, due, counters)
-        else:
-            tag = dispatch_tag(headers)
-            if tag and (topic, tag) not in tags_written:
-                tags_written.add((topic, tag))
-                _note_tag(tr, ts, tag)
-            tr.set_versionstamped_key(vs_key(ts.pending.key(), uv), pack(n))
-        results.append((topic, uv, n, None))
-    for (plan, n), (count, record_bytes, body_bytes) in plain.items():
-        for key in plan.counter_keys(n):
-            counters[key] += count
-        counters[plan.ts.stat("log_bytes")] += record_bytes + count * plan.log_key_bytes(n)
-        counters[plan.ts.stat("inserted_bytes")] += body_bytes
-    for key, amount in counters.items():
-        tr.add(key, counter(amount))
-    written = None
-    for topic, config in configs.items():
-        if config.max_backlog is not None:
-            if written is None:     # a duplicate msg_id writes nothing: it is answered, never refused
-                written = {r[0] for r in results if r[3] is None}
-            if topic in written:
-                _check_backlog(tr, ks.topic(topic), config)
-    payload = pack(results)
-    if len(payload) <= MARKER_PART_BYTES:
-        tr.set_versionstamped_value(marker_key, _PLACEHOLDER + payload + _OFFSET0)
-    else:   # over one value: the rest in parts beside it (read_marker)
-        parts = [payload[i:i + MARKER_PART_BYTES] for i in range(0, len(payload), MARKER_PART_BYTES)]
-        tr.set_versionstamped_value(marker_key, _PLACEHOLDER + _SPLIT + len(parts).to_bytes(4, "big")
-                                    + parts[0] + _OFFSET0)
-        for i, part in enumerate(parts[1:], 1):
-            tr[first.marks.pack((txid, i))] = part
-    tr.set_versionstamped_key(vs_key(first.marks_by_version.key(), 0), txid)
-    return results, tr.get_versionstamp()
-
-
-def read_marker(tr, ts: TopicSpace, txid: bytes):
-    """``(results, stamp)`` of the push transaction ``txid`` if it committed (its
-    marker, under the topic of its first message), else None."""
-    marker = tr[ts.marks.pack((txid,))]
-    if marker == None:  # noqa: E711
-        return None
-    raw = bytes(marker)
-    stamp, payload = raw[:10], raw[10:]
-    if payload[:1] == _SPLIT:
-        r = ts.marks[txid].range()
-        payload = payload[5:] + b"".join(bytes(kv.value) for kv in tr.get_range(r.start, r.stop))
-    return unpack(payload), stamp
-
-
-def _note_tag(tr, ts: TopicSpace, tag: str):
-    """Record a dispatch tag (lets consumers find the tag's shards) if it is new. Read
-    by snapshot, written only when absent: shard assignment reads the tags with a
-    conflict range, so a tag key rewritten by every push made each assignment conflict
-    with a tagged push stream."""
-    key = ts.tags.pack((tag,))
-    if tr.snapshot[key] == None:  # noqa: E711
-        tr[key] = b""
-
-
-class _PushPlan:
-    """What a plain message (no msg_id, delay, headers or chunks) of one topic under one
-    config writes, per shard: the stamped keys' prefixes (``vs_key_parts``: key = head +
-    user version + offset) of its log row and of every subscription's ready row, and
-    the counters it adds 1 to, and its log key's bytes (the log_bytes counter). Built once
-    per topic, config and producer process."""
-
-    __slots__ = ("ts", "config", "routing", "_shards")
-
-    def __init__(self, ts: TopicSpace, config: TopicConfig):
-        self.ts, self.config, self.routing = ts, config, config.routing
-        self._shards = {}
-
-    def _shard(self, n: int):
-        got = self._shards.get(n)
-        if got is None:
-            ts = self.ts
-            shards = [ts.shard(sub, "", n) for sub in self.config.subs]
-            targets = [vs_key_parts(ts.log_prefix(n))] + [vs_key_parts(s.ready_prefix) for s in shards]
-            keys = [ts.stat("inserted"), ts.stat("routed")] + [s.stat("routed") for s in shards]
-            got = self._shards[n] = (targets, keys, entry_bytes(ts, n, 0))
-        return got
-
-    def targets(self, n: int) -> list:
-        got = self._shards.get(n)
-        return (got or self._shard(n))[0]
-
-    def counter_keys(self, n: int) -> list:
-        return self._shard(n)[1]
-
-    def log_key_bytes(self, n: int) -> int:
-        """The bytes of a log key of shard ``n`` (``fdq.log.entry_bytes`` of an empty record)."""
-        return self._shard(n)[2]
-
-
-def _push_plan(ts: TopicSpace, config: TopicConfig) -> _PushPlan:
-    plans = ts.push_plans
-    plan = plans.get(config)
-    if plan is None:
-        if len(plans) > 16:
-            plans.clear()
-        plan = plans[config] = _PushPlan(ts, config)
-    return plan
-
-
-def route_message(tr, ts: TopicSpace, config: TopicConfig, tag: str, n: int, uv: int,
-                  record: bytes, chunks: list, due: int | None, counters):
-    """Write one message (user version ``uv`` of this transaction's versionstamp) into
-    every subscription's shard queue: ready, or delayed until the database clock reaches
-    ``due`` (ms, ``membership.read_clock``)."""
-    for sub in config.subs:
-        shard = ts.shard(sub, tag, n)
-        if due is None:
-            tr.set_versionstamped_key(vs_key(shard.ready_prefix, uv), record)
-        else:
-            tr.set_versionstamped_key(vs_key(shard.delayed.pack((due,)), uv), record)
-            counters[shard.stat("delayed")] += 1
-        for i, chunk in enumerate(chunks):
-            tr.set_versionstamped_key(vs_key(shard.chunks.key(), uv, fdbtuple.pack((i,))), chunk)
-        counters[shard.stat("routed")] += 1   # consumers watch this key
-    counters[ts.stat("routed")] += 1
-
-
-_config_cache = {}
-
-
-def _decode_config(raw) -> TopicConfig | None:
-    if raw == None:  # noqa: E711
-        return None
-    raw = bytes(raw)
-    config = _config_cache.get(raw)
-    if config is None:
-        if len(_config_cache) > 1024:
-            _config_cache.clear()
-        config = _config_cache[raw] = load_config(raw)
-    return config
-
-
-def _config_for_push(tr, ks, ts, auto_create) -> TopicConfig:
-    config = _decode_config(tr[ts.config_key])
-    if config is None:
-        if not auto_create:
-            raise TopicNotFound(f"topic {ts.name!r} does not exist")
-        check_name(ts.name)
-        ensure_format(tr, ks)     # as create_topic: the first topic records the layout
-        config = auto_create if isinstance(auto_create, TopicConfig) else TopicConfig()
-        config = write_new_topic_config(tr, ts, config)
-    return config
-
-
-def _check_backlog(tr, ts, config):
-    """Snapshot reads of the shard counters: pushes never conflict over the backlog, so
-    concurrent producers may overshoot max_backlog by their in-flight batches. What is
-    not routed yet (pushed while paused or resharding) counts for every subscription."""
-    from .stats import shard_counters
-    pending = decode_counter(tr.snapshot[ts.stat("inserted")]) - decode_counter(tr.snapshot[ts.stat("routed")])
-    for sub in config.subs:
-        backlog = pending + sum(c["backlog"] for c in shard_counters(tr.snapshot, ts, sub, config).values())
-        if backlog > config.max_backlog:
-            raise BacklogFull(f"topic {ts.name!r} subscription {sub!r} would have a backlog of "
-                              f"{backlog:,} (max_backlog {config.max_backlog:,}): push refused")
 
 
 class _GroupCommit:
@@ -840,7 +398,7 @@ class Producer:
         with self._seq_lock:
             self._seq += 1
             txid = self._session + self._seq.to_bytes(8, "big")
-        spread = _spread_start()
+        spread = spread_start()
         check_process(self.db)
         tr = self.db.create_transaction()
         maybe_committed = in_flight = False
@@ -928,4 +486,5 @@ class Producer:
         return replay_window(self.db, self.keyspace, topic, to_ms(start), to_ms(end), progress=progress)
 
 
-__all__ = ["Producer", "Envelope", "PushResult", "push_batch", "route_message", "to_ms"]
+__all__ = ["Producer", "Envelope", "PushResult", "push_batch", "route_message", "to_ms", "MAX_DELAY_S",
+           "MAX_SHARD_KEY_BYTES"]

@@ -18,8 +18,10 @@ from .errors import ConfigError, TopicExists, TopicHeld, TopicNotFound
 from .headers import dispatch_tag
 from .keyspace import (Keyspace, TopicSpace, Versionstamp, counter, decode_counter, message_id, parse_message_id,
                        vs_from_bytes)
-from .keyspace.codec import CHUNK_BYTES, CHUNK_WRITE_BYTES, LeaseRecord, Record, decode_leases, pack, reshard_shard, shard_of, unpack
+from .keyspace.codec import (CHUNK_BYTES, CHUNK_WRITE_BYTES, LeaseRecord, Record, decode_leases, decode_pending, pack,
+                             reshard_shard, shard_of, unpack)
 from .log import buckets_in, chunks_bytes, entry_bytes, iter_window, log_buckets, read_chunk
+from .ops.push import MARKER_TTL_S
 from .stats import SHARD_COUNTERS, shard_counters
 from .topic import (HOLD_WAIT_S, create_topic, held, list_topics, load_config, read_topic_config,
                     update_topic_config)
@@ -81,7 +83,7 @@ def play_chunk(tr, ts: TopicSpace, limit: int, hold: int | None = None) -> tuple
     full = False
     for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit):
         vs = ts.pending.unpack(kv.key)[0]
-        n = unpack(kv.value)
+        n = decode_pending(kv.value)
         raw = tr.snapshot[ts.log_key(n, vs)]
         if raw != None:  # noqa: E711 - trimmed meanwhile: nothing to route
             rec = Record.decode(raw)
@@ -646,7 +648,7 @@ class Supervisor:
             pass
         rv = _read_version(self.db)
         now_ms = int(time.time() * 1000)
-        for space, target, window, text in ((ts.marks_by_version, ts.marks, 600.0, False),
+        for space, target, window, text in ((ts.marks_by_version, ts.marks, MARKER_TTL_S, False),
                                             (ts.dedupe_by_version, ts.dedupe, config.dedupe_window_s, True)):
             keep_after = now_ms - int(window * 1000) if text else None
             keep_before = now_ms + int(window * 1000) if text else None   # as push judges a dedupe id

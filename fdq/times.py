@@ -1,5 +1,6 @@
-"""Points in time as people write them (the ``fdq`` command's options, Spark's options),
-to epoch milliseconds, the unit FDQ stores.
+"""Points in time to epoch milliseconds, the unit FDQ stores: as the Python API takes them
+(:func:`to_ms`: numbers of milliseconds, datetimes) and as people write them
+(:func:`parse_time`: the ``fdq`` command's options, Spark's options).
 
 Accepted: ISO-8601 (``2026-11-23T02:00:00Z``, ``2026-11-23``, an offset; no zone = UTC),
 a number with its unit (``1795399200s``, ``1795399200.5s``, ``1795399200000ms``), or a
@@ -21,6 +22,8 @@ EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 MAX_TIME_MS = 253402300799999
 # Bare integers below this (1973-03-03 in ms, the year 5138 in s) look like seconds.
 MIN_BARE_MS = 100_000_000_000
+# |epoch ms| the API takes as a number: beyond it no time (stored times are int64).
+MAX_API_MS = 1 << 62
 
 _WITH_UNIT = re.compile(r"(\d+(?:\.\d+)?)(ms|s)")
 EXAMPLES = "e.g. 2026-11-23T02:00:00Z, 1795399200s or 1795399200000ms"
@@ -37,6 +40,28 @@ def as_datetime(ms: int | None) -> datetime.datetime | None:
     parsed here is handed to the Python API, whose bare numbers from 1 to ``MIN_BARE_MS``
     are refused as probable seconds (``5ms``, written with its unit, is meant)."""
     return None if ms is None else EPOCH + datetime.timedelta(milliseconds=ms)
+
+
+def to_ms(t, *, refuse_seconds: bool = True) -> int | None:
+    """Epoch milliseconds from an int/float (ms) or a datetime (naive = UTC). NaN,
+    infinities and times beyond ``MAX_API_MS`` are refused (ConfigError), and so is a
+    number from 1 to ``MIN_BARE_MS`` (1973-03-03 as milliseconds): it is almost surely
+    epoch seconds (``time.time()``), which as milliseconds would mean January 1970 and
+    replay or rewind to the start of the log (``refuse_seconds=False``: a time already
+    checked, e.g. by ``Producer.replay``)."""
+    if t is None:
+        return None
+    if isinstance(t, datetime.datetime):
+        if t.tzinfo is None:
+            t = t.replace(tzinfo=datetime.timezone.utc)
+        return (t - EPOCH) // datetime.timedelta(milliseconds=1)     # exact: no float
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t or not -MAX_API_MS <= t <= MAX_API_MS:
+        raise ConfigError(f"time must be epoch milliseconds (within ±2**62) or a datetime, not {t!r}")
+    if refuse_seconds and 0 < t < MIN_BARE_MS:
+        raise ConfigError(f"time {t!r} looks like epoch seconds (as epoch milliseconds it is "
+                          f"{iso_ms(int(t))}): times are epoch milliseconds or a datetime; "
+                          f"pass {int(t * 1000)} or a datetime")
+    return int(t)
 
 
 def _iso(text: str) -> datetime.datetime:
@@ -73,4 +98,4 @@ def parse_time(value) -> int:
     return ms
 
 
-__all__ = ["parse_time", "iso_ms", "as_datetime", "EPOCH", "MAX_TIME_MS", "MIN_BARE_MS"]
+__all__ = ["to_ms", "parse_time", "iso_ms", "as_datetime", "EPOCH", "MAX_TIME_MS", "MAX_API_MS", "MIN_BARE_MS"]

@@ -14,6 +14,7 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     config/topics/<topic>/subs/<sub>                      subscription record (config, start)
     config/topics/<topic>/subs/<sub>/boundary             versionstamp of its creation / reset
     config/topics/<topic>/subs/<sub>/cursor/<bucket>      catch-up progress per log bucket
+    config/topics/<topic>/subs/<sub>/purge/<tag>/<n>      a reset's purge progress per shard
     topic/<topic>/all/log/<bucket>/<vs>                   the "all" log (bucket = shard n)
     topic/<topic>/all/time/<minute_ms>/<vs>               sparse time -> position index
     topic/<topic>/all/stats/<name>                        inserted, routed, emitted, acked
@@ -23,7 +24,6 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     topic/<topic>/subs/<sub>/shards/<tag>/<n>/delayed/<due>/<vs>     due = database clock ms
     topic/<topic>/subs/<sub>/shards/<tag>/<n>/leased/<vs>/<lease_id> a leased batch (or part):
                                                           vs = its first message's
-    topic/<topic>/subs/<sub>/shards/<tag>/<n>/leased/<vs>            format 1: one leased message
     topic/<topic>/subs/<sub>/shards/<tag>/<n>/stats/<name>           per-shard counters
     topic/<topic>/subs/<sub>/chunks/<vs>/<i>              body chunks of queued messages
     topic/<topic>/subs/<sub>/dlq/<vs>                     dead letters, with the reason
@@ -35,7 +35,8 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     topic/<topic>/log_count/stamp, cursor/<bucket>        counting an older topic's log (fdq.logcount)
 
 ``<vs>`` is a tuple-layer Versionstamp: the commit's 10-byte stamp plus the message's
-index in its transaction, so keys sort by commit order and are gap-free for readers.
+index in its transaction, so keys sort by commit order and are gap-free for readers
+(:mod:`.stamps`). Values are encoded by :mod:`.codec`.
 """
 from __future__ import annotations
 
@@ -47,11 +48,16 @@ from fdb.tuple import Versionstamp
 
 from ..errors import FormatError
 from ..engine import transactional
+from .stamps import (STAMP_BYTES, VERSIONS_PER_S, VS_CODE, StoredVersionstamp, message_id, parse_message_id,
+                     position_of, stamp_of_value, stamped_value, version_of, vs_from_bytes, vs_key, vs_key_parts)
 
 FORMAT_VERSION = 1
 
+# (the stamps' names are re-exported: callers import them from fdq.keyspace)
 __all__ = ["Keyspace", "TopicSpace", "ShardSpace", "Versionstamp", "FORMAT_VERSION", "vs_key", "vs_key_parts",
-           "vs_from_bytes", "counter", "decode_counter", "ensure_format", "message_id", "parse_message_id"]
+           "vs_from_bytes", "counter", "decode_counter", "ensure_format", "message_id", "parse_message_id",
+           "StoredVersionstamp", "STAMP_BYTES", "VERSIONS_PER_S", "position_of", "stamp_of_value", "stamped_value",
+           "version_of"]
 
 _I64 = struct.Struct("<q")
 
@@ -69,55 +75,11 @@ def decode_counter(raw) -> int:
     return int.from_bytes(b[:8].ljust(8, b"\x00"), "little", signed=True) if b else 0
 
 
-class StoredVersionstamp(Versionstamp):
-    """A complete Versionstamp read from a key, keeping its 12 bytes: the consuming hot
-    path builds several keys and an id from each message's stamp (``to_bytes`` packs a
-    struct every time). Equal to, hashes as, and packs as a plain ``Versionstamp``."""
-
-    __slots__ = ("_bytes",)
-
-    def __init__(self, raw: bytes):
-        # Only the bytes: the parts are computed when asked (comparisons, hashing, some
-        # supervisor paths), which the consuming hot path never does.
-        self._bytes = raw
-
-    @property
-    def tr_version(self):
-        return self._bytes[:10]
-
-    @property
-    def user_version(self):
-        return (self._bytes[10] << 8) | self._bytes[11]
-
-    def to_bytes(self):
-        return self._bytes
+_CHUNK_INDEXES = [fdbtuple.pack((i,)) for i in range(256)]
 
 
-_INCOMPLETE = b"\xff" * 10
-
-
-def vs_from_bytes(raw: bytes) -> Versionstamp:
-    """The complete Versionstamp of 12 stored bytes (a key's last 12, after 0x33)."""
-    if type(raw) is not bytes:
-        raw = bytes(raw)
-    if len(raw) != 12 or raw[:10] == _INCOMPLETE:
-        return Versionstamp.from_bytes(raw)
-    return StoredVersionstamp(raw)
-
-
-def message_id(vs: Versionstamp) -> str:
-    """A message's printable id: 24 hex digits of its 12-byte versionstamp."""
-    return vs.to_bytes().hex()
-
-
-def parse_message_id(mid: str) -> Versionstamp:
-    try:
-        raw = bytes.fromhex(mid)
-    except (ValueError, TypeError):
-        raw = b""
-    if len(raw) != 12:
-        raise ValueError(f"invalid message id {mid!r}: expected 24 hex digits")
-    return Versionstamp.from_bytes(raw)
+def _chunk_index(i: int) -> bytes:
+    return _CHUNK_INDEXES[i] if i < 256 else fdbtuple.pack((i,))
 
 
 class ShardSpace:
@@ -151,13 +113,27 @@ class ShardSpace:
     def lease_key(self, vs12: bytes, packed_lease_id: bytes) -> bytes:
         """A lease record's key: ``leased.pack((vs, lease_id))`` from the first message's
         12-byte stamp and ``fdb.tuple.pack((lease_id,))``. The lease id makes it unique: a
-        message nak'd out of a batch whose record lives on may lead a later batch. (Format
-        1 kept a row per message under ``leased.pack((vs,))``; codec.decode_leases reads
-        both.)"""
+        message nak'd out of a batch whose record lives on may lead a later batch."""
         return self.leased_prefix + b"\x33" + vs12 + packed_lease_id
 
     def delayed_key(self, due: int, vs: Versionstamp) -> bytes:
         return self.delayed.pack((due, vs))
+
+    def delayed_vs_key(self, due: int, uv: int) -> bytes:
+        """The stamped key (``vs_key``) of this transaction's message ``uv``, due at ``due``."""
+        return vs_key(self.delayed.pack((due,)), uv)
+
+    def chunk_vs_key(self, uv: int, i: int) -> bytes:
+        """The stamped key of chunk ``i`` of this transaction's message ``uv``."""
+        return vs_key(self.chunks.key(), uv, _chunk_index(i))
+
+    def chunk_key(self, vs: Versionstamp, i: int) -> bytes:
+        """Chunk ``i`` of the body of the queued message ``vs`` (the subscription's chunks)."""
+        return self.chunks.pack((vs, i))
+
+    def chunks_range(self, vs: Versionstamp):
+        """The body chunks of the queued message ``vs``."""
+        return self.chunks[vs].range()
 
     def stat(self, name: str) -> bytes:
         key = self._stat_keys.get(name)
@@ -200,7 +176,7 @@ class TopicSpace:
         self._shards = {}
         self._stat_keys = {}
         self.log_prefixes = {}
-        self.push_plans = {}     # the producer's per-config cache (producer._PushPlan)
+        self.push_plans = {}     # push's per-config cache (fdq.ops.push._PushPlan)
 
     def log_prefix(self, bucket: int) -> bytes:
         p = self.log_prefixes.get(bucket)
@@ -246,8 +222,94 @@ class TopicSpace:
     def assignment_key(self, sub: str) -> bytes:
         return self.assignment.pack((sub,))
 
+    def heartbeat_version_key(self, sub: str, cid: str) -> bytes:
+        """The read version of consumer ``cid``'s last heartbeat (for display)."""
+        return self.consumers.pack((sub, cid, "hbv"))
+
     def log_key(self, bucket: int, vs: Versionstamp) -> bytes:
         return self.log.pack((bucket, vs))
+
+    def log_entry_key(self, bucket: int, vs12: bytes) -> bytes:
+        """``log_key`` from a position's 12 bytes."""
+        return self.log_prefix(bucket) + VS_CODE + vs12
+
+    def log_bucket_range(self, bucket: int):
+        return self.log[bucket].range()
+
+    def time_index_key(self, minute_ms: int) -> bytes:
+        """Where the time index's entries of ``minute_ms`` begin (entries: + a stamp)."""
+        return self.time_index.pack((minute_ms,))
+
+    def chunk_key(self, vs: Versionstamp, i: int) -> bytes:
+        """Chunk ``i`` of the body of the log entry ``vs``."""
+        return self.all_chunks.pack((vs, i))
+
+    def chunks_range(self, vs: Versionstamp):
+        """The body chunks of the log entry ``vs``."""
+        return self.all_chunks[vs].range()
+
+    def chunk_vs_key(self, uv: int, i: int) -> bytes:
+        """The stamped key of chunk ``i`` of this transaction's message ``uv``."""
+        return vs_key(self.all_chunks.key(), uv, _chunk_index(i))
+
+    def time_index_vs_key(self, minute_ms: int, uv: int) -> bytes:
+        """The time index's entry of ``minute_ms`` at this transaction's message ``uv``."""
+        return vs_key(self.time_index.pack((minute_ms,)), uv)
+
+    def pending_vs_key(self, uv: int) -> bytes:
+        """The stamped key of this transaction's message ``uv`` pushed while paused."""
+        return vs_key(self.pending.key(), uv)
+
+    def tag_key(self, tag: str) -> bytes:
+        return self.tags.pack((tag,))
+
+    def dedupe_key(self, msg_id: str) -> bytes:
+        return self.dedupe.pack((msg_id,))
+
+    def marker_key(self, txid: bytes) -> bytes:
+        """Push transaction ``txid``'s marker (``codec.encode_marker``)."""
+        return self.marks.pack((txid,))
+
+    def marker_part_key(self, txid: bytes, i: int) -> bytes:
+        """Part ``i`` (from 1) of a split marker's payload."""
+        return self.marks.pack((txid, i))
+
+    def marker_parts_range(self, txid: bytes):
+        return self.marks[txid].range()
+
+    def sub_record_key(self, sub: str) -> bytes:
+        """Subscription ``sub``'s record (``codec.encode_subscription``)."""
+        return self.sub_records.pack((sub,))
+
+    def sub_boundary_key(self, sub: str) -> bytes:
+        """The versionstamp of ``sub``'s creation or last reset."""
+        return self.sub_records.pack((sub, "boundary"))
+
+    def sub_cursors(self, sub: str) -> Subspace:
+        """``sub``'s catch-up progress, one key per log bucket (``.pack((bucket,))``)."""
+        return self.sub_records[sub]["cursor"]
+
+    def sub_cursor_key(self, sub: str, bucket: int) -> bytes:
+        return self.sub_records[sub]["cursor"].pack((bucket,))
+
+    def sub_purge_marks(self, sub: str) -> Subspace:
+        """A reset's purge progress of ``sub``, one key per shard (``.pack((tag, n))``)."""
+        return self.sub_records[sub]["purge"]
+
+    def sub_purge_mark(self, sub: str, tag: str, n: int) -> bytes:
+        return self.sub_records[sub]["purge"].pack((tag, n))
+
+    def replay_run_key(self, window: str, run: str) -> bytes:
+        """The progress of run ``run`` of the replay of ``window`` (``codec.encode_replay``)."""
+        return self.replays.pack((window, run))
+
+    def replay_beat_key(self, window: str, run: str) -> bytes:
+        """That run's heartbeat counter."""
+        return self.replays.pack((window, run, "hb"))
+
+    def replay_runs_range(self, window: str):
+        """Every run of the replay of ``window`` (progress and heartbeat keys)."""
+        return self.replays[window].range()
 
 
 class Keyspace:
@@ -275,23 +337,6 @@ class Keyspace:
         """The topic name if ``key`` is a topic's config key, else None."""
         t = self.topics_config.unpack(key)
         return t[0] if len(t) == 1 else None
-
-
-_VS_PLACEHOLDER = b"\x33" + b"\xff" * 10
-
-
-def vs_key(prefix: bytes, user_version: int, suffix: bytes = b"") -> bytes:
-    """``prefix`` + an incomplete tuple-layer Versionstamp + ``suffix``, with the 4-byte
-    offset ``set_versionstamped_key`` wants: what ``pack_with_versionstamp`` builds, without
-    re-encoding the prefix for every message."""
-    return (prefix + _VS_PLACEHOLDER + user_version.to_bytes(2, "big") + suffix
-            + struct.pack("<I", len(prefix) + 1))
-
-
-def vs_key_parts(prefix: bytes) -> tuple:
-    """``(head, offset)`` such that ``head + user_version.to_bytes(2, "big") + offset`` is
-    ``vs_key(prefix, user_version)``: for writing many stamped keys under one prefix."""
-    return prefix + _VS_PLACEHOLDER, struct.pack("<I", len(prefix) + 1)
 
 
 @transactional

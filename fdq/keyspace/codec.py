@@ -1,19 +1,27 @@
-"""Value codecs: messages, leases, dead letters, topic configs (msgpack).
+"""Value codecs: messages, leases, dead letters, dedupe entries, push markers, pending
+entries, replay progress, subscription records (msgpack).
 
-A message record is a msgpack array ``[ts_ms, shard_key, msg_id, headers, body, attempts,
-nchunks, replay_of, due]``; trailing defaults are dropped so a plain message costs a few bytes
-over its body (and a record written before a field existed decodes with its default).
-``due``: a delayed message's due time (database clock ms, ``membership.read_clock``), kept
-in its log entry so a copy made from the log (catch-up, reset, replay, play) waits for it. Bodies over ``CHUNK_BYTES`` are split: the record keeps the chunk count and
-the chunks live beside it (``.../chunks/<vs>/<i>``).
+A message record is a msgpack array ``[ts_ms, shard_key | home, msg_id, headers, body,
+attempts, nchunks, replay_of, due]``; trailing defaults are dropped so a plain message costs
+a few bytes over its body (and a record written before a field existed decodes with its
+default). Slot 1 holds the shard key (a str), or for an unkeyed message its home shard (an
+int: ``Record.home``, the shard its push chose, ``fdq.ops.routing``); msgpack writes an int
+up to 127 in one byte, as nil. ``due``: a delayed message's due time (database clock ms,
+``membership.read_clock``), kept in its log entry so a copy made from the log (catch-up,
+reset, replay, play) waits for it. Bodies over ``CHUNK_BYTES`` are split: the record keeps
+the chunk count and the chunks live beside it (``.../chunks/<vs>/<i>``).
 """
 from __future__ import annotations
 
 import hashlib
+import struct
 import threading
 from dataclasses import dataclass
 
 import msgpack
+from fdb.tuple import Versionstamp
+
+from .stamps import stamped_value, version_of
 
 CHUNK_BYTES = 90_000  # under FDB's 100,000-byte value limit, with room for the record
 # A record (its inline body, headers, keys) is at most this big: a body that fits
@@ -57,10 +65,12 @@ class Record:
     nchunks: int = 0
     replay_of: str | None = None
     due: int | None = None      # database clock ms a delayed message is due at
+    home: int | None = None     # unkeyed: the shard its push chose (stored in shard_key's slot)
 
     def encode(self) -> bytes:
-        fields = [self.ts_ms, self.shard_key, self.msg_id, self.headers, self.body,
-                  self.attempts, self.nchunks, self.replay_of, self.due]
+        slot = self.shard_key if self.shard_key is not None else self.home
+        fields = [self.ts_ms, slot, self.msg_id, self.headers, self.body, self.attempts, self.nchunks,
+                  self.replay_of, self.due]
         while len(fields) > 1 and fields[-1] == _DEFAULTS[len(fields) - 1]:
             fields.pop()
         return packer()(fields)
@@ -70,6 +80,9 @@ class Record:
         fields = _unpackb(raw if type(raw) is bytes else bytes(raw))
         if len(fields) > _NFIELDS:      # written by a newer version: its extra fields ignored
             del fields[_NFIELDS:]
+        if len(fields) > 1 and type(fields[1]) is int:      # an unkeyed message's home
+            home, fields[1] = fields[1], None
+            return cls(*fields, home=home)
         return cls(*fields)
 
 
@@ -87,10 +100,6 @@ def has_chunks(raw: bytes) -> bool:
 # versionstamp, ``record_i`` its record as it was queued: this lease is delivery
 # ``attempts + 1``. ``touches_i`` counts ``in_progress()`` calls of that message alone, so a
 # touch restarts its own ack wait and not its siblings'.
-#
-# Format 1 (before batch records) kept one row per message under ``leased/<vs>``:
-# ``[record, lease_id, consumer_id, ack_wait_ms, touches]`` with the attempt already
-# counted in the record. Such a row still reads as a one-message batch (``bump`` 0).
 
 LEASE_FORMAT = 2
 # A batch's records are split into parts of about this many bytes each (a part holds at
@@ -103,8 +112,9 @@ LEASE_ENTRY_OVERHEAD = 24     # msgpack framing of one entry (vs, record, touche
 
 @dataclass
 class LeaseRecord:
-    """A decoded lease record: ``entries`` are ``[vs12, record, touches]`` lists; ``bump``
-    is what a record's ``attempts`` lacks to count this delivery (1, or 0 for format 1)."""
+    """A decoded lease record: ``entries`` are ``[vs12, record, touches]`` lists. ``bump``
+    is always 1 (what a record's ``attempts`` lacks to count this delivery); it goes once
+    no caller passes it."""
 
     lease_id: bytes
     consumer_id: str
@@ -113,11 +123,6 @@ class LeaseRecord:
     bump: int = 1
 
     def encode(self) -> bytes:
-        """Its value: format 2, or format 1 for a format-1 row (one message, its attempt
-        counted in the record) being rewritten (a touch)."""
-        if not self.bump:
-            (_vs, record, touches), = self.entries
-            return packer()([record, self.lease_id, self.consumer_id, self.ack_wait_ms, touches])
         flat = [LEASE_FORMAT, self.lease_id, self.consumer_id, self.ack_wait_ms]
         for e in self.entries:
             flat += e
@@ -126,23 +131,19 @@ class LeaseRecord:
     def delivered(self, entry) -> "Record":
         """The entry's record with this delivery counted in ``attempts``."""
         rec = Record.decode(entry[1])
-        rec.attempts += self.bump
+        rec.attempts += 1
         return rec
 
 
 def encode_leases(lease_id: bytes, consumer_id: str, ack_wait_ms: int, flat_entries: list) -> bytes:
-    """A format-2 lease record of ``flat_entries`` ``[vs12, record, touches, ...]``."""
+    """A lease record of ``flat_entries`` ``[vs12, record, touches, ...]``."""
     return packer()([LEASE_FORMAT, lease_id, consumer_id, ack_wait_ms] + flat_entries)
 
 
 def decode_leases(key: bytes, raw) -> LeaseRecord:
-    """A lease record (either format); ``key`` is its key (a format-1 row's versionstamp
-    is the key's last 12 bytes)."""
+    """A lease record (``key``: its key, unused: the record holds its stamps)."""
     v = _unpackb(bytes(raw))
-    if v[0] == LEASE_FORMAT:
-        return LeaseRecord(v[1], v[2], v[3], [v[i:i + 3] for i in range(4, len(v), 3)], 1)
-    record, lease_id, consumer_id, ack_wait_ms, touches = v
-    return LeaseRecord(lease_id, consumer_id, ack_wait_ms, [[bytes(key[-12:]), record, touches]], 0)
+    return LeaseRecord(v[1], v[2], v[3], [v[i:i + 3] for i in range(4, len(v), 3)])
 
 
 def encode_dead(record: bytes, reason: str, consumer_id: str | None) -> bytes:
@@ -152,6 +153,98 @@ def encode_dead(record: bytes, reason: str, consumer_id: str | None) -> bytes:
 def decode_dead(raw):
     """-> (record bytes, reason, consumer_id)"""
     return tuple(_unpackb(bytes(raw)))
+
+
+# -- push side: dedupe entries, markers, pending entries -------------------------------
+
+_DEDUPE = struct.Struct(">HqI")      # after the stamp: user version, ts_ms, shard
+
+
+@dataclass(frozen=True)
+class DedupeEntry:
+    """A user ``msg_id``'s dedupe entry: the first push's message (its 12-byte ``vs``),
+    its producer time ``ts_ms`` and its ``shard``."""
+
+    vs: Versionstamp
+    ts_ms: int
+    shard: int
+
+    @property
+    def version(self) -> int:
+        """The commit version of the first push."""
+        return version_of(self.vs)
+
+
+def encode_dedupe(uv: int, ts_ms: int, shard: int) -> bytes:
+    """The dedupe entry of message ``uv`` of this transaction, for
+    ``set_versionstamped_value``: stamp ‖ uv ‖ ts_ms ‖ shard."""
+    return stamped_value(_DEDUPE.pack(uv, ts_ms, shard))
+
+
+def decode_dedupe(raw) -> DedupeEntry:
+    raw = bytes(raw)
+    _uv, ts_ms, shard = _DEDUPE.unpack_from(raw, 10)
+    return DedupeEntry(Versionstamp.from_bytes(raw[:12]), ts_ms, shard)
+
+
+# A marker holds its transaction's results: over this, its payload is split into parts
+# at marks/<txid>/<i> (FDB's value limit is 100,000 bytes); its value then starts with
+# _SPLIT (a byte msgpack never uses) and the part count.
+MARKER_PART_BYTES = 90_000
+_SPLIT = b"\xc1"
+
+
+def encode_marker(results) -> tuple:
+    """A push marker of ``results``: ``(value, parts)``, the value for
+    ``set_versionstamped_value`` (stamp ‖ payload, or stamp ‖ split mark ‖ part count ‖
+    first part) and the further parts (values of ``marker_part_key(txid, 1..)``)."""
+    payload = pack(results)
+    if len(payload) <= MARKER_PART_BYTES:
+        return stamped_value(payload), []
+    parts = [payload[i:i + MARKER_PART_BYTES] for i in range(0, len(payload), MARKER_PART_BYTES)]
+    return stamped_value(_SPLIT + len(parts).to_bytes(4, "big") + parts[0]), parts[1:]
+
+
+def decode_marker(raw, rest=None) -> tuple:
+    """``(stamp, results)`` of a marker's value; ``rest()`` returns its further parts'
+    values, read only if the marker is split."""
+    raw = bytes(raw)
+    stamp, payload = raw[:10], raw[10:]
+    if payload[:1] == _SPLIT:
+        payload = payload[5:] + b"".join(bytes(v) for v in rest())
+    return stamp, unpack(payload)
+
+
+def encode_pending(n: int) -> bytes:
+    """A pending entry (a message pushed while paused): its log bucket ``n``. (Its
+    second slot, once a delay, is None: the record keeps ``due``.)"""
+    return pack([n, None])
+
+
+def decode_pending(raw) -> int:
+    """The log bucket of a pending entry."""
+    v = unpack(raw)
+    return v[0] if isinstance(v, list) else v
+
+
+# -- replay progress, subscription records -----------------------------------------------
+
+def encode_replay(state: dict) -> bytes:
+    """A replay run's progress: {start, end, stop, after, count, owner}."""
+    return pack(state)
+
+
+def decode_replay(raw) -> dict | None:
+    return None if raw is None or raw == None else unpack(raw)  # noqa: E711 - FDB's absent Value
+
+
+def encode_subscription(record: dict) -> bytes:
+    """A subscription's record: its config and start point."""
+    return pack(record)
+
+
+def decode_subscription(raw) -> dict | None:
+    return None if raw is None or raw == None else unpack(raw)  # noqa: E711 - FDB's absent Value
 
 
 def pack(obj) -> bytes:

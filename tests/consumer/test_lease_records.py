@@ -11,10 +11,10 @@ import pytest
 import fdq
 from fdq import delivery
 from fdq.engine.sqlite import VALUE_SIZE_LIMIT
-from fdq.keyspace import counter, decode_counter, Keyspace, parse_message_id
-from fdq.keyspace.codec import decode_leases, LEASE_RECORD_BYTES, pack, Record, shard_of
+from fdq.keyspace import decode_counter, Keyspace, parse_message_id
+from fdq.keyspace.codec import LEASE_RECORD_BYTES, Record, shard_of
 
-from fdqtest import drain, FAST, fast, fetch_n, read, sub_stats, wait_for
+from fdqtest import drain, FAST, fast, fetch_n, sub_stats, wait_for
 
 
 def _records(db, topic="t", sub="default", shards=1, tag=""):
@@ -241,42 +241,3 @@ def test_reset_skips_every_leased_message_of_a_batch(db):
         c.close()
     st = sup.stats("t")["subscriptions"]["r"]
     assert st["in_flight"] == 0 and st["backlog"] == 0
-
-
-def test_format1_lease_rows_still_read(db):
-    """A per-message lease row of the previous layout (``leased/<vs>``, the record with its
-    attempt counted) reads as a one-message batch and expires with the right attempt
-    count."""
-    sup = fdq.Supervisor(db)
-    sup.create_topic("t", shards=1)
-    ids = [r.id for r in fdq.Producer(db).push_many("t", [fdq.Envelope(b"old%d" % i, shard_key="k") for i in range(2)])]
-    shard = Keyspace().topic("t").shard("default", "", 0)
-
-    @fdq.transactional
-    def to_format1(tr):
-        for mid in ids:
-            vs = parse_message_id(mid)
-            rec = Record.decode(tr[shard.ready_key(vs)])
-            del tr[shard.ready_key(vs)]
-            rec.attempts += 1
-            tr[shard.leased.pack((vs,))] = pack([rec.encode(), b"old-lease", "gone-consumer", 300, 0])
-            tr.add(shard.stat("in_flight"), counter(1))
-    to_format1(db)
-    [(k0, lr0), (k1, _lr1)] = _records(db)[0]
-    assert (lr0.lease_id, lr0.bump, len(lr0.entries)) == (b"old-lease", 0, 1)
-    assert decode_leases(k0, tr_get(db, k0)).delivered(lr0.entries[0]).attempts == 1
-    with fdq.Consumer(db, "t", config=FAST) as c:
-        # the owner sees them unchanged for their 300 ms ack wait, then redelivers them
-        back = []
-        deadline = time.monotonic() + 30
-        while len(back) < 2:
-            assert time.monotonic() < deadline
-            back += c.fetch(10, timeout=0.2)
-        assert sorted((m.id, m.attempts) for m in back) == sorted((i, 2) for i in ids)
-        c.ack_many(back)
-    s = sub_stats(db, "t")
-    assert (s["backlog"], s["in_flight"], s["dlq"]) == (0, 0, 0)
-
-
-def tr_get(db, key):
-    return read(db, key)
