@@ -21,6 +21,12 @@ def check_name(name, what: str = "topic") -> str:
     return name
 
 
+# A long operation (play, reshard, replay, trim, a subscription's catch-up or reset, DLQ
+# redrive and purge) runs in transactions of at most this many messages each (and
+# ``keyspace.codec.CHUNK_WRITE_BYTES`` of writes).
+CHUNK = 500
+
+
 MAX_INT = 2**63 - 1                  # counts are stored as 64-bit integers
 MAX_SECONDS = 100 * 365 * 86400      # durations: their millisecond deadlines stay 64-bit
 
@@ -76,7 +82,7 @@ class TopicConfig:
     catchup: tuple = ()                # subscriptions copying their start from the log
     paused_subs: tuple = ()            # subscriptions paused on their own (NSQ channel pause)
     held_at: int | None = None         # a play's last step: the version from which pushes
-                                       # wait a moment (``fdq.supervisor.play_chunk``)
+                                       # wait a moment (``fdq.ops.play.play_chunk``)
 
     def __post_init__(self):
         if isinstance(self.shards, int) and self.shards > 4096:    # before _positive's int64 bound

@@ -25,7 +25,7 @@ import json
 import time
 
 from . import delivery, membership
-from .config import (DEFAULT_SUBSCRIPTION, UPDATABLE_SUBSCRIPTION_FIELDS, SubscriptionConfig,
+from .config import (CHUNK, DEFAULT_SUBSCRIPTION, UPDATABLE_SUBSCRIPTION_FIELDS, SubscriptionConfig,
                      TopicConfig, check_name)
 from .engine import transactional
 from .errors import ConfigError, SubscriptionNotFound
@@ -33,10 +33,8 @@ from .headers import dispatch_tag
 from .keyspace import TopicSpace, Versionstamp, counter
 from .keyspace.codec import CHUNK_WRITE_BYTES, Record, pack, shard_of, unpack
 from .log import SLACK_MS
-from .topic import (read_topic_config, stamp_subscription_start, subscription_boundary_key, subscription_record_key,
-                    write_subscription_record, write_topic_config)
+from .ops.topics import read_topic_config, stamp_subscription_start, write_subscription_record, write_topic_config
 
-CHUNK = 500
 _DONE = b"done"
 
 
@@ -45,10 +43,6 @@ def is_ephemeral(name: str, config: SubscriptionConfig) -> bool:
 
 
 # -- records ----------------------------------------------------------------------------
-
-_record_key = subscription_record_key
-_boundary_key = subscription_boundary_key
-
 
 def _cursors(ts: TopicSpace, sub: str):
     return ts.sub_records[sub]["cursor"]
@@ -70,7 +64,7 @@ def read_subscription(tr, ts: TopicSpace, sub: str, *, snapshot: bool = False,
     if sub not in config.subs:
         raise SubscriptionNotFound(f"subscription {sub!r} of topic {ts.name!r} does not exist "
                                    f"(subscriptions: {', '.join(config.subs) or 'none'})")
-    return SubscriptionConfig.from_dict(_load(reader[_record_key(ts, sub)])["config"])
+    return SubscriptionConfig.from_dict(_load(reader[ts.sub_record_key(sub)])["config"])
 
 
 @transactional
@@ -80,7 +74,7 @@ def subscription_info(tr, ts: TopicSpace, sub: str) -> dict:
     (``set_subscription_paused``)."""
     topic_config = read_topic_config(tr, ts, snapshot=True)
     config = read_subscription(tr, ts, sub, snapshot=True, topic_config=topic_config)
-    raw = tr.snapshot[_boundary_key(ts, sub)]
+    raw = tr.snapshot[ts.sub_boundary_key(sub)]
     boundary = bytes(raw)[:10].hex() + "0000"
     return {"name": sub, "config": config, "ephemeral": is_ephemeral(sub, config),
             "catching_up": sub in topic_config.catchup, "paused": sub in topic_config.paused_subs,
@@ -140,7 +134,7 @@ def delete_subscription(tr, ts: TopicSpace, sub: str) -> bool:
     for space in (ts.subs[sub], ts.consumers[sub], ts.shard_records[sub], ts.sub_records[sub]):
         r = space.range()
         tr.clear_range(r.start, r.stop)
-    del tr[_record_key(ts, sub)]
+    del tr[ts.sub_record_key(sub)]
     del tr[ts.assignment_key(sub)]
     return True
 
@@ -155,9 +149,9 @@ def update_subscription(tr, ts: TopicSpace, sub: str, **changes) -> Subscription
                           f"{', '.join(UPDATABLE_SUBSCRIPTION_FIELDS)} may change (create a new "
                           "subscription, or reset it for a new start point)")
     config = dataclasses.replace(read_subscription(tr, ts, sub), **changes)
-    rec = _load(tr[_record_key(ts, sub)])
+    rec = _load(tr[ts.sub_record_key(sub)])
     rec["config"] = config.as_dict()
-    tr[_record_key(ts, sub)] = pack(rec)
+    tr[ts.sub_record_key(sub)] = pack(rec)
     return config
 
 
@@ -191,16 +185,16 @@ def begin_reset(tr, ts: TopicSpace, sub: str, to_time_ms: int | None):
     if not topic_config.routing:
         raise ConfigError(f"topic {ts.name!r} is {'paused' if topic_config.paused else 'resharding'}: "
                           "reset it once it is playing again")
-    rec = _load(tr[_record_key(ts, sub)])
+    rec = _load(tr[ts.sub_record_key(sub)])
     rec["reset"] = {"to_time_ms": to_time_ms, "purged": False}
-    tr[_record_key(ts, sub)] = pack(rec)
+    tr[ts.sub_record_key(sub)] = pack(rec)
     stamp_subscription_start(tr, ts, sub)
     if sub not in topic_config.catchup:
         write_topic_config(tr, ts, dataclasses.replace(topic_config, catchup=topic_config.catchup + (sub,)))
 
 
 def _boundary(tr, ts, sub) -> Versionstamp:
-    raw = tr[_boundary_key(ts, sub)]
+    raw = tr[ts.sub_boundary_key(sub)]
     if raw == None:  # noqa: E711
         raise SubscriptionNotFound(f"subscription {sub!r} of topic {ts.name!r} has no start boundary")
     return Versionstamp(bytes(raw)[:10], 0)
@@ -327,14 +321,14 @@ def catch_up_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
     if not topic_config.routing:
         raise ConfigError(f"topic {ts.name!r} is {'paused' if topic_config.paused else 'resharding'}: "
                           f"subscription {sub!r} catches up once it is playing again")
-    rec = _load(tr[_record_key(ts, sub)])
+    rec = _load(tr[ts.sub_record_key(sub)])
     config = SubscriptionConfig.from_dict(rec["config"])
     reset = rec.get("reset")
     if reset is not None and not reset.get("purged"):
         if purge_chunk(tr, ts, sub, limit):
             return 0
         reset["purged"] = True
-        tr[_record_key(ts, sub)] = pack(rec)
+        tr[ts.sub_record_key(sub)] = pack(rec)
     end = _boundary(tr, ts, sub)
     if reset is not None:
         policy, min_ts = ("by_start_time" if reset["to_time_ms"] is not None else "new"), reset["to_time_ms"]
@@ -391,7 +385,7 @@ def catch_up_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
         return read
     # Done: deliver from now on. Rewriting the config makes in-flight pushes retry.
     rec.pop("reset", None)
-    tr[_record_key(ts, sub)] = pack(rec)
+    tr[ts.sub_record_key(sub)] = pack(rec)
     for space in (cursors, ts.sub_records[sub]["purge"]):
         r = space.range()
         tr.clear_range(r.start, r.stop)

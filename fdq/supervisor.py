@@ -1,8 +1,9 @@
 """The supervisor: topics, pause / play, rebalance and reshard, stats, retention, replay.
 
-Long operations (play, reshard, replay, trim, DLQ redrive/purge) run as a series of
+A facade over the operations of ``fdq.ops``: each long operation (play, reshard,
+replay, trim, catch-up, DLQ redrive/purge) is a loop here over an operation's chunks,
 transactions of at most ``CHUNK`` messages (and ``CHUNK_WRITE_BYTES``) each, well under
-FDB's 5 s and 10 MB, and are resumable: each chunk removes what it has done, so a killed
+FDB's 5 s and 10 MB, and resumable: each chunk removes what it has done, so a killed
 run finishes when run again, with nothing lost or doubled.
 """
 from __future__ import annotations
@@ -12,438 +13,21 @@ import os
 import time
 
 from . import delivery, membership
-from .config import UPDATABLE_TOPIC_FIELDS, ConsumerConfig, TopicConfig, check_name
+from .config import CHUNK, UPDATABLE_TOPIC_FIELDS, TopicConfig, check_name
 from .engine import after_interrupt, error_types, transactional
-from .errors import ConfigError, TopicExists, TopicHeld, TopicNotFound
-from .headers import dispatch_tag
-from .keyspace import (Keyspace, TopicSpace, Versionstamp, counter, decode_counter, message_id, parse_message_id,
-                       vs_from_bytes)
-from .keyspace.codec import (CHUNK_BYTES, CHUNK_WRITE_BYTES, LeaseRecord, Record, decode_leases, decode_pending, pack,
-                             reshard_shard, shard_of, unpack)
-from .log import buckets_in, chunks_bytes, entry_bytes, iter_window, log_buckets, read_chunk
+from .errors import ConfigError, TopicExists, TopicHeld
+from .keyspace import VERSIONS_PER_S, Keyspace, TopicSpace, counter, decode_counter, message_id, parse_message_id
+from .keyspace.codec import CHUNK_WRITE_BYTES, pack, unpack
+from .log import iter_window, log_buckets, read_chunk
+from .ops.play import play_chunk, resharding
 from .ops.push import MARKER_TTL_S
-from .stats import SHARD_COUNTERS, shard_counters
-from .topic import (HOLD_WAIT_S, create_topic, held, list_topics, load_config, read_topic_config,
-                    update_topic_config)
-
-CHUNK = 500
-VERSIONS_PER_S = 1_000_000
-
-
-# -- routing of messages already in the log ----------------------------------------------
-
-def _route_existing(tr, ts: TopicSpace, config: TopicConfig, n: int, vs, raw: bytes, clock):
-    """Route a logged message (complete versionstamp ``vs``) to every subscription: delayed
-    until its record's due time if it has one and it is still ahead of ``clock``, else ready."""
-    rec = Record.decode(raw)
-    due = rec.due
-    if due is not None and due <= clock:
-        due = None
-    tag = dispatch_tag(rec.headers)
-    chunks = []
-    if rec.nchunks:
-        r = ts.all_chunks[vs].range()
-        chunks = [kv.value for kv in tr.snapshot.get_range(r.start, r.stop)]
-    for sub in config.subs:
-        shard = ts.shard(sub, tag, n)
-        if due is not None:
-            tr[shard.delayed_key(due, vs)] = raw
-            tr.add(shard.stat("delayed"), counter(1))
-        else:
-            tr[shard.ready_key(vs)] = raw
-        for i, c in enumerate(chunks):
-            tr[shard.chunks.pack((vs, i))] = c
-        tr.add(shard.stat("routed"), counter(1))
-    tr.add(ts.stat("routed"), counter(1))
-    return len(config.subs) * (len(raw) + sum(map(len, chunks)))
-
-
-@transactional
-def play_chunk(tr, ts: TopicSpace, limit: int, hold: int | None = None) -> tuple:
-    """Route up to ``limit`` messages (or ``CHUNK_WRITE_BYTES`` of them) pushed while
-    paused (or resharding), in order. Returns ``(routed, done, hold)``; the caller
-    passes ``hold`` back. Does nothing while a reshard is still moving queues.
-
-    The topic resumes (and a finished reshard's drain ends) in the transaction that
-    finds nothing left pending, so no push routes before an older pending one. Under
-    a steady stream of pushes that transaction would conflict with every push landing
-    in the pending area and never commit, so first the topic is *held*: a chunk that
-    reaches the end records ``held_at`` (its read version), and pushes from then on
-    wait (``fdq.errors.TopicHeld``) instead of writing. The next chunk routes what
-    landed before the hold and resumes, unless the hold is gone (a pause or another
-    play since: done, the pause stands) or older than ``HOLD_VERSIONS`` (a play that
-    died: pushes went on, hold again)."""
-    config = read_topic_config(tr, ts)
-    if resharding(config):
-        return 0, True, None
-    clock = membership.read_clock(tr, ts.clock_key)
-    r = ts.pending.range()
-    moved = written = 0
-    last = None
-    full = False
-    for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit):
-        vs = ts.pending.unpack(kv.key)[0]
-        n = decode_pending(kv.value)
-        raw = tr.snapshot[ts.log_key(n, vs)]
-        if raw != None:  # noqa: E711 - trimmed meanwhile: nothing to route
-            rec = Record.decode(raw)
-            # Over the budget with this message (its copies, chunks at most CHUNK_BYTES
-            # each): the next chunk routes it. A push accepted it alone under ROUTE_BYTES,
-            # not on top of ~CHUNK_WRITE_BYTES of others (FDB's limit is 10 MB).
-            if written and written + len(config.subs) * (len(raw) + rec.nchunks * CHUNK_BYTES) > CHUNK_WRITE_BYTES:
-                full = True
-                break
-            target = shard_of(rec.shard_key, config.shards) if rec.shard_key is not None else n % config.shards
-            written += _route_existing(tr, ts, config, target, vs, bytes(raw), clock)
-        last = kv.key
-        moved += 1
-    if last is not None:
-        # what it routed conflicts with another play routing it (whichever way this
-        # chunk ends); later pushes do not. Before the clears: as FDB's RYW, a read
-        # conflict skips keys the transaction already cleared.
-        tr.add_read_conflict_range(r.start, last + b"\x00")
-        tr.clear_range(r.start, last + b"\x00")
-    if moved == limit or full:
-        return moved, False, hold
-    if last is None and config.routing and config.held_at is None:
-        return 0, True, None                # running, nothing pending: no hold, no write
-    rv = tr.get_read_version().wait()
-    if config.held_at is None and hold is not None:
-        return moved, True, None            # paused since the hold (or resumed by another play)
-    if config.held_at is None or not held(rv, config.held_at):
-        tr[ts.config_key] = pack(dataclasses.replace(config, held_at=rv).as_dict())
-        return moved, False, rv
-    # Held: no push wrote the pending area since the hold committed (each one read the
-    # config before it, or conflicts with the hold's write), so reading all of it
-    # conflicts only with what this chunk missed.
-    tr.add_read_conflict_range(r.start, r.stop)
-    changes = {"held_at": None}
-    if config.resharding_to is not None:     # drained: route pushes again
-        changes["resharding_to"] = None
-    if config.paused:
-        changes["paused"] = False
-    tr[ts.config_key] = pack(dataclasses.replace(config, **changes).as_dict())
-    return moved, True, None
-
-
-def resharding(config: TopicConfig) -> bool:
-    """Whether a shard-count change is moving queues (``reshard_begin`` until
-    ``reshard_finish``). After the finish, ``resharding_to == shards`` while the
-    messages pushed meanwhile (the pending area) are routed: pushes still go there, so
-    none overtakes an older message of its key."""
-    return config.resharding_to is not None and config.resharding_to != config.shards
-
-
-# -- resharding ---------------------------------------------------------------------
-
-@transactional
-def reshard_begin(tr, ts: TopicSpace, shards: int) -> TopicConfig:
-    """Start changing the shard count: pushes go to the pending area; every shard's
-    owner is fenced off (epoch bump, no owner) until ``reshard_finish``."""
-    config = read_topic_config(tr, ts)
-    if shards == config.shards and config.resharding_to in (None, shards):
-        return config       # nothing to move (or moved: its pending area left to route)
-    if config.resharding_to not in (None, shards):
-        raise ConfigError(f"topic {ts.name!r} is already being resharded to {config.resharding_to} shards: finish "
-                          f"that first (fdq rebalance {ts.name}, without --shards; Supervisor.rebalance), "
-                          "then change the count")
-    config = dataclasses.replace(config, resharding_to=shards)
-    tr[ts.config_key] = pack(config.as_dict())
-    for sub in config.subs:
-        for s, (owner, epoch) in membership.read_owners(tr, ts, sub, snapshot=False).items():
-            tr[ts.shard_records[sub].pack(s)] = pack([None, epoch + 1])
-        tr.add(ts.assignment_key(sub), counter(1))
-    return config
-
-
-@transactional
-def reshard_chunk(tr, ts: TopicSpace, sub: str, tag: str, old_n: int, area: str, new_shards: int,
-                  limit: int, after: bytes | None = None) -> tuple:
-    """Move the entries of one queue area (ready, delayed, leased) of shard ``(tag,
-    old_n)`` whose new shard differs, reading up to ``limit`` entries (lease records)
-    or ``CHUNK_WRITE_BYTES`` of them after the key ``after``. Keys keep their
-    versionstamp, so each new shard's queue stays in push order per shard key. Returns
-    ``(entries read, last key read, done)``: entries that stay put are skipped by the
-    next chunk's ``after``, so a long run of them cannot loop forever."""
-    src = ts.shard(sub, tag, old_n)
-    space = getattr(src, area)
-    r = space.range()
-    begin = after + b"\x00" if after is not None else r.start
-    read = size = 0
-    last = None
-    moves = {}      # new shard n -> messages moved there
-    for kv in tr.get_range(begin, r.stop, limit=limit):
-        if size >= CHUNK_WRITE_BYTES:
-            break       # what it moved, written again elsewhere: under FDB's 10 MB per transaction
-        read += 1
-        last = kv.key
-        size += len(kv.key) + len(kv.value)
-        if area == "leased":
-            _reshard_lease_record(tr, ts, src, kv.key, kv.value, new_shards, moves)
-            continue
-        parts = space.unpack(kv.key)
-        new_n = reshard_shard(Record.decode(kv.value), parts[-1], new_shards)
-        if new_n == old_n:
-            continue
-        tr[getattr(ts.shard(sub, tag, new_n), area).pack(parts)] = kv.value
-        del tr[kv.key]
-        moves[new_n] = moves.get(new_n, 0) + 1
-    for new_n, k in moves.items():
-        dst = ts.shard(sub, tag, new_n)
-        tr.add(src.stat("routed"), counter(-k))
-        tr.add(dst.stat("routed"), counter(k))
-        if area != "ready":
-            name = "in_flight" if area == "leased" else "delayed"
-            tr.add(src.stat(name), counter(-k))
-            tr.add(dst.stat(name), counter(k))
-    return read, last, read < limit and size < CHUNK_WRITE_BYTES
-
-
-def _reshard_lease_record(tr, ts: TopicSpace, src, key: bytes, raw, new_shards: int, moves: dict):
-    """Split lease record ``key`` of shard ``src`` by its messages' new shards: those
-    that move go to a record under the same key suffix (lease id and first stamp) in
-    their new shard, merged with one already there (a part of the same record moved by
-    an earlier reshard: disjoint messages of one batch, so the merge is no larger than
-    the batch's record was); the rest stay."""
-    lr = decode_leases(key, raw)
-    groups = {}
-    for e in lr.entries:
-        n = reshard_shard(Record.decode(e[1]), vs_from_bytes(e[0]), new_shards)
-        groups.setdefault(n, []).append(e)
-    if list(groups) == [src.n]:
-        return
-    suffix = key[len(src.leased_prefix):]
-    for n, entries in groups.items():
-        if n == src.n:
-            continue
-        dst = ts.shard(src.sub, src.tag, n)
-        dkey = dst.leased_prefix + suffix
-        there = tr[dkey]
-        if there != None:  # noqa: E711
-            entries = sorted(decode_leases(dkey, there).entries + entries)
-        tr[dkey] = LeaseRecord(lr.lease_id, lr.consumer_id, lr.ack_wait_ms, entries, lr.bump).encode()
-        moves[n] = moves.get(n, 0) + len(groups[n])
-    stay = groups.get(src.n)
-    if stay:
-        tr[key] = LeaseRecord(lr.lease_id, lr.consumer_id, lr.ack_wait_ms, stay, lr.bump).encode()
-    else:
-        del tr[key]
-
-
-@transactional
-def fold_shard_counters(tr, ts: TopicSpace, sub: str, tag: str, old_n: int, new_shards: int) -> dict:
-    """Move the counters of shard ``(tag, old_n)``, which a reshard to ``new_shards``
-    removes (its queues already moved), into shard ``old_n % new_shards``: the
-    subscription's stats sum its shards' counters, so its emitted, acked, done... must
-    not vanish with the shard (backlog = routed - done stays as it was). Safe to
-    re-run: a folded shard's counters are 0. Returns what it moved."""
-    if old_n < new_shards:
-        return {}
-    src, dst = ts.shard(sub, tag, old_n), ts.shard(sub, tag, old_n % new_shards)
-    values = {name: decode_counter(tr[src.stat(name)]) for name in SHARD_COUNTERS + ("filtered",)}
-    moved = {name: v for name, v in values.items() if v}
-    for name, v in moved.items():
-        tr.add(src.stat(name), counter(-v))
-        tr.add(dst.stat(name), counter(v))
-    return moved
-
-
-@transactional
-def reshard_finish(tr, ts: TopicSpace) -> TopicConfig:
-    """Adopt the new shard count. A playing topic keeps ``resharding_to`` (now equal
-    to ``shards``) until ``play_chunk`` has routed what was pushed meanwhile, so pushes
-    keep going to the pending area after the older ones; a paused one routes nothing
-    until its play anyway."""
-    config = read_topic_config(tr, ts)
-    if not resharding(config):
-        if config.paused and config.resharding_to is not None:    # paused while draining:
-            config = dataclasses.replace(config, resharding_to=None)  # its play routes them
-            tr[ts.config_key] = pack(config.as_dict())
-        return config
-    config = dataclasses.replace(config, shards=config.resharding_to,
-                                 resharding_to=None if config.paused else config.resharding_to)
-    tr[ts.config_key] = pack(config.as_dict())
-    for sub in config.subs:
-        membership.assign_shards(tr, ts, sub, config)
-    for sub in config.catchup:
-        # A reset's purge marks shards it finished; the reshard moved messages it had
-        # not purged yet into them: it scans every shard again (safe, it is idempotent).
-        r = ts.sub_records[sub]["purge"].range()
-        tr.clear_range(r.start, r.stop)
-    return config
-
-
-# -- retention ----------------------------------------------------------------------
-
-@transactional
-def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: int, after=None,
-                      young_from: int | None = None) -> tuple:
-    """Delete the log entries of ``bucket`` inserted before ``before_ms`` among the next
-    ``limit`` after position ``after`` (None: its start), never one not yet routed
-    (``first_pending``) nor any after it. -> (deleted, bytes freed, last position read,
-    done). ``done`` at the bucket's end, or at the first entry inserted at or after
-    ``before_ms`` and committed at or after version ``young_from``; an entry inserted
-    "later" but committed before ``young_from`` is a producer clock running ahead: it is
-    kept and the scan goes on (None: stop at the first entry not due). The bytes freed
-    are subtracted from the ``log_bytes`` counter here.
-
-    Entries are read by snapshot (pushes appending to the bucket do not abort a trim)
-    with a read conflict on each deleted one: two trims never both delete (and
-    subtract) one entry."""
-    space = ts.log[bucket]
-    r = space.range()
-    begin = ts.log_key(bucket, after) + b"\x00" if after is not None else r.start
-    pending = first_pending(tr, ts)
-    deleted = freed = 0
-    rows = list(tr.snapshot.get_range(begin, r.stop, limit=limit))
-    last, done = after, len(rows) < limit
-    for kv in rows:
-        vs = space.unpack(kv.key)[0]
-        if pending is not None and vs >= pending:
-            done = True
-            break
-        rec = Record.decode(kv.value)
-        if rec.ts_ms >= before_ms:
-            if young_from is None or _version_of(vs) >= young_from:
-                done = True
-                break
-            last = vs       # a clock ahead: kept, and not a reason to keep what follows
-            continue
-        freed += _delete_entry(tr, ts, bucket, kv.key, vs, kv.value, rec.nchunks)
-        deleted += 1
-        last = vs
-    _note_trimmed(tr, ts, deleted, freed)
-    return deleted, freed, last, done
-
-
-def _note_trimmed(tr, ts: TopicSpace, deleted: int, freed: int):
-    """Subtract ``freed`` from ``log_bytes`` and count the entries deleted (``trimmed``).
-    ``trimmed`` is written by every trim that deletes and read with a conflict by trim by
-    size: two trims are serialized, so the size one never acts on a ``log_bytes`` that
-    another trim lowered since it read it (it would delete more than needed)."""
-    if freed:
-        tr.add(ts.stat("log_bytes"), counter(-freed))
-    if deleted:
-        tr.add(ts.stat("trimmed"), counter(deleted))
-
-
-def _version_of(vs) -> int:
-    return int.from_bytes(vs.tr_version[:8], "big")
-
-
-def _delete_entry(tr, ts: TopicSpace, bucket: int, key: bytes, vs, raw, nchunks: int) -> int:
-    """Delete one log entry (read by the caller) and its body chunks: its bytes
-    (``fdq.log.entry_bytes``). A read conflict on its key: a concurrent trim deleting it
-    too makes one of the two retry (and find it gone)."""
-    tr.add_read_conflict_key(key)
-    size = 0
-    if nchunks:
-        last = tr.snapshot[ts.all_chunks.pack((vs, nchunks - 1))]
-        size = chunks_bytes(len(last) if last != None else 0, nchunks)   # noqa: E711
-        cr = ts.all_chunks[vs].range()
-        tr.clear_range(cr.start, cr.stop)
-    del tr[key]
-    return entry_bytes(ts, bucket, len(raw), nchunks, size)
-
-
-@transactional
-def trim_oldest_chunk(tr, ts: TopicSpace, entries: list, max_bytes: int) -> tuple:
-    """Delete the oldest of ``entries`` [(bucket, vs)] (the log's oldest, in log order)
-    while the log is over ``max_bytes`` by its ``log_bytes`` counter, never one not yet
-    routed nor any after it. -> (deleted, bytes freed, done). An entry already gone (a
-    concurrent trim) is skipped. The counter is read by snapshot (concurrent pushes do
-    not abort a trim), ``trimmed`` with a conflict (a concurrent trim does); the bytes
-    freed are subtracted from it here."""
-    tr.add_read_conflict_key(ts.stat("trimmed"))    # any other trim's commit (``_note_trimmed``)
-    size = decode_counter(tr.snapshot[ts.stat("log_bytes")])
-    pending = first_pending(tr, ts)
-    raws = [tr.snapshot[ts.log_key(b, vs)] for b, vs in entries]    # (futures on FDB)
-    deleted = freed = 0
-    done = False
-    for (bucket, vs), raw in zip(entries, raws):
-        if size - freed <= max_bytes or (pending is not None and vs >= pending):
-            done = True
-            break
-        if raw == None:  # noqa: E711 - deleted meanwhile
-            continue
-        freed += _delete_entry(tr, ts, bucket, ts.log_key(bucket, vs), vs, raw, Record.decode(raw).nchunks)
-        deleted += 1
-    _note_trimmed(tr, ts, deleted, freed)
-    return deleted, freed, done
-
-
-@transactional
-def trim_index_chunk(tr, ts: TopicSpace, limit: int) -> tuple:
-    """Delete time index entries (in minute order) that point before the log's oldest
-    entry, up to the first that does not. -> (deleted, done). Deleting an index entry is
-    always safe (a window then starts earlier, ``log.position_for_time``); keeping them
-    would grow the index without bound under retention by size alone."""
-    oldest = None
-    for b in buckets_in(tr, ts):
-        br = ts.log[b].range()
-        for kv in tr.snapshot.get_range(br.start, br.stop, limit=1):
-            vs = ts.log[b].unpack(kv.key)[0]
-            oldest = vs if oldest is None or vs < oldest else oldest
-    if oldest is None:      # an empty log: whatever is committed later is after this version
-        rv = tr.get_read_version().wait()
-        oldest = Versionstamp(rv.to_bytes(8, "big") + b"\x00\x00", 0)
-    r = ts.time_index.range()
-    rows = list(tr.snapshot.get_range(r.start, r.stop, limit=limit))   # (pushes add index
-    for n, kv in enumerate(rows):                                       # entries: no conflict)
-        if ts.time_index.unpack(kv.key)[1] >= oldest:
-            return n, True
-        del tr[kv.key]
-    return len(rows), len(rows) < limit
-
-
-def first_pending(tr, ts: TopicSpace):
-    """The oldest message pushed while paused or resharding and not routed yet (its log
-    entry is its only copy: retention must keep it and every later one), or None. Not a
-    snapshot: a play routing it, or a push adding the first one, conflicts."""
-    r = ts.pending.range()
-    for kv in tr.get_range(r.start, r.stop, limit=1):
-        return ts.pending.unpack(kv.key)[0]
-    return None
-
-
-@transactional
-def _read_version(tr) -> int:
-    return tr.get_read_version().wait()
-
-
-@transactional
-def expire_index_chunk(tr, space, older_than_version: int, limit: int, target=None, text=False,
-                       keep_after_ms: int | None = None, keep_before_ms: int | None = None) -> int:
-    """Delete up to ``limit`` by-version index entries older than a version, and the
-    entries they point to in ``target`` (markers, dedupe ids) if they still belong to
-    that index entry (an id pushed again since keeps its newer entry). With
-    ``keep_after_ms``, a dedupe entry whose producer time is at or after it (and before
-    ``keep_before_ms``, if given) is kept: old by versions but young by the clock means
-    a version jump, not age; a time past ``keep_before_ms`` is a producer's clock ahead
-    (kept, it would stop the cleanup of every later entry while that clock is ahead)."""
-    r = space.range()
-    n = 0
-    for kv in tr.get_range(r.start, r.stop, limit=limit):
-        vs = space.unpack(kv.key)[0]
-        if int.from_bytes(vs.tr_version[:8], "big") >= older_than_version:
-            break
-        if target is not None:
-            tid = bytes(kv.value).decode() if text else bytes(kv.value)
-            tkey = target.pack((tid,))
-            current = tr[tkey]
-            if current != None:  # noqa: E711
-                cur = bytes(current)
-                if cur[:10] == vs.tr_version:
-                    if keep_after_ms is not None and \
-                            keep_after_ms <= int.from_bytes(cur[12:20], "big") < (keep_before_ms or 1 << 63):
-                        break
-                    del tr[tkey]
-                    if not text:   # a push marker's parts, if split (producer.read_marker)
-                        pr = target[tid].range()
-                        tr.clear_range(pr.start, pr.stop)
-        del tr[kv.key]
-        n += 1
-    return n
+from .ops.reshard import AREAS, fold_shard_counters, reshard_begin, reshard_chunk, reshard_finish
+from .ops.retention import (expire_dedupe_chunk, expire_markers_chunk, read_version, trim_bucket_chunk,
+                            trim_index_chunk, trim_oldest_chunk, trim_time_index_before)
+from .ops.stats import topic_stats
+from .ops.topics import (HOLD_WAIT_S, create_topic, delete_topic, list_topics, read_topic_config,
+                         update_topic_config)
+from .times import to_ms
 
 
 class Supervisor:
@@ -484,17 +68,8 @@ class Supervisor:
 
     def delete_topic(self, name: str):
         """Delete a topic: its config, consumers, queues, log and counters."""
-        ts = self._ts(name)
         self.config(name)
-
-        @transactional
-        def drop(tr):
-            r = ts.config_space.range()
-            tr.clear_range(r.start, r.stop)
-            del tr[ts.config_key]
-            r = ts.space.range()
-            tr.clear_range(r.start, r.stop)
-        drop(self.db)
+        delete_topic(self.db, self._ts(name))
 
     def topics(self) -> list:
         """[(name, TopicConfig)] by name."""
@@ -555,7 +130,7 @@ class Supervisor:
         if shards is None or (shards == config.shards and not resharding(config)):
             config = reshard_finish(self.db, ts)    # no-op unless paused while draining
             for sub in config.subs:
-                membership.assign_shards(self.db, ts, sub, config)
+                membership.assign_shards(self.db, ts, sub)
             if not config.paused:
                 self.play(name)   # a rerun after a reshard killed before its play
             return self.config(name)
@@ -570,7 +145,7 @@ class Supervisor:
         for sub in config.subs:
             for tag in tags:
                 for n in range(old):
-                    for area in ("ready", "delayed", "leased"):
+                    for area in AREAS:
                         after = None
                         while True:
                             read, after, done = reshard_chunk(self.db, ts, sub, tag, n, area, shards, CHUNK, after)
@@ -593,8 +168,7 @@ class Supervisor:
         its ``zombie_after_s`` (None if either is unknown): a consumer that died (kill -9)
         stays registered, owning its shards, until a live peer of its subscription finds
         it a zombie, so with none running it is listed for good."""
-        return topic_stats(self.db, self._ts(name), name)
-
+        return topic_stats(self.db, self._ts(name), int(time.time() * 1000))
 
     def trim(self, name: str, *, before_ms: int | None = None, progress=None) -> int:
         """Apply retention to the "all" log: delete what was inserted before ``before_ms``
@@ -613,7 +187,6 @@ class Supervisor:
         and resumable: a trim killed mid-way leaves the counter equal to the log's size,
         and running it again finishes. ``before_ms``: epoch ms or a datetime; anything
         else is a ConfigError (a NaN, never compared as newer, deleted the whole log)."""
-        from .producer import to_ms
         before_ms = to_ms(before_ms)
         ts = self._ts(name)
         config = self.config(name)
@@ -624,7 +197,7 @@ class Supervisor:
         if before_ms is not None:
             # Versions advance at least VERSIONS_PER_S (recoveries jump ahead): an entry
             # committed at or after this version was committed after before_ms.
-            young_from = _read_version(self.db) - max(0, int(time.time() * 1000) - before_ms) * (VERSIONS_PER_S // 1000)
+            young_from = read_version(self.db) - max(0, int(time.time() * 1000) - before_ms) * (VERSIONS_PER_S // 1000)
             for b in buckets:
                 after = None
                 while True:
@@ -635,26 +208,19 @@ class Supervisor:
                         progress(n)
                     if done:
                         break
-            idx = ts.time_index
-            r = idx.range()
-
-            @transactional
-            def trim_index(tr):
-                tr.clear_range(r.start, idx.pack((before_ms // 60000 * 60000 - 120_000,)))
-            trim_index(self.db)
+            trim_time_index_before(self.db, ts, before_ms)
         if config.retention_bytes is not None:
             deleted += self._trim_to_size(ts, log_buckets(self.db, ts), config, progress)
         while not trim_index_chunk(self.db, ts, CHUNK)[1]:
             pass
-        rv = _read_version(self.db)
-        now_ms = int(time.time() * 1000)
-        for space, target, window, text in ((ts.marks_by_version, ts.marks, MARKER_TTL_S, False),
-                                            (ts.dedupe_by_version, ts.dedupe, config.dedupe_window_s, True)):
-            keep_after = now_ms - int(window * 1000) if text else None
-            keep_before = now_ms + int(window * 1000) if text else None   # as push judges a dedupe id
-            while expire_index_chunk(self.db, space, rv - int(window * VERSIONS_PER_S), CHUNK,
-                                     target, text, keep_after, keep_before) == CHUNK:
-                pass
+        rv = read_version(self.db)
+        while expire_markers_chunk(self.db, ts, rv - int(MARKER_TTL_S * VERSIONS_PER_S), CHUNK) == CHUNK:
+            pass
+        window_s, now_ms = config.dedupe_window_s, int(time.time() * 1000)
+        # an id is young by versions or by the producers' clock, either way (as push judges it)
+        keep = (now_ms - int(window_s * 1000), now_ms + int(window_s * 1000))
+        while expire_dedupe_chunk(self.db, ts, rv - int(window_s * VERSIONS_PER_S), CHUNK, *keep) == CHUNK:
+            pass
         return deleted
 
     def _trim_to_size(self, ts: TopicSpace, buckets: list, config: TopicConfig, progress=None) -> int:
@@ -732,7 +298,6 @@ class Supervisor:
         (skip). Its ready and delayed messages are replaced by the "all" log's messages
         inserted at ``to_time`` or later (within retention); leases and the DLQ are left
         alone. Messages pushed meanwhile are kept, exactly once. Returns messages copied."""
-        from .producer import to_ms
         from .subscription import begin_reset, catch_up
         ts = self._ts(name)
         begin_reset(self.db, ts, subscription, to_ms(to_time))
@@ -840,89 +405,6 @@ class Supervisor:
         return [dict(c, subscription=sub) for sub, s in st["subscriptions"].items() for c in s["consumers"]]
 
 
-@transactional
-def topic_stats(tr, ts: TopicSpace, name: str) -> dict:
-    """``Supervisor.stats``, in one read-only transaction (snapshot reads; retried on a
-    retryable error like every transactional function)."""
-    snap = tr.snapshot
-    config = load_config(snap[ts.config_key])
-    if config is None:
-        raise TopicNotFound(f"topic {name!r} does not exist")
-    rv = tr.get_read_version().wait()
-    clock = membership.read_clock(tr, ts.clock_key)
-    clock_version = _counter_or_none(snap[ts.clock_version_key])
-    topic = {k: decode_counter(snap[ts.stat(k)]) for k in ("inserted", "routed", "emitted", "acked")}
-    topic["pending"] = topic["inserted"] - topic["routed"]
-    # Bodies pushed, all time (nsqd's message_bytes), log entries trim deleted, and the
-    # log's size now (TopicConfig).
-    topic["inserted_bytes"] = decode_counter(snap[ts.stat("inserted_bytes")])
-    topic["trimmed"] = decode_counter(snap[ts.stat("trimmed")])
-    topic["log_bytes"] = decode_counter(snap[ts.stat("log_bytes")])
-    subs = {}
-    for sub in config.subs:
-        shards = shard_counters(snap, ts, sub, config)
-        owners = membership.read_owners(tr, ts, sub)
-        members = membership.read_members(tr, ts, sub)
-        consumers = []
-        for cid, m in sorted(members.items()):
-            hbc, hbv = (snap[ts.heartbeat_clock_key(sub, cid)], snap[ts.consumers.pack((sub, cid, "hbv"))])
-            age = membership.heartbeat_age(_counter_or_none(hbc), _counter_or_none(hbv), clock, clock_version, rv)
-            zombie_after = m["record"].get("zombie_after_s")
-            consumers.append({"id": cid, "heartbeats": m["hb"], "mode": m["record"].get("mode"),
-                              "host": m["record"].get("host"), "pid": m["record"].get("pid"),
-                              "tag": m["record"].get("tag"),
-                              "heartbeat_age_s": age, "zombie_after_s": zombie_after,
-                              # for people, as the age: a peer would take its shards (none
-                              # runs to, or it has not yet); liveness never reads this
-                              "zombie": None if age is None or zombie_after is None else age > zombie_after,
-                              "shards": sorted(n for (t, n), (o, _e) in owners.items() if o == cid),
-                              "tag_shards": sorted([t, n] for (t, n), (o, _e) in owners.items() if o == cid)})
-        oldest = None
-        for (tag, n) in shards:
-            shard = ts.shard(sub, tag, n)
-            r = shard.ready.range()
-            for kv in snap.get_range(r.start, r.stop, limit=1):
-                t = Record.decode(kv.value).ts_ms
-                oldest = t if oldest is None else min(oldest, t)
-        total = lambda k: sum(c[k] for c in shards.values())  # noqa: E731
-        subs[sub] = {
-            "catching_up": sub in config.catchup, "paused": sub in config.paused_subs,
-            "backlog": total("backlog"), "in_flight": total("in_flight"), "delayed": total("delayed"),
-            "emitted": total("emitted"), "acked": total("acked"),
-            "dlq": delivery.dlq_size(snap, ts, sub),
-            "oldest_ready_ms": oldest,
-            "lag_ms": (int(time.time() * 1000) - oldest) if oldest is not None else 0,
-            "consumers": consumers,
-            "shards": [{"tag": tag, "shard": n, "owner": owners.get((tag, n), (None, 0))[0], **c}
-                       for (tag, n), c in sorted(shards.items())],
-            "tags": _per_tag(shards, owners, members),
-        }
-    return {"topic": name, "config": config.as_dict(), "counters": topic, "subscriptions": subs}
-
-
-def _counter_or_none(raw):
-    return None if raw == None else decode_counter(raw)  # noqa: E711
-
-
-def _per_tag(shards: dict, owners: dict, members: dict) -> dict:
-    """{tag: backlog, in-flight and delayed of the tag's shards, their owners, and
-    whether they fell back to untagged consumers ("" is the untagged messages)}."""
-    out = {}
-    for (tag, n), c in sorted(shards.items()):
-        t = out.setdefault(tag, {"shards": 0, "backlog": 0, "in_flight": 0, "delayed": 0, "owners": set()})
-        t["shards"] += 1
-        for k in ("backlog", "in_flight", "delayed"):
-            t[k] += c[k]
-        owner = owners.get((tag, n), (None, 0))[0]
-        if owner is not None:
-            t["owners"].add(owner)
-    for tag, t in out.items():
-        t["owners"] = sorted(t["owners"])
-        t["fallback"] = bool(tag) and any(not (members.get(o, {}).get("record", {}).get("tag"))
-                                          for o in t["owners"])
-    return out
-
-
 REPLAY_HEARTBEAT_S = 0.5   # a running replay bumps its heartbeat counter this often
 REPLAY_ORPHAN_S = 3.0      # a replay whose heartbeat stays unchanged this long was killed
 
@@ -943,7 +425,6 @@ def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None)
     import threading
 
     from .log import body_of
-    from .producer import to_ms
     start_ms, end_ms = to_ms(start_ms, refuse_seconds=False), to_ms(end_ms, refuse_seconds=False)
     if start_ms is not None and end_ms is not None and end_ms < start_ms:
         raise ConfigError(f"replay window ends ({end_ms}) before it starts ({start_ms})")
@@ -1165,5 +646,4 @@ class _ReplayEnvelope:
     due_at: int | None = None     # the original's due time (database clock ms), if delayed
 
 
-__all__ = ["Supervisor", "replay_window", "replay_begin", "replay_chunk", "replay_finish", "play_chunk", "reshard_begin", "reshard_chunk",
-           "reshard_finish", "trim_bucket_chunk", "ConsumerConfig", "os", "Versionstamp"]
+__all__ = ["Supervisor", "replay_window"]
