@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .errors import ConfigError, InvalidName
 
@@ -335,6 +335,13 @@ class SubscriptionConfig:
                 for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
 
 
+def effective_consumer_config(consumer_config: ConsumerConfig, config: SubscriptionConfig) -> ConsumerConfig:
+    """The consumer's config with the subscription's redelivery policy, where set."""
+    changes = {k: getattr(config, k) for k in ("ack_wait_s", "max_deliver", "backoff_s")
+               if getattr(config, k) is not None}
+    return dataclasses.replace(consumer_config, **changes) if changes else consumer_config
+
+
 __all__ = ["TopicConfig", "ConsumerConfig", "ProducerConfig", "SubscriptionConfig",
            "UPDATABLE_SUBSCRIPTION_FIELDS", "UPDATABLE_TOPIC_FIELDS", "check_name", "NAME_RE",
-           "DEFAULT_SUBSCRIPTION", "field"]
+           "DEFAULT_SUBSCRIPTION", "CHUNK", "effective_consumer_config"]

@@ -13,20 +13,24 @@ import os
 import time
 
 from . import delivery, membership
-from .config import CHUNK, UPDATABLE_TOPIC_FIELDS, TopicConfig, check_name
+from .config import CHUNK, UPDATABLE_TOPIC_FIELDS, SubscriptionConfig, TopicConfig, check_name
 from .engine import after_interrupt, error_types, transactional
 from .errors import ConfigError, TopicExists, TopicHeld
 from .keyspace import VERSIONS_PER_S, Keyspace, TopicSpace, counter, decode_counter, message_id, parse_message_id
 from .keyspace.codec import CHUNK_WRITE_BYTES, pack, unpack
 from .log import iter_window, log_buckets, read_chunk
+from .ops.catchup import begin_reset, catch_up
 from .ops.play import play_chunk, resharding
 from .ops.push import MARKER_TTL_S
 from .ops.reshard import AREAS, fold_shard_counters, reshard_begin, reshard_chunk, reshard_finish
 from .ops.retention import (expire_dedupe_chunk, expire_markers_chunk, read_version, trim_bucket_chunk,
                             trim_index_chunk, trim_oldest_chunk, trim_time_index_before)
 from .ops.stats import topic_stats
+from .ops.subscriptions import (create_subscription, delete_subscription, set_subscription_paused,
+                                subscription_info, update_subscription)
 from .ops.topics import (HOLD_WAIT_S, create_topic, delete_topic, list_topics, read_topic_config,
                          update_topic_config)
+from .subscription import Reaper
 from .times import to_ms
 
 
@@ -240,7 +244,7 @@ class Supervisor:
                 break       # fits, or reached messages not routed yet: they and later ones stay
         return deleted
 
-    # -- subscriptions (see fdq.subscription) -----------------------------------------
+    # -- subscriptions (fdq.ops.subscriptions, fdq.ops.catchup) ---------------------------
 
     def create_subscription(self, name: str, subscription: str, config=None, *, ephemeral: bool = False,
                             progress=None) -> dict:
@@ -249,8 +253,6 @@ class Supervisor:
         then its consumers deliver. Re-running with the same config is a no-op that
         finishes an interrupted catch-up; a different config is an error listing the
         differing fields. Returns ``subscription_info``."""
-        from .config import SubscriptionConfig
-        from .subscription import catch_up, create_subscription
         ts = self._ts(name)
         check_name(subscription, "subscription")
         config = config if config is not None else SubscriptionConfig()
@@ -267,29 +269,21 @@ class Supervisor:
     def delete_subscription(self, name: str, subscription: str):
         """Delete a subscription and all its state (queues, leases, DLQ, counters,
         consumers); nothing else. Its consumers get SubscriptionNotFound."""
-        from .subscription import delete_subscription
         self.subscription(name, subscription)   # raises SubscriptionNotFound; checked apart so a
         delete_subscription(self.db, self._ts(name), subscription)  # retry after 1021 is no error
 
     def pause_subscription(self, name: str, subscription: str) -> bool:
         """Stop delivering to one subscription (pushes still fill its queues); the other
         subscriptions go on. Returns whether it was already paused."""
-        from .subscription import set_subscription_paused
         return set_subscription_paused(self.db, self._ts(name), check_name(subscription, "subscription"), True)
 
     def play_subscription(self, name: str, subscription: str) -> bool:
         """Resume delivering to a paused subscription. Returns whether it was paused."""
-        from .subscription import set_subscription_paused
         return set_subscription_paused(self.db, self._ts(name), check_name(subscription, "subscription"), False)
 
     def update_subscription(self, name: str, subscription: str, **changes):
         """Change updatable fields of a subscription (``fdq.config.UPDATABLE_SUBSCRIPTION_FIELDS``);
         its consumers apply them at their next heartbeat. Returns the new config."""
-        from .config import SubscriptionConfig
-        from .subscription import update_subscription
-        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(SubscriptionConfig)})
-        if unknown:
-            raise ConfigError(f"unknown subscription option(s): {', '.join(unknown)}")
         return update_subscription(self.db, self._ts(name), subscription, **changes)
 
     def reset(self, name: str, subscription: str, to_time=None, progress=None) -> int:
@@ -298,14 +292,12 @@ class Supervisor:
         (skip). Its ready and delayed messages are replaced by the "all" log's messages
         inserted at ``to_time`` or later (within retention); leases and the DLQ are left
         alone. Messages pushed meanwhile are kept, exactly once. Returns messages copied."""
-        from .subscription import begin_reset, catch_up
         ts = self._ts(name)
         begin_reset(self.db, ts, subscription, to_ms(to_time))
         return catch_up(self.db, ts, subscription, progress=progress)
 
     def subscription(self, name: str, subscription: str) -> dict:
         """{"name", "config", "ephemeral", "catching_up", "start_position"}."""
-        from .subscription import subscription_info
         return subscription_info(self.db, self._ts(name), subscription)
 
     def subscriptions(self, name: str) -> list:
@@ -316,7 +308,6 @@ class Supervisor:
         """Delete the topic's ephemeral subscriptions whose consumers are all zombies:
         watches their heartbeats for ``zombie_after_s``, or a member's own longer timeout
         (blocking). Returns those deleted."""
-        from .subscription import Reaper
         reaper = Reaper(zombie_after_s)
         ts = self._ts(name)
         reaper.observe(self.db, ts, self.config(name), time.monotonic())
@@ -324,7 +315,6 @@ class Supervisor:
         while time.monotonic() < deadline:
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
         return reaper.observe(self.db, ts, self.config(name), time.monotonic())
-
 
     def dlq_list(self, name: str, subscription: str = "default", limit: int = 100) -> list:
         ts = self._ts(name)

@@ -2,8 +2,9 @@
 
 ``reshard_begin`` sends pushes to the pending area (as a pause does) and fences every
 shard's owner off; ``reshard_chunk`` moves each queue area (ready, delayed, leased) of
-each old shard, a chunk at a time, to its messages' new shards, keys (versionstamps)
-kept, so each new shard's queue stays in push order per shard key; ``fold_shard_counters``
+each old shard, a chunk at a time, to its messages' new shards (``routing.target``: a
+keyed message by its key, an unkeyed one to its home, where every copy of it goes),
+keys (versionstamps) kept, so each new shard's queue stays in push order per shard key; ``fold_shard_counters``
 keeps the counters of shards that go away; ``reshard_finish`` adopts the new count, and
 ``fdq.ops.play`` then routes what was pushed meanwhile. Every step is safe to re-run.
 """
@@ -14,10 +15,11 @@ import dataclasses
 from ..engine import transactional
 from ..config import TopicConfig
 from ..errors import ConfigError
-from ..keyspace import TopicSpace, counter, decode_counter, vs_from_bytes
-from ..keyspace.codec import CHUNK_WRITE_BYTES, LeaseRecord, Record, decode_leases, pack, reshard_shard
+from ..keyspace import TopicSpace, counter, decode_counter
+from ..keyspace.codec import CHUNK_WRITE_BYTES, LeaseRecord, Record, decode_leases, pack
 from ..membership import assign_shards, read_owners
 from .play import resharding
+from .routing import target
 from .stats import SHARD_COUNTERS
 from .topics import read_topic_config, write_topic_config
 
@@ -70,7 +72,7 @@ def reshard_chunk(tr, ts: TopicSpace, sub: str, tag: str, old_n: int, area: str,
             _reshard_lease_record(tr, ts, src, kv.key, kv.value, new_shards, moves)
             continue
         parts = space.unpack(kv.key)
-        new_n = reshard_shard(Record.decode(kv.value), parts[-1], new_shards)
+        new_n = target(Record.decode(kv.value), new_shards)[1]
         if new_n == old_n:
             continue
         tr[getattr(ts.shard(sub, tag, new_n), area).pack(parts)] = kv.value
@@ -96,7 +98,7 @@ def _reshard_lease_record(tr, ts: TopicSpace, src, key: bytes, raw, new_shards: 
     lr = decode_leases(key, raw)
     groups = {}
     for e in lr.entries:
-        n = reshard_shard(Record.decode(e[1]), vs_from_bytes(e[0]), new_shards)
+        n = target(Record.decode(e[1]), new_shards)[1]
         groups.setdefault(n, []).append(e)
     if list(groups) == [src.n]:
         return
