@@ -13,21 +13,22 @@ import threading
 import time
 import weakref
 from _thread import allocate_lock as _allocate_lock
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future as _ConcurrentFuture
 from concurrent.futures import InvalidStateError
 
 from fdb.tuple import Versionstamp
 
 from .config import ProducerConfig, check_name
-from .engine import after_interrupt, check_process, error_types, retry_or_raise
+from .engine import Again, Done, after_interrupt, transact
 from .envelope import Envelope, PushResult, _plain_result
 from .errors import (ConfigError, EngineError, FDQError, InvalidMessage, MessageTooLarge, TopicHeld,
                      is_maybe_committed)
 from .headers import trace_id
 from .keyspace import Keyspace, message_id
-from .ops.push import push_batch, read_marker
+from .ops.push import TX_WRITE_BYTES, fits, push_batch, read_marker
 from .ops.routing import spread_start
+from .supervisor import replay_window
 from .times import to_ms
 from .topic import HOLD_WAIT_S
 # Re-exported at their old names until the wrap-up (other partitions import them here).
@@ -393,44 +394,80 @@ class Producer:
         for it, r in zip(batch, results):
             it.result = r
 
-    def _commit(self, items: list) -> list:
+    def push_stream(self, topic: str, envelopes: Iterable, *, max_messages: int = 500) -> Iterator[list]:
+        """Push ``envelopes`` in order, in as few transactions as the sizing rule allows,
+        and yield each committed transaction's results (a list of ``PushResult``).
+
+        A transaction holds at most ``max_messages`` messages and ``ops.push.TX_WRITE_BYTES``
+        of writes, every copy counted (the log's and one per subscription, by the topic's
+        config read in that transaction); a message bigger than that goes alone (up to
+        ``ROUTE_BYTES`` of copies). ``None`` in ``envelopes`` commits what is pending at
+        once (a live source with nothing more to read yet). Items that are not an
+        ``Envelope`` are bodies. On an error it raises: what it yielded is committed,
+        nothing after it."""
+        check_name(topic)
+        if not 0 < max_messages <= MAX_PER_TRANSACTION:
+            raise ConfigError(f"max_messages must be from 1 to {MAX_PER_TRANSACTION:,}, not {max_messages!r}")
+
+        items = (None if e is None else (topic, e if isinstance(e, Envelope) else Envelope(e)) for e in envelopes)
+        return self._push_items(items, max_messages=max_messages)
+
+    def _push_items(self, items: Iterable, *, max_messages: int = 500) -> Iterator[list]:
+        """``push_stream`` over ``(topic, Envelope or ops.push.PushItem)`` items (``None``:
+        commit what is pending)."""
+        pending = []
+        body_bytes = 0
+        for item in items:
+            if item is not None:
+                pending.append(item)
+                body_bytes += len(item[1].body)
+                # bodies alone past the budget: surely full, whatever the copies
+                if len(pending) < max_messages and fits(0, body_bytes):
+                    continue
+            while pending:
+                results = self._commit(pending, budget=TX_WRITE_BYTES)
+                del pending[:len(results)]
+                body_bytes = sum(len(it[1].body) for it in pending)
+                yield results
+                if item is not None and len(pending) < max_messages and fits(0, body_bytes):
+                    break   # room again: read on
+        while pending:
+            results = self._commit(pending, budget=TX_WRITE_BYTES)
+            del pending[:len(results)]
+            yield results
+
+    def _commit(self, items: list, budget: int | None = None) -> list:
+        """Push ``items`` [(topic, envelope)] in one transaction through the retry loop;
+        their results (with ``budget``: of the first ones that fit, ``ops.push.push_batch``).
+        A retry after an attempt that may have committed finds its marker first, so no
+        message is pushed twice; giving up then asks the marker (``_resolve``)."""
         now_ms = int(time.time() * 1000)
         with self._seq_lock:
             self._seq += 1
             txid = self._session + self._seq.to_bytes(8, "big")
         spread = spread_start()
-        check_process(self.db)
-        tr = self.db.create_transaction()
-        maybe_committed = in_flight = False
-        while True:
-            committing = False
-            try:
-                results, stamp = push_batch(tr, self.keyspace, items, txid, spread, self.config.auto_create,
-                                            now_ms, self._time_index, maybe_committed)
-                committing = True
-                tr.commit().wait()
-                break
-            except TopicHeld:       # a play finishing (~ms; lapses by itself): not written
-                tr.reset()
+        held = [None]   # the transaction, alive until its versionstamp is read (FDB
+        #                 cancels the futures of a transaction it destroys)
+
+        def body(tr, attempt):
+            held[0] = tr
+            return push_batch(tr, self.keyspace, items, txid, spread, self.config.auto_create,
+                              now_ms, self._time_index, attempt.maybe_committed, budget)
+
+        def on_error(e, attempt):
+            if isinstance(e, TopicHeld):    # a play finishing (~ms; lapses by itself): not written
                 time.sleep(HOLD_WAIT_S)
-                continue
-            except error_types() as e:
-                # 1021/1039: may have committed, no longer in flight; 1031 during the
-                # commit (a timeout): may have committed, maybe still in flight (FDB).
-                in_flight = in_flight or (committing and getattr(e, "code", None) == 1031)
-                maybe_committed = maybe_committed or is_maybe_committed(e) or in_flight
-                try:
-                    retry_or_raise(tr, e)
-                except FDQError as final:
-                    if not maybe_committed:
-                        raise
-                    # Given up (retry limit, timeout) after an attempt that may have
-                    # committed: its marker says whether it did. Never report such a
-                    # push as not committed (the caller, or the group commit's split,
-                    # would push it again).
-                    results, stamp = self._resolve(items[0][0], txid, in_flight, final)
-                    break
+                return Again()
+            if attempt.gave_up is not None and attempt.maybe_committed:
+                # Given up (retry limit, timeout) after an attempt that may have
+                # committed: its marker says whether it did. Never report such a push
+                # as not committed (the caller, or the group commit's split, would
+                # push it again).
+                return Done(self._resolve(items[0][0], txid, attempt.in_flight, attempt.gave_up))
+            return None
+        results, stamp = transact(self.db, body, on_error=on_error)
         stamp = stamp if type(stamp) is bytes else bytes(stamp.wait())
+        held[0] = None
         out = []
         stamp_hex = stamp.hex()
         for (topic, uv, n, dup_of), (_t, env) in zip(results, items):
@@ -452,15 +489,8 @@ class Producer:
         surely did not (its unknown attempts are no longer in flight, and the marker is
         absent); else a ``commit_unknown_result`` EngineError (maybe committed)."""
         ts = self.keyspace.topic(topic)
-        check_process(self.db)
-        tr = self.db.create_transaction()
         try:
-            while True:
-                try:
-                    found = read_marker(tr, ts, txid)
-                    break
-                except error_types() as e:
-                    retry_or_raise(tr, e)
+            found = transact(self.db, lambda tr, _attempt: read_marker(tr, ts, txid))
         except FDQError as e:
             raise EngineError(1021, f"push gave up ({final}) after an attempt that may have committed; "
                                     f"its outcome could not be read ({e})") from final
@@ -482,7 +512,6 @@ class Producer:
         ``fdq.supervisor.REPLAY_ORPHAN_S``) and continues where it stopped; nothing is
         pushed twice. ``start``/``end``: epoch ms or datetimes (naive = UTC); ``end``
         before ``start`` is a ConfigError. Returns how many this call replayed."""
-        from .supervisor import replay_window
         return replay_window(self.db, self.keyspace, topic, to_ms(start), to_ms(end), progress=progress)
 
 

@@ -35,6 +35,11 @@ from pyspark.sql.datasource import (DataSource, DataSourceArrowWriter, DataSourc
                                     DataSourceStreamReader, EqualTo, GreaterThan,
                                     GreaterThanOrEqual, In, InputPartition, LessThan,
                                     LessThanOrEqual, WriterCommitMessage)
+from pyspark import TaskContext
+try:   # read limits (maxRecordsPerTrigger)
+    from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
+except ImportError:   # pragma: no cover - older pyspark: Spark never asks for a read limit
+    ReadAllAvailable = ReadMaxRows = None
 try:   # pyspark 4.3 (Trigger.AvailableNow with read limits)
     from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
 except ImportError:   # pragma: no cover - older pyspark: Spark reads all in one batch
@@ -48,6 +53,7 @@ from .config import ProducerConfig, check_name
 from .engine import connect, transactional
 from .errors import ConfigError, FDQError, InvalidName, TopicNotFound
 from .keyspace import Keyspace
+from .ops import log as oplog
 from .producer import Envelope, Producer
 from .topic import read_topic_config
 
@@ -71,8 +77,6 @@ _CANONICAL = {o.lower(): o for o in ("url", "topic", "start", "end", "numPartiti
                                      "batchFormat", "startingPosition", "maxRecordsPerTrigger",
                                      "writeId", "idempotent")}
 SPLIT_CHUNK_MAX = (1 << 31) - 1  # get_range_split_points' chunk size: a C int in FDB's binding
-WRITE_BATCH_BYTES = 4_000_000   # bytes a push transaction writes: bodies (and headers) times
-                                # their copies, the log's and one per subscription (FDB: 10 MB)
 
 
 class SparkOptionError(ConfigError):
@@ -228,6 +232,9 @@ class LogPartition(InputPartition):
         self.ranges = ranges
 
 
+# pyarrow (and pyspark's arrow types, which import it) only where a worker builds Arrow
+# batches: importing it costs ~90 ms, which the driver and the writer never need.
+
 def _arrow_schema():
     from pyspark.sql.pandas.types import to_arrow_schema
     return to_arrow_schema(SCHEMA, timezone="UTC")
@@ -372,19 +379,19 @@ def plan_ranges(tr, ts, buckets, start_vs: bytes | None, end_vs: bytes | None, p
     """Split the log's buckets, narrowed to positions [start_vs, end_vs), into at most
     ``parts`` lists of key ranges of about equal size, by the database's
     ``get_range_split_points`` (so partitions follow the data). ``buckets``: bucket
-    numbers, or {bucket: its last position to read} (``log.last_positions``: a read of
+    numbers, or {bucket: its last position to read} (``oplog.last_positions``: a read of
     exactly what was committed then, not of what commits while its tasks run). Retried
     on retryable errors, as every read (``transactional``)."""
     spans, total = [], 0
     upto = buckets if isinstance(buckets, dict) else {}
     for b in sorted(buckets):
-        begin, end = log.bucket_range(ts, b)
+        begin, end = oplog.bucket_range(ts, b)
         if start_vs is not None:
-            begin = max(begin, log.entry_key(ts, b, start_vs))
+            begin = max(begin, oplog.entry_key(ts, b, start_vs))
         if end_vs is not None:
-            end = min(end, log.entry_key(ts, b, end_vs))
+            end = min(end, oplog.entry_key(ts, b, end_vs))
         if b in upto:
-            end = min(end, log.entry_key(ts, b, upto[b]) + b"\x00")
+            end = min(end, oplog.entry_key(ts, b, upto[b]) + b"\x00")
         if begin >= end:
             continue
         if parts == 1:   # one partition: every range, no sizes to balance
@@ -476,9 +483,9 @@ class FDQReader(DataSourceReader):
         if (start_ms is not None and end_ms is not None and start_ms >= end_ms) or self.shard_keys == set():
             return [LogPartition([])]
         # The read is of the log as committed now: {bucket: last position}, one snapshot.
-        last = log.last_positions(db, ts)
-        start_vs = log.position_for_time(db, ts, start_ms).to_bytes() if start_ms is not None else None
-        end_vs = log.position_after_time(db, ts, end_ms)
+        last = oplog.last_positions(db, ts)
+        start_vs = oplog.position_for_time(db, ts, start_ms).to_bytes() if start_ms is not None else None
+        end_vs = oplog.position_after_time(db, ts, end_ms)
         parts = self.o["num_partitions"] or max(1, len(last))
         planned = plan_ranges(db, ts, last, start_vs, end_vs, parts)
         return [LogPartition(r) for r in planned] or [LogPartition([])]
@@ -516,7 +523,7 @@ class FDQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """Trigger.AvailableNow: read what is committed now, in micro-batches of at most
         ``maxRecordsPerTrigger`` (without this Spark read it all in one batch)."""
         db, ts, _config = _open_topic(self.o)
-        self.target = log.last_positions(db, ts)
+        self.target = oplog.last_positions(db, ts)
 
     def _capped(self, cursors: dict, new: dict) -> dict:
         """``new`` held to ``self.target`` (never behind ``cursors``)."""
@@ -545,26 +552,24 @@ class FDQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if self.o["starting"] == "earliest":
             return _encode_offset({})
         if self.o["starting"] == "latest":
-            return _encode_offset(log.last_positions(db, ts))
-        vs = log.position_for_time(db, ts, self.o["start_ms"]).to_bytes()
-        before = log.vs_before(vs)
-        return _encode_offset({b: before for b in log.log_buckets(db, ts)})
+            return _encode_offset(oplog.last_positions(db, ts))
+        vs = oplog.position_for_time(db, ts, self.o["start_ms"]).to_bytes()
+        before = oplog.vs_before(vs)
+        return _encode_offset({b: before for b in oplog.log_buckets(db, ts)})
 
     def getDefaultReadLimit(self):
-        from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
         if self.o["max_records"]:
             return ReadMaxRows(self.o["max_records"])
         return ReadAllAvailable()
 
     def latestOffset(self, start, limit):
-        from pyspark.sql.streaming.datasource import ReadMaxRows
         db, ts, _config = _open_topic(self.o)
         cursors = _decode_offset(start)
         if isinstance(limit, ReadMaxRows):
-            new, _n = log.advance_positions(db, ts, cursors, int(limit.max_rows))
+            new, _n = oplog.advance_positions(db, ts, cursors, int(limit.max_rows))
         else:
             new = dict(cursors)
-            for b, vs in log.last_positions(db, ts).items():
+            for b, vs in oplog.last_positions(db, ts).items():
                 if new.get(b) is None or vs > new[b]:
                     new[b] = vs
         if self.target is not None:
@@ -585,7 +590,7 @@ class FDQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         for b in sorted(e):
             if s.get(b) == e[b]:
                 continue
-            ranges.append((b, log.after_key(ts, b, s.get(b)), log.entry_key(ts, b, e[b]) + b"\x00"))
+            ranges.append((b, oplog.after_key(ts, b, s.get(b)), oplog.entry_key(ts, b, e[b]) + b"\x00"))
         if not ranges:
             return []
         n = min(self.o["num_partitions"], len(ranges))
@@ -608,8 +613,9 @@ class FDQCommit(WriterCommitMessage):
 class FDQWriter(DataSourceArrowWriter):
     """Pushes rows (``body`` binary or string, required; ``shard_key`` string and
     ``headers`` map<string,string> optional; other columns are ignored) with
-    ``Producer.push_many``, at most ``batchSize`` messages per transaction and bodies
-    of ~4 MB divided by the copies a push writes (the log's and one per subscription).
+    ``Producer.push_stream``: at most ``batchSize`` messages per transaction, and what
+    its sizing rule allows (``fdq.ops.push.TX_WRITE_BYTES``, every copy counted: the
+    log's and one per subscription).
 
     Idempotent (``idempotent=true``, the default): row ``i`` of partition ``p`` is pushed
     with ``msg_id = "spark:<writeId>:<p>:<i>"``, so a re-run of a failed task (or of the
@@ -625,50 +631,35 @@ class FDQWriter(DataSourceArrowWriter):
         self.has_headers = "headers" in schema.fieldNames()
 
     def write(self, iterator):
-        from pyspark import TaskContext
         ctx = TaskContext.get()
         part = ctx.partitionId() if ctx is not None else 0
-        db, _ts, config = _open_topic(self.o)
+        db, _ts, _config = _open_topic(self.o)
         producer = Producer(db, config=ProducerConfig(auto_create=False))
         topic, prefix = self.o["topic"], f"spark:{self.o['write_id']}:{part}:"
-        idem, limit = self.o["idempotent"], self.o["batch_size"]
-        # A push writes each message once to the log and once per subscription.
-        max_bytes = max(1, WRITE_BATCH_BYTES // (1 + len(config.subs)))
-        row = pushed = dups = 0
-        batch, nbytes = [], 0
+        idem = self.o["idempotent"]
 
-        def flush():
-            nonlocal pushed, dups, nbytes
-            if batch:
-                results = producer.push_many(topic, batch)
-                dups += sum(1 for r in results if r.duplicate)
-                pushed += len(results)
-                batch.clear()
-                nbytes = 0
-        for rb in iterator:
-            bodies = rb.column("body").to_pylist()
-            keys = rb.column("shard_key").to_pylist() if self.has_key else None
-            heads = rb.column("headers").to_pylist() if self.has_headers else None
-            for i, body in enumerate(bodies):
-                if isinstance(body, str):
-                    body = body.encode("utf-8")
-                if body is None:
-                    raise FDQError(f"fdq writer: row {row} of partition {part} has a null body")
-                h = heads[i] if heads is not None else None
-                try:
-                    env = Envelope(body, keys[i] if keys is not None else None, None,
-                                   prefix + str(row) if idem else None, dict(h) if h else None)
-                except FDQError as e:
-                    raise type(e)(f"fdq writer: row {row} of partition {part}: {e}") from None
-                size = len(body) + (sum(len(k) + len(v or "") for k, v in h) if h else 0)
-                if batch and nbytes + size > max_bytes:
-                    flush()   # a large message goes alone (push refuses one too large to route)
-                batch.append(env)
-                row += 1
-                nbytes += size
-                if len(batch) >= limit:
-                    flush()
-        flush()
+        def envelopes():
+            row = 0
+            for rb in iterator:
+                bodies = rb.column("body").to_pylist()
+                keys = rb.column("shard_key").to_pylist() if self.has_key else None
+                heads = rb.column("headers").to_pylist() if self.has_headers else None
+                for i, body in enumerate(bodies):
+                    if isinstance(body, str):
+                        body = body.encode("utf-8")
+                    if body is None:
+                        raise FDQError(f"fdq writer: row {row} of partition {part} has a null body")
+                    h = heads[i] if heads is not None else None
+                    try:
+                        yield Envelope(body, keys[i] if keys is not None else None, None,
+                                       prefix + str(row) if idem else None, dict(h) if h else None)
+                    except FDQError as e:
+                        raise type(e)(f"fdq writer: row {row} of partition {part}: {e}") from None
+                    row += 1
+        pushed = dups = 0
+        for results in producer.push_stream(topic, envelopes(), max_messages=self.o["batch_size"]):
+            dups += sum(1 for r in results if r.duplicate)
+            pushed += len(results)
         return FDQCommit(part, pushed, dups)
 
     def commit(self, messages):

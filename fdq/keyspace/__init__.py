@@ -252,6 +252,10 @@ class TopicSpace:
         """The stamped key of chunk ``i`` of this transaction's message ``uv``."""
         return vs_key(self.all_chunks.key(), uv, _chunk_index(i))
 
+    def chunk_keys_bytes(self, nchunks: int) -> int:
+        """The bytes of the keys of a log entry's ``nchunks`` body chunks."""
+        return nchunks * (len(self.all_chunks.key()) + STAMP_BYTES) + sum(map(len, map(_chunk_index, range(nchunks))))
+
     def time_index_vs_key(self, minute_ms: int, uv: int) -> bytes:
         """The time index's entry of ``minute_ms`` at this transaction's message ``uv``."""
         return vs_key(self.time_index.pack((minute_ms,)), uv)

@@ -17,6 +17,7 @@ import hashlib
 import struct
 import threading
 from dataclasses import dataclass
+from itertools import chain
 
 import msgpack
 from fdb.tuple import Versionstamp
@@ -84,6 +85,31 @@ class Record:
             home, fields[1] = fields[1], None
             return cls(*fields, home=home)
         return cls(*fields)
+
+
+_RECORD_PAD = [None, None, None, None, b"", 0, 0, None]   # a record's dropped trailing defaults
+
+
+def decode_columns(raws) -> tuple:
+    """Records ``raws`` (a non-empty list) decoded column by column: ``(ts_ms, shard_key,
+    msg_id, headers, body, nchunks, replay_of)`` sequences (``shard_key`` None for an
+    unkeyed message; ``nchunks`` None when no record has chunks), for bulk readers."""
+    # The batch's records in one msgpack call: concatenated under one array header,
+    # each record a tuple; then column-wise in C (zip stops at the shortest record).
+    recs = _unpackb(b"".join(chain((b"\xdd" + len(raws).to_bytes(4, "big"),), raws)), use_list=False)
+    cols = list(zip(*recs))
+    if len(cols) < 5:   # a record drops trailing default fields; most keep the first five
+        pad = _RECORD_PAD
+        recs = [r if len(r) >= 5 else r + tuple(pad[len(r):5]) for r in recs]
+        cols = list(zip(*recs))
+    tss, sks, mids, hds, bodies = cols[:5]
+    del cols
+    if int in set(map(type, sks)):   # an unkeyed message's slot holds its home (Record.home)
+        sks = [None if type(k) is int else k for k in sks]
+    top = max(map(len, recs))
+    nchunks = [r[6] if len(r) > 6 else 0 for r in recs] if top > 6 else None
+    reps = [r[7] if len(r) > 7 else None for r in recs] if top > 7 else [None] * len(recs)
+    return tss, sks, mids, hds, bodies, nchunks, reps
 
 
 def has_chunks(raw: bytes) -> bool:

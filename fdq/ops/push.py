@@ -10,8 +10,8 @@ Retries are exact: each push transaction writes a marker holding its results, st
 with its commit; a retry after ``commit_unknown_result`` finds it (:func:`read_marker`)
 and returns the first commit's ids. Markers expire after ``MARKER_TTL_S``.
 
-Sizing, once: a message's writes are its body once in the log and once per subscription
-(:func:`write_bytes`), one message at most ``ROUTE_BYTES`` of them; a transaction that
+Sizing, once: a message's writes are a copy (body, key, headers) in the log and one per
+subscription (:func:`write_bytes`), one message's bodies at most ``ROUTE_BYTES``; a transaction that
 takes as many messages as fit (``push_batch(budget=...)``) stops before ``TX_WRITE_BYTES``
 (:func:`fits`), but always takes its first message.
 """
@@ -29,10 +29,10 @@ from ..keyspace import (VERSIONS_PER_S, Keyspace, TopicSpace, counter, decode_co
                         vs_key, vs_key_parts)
 from ..keyspace.codec import (CHUNK_BYTES, CHUNK_WRITE_BYTES, RECORD_BYTES, ROUTE_BYTES, Record, decode_dedupe,
                               decode_marker, encode_dedupe, encode_marker, encode_pending, packer, split_body)
-from ..log import entry_bytes
 from ..membership import read_clock
 from ..stats import shard_counters
 from ..topic import check_hold, load_config, write_new_topic_config
+from .log import entry_bytes
 from .routing import home_for, shard_for
 
 # What one push transaction that takes as many messages as fit may write (their bodies'
@@ -41,10 +41,21 @@ TX_WRITE_BYTES = CHUNK_WRITE_BYTES
 MARKER_TTL_S = 600.0    # push markers outlive any commit_unknown_result retry (trim expires them)
 
 
-def write_bytes(body_bytes: int, config: TopicConfig) -> int:
-    """What a message of ``body_bytes`` writes as the sizing rule counts it: its body in
-    the log and in each of the topic's subscriptions."""
-    return body_bytes * (1 + len(config.subs))
+def message_bytes(env) -> int:
+    """One copy of a message as the sizing rule counts it: its body, shard key and
+    headers (encoded)."""
+    n = len(env.body)
+    if env.shard_key:
+        n += len(env.shard_key)
+    if env.headers:
+        n += len(packer()(dict(env.headers)))
+    return n
+
+
+def write_bytes(nbytes: int, config: TopicConfig) -> int:
+    """What a message of ``nbytes`` (``message_bytes``) writes as the sizing rule counts
+    it: a copy in the log and one in each of the topic's subscriptions."""
+    return nbytes * (1 + len(config.subs))
 
 
 def fits(written: int, more: int, budget: int = TX_WRITE_BYTES) -> bool:
@@ -133,7 +144,7 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
                                   f"log and its {len(config.subs)} subscriptions in one transaction (at most "
                                   f"{ROUTE_BYTES // (1 + len(config.subs)):,} bytes each)")
         if budget is not None:
-            more = write_bytes(len(body), config)
+            more = write_bytes(message_bytes(env), config)
             if results and not fits(spent, more, budget):
                 break       # the rest: the caller's next transaction
             spent += more
@@ -319,7 +330,7 @@ class _PushPlan:
         return self._shard(n)[1]
 
     def log_key_bytes(self, n: int) -> int:
-        """The bytes of a log key of shard ``n`` (``fdq.log.entry_bytes`` of an empty record)."""
+        """The bytes of a log key of shard ``n`` (``ops.log.entry_bytes`` of an empty record)."""
         return self._shard(n)[2]
 
 

@@ -100,8 +100,7 @@ class Counters:
     def install(self):
         import fdq.consumer
         import fdq.engine.retry
-        import fdq.producer
-        for mod in (fdq.engine.retry, fdq.consumer, fdq.producer):
+        for mod in (fdq.engine.retry, fdq.consumer):     # (the producer retries in engine.transact)
             mod.retry_or_raise = self.wrap(mod.retry_or_raise)
 
     def snapshot(self):
