@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 
 from . import delivery, membership
 from .config import CHUNK, UPDATABLE_TOPIC_FIELDS, SubscriptionConfig, TopicConfig, check_name
-from .engine import after_interrupt, error_types, transactional
+from .engine import Again, Done, after_interrupt, transact
 from .errors import ConfigError, TopicExists, TopicHeld
-from .keyspace import VERSIONS_PER_S, Keyspace, TopicSpace, counter, decode_counter, message_id, parse_message_id
-from .keyspace.codec import CHUNK_WRITE_BYTES, pack, unpack
-from .log import iter_window, log_buckets, read_chunk
+from .keyspace import VERSIONS_PER_S, Keyspace, TopicSpace, message_id, parse_message_id, version_of
+from .log import body_of, iter_window, log_buckets, read_chunk
 from .ops.catchup import begin_reset, catch_up
 from .ops.play import play_chunk, resharding
-from .ops.push import MARKER_TTL_S
+from .ops.push import MARKER_TTL_S, PushItem, fits, message_bytes
+from .ops.replay import replay_beat, replay_begin, replay_chunk, replay_count, replay_finish, replay_runs
 from .ops.reshard import AREAS, fold_shard_counters, reshard_begin, reshard_chunk, reshard_finish
 from .ops.retention import (expire_dedupe_chunk, expire_markers_chunk, read_version, trim_bucket_chunk,
                             trim_index_chunk, trim_oldest_chunk, trim_time_index_before)
@@ -401,25 +402,23 @@ REPLAY_ORPHAN_S = 3.0      # a replay whose heartbeat stays unchanged this long 
 
 def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None) -> int:
     """Push again every logged message inserted in ``[start_ms, end_ms)`` and committed
-    before the replay began, in log order, ``CHUNK`` per transaction: once per call.
+    before the replay began, in log order, ``CHUNK`` per transaction at most: once per
+    call (``Producer.replay``).
 
-    Each call is a *run* with its own progress record (``replay_begin``) and a heartbeat
-    (a counter a thread bumps every ``REPLAY_HEARTBEAT_S``); each chunk pushes and advances
-    the run's progress in one transaction (``replay_chunk``), fenced by the run's owner,
-    so a retry after ``commit_unknown_result`` pushes nothing twice. Resumable: a call
-    that finds a run of the same window whose heartbeat stays unchanged for
-    ``REPLAY_ORPHAN_S`` on its own monotonic clock (killed) takes it over and finishes
-    what it left; a run that is alive is left alone, and this call replays the window
-    on its own (so two calls at once replay it twice). A finished run removes its
-    progress. Returns how many this call pushed (a resumed run: what was left)."""
-    import threading
-
-    from .log import body_of
+    Each call is a *run* with its own progress record (``ops.replay.replay_begin``) and a
+    heartbeat (a counter a thread bumps every ``REPLAY_HEARTBEAT_S``); each chunk pushes
+    and advances the run's progress in one transaction (``ops.replay.replay_chunk``),
+    fenced by the run's owner, so a retry after ``commit_unknown_result`` pushes nothing
+    twice. Resumable: a call that finds a run of the same window whose heartbeat stays
+    unchanged for ``REPLAY_ORPHAN_S`` on its own monotonic clock (killed) takes it over
+    and finishes what it left; a run that is alive is left alone, and this call replays
+    the window on its own (so two calls at once replay it twice). A finished run removes
+    its progress. Returns how many this call pushed (a resumed run: what was left)."""
     start_ms, end_ms = to_ms(start_ms, refuse_seconds=False), to_ms(end_ms, refuse_seconds=False)
     if start_ms is not None and end_ms is not None and end_ms < start_ms:
         raise ConfigError(f"replay window ends ({end_ms}) before it starts ({start_ms})")
     ts = ks.topic(check_name(topic))
-    config = read_topic_config(db, ts, snapshot=True)     # TopicNotFound for an unknown topic
+    read_topic_config(db, ts, snapshot=True)     # TopicNotFound for an unknown topic
     window = f"{start_ms}:{end_ms}"
     owner = os.urandom(8).hex()
     run, state = None, None
@@ -436,23 +435,16 @@ def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None)
     beat.start()
     try:
         after = state["after"]
-        index = {}
+        time_index = {}
         batch, first, count, size = [], state["count"], state["count"], 0
-        copies = 1 + len(config.subs)    # what the last chunk found (each reads it again)
 
         def flush():
-            nonlocal count, copies
+            nonlocal count, size
             while batch:
                 try:
                     # the progress's count, not what the last attempt pushed: an attempt that
                     # committed and reported commit_unknown_result leaves its retry nothing to do
-                    while True:
-                        try:
-                            now, taken, copies = replay_chunk(db, ks, ts, (window, run, owner), batch,
-                                                              os.urandom(16), int(time.time() * 1000), index)
-                            break
-                        except TopicHeld:      # a play finishing: nothing written, try again
-                            time.sleep(HOLD_WAIT_S)
+                    now, taken = _replay_chunk(db, ks, ts, (window, run, owner), batch, time_index)
                     if progress:
                         progress(now - count)
                     count = now
@@ -465,24 +457,21 @@ def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None)
                         progress(now - count)
                     raise
                 del batch[:taken]
+            size = 0
         for vs, _b, rec in iter_window(db, ts, log_buckets(db, ts), start_ms, end_ms):
-            if int.from_bytes(vs.tr_version[:8], "big") > state["stop"]:
+            if version_of(vs) > state["stop"]:
                 break       # committed after the replay began (its own pushes among them)
             if after is not None and vs.to_bytes() <= after:
                 continue    # replayed by an earlier run of this replay
             body = body_of(db, ts, vs, rec, strict=True)
             if body is None:
                 continue    # trimmed since read: no longer in the log, not replayed
-            env = _ReplayEnvelope(body, rec.shard_key, None, None, rec.headers, replay_of=message_id(vs),
-                                  due_at=rec.due)
-            if batch and (size + len(body)) * copies > CHUNK_WRITE_BYTES:
-                flush()     # not on top of the batch: its copies could pass FDB's 10 MB
-                size = 0
-            batch.append((vs, env))
-            size += len(env.body)
-            if len(batch) >= CHUNK or size * copies >= CHUNK_WRITE_BYTES:
+            item = PushItem(body, rec.shard_key, rec.headers, replay_of=message_id(vs), due_at=rec.due)
+            batch.append((vs, item))
+            size += message_bytes(item)
+            # the chunk takes what fits by the sizing rule: more than its bodies alone cannot
+            if len(batch) >= CHUNK or not fits(0, size):
                 flush()
-                size = 0
         flush()
         replay_finish(db, ts, window, run, owner)
     finally:
@@ -491,149 +480,47 @@ def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None)
     return count - first
 
 
-def _run_key(ts: TopicSpace, window: str, run: str) -> bytes:
-    return ts.replays.pack((window, run))
+def _replay_chunk(db, ks: Keyspace, ts: TopicSpace, run: tuple, batch: list, time_index: dict) -> tuple:
+    """``ops.replay.replay_chunk`` in its own transaction (retried, and after a play's
+    hold: ``TopicHeld``, nothing written), with its push's id and time chosen once."""
+    txid, now_ms = os.urandom(16), int(time.time() * 1000)
 
-
-def _beat_key(ts: TopicSpace, window: str, run: str) -> bytes:
-    return ts.replays.pack((window, run, "hb"))
+    def on_error(e, _attempt):
+        if isinstance(e, TopicHeld):        # a play finishing (~ms; lapses by itself)
+            time.sleep(HOLD_WAIT_S)
+            return Again()
+        return None
+    return transact(db, lambda tr, _attempt: replay_chunk(tr, ks, ts, run, batch, txid, now_ms, time_index),
+                    on_error=on_error)
 
 
 def _replay_heartbeat(db, ts: TopicSpace, window: str, run: str, stop):
-    @transactional
-    def beat(tr):
-        tr.add(_beat_key(ts, window, run), counter(1))     # blind: conflicts with nothing
     while not stop.wait(REPLAY_HEARTBEAT_S):
         try:
-            beat(db)
+            replay_beat(db, ts, window, run)
         except Exception:       # a database hiccup: the next beat tries again
             pass
-
-
-@transactional
-def _replay_runs(tr, ts: TopicSpace, window: str) -> dict:
-    """{run: (owner, heartbeat)} of the unfinished runs of ``window``."""
-    r = ts.replays[window].range()
-    out, beats = {}, {}
-    for kv in tr.snapshot.get_range(r.start, r.stop):
-        key = ts.replays.unpack(kv.key)
-        if len(key) == 2:
-            out[key[1]] = unpack(bytes(kv.value)).get("owner")
-        else:
-            beats[key[1]] = decode_counter(kv.value)
-    return {run: (o, beats.get(run, 0)) for run, o in out.items()}
 
 
 def _orphaned_runs(db, ts: TopicSpace, window: str) -> list:
     """[(run, owner, heartbeat)] of the runs of ``window`` whose owner and heartbeat stay
     unchanged for ``REPLAY_ORPHAN_S`` (their callers were killed), oldest watched first;
     returns at once when there are none or all are alive."""
-    seen = _replay_runs(db, ts, window)
+    seen = replay_runs(db, ts, window)
     deadline = time.monotonic() + REPLAY_ORPHAN_S
     while seen and time.monotonic() < deadline:
         time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-        now = _replay_runs(db, ts, window)
+        now = replay_runs(db, ts, window)
         seen = {run: v for run, v in seen.items() if now.get(run) == v}
     return [(run, *v) for run, v in seen.items()]
 
 
-@transactional
-def replay_begin(tr, ts: TopicSpace, window: str, owner: str, start_ms, end_ms, claim=None):
-    """Start a run of the replay of ``window`` owned by ``owner``: it replays what was
-    committed up to this transaction's read version (``stop``). With ``claim`` (run,
-    owner, heartbeat as ``_orphaned_runs`` saw them), take that run over instead, if it
-    is still as seen (else None). Returns ``(run, progress)``."""
-    if claim is not None:
-        run, old_owner, seen = claim
-        raw = tr[_run_key(ts, window, run)]
-        if raw == None or decode_counter(tr[_beat_key(ts, window, run)]) != seen:  # noqa: E711
-            return None
-        state = unpack(bytes(raw))
-        if state.get("owner") != old_owner:
-            return None
-        state["owner"] = owner
-        tr[_run_key(ts, window, run)] = pack(state)
-        return run, state
-    state = {"start": start_ms, "end": end_ms, "stop": tr.get_read_version().wait(), "after": None,
-             "count": 0, "owner": owner}
-    tr[_run_key(ts, window, owner)] = pack(state)
-    return owner, state
-
-
-@transactional
-def replay_chunk(tr, ks: Keyspace, ts: TopicSpace, run: tuple, entries: list, txid: bytes,
-                 now_ms: int, time_index: dict) -> tuple:
-    """Push the ``entries`` [(vs, envelope)] past the progress of ``run`` (window, run,
-    owner) and advance it, in this one transaction, if ``owner`` still owns the run
-    (``ReplayTakenOver`` if not). Returns ``(pushed, taken, copies)``: how many the run
-    has pushed in all, how many of ``entries`` (from the first) are done, and the copies
-    a message gets (the log's and one per subscription) by the config read here.
-
-    The entries taken are those whose bodies' copies fit ``CHUNK_WRITE_BYTES`` (at least
-    one) under the topic's subscriptions as this transaction reads them (a subscription
-    created or deleted meanwhile conflicts): the caller's batch was sized by an earlier
-    count, and a replay outlives many subscription changes."""
-    from .errors import ReplayTakenOver
-    from .producer import push_batch
-    window, run_id, owner = run
-    key = _run_key(ts, window, run_id)
-    raw = tr[key]
-    if raw == None:  # noqa: E711
-        raise ConfigError(f"replay {window!r} of topic {ts.name!r} is not running")
-    state = unpack(bytes(raw))
-    if state.get("owner") != owner:
-        raise ReplayTakenOver(f"replay {window!r} of topic {ts.name!r} stalled for over {REPLAY_ORPHAN_S} s "
-                              "and another call took it over: this one stops")
-    copies = 1 + len(read_topic_config(tr, ts).subs)
-    todo = [(vs, env) for vs, env in entries if state["after"] is None or vs.to_bytes() > state["after"]]
-    skipped = len(entries) - len(todo)
-    size = 0
-    for i, (_vs, env) in enumerate(todo):
-        size += len(env.body)
-        if i and size * copies > CHUNK_WRITE_BYTES:
-            todo = todo[:i]
-            break
-    if todo:
-        push_batch(tr, ks, [(ts.name, env) for _vs, env in todo], txid, int.from_bytes(txid[:4], "big"),
-                   False, now_ms, time_index, False)
-        state["after"] = todo[-1][0].to_bytes()
-        state["count"] += len(todo)
-        tr[key] = pack(state)
-    return state["count"], skipped + len(todo), copies
-
-
 def _committed_count(db, ts: TopicSpace, window: str, run: str, owner: str) -> int | None:
     """How many run ``run`` has pushed by its progress record (None if it is not
-    ``owner``'s any more, or cannot be read now): what an interrupted replay reports."""
-    tr = db.create_transaction()    # held until the read is waited for: FDB cancels the
-    try:                            # reads of a transaction it destroys (1025)
-        raw = tr.snapshot[_run_key(ts, window, run)].wait()
-    except error_types():   # (the interrupt's report, not worth a retry loop)
-        return None
-    if raw == None:  # noqa: E711
-        return None
-    state = unpack(bytes(raw))
-    return state["count"] if state.get("owner") == owner else None
-
-
-@transactional
-def replay_finish(tr, ts: TopicSpace, window: str, run: str, owner: str):
-    """Remove a finished run's progress and heartbeat (if ``owner`` still owns it)."""
-    raw = tr[_run_key(ts, window, run)]
-    if raw != None and unpack(bytes(raw)).get("owner") == owner:  # noqa: E711
-        del tr[_run_key(ts, window, run)]
-        del tr[_beat_key(ts, window, run)]
-
-
-@dataclasses.dataclass(frozen=True)
-class _ReplayEnvelope:
-    body: bytes
-    shard_key: str | None
-    delay: float | None
-    msg_id: str | None
-    headers: dict | None
-    replay_of: str | None = None
-    due_at: int | None = None     # the original's due time (database clock ms), if delayed
+    ``owner``'s any more, or cannot be read now): what an interrupted replay reports.
+    One attempt: an error is not worth a retry here (it is the interrupt's report)."""
+    return transact(db, lambda tr, _attempt: replay_count(tr, ts, window, run, owner),
+                    on_error=lambda _e, _attempt: Done(None))
 
 
 __all__ = ["Supervisor", "replay_window"]

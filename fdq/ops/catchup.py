@@ -23,7 +23,7 @@ from ..delivery import in_shard
 from ..engine import transactional
 from ..keyspace import TopicSpace, Versionstamp, counter, stamp_of_value
 from ..keyspace.codec import CHUNK_WRITE_BYTES, Record
-from ..log import buckets_in, position_for_time
+from .log import buckets_in, position_for_time
 from .routing import target
 from .subscriptions import read_record, read_subscription, routing_refusal, write_record
 from .topics import read_topic_config, stamp_subscription_start, write_topic_config

@@ -2,7 +2,7 @@
 push markers and dedupe ids past their windows.
 
 Nothing expires by itself: ``Supervisor.trim`` runs these in chunks. The log's size is
-kept exactly in the ``log_bytes`` counter (push adds each entry's ``fdq.log.entry_bytes``,
+kept exactly in the ``log_bytes`` counter (push adds each entry's ``ops.log.entry_bytes``,
 a trim subtracts what it deletes in the same transaction), so a trim killed mid-way
 leaves it exact. No trim deletes a message not routed yet (``first_pending``: pushed
 while paused, its log entry its only copy) nor any after it.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..engine import transactional
 from ..keyspace import TopicSpace, Versionstamp, counter, decode_counter, stamp_of_value, version_of
 from ..keyspace.codec import Record, decode_dedupe
-from ..log import buckets_in, chunks_bytes, entry_bytes
+from .log import buckets_in, chunks_bytes, entry_bytes
 
 # The time index holds an entry per minute of pushes; a trim by age drops those of
 # minutes that end this long before its cutoff (a window start reads the index back
@@ -79,7 +79,7 @@ def _note_trimmed(tr, ts: TopicSpace, deleted: int, freed: int):
 
 def _delete_entry(tr, ts: TopicSpace, bucket: int, key: bytes, vs, raw, nchunks: int) -> int:
     """Delete one log entry (read by the caller) and its body chunks: its bytes
-    (``fdq.log.entry_bytes``). A read conflict on its key: a concurrent trim deleting it
+    (``ops.log.entry_bytes``). A read conflict on its key: a concurrent trim deleting it
     too makes one of the two retry (and find it gone)."""
     tr.add_read_conflict_key(key)
     size = 0
