@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .errors import ConfigError, InvalidName
 
@@ -19,6 +19,12 @@ def check_name(name, what: str = "topic") -> str:
         raise InvalidName(f"invalid {what} name {name!r}: use 1-64 characters of "
                           "[.a-zA-Z0-9_-], optionally ending in #ephemeral")
     return name
+
+
+# A long operation (play, reshard, replay, trim, a subscription's catch-up or reset, DLQ
+# redrive and purge) runs in transactions of at most this many messages each (and
+# ``keyspace.codec.CHUNK_WRITE_BYTES`` of writes).
+CHUNK = 500
 
 
 MAX_INT = 2**63 - 1                  # counts are stored as 64-bit integers
@@ -56,11 +62,6 @@ class TopicConfig:
     entries' keys and records and of their body chunks' keys and values (not the time
     index), kept exactly in a counter: push adds by atomic add, trim subtracts in the
     transaction that deletes (``fdq.log.entry_bytes``).
-    ``log_bytes_counted``: set by topic creation (never by hand): the counter covers the
-    whole log. A topic created before it (an older FDQ) has no such count: its trim by
-    size falls back to FDB's sampled size estimate (coarse below a few MB) and its
-    ``log_bytes`` stat is None, until ``Supervisor.count_log_bytes`` (``fdq topics
-    upgrade --count-log-bytes``) counts its log and sets the flag.
     ``max_message_bytes``: the largest body (split into chunks above 90,000 bytes); a
     push also refuses a body whose copies (the log's, one per subscription) exceed
     ``fdq.keyspace.codec.ROUTE_BYTES`` (9 MB: they are written in one transaction).
@@ -81,8 +82,7 @@ class TopicConfig:
     catchup: tuple = ()                # subscriptions copying their start from the log
     paused_subs: tuple = ()            # subscriptions paused on their own (NSQ channel pause)
     held_at: int | None = None         # a play's last step: the version from which pushes
-                                       # wait a moment (``fdq.supervisor.play_chunk``)
-    log_bytes_counted: bool = False    # the log_bytes counter covers the whole log (set at creation)
+                                       # wait a moment (``fdq.ops.play.play_chunk``)
 
     def __post_init__(self):
         if isinstance(self.shards, int) and self.shards > 4096:    # before _positive's int64 bound
@@ -335,6 +335,13 @@ class SubscriptionConfig:
                 for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
 
 
+def effective_consumer_config(consumer_config: ConsumerConfig, config: SubscriptionConfig) -> ConsumerConfig:
+    """The consumer's config with the subscription's redelivery policy, where set."""
+    changes = {k: getattr(config, k) for k in ("ack_wait_s", "max_deliver", "backoff_s")
+               if getattr(config, k) is not None}
+    return dataclasses.replace(consumer_config, **changes) if changes else consumer_config
+
+
 __all__ = ["TopicConfig", "ConsumerConfig", "ProducerConfig", "SubscriptionConfig",
            "UPDATABLE_SUBSCRIPTION_FIELDS", "UPDATABLE_TOPIC_FIELDS", "check_name", "NAME_RE",
-           "DEFAULT_SUBSCRIPTION", "field"]
+           "DEFAULT_SUBSCRIPTION", "CHUNK", "effective_consumer_config"]

@@ -55,7 +55,7 @@ class BacklogFull(FDQError):
 
 
 class TopicHeld(FDQError):
-    """A push met a play's brief hold (``fdq.supervisor.play_chunk``): nothing was
+    """A push met a play's brief hold (``fdq.ops.play.play_chunk``): nothing was
     written. Producers and replay wait it out and retry; it does not reach callers."""
 
 

@@ -1,108 +1,11 @@
-"""Topic configuration: the transactional functions that read, create and change the
-``config/topics/<topic>`` key every push reads."""
+"""Moved to :mod:`fdq.ops.topics` (issue 22); this shim keeps the old import path until
+the wrap-up removes it."""
 from __future__ import annotations
 
-import dataclasses
+from .ops.topics import (HOLD_VERSIONS, HOLD_WAIT_S, check_hold, create_topic, delete_topic, held, list_topics,
+                         load_config, read_topic_config, stamp_subscription_start, update_topic_config,
+                         write_new_topic_config, write_subscription_record, write_topic_config)
 
-from .config import TopicConfig, check_name
-from .engine import transactional
-from .errors import TopicExists, TopicHeld, TopicNotFound
-from .keyspace import Keyspace, TopicSpace, ensure_format
-from .keyspace.codec import pack, unpack
-
-
-HOLD_VERSIONS = 1_000_000   # a play's hold on pushes (play_chunk) lapses after ~1 s of versions
-HOLD_WAIT_S = 0.002         # a push the hold refused (TopicHeld) tries again after this
-_LAST = [None, None]     # (raw, TopicConfig) last decoded: consumers decode it per shard visit
-
-
-def load_config(raw) -> TopicConfig | None:
-    if raw == None:  # noqa: E711 - FDB's absent Value equals None
-        return None
-    raw = bytes(raw)
-    last = _LAST    # one read of the pair: another thread may replace it meanwhile
-    if last[0] == raw:
-        return last[1]
-    config = TopicConfig.from_dict(unpack(raw))     # frozen: safe to share
-    globals()["_LAST"] = [raw, config]
-    return config
-
-
-@transactional
-def read_topic_config(tr, ts: TopicSpace, *, snapshot: bool = False) -> TopicConfig:
-    """The topic's config; a non-snapshot read makes the caller retry if it changes."""
-    reader = tr.snapshot if snapshot else tr
-    config = load_config(reader[ts.config_key])
-    if config is None:
-        raise TopicNotFound(f"topic {ts.name!r} does not exist")
-    return config
-
-
-def held(rv: int, held_at: int) -> bool:
-    """Whether a hold from version ``held_at`` holds at read version ``rv``: not once
-    ``HOLD_VERSIONS`` passed, nor if it is ahead (written in another database's
-    versions: a copy or restore)."""
-    return 0 <= rv - held_at < HOLD_VERSIONS
-
-
-def check_hold(tr, ts: TopicSpace, config: TopicConfig):
-    """Raise ``TopicHeld`` if a play holds the topic's pushes now (``held_at`` within
-    ``HOLD_VERSIONS`` before this transaction's read version)."""
-    if config.held_at is not None and held(tr.get_read_version().wait(), config.held_at):
-        raise TopicHeld(f"topic {ts.name!r} is held by a play finishing: retry")
-
-
-@transactional
-def create_topic(tr, ks: Keyspace, name: str, config: TopicConfig, *, exist_ok: bool = True,
-                 strict_shards: bool = False) -> TopicConfig:
-    """Create a topic; re-running with the same config is a no-op. An existing topic
-    with another shard count is an error when ``strict_shards`` (the caller asked for
-    that count) or the count asked for is not the default; otherwise it is returned."""
-    check_name(name)
-    ensure_format(tr, ks)
-    ts = ks.topic(name)
-    existing = load_config(tr[ts.config_key])
-    if existing is not None:
-        if not exist_ok or (existing.shards != config.shards and (strict_shards or config.shards != TopicConfig().shards)):
-            raise TopicExists(f"topic {name!r} already exists with {existing.shards} shards, not {config.shards}"
-                              f" (change the count with rebalance)")
-        return existing
-    return write_new_topic_config(tr, ts, config)
-
-
-def write_new_topic_config(tr, ts: TopicSpace, config: TopicConfig) -> TopicConfig:
-    """Write the config of a topic that does not exist (in the caller's transaction). Its
-    log is empty: its ``log_bytes`` counter (push adds, trim subtracts) covers all of it
-    from here on, which ``log_bytes_counted`` records (an older FDQ's topic lacks it)."""
-    config = dataclasses.replace(config, log_bytes_counted=True)
-    tr.clear(ts.stat("log_bytes"))
-    write_topic_config(tr, ts, config)
-    return config
-
-
-@transactional
-def write_topic_config(tr, ts: TopicSpace, config: TopicConfig):
-    tr[ts.config_key] = pack(config.as_dict())
-
-
-@transactional
-def update_topic_config(tr, ts: TopicSpace, **changes) -> TopicConfig:
-    """Change fields of a topic's config (pushes in flight retry with the new one)."""
-    config = dataclasses.replace(read_topic_config(tr, ts), **changes)
-    write_topic_config(tr, ts, config)
-    return config
-
-
-@transactional
-def list_topics(tr, ks: Keyspace) -> list:
-    """(name, config) of every topic, by name."""
-    out = []
-    for kv in tr.snapshot.get_range(*_range(ks.topics_config.range())):
-        name = ks.unpack_topic_config_key(kv.key)
-        if name is not None:
-            out.append((name, load_config(kv.value)))
-    return out
-
-
-def _range(r):
-    return r.start, r.stop
+__all__ = ["HOLD_VERSIONS", "HOLD_WAIT_S", "check_hold", "create_topic", "delete_topic", "held", "list_topics",
+           "load_config", "read_topic_config", "stamp_subscription_start", "update_topic_config",
+           "write_new_topic_config", "write_subscription_record", "write_topic_config"]

@@ -1,9 +1,12 @@
 """The ``fdq`` command line (click + rich): commands call fdq's Python API, build
 rows and render them as tables for people or JSON for scripts.
 
-``params`` judges command-line values with FDQ's own rules; ``rows`` builds rows from
-the API; ``render`` prints them; ``commands`` is the click app."""
-from .commands import cli, main
-from . import web  # noqa: F401,E402 - registers ``fdq web`` on cli
+``app`` is the click group (the state, shared options, how a command ends); the
+commands live by what they drive: ``topics`` (and stats, consumers), ``messages``
+(push, tail), ``admin`` (pause, play, rebalance, replay, trim, dlq), ``subs``,
+``broker``, ``web``. ``params`` judges command-line values with FDQ's own rules;
+``rows`` builds rows from the API; ``render`` prints them."""
+from .app import cli, main
+from . import admin, broker, messages, subs, topics, web  # noqa: F401,E402 - each registers its commands
 
 __all__ = ["cli", "main"]

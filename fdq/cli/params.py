@@ -3,12 +3,16 @@ alone is judged here, with FDQ's own rules (``check_name``, ``TopicConfig``,
 ``validate_headers``), and a bad value is a usage error (exit 2)."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
 import click
 
+from ..broker.__main__ import parse_duration
+from ..broker.server import split_address
 from ..config import SubscriptionConfig, TopicConfig, check_name
+from ..envelope import Envelope
 from ..errors import ConfigError, InvalidHeader, InvalidMessage, InvalidName
 from ..headers import TRACE_ID, is_tag, validate_headers
 from ..times import parse_time
@@ -61,7 +65,6 @@ def topic_config_callback(ctx, param, value):
 def envelope_callback(ctx, param, value):
     """Check a push option that is an ``Envelope`` field (same name) by FDQ's own rule."""
     if value is not None:
-        from ..producer import Envelope
         try:
             Envelope(b"", **{param.name: value})
         except InvalidMessage as e:
@@ -170,9 +173,6 @@ class Duration(click.ParamType):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             s = float(value)
         else:
-            import argparse
-
-            from ..broker.__main__ import parse_duration
             try:
                 s = parse_duration(str(value))
             except argparse.ArgumentTypeError as e:
@@ -194,7 +194,6 @@ class Address(click.ParamType):
         text = str(value)
         if self.optional and text == "":
             return text
-        from ..broker.server import split_address
         try:
             _host, port = split_address(text)
         except ConfigError as e:

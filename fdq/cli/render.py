@@ -45,6 +45,17 @@ def note(message: str):
     click.echo(message, err=True)
 
 
+def rows_or_note(rows: list, columns: list, empty: str, as_json: bool):
+    """A listing: ``rows`` as one JSON document (``--json``, ``[]`` when empty), else a
+    table, or the note ``empty`` on stderr when there are none."""
+    if as_json:
+        emit_json(rows)
+    elif not rows:
+        note(empty)
+    else:
+        table(None, columns, rows)
+
+
 def table(title: str | None, columns: list, rows: list):
     """``columns``: [(header, function of row -> text)]. Numbers are right-aligned."""
     if sys.stdout is None:              # started with descriptor 1 closed: as click.echo does
@@ -119,6 +130,8 @@ def progress(label: str, total: int | None = None):
     few seconds. Either way the caller prints its own summary afterwards."""
     err = sys.stderr
     if stderr_is_terminal():
+        # Imported here, not at the top: ~60 ms of import that only a bar on a terminal
+        # needs (every command would pay it at start).
         from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn,
                                    TextColumn, TimeElapsedColumn)
         columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),

@@ -8,7 +8,8 @@ import sys
 import click
 
 from . import render
-from .commands import Failure, State, _exit_interrupted, _one_line, cli, pass_state
+from .app import Failure, State, cli, exit_interrupted, one_line, pass_state
+from ..web.server import run
 from .params import Address, Duration
 
 
@@ -44,13 +45,12 @@ def web(state: State, http_address, web_url, write_token, sample_interval, histo
         mode = "actions need the write token" if write_token else "read-only"
         render.note(f"fdq web: serving http://{host}:{port}/ ({mode})")
 
-    from ..web.server import run
     state.interrupted = lambda: "dashboard stopped"
     try:
         stopped_by = run(web_url or state.url, http_address, write_token=write_token,
                          sample_interval_s=sample_interval, history_s=history, ready=ready)
     except OSError as e:
-        raise Failure(f"cannot start the dashboard on {http_address}: {_one_line(e)}") from None
+        raise Failure(f"cannot start the dashboard on {http_address}: {one_line(e)}") from None
     if stopped_by == signal.SIGINT:
-        _exit_interrupted(state.interrupted)
+        exit_interrupted(state.interrupted)
     render.note("fdq web: stopped")

@@ -209,7 +209,7 @@ def test_progress_bar_on_a_terminal(run, db, sup, monkeypatch):
 
 def test_plain_progress_lines(run, db, monkeypatch):
     monkeypatch.setattr(render, "PLAIN_EVERY_S", 0.0)
-    monkeypatch.setattr("fdq.cli.commands.PUSH_BATCH", 10)
+    monkeypatch.setattr("fdq.cli.messages.PUSH_BATCH", 10)
     r = run("push", "orders", "-", input="\n".join(map(str, range(25))))
     progress = [line for line in r.stderr.splitlines() if line.startswith("pushing to orders: ")]
     assert progress == ["pushing to orders: 10", "pushing to orders: 20", "pushing to orders: 25"]

@@ -76,7 +76,7 @@ USAGE_ERRORS = [  # (argv, text the message must contain)
     (["tail", "orders", "--count", "0"], "0 is not in the range x>=1"),
     (["tail", "orders", "--mode", "exactly-once"], "'exactly-once' is not one of"),
     (["tail", "orders", "--tag", "a b"], "invalid tag 'a b'"),
-    (["topics", "upgrade", "plain"], "nothing to upgrade: give --extend or --count-log-bytes"),
+    (["topics", "upgrade", "plain"], "nothing to upgrade: give --extend"),
     (["stats"], "Missing argument 'TOPIC'"),
     (["frobnicate"], "No such command 'frobnicate'"),
     (["topics", "--shards", "3"], "No such option '--shards'"),

@@ -46,7 +46,7 @@ def test_push_json_headers_msg_id_delay(run, db, sup):
 
 
 def test_push_stdin_lines_in_batches(run, db, sup, monkeypatch):
-    monkeypatch.setattr("fdq.cli.commands.PUSH_BATCH", 7)     # several transactions
+    monkeypatch.setattr("fdq.cli.messages.PUSH_BATCH", 7)     # several transactions
     lines = [f"line {i}" for i in range(50)] + ["", "caf\u00e9", "last-no-newline"]
     data = ("\n".join(lines)).encode()
     r = run("push", "orders", "-", "--key", "k", "--keep-empty", input=data)   # the blank line too
@@ -80,7 +80,7 @@ def test_push_stdin_skips_blank_lines_unless_keep_empty(run, db, sup):
 
 
 def test_push_stdin_error_names_what_was_pushed(run, db, sup, monkeypatch):
-    monkeypatch.setattr("fdq.cli.commands.PUSH_BATCH", 2)
+    monkeypatch.setattr("fdq.cli.messages.PUSH_BATCH", 2)
     run("topics", "create", "small", "--max-backlog", 3)
     r = run("push", "small", "-", input=b"a\nb\nc\nd\ne\nf\n", code=1)
     assert len(r.stdout.split()) == 2                        # the first batch's ids

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 import fdq
-from fdq.cli.commands import cli
+from fdq.cli import cli
 from fdq.config import SubscriptionConfig
 
 import fdqtest

@@ -72,9 +72,9 @@ def test_push_many_of_thousands_fits_its_retry_marker(db, url):
     stored = stored_bodies(db, name)
     assert max(stored.values()) == 1 and len(stored) == 5000 + 6 * 3000
     # Expiry (what trim does once markers are 600 s old) removes every part.
-    from fdq.supervisor import expire_index_chunk
+    from fdq.ops.retention import expire_markers_chunk
     ts = Keyspace().topic(name)
     assert len(scan(db, ts.marks.key())) > len(scan(db, ts.marks_by_version.key()))   # split ones
-    while expire_index_chunk(db, ts.marks_by_version, 1 << 62, 100, ts.marks) == 100:
+    while expire_markers_chunk(db, ts, 1 << 62, 100) == 100:
         pass
     assert scan(db, ts.marks.key()) == [] and scan(db, ts.marks_by_version.key()) == []

@@ -96,8 +96,8 @@ def test_reset_leaves_leases_and_dlq_alone(db):
 
 
 def test_reset_purges_delayed_messages_in_pages(db, monkeypatch):
-    import fdq.subscription
-    monkeypatch.setattr(fdq.subscription, "PURGE_SCAN", 3)     # many small pages
+    from fdq.ops import catchup
+    monkeypatch.setattr(catchup, "PURGE_SCAN", 3)     # many small pages
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=2)
     sup.create_subscription("t", "r")
@@ -132,7 +132,7 @@ def test_reset_purges_delayed_messages_in_pages(db, monkeypatch):
 _KILLED_RESET = """
 import os, signal, sys
 import fdq
-from fdq import subscription as subs
+from fdq.ops import catchup as subs
 
 subs.CHUNK = 20
 chunk, calls = subs.catch_up_chunk, []
@@ -185,7 +185,7 @@ def test_reset_killed_midway_is_finished_by_live_consumers(db, url, tmp_path):
 _RESET_KILLED_IN_PURGE = """
 import os, signal, sys
 import fdq
-from fdq import subscription as subs
+from fdq.ops import catchup as subs
 
 
 subs.CHUNK = 10
@@ -214,7 +214,7 @@ def test_reset_killed_in_its_purge_then_resharded_to_fewer_shards(db, url, tmp_p
     import subprocess
     import sys
     from fdq.keyspace import Keyspace
-    from fdq.subscription import catch_up
+    from fdq.ops.catchup import catch_up
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=4)
     sup.create_subscription("t", "r")
@@ -250,7 +250,7 @@ def test_rewind_over_leases_returned_after_its_purge_counts_them_once(db):
     the copy found those messages not leased and wrote them again at their ready key,
     counting them routed twice: a backlog of 10 left for good after all 50 were
     delivered."""
-    from fdq import subscription as subs
+    from fdq.ops import catchup as subs
     from fdq.keyspace import Keyspace
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=2)
@@ -268,6 +268,35 @@ def test_rewind_over_leases_returned_after_its_purge_counts_them_once(db):
     assert sup.stats("t")["subscriptions"]["r"]["backlog"] == _queued(db, "r") == 50
     assert _ids(drain(db, "t", "r", idle_s=0.3)) == set(ids)
     assert sup.stats("t")["subscriptions"]["r"]["backlog"] == 0
+
+
+def test_rewind_over_unkeyed_leases_a_reshard_moved_queues_them_once(db):
+    """Unkeyed messages leased, the topic resharded (their lease records move with them),
+    then a rewind over them: it must find each leased message where the reshard put it
+    and leave it alone. The reshard put an unkeyed message by its versionstamp and the
+    rewind looked in its log bucket's shard, so it queued most of them again beside
+    their leases, to be delivered twice (a backlog of 67 for 40 messages; plan 1h.1)."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=4)
+    sup.create_subscription("t", "r")
+    ids = [r.id for r in fdq.Producer(db).push_many("t", [fdq.Envelope(b"u%d" % i) for i in range(40)])]
+    with fdq.Consumer(db, "t", subscription="r", config=fast(SUBS_FAST, ack_wait_s=60)) as c:
+        assert _ids(fdqtest.fetch_n(c, 40)) == set(ids)
+        sup.rebalance("t", shards=3)
+        sup.reset("t", "r", 0)
+        st = sup.stats("t")["subscriptions"]["r"]
+        assert (st["backlog"], st["in_flight"]) == (40, 40)      # the leased copies alone
+        assert _ready(db, "r") == 0
+
+
+def _ready(db, sub) -> int:
+    """The messages in ``sub``'s ready queues, by a scan."""
+    from fdq.keyspace import Keyspace
+    ts = Keyspace().topic("t")
+    tr = db.create_transaction()
+    r = ts.subs[sub].range()
+    return sum(1 for kv in tr.snapshot.get_range(r.start, r.stop)
+               if len(ts.subs.unpack(kv.key)) > 4 and ts.subs.unpack(kv.key)[4] == "ready")
 
 
 def test_redrive_after_a_rewind_requeued_the_dead_letter_counts_it_once(db):
@@ -294,7 +323,7 @@ def test_rewind_over_leases_delayed_after_its_purge_counts_them_once(db):
     delayed area, keyed by due time) queues them ready, and their delayed copies, once
     due, were promoted onto the same ready keys: counted routed twice, a backlog of 10
     left for good. Now the promotion drops such a delayed copy, counted done."""
-    from fdq import subscription as subs
+    from fdq.ops import catchup as subs
     from fdq.keyspace import Keyspace
     from fdq.membership import read_clock
     sup = fdq.Supervisor(db)

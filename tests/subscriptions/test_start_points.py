@@ -98,3 +98,17 @@ def test_a_new_subscription_gets_a_delayed_message_at_its_due_time(db):
     assert sub_stats(db, "t", "new")["delayed"] == 1
     advance_clock(db, 600_000)
     assert fetch_ids(db, "t", "new") == [late]
+
+
+def test_a_topics_first_subscription_starts_where_the_topic_does(db):
+    """A topic's ``default`` subscription gets its record (config, start boundary) with the
+    topic, whether created or auto-created by a push: its start is the topic's creation."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    first = fdq.Producer(db).push("u", b"auto-created").id     # the push creates "u"
+    for topic in ("t", "u"):
+        info = sup.subscription(topic, "default")
+        assert info["config"] == fdq.SubscriptionConfig() and not info["catching_up"]
+        assert len(info["start_position"]) == 24
+    assert sup.subscription("u", "default")["start_position"][:20] == first[:20]   # the same commit
+    assert [m.body for m in drain(db, "u")] == [b"auto-created"]

@@ -15,6 +15,7 @@ import pytest
 import fdq
 from fdq import supervisor as sv
 from fdq.keyspace import Keyspace
+from fdq.ops.topics import update_topic_config
 
 from fdqtest import advance_clock, engine_errors, fetch_ids, read_lines, read_version, sub_stats, wait_for
 from ophelpers import (check_order, consume, consume_recorded, drain_bodies, fan_out_topic, fetch_acked, push_keys,
@@ -230,7 +231,7 @@ def test_a_hold_from_another_version_space_does_not_block_pushes(db):
     ts = Keyspace().topic("t")
     sup.pause("t")
     rv = read_version(db)
-    fdq.topic.update_topic_config(db, ts, held_at=rv + 10 ** 12)    # as restored elsewhere
+    update_topic_config(db, ts, held_at=rv + 10 ** 12)    # as restored elsewhere
     out = []
     t = threading.Thread(target=lambda: out.append(fdq.Producer(db).push("t", b"x")), daemon=True)
     t.start()

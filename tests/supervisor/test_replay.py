@@ -16,7 +16,7 @@ from fdq.headers import DISPATCH_TAG, TRACE_ID
 from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import unpack
 
-from fdqtest import (advance_clock, collect, fetch_ids, log_records, read_version, replay_counts, scan, sub_stats,
+from fdqtest import (advance_clock, collect, fetch_ids, log_records, replay_counts, scan, sub_stats,
                      wait_for, with_faults)
 from ophelpers import check_order, consume, drain_bodies, fan_out_topic, push_keys, Recorder, SUPERVISED
 
@@ -156,6 +156,9 @@ def test_a_killed_replay_run_is_taken_over_once_and_its_old_owner_fenced(db, mon
     never driven) is finished by the next call of the same window, from its progress;
     the old owner, were it to wake up, can commit no chunk of it."""
     from fdq import supervisor
+    from fdq.log import iter_window, log_buckets
+    from fdq.ops import replay
+    from fdq.ops.push import PushItem
     monkeypatch.setattr(supervisor, "REPLAY_ORPHAN_S", 0.3)
     p = fdq.Producer(db)
     ids = [r.id for r in p.push_many("t", [fdq.Envelope(f"m{i}".encode()) for i in range(1200)])]
@@ -164,50 +167,24 @@ def test_a_killed_replay_run_is_taken_over_once_and_its_old_owner_fenced(db, mon
     time.sleep(0.01)
     ts = Keyspace().topic("t")
     window = f"0:{end}"
-    run, _state = supervisor.replay_begin(db, ts, window, "dead-owner", 0, end)
-    rows = list(supervisor.iter_window(db, ts, supervisor.log_buckets(db, ts), 0, end))
-    first = [(vs, supervisor._ReplayEnvelope(rec.body, None, None, None, None, replay_of=fdq.keyspace.message_id(vs)))
-             for vs, _b, rec in rows[:500]]
+    run, _state = replay.replay_begin(db, ts, window, "dead-owner", 0, end)
+    rows = list(iter_window(db, ts, log_buckets(db, ts), 0, end))
+    first = [(vs, PushItem(rec.body, replay_of=fdq.keyspace.message_id(vs))) for vs, _b, rec in rows[:500]]
     ks = Keyspace()
-    assert supervisor.replay_chunk(db, ks, ts, (window, run, "dead-owner"), first,
-                                   b"x" * 16, end, {})[:2] == (500, 500)
+    assert replay.replay_chunk(db, ks, ts, (window, run, "dead-owner"), first, b"x" * 16, end, {}) == (500, 500)
     assert p.replay("t", 0, end) == 700           # taken over: what the dead run left
     counts = replay_counts(db, "t")
     assert set(counts) == set(ids) and set(counts.values()) == {1}
-    assert supervisor._replay_runs(db, ts, window) == {}
+    assert replay.replay_runs(db, ts, window) == {}
     # The old owner's next chunk is refused (here: the run is finished and gone; while
     # another owner runs it, ReplayTakenOver).
-    run2, _ = supervisor.replay_begin(db, ts, window, "dead-2", 0, end)
-    assert supervisor.replay_begin(db, ts, window, "thief", 0, end,
-                                   claim=(run2, "dead-2", 0)) == (run2, _ | {"owner": "thief"})
+    run2, _ = replay.replay_begin(db, ts, window, "dead-2", 0, end)
+    assert replay.replay_begin(db, ts, window, "thief", 0, end,
+                               claim=(run2, "dead-2", 0)) == (run2, _ | {"owner": "thief"})
     with pytest.raises(fdq.ReplayTakenOver):
-        supervisor.replay_chunk(db, ks, ts, (window, run2, "dead-2"), first, b"y" * 16, end, {})
+        replay.replay_chunk(db, ks, ts, (window, run2, "dead-2"), first, b"y" * 16, end, {})
     with pytest.raises(fdq.ConfigError, match="not running"):
-        supervisor.replay_chunk(db, ks, ts, (window, run, "dead-owner"), first, b"z" * 16, end, {})
-
-
-def test_a_replay_resumes_a_run_an_older_version_left(db, monkeypatch):
-    """Progress written by a version that kept one record per window (no owner, no
-    heartbeat) is resumed, not replayed again from the start."""
-    from fdq import supervisor
-    from fdq.keyspace.codec import pack
-    monkeypatch.setattr(supervisor, "REPLAY_ORPHAN_S", 0.3)
-    p = fdq.Producer(db)
-    ids = [r.id for r in p.push_many("t", [fdq.Envelope(f"m{i}".encode()) for i in range(300)])]
-    ts = Keyspace().topic("t")
-    rows = list(supervisor.iter_window(db, ts, supervisor.log_buckets(db, ts), 0, None))
-    rv = read_version(db)
-    legacy = {"start": 0, "end": None, "stop": rv, "after": rows[99][0].to_bytes(), "count": 100}
-
-    @fdq.transactional
-    def put(tr):
-        tr[ts.replays.pack(("0:None",))] = pack(legacy)
-    put(db)
-    assert p.replay("t", 0) == 200
-    counts = replay_counts(db, "t")
-    assert set(counts) == set(ids[100:]) and set(counts.values()) == {1}
-    tr = db.create_transaction()
-    assert list(tr.get_range(*[ts.replays.range().start, ts.replays.range().stop])) == []
+        replay.replay_chunk(db, ks, ts, (window, run, "dead-owner"), first, b"z" * 16, end, {})
 
 
 def test_replay_racing_a_trim_pushes_no_empty_bodies(db):

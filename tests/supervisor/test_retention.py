@@ -11,6 +11,7 @@ import fdq
 from fdq import supervisor as sv
 from fdq.engine import sqlite as engine_sqlite
 from fdq.keyspace import Keyspace
+from fdq.ops.topics import update_topic_config
 from fdq.log import iter_window, log_buckets
 
 from fdqtest import counter_value, database_url, engine_errors, scan, with_faults
@@ -106,7 +107,7 @@ def test_log_bytes_counts_every_kind_of_push_exactly(db):
     cut = fdq.log.Record.decode(_entries(db, ts)[45][2]).ts_ms     # (a push_many shares one)
     assert sup.trim("t", before_ms=cut) > 0
     assert sup.stats("t")["counters"]["log_bytes"] == _log_bytes(db, ts)
-    fdq.topic.update_topic_config(db, ts, retention_bytes=_log_bytes(db, ts) // 2)
+    update_topic_config(db, ts, retention_bytes=_log_bytes(db, ts) // 2)
     assert sup.trim("t") > 0
     assert sup.stats("t")["counters"]["log_bytes"] == _log_bytes(db, ts)
     sup.trim("t", before_ms=2 ** 62)
@@ -141,21 +142,6 @@ def test_trim_by_size_is_exact_and_needs_no_estimate(db, coarse_estimate):
     assert sup.trim("t") == 0
 
 
-def test_a_topic_without_the_counter_trims_by_the_estimate(db):
-    """A topic an older FDQ created (its config without ``log_bytes_counted``): its
-    log_bytes stat is None and trim by size uses the estimate (exact on the engine)."""
-    sup = fdq.Supervisor(db)
-    ts = Keyspace().topic("old")
-    cfg = fdq.TopicConfig(shards=2, retention_bytes=50_000)
-    fdq.topic.write_topic_config(db, ts, cfg)          # as an older create_topic wrote it
-    p = fdq.Producer(db)
-    for _ in range(10):
-        p.push_many("old", [fdq.Envelope(b"z" * 1000, shard_key=f"k{j}") for j in range(20)])
-    assert sup.stats("old")["counters"]["log_bytes"] is None
-    assert sup.trim("old") > 0
-    assert 0 < _log_bytes(db, ts) <= 50_000
-
-
 def test_trim_under_fault_injection_keeps_the_counter_exact(tmp_path):
     url = database_url(tmp_path / "f.db")
     db = fdq.connect(url)
@@ -166,7 +152,7 @@ def test_trim_under_fault_injection_keeps_the_counter_exact(tmp_path):
     faulty = fdq.connect(with_faults(url, 0.3, 7))
     fs = fdq.Supervisor(faulty)
     budget = _log_bytes(db, ts) // 3
-    fdq.topic.update_topic_config(db, ts, retention_bytes=budget)
+    update_topic_config(db, ts, retention_bytes=budget)
     assert fs.trim("t") > 0
     assert sup.stats("t")["counters"]["log_bytes"] == _log_bytes(db, ts) <= budget
     cut = fdq.log.Record.decode(_entries(db, ts)[-1][2]).ts_ms      # all but the last push
@@ -193,7 +179,7 @@ def test_a_trim_killed_mid_way_leaves_the_counter_exact_and_a_rerun_finishes(pro
         args = ["--before-ms", cut_ms]
     else:
         budget = _log_bytes(db, ts) // 10
-        fdq.topic.update_topic_config(db, ts, retention_bytes=budget)
+        update_topic_config(db, ts, retention_bytes=budget)
     w = procs.start("trim", "trim1", *args)
     assert procs.readline(w, 60).strip() == "start"
     first = procs.readline(w, 60).strip()
@@ -249,7 +235,7 @@ def test_trim_by_size_drops_time_index_entries_of_deleted_entries(db, monkeypatc
             "t", [fdq.Envelope(b"q" * 300, shard_key=f"k{j}") for j in range(20)])])
     monkeypatch.setattr(time, "time", real)
     assert len(scan(db, ts.time_index.key())) == 6
-    fdq.topic.update_topic_config(db, ts, retention_bytes=_log_bytes(db, ts) // 3)
+    update_topic_config(db, ts, retention_bytes=_log_bytes(db, ts) // 3)
     sup.trim("t")
     oldest = _entries(db, ts)[0][0]
     index = [ts.time_index.unpack(k)[1].to_bytes()[-12:] for k, _v in scan(db, ts.time_index.key())]

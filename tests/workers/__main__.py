@@ -16,7 +16,7 @@ import sys
 ROLES = {
     "producer": "produce", "push-ids": "produce", "spark-producer": "produce",
     "consumer": "consume", "subs-consumer": "consume", "tag-consumer": "consume", "web-consumer": "consume",
-    "play": "operate", "rebalance": "operate", "replay": "operate", "trim": "operate", "count": "operate",
+    "play": "operate", "rebalance": "operate", "replay": "operate", "trim": "operate",
     "jumper": "operate",
     "chaos-producer": "chaos", "chaos-consumer": "chaos", "chaos-supervisor": "chaos",
     "soak-producer": "soak", "soak-consumer": "soak", "soak-supervisor": "soak",

@@ -1,7 +1,6 @@
 """Supervisor roles, each printing ``start``, ``chunk N`` per chunk and ``done [TOTAL]``:
 ``play``, ``rebalance`` (to ``--count`` shards), ``replay`` (from 0), ``trim`` (by the
-retention config, or before ``--before-ms``), ``count`` (``count_log_bytes``, ``--sleep``
-after each chunk). ``jumper`` commits tiny transactions until killed, on a
+retention config, or before ``--before-ms``). ``jumper`` commits tiny transactions until killed, on a
 fault-injecting connection: the engine injects version jumps (an FDB recovery).
 
 :func:`random_ops` is the random operation loop of the chaos and soak supervisors, and
@@ -49,18 +48,6 @@ def trim(args):
     db = fdq.connect(args.url)
     print("start", flush=True)
     total = fdq.Supervisor(db).trim(args.topic, before_ms=args.before_ms, progress=_progress)
-    print(f"done {total}", flush=True)
-
-
-def count(args):
-    import fdq
-    db = fdq.connect(args.url)
-    print("start", flush=True)
-
-    def chunk(n):
-        print(f"chunk {n}", flush=True)
-        time.sleep(args.sleep)
-    total = fdq.Supervisor(db).count_log_bytes(args.topic, progress=chunk)
     print(f"done {total}", flush=True)
 
 
@@ -186,8 +173,7 @@ def main(role, argv):
     ap = parser(role)
     ap.add_argument("--topic", default="t")
     ap.add_argument("--count", type=int, default=100)    # rebalance: the shard count
-    ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--before-ms", type=int, default=None)
     args = ap.parse_args(argv)
-    {"play": play, "rebalance": rebalance, "replay": replay, "trim": trim, "count": count,
+    {"play": play, "rebalance": rebalance, "replay": replay, "trim": trim,
      "jumper": jumper}[role](args)

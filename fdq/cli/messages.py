@@ -1,0 +1,290 @@
+"""``fdq push`` and ``fdq tail``: messages in from arguments or stdin lines, out to
+stdout (and acked)."""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import sys
+import time
+
+import click
+
+from .. import Consumer, ConsumerStalled, Envelope, FDQError, LeaseLost, Producer, SubscriptionNotFound, TopicNotFound
+from ..engine import after_interrupt
+from . import render, rows
+from .app import Failure, cli, json_option, one_line, pass_state, subscription_option, topic_argument
+from .params import Header, Seconds, Tag, envelope_callback, headers_callback
+
+PUSH_BATCH = 500      # stdin lines per transaction at most (progress and errors count by them)
+TAIL_BATCH = 100
+
+def _stdin_lines(stream):
+    """The lines of binary ``stream`` (each with its newline, the last maybe without),
+    and ``None`` whenever no more input is ready yet: a pipe or terminal whose writer is
+    still open (``tail -f log | fdq push logs -``), so what was read can be pushed before
+    waiting. A stream without a file descriptor is read as it is."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        yield from stream
+        return
+    parts = []                      # the current line's pieces so far
+    while True:
+        if not select.select([fd], [], [], 0)[0]:
+            yield None
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            break
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            parts.append(chunk[start:end + 1])
+            yield b"".join(parts)
+            parts = []
+            start = end + 1
+        if start < len(chunk):
+            parts.append(chunk[start:])
+    if parts:
+        yield b"".join(parts)
+
+
+def _encode_arg(text: str) -> bytes:
+    # argv is decoded with surrogateescape on POSIX: this gives back the original bytes.
+    return text.encode("utf-8", "surrogateescape")
+
+
+@cli.command()
+@topic_argument
+@click.argument("data", required=False)
+@click.option("--key", "-k", "shard_key", metavar="K", callback=envelope_callback,
+              help="Shard key (messages of one key keep their order).")
+@click.option("--delay", type=Seconds(), default=None, callback=envelope_callback,
+              help="Deliver after this many seconds.")
+@click.option("--header", "-H", "headers", type=Header(), multiple=True, callback=headers_callback,
+              help="A header name=value (extend topics); the value is JSON if it parses, "
+                   "else a string. Repeatable.")
+@click.option("--msg-id", metavar="ID", callback=envelope_callback,
+              help="Your id: a repeat within the topic's dedupe window is stored once.")
+@click.option("--keep-empty", is_flag=True,
+              help="Push blank stdin lines as empty messages [default: skip them].")
+@json_option
+@pass_state
+def push(state, topic, data, shard_key, delay, headers, msg_id, keep_empty, as_json):
+    """Push DATA (or stdin lines) to TOPIC; print the ids.
+
+    TOPIC is created if missing.
+
+    With DATA "-" (or no DATA), push one message per line of stdin (newline, or
+    CR LF, stripped; nothing else), in as few transactions as hold them (up to
+    500 lines each; what was read is pushed once no more input is ready: lines
+    of a live pipe go out as they come); prints one id per line. Blank lines (nothing before the newline) are
+    skipped and counted in the summary; --keep-empty pushes them as empty
+    messages. A line of spaces is data, pushed as it is.
+    """
+    show = render.emit_json_line if as_json else (lambda r: click.echo(r["id"]))
+    if data is not None and data != "-":
+        r = Producer(state.db).push(topic, _encode_arg(data), shard_key=shard_key, msg_id=msg_id, delay=delay,
+                          headers=headers)
+        if r.duplicate:
+            render.note(f"msg-id {msg_id!r} was pushed before: not stored again")
+        show(rows.push_row(r))
+        return
+    if msg_id is not None:
+        raise click.UsageError("--msg-id names one message: give DATA, not stdin lines")
+    if sys.stdin is None:                   # started with descriptor 0 closed
+        raise Failure("stdin is closed: give DATA, or lines on stdin")
+    fed = pushed = skipped = 0
+    reading = True          # in the input: no transaction under way
+
+    def envelopes():
+        """stdin's lines as envelopes, and None when no more input is ready yet (the
+        producer then commits what it holds)."""
+        nonlocal fed, skipped, reading
+        for line in _stdin_lines(sys.stdin.buffer):
+            if line is not None:
+                body = line[:-1] if line.endswith(b"\n") else line
+                if body.endswith(b"\r"):
+                    body = body[:-1]
+                if not body and not keep_empty:
+                    skipped += 1
+                    continue
+                line = Envelope(body, shard_key, delay, None, headers)
+                fed += 1
+            reading = False
+            yield line
+            reading = True
+
+    def interrupted():
+        held = fed - pushed
+        maybe = f"; the {held:,} lines being pushed may be stored too" if held and not reading else ""
+        return f"pushed {pushed:,} messages to {topic!r} (ids printed){maybe}"
+    state.interrupted = interrupted
+    with render.progress(f"pushing to {topic}") as advance:
+        try:
+            for results in Producer(state.db).push_stream(topic, envelopes(), max_messages=PUSH_BATCH):
+                pushed += len(results)
+                for r in results:
+                    show(rows.push_row(r))
+                advance(len(results))
+        except FDQError as e:
+            done = f" ({pushed:,} messages pushed before this batch)" if pushed else ""
+            raise Failure(one_line(e) + done) from None
+    blank = "" if not skipped else (f" ({skipped:,} blank line{'s' if skipped != 1 else ''} skipped; "
+                                    "--keep-empty pushes them)")
+    render.note(f"pushed {pushed:,} messages to {topic!r}{blank}")
+
+
+def _print_message(m, as_json):
+    row = rows.message_row(m)
+    if as_json:
+        render.emit_json_line(row)
+        return
+    parts = [row["id"]]
+    if row["shard_key"] is not None:
+        parts.append(f"key={row['shard_key']}")
+    for name, value in row["headers"].items():
+        parts.append(f"{name}={value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)}")
+    if row["attempts"] > 1:
+        parts.append(f"attempts={row['attempts']}")
+    body = m.body.decode("utf-8", "backslashreplace")
+    # One message per line, and nothing a terminal would act on (click also strips raw
+    # ANSI sequences from piped output): control characters but tab are escaped.
+    click.echo(("  ".join(parts) + "  " + body).translate(_CONTROL_ESCAPES))
+
+
+_CONTROL_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7f, 0xa0)] if c != 0x09} | {
+    0x0a: "\\n", 0x0d: "\\r"}
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived (``timeout``, systemd, docker stop): stop as on Ctrl-C."""
+
+
+def _raise_terminated(_signum, _frame):
+    raise _Terminated()
+
+
+def _tail_error(e: BaseException):
+    """The consumer's on_error (its own threads): one line on stderr; tail keeps going.
+    ``ConsumerStalled``: no heartbeat reached the database, or no shard owned (others
+    own them all), for over 3 heartbeats; reported again after a recovery."""
+    what = "stalled" if isinstance(e, ConsumerStalled) else type(e).__name__
+    render.note(f"fdq: warning: {what}: {one_line(e)}")
+
+
+def _print_and_ack(consumer, msgs, at_most_once: bool, as_json: bool) -> int:
+    """Print ``msgs`` (each line flushed to stdout) and ack them; returns how many were
+    printed. At-most-once acks each one just before its line, so a write that fails
+    (the reader went away, Ctrl-C) loses that one only, not the rest of the batch;
+    at-least-once acks the lines written, also when a write fails, and leaves the rest
+    leased (``Consumer.close`` returns them at once). A subscription with ack_policy
+    none leases nothing: its messages were done when fetched, there is nothing to ack."""
+    if consumer.sub_config.ack_policy == "none":
+        for m in msgs:
+            _print_message(m, as_json)
+        return len(msgs)
+    written = []
+    try:
+        for m in msgs:
+            if at_most_once:
+                try:
+                    consumer.ack_many([m])
+                except LeaseLost as e:      # redelivered elsewhere: not ours to print
+                    render.note(f"fdq: warning: {one_line(e)}")
+                    continue
+            _print_message(m, as_json)      # click.echo flushes each line
+            written.append(m)
+    except BaseException:
+        after_interrupt()
+        if not at_most_once and written:
+            try:
+                consumer.ack_many(written)
+            except LeaseLost:
+                pass
+        raise
+    if not at_most_once:
+        try:
+            consumer.ack_many(written)
+        except LeaseLost as e:
+            render.note(f"fdq: warning: {one_line(e)}")
+    return len(written)
+
+
+@cli.command()
+@topic_argument
+@click.option("--count", "-n", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Stop after N messages [default: follow until Ctrl-C].")
+@click.option("--timeout", type=Seconds(), default=None,
+              help="Stop after this many seconds without a message.")
+@subscription_option
+@click.option("--tag", type=Tag(), default=None, metavar="T",
+              help="Take messages dispatched to tag T (extend topics).")
+@click.option("--mode", type=click.Choice(["at-least-once", "at-most-once"]), default="at-least-once",
+              show_default=True,
+              help="at-least-once: print, then ack; at-most-once: ack each message, then print it.")
+@json_option
+@pass_state
+def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
+    """Print TOPIC's messages and ack them.
+
+    Each line: id, shard key, headers (name=value), body; control characters
+    but tab are escaped (\\n, \\x1b), so a message is always one line (--json
+    has the exact body).
+
+    Joins the subscription as a consumer: with other consumers live it gets its
+    share of the shards. One message per line; --json: one JSON object per line.
+    A stalled consumer (database unreachable, or no shard owned, for over 3
+    heartbeats) is reported by one line on stderr; tail keeps going. A topic or
+    subscription deleted under it ends it (exit 1).
+
+    A subscription with ack policy none is done with a message when tail
+    fetches it, in batches (a failed write loses the rest of its batch).
+
+    A message counts as delivered once its line is written to stdout. If the
+    reader goes away (fdq tail t | head -1), tail exits 141 without a message:
+    at-least-once acks the lines it wrote (the reader may not have read all of
+    a pipe's buffer) and returns the rest of its batch to the subscription at
+    once; at-most-once loses the one message whose line could not be written.
+    """
+    config = state.supervisor.config(topic)
+    if tag is not None and not config.extend:
+        render.note(f"topic {topic!r} has no extend support: --tag is ignored")
+    gone = []                   # the topic or subscription, deleted under this tail
+
+    def on_error(e):
+        if isinstance(e, (TopicNotFound, SubscriptionNotFound)):
+            gone.append(e)
+        else:
+            _tail_error(e)
+    consumer = Consumer(state.db, topic, subscription=subscription, create=False,
+                        extend_support=config.extend, desired_tag=tag, batch_size=TAIL_BATCH,
+                        on_error=on_error)
+    got = 0
+    state.interrupted = lambda: f"tail stopped after {got:,} messages"
+    try:                    # SIGTERM leaves as Ctrl-C does: shards and leases given back now
+        previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:      # not the main thread: leave SIGTERM alone
+        previous_sigterm = None
+    try:
+        last = time.monotonic()
+        while count is None or got < count:
+            if gone:
+                raise Failure(one_line(gone[0]))
+            wait = 1.0
+            if timeout is not None:
+                wait = min(wait, max(0.0, last + timeout - time.monotonic()))
+            want = TAIL_BATCH if count is None else min(TAIL_BATCH, count - got)
+            msgs = consumer.fetch(want, timeout=wait)
+            if not msgs:
+                if timeout is not None and time.monotonic() - last >= timeout:
+                    break
+                continue
+            got += _print_and_ack(consumer, msgs, mode == "at-most-once", as_json)
+            last = time.monotonic()
+    except _Terminated:
+        raise click.exceptions.Exit(128 + signal.SIGTERM) from None
+    finally:
+        if previous_sigterm is not None:     # a second SIGTERM during close: no traceback
+            signal.signal(signal.SIGTERM, previous_sigterm)
+        consumer.close()

@@ -1,0 +1,215 @@
+"""Retention: trimming the "all" log by age and by size, its time index, and expiring
+push markers and dedupe ids past their windows.
+
+Nothing expires by itself: ``Supervisor.trim`` runs these in chunks. The log's size is
+kept exactly in the ``log_bytes`` counter (push adds each entry's ``ops.log.entry_bytes``,
+a trim subtracts what it deletes in the same transaction), so a trim killed mid-way
+leaves it exact. No trim deletes a message not routed yet (``first_pending``: pushed
+while paused, its log entry its only copy) nor any after it.
+"""
+from __future__ import annotations
+
+from ..engine import transactional
+from ..keyspace import TopicSpace, Versionstamp, counter, decode_counter, stamp_of_value, version_of
+from ..keyspace.codec import Record, decode_dedupe
+from .log import buckets_in, chunks_bytes, entry_bytes
+
+# The time index holds an entry per minute of pushes; a trim by age drops those of
+# minutes that end this long before its cutoff (a window start reads the index back
+# ``log.SLACK_MS`` earlier, so keep a margin past it).
+INDEX_KEEP_MS = 120_000
+
+
+@transactional
+def read_version(tr) -> int:
+    return tr.get_read_version().wait()
+
+
+@transactional
+def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: int, after=None,
+                      young_from: int | None = None) -> tuple:
+    """Delete the log entries of ``bucket`` inserted before ``before_ms`` among the next
+    ``limit`` after position ``after`` (None: its start), never one not yet routed
+    (``first_pending``) nor any after it. -> (deleted, bytes freed, last position read,
+    done). ``done`` at the bucket's end, or at the first entry inserted at or after
+    ``before_ms`` and committed at or after version ``young_from``; an entry inserted
+    "later" but committed before ``young_from`` is a producer clock running ahead: it is
+    kept and the scan goes on (None: stop at the first entry not due). The bytes freed
+    are subtracted from the ``log_bytes`` counter here.
+
+    Entries are read by snapshot (pushes appending to the bucket do not abort a trim)
+    with a read conflict on each deleted one: two trims never both delete (and
+    subtract) one entry."""
+    space = ts.log[bucket]
+    r = space.range()
+    begin = ts.log_key(bucket, after) + b"\x00" if after is not None else r.start
+    pending = first_pending(tr, ts)
+    deleted = freed = 0
+    rows = list(tr.snapshot.get_range(begin, r.stop, limit=limit))
+    last, done = after, len(rows) < limit
+    for kv in rows:
+        vs = space.unpack(kv.key)[0]
+        if pending is not None and vs >= pending:
+            done = True
+            break
+        rec = Record.decode(kv.value)
+        if rec.ts_ms >= before_ms:
+            if young_from is None or version_of(vs) >= young_from:
+                done = True
+                break
+            last = vs       # a clock ahead: kept, and not a reason to keep what follows
+            continue
+        freed += _delete_entry(tr, ts, bucket, kv.key, vs, kv.value, rec.nchunks)
+        deleted += 1
+        last = vs
+    _note_trimmed(tr, ts, deleted, freed)
+    return deleted, freed, last, done
+
+
+def _note_trimmed(tr, ts: TopicSpace, deleted: int, freed: int):
+    """Subtract ``freed`` from ``log_bytes`` and count the entries deleted (``trimmed``).
+    ``trimmed`` is written by every trim that deletes and read with a conflict by trim by
+    size: two trims are serialized, so the size one never acts on a ``log_bytes`` that
+    another trim lowered since it read it (it would delete more than needed)."""
+    if freed:
+        tr.add(ts.stat("log_bytes"), counter(-freed))
+    if deleted:
+        tr.add(ts.stat("trimmed"), counter(deleted))
+
+
+def _delete_entry(tr, ts: TopicSpace, bucket: int, key: bytes, vs, raw, nchunks: int) -> int:
+    """Delete one log entry (read by the caller) and its body chunks: its bytes
+    (``ops.log.entry_bytes``). A read conflict on its key: a concurrent trim deleting it
+    too makes one of the two retry (and find it gone)."""
+    tr.add_read_conflict_key(key)
+    size = 0
+    if nchunks:
+        last = tr.snapshot[ts.chunk_key(vs, nchunks - 1)]
+        size = chunks_bytes(len(last) if last != None else 0, nchunks)   # noqa: E711
+        cr = ts.chunks_range(vs)
+        tr.clear_range(cr.start, cr.stop)
+    del tr[key]
+    return entry_bytes(ts, bucket, len(raw), nchunks, size)
+
+
+@transactional
+def trim_oldest_chunk(tr, ts: TopicSpace, entries: list, max_bytes: int) -> tuple:
+    """Delete the oldest of ``entries`` [(bucket, vs)] (the log's oldest, in log order)
+    while the log is over ``max_bytes`` by its ``log_bytes`` counter, never one not yet
+    routed nor any after it. -> (deleted, bytes freed, done). An entry already gone (a
+    concurrent trim) is skipped. The counter is read by snapshot (concurrent pushes do
+    not abort a trim), ``trimmed`` with a conflict (a concurrent trim does); the bytes
+    freed are subtracted from it here."""
+    tr.add_read_conflict_key(ts.stat("trimmed"))    # any other trim's commit (``_note_trimmed``)
+    size = decode_counter(tr.snapshot[ts.stat("log_bytes")])
+    pending = first_pending(tr, ts)
+    raws = [tr.snapshot[ts.log_key(b, vs)] for b, vs in entries]    # (futures on FDB)
+    deleted = freed = 0
+    done = False
+    for (bucket, vs), raw in zip(entries, raws):
+        if size - freed <= max_bytes or (pending is not None and vs >= pending):
+            done = True
+            break
+        if raw == None:  # noqa: E711 - deleted meanwhile
+            continue
+        freed += _delete_entry(tr, ts, bucket, ts.log_key(bucket, vs), vs, raw, Record.decode(raw).nchunks)
+        deleted += 1
+    _note_trimmed(tr, ts, deleted, freed)
+    return deleted, freed, done
+
+
+@transactional
+def trim_time_index_before(tr, ts: TopicSpace, before_ms: int):
+    """Drop the time index's entries of the minutes that end ``INDEX_KEEP_MS`` before
+    ``before_ms`` (after a trim by age to ``before_ms``). Pushes add entries blind: no
+    conflict with them."""
+    r = ts.time_index.range()
+    tr.clear_range(r.start, ts.time_index_key(before_ms // 60000 * 60000 - INDEX_KEEP_MS))
+
+
+@transactional
+def trim_index_chunk(tr, ts: TopicSpace, limit: int) -> tuple:
+    """Delete time index entries (in minute order) that point before the log's oldest
+    entry, up to the first that does not. -> (deleted, done). Deleting an index entry is
+    always safe (a window then starts earlier, ``log.position_for_time``); keeping them
+    would grow the index without bound under retention by size alone."""
+    oldest = None
+    for b in buckets_in(tr, ts):
+        br = ts.log_bucket_range(b)
+        for kv in tr.snapshot.get_range(br.start, br.stop, limit=1):
+            vs = ts.log[b].unpack(kv.key)[0]
+            oldest = vs if oldest is None or vs < oldest else oldest
+    if oldest is None:      # an empty log: whatever is committed later is after this version
+        rv = tr.get_read_version().wait()
+        oldest = Versionstamp(rv.to_bytes(8, "big") + b"\x00\x00", 0)
+    r = ts.time_index.range()
+    rows = list(tr.snapshot.get_range(r.start, r.stop, limit=limit))   # (pushes add index
+    for n, kv in enumerate(rows):                                       # entries: no conflict)
+        if ts.time_index.unpack(kv.key)[1] >= oldest:
+            return n, True
+        del tr[kv.key]
+    return len(rows), len(rows) < limit
+
+
+def first_pending(tr, ts: TopicSpace):
+    """The oldest message pushed while paused or resharding and not routed yet (its log
+    entry is its only copy: retention must keep it and every later one), or None. Not a
+    snapshot: a play routing it, or a push adding the first one, conflicts."""
+    r = ts.pending.range()
+    for kv in tr.get_range(r.start, r.stop, limit=1):
+        return ts.pending.unpack(kv.key)[0]
+    return None
+
+
+@transactional
+def expire_markers_chunk(tr, ts: TopicSpace, older_than_version: int, limit: int) -> int:
+    """Delete up to ``limit`` push markers (and their split parts) committed before
+    version ``older_than_version``, with their by-version index entries. Returns the
+    index entries deleted (``limit``: maybe more to do)."""
+    def expire(txid: bytes, vs) -> bool:
+        key = ts.marker_key(txid)
+        current = tr[key]
+        if current != None and stamp_of_value(current) == vs.tr_version:  # noqa: E711
+            del tr[key]
+            r = ts.marker_parts_range(txid)
+            tr.clear_range(r.start, r.stop)
+        return True
+    return _expire(tr, ts.marks_by_version, older_than_version, limit, expire)
+
+
+@transactional
+def expire_dedupe_chunk(tr, ts: TopicSpace, older_than_version: int, limit: int,
+                        keep_after_ms: int, keep_before_ms: int) -> int:
+    """Delete up to ``limit`` dedupe ids whose first push committed before version
+    ``older_than_version``, with their by-version index entries; an id pushed again
+    since keeps its newer entry. An entry whose producer time is in ``[keep_after_ms,
+    keep_before_ms)`` stops the run, kept: old by versions but young by the clock is a
+    version jump, not age; a time past ``keep_before_ms`` is a producer's clock ahead
+    (kept, it would stop the cleanup of every later entry while that clock is ahead).
+    Returns the index entries deleted (``limit``: maybe more to do)."""
+    def expire(msg_id: bytes, vs) -> bool:
+        key = ts.dedupe_key(msg_id.decode())
+        current = tr[key]
+        if current != None:  # noqa: E711
+            entry = decode_dedupe(current)
+            if entry.vs.tr_version == vs.tr_version:
+                if keep_after_ms <= entry.ts_ms < keep_before_ms:
+                    return False
+                del tr[key]
+        return True
+    return _expire(tr, ts.dedupe_by_version, older_than_version, limit, expire)
+
+
+def _expire(tr, index, older_than_version: int, limit: int, expire) -> int:
+    """Walk the by-version ``index`` from its oldest entry: for each one committed
+    before ``older_than_version``, ``expire(its value, its versionstamp)`` deletes what
+    it points to (False: keep it, stop here), then the index entry goes."""
+    r = index.range()
+    n = 0
+    for kv in tr.get_range(r.start, r.stop, limit=limit):
+        vs = index.unpack(kv.key)[0]
+        if version_of(vs) >= older_than_version or not expire(bytes(kv.value), vs):
+            break
+        del tr[kv.key]
+        n += 1
+    return n

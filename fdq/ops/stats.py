@@ -1,0 +1,124 @@
+"""Stats: every figure is made of counters (atomic adds, read back here) and a few point
+reads, never a scan of a backlog.
+
+Per topic (``topic/<t>/all/stats``): ``inserted`` (pushed into the "all" log), ``routed``
+(routed to the subscriptions' queues; lags ``inserted`` while paused).
+Per shard of a subscription (``.../shards/<tag>/<n>/stats``): ``routed`` (messages put
+in this shard's queue; consumers watch it), ``done`` (removed for good: acked,
+dead-lettered, consumed at most once or exactly once), ``emitted`` (deliveries,
+redeliveries included), ``in_flight`` (leased now), ``delayed`` (waiting to be due),
+``dead`` (sent to the DLQ), ``requeued`` (redeliveries queued). Backlog = routed - done.
+"""
+from __future__ import annotations
+
+from ..delivery import dlq_size
+from ..engine import transactional
+from ..errors import TopicNotFound
+from ..keyspace import TopicSpace, decode_counter
+from ..keyspace.codec import Record
+from ..membership import heartbeat_age, read_clock, read_members, read_owners
+from .topics import load_config
+
+SHARD_COUNTERS = ("routed", "done", "emitted", "in_flight", "delayed", "dead", "acked", "requeued")
+
+
+def shard_counters(reader, ts: TopicSpace, sub: str, config, tags=None) -> dict:
+    """{(tag, n): {counter: value, ..., "backlog": routed - done}} for a subscription
+    (every dispatch tag's shards unless ``tags`` is given)."""
+    if tags is None:
+        r = ts.tags.range()
+        tags = [""] + [ts.tags.unpack(kv.key)[0] for kv in reader.get_range(r.start, r.stop)]
+    futures = {}
+    for tag in tags:
+        for n in range(max(config.shards, config.resharding_to or 0)):   # a growing reshard: the new ones too
+            shard = ts.shard(sub, tag, n)
+            futures[(tag, n)] = {name: reader[shard.stat(name)] for name in SHARD_COUNTERS}
+    out = {}
+    for key, fs in futures.items():
+        c = {name: decode_counter(f) for name, f in fs.items()}
+        c["backlog"] = c["routed"] - c["done"]
+        out[key] = c
+    return out
+
+
+@transactional
+def topic_stats(tr, ts: TopicSpace, now_ms: int) -> dict:
+    """``Supervisor.stats`` at ``now_ms`` (the caller's clock: a subscription's lag is
+    ``now_ms`` minus its oldest ready message's time), in one read-only transaction
+    (snapshot reads)."""
+    snap = tr.snapshot
+    config = load_config(snap[ts.config_key])
+    if config is None:
+        raise TopicNotFound(f"topic {ts.name!r} does not exist")
+    rv = tr.get_read_version().wait()
+    clock = read_clock(tr, ts.clock_key)
+    clock_version = _counter_or_none(snap[ts.clock_version_key])
+    topic = {k: decode_counter(snap[ts.stat(k)]) for k in ("inserted", "routed", "emitted", "acked")}
+    topic["pending"] = topic["inserted"] - topic["routed"]
+    # Bodies pushed, all time (nsqd's message_bytes), log entries trim deleted, and the
+    # log's size now (TopicConfig).
+    topic["inserted_bytes"] = decode_counter(snap[ts.stat("inserted_bytes")])
+    topic["trimmed"] = decode_counter(snap[ts.stat("trimmed")])
+    topic["log_bytes"] = decode_counter(snap[ts.stat("log_bytes")])
+    subs = {}
+    for sub in config.subs:
+        shards = shard_counters(snap, ts, sub, config)
+        owners = read_owners(tr, ts, sub)
+        members = read_members(tr, ts, sub)
+        consumers = []
+        for cid, m in sorted(members.items()):
+            hbc, hbv = snap[ts.heartbeat_clock_key(sub, cid)], snap[ts.heartbeat_version_key(sub, cid)]
+            age = heartbeat_age(_counter_or_none(hbc), _counter_or_none(hbv), clock, clock_version, rv)
+            zombie_after = m["record"].get("zombie_after_s")
+            consumers.append({"id": cid, "heartbeats": m["hb"], "mode": m["record"].get("mode"),
+                              "host": m["record"].get("host"), "pid": m["record"].get("pid"),
+                              "tag": m["record"].get("tag"),
+                              "heartbeat_age_s": age, "zombie_after_s": zombie_after,
+                              # for people, as the age: a peer would take its shards (none
+                              # runs to, or it has not yet); liveness never reads this
+                              "zombie": None if age is None or zombie_after is None else age > zombie_after,
+                              "shards": sorted(n for (t, n), (o, _e) in owners.items() if o == cid),
+                              "tag_shards": sorted([t, n] for (t, n), (o, _e) in owners.items() if o == cid)})
+        oldest = None
+        for (tag, n) in shards:
+            r = ts.shard(sub, tag, n).ready_range
+            for kv in snap.get_range(r.start, r.stop, limit=1):
+                t = Record.decode(kv.value).ts_ms
+                oldest = t if oldest is None else min(oldest, t)
+        total = lambda k: sum(c[k] for c in shards.values())  # noqa: E731
+        subs[sub] = {
+            "catching_up": sub in config.catchup, "paused": sub in config.paused_subs,
+            "backlog": total("backlog"), "in_flight": total("in_flight"), "delayed": total("delayed"),
+            "emitted": total("emitted"), "acked": total("acked"),
+            "dlq": dlq_size(snap, ts, sub),
+            "oldest_ready_ms": oldest,
+            "lag_ms": (now_ms - oldest) if oldest is not None else 0,
+            "consumers": consumers,
+            "shards": [{"tag": tag, "shard": n, "owner": owners.get((tag, n), (None, 0))[0], **c}
+                       for (tag, n), c in sorted(shards.items())],
+            "tags": per_tag(shards, owners, members),
+        }
+    return {"topic": ts.name, "config": config.as_dict(), "counters": topic, "subscriptions": subs}
+
+
+def _counter_or_none(raw):
+    return None if raw == None else decode_counter(raw)  # noqa: E711
+
+
+def per_tag(shards: dict, owners: dict, members: dict) -> dict:
+    """{tag: backlog, in-flight and delayed of the tag's shards, their owners, and
+    whether they fell back to untagged consumers ("" is the untagged messages)}."""
+    out = {}
+    for (tag, n), c in sorted(shards.items()):
+        t = out.setdefault(tag, {"shards": 0, "backlog": 0, "in_flight": 0, "delayed": 0, "owners": set()})
+        t["shards"] += 1
+        for k in ("backlog", "in_flight", "delayed"):
+            t[k] += c[k]
+        owner = owners.get((tag, n), (None, 0))[0]
+        if owner is not None:
+            t["owners"].add(owner)
+    for tag, t in out.items():
+        t["owners"] = sorted(t["owners"])
+        t["fallback"] = bool(tag) and any(not (members.get(o, {}).get("record", {}).get("tag"))
+                                          for o in t["owners"])
+    return out

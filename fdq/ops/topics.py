@@ -1,0 +1,131 @@
+"""Topics: the transactional functions that read, create, change and delete the
+``config/topics/<topic>`` key every push reads, and a play's hold on pushes."""
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import SubscriptionConfig, TopicConfig, check_name
+from ..engine import transactional
+from ..errors import TopicExists, TopicHeld, TopicNotFound
+from ..keyspace import Keyspace, TopicSpace, ensure_format, stamped_value
+from ..keyspace.codec import encode_subscription, pack, unpack
+
+HOLD_VERSIONS = 1_000_000   # a play's hold on pushes (play_chunk) lapses after ~1 s of versions
+HOLD_WAIT_S = 0.002         # a push the hold refused (TopicHeld) tries again after this
+_LAST = [None, None]     # (raw, TopicConfig) last decoded: consumers decode it per shard visit
+
+
+def load_config(raw) -> TopicConfig | None:
+    if raw == None:  # noqa: E711 - FDB's absent Value equals None
+        return None
+    raw = bytes(raw)
+    last = _LAST    # one read of the pair: another thread may replace it meanwhile
+    if last[0] == raw:
+        return last[1]
+    config = TopicConfig.from_dict(unpack(raw))     # frozen: safe to share
+    globals()["_LAST"] = [raw, config]
+    return config
+
+
+@transactional
+def read_topic_config(tr, ts: TopicSpace, *, snapshot: bool = False) -> TopicConfig:
+    """The topic's config; a non-snapshot read makes the caller retry if it changes."""
+    reader = tr.snapshot if snapshot else tr
+    config = load_config(reader[ts.config_key])
+    if config is None:
+        raise TopicNotFound(f"topic {ts.name!r} does not exist")
+    return config
+
+
+def held(rv: int, held_at: int) -> bool:
+    """Whether a hold from version ``held_at`` holds at read version ``rv``: not once
+    ``HOLD_VERSIONS`` passed, nor if it is ahead (written in another database's
+    versions: a copy or restore)."""
+    return 0 <= rv - held_at < HOLD_VERSIONS
+
+
+def check_hold(tr, ts: TopicSpace, config: TopicConfig):
+    """Raise ``TopicHeld`` if a play holds the topic's pushes now (``held_at`` within
+    ``HOLD_VERSIONS`` before this transaction's read version)."""
+    if config.held_at is not None and held(tr.get_read_version().wait(), config.held_at):
+        raise TopicHeld(f"topic {ts.name!r} is held by a play finishing: retry")
+
+
+@transactional
+def create_topic(tr, ks: Keyspace, name: str, config: TopicConfig, *, exist_ok: bool = True,
+                 strict_shards: bool = False) -> TopicConfig:
+    """Create a topic; re-running with the same config is a no-op. An existing topic
+    with another shard count is an error when ``strict_shards`` (the caller asked for
+    that count) or the count asked for is not the default; otherwise it is returned."""
+    check_name(name)
+    ensure_format(tr, ks)
+    ts = ks.topic(name)
+    existing = load_config(tr[ts.config_key])
+    if existing is not None:
+        if not exist_ok or (existing.shards != config.shards and (strict_shards or config.shards != TopicConfig().shards)):
+            raise TopicExists(f"topic {name!r} already exists with {existing.shards} shards, not {config.shards}"
+                              f" (change the count with rebalance)")
+        return existing
+    return write_new_topic_config(tr, ts, config)
+
+
+def write_new_topic_config(tr, ts: TopicSpace, config: TopicConfig) -> TopicConfig:
+    """Write the config of a topic that does not exist (in the caller's transaction) and
+    a record of each of its subscriptions (``default``), with the defaults, starting at
+    this transaction (nothing to catch up: the log is empty)."""
+    write_topic_config(tr, ts, config)
+    for sub in config.subs:
+        write_subscription_record(tr, ts, sub, SubscriptionConfig())
+    return config
+
+
+def write_subscription_record(tr, ts: TopicSpace, sub: str, config: SubscriptionConfig):
+    """Write a new subscription's record (its config) and its start boundary (this
+    transaction's versionstamp: pushes committed after it fan out to ``sub``)."""
+    tr[ts.sub_record_key(sub)] = encode_subscription({"config": config.as_dict()})
+    stamp_subscription_start(tr, ts, sub)
+
+
+def stamp_subscription_start(tr, ts: TopicSpace, sub: str):
+    """Set ``sub``'s start boundary to this transaction's versionstamp, clearing what
+    the catch-up of an earlier start left (cursors, purge marks)."""
+    r = ts.sub_records[sub].range()
+    tr.clear_range(r.start, r.stop)
+    tr.set_versionstamped_value(ts.sub_boundary_key(sub), stamped_value())
+
+
+@transactional
+def write_topic_config(tr, ts: TopicSpace, config: TopicConfig):
+    tr[ts.config_key] = pack(config.as_dict())
+
+
+@transactional
+def update_topic_config(tr, ts: TopicSpace, **changes) -> TopicConfig:
+    """Change fields of a topic's config (pushes in flight retry with the new one)."""
+    config = dataclasses.replace(read_topic_config(tr, ts), **changes)
+    write_topic_config(tr, ts, config)
+    return config
+
+
+@transactional
+def list_topics(tr, ks: Keyspace) -> list:
+    """(name, config) of every topic, by name."""
+    out = []
+    r = ks.topic_names_range()
+    for kv in tr.snapshot.get_range(r.start, r.stop):
+        name = ks.unpack_topic_config_key(kv.key)
+        if name is not None:
+            out.append((name, load_config(kv.value)))
+    return out
+
+
+@transactional
+def delete_topic(tr, ts: TopicSpace):
+    """Delete a topic: its config, consumers, subscription records, queues, log and
+    counters (range clears: one small transaction whatever it holds). Pushes in flight
+    read the config key: they retry and find no topic."""
+    r = ts.config_space.range()
+    tr.clear_range(r.start, r.stop)
+    del tr[ts.config_key]
+    r = ts.space.range()
+    tr.clear_range(r.start, r.stop)
