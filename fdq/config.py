@@ -238,7 +238,7 @@ class SubscriptionConfig:
     others are dropped (counted as done and ``filtered``) when a consumer reaches them. A message without a shard key
     never matches a shard-key filter.
     ``ordered``: while a message of shard key K is leased or waits for redelivery, later
-    messages of K are held back (other keys flow); see ``fdq.delivery``.
+    messages of K are held back (other keys flow); see ``fdq.ops.queue``.
     ``ephemeral``: deleted when its last consumer leaves or becomes a zombie (also
     implied by a name ending ``#ephemeral``).
     ``description``: free text, at most 4096 characters.

@@ -22,18 +22,19 @@ import socket
 import threading
 import time
 
-from . import subscription as _subs
-from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig, SubscriptionConfig, TopicConfig, check_name
+from .config import (DEFAULT_SUBSCRIPTION, ConsumerConfig, SubscriptionConfig, TopicConfig, check_name,
+                     effective_consumer_config)
 from .engine import Done, after_interrupt, error_types, run_within, transact
 from .errors import ConfigError, FDQError, LeaseLost, SubscriptionNotFound, TopicNotFound, is_maybe_committed
 from .headers import check_tag
 from .keyspace import Keyspace, message_id, vs_from_bytes
 from .member import Member
 from .message import _check_delay, _new_tuple, _Round, _SettleGroup, _to_message
-from .ops import membership, queue
+from .ops import catchup, membership, queue
+from .ops import subscriptions as subs
 from .ops.queue import SettleRow
 from .settlement import ACK, NAK, TERM, TOUCH, Action, Settlement
-from .topic import create_topic, read_topic_config
+from .ops.topics import create_topic, read_topic_config
 
 log = logging.getLogger("fdq.consumer")
 _monotonic = time.monotonic  # liveness and lease expiry: this host's monotonic clock only
@@ -234,16 +235,16 @@ class Consumer:
         joined = False
         if self.subscription not in self._topic_config.subs:
             if not create:
-                _subs.read_subscription(self.db, self._ts, self.subscription)  # raises
-            if _subs.is_ephemeral(self.subscription, given or SubscriptionConfig()):
-                _subs.create_and_join(self.db, self._ts, self.subscription, given, self.id, self._record())
+                subs.read_subscription(self.db, self._ts, self.subscription)  # raises
+            if subs.is_ephemeral(self.subscription, given or SubscriptionConfig()):
+                subs.create_and_join(self.db, self._ts, self.subscription, given, self.id, self._record())
                 joined = True
             else:
-                _subs.create_subscription(self.db, self._ts, self.subscription, given)
+                subs.create_subscription(self.db, self._ts, self.subscription, given)
         try:
-            self._apply_subscription(_subs.read_subscription(self.db, self._ts, self.subscription))
+            self._apply_subscription(subs.read_subscription(self.db, self._ts, self.subscription))
             if given is not None and given != self.sub_config:
-                raise _subs._diff_error(self._ts, self.subscription, self.sub_config, given)
+                raise subs.diff_error(self._ts, self.subscription, self.sub_config, given)
             self._topic_config = read_topic_config(self.db, self._ts)
         except BaseException:
             after_interrupt()
@@ -262,7 +263,7 @@ class Consumer:
             if self.subscription not in self._topic_config.catchup or not self._topic_config.routing:
                 return
             try:
-                _subs.catch_up(self.db, self._ts, self.subscription)
+                catchup.catch_up(self.db, self._ts, self.subscription)
             except ConfigError:     # paused or resharding since: looked at again
                 pass
             self._topic_config = read_topic_config(self.db, self._ts)
@@ -280,10 +281,10 @@ class Consumer:
         self.sub_config = config
         if not hasattr(self, "_own_config"):
             self._own_config = self.config
-        self.config = _subs.effective_consumer_config(self._own_config, config)
+        self.config = effective_consumer_config(self._own_config, config)
         self._sel = None
-        if config.max_ack_pending is not None or config.ordered or _subs.matcher(config):
-            self._sel = queue.Selection(config.max_ack_pending, config.ordered, _subs.matcher(config))
+        if config.max_ack_pending is not None or config.ordered or subs.matcher(config):
+            self._sel = queue.Selection(config.max_ack_pending, config.ordered, subs.matcher(config))
 
     def _record(self) -> dict:
         return {"id": self.id, "host": socket.gethostname(), "pid": os.getpid(), "mode": self.mode,
@@ -291,8 +292,7 @@ class Consumer:
                 "zombie_after_s": self.config.zombie_after_s, "incarnation": self._incarnation}
 
     def _join(self):
-        plan = _subs.join(self.db, self._ts, self.subscription, self.id, self._record(),
-                                 self._topic_config)
+        plan = subs.join(self.db, self._ts, self.subscription, self.id, self._record())
         self._refresh_owned()
         return plan
 
@@ -308,14 +308,13 @@ class Consumer:
         chosen for that policy (a leasing consumer taking messages at most once lost
         them)."""
         try:
-            config = _subs.read_subscription(self.db, self._ts, self.subscription)
+            config = subs.read_subscription(self.db, self._ts, self.subscription)
         except (TopicNotFound, SubscriptionNotFound) as e:
             self._gone = e      # reported (on_error) each heartbeat until created again
             raise
         if config != self.sub_config:
             self._apply_subscription(config)    # raises on another ack_policy
-        _subs.join(self.db, self._ts, self.subscription, self.id, self._record(), self._topic_config,
-                   expect=config)
+        subs.join(self.db, self._ts, self.subscription, self.id, self._record(), expect=config)
         gone, self._gone = self._gone, None
         if isinstance(gone, TopicNotFound):
             log.warning("consumer %s: topic %r was created again: joined it", self.id, self.topic)
@@ -329,8 +328,8 @@ class Consumer:
 
     def _leave(self):
         try:
-            run_within(self.db, _GOODBYE_MS, _subs.leave, self._ts, self.subscription, self.id,
-                       self._topic_config, self._incarnation)
+            run_within(self.db, _GOODBYE_MS, subs.leave, self._ts, self.subscription, self.id,
+                       self._incarnation)
         except FDQError as e:
             self._report(e)
 
@@ -752,8 +751,8 @@ class Consumer:
         for w in self._watches.values():
             w.cancel()
         try:
-            run_within(self.db, _ms_until(deadline), _subs.leave, self._ts, self.subscription, self.id,
-                       self._topic_config, self._incarnation)
+            run_within(self.db, _ms_until(deadline), subs.leave, self._ts, self.subscription, self.id,
+                       self._incarnation)
         except FDQError as e:
             self._report(e)
 

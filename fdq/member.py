@@ -17,11 +17,12 @@ import logging
 import threading
 import time
 
-from . import subscription as _subs
-from .config import ConsumerConfig
-from .errors import ConsumerStalled, LeaseLost
-from .ops import clock, membership, queue
-from .topic import read_topic_config
+from .config import CHUNK, ConsumerConfig
+from .errors import ConsumerStalled, LeaseLost, SubscriptionNotFound
+from .keyspace import TopicSpace
+from .ops import catchup, clock, membership, queue
+from .ops import subscriptions as subs
+from .ops.topics import read_topic_config
 
 log = logging.getLogger("fdq.consumer")
 _monotonic = time.monotonic  # liveness and lease expiry: this host's monotonic clock only
@@ -55,7 +56,7 @@ class Member:
         self.last_error = None
         self.noshard_since = None
         self.stall_reported = False
-        self.reaper = _subs.Reaper(consumer.config.zombie_after_s)
+        self.reaper = Reaper(consumer.config.zombie_after_s)
         self.catching_up_since = None   # when this consumer first saw its subscription catching up
         self.catch_up_helper = None
         self.clock_base = None          # (database clock ms, this host's monotonic s) last seen
@@ -144,7 +145,7 @@ class Member:
         c = self.consumer
         try:
             while not c._stop.is_set():
-                if _subs.catch_up_chunk(c.db, c._ts, c.subscription, _subs.CHUNK) < 0:
+                if catchup.catch_up_chunk(c.db, c._ts, c.subscription, CHUNK) < 0:
                     return
         except Exception as e:      # the next heartbeat tries again
             c._report(e)
@@ -155,7 +156,7 @@ class Member:
         c = self.consumer
         if c.subscription not in c._topic_config.subs:
             return
-        config = _subs.read_subscription(c.db, c._ts, c.subscription, snapshot=True, topic_config=c._topic_config)
+        config = subs.read_subscription(c.db, c._ts, c.subscription, snapshot=True, topic_config=c._topic_config)
         if config != c.sub_config:
             c._apply_subscription(config)
         self.reaper.observe(c.db, c._ts, c._topic_config, now, skip=c.subscription)
@@ -219,7 +220,7 @@ class Member:
             if seen is None or seen[0] != m["hb"]:
                 self.peers[cid] = (m["hb"], seen_at)
             elif now - seen[1] >= _peer_timeout(c.config, m["record"]):
-                if _subs.declare_zombie(c.db, c._ts, c.subscription, cid, seen[0], c._topic_config):
+                if subs.declare_zombie(c.db, c._ts, c.subscription, cid, seen[0]):
                     log.info("consumer %s: %s is a zombie (heartbeat %d unchanged for %.1fs)",
                              c.id, cid, seen[0], now - seen[1])
                 self.peers.pop(cid, None)
@@ -276,3 +277,54 @@ class Member:
 
 
 __all__ = ["Member"]
+
+
+class Reaper:
+    """Watches the members of a topic's ephemeral subscriptions for zombies (heartbeat
+    counter unchanged for ``zombie_after_s`` on this host's monotonic clock), so a
+    subscription whose last consumer was killed is deleted even with no peer left to
+    notice. Consumers of the topic run one in their heartbeat; ``Supervisor.reap`` too."""
+
+    def __init__(self, zombie_after_s: float):
+        self.zombie_after_s = zombie_after_s
+        self.longest_timeout_s = zombie_after_s   # the longest timeout a member advertised
+        self._seen = {}          # (sub, cid) -> (hb, since)
+
+    def observe(self, db, ts: TopicSpace, topic_config, now: float, skip: str | None = None) -> list:
+        """One observation; returns the subscriptions deleted."""
+        deleted = []
+        live = set()
+        for sub in topic_config.subs:
+            if sub == skip:
+                continue
+            # Read each time (one snapshot read): a subscription deleted and created
+            # again under its name may have changed from durable to ephemeral.
+            try:
+                eph = subs.is_ephemeral(sub, subs.read_subscription(db, ts, sub, snapshot=True, topic_config=topic_config))
+            except SubscriptionNotFound:
+                continue
+            if not eph:
+                continue
+            members = membership.read_members(db, ts, sub)
+            seen_at = max(now, time.monotonic())    # first seen after the read (see Consumer._observe_peers)
+            for cid, m in members.items():
+                live.add((sub, cid))
+                self.longest_timeout_s = max(self.longest_timeout_s, _advertised_timeout(m["record"]))
+                seen = self._seen.get((sub, cid))
+                if seen is None or seen[0] != m["hb"]:
+                    self._seen[(sub, cid)] = (m["hb"], seen_at)
+                elif now - seen[1] >= max(self.zombie_after_s, _advertised_timeout(m["record"])):
+                    self._seen.pop((sub, cid), None)
+                    if subs.declare_zombie(db, ts, sub, cid, seen[0]) and \
+                            sub not in read_topic_config(db, ts, snapshot=True).subs:
+                        deleted.append(sub)
+        for key in [k for k in self._seen if k not in live]:
+            del self._seen[key]
+        return deleted
+
+
+def _advertised_timeout(record: dict) -> float:
+    """The zombie timeout a member advertises in its record (it heartbeats at its own
+    interval), 0 if it advertises none."""
+    t = record.get("zombie_after_s")
+    return t if isinstance(t, (int, float)) and not isinstance(t, bool) else 0.0

@@ -30,7 +30,7 @@ from .ops.push import TX_WRITE_BYTES, fits, push_batch, read_marker
 from .ops.routing import spread_start
 from .supervisor import replay_window
 from .times import to_ms
-from .topic import HOLD_WAIT_S
+from .ops.topics import HOLD_WAIT_S
 # Re-exported at their old names until the wrap-up (other partitions import them here).
 from .envelope import MAX_DELAY_S, MAX_SHARD_KEY_BYTES  # noqa: E402,F401
 from .ops.push import route_message  # noqa: E402,F401

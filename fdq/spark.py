@@ -55,7 +55,7 @@ from .errors import ConfigError, FDQError, InvalidName, TopicNotFound
 from .keyspace import Keyspace
 from .ops import log as oplog
 from .producer import Envelope, Producer
-from .topic import read_topic_config
+from .ops.topics import read_topic_config
 
 SCHEMA = StructType([
     StructField("topic", StringType()),

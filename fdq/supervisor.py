@@ -13,12 +13,13 @@ import os
 import threading
 import time
 
-from . import delivery, membership
 from .config import CHUNK, UPDATABLE_TOPIC_FIELDS, SubscriptionConfig, TopicConfig, check_name
 from .engine import Again, Done, after_interrupt, transact
 from .errors import ConfigError, TopicExists, TopicHeld
 from .keyspace import VERSIONS_PER_S, Keyspace, TopicSpace, message_id, parse_message_id, version_of
 from .log import body_of, iter_window, log_buckets, read_chunk
+from .member import Reaper
+from .ops import dlq, membership
 from .ops.catchup import begin_reset, catch_up
 from .ops.play import play_chunk, resharding
 from .ops.push import MARKER_TTL_S, PushItem, fits, message_bytes
@@ -31,7 +32,6 @@ from .ops.subscriptions import (create_subscription, delete_subscription, set_su
                                 subscription_info, update_subscription)
 from .ops.topics import (HOLD_WAIT_S, create_topic, delete_topic, list_topics, read_topic_config,
                          update_topic_config)
-from .subscription import Reaper
 from .times import to_ms
 
 
@@ -322,7 +322,7 @@ class Supervisor:
         self.subscription(name, subscription)      # TopicNotFound, SubscriptionNotFound
         return [{"id": message_id(vs), "reason": reason, "consumer": cid, "attempts": rec.attempts,
                  "shard_key": rec.shard_key, "insertion_time": rec.ts_ms, "body": rec.body}
-                for vs, rec, reason, cid, _k in delivery.dlq_list(self.db, ts, subscription, limit)]
+                for vs, rec, reason, cid, _k in dlq.dlq_list(self.db, ts, subscription, limit)]
 
     def dlq_redrive(self, name: str, subscription: str = "default", progress=None) -> int:
         """Move the subscription's dead letters back to their shards' ready queues
@@ -330,11 +330,10 @@ class Supervisor:
         already (a ``reset`` rewound over it) leaves the DLQ without a second copy: the
         queued one delivers it. Returns the dead letters moved."""
         ts = self._ts(name)
-        config = self.config(name)
         self.subscription(name, subscription)
         total = 0
         while True:
-            n, done = delivery.dlq_redrive_chunk(self.db, ts, subscription, config, CHUNK)
+            n, done = dlq.dlq_redrive_chunk(self.db, ts, subscription, CHUNK)
             total += n
             if progress:
                 progress(n)
@@ -346,7 +345,7 @@ class Supervisor:
         self.subscription(name, subscription)
         total = 0
         while True:
-            n = delivery.dlq_purge_chunk(self.db, ts, subscription, CHUNK)
+            n = dlq.dlq_purge_chunk(self.db, ts, subscription, CHUNK)
             total += n
             if n < CHUNK:
                 return total
@@ -360,7 +359,7 @@ class Supervisor:
         ts, vss = self._dlq_ids(name, subscription, ids)
         total = 0
         while vss:
-            moved, looked = delivery.dlq_redrive_ids(self.db, ts, subscription, vss[:CHUNK])
+            moved, looked = dlq.dlq_redrive_ids(self.db, ts, subscription, vss[:CHUNK])
             total += moved
             vss = vss[looked:]
         return total
@@ -372,7 +371,7 @@ class Supervisor:
         ts, vss = self._dlq_ids(name, subscription, ids)
         total = 0
         for i in range(0, len(vss), CHUNK):
-            total += delivery.dlq_purge_ids(self.db, ts, subscription, vss[i:i + CHUNK])
+            total += dlq.dlq_purge_ids(self.db, ts, subscription, vss[i:i + CHUNK])
         return total
 
     def _dlq_ids(self, name: str, subscription: str, ids) -> tuple:

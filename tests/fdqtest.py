@@ -46,7 +46,7 @@ if STANDIN:
 
 import fdq  # noqa: E402
 from workers.common import read_lines  # noqa: E402,F401 - the worker logs' reader, for the tests too
-from fdq import membership  # noqa: E402
+from fdq.ops import clock  # noqa: E402
 from fdq.keyspace import Keyspace  # noqa: E402
 from fdq.keyspace.codec import Record  # noqa: E402
 
@@ -227,9 +227,9 @@ def advance_clock(db, ms):
     with the time their monotonic clocks saw pass."""
     ck = Keyspace().clock_key
     tr = db.create_transaction()
-    now = membership.read_clock(tr, ck)
+    now = clock.read_clock(tr, ck)
     tr.cancel()
-    membership.advance_clock(db, ck, now + ms)
+    clock.advance_clock(db, ck, now + ms)
 
 
 def replay_counts(db, topic):

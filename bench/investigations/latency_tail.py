@@ -26,7 +26,7 @@ import threading
 import time
 import fdq
 from fdq import consumer as _c
-from fdq import membership as _m
+from fdq.ops import membership as _m
 from fdq.member import Member
 from fdq.engine import sqlite as _eng
 
@@ -122,7 +122,7 @@ def _consumer_proc(url, n, seconds, ready, out, switch_interval):
             return fn(*a, **k)
         finally:
             ev.append(("heartbeat", threading.current_thread().name[:10], s, _ns()))
-    _c.membership.heartbeat = hb
+    _m.heartbeat = hb
     recs = []
     done = threading.Event()
     def handler(m):

@@ -203,8 +203,20 @@ class TopicSpace:
     def dlq(self, sub: str) -> Subspace:
         return self.subs[sub]["dlq"]
 
+    def dlq_key(self, sub: str, vs: Versionstamp) -> bytes:
+        """The dead letter of message ``vs`` in subscription ``sub``."""
+        return self.subs[sub]["dlq"].pack((vs,))
+
+    def dlq_vs(self, sub: str, key: bytes) -> Versionstamp:
+        """The message of a dead letter's key."""
+        return self.subs[sub]["dlq"].unpack(key)[0]
+
+    def sub_chunks_range(self, sub: str, vs: Versionstamp):
+        """The body chunks of message ``vs`` queued (or dead-lettered) in ``sub``."""
+        return self.subs[sub]["chunks"][vs].range()
+
     def take_marker_key(self, sub: str, cid: str) -> bytes:
-        """Consumer ``cid``'s at-most-once take marker (``fdq.delivery.mark_take``): in the
+        """Consumer ``cid``'s at-most-once take marker (``fdq.ops.queue.mark_take``): in the
         subscription's space, outside the consumers' range that membership reads (a
         write there per take would abort every concurrent rebalance)."""
         return self.subs[sub]["takes"].pack((cid,))

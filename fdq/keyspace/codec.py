@@ -287,14 +287,6 @@ def shard_of(shard_key: str, shards: int) -> int:
     return int.from_bytes(digest, "big") % shards
 
 
-def reshard_shard(rec: Record, vs, shards: int) -> int:
-    """The shard a queued message moves to when the shard count changes to ``shards``:
-    its shard key's, or (no key) one spread by its versionstamp."""
-    if rec.shard_key is not None:
-        return shard_of(rec.shard_key, shards)
-    return int.from_bytes(vs.to_bytes()[-6:], "big") % shards
-
-
 def split_body(body: bytes, force: bool = False):
     """-> (inline body, [chunks]) with chunks only for bodies over CHUNK_BYTES (or, with
     ``force``, for any non-empty body: one that fits alone but not with its record)."""

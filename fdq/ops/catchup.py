@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import membership
+from . import membership
+from .clock import read_clock
 from ..config import CHUNK, SubscriptionConfig, TopicConfig
-from ..delivery import in_shard
+from .queue import in_shard
 from ..engine import transactional
 from ..keyspace import TopicSpace, Versionstamp, counter, stamp_of_value
 from ..keyspace.codec import CHUNK_WRITE_BYTES, Record
@@ -113,7 +114,7 @@ def _clear_sub_chunks(tr, shard, vs, raw):
 def _copy(tr, ts: TopicSpace, topic_config: TopicConfig, sub: str, vs, raw, routed: dict,
           leases: dict | None = None) -> int:
     """Copy a log entry into ``sub``'s shard queue (``routing.target``); with ``leases``
-    (a reset: a cache for ``delivery.in_shard``) not if it is queued there already:
+    (a reset: a cache for ``queue.in_shard``) not if it is queued there already:
     leased, or (a lease expired or nak'd since the purge) ready or delayed. Returns the
     bytes it wrote."""
     rec = Record.decode(raw)
@@ -121,7 +122,7 @@ def _copy(tr, ts: TopicSpace, topic_config: TopicConfig, sub: str, vs, raw, rout
     shard = ts.shard(sub, tag, n)
     if leases is not None and in_shard(tr, shard, vs, leases):
         return 0    # a reset leaves leases alone: the leased (or returned) copy is the one delivered
-    if rec.due is not None and rec.due > membership.read_clock(tr, ts.clock_key):
+    if rec.due is not None and rec.due > read_clock(tr, ts.clock_key):
         # a delayed message not due yet: it waits for its due time as its first copies do
         tr[shard.delayed_key(rec.due, vs)] = bytes(raw)
         routed[shard.stat("delayed")] = routed.get(shard.stat("delayed"), 0) + 1

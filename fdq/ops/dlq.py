@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..engine import transactional
 from ..keyspace import TopicSpace, counter, decode_counter
 from ..keyspace.codec import CHUNK_WRITE_BYTES, Record, decode_dead, has_chunks
-from ..topic import read_topic_config
+from .topics import read_topic_config
 from .queue import in_shard
 from .routing import target
 
@@ -30,10 +30,10 @@ def dlq_list(tr, ts: TopicSpace, sub: str, limit: int = 100, after: bytes | None
     out = []
     for kv in tr.snapshot.get_range(begin, r.stop, limit=limit):
         raw, reason, cid = decode_dead(kv.value)
-        vs = space.unpack(kv.key)[0]
+        vs = ts.dlq_vs(sub, kv.key)
         rec = Record.decode(raw)
         if rec.nchunks:     # the chunks stay in the subscription's chunk area (queue._dead_letter)
-            c = ts.subs[sub]["chunks"][vs].range()
+            c = ts.sub_chunks_range(sub, vs)
             rec.body = b"".join(c.value for c in tr.snapshot.get_range(c.start, c.stop))
         out.append((vs, rec, reason, cid, kv.key))
     return out
@@ -54,7 +54,7 @@ def _redrive_entry(tr, ts: TopicSpace, sub: str, shards: int, key: bytes, value:
     the subscription over it) is only removed from the DLQ, as that copy delivers it.
     Where: ``routing.target``, as every copy (an unkeyed one looked in the shard of its
     versionstamp, not its push's, and was queued twice)."""
-    vs = ts.dlq(sub).unpack(key)[0]
+    vs = ts.dlq_vs(sub, key)
     raw, _reason, _cid = decode_dead(value)
     rec = Record.decode(raw)
     rec.attempts = 0
@@ -93,14 +93,13 @@ def dlq_redrive_ids(tr, ts: TopicSpace, sub: str, vss: list) -> tuple:
     meanwhile: the read conflicts with a concurrent one), until ``CHUNK_WRITE_BYTES``
     of them. Returns ``(moved, looked_at)``: the caller goes on with ``vss[looked_at:]``."""
     shards = _redrive_shards(tr, ts)
-    space = ts.dlq(sub)
     moved = written = looked = 0
     queued = {}
     for vs in vss:
         if written >= CHUNK_WRITE_BYTES:
             break
         looked += 1
-        key = space.pack((vs,))
+        key = ts.dlq_key(sub, vs)
         value = tr[key]
         if value == None:  # noqa: E711
             continue
@@ -115,15 +114,14 @@ def dlq_redrive_ids(tr, ts: TopicSpace, sub: str, vss: list) -> tuple:
 def dlq_purge_ids(tr, ts: TopicSpace, sub: str, vss: list) -> int:
     """Delete the dead letters of ``vss`` (versionstamps), with the body chunks a large
     one keeps, skipping those not in the DLQ. Returns how many."""
-    space = ts.dlq(sub)
     n = 0
     for vs in vss:
-        key = space.pack((vs,))
+        key = ts.dlq_key(sub, vs)
         value = tr[key]
         if value == None:  # noqa: E711
             continue
         if has_chunks(decode_dead(bytes(value))[0]):
-            c = ts.subs[sub]["chunks"][vs].range()
+            c = ts.sub_chunks_range(sub, vs)
             tr.clear_range(c.start, c.stop)
         del tr[key]
         n += 1
@@ -144,7 +142,7 @@ def dlq_purge_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
         last = kv.key
         n += 1
         if has_chunks(decode_dead(kv.value)[0]):
-            c = ts.subs[sub]["chunks"][space.unpack(kv.key)[0]].range()
+            c = ts.sub_chunks_range(sub, ts.dlq_vs(sub, kv.key))
             tr.clear_range(c.start, c.stop)
     if last is not None:
         tr.clear_range(r.start, last + b"\x00")

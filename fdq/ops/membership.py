@@ -18,7 +18,7 @@ from ..engine import transactional
 from ..errors import LeaseLost
 from ..keyspace import TopicSpace, counter, decode_counter
 from ..keyspace.codec import pack, unpack
-from ..topic import read_topic_config
+from .topics import read_topic_config
 from .clock import read_clock
 
 

@@ -15,7 +15,7 @@ from ..config import TopicConfig
 from ..engine import transactional
 from ..keyspace import TopicSpace, counter
 from ..keyspace.codec import CHUNK_BYTES, Record, decode_pending
-from ..membership import read_clock
+from .clock import read_clock
 from .push import fits
 from .routing import target
 from .topics import held, read_topic_config, write_topic_config

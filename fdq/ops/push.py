@@ -29,9 +29,9 @@ from ..keyspace import (VERSIONS_PER_S, Keyspace, TopicSpace, counter, decode_co
                         vs_key, vs_key_parts)
 from ..keyspace.codec import (CHUNK_BYTES, CHUNK_WRITE_BYTES, RECORD_BYTES, ROUTE_BYTES, Record, decode_dedupe,
                               decode_marker, encode_dedupe, encode_marker, encode_pending, packer, split_body)
-from ..membership import read_clock
-from ..stats import shard_counters
-from ..topic import check_hold, load_config, write_new_topic_config
+from .clock import read_clock
+from .stats import shard_counters
+from .topics import check_hold, load_config, write_new_topic_config
 from .log import entry_bytes
 from .routing import home_for, shard_for
 
@@ -348,7 +348,7 @@ def route_message(tr, ts: TopicSpace, config: TopicConfig, tag: str, n: int, uv:
                   record: bytes, chunks: list, due: int | None, counters):
     """Write one message (user version ``uv`` of this transaction's versionstamp) into
     every subscription's shard queue: ready, or delayed until the database clock reaches
-    ``due`` (ms, ``membership.read_clock``)."""
+    ``due`` (ms, ``clock.read_clock``)."""
     for sub in config.subs:
         shard = ts.shard(sub, tag, n)
         if due is None:

@@ -33,7 +33,7 @@ from ..keyspace import (ShardSpace, StoredVersionstamp, TopicSpace, Versionstamp
 from ..keyspace.codec import (CHUNK_BYTES, LEASE_ENTRY_OVERHEAD, LEASE_RECORD_BYTES, LeaseRecord, Record,
                               decode_leases, encode_dead, encode_leases, has_chunks)
 from ..settlement import ACK, NAK, RELEASE, TERM, TOUCH, Action
-from ..topic import load_config
+from .topics import load_config
 from .clock import read_clock
 from .membership import ensure_owner
 from .routing import target
@@ -342,7 +342,7 @@ def _dead_letter(tr, ts: TopicSpace, shard: ShardSpace, vs, record_raw: bytes, r
                  consumer_id: str | None):
     if len(reason) > MAX_REASON_CHARS:
         reason = reason[:MAX_REASON_CHARS - 1] + "…"
-    tr[ts.dlq(shard.sub).pack((vs,))] = encode_dead(record_raw, reason, consumer_id)
+    tr[ts.dlq_key(shard.sub, vs)] = encode_dead(record_raw, reason, consumer_id)
     # Chunks of large bodies stay in the subscription's chunk area with the DLQ entry.
     _add(tr, {shard.stat("done"): 1, shard.stat("dead"): 1, ts.sub_stat(shard.sub, "dead"): 1})
 
@@ -358,7 +358,7 @@ def dead_letter_taken(tr, ts: TopicSpace, taken: Taken, reason: str, consumer_id
         tr[shard.chunk_key(taken.vs, i)] = taken.body[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES]
     if len(reason) > MAX_REASON_CHARS:
         reason = reason[:MAX_REASON_CHARS - 1] + "…"
-    tr[ts.dlq(shard.sub).pack((taken.vs,))] = encode_dead(rec.encode(), reason, consumer_id)
+    tr[ts.dlq_key(shard.sub, taken.vs)] = encode_dead(rec.encode(), reason, consumer_id)
     _add(tr, {shard.stat("acked"): -1, ts.stat("acked"): -1, shard.stat("dead"): 1, ts.sub_stat(shard.sub, "dead"): 1})
 
 

@@ -17,7 +17,7 @@ from ..config import TopicConfig
 from ..errors import ConfigError
 from ..keyspace import TopicSpace, counter, decode_counter
 from ..keyspace.codec import CHUNK_WRITE_BYTES, LeaseRecord, Record, decode_leases, pack
-from ..membership import assign_shards, read_owners
+from .membership import assign_shards, read_owners
 from .play import resharding
 from .routing import target
 from .stats import SHARD_COUNTERS

@@ -11,12 +11,13 @@ redeliveries included), ``in_flight`` (leased now), ``delayed`` (waiting to be d
 """
 from __future__ import annotations
 
-from ..delivery import dlq_size
+from .dlq import dlq_size
 from ..engine import transactional
 from ..errors import TopicNotFound
 from ..keyspace import TopicSpace, decode_counter
 from ..keyspace.codec import Record
-from ..membership import heartbeat_age, read_clock, read_members, read_owners
+from .clock import heartbeat_age, read_clock
+from .membership import read_members, read_owners
 from .topics import load_config
 
 SHARD_COUNTERS = ("routed", "done", "emitted", "in_flight", "delayed", "dead", "acked", "requeued")

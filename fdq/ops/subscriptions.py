@@ -24,7 +24,7 @@ import dataclasses
 import fnmatch
 import json
 
-from .. import membership
+from . import membership
 from ..config import UPDATABLE_SUBSCRIPTION_FIELDS, SubscriptionConfig, TopicConfig, check_name
 from ..engine import transactional
 from ..errors import ConfigError, SubscriptionNotFound
@@ -212,7 +212,7 @@ def _reap_if_empty(tr, ts: TopicSpace, sub: str) -> bool:
 
 
 @transactional
-def join(tr, ts: TopicSpace, sub: str, consumer_id: str, record: dict, topic_config,
+def join(tr, ts: TopicSpace, sub: str, consumer_id: str, record: dict,
          expect: SubscriptionConfig | None = None) -> dict:
     """``membership.join``, refused if the subscription is gone (an ephemeral one may be
     deleted by its last member leaving just now: the topic-config read conflicts), or,
@@ -220,7 +220,7 @@ def join(tr, ts: TopicSpace, sub: str, consumer_id: str, record: dict, topic_con
     config = read_subscription(tr, ts, sub)
     if expect is not None and config != expect:
         raise ConfigError(f"subscription {sub!r} of topic {ts.name!r} changed while joining it")
-    return membership.join(tr, ts, sub, consumer_id, record, topic_config)
+    return membership.join(tr, ts, sub, consumer_id, record)
 
 
 @transactional
@@ -230,21 +230,21 @@ def create_and_join(tr, ts: TopicSpace, sub: str, config: SubscriptionConfig | N
     transaction: how a consumer creates an ephemeral subscription, which so never
     exists without a member for a reaper to find dead."""
     create_subscription(tr, ts, sub, config)
-    return membership.join(tr, ts, sub, consumer_id, record, read_topic_config(tr, ts))
+    return membership.join(tr, ts, sub, consumer_id, record)
 
 
 @transactional
-def leave(tr, ts: TopicSpace, sub: str, consumer_id: str, topic_config, incarnation=None) -> bool:
+def leave(tr, ts: TopicSpace, sub: str, consumer_id: str, incarnation=None) -> bool:
     """``membership.leave``; an ephemeral subscription left without members is deleted
     in the same transaction. Returns True if it was deleted."""
-    membership.leave(tr, ts, sub, consumer_id, topic_config, incarnation)
+    membership.leave(tr, ts, sub, consumer_id, incarnation)
     return _reap_if_empty(tr, ts, sub)
 
 
 @transactional
-def declare_zombie(tr, ts: TopicSpace, sub: str, consumer_id: str, observed_hb: int, topic_config) -> bool:
+def declare_zombie(tr, ts: TopicSpace, sub: str, consumer_id: str, observed_hb: int) -> bool:
     """``membership.declare_zombie``, deleting an ephemeral subscription it leaves empty."""
-    if not membership.declare_zombie(tr, ts, sub, consumer_id, observed_hb, topic_config):
+    if not membership.declare_zombie(tr, ts, sub, consumer_id, observed_hb):
         return False
     _reap_if_empty(tr, ts, sub)
     return True

@@ -99,7 +99,6 @@ def test_sigterm_shuts_down_cleanly_and_returns_in_flight(broker_factory):
     c.identify(heartbeat_interval=1000, msg_timeout=600_000)    # only the shutdown can return them soon
     c.sub("st", "default", 10)
     held = {c.message()[3] for _ in range(10)}      # all in flight on A, never FIN'd
-    t0 = time.monotonic()
     assert a.stop(signal.SIGTERM, timeout=60) == 0
     assert c.closed(timeout=10)
     cb = consumer(b.tcp, "st", "default", 10)

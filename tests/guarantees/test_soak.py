@@ -171,7 +171,7 @@ def test_soak(tmp_path, cluster_factory, seed):
     sup.play("t")
     for sub in SUBS:
         sup.play_subscription("t", sub)
-    from fdq.subscription import catch_up
+    from fdq.ops.catchup import catch_up
     catch_up(db, ts, "rst")     # a reset a kill or a pause left midway
     catch_up(db, ts, "rsa")
     config = sup.config("t")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import fdq
 from fdq.ops.push import TX_WRITE_BYTES, write_bytes
-from fdq.topic import read_topic_config
+from fdq.ops.topics import read_topic_config
 from fdq.keyspace import Keyspace
 
 from fdqtest import log_records, read, stored_bodies, with_faults

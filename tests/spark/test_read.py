@@ -12,7 +12,7 @@ import fdq.spark as fs
 from fdq import log
 from fdq.config import TopicConfig
 from fdq.keyspace import Keyspace
-from fdq.topic import create_topic
+from fdq.ops.topics import create_topic
 
 import sparkhelpers  # noqa: F401 - skips this module without pyspark, pyarrow or Java
 from fdqtest import database_url

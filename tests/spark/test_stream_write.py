@@ -16,7 +16,6 @@ from fdq.keyspace import Keyspace
 import sparkhelpers  # noqa: F401 - skips this module without pyspark, pyarrow or Java
 from fdqtest import database_url
 from sparkhelpers import ROOT, run_query, start_producers, wait_for, wait_producers
-from sparkhelpers import run_query, wait_for  # noqa: F401 - skips this module without pyspark or Java
 
 
 # The session (tests/spark/conftest.py) runs local[2,4]: up to 4 attempts per task, so a

@@ -128,14 +128,13 @@ def test_ephemeral_in_process_and_supervisor_reap(db):
 _DIE_AT_JOIN = """
 import os, signal, sys
 import fdq
-import fdq.membership
 import fdq.ops.membership
 
 
 def die(*args, **kwargs):          # the process is killed where it joins the subscription
     os.kill(os.getpid(), signal.SIGKILL)
 
-fdq.membership.join = fdq.ops.membership.join = die     # the old name re-exports it until issue 22's wrap-up
+fdq.ops.membership.join = die
 db = fdq.connect(sys.argv[1])
 fdq.Consumer(db, "events", subscription=sys.argv[2], config=fdq.ConsumerConfig(heartbeat_interval_s=0.2,
              zombie_timeout_s=1.5), subscription_config=fdq.SubscriptionConfig(deliver_policy=sys.argv[3]))
@@ -165,7 +164,6 @@ def test_ephemeral_long_catch_up_is_not_reaped(db, monkeypatch):
     """The creator of an ephemeral subscription joins before it copies the backlog (its
     catch-up) and heartbeats meanwhile: a catch-up longer than the zombie timeout does
     not get the subscription reaped under it by another consumer of the topic."""
-    import fdq.subscription
     from fdq.ops import catchup as subs
     sup = fdq.Supervisor(db)
     sup.create_topic("events", shards=2)
@@ -182,9 +180,7 @@ def test_ephemeral_long_catch_up_is_not_reaped(db, monkeypatch):
         time.sleep(0.2)
         return chunk(*args, **kwargs)
     monkeypatch.setattr(subs, "catch_up_chunk", slow_chunk)
-    # the consumer's own catch-up helper looks them up in fdq.subscription (until W)
-    monkeypatch.setattr(fdq.subscription, "CHUNK", 5)
-    monkeypatch.setattr(fdq.subscription, "catch_up_chunk", slow_chunk)
+    monkeypatch.setattr(fdq.member, "CHUNK", 5)     # the member loop's catch-up help
     try:
         c = fdq.Consumer(db, "events", subscription="slow#ephemeral", config=cfg)
         assert len(calls) >= 8

@@ -118,11 +118,11 @@ def test_reset_purges_delayed_messages_in_pages(db, monkeypatch):
     st = sup.stats("t")["subscriptions"]["r"]
     assert st["delayed"] == 11 and st["backlog"] == 11
     assert drain(db, "t", "r", idle_s=0.3) == []
-    from fdq import membership
+    from fdq.ops import clock
     from fdq.keyspace import Keyspace
     ck = Keyspace().clock_key
     tr = db.create_transaction()
-    membership.advance_clock(db, ck, membership.read_clock(tr, ck) + 601_000)   # all due
+    clock.advance_clock(db, ck, clock.read_clock(tr, ck) + 601_000)   # all due
     got = _ids(drain(db, "t", "r", idle_s=0.3))
     assert got == set(old + [later])
     st = sup.stats("t")["subscriptions"]["r"]
@@ -325,7 +325,7 @@ def test_rewind_over_leases_delayed_after_its_purge_counts_them_once(db):
     left for good. Now the promotion drops such a delayed copy, counted done."""
     from fdq.ops import catchup as subs
     from fdq.keyspace import Keyspace
-    from fdq.membership import read_clock
+    from fdq.ops.clock import read_clock
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=2)
     sup.create_subscription("t", "r")

@@ -84,7 +84,7 @@ def _leased_per_shard(db, ts, sub, shards):
     tr = db.create_transaction()
     out = {}
     for n in range(shards):
-        out[n] = sum(len(lr.entries) for _k, lr in fdq.delivery.read_leases(tr.snapshot, ts.shard(sub, "", n)))
+        out[n] = sum(len(lr.entries) for _k, lr in fdq.ops.queue.read_leases(tr.snapshot, ts.shard(sub, "", n)))
     tr.cancel()
     return out
 

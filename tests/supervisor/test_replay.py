@@ -88,7 +88,7 @@ def test_replay_of_a_big_message_after_smaller_ones_fits_its_transactions(db):
     """Same budget in a replay: a batch under 2 MB took one more message (its log copy
     and one per subscription) before checking, up to ~11 MB: the replay failed with
     transaction_too_large, and again on every rerun."""
-    s = fan_out_topic(db)
+    fan_out_topic(db)
     p = fdq.Producer(db)
     start = int(time.time() * 1000) - 1
     small, big = os.urandom(199_000), os.urandom(900_000)
