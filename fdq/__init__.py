@@ -1,5 +1,6 @@
 """FDQ: a message queue layer on FoundationDB."""
-from .engine import connect, transactional
+from .engine import transactional
+from .keyspace.format import connect
 from .errors import (BacklogFull, ClientForked, ConfigError, ConnectError, ConsumerStalled, EngineError, FDQError,
                      FormatError, InvalidHeader, InvalidMessage, InvalidName, LeaseLost,
                      MessageTooLarge, ReplayTakenOver, SubscriptionNotFound, TopicExists, TopicNotFound)

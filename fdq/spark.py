@@ -50,7 +50,8 @@ from pyspark.sql.types import (BinaryType, IntegerType, MapType, StringType, Str
 
 from . import log, times
 from .config import ProducerConfig, check_name
-from .engine import connect, transactional
+from .engine import transactional
+from .keyspace.format import connect
 from .errors import ConfigError, FDQError, InvalidName, TopicNotFound
 from .keyspace import Keyspace
 from .ops import log as oplog

@@ -36,7 +36,10 @@ from .. import Consumer, ConsumerConfig, Producer, Supervisor, connect
 from ..config import DEFAULT_SUBSCRIPTION, ProducerConfig, SubscriptionConfig, TopicConfig
 from ..errors import ConfigError, FDQError, InvalidHeader, LeaseLost, MessageTooLarge, TopicNotFound
 from ..settlement import Action, Settlement
+from ..web import WebApp
 from . import compress, protocol as p
+from .auth import AuthFile
+from .http import HTTPServer
 from .quantile import Quantile
 from .protocol import ProtocolError, fatal, nonfatal
 
@@ -870,7 +873,6 @@ class Broker:
             lim.tls = True
             lim.tls_required = self.options.tls_required
         if self.options.auth_file:
-            from .auth import AuthFile
             self.auth = AuthFile.load(self.options.auth_file)
             lim.auth_required = True
         if not compress.SNAPPY_AVAILABLE:
@@ -1019,13 +1021,11 @@ async def serve(url: str, tcp_address: str = "127.0.0.1:4150", http_address: str
     http_port = None
     http_server = None
     if http_address:
-        from .http import HTTPServer
         hhost, hport = split_address(http_address)
         http_server = HTTPServer(broker)
         http_port = await http_server.start(hhost, hport)
     web = None
     if http_server is not None and broker.options.web_path:
-        from ..web import WebApp
         web = WebApp(db, write_token=broker.options.web_write_token, auth=broker.auth,
                      base=broker.options.web_path,
                      enable_hint="fdq broker --web-write-token TOKEN, or --auth-file with admin secrets").start()

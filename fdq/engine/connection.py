@@ -16,10 +16,9 @@ import urllib.parse
 
 import fdb
 
-from ..errors import ConnectError, EngineError
+from ..errors import ConnectError
 from . import sqlite
 from .binding import _learn_fdb_types, describe
-from .retry import run_within
 
 # 7.3 is FoundationDB's current production line: FDQ asks for API 730 and pins the
 # `foundationdb` binding to 7.3.x (setup.cfg), which loads libfdb_c 7.3 (the 8.0 binding
@@ -43,14 +42,11 @@ def default_url() -> str:
     return "sqlite://" + os.path.abspath(os.path.join(home, "fdq.db"))
 
 
-def connect(url: str | None = None, *, check_format: bool = True):
-    """Open the database named by ``url`` (default: :func:`default_url`).
-
-    Returns FDB's ``Database`` for ``fdb://`` and the embedded engine's for
-    ``sqlite://``. Checks FDQ's layout version (``meta/format`` under the
-    default root; written on first use) unless ``check_format=False``. Raises
-    :class:`fdq.errors.ConnectError` naming the URL and the cause, and
-    :class:`fdq.errors.FormatError` for a database of a newer layout.
+def connect(url: str | None = None):
+    """Open the database named by ``url`` (default: :func:`default_url`): FDB's
+    ``Database`` for ``fdb://``, the embedded engine's for ``sqlite://``. Raises
+    :class:`fdq.errors.ConnectError` naming the URL and the cause. (``fdq.connect``,
+    :func:`fdq.keyspace.format.connect`, also checks FDQ's layout version.)
     """
     if url is None:
         url = default_url()
@@ -66,25 +62,16 @@ def connect(url: str | None = None, *, check_format: bool = True):
     else:
         raise ConnectError(f"{url!r}: unknown scheme {parts.scheme!r} "
                            "(use sqlite:///path/to/file.db or fdb:///path/to/fdb.cluster)")
-    if check_format:
-        _check_format(db, url, parts)
     return db
 
 
-def _check_format(db, url, parts):
-    """The layout check of ``connect``, bounded: an unreachable cluster answers nothing."""
-    # Imported here: the keyspace imports the engine (``transactional``). The check is
-    # to move out of the engine (``connect`` in the keyspace, wrapping this one).
-    from ..keyspace import Keyspace, ensure_format
-    try:
-        run_within(db, int(CONNECT_TIMEOUT_S * 1000), ensure_format, Keyspace(), write=False)
-    except EngineError as e:
-        if e.code != 1031:
-            raise
-        where = (f"cluster file {(parts.netloc + parts.path) or 'the default'}"
-                 if parts.scheme == "fdb" else "its file")
-        raise ConnectError(f"{url!r}: no answer within {CONNECT_TIMEOUT_S:g} s ({where}): is the "
-                           "database running and reachable from here?") from None
+def describe_url(url: str | None) -> str:
+    """``url`` (the default one if None) and where its database is, for messages."""
+    url = default_url() if url is None else url
+    parts = urllib.parse.urlsplit(url)
+    where = (f"cluster file {(parts.netloc + parts.path) or 'the default'}"
+             if parts.scheme == "fdb" else "its file")
+    return f"{url!r} ({where})"
 
 
 def _connect_sqlite(url, parts):

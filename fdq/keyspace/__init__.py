@@ -46,15 +46,12 @@ import fdb.tuple as fdbtuple
 from fdb.subspace_impl import Subspace
 from fdb.tuple import Versionstamp
 
-from ..errors import FormatError
-from ..engine import transactional
 from .stamps import (STAMP_BYTES, VERSIONS_PER_S, VS_CODE, StoredVersionstamp, message_id, parse_message_id,
                      position_of, stamp_of_value, stamped_value, version_of, vs_from_bytes, vs_key, vs_key_parts)
 
-FORMAT_VERSION = 1
 
 # (the stamps' names are re-exported: callers import them from fdq.keyspace)
-__all__ = ["Keyspace", "TopicSpace", "ShardSpace", "Versionstamp", "FORMAT_VERSION", "vs_key", "vs_key_parts",
+__all__ = ["Keyspace", "TopicSpace", "ShardSpace", "Versionstamp", "vs_key", "vs_key_parts",
            "vs_from_bytes", "counter", "decode_counter", "ensure_format", "message_id", "parse_message_id",
            "StoredVersionstamp", "STAMP_BYTES", "VERSIONS_PER_S", "position_of", "stamp_of_value", "stamped_value",
            "version_of"]
@@ -353,21 +350,3 @@ class Keyspace:
         """The topic name if ``key`` is a topic's config key, else None."""
         t = self.topics_config.unpack(key)
         return t[0] if len(t) == 1 else None
-
-
-@transactional
-def ensure_format(tr, ks: Keyspace, *, write: bool = True) -> int | None:
-    """Refuse a newer layout than this FDQ knows; write ``meta/format`` on first use
-    (``write=False``, as on connect: check only, an empty database stays empty)."""
-    raw = tr[ks.format_key]
-    if raw == None:  # noqa: E711
-        if not write:
-            return None
-        tr[ks.format_key] = fdbtuple.pack((FORMAT_VERSION,))
-        return FORMAT_VERSION
-    version = fdbtuple.unpack(bytes(raw))[0]
-    if version > FORMAT_VERSION:
-        raise FormatError(f"database key layout is format {version}; this FDQ understands up "
-                          f"to {FORMAT_VERSION}: upgrade FDQ")
-    # Older formats would migrate here; format 1 is the first.
-    return version

@@ -25,7 +25,8 @@ from ..engine import transactional
 from ..envelope import Envelope
 from ..errors import BacklogFull, InvalidHeader, MessageTooLarge, TopicNotFound
 from ..headers import dispatch_tag
-from ..keyspace import (VERSIONS_PER_S, Keyspace, TopicSpace, counter, decode_counter, ensure_format, message_id,
+from ..keyspace.format import ensure_format
+from ..keyspace import (VERSIONS_PER_S, Keyspace, TopicSpace, counter, decode_counter, message_id,
                         vs_key, vs_key_parts)
 from ..keyspace.codec import (CHUNK_BYTES, CHUNK_WRITE_BYTES, RECORD_BYTES, ROUTE_BYTES, Record, decode_dedupe,
                               decode_marker, encode_dedupe, encode_marker, encode_pending, packer, split_body)

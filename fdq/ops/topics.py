@@ -7,7 +7,8 @@ import dataclasses
 from ..config import SubscriptionConfig, TopicConfig, check_name
 from ..engine import transactional
 from ..errors import TopicExists, TopicHeld, TopicNotFound
-from ..keyspace import Keyspace, TopicSpace, ensure_format, stamped_value
+from ..keyspace.format import ensure_format
+from ..keyspace import Keyspace, TopicSpace, stamped_value
 from ..keyspace.codec import encode_subscription, pack, unpack
 
 HOLD_VERSIONS = 1_000_000   # a play's hold on pushes (play_chunk) lapses after ~1 s of versions

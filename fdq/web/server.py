@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 from ..broker.server import split_address
-from ..engine import connect
+from ..keyspace.format import connect
 from .app import WebApp
 
 log = logging.getLogger("fdq.web")

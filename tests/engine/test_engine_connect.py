@@ -11,7 +11,8 @@ import fdb.tuple
 import pytest
 
 import fdq
-from fdq.keyspace import FORMAT_VERSION, Keyspace
+from fdq.keyspace import Keyspace
+from fdq.keyspace.format import FORMAT_VERSION
 from fdqtest import ON_FDB
 
 

@@ -172,8 +172,9 @@ def test_fdb_urls_take_no_options(tmp_path):
     assert "unknown option(s) timeout" in str(info.value)
 
 
-def test_an_engine_error_reads_as_text():
+def test_an_engine_error_reads_as_text(tmp_path):
     import fdb
+    fdq.connect(database_url(tmp_path / "fdq.db"))     # selects the API version: fdb.FDBError exists from then
     err = retry._translate(fdb.FDBError(1020))    # noqa: SLF001 - where FDB errors leave FDQ
     assert isinstance(err, fdq.EngineError) and err.code == 1020
     assert "b'" not in str(err) and "conflict" in str(err)
