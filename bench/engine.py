@@ -200,10 +200,11 @@ def ratio(a, b):
 # single: one set + commit per transaction
 
 
-def engine_single(db, keys, values, n_max, s_max, wal: WalPeak | None = None):
+def _single(commit_one, n_max, s_max, wal: WalPeak | None):
+    """``commit_one(i)`` up to ``n_max`` times (stopping past ``s_max``), the WAL sampled
+    every 1,024. Returns (transactions, elapsed s, latencies in s, CPU s)."""
     lat = []
     append = lat.append
-    create = db.create_transaction
     clock = perf_counter
     deadline = clock() + s_max
     t0 = clock()
@@ -211,43 +212,42 @@ def engine_single(db, keys, values, n_max, s_max, wal: WalPeak | None = None):
     n = 0
     for i in range(n_max):
         s = clock()
+        commit_one(i)
+        e = clock()
+        append(e - s)
+        n += 1
+        if not n & 1023:
+            if wal is not None:
+                wal.sample()
+            if e > deadline:
+                break
+    return n, clock() - t0, lat, process_time() - c0
+
+
+def engine_single(db, keys, values, n_max, s_max, wal: WalPeak | None = None):
+    create = db.create_transaction
+
+    def commit_one(i):
         tr = create()
         tr.set(keys[i], values[i])
         tr.commit().wait()
-        e = clock()
-        append(e - s)
-        n += 1
-        if not n & 1023:
-            if wal is not None:
-                wal.sample()
-            if e > deadline:
-                break
-    return n, clock() - t0, lat, process_time() - c0
+    return _single(commit_one, n_max, s_max, wal)
 
 
 def raw_single(conn, keys, values, n_max, s_max, wal: WalPeak | None = None):
-    lat = []
-    append = lat.append
     execute = conn.execute
-    clock = perf_counter
-    deadline = clock() + s_max
-    t0 = clock()
-    c0 = process_time()
-    n = 0
-    for i in range(n_max):
-        s = clock()
+
+    def commit_one(i):
         execute("BEGIN IMMEDIATE")
         execute(UPSERT, (keys[i], values[i]))
         execute("COMMIT")
-        e = clock()
-        append(e - s)
-        n += 1
-        if not n & 1023:
-            if wal is not None:
-                wal.sample()
-            if e > deadline:
-                break
-    return n, clock() - t0, lat, process_time() - c0
+    return _single(commit_one, n_max, s_max, wal)
+
+
+def _single_figures(n, elapsed, lat, cpu, **extra) -> dict:
+    lat.sort()
+    return dict(ops=n, seconds=elapsed, tx_per_s=n / elapsed, tx_per_cpu_s=n / cpu, p50_us=pct(lat, .50) * 1e6,
+                p99_us=pct(lat, .99) * 1e6, p999_us=pct(lat, .999) * 1e6, **extra)
 
 
 def case_single(root, plan):
@@ -263,11 +263,8 @@ def case_single(root, plan):
         n, el, lat, cpu = engine_single(db, keys, values, plan["single_n"], plan["single_s"], wal_e)
         wal_e.sample()
         eng_wal = c.wal(c.engine_path)
-        lat.sort()
-        eng = dict(ops=n, seconds=el, tx_per_s=n / el, tx_per_cpu_s=n / cpu, p50_us=pct(lat, .50) * 1e6,
-                   p99_us=pct(lat, .99) * 1e6, p999_us=pct(lat, .999) * 1e6,
-                   wal_bytes=eng_wal, wal_peak_bytes=wal_e.peak, tx_per_op=1.0,
-                   db_bytes=os.path.getsize(c.engine_path))
+        eng = _single_figures(n, el, lat, cpu, wal_bytes=eng_wal, wal_peak_bytes=wal_e.peak, tx_per_op=1.0,
+                              db_bytes=os.path.getsize(c.engine_path))
         del db
         progress(f"single  engine: {n:,} tx in {el:.2f} s = {n / el:,.0f} tx/s, "
                  f"p50 {eng['p50_us']:.0f} µs, p99 {eng['p99_us']:.0f} µs")
@@ -277,11 +274,8 @@ def case_single(root, plan):
         wal_r = WalPeak(c.raw_path)
         n, el, lat, cpu = raw_single(conn, keys, values, plan["raw_single_n"], plan["raw_single_s"], wal_r)
         wal_r.sample()
-        lat.sort()
-        raw = dict(ops=n, seconds=el, tx_per_s=n / el, tx_per_cpu_s=n / cpu, p50_us=pct(lat, .50) * 1e6,
-                   p99_us=pct(lat, .99) * 1e6, p999_us=pct(lat, .999) * 1e6,
-                   wal_bytes=c.wal(c.raw_path), wal_peak_bytes=wal_r.peak,
-                   db_bytes=os.path.getsize(c.raw_path))
+        raw = _single_figures(n, el, lat, cpu, wal_bytes=c.wal(c.raw_path), wal_peak_bytes=wal_r.peak,
+                              db_bytes=os.path.getsize(c.raw_path))
         conn.close()
         progress(f"single  raw:    {n:,} tx in {el:.2f} s = {n / el:,.0f} tx/s, "
                  f"p50 {raw['p50_us']:.0f} µs, p99 {raw['p99_us']:.0f} µs")
@@ -299,8 +293,9 @@ def _batch_rows(tag, t):
     return make_keys(tag, BATCH, t * BATCH), make_values(BATCH)
 
 
-def engine_batch(db, tag, tx_max, s_max, wal: WalPeak | None = None):
-    """``tx_max`` transactions of BATCH sets; keys are packed outside the timed part."""
+def _batched(commit_batch, tag, tx_max, s_max, wal: WalPeak | None):
+    """``commit_batch(keys, values)`` of BATCH rows up to ``tx_max`` times (stopping past
+    ``s_max``); keys are packed outside the timed part. Returns (transactions, busy s, CPU s)."""
     clock = perf_counter
     deadline = clock() + s_max
     busy = cpu = 0.0
@@ -309,42 +304,33 @@ def engine_batch(db, tag, tx_max, s_max, wal: WalPeak | None = None):
         keys, values = _batch_rows(tag, t)
         c = process_time()
         s = clock()
+        commit_batch(keys, values)
+        e = clock()
+        cpu += process_time() - c
+        busy += e - s
+        txs += 1
+        if wal is not None:
+            wal.sample()
+        if e > deadline:
+            break
+    return txs, busy, cpu
+
+
+def engine_batch(db, tag, tx_max, s_max, wal: WalPeak | None = None):
+    def commit_batch(keys, values):
         tr = db.create_transaction()
         for i in range(BATCH):
             tr.set(keys[i], values[i])
         tr.commit().wait()
-        e = clock()
-        cpu += process_time() - c
-        busy += e - s
-        txs += 1
-        if wal is not None:
-            wal.sample()
-        if e > deadline:
-            break
-    return txs, busy, cpu
+    return _batched(commit_batch, tag, tx_max, s_max, wal)
 
 
 def raw_batch(conn, tag, tx_max, s_max, wal: WalPeak | None = None):
-    clock = perf_counter
-    deadline = clock() + s_max
-    busy = cpu = 0.0
-    txs = 0
-    for t in range(tx_max):
-        keys, values = _batch_rows(tag, t)
-        c = process_time()
-        s = clock()
+    def commit_batch(keys, values):
         conn.execute("BEGIN IMMEDIATE")
         conn.executemany(UPSERT, zip(keys, values))
         conn.execute("COMMIT")
-        e = clock()
-        cpu += process_time() - c
-        busy += e - s
-        txs += 1
-        if wal is not None:
-            wal.sample()
-        if e > deadline:
-            break
-    return txs, busy, cpu
+    return _batched(commit_batch, tag, tx_max, s_max, wal)
 
 
 def case_batch(root, plan):
