@@ -142,7 +142,7 @@ subscription_option = click.option("--subscription", "-s", type=SUBSCRIPTION, de
 @click.option("--url", envvar="FDQ_URL", metavar="URL",
               help="Database URL: sqlite:///path.db or fdb:///path/fdb.cluster "
                    "[env FDQ_URL; default: the embedded database, $FDQ_HOME/fdq.db].")
-@click.version_option(package_name="fdq", prog_name="fdq")
+@click.version_option(package_name="fdq-queue", prog_name="fdq")
 @click.pass_context
 def cli(ctx, url):
     """FDQ: a message queue on FoundationDB (or its embedded engine).

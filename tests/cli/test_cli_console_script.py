@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +48,19 @@ def test_installed_fdq_pushes_stdin_and_tails_it_back(tmp_path, url, sup):
         (1, b"", b"fdq: error: topic 'nosuch' does not exist\n")
     bad = fdq_cli("topics", "create", "x", "--shards", "zero")
     assert bad.returncode == 2 and b"'zero' is not an integer" in bad.stderr
+
+
+def test_the_distribution_fdq_queue_provides_fdq_and_its_command():
+    """The package index's ``fdq`` is an unrelated project (it ships an ``fdq/`` package
+    too): FDQ's distribution is ``fdq-queue``, which provides ``import fdq``, the ``fdq``
+    command and its ``--version``; every install line of the READMEs names it."""
+    from importlib import metadata
+    dist = metadata.distribution("fdq-queue")
+    assert dist.version == fdq.__version__
+    assert "fdq = fdq.cli:main" in {f"{e.name} = {e.value}" for e in dist.entry_points if e.group == "console_scripts"}
+    out = subprocess.run([str(FDQ), "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == f"fdq, version {fdq.__version__}", out
+    root = Path(__file__).resolve().parents[2]
+    for doc in (root / "README.md", root / "spark" / "README.md"):
+        for what in re.findall(r"pip install\s+(\S+)", doc.read_text()):
+            assert what == "-e" or "fdq-queue" in what, f"{doc}: pip install {what}"
