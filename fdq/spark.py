@@ -15,7 +15,9 @@ Read options (strings, as Spark passes them): ``url`` and ``topic`` (required), 
 ``startingPosition`` (``earliest``, ``latest`` or a time) and ``maxRecordsPerTrigger``.
 Write options: ``url``, ``topic``, ``batchSize`` (messages per push transaction),
 ``writeId`` (see :class:`FDQWriter`), ``idempotent`` (refused on a topic with
-``dedupe_window_s = 0``, which cannot deduplicate).
+``dedupe_window_s = 0``, which cannot deduplicate), ``autoCreate`` (``true``, the default
+as for a producer: a missing topic is created with the default configuration; ``false``:
+refused).
 
 Every partition opens its own connection inside ``read()`` / ``write()``; the reading
 and the decoding of log entries are :mod:`fdq.log`'s, pushes are :class:`fdq.Producer`'s:
@@ -52,10 +54,11 @@ from . import log, times
 from .config import ProducerConfig, check_name
 from .engine import transactional
 from .keyspace.format import connect
-from .errors import ConfigError, FDQError, InvalidName, TopicNotFound
+from .errors import ConfigError, FDQError, InvalidName, TopicExists, TopicNotFound
 from .keyspace import Keyspace
 from .ops import log as oplog
 from .producer import Envelope, Producer
+from .supervisor import Supervisor
 from .ops.topics import read_topic_config
 
 SCHEMA = StructType([
@@ -73,10 +76,10 @@ SCHEMA = StructType([
 READ_OPTIONS = {"url", "topic", "start", "end", "numpartitions", "batchsize", "batchformat"}
 STREAM_OPTIONS = {"url", "topic", "numpartitions", "batchsize", "batchformat",
                   "startingposition", "maxrecordspertrigger"}
-WRITE_OPTIONS = {"url", "topic", "batchsize", "writeid", "idempotent"}
+WRITE_OPTIONS = {"url", "topic", "batchsize", "writeid", "idempotent", "autocreate"}
 _CANONICAL = {o.lower(): o for o in ("url", "topic", "start", "end", "numPartitions", "batchSize",
                                      "batchFormat", "startingPosition", "maxRecordsPerTrigger",
-                                     "writeId", "idempotent")}
+                                     "writeId", "idempotent", "autoCreate")}
 SPLIT_CHUNK_MAX = (1 << 31) - 1  # get_range_split_points' chunk size: a C int in FDB's binding
 
 
@@ -183,15 +186,20 @@ def load_options(options) -> dict:
 def write_options(options) -> dict:
     o = _common(options, WRITE_OPTIONS, "write")
     o["batch_size"] = _int(options, "batchSize", 500)
-    idem = (_get(options, "idempotent") or "true").lower()
-    if idem not in ("true", "false"):
-        raise SparkOptionError(f"fdq: option 'idempotent' must be 'true' or 'false', not {idem!r}")
-    o["idempotent"] = idem == "true"
+    o["idempotent"] = _bool(options, "idempotent", True)
+    o["auto_create"] = _bool(options, "autoCreate", True)
     wid = _get(options, "writeId") or uuid.uuid4().hex
     if len(wid) > 128:
         raise SparkOptionError("fdq: option 'writeId' must be at most 128 characters")
     o["write_id"] = wid
     return o
+
+
+def _bool(options, name: str, default: bool) -> bool:
+    v = (_get(options, name) or str(default)).lower()
+    if v not in ("true", "false"):
+        raise SparkOptionError(f"fdq: option {name!r} must be 'true' or 'false', not {v!r}")
+    return v == "true"
 
 
 # -- connections -------------------------------------------------------------------------
@@ -635,7 +643,7 @@ class FDQWriter(DataSourceArrowWriter):
         ctx = TaskContext.get()
         part = ctx.partitionId() if ctx is not None else 0
         db, _ts, _config = _open_topic(self.o)
-        producer = Producer(db, config=ProducerConfig(auto_create=False))
+        producer = Producer(db, config=ProducerConfig(auto_create=self.o["auto_create"]))
         topic, prefix = self.o["topic"], f"spark:{self.o['write_id']}:{part}:"
         idem = self.o["idempotent"]
 
@@ -727,6 +735,8 @@ class FDQDataSource(DataSource):
                                    "append-only (use mode 'append')")
         o = write_options(self.options)
         _check_write_schema(schema)
+        if o["auto_create"]:
+            _create_if_missing(o)
         _db_, _ts, config = _open_topic(o)
         if o["idempotent"] and not config.dedupe_window_s:
             # A retried task would push its rows again: refuse rather than break the promise.
@@ -735,6 +745,19 @@ class FDQDataSource(DataSource):
                                    "deduplicate a retried task: give the topic a dedupe window or "
                                    "set option 'idempotent' to 'false'")
         return FDQWriter(o, schema)
+
+
+def _create_if_missing(o: dict):
+    """Create the write's topic with the default configuration, as a producer's first push
+    would (``ProducerConfig.auto_create``), here on the driver: the dedupe window the
+    idempotent write relies on is then checked before any task runs."""
+    db = _db(o["url"])
+    try:
+        Supervisor(db).create_topic(o["topic"])
+    except TopicExists:
+        pass
+    except InvalidName as e:
+        raise SparkOptionError(f"fdq: option 'topic': {e}") from None
 
 
 def register(spark) -> None:

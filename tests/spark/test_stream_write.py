@@ -203,8 +203,13 @@ def test_writer_errors(spark, tmp_path):
     assert "'body' column" in str(ei.value)
     ok = spark.createDataFrame([(b"a",)], "body binary")
     with pytest.raises(Exception) as ei:
-        ok.write.format("fdq").option("url", url).option("topic", "missing").mode("append").save()
+        ok.write.format("fdq").option("url", url).option("topic", "missing").option("autoCreate", "false") \
+            .mode("append").save()
     assert "option 'topic'" in str(ei.value) and "does not exist" in str(ei.value)
+    with pytest.raises(Exception) as ei:
+        ok.write.format("fdq").option("url", url).option("topic", "t").option("autoCreate", "maybe") \
+            .mode("append").save()
+    assert "option 'autoCreate' must be 'true' or 'false'" in str(ei.value)
     with pytest.raises(Exception) as ei:
         ok.write.format("fdq").option("url", url).option("topic", "t").mode("overwrite").save()
     assert "overwrite" in str(ei.value)
@@ -280,6 +285,17 @@ def test_replay_job_republishes_to_a_topic(spark, replay_topic, capsys):
     assert replay_job.main(["--url", url, "--topic", "nope", "--to-topic", "dst", "--quiet"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "does not exist" in err and "option 'topic'" in err, err
+
+
+def test_a_write_creates_a_missing_topic_as_a_push_does(spark, tmp_path):
+    """A producer's push creates a missing topic (``ProducerConfig.auto_create``, default
+    True); the writer follows the same rule (option ``autoCreate``, default true)."""
+    url = database_url(tmp_path / "fdq.db")
+    spark.createDataFrame([(b"a",), (b"b",)], "body binary").write.format("fdq").option("url", url) \
+        .option("topic", "fresh").mode("append").save()
+    sup = fdq.Supervisor(fdq.connect(url))
+    assert sup.config("fresh") == fdq.TopicConfig()
+    assert sup.stats("fresh")["counters"]["inserted"] == 2
 
 
 def _write(url, topic, bodies):
