@@ -64,3 +64,12 @@ def test_the_distribution_fdq_queue_provides_fdq_and_its_command():
     for doc in (root / "README.md", root / "spark" / "README.md"):
         for what in re.findall(r"pip install\s+(\S+)", doc.read_text()):
             assert what == "-e" or "fdq-queue" in what, f"{doc}: pip install {what}"
+
+
+def test_the_package_says_it_is_typed():
+    """PEP 561: ``fdq/py.typed`` ships with the package (declared as package data), so
+    type checkers read FDQ's annotations."""
+    from importlib import resources
+    assert resources.files("fdq").joinpath("py.typed").is_file()
+    setup = (Path(__file__).resolve().parents[2] / "setup.cfg").read_text()
+    assert "fdq = py.typed" in setup
