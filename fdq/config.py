@@ -44,6 +44,12 @@ def _positive(name, value, *, allow_none=False, integer=False, zero=False):
         raise ConfigError(f"{name} must be at most {bound}, not {value!r}")
 
 
+def _at_least(name, value, minimum):
+    """An interval below ``minimum`` makes a loop of it spin (a hot loop, false alarms)."""
+    if value < minimum:
+        raise ConfigError(f"{name} must be at least {minimum} s, not {value!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TopicConfig:
     """A topic's stored configuration (``config/topics/<topic>``).
@@ -120,6 +126,11 @@ class TopicConfig:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
+# ConsumerConfig's lower bounds, seconds.
+MIN_INTERVALS = {"ack_wait_s": 0.01, "heartbeat_interval_s": 0.01, "lease_check_interval_s": 0.01,
+                 "poll_interval_s": 0.001}
+
+
 @dataclass(frozen=True, kw_only=True)
 class ConsumerConfig:
     """How one consumer behaves (per consumer, never stored with the subscription).
@@ -137,6 +148,9 @@ class ConsumerConfig:
     ``lease_check_interval_s``: how often a consumer checks its shards' leases and
     advances the database clock that delays are due by (``membership.read_clock``): a
     delay ends at most about this much late, never early.
+    Lower bounds (``MIN_INTERVALS``): 0.01 s for ``ack_wait_s``, ``heartbeat_interval_s``
+    and ``lease_check_interval_s``, 0.001 s for ``poll_interval_s``; below them a
+    consumer's loops spin and its stall alarm fires on a healthy consumer.
     """
 
     ack_wait_s: float = 30.0
@@ -164,6 +178,8 @@ class ConsumerConfig:
         _positive("max_concurrency", self.max_concurrency, integer=True)
         _positive("poll_interval_s", self.poll_interval_s)
         _positive("lease_check_interval_s", self.lease_check_interval_s)
+        for name, minimum in MIN_INTERVALS.items():
+            _at_least(name, getattr(self, name), minimum)
 
     @property
     def zombie_after_s(self) -> float:

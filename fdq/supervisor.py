@@ -318,6 +318,11 @@ class Supervisor:
         return reaper.observe(self.db, ts, self.config(name), time.monotonic())
 
     def dlq_list(self, name: str, subscription: str = "default", limit: int = 100) -> list:
+        """The subscription's first ``limit`` dead letters (oldest first), read in one
+        transaction (FDB's 5 s): ``limit`` is an integer from 1 to 100,000."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 100_000:
+            raise ConfigError(f"limit must be an integer from 1 to 100,000 (dead letters listed in one "
+                              f"transaction), not {limit!r}")
         ts = self._ts(name)
         self.subscription(name, subscription)      # TopicNotFound, SubscriptionNotFound
         return [{"id": message_id(vs), "reason": reason, "consumer": cid, "attempts": rec.attempts,
