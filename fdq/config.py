@@ -50,6 +50,19 @@ def _at_least(name, value, minimum):
         raise ConfigError(f"{name} must be at least {minimum} s, not {value!r}")
 
 
+def _names(field: str, value) -> tuple:
+    """A tuple of distinct subscription names (a list is taken; a str is not a list of names)."""
+    if not isinstance(value, (tuple, list)):
+        raise ConfigError(f"{field} must be a tuple of subscription names, not {value!r}")
+    for sub in value:
+        if not isinstance(sub, str) or not NAME_RE.fullmatch(sub):
+            raise ConfigError(f"{field} must be a tuple of subscription names: {sub!r} is not one "
+                              "(1-64 characters of [.a-zA-Z0-9_-], optionally ending in #ephemeral)")
+    if len(set(value)) != len(value):
+        raise ConfigError(f"{field} names a subscription twice: {tuple(value)}")
+    return tuple(value)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TopicConfig:
     """A topic's stored configuration (``config/topics/<topic>``).
@@ -71,6 +84,14 @@ class TopicConfig:
     ``max_message_bytes``: the largest body (split into chunks above 90,000 bytes); a
     push also refuses a body whose copies (the log's, one per subscription) exceed
     ``fdq.keyspace.codec.ROUTE_BYTES`` (9 MB: they are written in one transaction).
+    ``subs``: the topic's subscriptions (names), at creation those it starts with.
+
+    The fields of ``TOPIC_STATE`` (``paused``, ``resharding_to``, ``catchup``,
+    ``paused_subs``, ``held_at``) are the topic's state, stored with its options and
+    changed only by the operations that own them (``Supervisor.pause`` ...): never an
+    option of ``create_topic``/``update_topic``/``ProducerConfig.auto_create``
+    (``check_topic_options``). Every field is checked here, state included, so nothing
+    a caller or an operation writes can be of the wrong type or out of range.
     """
 
     shards: int = 16
@@ -103,6 +124,22 @@ class TopicConfig:
         _positive("max_message_bytes", self.max_message_bytes, integer=True)
         if self.max_message_bytes > 8 << 20:
             raise ConfigError("max_message_bytes must be at most 8 MiB (a transaction is 10 MB)")
+        for name in ("extend", "paused"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, not {getattr(self, name)!r}")
+        for name in ("subs", "catchup", "paused_subs"):
+            object.__setattr__(self, name, _names(name, getattr(self, name)))
+        for name in ("catchup", "paused_subs"):
+            stray = [sub for sub in getattr(self, name) if sub not in self.subs]
+            if stray:
+                raise ConfigError(f"{name} names {stray[0]!r}, not one of the topic's subscriptions {self.subs}")
+        if self.resharding_to is not None:
+            if isinstance(self.resharding_to, bool) or not isinstance(self.resharding_to, int) \
+                    or not 1 <= self.resharding_to <= 4096:
+                raise ConfigError(f"resharding_to must be a shard count (1 to 4096) or None, not {self.resharding_to!r}")
+        if self.held_at is not None:
+            if isinstance(self.held_at, bool) or not isinstance(self.held_at, int) or not 0 <= self.held_at <= MAX_INT:
+                raise ConfigError(f"held_at must be a database version or None, not {self.held_at!r}")
 
     @property
     def routing(self) -> bool:
@@ -124,6 +161,46 @@ class TopicConfig:
         d["paused_subs"] = tuple(d.get("paused_subs", ()))
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
+
+
+# TopicConfig's fields that are the topic's state -> the operation that changes it
+# ({t}: the topic's name); and the options fixed at creation -> how to change them.
+TOPIC_STATE = {
+    "paused": "Supervisor.pause({t}) (Supervisor.play({t}) resumes)",
+    "resharding_to": "Supervisor.rebalance({t}, shards=N)",
+    "catchup": "Supervisor.create_subscription({t}, subscription) or Supervisor.reset({t}, subscription)",
+    "paused_subs": "Supervisor.pause_subscription({t}, subscription)",
+    "held_at": "Supervisor.play({t})",
+}
+TOPIC_FIXED = {
+    "shards": "change the count with Supervisor.rebalance({t}, shards=N)",
+    "extend": "add it with Supervisor.upgrade_extend({t}), one-way",
+    "subs": "use Supervisor.create_subscription({t}, subscription) or Supervisor.delete_subscription",
+    "hash": "it is fixed when the topic is created",
+}
+
+
+def check_topic_options(topic: str | None, options, *, update: bool = False):
+    """Refuse what a caller may not set in a topic's config: its state (each naming the
+    operation that changes it), an unknown option, and with ``update`` an option fixed
+    at creation (``UPDATABLE_TOPIC_FIELDS`` may change). ``options``: names, or a
+    ``TopicConfig`` (its state must be the default)."""
+    if isinstance(options, TopicConfig):
+        default = TopicConfig()
+        options = [name for name in TOPIC_STATE if getattr(options, name) != getattr(default, name)]
+    t = repr(topic) if topic is not None else "topic"
+    known = {f.name for f in dataclasses.fields(TopicConfig)}
+    for name in sorted(options):
+        if name in TOPIC_STATE:
+            raise ConfigError(f"{name!r} is topic state, not an option: use {TOPIC_STATE[name].format(t=t)}")
+        if name not in known:
+            settable = UPDATABLE_TOPIC_FIELDS if update else sorted(known - set(TOPIC_STATE))
+            raise ConfigError(f"unknown topic option {name!r} (options: {', '.join(settable)})")
+    fixed = sorted(set(options) - set(UPDATABLE_TOPIC_FIELDS)) if update else []
+    if fixed:
+        how = "; ".join(f"{name}: {TOPIC_FIXED[name].format(t=t)}" for name in fixed)
+        raise ConfigError(f"topic option(s) {', '.join(fixed)} cannot be updated ({how}); updatable: "
+                          f"{', '.join(UPDATABLE_TOPIC_FIELDS)}")
 
 
 # ConsumerConfig's lower bounds, seconds.
@@ -212,6 +289,8 @@ class ProducerConfig:
             raise ConfigError(f"max_batch must be at most 65,536 (messages per transaction), not {self.max_batch}")
         if not isinstance(self.auto_create, (bool, TopicConfig)):
             raise ConfigError(f"auto_create must be True, False or a TopicConfig, not {self.auto_create!r}")
+        if isinstance(self.auto_create, TopicConfig):
+            check_topic_options(None, self.auto_create)
 
 
 ACK_POLICIES = ("explicit", "none")
@@ -359,5 +438,6 @@ def effective_consumer_config(consumer_config: ConsumerConfig, config: Subscript
 
 
 __all__ = ["TopicConfig", "ConsumerConfig", "ProducerConfig", "SubscriptionConfig",
-           "UPDATABLE_SUBSCRIPTION_FIELDS", "UPDATABLE_TOPIC_FIELDS", "check_name", "NAME_RE",
+           "UPDATABLE_SUBSCRIPTION_FIELDS", "UPDATABLE_TOPIC_FIELDS", "TOPIC_STATE", "check_topic_options",
+           "check_name", "NAME_RE",
            "DEFAULT_SUBSCRIPTION", "CHUNK", "effective_consumer_config"]
