@@ -3,7 +3,6 @@ dataclasses, validated in one place; defaults live here once."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from dataclasses import dataclass
 
@@ -31,32 +30,41 @@ MAX_INT = 2**63 - 1                  # counts are stored as 64-bit integers
 MAX_SECONDS = 100 * 365 * 86400      # durations: their millisecond deadlines stay 64-bit
 
 
+def shown(value, width: int = 80) -> str:
+    """``repr(value)`` for an error message: at most ``width`` characters, and an int
+    too long for Python to print (over 4,300 digits: ValueError) by its size."""
+    if isinstance(value, int) and value.bit_length() > 1000:
+        return f"<an integer of {value.bit_length():,} bits>"
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def _positive(name, value, *, allow_none=False, integer=False, zero=False):
     if value is None and allow_none:
         return
     ok_type = int if integer else (int, float)
-    if (isinstance(value, bool) or not isinstance(value, ok_type) or not math.isfinite(value) or value < 0
+    if (isinstance(value, bool) or not isinstance(value, ok_type) or value != value or value < 0
             or (value == 0 and not zero)):
         kind = "an integer" if integer else "a number"
-        raise ConfigError(f"{name} must be {kind} {'>=' if zero else '>'} 0, not {value!r}")
-    if value > (MAX_INT if integer else MAX_SECONDS):
+        raise ConfigError(f"{name} must be {kind} {'>=' if zero else '>'} 0, not {shown(value)}")
+    if value > (MAX_INT if integer else MAX_SECONDS):     # (infinity too)
         bound = f"{MAX_INT:,}" if integer else f"{MAX_SECONDS:,} s (100 years)"
-        raise ConfigError(f"{name} must be at most {bound}, not {value!r}")
+        raise ConfigError(f"{name} must be at most {bound}, not {shown(value)}")
 
 
 def _at_least(name, value, minimum):
     """An interval below ``minimum`` makes a loop of it spin (a hot loop, false alarms)."""
     if value < minimum:
-        raise ConfigError(f"{name} must be at least {minimum} s, not {value!r}")
+        raise ConfigError(f"{name} must be at least {minimum} s, not {shown(value)}")
 
 
 def _names(field: str, value) -> tuple:
     """A tuple of distinct subscription names (a list is taken; a str is not a list of names)."""
     if not isinstance(value, (tuple, list)):
-        raise ConfigError(f"{field} must be a tuple of subscription names, not {value!r}")
+        raise ConfigError(f"{field} must be a tuple of subscription names, not {shown(value)}")
     for sub in value:
         if not isinstance(sub, str) or not NAME_RE.fullmatch(sub):
-            raise ConfigError(f"{field} must be a tuple of subscription names: {sub!r} is not one "
+            raise ConfigError(f"{field} must be a tuple of subscription names: {shown(sub)} is not one "
                               "(1-64 characters of [.a-zA-Z0-9_-], optionally ending in #ephemeral)")
     if len(set(value)) != len(value):
         raise ConfigError(f"{field} names a subscription twice: {tuple(value)}")
@@ -113,7 +121,7 @@ class TopicConfig:
 
     def __post_init__(self):
         if isinstance(self.shards, int) and self.shards > 4096:    # before _positive's int64 bound
-            raise ConfigError(f"shards must be at most 4096, not {self.shards}")
+            raise ConfigError(f"shards must be at most 4096, not {shown(self.shards)}")
         _positive("shards", self.shards, integer=True)
         if self.hash != "blake2b-64":
             raise ConfigError(f"unknown shard hash {self.hash!r} (known: blake2b-64)")
@@ -126,7 +134,7 @@ class TopicConfig:
             raise ConfigError("max_message_bytes must be at most 8 MiB (a transaction is 10 MB)")
         for name in ("extend", "paused"):
             if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be True or False, not {getattr(self, name)!r}")
+                raise ConfigError(f"{name} must be True or False, not {shown(getattr(self, name))}")
         for name in ("subs", "catchup", "paused_subs"):
             object.__setattr__(self, name, _names(name, getattr(self, name)))
         for name in ("catchup", "paused_subs"):
@@ -136,10 +144,10 @@ class TopicConfig:
         if self.resharding_to is not None:
             if isinstance(self.resharding_to, bool) or not isinstance(self.resharding_to, int) \
                     or not 1 <= self.resharding_to <= 4096:
-                raise ConfigError(f"resharding_to must be a shard count (1 to 4096) or None, not {self.resharding_to!r}")
+                raise ConfigError(f"resharding_to must be a shard count (1 to 4096) or None, not {shown(self.resharding_to)}")
         if self.held_at is not None:
             if isinstance(self.held_at, bool) or not isinstance(self.held_at, int) or not 0 <= self.held_at <= MAX_INT:
-                raise ConfigError(f"held_at must be a database version or None, not {self.held_at!r}")
+                raise ConfigError(f"held_at must be a database version or None, not {shown(self.held_at)}")
 
     @property
     def routing(self) -> bool:
@@ -286,7 +294,7 @@ class ProducerConfig:
         _positive("linger_ms", self.linger_ms, zero=True)
         _positive("max_batch", self.max_batch, integer=True)
         if self.max_batch > 1 << 16:
-            raise ConfigError(f"max_batch must be at most 65,536 (messages per transaction), not {self.max_batch}")
+            raise ConfigError(f"max_batch must be at most 65,536 (messages per transaction), not {shown(self.max_batch)}")
         if not isinstance(self.auto_create, (bool, TopicConfig)):
             raise ConfigError(f"auto_create must be True, False or a TopicConfig, not {self.auto_create!r}")
         if isinstance(self.auto_create, TopicConfig):
@@ -439,5 +447,5 @@ def effective_consumer_config(consumer_config: ConsumerConfig, config: Subscript
 
 __all__ = ["TopicConfig", "ConsumerConfig", "ProducerConfig", "SubscriptionConfig",
            "UPDATABLE_SUBSCRIPTION_FIELDS", "UPDATABLE_TOPIC_FIELDS", "TOPIC_STATE", "check_topic_options",
-           "check_name", "NAME_RE",
+           "check_name", "shown", "NAME_RE",
            "DEFAULT_SUBSCRIPTION", "CHUNK", "effective_consumer_config"]

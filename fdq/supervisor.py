@@ -13,7 +13,7 @@ import os
 import threading
 import time
 
-from .config import CHUNK, SubscriptionConfig, TopicConfig, check_name, check_topic_options
+from .config import CHUNK, SubscriptionConfig, TopicConfig, check_name, check_topic_options, shown
 from .engine import Again, Done, after_interrupt, transact
 from .errors import ConfigError, TopicExists, TopicHeld
 from .keyspace import VERSIONS_PER_S, Keyspace, TopicSpace, message_id, parse_message_id, version_of
@@ -318,7 +318,7 @@ class Supervisor:
         transaction (FDB's 5 s): ``limit`` is an integer from 1 to 100,000."""
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 100_000:
             raise ConfigError(f"limit must be an integer from 1 to 100,000 (dead letters listed in one "
-                              f"transaction), not {limit!r}")
+                              f"transaction), not {shown(limit)}")
         ts = self._ts(name)
         self.subscription(name, subscription)      # TopicNotFound, SubscriptionNotFound
         return [{"id": message_id(vs), "reason": reason, "consumer": cid, "attempts": rec.attempts,
