@@ -54,7 +54,7 @@ def _positive(name, value, *, allow_none=False, integer=False, zero=False):
 
 def _at_least(name, value, minimum):
     """An interval below ``minimum`` makes a loop of it spin (a hot loop, false alarms)."""
-    if value < minimum:
+    if value is not None and value < minimum:
         raise ConfigError(f"{name} must be at least {minimum} s, not {shown(value)}")
 
 
@@ -367,6 +367,7 @@ class SubscriptionConfig:
             raise ConfigError(f"deliver_policy must be one of {', '.join(DELIVER_POLICIES)}, "
                               f"not {self.deliver_policy!r}")
         _positive("ack_wait_s", self.ack_wait_s, allow_none=True)
+        _at_least("ack_wait_s", self.ack_wait_s, MIN_INTERVALS["ack_wait_s"])   # (its consumers' minimum)
         _positive("max_deliver", self.max_deliver, allow_none=True, integer=True)
         _positive("max_ack_pending", self.max_ack_pending, allow_none=True, integer=True)
         if self.backoff_s is not None:

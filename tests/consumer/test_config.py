@@ -48,3 +48,18 @@ def test_the_stall_alarm_of_the_shortest_heartbeat_shows_how_long(db):
     finally:
         a.close()
         b.close()
+
+
+def test_a_subscriptions_lease_below_the_consumers_minimum_is_refused_at_the_subscription(db):
+    """A subscription's ``ack_wait_s`` overrides its consumers': 0.005 s was accepted
+    there, then every consumer of the subscription failed to start, and a live one's
+    heartbeat failed, on the consumer's minimum. Refused where it is set."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=1)
+    with pytest.raises(fdq.ConfigError, match=r"^ack_wait_s must be at least 0.01 s, not 0.005$"):
+        fdq.SubscriptionConfig(ack_wait_s=0.005)
+    sup.create_subscription("t", "s", fdq.SubscriptionConfig(ack_wait_s=0.01))
+    with pytest.raises(fdq.ConfigError, match="ack_wait_s must be at least 0.01 s"):
+        sup.update_subscription("t", "s", ack_wait_s=0.005)
+    with fdq.Consumer(db, "t", subscription="s") as c:
+        assert c.config.ack_wait_s == 0.01
