@@ -81,7 +81,7 @@ def parse_time(value) -> int:
     """Epoch milliseconds from ``value`` as written (see the module's docstring); a
     ``ConfigError`` naming the value and the problem otherwise."""
     text = str(value).strip()
-    out_of_range = ConfigError(f"{text!r:.80} is out of range: times go from 1970-01-01 to 9999-12-31 "
+    out_of_range = ConfigError(f"{shown(text)} is out of range: times go from 1970-01-01 to 9999-12-31 "
                                f"(epoch milliseconds 0 to {MAX_TIME_MS})")
     if _BARE.fullmatch(text):
         digits = text.lstrip("0") or "0"
@@ -90,7 +90,7 @@ def parse_time(value) -> int:
         ms = int(digits)
         if 0 < ms < MIN_BARE_MS:
             raise ConfigError(
-                f"{text!r:.80} is ambiguous: as epoch milliseconds it is {iso_ms(ms)}, as epoch seconds "
+                f"{shown(text)} is ambiguous: as epoch milliseconds it is {iso_ms(ms)}, as epoch seconds "
                 f"{iso_ms(ms * 1000)}; write {digits}s for seconds or {digits}ms for milliseconds")
     elif m := _WITH_UNIT.fullmatch(text):
         whole, point, fraction = m[1].partition(".")
@@ -105,7 +105,7 @@ def parse_time(value) -> int:
         try:
             t = _iso(text)
         except ValueError:
-            raise ConfigError(f"{text!r:.80} is not a time: give ISO-8601 (no zone = UTC), or epoch seconds "
+            raise ConfigError(f"{shown(text)} is not a time: give ISO-8601 (no zone = UTC), or epoch seconds "
                               f"or milliseconds with their unit ({EXAMPLES})") from None
         ms = (t - EPOCH) // datetime.timedelta(milliseconds=1)    # exact: no float
     if not 0 <= ms <= MAX_TIME_MS:

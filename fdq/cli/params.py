@@ -11,7 +11,7 @@ import click
 
 from ..broker.__main__ import parse_duration
 from ..broker.server import split_address
-from ..config import MAX_SECONDS, SubscriptionConfig, TopicConfig, check_name
+from ..config import MAX_SECONDS, SubscriptionConfig, TopicConfig, check_name, shown
 from ..envelope import Envelope
 from ..errors import ConfigError, InvalidHeader, InvalidMessage, InvalidName
 from ..headers import TRACE_ID, is_tag, validate_headers
@@ -106,9 +106,9 @@ class Seconds(click.ParamType):
         try:
             s = float(value)
         except (TypeError, ValueError):
-            self.fail(f"{value!r:.80} is not a number of seconds", param, ctx)
+            self.fail(f"{shown(value)} is not a number of seconds", param, ctx)
         if not (math.isfinite(s) and s >= 0):
-            self.fail(f"{value!r:.80}: seconds must be a finite number >= 0", param, ctx)
+            self.fail(f"{shown(value)}: seconds must be a finite number >= 0", param, ctx)
         return s
 
 
@@ -179,9 +179,9 @@ class Duration(click.ParamType):
             except argparse.ArgumentTypeError as e:
                 self.fail(str(e), param, ctx)
         if not (math.isfinite(s) and s > 0):
-            self.fail(f"{value!r:.80}: a duration must be > 0", param, ctx)
+            self.fail(f"{shown(value)}: a duration must be > 0", param, ctx)
         if s > MAX_SECONDS:
-            self.fail(f"{value!r:.80}: a duration must be at most {MAX_SECONDS:,} s (100 years)", param, ctx)
+            self.fail(f"{shown(value)}: a duration must be at most {MAX_SECONDS:,} s (100 years)", param, ctx)
         return s
 
 
@@ -230,7 +230,7 @@ class Header(click.ParamType):
         except ValueError:
             parsed = raw
         except RecursionError:
-            self.fail(f"header {name!r:.80}: its JSON value is nested too deeply", param, ctx)
+            self.fail(f"header {shown(name)}: its JSON value is nested too deeply", param, ctx)
         return name, parsed
 
 
