@@ -3,7 +3,6 @@ dataclasses, validated in one place; defaults live here once."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from dataclasses import dataclass
 
@@ -31,17 +30,45 @@ MAX_INT = 2**63 - 1                  # counts are stored as 64-bit integers
 MAX_SECONDS = 100 * 365 * 86400      # durations: their millisecond deadlines stay 64-bit
 
 
+def shown(value, width: int = 80) -> str:
+    """``repr(value)`` for an error message: at most ``width`` characters, and an int
+    too long for Python to print (over 4,300 digits: ValueError) by its size."""
+    if isinstance(value, int) and value.bit_length() > 1000:
+        return f"<an integer of {value.bit_length():,} bits>"
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def _positive(name, value, *, allow_none=False, integer=False, zero=False):
     if value is None and allow_none:
         return
     ok_type = int if integer else (int, float)
-    if (isinstance(value, bool) or not isinstance(value, ok_type) or not math.isfinite(value) or value < 0
+    if (isinstance(value, bool) or not isinstance(value, ok_type) or value != value or value < 0
             or (value == 0 and not zero)):
         kind = "an integer" if integer else "a number"
-        raise ConfigError(f"{name} must be {kind} {'>=' if zero else '>'} 0, not {value!r}")
-    if value > (MAX_INT if integer else MAX_SECONDS):
+        raise ConfigError(f"{name} must be {kind} {'>=' if zero else '>'} 0, not {shown(value)}")
+    if value > (MAX_INT if integer else MAX_SECONDS):     # (infinity too)
         bound = f"{MAX_INT:,}" if integer else f"{MAX_SECONDS:,} s (100 years)"
-        raise ConfigError(f"{name} must be at most {bound}, not {value!r}")
+        raise ConfigError(f"{name} must be at most {bound}, not {shown(value)}")
+
+
+def _at_least(name, value, minimum):
+    """An interval below ``minimum`` makes a loop of it spin (a hot loop, false alarms)."""
+    if value is not None and value < minimum:
+        raise ConfigError(f"{name} must be at least {minimum} s, not {shown(value)}")
+
+
+def _names(field: str, value) -> tuple:
+    """A tuple of distinct subscription names (a list is taken; a str is not a list of names)."""
+    if not isinstance(value, (tuple, list)):
+        raise ConfigError(f"{field} must be a tuple of subscription names, not {shown(value)}")
+    for sub in value:
+        if not isinstance(sub, str) or not NAME_RE.fullmatch(sub):
+            raise ConfigError(f"{field} must be a tuple of subscription names: {shown(sub)} is not one "
+                              "(1-64 characters of [.a-zA-Z0-9_-], optionally ending in #ephemeral)")
+    if len(set(value)) != len(value):
+        raise ConfigError(f"{field} names a subscription twice: {tuple(value)}")
+    return tuple(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +92,14 @@ class TopicConfig:
     ``max_message_bytes``: the largest body (split into chunks above 90,000 bytes); a
     push also refuses a body whose copies (the log's, one per subscription) exceed
     ``fdq.keyspace.codec.ROUTE_BYTES`` (9 MB: they are written in one transaction).
+    ``subs``: the topic's subscriptions (names), at creation those it starts with.
+
+    The fields of ``TOPIC_STATE`` (``paused``, ``resharding_to``, ``catchup``,
+    ``paused_subs``, ``held_at``) are the topic's state, stored with its options and
+    changed only by the operations that own them (``Supervisor.pause`` ...): never an
+    option of ``create_topic``/``update_topic``/``ProducerConfig.auto_create``
+    (``check_topic_options``). Every field is checked here, state included, so nothing
+    a caller or an operation writes can be of the wrong type or out of range.
     """
 
     shards: int = 16
@@ -86,7 +121,7 @@ class TopicConfig:
 
     def __post_init__(self):
         if isinstance(self.shards, int) and self.shards > 4096:    # before _positive's int64 bound
-            raise ConfigError(f"shards must be at most 4096, not {self.shards}")
+            raise ConfigError(f"shards must be at most 4096, not {shown(self.shards)}")
         _positive("shards", self.shards, integer=True)
         if self.hash != "blake2b-64":
             raise ConfigError(f"unknown shard hash {self.hash!r} (known: blake2b-64)")
@@ -97,6 +132,22 @@ class TopicConfig:
         _positive("max_message_bytes", self.max_message_bytes, integer=True)
         if self.max_message_bytes > 8 << 20:
             raise ConfigError("max_message_bytes must be at most 8 MiB (a transaction is 10 MB)")
+        for name in ("extend", "paused"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, not {shown(getattr(self, name))}")
+        for name in ("subs", "catchup", "paused_subs"):
+            object.__setattr__(self, name, _names(name, getattr(self, name)))
+        for name in ("catchup", "paused_subs"):
+            stray = [sub for sub in getattr(self, name) if sub not in self.subs]
+            if stray:
+                raise ConfigError(f"{name} names {stray[0]!r}, not one of the topic's subscriptions {self.subs}")
+        if self.resharding_to is not None:
+            if isinstance(self.resharding_to, bool) or not isinstance(self.resharding_to, int) \
+                    or not 1 <= self.resharding_to <= 4096:
+                raise ConfigError(f"resharding_to must be a shard count (1 to 4096) or None, not {shown(self.resharding_to)}")
+        if self.held_at is not None:
+            if isinstance(self.held_at, bool) or not isinstance(self.held_at, int) or not 0 <= self.held_at <= MAX_INT:
+                raise ConfigError(f"held_at must be a database version or None, not {shown(self.held_at)}")
 
     @property
     def routing(self) -> bool:
@@ -120,6 +171,51 @@ class TopicConfig:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
+# TopicConfig's fields that are the topic's state -> the operation that changes it
+# ({t}: the topic's name); and the options fixed at creation -> how to change them.
+TOPIC_STATE = {
+    "paused": "Supervisor.pause({t}) (Supervisor.play({t}) resumes)",
+    "resharding_to": "Supervisor.rebalance({t}, shards=N)",
+    "catchup": "Supervisor.create_subscription({t}, subscription) or Supervisor.reset({t}, subscription)",
+    "paused_subs": "Supervisor.pause_subscription({t}, subscription)",
+    "held_at": "Supervisor.play({t})",
+}
+TOPIC_FIXED = {
+    "shards": "change the count with Supervisor.rebalance({t}, shards=N)",
+    "extend": "add it with Supervisor.upgrade_extend({t}), one-way",
+    "subs": "use Supervisor.create_subscription({t}, subscription) or Supervisor.delete_subscription",
+    "hash": "it is fixed when the topic is created",
+}
+
+
+def check_topic_options(topic: str | None, options, *, update: bool = False):
+    """Refuse what a caller may not set in a topic's config: its state (each naming the
+    operation that changes it), an unknown option, and with ``update`` an option fixed
+    at creation (``UPDATABLE_TOPIC_FIELDS`` may change). ``options``: names, or a
+    ``TopicConfig`` (its state must be the default)."""
+    if isinstance(options, TopicConfig):
+        default = TopicConfig()
+        options = [name for name in TOPIC_STATE if getattr(options, name) != getattr(default, name)]
+    t = repr(topic) if topic is not None else "topic"
+    known = {f.name for f in dataclasses.fields(TopicConfig)}
+    for name in sorted(options):
+        if name in TOPIC_STATE:
+            raise ConfigError(f"{name!r} is topic state, not an option: use {TOPIC_STATE[name].format(t=t)}")
+        if name not in known:
+            settable = UPDATABLE_TOPIC_FIELDS if update else sorted(known - set(TOPIC_STATE))
+            raise ConfigError(f"unknown topic option {name!r} (options: {', '.join(settable)})")
+    fixed = sorted(set(options) - set(UPDATABLE_TOPIC_FIELDS)) if update else []
+    if fixed:
+        how = "; ".join(f"{name}: {TOPIC_FIXED[name].format(t=t)}" for name in fixed)
+        raise ConfigError(f"topic option(s) {', '.join(fixed)} cannot be updated ({how}); updatable: "
+                          f"{', '.join(UPDATABLE_TOPIC_FIELDS)}")
+
+
+# ConsumerConfig's lower bounds, seconds.
+MIN_INTERVALS = {"ack_wait_s": 0.01, "heartbeat_interval_s": 0.01, "lease_check_interval_s": 0.01,
+                 "poll_interval_s": 0.001}
+
+
 @dataclass(frozen=True, kw_only=True)
 class ConsumerConfig:
     """How one consumer behaves (per consumer, never stored with the subscription).
@@ -137,6 +233,9 @@ class ConsumerConfig:
     ``lease_check_interval_s``: how often a consumer checks its shards' leases and
     advances the database clock that delays are due by (``membership.read_clock``): a
     delay ends at most about this much late, never early.
+    Lower bounds (``MIN_INTERVALS``): 0.01 s for ``ack_wait_s``, ``heartbeat_interval_s``
+    and ``lease_check_interval_s``, 0.001 s for ``poll_interval_s``; below them a
+    consumer's loops spin and its stall alarm fires on a healthy consumer.
     """
 
     ack_wait_s: float = 30.0
@@ -164,6 +263,8 @@ class ConsumerConfig:
         _positive("max_concurrency", self.max_concurrency, integer=True)
         _positive("poll_interval_s", self.poll_interval_s)
         _positive("lease_check_interval_s", self.lease_check_interval_s)
+        for name, minimum in MIN_INTERVALS.items():
+            _at_least(name, getattr(self, name), minimum)
 
     @property
     def zombie_after_s(self) -> float:
@@ -193,9 +294,11 @@ class ProducerConfig:
         _positive("linger_ms", self.linger_ms, zero=True)
         _positive("max_batch", self.max_batch, integer=True)
         if self.max_batch > 1 << 16:
-            raise ConfigError(f"max_batch must be at most 65,536 (messages per transaction), not {self.max_batch}")
+            raise ConfigError(f"max_batch must be at most 65,536 (messages per transaction), not {shown(self.max_batch)}")
         if not isinstance(self.auto_create, (bool, TopicConfig)):
             raise ConfigError(f"auto_create must be True, False or a TopicConfig, not {self.auto_create!r}")
+        if isinstance(self.auto_create, TopicConfig):
+            check_topic_options(None, self.auto_create)
 
 
 ACK_POLICIES = ("explicit", "none")
@@ -264,6 +367,7 @@ class SubscriptionConfig:
             raise ConfigError(f"deliver_policy must be one of {', '.join(DELIVER_POLICIES)}, "
                               f"not {self.deliver_policy!r}")
         _positive("ack_wait_s", self.ack_wait_s, allow_none=True)
+        _at_least("ack_wait_s", self.ack_wait_s, MIN_INTERVALS["ack_wait_s"])   # (its consumers' minimum)
         _positive("max_deliver", self.max_deliver, allow_none=True, integer=True)
         _positive("max_ack_pending", self.max_ack_pending, allow_none=True, integer=True)
         if self.backoff_s is not None:
@@ -343,5 +447,6 @@ def effective_consumer_config(consumer_config: ConsumerConfig, config: Subscript
 
 
 __all__ = ["TopicConfig", "ConsumerConfig", "ProducerConfig", "SubscriptionConfig",
-           "UPDATABLE_SUBSCRIPTION_FIELDS", "UPDATABLE_TOPIC_FIELDS", "check_name", "NAME_RE",
+           "UPDATABLE_SUBSCRIPTION_FIELDS", "UPDATABLE_TOPIC_FIELDS", "TOPIC_STATE", "check_topic_options",
+           "check_name", "shown", "NAME_RE",
            "DEFAULT_SUBSCRIPTION", "CHUNK", "effective_consumer_config"]

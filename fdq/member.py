@@ -188,7 +188,7 @@ class Member:
                                                                " (cannot reach the database)"), unreachable)
                           if unreachable > limit else ("owns no shard", no_shard))
             c._report(ConsumerStalled(f"consumer {c.id} of {c.topic}/{c.subscription} {why} "
-                                      f"for {since:.1f}s (over 3 heartbeats)"))
+                                      f"for {since:.2f}s (over 3 heartbeats)"))
 
     def tick_clock(self, now: float):
         """Advance the database clock (delays are due by it) by the time that passed on

@@ -38,6 +38,18 @@ from .ops.push import route_message  # noqa: E402,F401
 MAX_PER_TRANSACTION = 1 << 16   # a versionstamp's user version (2 bytes) numbers them
 
 
+def check_messages(call: str, envelopes) -> Iterable:
+    """``envelopes`` if it is an iterable of messages; an ``InvalidMessage`` naming the
+    call if it is not one, or is one message (bytes, an ``Envelope``) or a str or mapping
+    (iterating them would give characters, ints or keys)."""
+    if isinstance(envelopes, (bytes, bytearray, memoryview, Envelope)):
+        raise InvalidMessage(f"{call} takes an iterable of Envelope or bytes, not one message "
+                             f"({type(envelopes).__name__}): push one message with push, or pass [message]")
+    if isinstance(envelopes, (str, Mapping)) or not isinstance(envelopes, Iterable):
+        raise InvalidMessage(f"{call} takes an iterable of Envelope or bytes, not {type(envelopes).__name__}")
+    return envelopes
+
+
 class _Item:
     """One queued push. ``done`` is a lock held until the push is committed or failed:
     a waiting caller blocks on acquiring it (cheaper than an Event: no Condition, no
@@ -323,7 +335,7 @@ class Producer:
         transaction can hold (FDB's 10 MB: each message is written to the log and to
         every subscription) is refused with ``MessageTooLarge``, nothing pushed."""
         check_name(topic)
-        envs = [e if isinstance(e, Envelope) else Envelope(e) for e in envelopes]
+        envs = [e if isinstance(e, Envelope) else Envelope(e) for e in check_messages("push_many", envelopes)]
         if not envs:
             return []
         if len(envs) > MAX_PER_TRANSACTION:
@@ -409,7 +421,8 @@ class Producer:
         if not 0 < max_messages <= MAX_PER_TRANSACTION:
             raise ConfigError(f"max_messages must be from 1 to {MAX_PER_TRANSACTION:,}, not {max_messages!r}")
 
-        items = (None if e is None else (topic, e if isinstance(e, Envelope) else Envelope(e)) for e in envelopes)
+        items = (None if e is None else (topic, e if isinstance(e, Envelope) else Envelope(e))
+                 for e in check_messages("push_stream", envelopes))
         return self._push_items(items, max_messages=max_messages)
 
     def _push_items(self, items: Iterable, *, max_messages: int = 500, also=None) -> Iterator[list]:

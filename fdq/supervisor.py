@@ -13,7 +13,7 @@ import os
 import threading
 import time
 
-from .config import CHUNK, UPDATABLE_TOPIC_FIELDS, SubscriptionConfig, TopicConfig, check_name
+from .config import CHUNK, SubscriptionConfig, TopicConfig, check_name, check_topic_options, shown
 from .engine import Again, Done, after_interrupt, transact
 from .errors import ConfigError, TopicExists, TopicHeld
 from .keyspace import VERSIONS_PER_S, Keyspace, TopicSpace, message_id, parse_message_id, version_of
@@ -60,11 +60,10 @@ class Supervisor:
     def create_topic(self, name: str, shards: int | None = None, **options) -> TopicConfig:
         """Create a topic (``shards`` defaults to 16). A no-op if it exists, unless
         ``shards`` is given and differs from its count: that is ``TopicExists`` (change
-        a topic's shard count with ``rebalance``)."""
-        try:
-            config = TopicConfig(**options) if shards is None else TopicConfig(shards=shards, **options)
-        except TypeError as e:
-            raise ConfigError(f"unknown topic option: {e}") from None
+        a topic's shard count with ``rebalance``). ``options``: ``TopicConfig``'s, but
+        not its state (``fdq.config.TOPIC_STATE``: the error names the operation)."""
+        check_topic_options(name, options)
+        config = TopicConfig(**options) if shards is None else TopicConfig(shards=shards, **options)
         result = create_topic(self.db, self.keyspace, check_name(name), config, strict_shards=shards is not None)
         if config.extend and not result.extend:    # never a silent no-op: say how to get it
             raise TopicExists(f"topic {name!r} already exists without extend support: "
@@ -91,10 +90,7 @@ class Supervisor:
         None clears an optional one), e.g. of a topic a push created with the defaults:
         pushes read them from their next transaction on, ``trim`` at its next run.
         Returns the new config."""
-        fixed = sorted(set(changes) - set(UPDATABLE_TOPIC_FIELDS))
-        if fixed:
-            raise ConfigError(f"topic option(s) {', '.join(fixed)} cannot be updated "
-                              f"(updatable: {', '.join(UPDATABLE_TOPIC_FIELDS)})")
+        check_topic_options(name, changes, update=True)
         return update_topic_config(self.db, self._ts(name), **changes)
 
     def pause(self, name: str) -> TopicConfig:
@@ -318,6 +314,11 @@ class Supervisor:
         return reaper.observe(self.db, ts, self.config(name), time.monotonic())
 
     def dlq_list(self, name: str, subscription: str = "default", limit: int = 100) -> list:
+        """The subscription's first ``limit`` dead letters (oldest first), read in one
+        transaction (FDB's 5 s): ``limit`` is an integer from 1 to 100,000."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 100_000:
+            raise ConfigError(f"limit must be an integer from 1 to 100,000 (dead letters listed in one "
+                              f"transaction), not {shown(limit)}")
         ts = self._ts(name)
         self.subscription(name, subscription)      # TopicNotFound, SubscriptionNotFound
         return [{"id": message_id(vs), "reason": reason, "consumer": cid, "attempts": rec.attempts,

@@ -15,6 +15,7 @@ import datetime
 import decimal
 import re
 
+from .config import shown
 from .errors import ConfigError
 
 EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
@@ -25,7 +26,11 @@ MIN_BARE_MS = 100_000_000_000
 # |epoch ms| the API takes as a number: beyond it no time (stored times are int64).
 MAX_API_MS = 1 << 62
 
-_WITH_UNIT = re.compile(r"(\d+(?:\.\d+)?)(ms|s)")
+_BARE = re.compile(r"[0-9]+")
+_WITH_UNIT = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s)")
+# Digits a number may have before its point (leading zeros aside): MAX_TIME_MS has 15,
+# and Python refuses to convert more than 4,300 (ValueError).
+MAX_DIGITS = 20
 EXAMPLES = "e.g. 2026-11-23T02:00:00Z, 1795399200s or 1795399200000ms"
 
 
@@ -56,7 +61,7 @@ def to_ms(t, *, refuse_seconds: bool = True) -> int | None:
             t = t.replace(tzinfo=datetime.timezone.utc)
         return (t - EPOCH) // datetime.timedelta(milliseconds=1)     # exact: no float
     if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t or not -MAX_API_MS <= t <= MAX_API_MS:
-        raise ConfigError(f"time must be epoch milliseconds (within ±2**62) or a datetime, not {t!r}")
+        raise ConfigError(f"time must be epoch milliseconds (within ±2**62) or a datetime, not {shown(t)}")
     if refuse_seconds and 0 < t < MIN_BARE_MS:
         raise ConfigError(f"time {t!r} looks like epoch seconds (as epoch milliseconds it is "
                           f"{iso_ms(int(t))}): times are epoch milliseconds or a datetime; "
@@ -76,25 +81,35 @@ def parse_time(value) -> int:
     """Epoch milliseconds from ``value`` as written (see the module's docstring); a
     ``ConfigError`` naming the value and the problem otherwise."""
     text = str(value).strip()
-    if re.fullmatch(r"\d+", text):
-        ms = int(text)
+    out_of_range = ConfigError(f"{shown(text)} is out of range: times go from 1970-01-01 to 9999-12-31 "
+                               f"(epoch milliseconds 0 to {MAX_TIME_MS})")
+    if _BARE.fullmatch(text):
+        digits = text.lstrip("0") or "0"
+        if len(digits) > MAX_DIGITS:
+            raise out_of_range
+        ms = int(digits)
         if 0 < ms < MIN_BARE_MS:
             raise ConfigError(
-                f"{text!r} is ambiguous: as epoch milliseconds it is {iso_ms(ms)}, as epoch seconds "
-                f"{iso_ms(ms * 1000)}; write {text}s for seconds or {text}ms for milliseconds")
+                f"{shown(text)} is ambiguous: as epoch milliseconds it is {iso_ms(ms)}, as epoch seconds "
+                f"{iso_ms(ms * 1000)}; write {digits}s for seconds or {digits}ms for milliseconds")
     elif m := _WITH_UNIT.fullmatch(text):
-        number, unit = decimal.Decimal(m[1]), m[2]
+        whole, point, fraction = m[1].partition(".")
+        whole = whole.lstrip("0") or "0"
+        if len(whole) > MAX_DIGITS:
+            raise out_of_range
+        # Past 6 decimals (a microsecond) nothing reaches a millisecond; cut there, the
+        # product stays within Decimal's 28 digits (exact).
+        number, unit = decimal.Decimal(whole + point + fraction[:6]), m[2]
         ms = int(number * 1000 if unit == "s" else number)    # exact; below a millisecond: cut
     else:
         try:
             t = _iso(text)
         except ValueError:
-            raise ConfigError(f"{text!r} is not a time: give ISO-8601 (no zone = UTC), or epoch seconds "
+            raise ConfigError(f"{shown(text)} is not a time: give ISO-8601 (no zone = UTC), or epoch seconds "
                               f"or milliseconds with their unit ({EXAMPLES})") from None
         ms = (t - EPOCH) // datetime.timedelta(milliseconds=1)    # exact: no float
     if not 0 <= ms <= MAX_TIME_MS:
-        raise ConfigError(f"{text!r} is out of range: times go from 1970-01-01 to 9999-12-31 "
-                          f"(epoch milliseconds 0 to {MAX_TIME_MS})")
+        raise out_of_range
     return ms
 
 

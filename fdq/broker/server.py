@@ -1053,7 +1053,7 @@ async def serve(url: str, tcp_address: str = "127.0.0.1:4150", http_address: str
 
 def split_address(addr: str) -> tuple:
     host, _, port = addr.rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not (port.isascii() and port.isdigit()) or len(port) > 5:
         raise ConfigError(f"address must be host:port, not {addr!r}")
     return host.strip("[]"), int(port)
 

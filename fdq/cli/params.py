@@ -11,7 +11,7 @@ import click
 
 from ..broker.__main__ import parse_duration
 from ..broker.server import split_address
-from ..config import SubscriptionConfig, TopicConfig, check_name
+from ..config import MAX_SECONDS, SubscriptionConfig, TopicConfig, check_name, shown
 from ..envelope import Envelope
 from ..errors import ConfigError, InvalidHeader, InvalidMessage, InvalidName
 from ..headers import TRACE_ID, is_tag, validate_headers
@@ -98,7 +98,7 @@ class SecondsList(click.ParamType):
 
 
 class Seconds(click.ParamType):
-    """A finite number of seconds >= 0."""
+    """A finite number of seconds >= 0 (an option's callback applies its FDQ bound)."""
 
     name = "seconds"
 
@@ -106,9 +106,9 @@ class Seconds(click.ParamType):
         try:
             s = float(value)
         except (TypeError, ValueError):
-            self.fail(f"{value!r} is not a number of seconds", param, ctx)
-        if not math.isfinite(s) or s < 0:
-            self.fail(f"{value!r}: seconds must be a finite number >= 0", param, ctx)
+            self.fail(f"{shown(value)} is not a number of seconds", param, ctx)
+        if not (math.isfinite(s) and s >= 0):
+            self.fail(f"{shown(value)}: seconds must be a finite number >= 0", param, ctx)
         return s
 
 
@@ -165,7 +165,8 @@ class TimeOrNow(Time):
 
 class Duration(click.ParamType):
     """A Go duration as nsqd takes it (``60s``, ``1m30s``, ``500ms``) or plain seconds,
-    parsed by the broker's own ``parse_duration``; must be > 0. -> seconds."""
+    parsed by the broker's own ``parse_duration``; must be > 0 and at most ``MAX_SECONDS``
+    (100 years). -> seconds."""
 
     name = "duration"
 
@@ -177,8 +178,10 @@ class Duration(click.ParamType):
                 s = parse_duration(str(value))
             except argparse.ArgumentTypeError as e:
                 self.fail(str(e), param, ctx)
-        if not math.isfinite(s) or s <= 0:
-            self.fail(f"{value!r}: a duration must be > 0", param, ctx)
+        if not (math.isfinite(s) and s > 0):
+            self.fail(f"{shown(value)}: a duration must be > 0", param, ctx)
+        if s > MAX_SECONDS:
+            self.fail(f"{shown(value)}: a duration must be at most {MAX_SECONDS:,} s (100 years)", param, ctx)
         return s
 
 
@@ -226,6 +229,8 @@ class Header(click.ParamType):
             parsed = json.loads(raw, parse_constant=_reject_constant)
         except ValueError:
             parsed = raw
+        except RecursionError:
+            self.fail(f"header {shown(name)}: its JSON value is nested too deeply", param, ctx)
         return name, parsed
 
 

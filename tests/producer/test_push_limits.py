@@ -170,3 +170,20 @@ def test_bad_input_is_refused_clearly_and_harms_nothing(db):
         assert [m.body for m in got] == stored
         for m in got:
             m.ack()
+
+
+@pytest.mark.parametrize("arg", [None, 5, object(), "abc", {"k": b"v"}, b"abc", bytearray(b"ab"),
+                                 fdq.Envelope(b"one")])
+def test_push_many_and_push_stream_refuse_what_is_not_an_iterable_of_messages(db, arg):
+    """``push_many("t", None)`` raised TypeError ('NoneType' object is not iterable); a
+    str, bytes or dict was iterated into characters, ints or keys, each refused as a
+    body whose type named the wrong thing. Each is an InvalidMessage naming the call and
+    what it takes, nothing pushed."""
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    p = fdq.Producer(db)
+    with pytest.raises(fdq.InvalidMessage, match=r"push_many takes an iterable of Envelope or bytes, not "):
+        p.push_many("t", arg)
+    with pytest.raises(fdq.InvalidMessage, match=r"push_stream takes an iterable of Envelope or bytes, not "):
+        p.push_stream("t", arg)
+    assert fdq.Supervisor(db).stats("t")["counters"]["inserted"] == 0
+    assert [r.topic for r in p.push_many("t", (b"x" for _ in range(2)))] == ["t", "t"]

@@ -136,3 +136,16 @@ def test_dlq_purge_removes_large_bodies_chunks(db):
         assert m.body == kept
         m.ack()
     assert scan(db, chunks.key()) == []
+
+
+@pytest.mark.parametrize("limit", ["x", -1, 0, 1.5, None, True, 100_001, 10**30])
+def test_dlq_list_refuses_a_limit_that_is_not_a_count_it_can_read(db, limit):
+    """``limit='x'`` raised ValueError from the engine and ``limit=-1`` an EngineError
+    2006 (invalid_option_value); 0 listed every dead letter (0 = no limit to the
+    engine). Each is a ConfigError naming the range; 1 and 100,000 list."""
+    ids = _dead_letters(db, [b"a", b"b"])
+    sup = fdq.Supervisor(db)
+    with pytest.raises(fdq.ConfigError, match=r"limit must be an integer from 1 to 100,000"):
+        sup.dlq_list("t", limit=limit)
+    assert [d["id"] for d in sup.dlq_list("t", limit=1)] == [min(ids.values())]
+    assert len(sup.dlq_list("t", limit=100_000)) == 2
