@@ -17,7 +17,7 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     config/topics/<topic>/subs/<sub>/purge/<tag>/<n>      a reset's purge progress per shard
     topic/<topic>/all/log/<bucket>/<vs>                   the "all" log (bucket = shard n)
     topic/<topic>/all/time/<minute_ms>/<vs>               sparse time -> position index
-    topic/<topic>/all/stats/<name>                        inserted, routed, emitted, acked
+    topic/<topic>/all/stats/<name>/<part>                 inserted, routed, emitted, acked, ...: summed parts
     topic/<topic>/all/chunks/<vs>/<i>                     body chunks of large messages
     topic/<topic>/all/pending/<vs>                        pushed while paused, not yet routed
     topic/<topic>/subs/<sub>/shards/<tag>/<n>/ready/<vs>             ready queue
@@ -32,7 +32,6 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     topic/<topic>/marks/<txid>, marks_by_version/<vs>     push markers (1021-safe retries)
     topic/<topic>/dedupe/<msg_id>, dedupe_by_version/<vs> user msg_id dedupe window
     topic/<topic>/replays/<window>/<run>[/"hb"]           a replay's progress and heartbeat (while it runs)
-    topic/<topic>/log_count/stamp, cursor/<bucket>        counting an older topic's log (fdq.logcount)
 
 ``<vs>`` is a tuple-layer Versionstamp: the commit's 10-byte stamp plus the message's
 index in its transaction, so keys sort by commit order and are gap-free for readers
@@ -51,7 +50,10 @@ from .stamps import (STAMP_BYTES, VERSIONS_PER_S, VS_CODE, StoredVersionstamp, m
 
 
 # (the stamps' names are re-exported: callers import them from fdq.keyspace)
-__all__ = ["Keyspace", "TopicSpace", "ShardSpace", "Versionstamp", "vs_key", "vs_key_parts",
+# A topic's counters are split over this many keys by shard number (TopicSpace.stat).
+STAT_PARTS = 16
+
+__all__ = ["Keyspace", "TopicSpace", "ShardSpace", "STAT_PARTS", "Versionstamp", "vs_key", "vs_key_parts",
            "vs_from_bytes", "counter", "decode_counter", "ensure_format", "message_id", "parse_message_id",
            "StoredVersionstamp", "STAMP_BYTES", "VERSIONS_PER_S", "position_of", "stamp_of_value", "stamped_value",
            "version_of"]
@@ -169,7 +171,6 @@ class TopicSpace:
         self.dedupe = self.space["dedupe"]
         self.dedupe_by_version = self.space["dedupe_by_version"]
         self.replays = self.space["replays"]
-        self.log_count = self.space["log_count"]
         self._shards = {}
         self._stat_keys = {}
         self.log_prefixes = {}
@@ -188,11 +189,19 @@ class TopicSpace:
             s = self._shards[key] = ShardSpace(self, sub, tag, n)
         return s
 
-    def stat(self, name: str) -> bytes:
-        key = self._stat_keys.get(name)
+    def stat(self, name: str, n: int = 0) -> bytes:
+        """The part of topic counter ``name`` that shard number ``n``'s writers add to
+        (``n % STAT_PARTS``): a counter every push or settle updates is no single key,
+        no hotter than one shard's own counters. Readers sum the parts (``stat_range``)."""
+        part = n % STAT_PARTS
+        key = self._stat_keys.get((name, part))
         if key is None:
-            key = self._stat_keys[name] = self.stats.pack((name,))
+            key = self._stat_keys[(name, part)] = self.stats.pack((name, part))
         return key
+
+    def stat_range(self, name: str):
+        """Every part of topic counter ``name`` (``stat``)."""
+        return self.stats[name].range()
 
     def sub_stat(self, sub: str, name: str) -> bytes:
         return self.subs[sub]["stats"].pack((name,))

@@ -26,12 +26,12 @@ from ..envelope import Envelope
 from ..errors import BacklogFull, InvalidHeader, MessageTooLarge, TopicNotFound
 from ..headers import dispatch_tag
 from ..keyspace.format import ensure_format
-from ..keyspace import (VERSIONS_PER_S, Keyspace, TopicSpace, counter, decode_counter, message_id,
+from ..keyspace import (VERSIONS_PER_S, Keyspace, TopicSpace, counter, message_id,
                         vs_key, vs_key_parts)
 from ..keyspace.codec import (CHUNK_BYTES, CHUNK_WRITE_BYTES, RECORD_BYTES, ROUTE_BYTES, Record, decode_dedupe,
                               decode_marker, encode_dedupe, encode_marker, encode_pending, packer, split_body)
 from .clock import read_clock
-from .stats import shard_counters
+from .stats import shard_counters, topic_counter
 from .topics import check_hold, load_config, write_new_topic_config
 from .log import entry_bytes
 from .routing import home_for, shard_for
@@ -180,8 +180,8 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
     for (plan, n), (count, record_bytes, body_bytes) in plain.items():
         for key in plan.counter_keys(n):
             counters[key] += count
-        counters[plan.ts.stat("log_bytes")] += record_bytes + count * plan.log_key_bytes(n)
-        counters[plan.ts.stat("inserted_bytes")] += body_bytes
+        counters[plan.ts.stat("log_bytes", n)] += record_bytes + count * plan.log_key_bytes(n)
+        counters[plan.ts.stat("inserted_bytes", n)] += body_bytes
     for key, amount in counters.items():
         tr.add(key, counter(amount))
     written = None
@@ -258,13 +258,13 @@ def _push_full(tr, b: _Batch, plan, topic: str, env, uv: int, n: int) -> tuple:
     tr.set_versionstamped_key(vs_key(ts.log_prefix(n), uv), record)
     for i, chunk in enumerate(chunks):
         tr.set_versionstamped_key(ts.chunk_vs_key(uv, i), chunk)
-    counters[ts.stat("log_bytes")] += entry_bytes(ts, n, len(record), len(chunks),
-                                                  len(env.body) if chunks else 0)
-    counters[ts.stat("inserted_bytes")] += len(env.body)
+    counters[ts.stat("log_bytes", n)] += entry_bytes(ts, n, len(record), len(chunks),
+                                                     len(env.body) if chunks else 0)
+    counters[ts.stat("inserted_bytes", n)] += len(env.body)
     if b.time_index.get(topic) != b.minute:
         b.time_index[topic] = b.minute   # a lost entry only makes a replay scan longer
         tr.set_versionstamped_key(ts.time_index_vs_key(b.minute, uv), b"")
-    counters[ts.stat("inserted")] += 1
+    counters[ts.stat("inserted", n)] += 1
     tag = dispatch_tag(headers)
     if tag and (topic, tag) not in b.tags:
         b.tags.add((topic, tag))
@@ -319,7 +319,7 @@ class _PushPlan:
             ts = self.ts
             shards = [ts.shard(sub, "", n) for sub in self.config.subs]
             targets = [vs_key_parts(ts.log_prefix(n))] + [vs_key_parts(s.ready_prefix) for s in shards]
-            keys = [ts.stat("inserted"), ts.stat("routed")] + [s.stat("routed") for s in shards]
+            keys = [ts.stat("inserted", n), ts.stat("routed", n)] + [s.stat("routed") for s in shards]
             got = self._shards[n] = (targets, keys, entry_bytes(ts, n, 0))
         return got
 
@@ -360,7 +360,7 @@ def route_message(tr, ts: TopicSpace, config: TopicConfig, tag: str, n: int, uv:
         for i, chunk in enumerate(chunks):
             tr.set_versionstamped_key(shard.chunk_vs_key(uv, i), chunk)
         counters[shard.stat("routed")] += 1   # consumers watch this key
-    counters[ts.stat("routed")] += 1
+    counters[ts.stat("routed", n)] += 1
 
 
 _config_cache = {}
@@ -394,7 +394,7 @@ def _check_backlog(tr, ts, config):
     """Snapshot reads of the shard counters: pushes never conflict over the backlog, so
     concurrent producers may overshoot max_backlog by their in-flight batches. What is
     not routed yet (pushed while paused or resharding) counts for every subscription."""
-    pending = decode_counter(tr.snapshot[ts.stat("inserted")]) - decode_counter(tr.snapshot[ts.stat("routed")])
+    pending = topic_counter(tr.snapshot, ts, "inserted") - topic_counter(tr.snapshot, ts, "routed")
     for sub in config.subs:
         backlog = pending + sum(c["backlog"] for c in shard_counters(tr.snapshot, ts, sub, config).values())
         if backlog > config.max_backlog:

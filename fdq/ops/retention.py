@@ -10,9 +10,10 @@ while paused, its log entry its only copy) nor any after it.
 from __future__ import annotations
 
 from ..engine import transactional
-from ..keyspace import TopicSpace, Versionstamp, counter, decode_counter, stamp_of_value, version_of
+from ..keyspace import TopicSpace, Versionstamp, counter, stamp_of_value, version_of
 from ..keyspace.codec import Record, decode_dedupe
 from .log import buckets_in, chunks_bytes, entry_bytes
+from .stats import topic_counter
 
 # The time index holds an entry per minute of pushes; a trim by age drops those of
 # minutes that end this long before its cutoff (a window start reads the index back
@@ -101,7 +102,7 @@ def trim_oldest_chunk(tr, ts: TopicSpace, entries: list, max_bytes: int) -> tupl
     not abort a trim), ``trimmed`` with a conflict (a concurrent trim does); the bytes
     freed are subtracted from it here."""
     tr.add_read_conflict_key(ts.stat("trimmed"))    # any other trim's commit (``_note_trimmed``)
-    size = decode_counter(tr.snapshot[ts.stat("log_bytes")])
+    size = topic_counter(tr.snapshot, ts, "log_bytes")
     pending = first_pending(tr, ts)
     raws = [tr.snapshot[ts.log_key(b, vs)] for b, vs in entries]    # (futures on FDB)
     deleted = freed = 0

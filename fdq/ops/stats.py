@@ -23,6 +23,12 @@ from .topics import load_config
 SHARD_COUNTERS = ("routed", "done", "emitted", "in_flight", "delayed", "dead", "acked", "requeued")
 
 
+def topic_counter(reader, ts: TopicSpace, name: str) -> int:
+    """Topic counter ``name``: the sum of its parts (``TopicSpace.stat``)."""
+    r = ts.stat_range(name)
+    return sum(decode_counter(kv.value) for kv in reader.get_range(r.start, r.stop))
+
+
 def shard_counters(reader, ts: TopicSpace, sub: str, config, tags=None) -> dict:
     """{(tag, n): {counter: value, ..., "backlog": routed - done}} for a subscription
     (every dispatch tag's shards unless ``tags`` is given)."""
@@ -54,13 +60,13 @@ def topic_stats(tr, ts: TopicSpace, now_ms: int) -> dict:
     rv = tr.get_read_version().wait()
     clock = read_clock(tr, ts.clock_key)
     clock_version = _counter_or_none(snap[ts.clock_version_key])
-    topic = {k: decode_counter(snap[ts.stat(k)]) for k in ("inserted", "routed", "emitted", "acked")}
+    topic = {k: topic_counter(snap, ts, k) for k in ("inserted", "routed", "emitted", "acked")}
     topic["pending"] = topic["inserted"] - topic["routed"]
     # Bodies pushed, all time (nsqd's message_bytes), log entries trim deleted, and the
     # log's size now (TopicConfig).
-    topic["inserted_bytes"] = decode_counter(snap[ts.stat("inserted_bytes")])
-    topic["trimmed"] = decode_counter(snap[ts.stat("trimmed")])
-    topic["log_bytes"] = decode_counter(snap[ts.stat("log_bytes")])
+    topic["inserted_bytes"] = topic_counter(snap, ts, "inserted_bytes")
+    topic["trimmed"] = topic_counter(snap, ts, "trimmed")
+    topic["log_bytes"] = topic_counter(snap, ts, "log_bytes")
     subs = {}
     for sub in config.subs:
         shards = shard_counters(snap, ts, sub, config)

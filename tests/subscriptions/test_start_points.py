@@ -9,7 +9,6 @@ from functools import partial
 import pytest
 
 import fdq
-from fdq.keyspace import decode_counter
 from fdq.log import iter_window
 
 import fdqtest
@@ -25,11 +24,7 @@ COUNT = 1500
 
 
 def inserted(db, topic):
-    ts = fdq.Supervisor(db).keyspace.topic(topic)
-    tr = db.create_transaction()
-    v = decode_counter(tr.snapshot[ts.stat("inserted")].wait())
-    tr.cancel()
-    return v
+    return fdq.Supervisor(db).stats(topic)["counters"]["inserted"]
 
 
 def log_entries(db, topic, shards):

@@ -14,7 +14,7 @@ from fdq.keyspace import Keyspace
 from fdq.ops.topics import update_topic_config
 from fdq.log import iter_window, log_buckets
 
-from fdqtest import counter_value, database_url, engine_errors, scan, with_faults
+from fdqtest import database_url, engine_errors, scan, with_faults
 from ophelpers import consume
 
 
@@ -247,7 +247,7 @@ def test_trim_by_size_drops_time_index_entries_of_deleted_entries(db, monkeypatc
         got = {vs.to_bytes().hex() for vs, _b, _r in iter_window(db, ts, log_buckets(db, ts), start, None)}
         want = left if start is None or start <= base * 1000 else set(ids[5]) & left
         assert got >= want
-    assert counter_value(db, ts.stat("log_bytes")) == _log_bytes(db, ts)
+    assert fdq.Supervisor(db).stats(ts.name)["counters"]["log_bytes"] == _log_bytes(db, ts)
 
 
 def test_a_size_trim_never_acts_on_a_size_another_trim_lowered_meanwhile(db):
@@ -277,7 +277,7 @@ def test_a_size_trim_never_acts_on_a_size_another_trim_lowered_meanwhile(db):
     assert e.value.code == 1020
     assert sv.trim_oldest_chunk(db, ts, oldest, budget)[0] == 0    # its retry deletes nothing
     assert len(_entries(db, ts)) == 20
-    assert counter_value(db, ts.stat("log_bytes")) == _log_bytes(db, ts)
+    assert fdq.Supervisor(db).stats(ts.name)["counters"]["log_bytes"] == _log_bytes(db, ts)
 
 
 @pytest.mark.parametrize("how", ["age", "size"])
