@@ -29,8 +29,8 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     topic/<topic>/subs/<sub>/dlq/<vs>                     dead letters, with the reason
     topic/<topic>/subs/<sub>/stats/<name>                 per-subscription counters
     topic/<topic>/tags/<tag>                              dispatch tags seen (blind set by push)
-    topic/<topic>/marks/<txid>, marks_by_version/<vs>     push markers (1021-safe retries)
-    topic/<topic>/dedupe/<msg_id>, dedupe_by_version/<vs> user msg_id dedupe window
+    topic/<topic>/marks/<txid>, marks_by_version/<p>/<vs> push markers (1021-safe retries)
+    topic/<topic>/dedupe/<msg_id>, dedupe_by_version/<p>/<vs> user msg_id dedupe window
     topic/<topic>/replays/<window>/<run>[/"hb"]           a replay's progress and heartbeat (while it runs)
 
 ``<vs>`` is a tuple-layer Versionstamp: the commit's 10-byte stamp plus the message's
@@ -40,6 +40,7 @@ index in its transaction, so keys sort by commit order and are gap-free for read
 from __future__ import annotations
 
 import struct
+import zlib
 
 import fdb.tuple as fdbtuple
 from fdb.subspace_impl import Subspace
@@ -52,8 +53,12 @@ from .stamps import (STAMP_BYTES, VERSIONS_PER_S, VS_CODE, StoredVersionstamp, m
 # (the stamps' names are re-exported: callers import them from fdq.keyspace)
 # A topic's counters are split over this many keys by shard number (TopicSpace.stat).
 STAT_PARTS = 16
+# The by-version indexes of push markers and dedupe ids are split over this many ranges,
+# by a hash of what they index (TopicSpace.marker_index, dedupe_index): no single append
+# point every push (or every push with a msg_id) writes.
+INDEX_PARTS = 16
 
-__all__ = ["Keyspace", "TopicSpace", "ShardSpace", "STAT_PARTS", "Versionstamp", "vs_key", "vs_key_parts",
+__all__ = ["Keyspace", "TopicSpace", "ShardSpace", "STAT_PARTS", "INDEX_PARTS", "index_part", "Versionstamp", "vs_key", "vs_key_parts",
            "vs_from_bytes", "counter", "decode_counter", "ensure_format", "message_id", "parse_message_id",
            "StoredVersionstamp", "STAMP_BYTES", "VERSIONS_PER_S", "position_of", "stamp_of_value", "stamped_value",
            "version_of"]
@@ -79,6 +84,11 @@ _CHUNK_INDEXES = [fdbtuple.pack((i,)) for i in range(256)]
 
 def _chunk_index(i: int) -> bytes:
     return _CHUNK_INDEXES[i] if i < 256 else fdbtuple.pack((i,))
+
+
+def index_part(data: bytes) -> int:
+    """The part (of ``INDEX_PARTS``) of a by-version index that ``data``'s entry goes to."""
+    return zlib.crc32(data) % INDEX_PARTS
 
 
 class ShardSpace:
@@ -198,6 +208,14 @@ class TopicSpace:
         if key is None:
             key = self._stat_keys[(name, part)] = self.stats.pack((name, part))
         return key
+
+    def marker_index(self, part: int) -> Subspace:
+        """Part ``part`` of the push markers' by-version index (``index_part`` of a txid)."""
+        return self.marks_by_version[part]
+
+    def dedupe_index(self, part: int) -> Subspace:
+        """Part ``part`` of the dedupe ids' by-version index (``index_part`` of a msg_id)."""
+        return self.dedupe_by_version[part]
 
     def stat_range(self, name: str):
         """Every part of topic counter ``name`` (``stat``)."""

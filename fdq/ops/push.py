@@ -26,7 +26,7 @@ from ..envelope import Envelope
 from ..errors import BacklogFull, InvalidHeader, MessageTooLarge, TopicNotFound
 from ..headers import dispatch_tag
 from ..keyspace.format import ensure_format
-from ..keyspace import (VERSIONS_PER_S, Keyspace, TopicSpace, counter, message_id,
+from ..keyspace import (VERSIONS_PER_S, Keyspace, TopicSpace, counter, index_part, message_id,
                         vs_key, vs_key_parts)
 from ..keyspace.codec import (CHUNK_BYTES, CHUNK_WRITE_BYTES, RECORD_BYTES, ROUTE_BYTES, Record, decode_dedupe,
                               decode_marker, encode_dedupe, encode_marker, encode_pending, packer, split_body)
@@ -195,7 +195,7 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
     tr.set_versionstamped_value(marker_key, value)
     for i, part in enumerate(parts, 1):     # over one value: the rest in parts beside it
         tr[first.marker_part_key(txid, i)] = part
-    tr.set_versionstamped_key(vs_key(first.marks_by_version.key(), 0), txid)
+    tr.set_versionstamped_key(vs_key(first.marker_index(index_part(txid)).key(), 0), txid)
     return results, tr.get_versionstamp()
 
 
@@ -227,7 +227,8 @@ def _push_full(tr, b: _Batch, plan, topic: str, env, uv: int, n: int) -> tuple:
                 return topic, uv, entry.shard, message_id(entry.vs)
         b.batch_ids[(topic, env.msg_id)] = (uv, n)
         tr.set_versionstamped_value(dkey, encode_dedupe(uv, b.now_ms, n))
-        tr.set_versionstamped_key(vs_key(ts.dedupe_by_version.key(), uv), env.msg_id.encode())
+        mid = env.msg_id.encode()
+        tr.set_versionstamped_key(vs_key(ts.dedupe_index(index_part(mid)).key(), uv), mid)
     if isinstance(env, Envelope):
         replay_of = due_at = None
         headers = env._plain_headers

@@ -10,7 +10,7 @@ while paused, its log entry its only copy) nor any after it.
 from __future__ import annotations
 
 from ..engine import transactional
-from ..keyspace import TopicSpace, Versionstamp, counter, stamp_of_value, version_of
+from ..keyspace import INDEX_PARTS, TopicSpace, Versionstamp, counter, stamp_of_value, version_of
 from ..keyspace.codec import Record, decode_dedupe
 from .log import buckets_in, chunks_bytes, entry_bytes
 from .stats import topic_counter
@@ -175,7 +175,7 @@ def expire_markers_chunk(tr, ts: TopicSpace, older_than_version: int, limit: int
             r = ts.marker_parts_range(txid)
             tr.clear_range(r.start, r.stop)
         return True
-    return _expire(tr, ts.marks_by_version, older_than_version, limit, expire)
+    return _expire(tr, ts.marker_index, older_than_version, limit, expire)
 
 
 @transactional
@@ -198,19 +198,25 @@ def expire_dedupe_chunk(tr, ts: TopicSpace, older_than_version: int, limit: int,
                     return False
                 del tr[key]
         return True
-    return _expire(tr, ts.dedupe_by_version, older_than_version, limit, expire)
+    return _expire(tr, ts.dedupe_index, older_than_version, limit, expire)
 
 
-def _expire(tr, index, older_than_version: int, limit: int, expire) -> int:
-    """Walk the by-version ``index`` from its oldest entry: for each one committed
-    before ``older_than_version``, ``expire(its value, its versionstamp)`` deletes what
-    it points to (False: keep it, stop here), then the index entry goes."""
-    r = index.range()
+def _expire(tr, index_part, older_than_version: int, limit: int, expire) -> int:
+    """Walk each part of a by-version index (``index_part(p)``, ``INDEX_PARTS`` of them)
+    from its oldest entry: for each one committed before ``older_than_version``,
+    ``expire(its value, its versionstamp)`` deletes what it points to (False: keep it,
+    stop that part here), then the index entry goes. Returns the entries deleted, at
+    most ``limit``: less means every part is done."""
     n = 0
-    for kv in tr.get_range(r.start, r.stop, limit=limit):
-        vs = index.unpack(kv.key)[0]
-        if version_of(vs) >= older_than_version or not expire(bytes(kv.value), vs):
-            break
-        del tr[kv.key]
-        n += 1
+    for p in range(INDEX_PARTS):
+        index = index_part(p)
+        r = index.range()
+        for kv in tr.get_range(r.start, r.stop, limit=limit - n):
+            vs = index.unpack(kv.key)[0]
+            if version_of(vs) >= older_than_version or not expire(bytes(kv.value), vs):
+                break
+            del tr[kv.key]
+            n += 1
+        if n >= limit:
+            return n
     return n

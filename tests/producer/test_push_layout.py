@@ -62,3 +62,27 @@ def test_pushed_keys_and_records_are_the_layouts_tuple_encoding(db):
     assert sup.stats("o")["counters"]["inserted"] == sup.stats("o")["counters"]["routed"] == len(envs)
     for (sub, n), count in routed.items():
         assert counter("subs", sub, "shards", "", n, "stats", "routed") == count
+
+
+def test_the_marker_and_dedupe_indexes_have_no_single_append_point(db):
+    """Every push transaction appends a marker entry to a by-version index, every message
+    with a msg_id a dedupe entry: one range each would be one append point for every push
+    (one storage team on a cluster). They are split by a hash of the txid / msg_id over
+    INDEX_PARTS ranges: 40 transactions and 400 ids land in many parts, each part in
+    version order."""
+    from fdq.keyspace import INDEX_PARTS, index_part
+    p = fdq.Producer(db)
+    for t in range(40):
+        p.push_many("o", [fdq.Envelope(b"x", msg_id=f"m{t}-{i}") for i in range(10)])
+    ts = Keyspace().topic("o")
+    marks = scan(db, ts.marks_by_version.key())
+    dedupe = scan(db, ts.dedupe_by_version.key())
+    assert len(marks) == 40 and len(dedupe) == 400
+    for index, rows in ((ts.marks_by_version, marks), (ts.dedupe_by_version, dedupe)):
+        parts = {}
+        for key, value in rows:
+            part, vs = index.unpack(key)
+            assert part == index_part(bytes(value)) and 0 <= part < INDEX_PARTS
+            parts.setdefault(part, []).append(vs)
+        assert len(parts) >= 8, sorted(parts)
+        assert all(vss == sorted(vss) for vss in parts.values())
