@@ -20,7 +20,7 @@ from .. import (Action, Consumer, ConsumerStalled, Envelope, FDQError, LeaseLost
                 SubscriptionNotFound, TopicNotFound)
 from ..engine import after_interrupt
 from . import render, rows
-from .app import Failure, cli, json_option, one_line, pass_state, subscription_option, topic_argument
+from .app import Failure, check_interrupt, cli, json_option, one_line, pass_state, subscription_option, topic_argument
 from .params import Header, Seconds, Tag, envelope_callback, headers_callback
 
 PUSH_BATCH = 500      # stdin lines per transaction at most (progress and errors count by them)
@@ -288,6 +288,7 @@ class TailOutput:
         """Wait for the reader to read every line written, or to go away."""
         self.ack_read()
         while self.unread:
+            check_interrupt()
             gone = self.watch.reader_gone(wait_s=0.05)
             self.ack_read()
             if gone:
@@ -389,6 +390,7 @@ def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
     try:
         last = time.monotonic()
         while count is None or got < count:
+            check_interrupt()
             if gone:
                 raise Failure(one_line(gone[0]))
             if watch.reader_gone():
