@@ -229,6 +229,8 @@ class TailOutput:
 
     def _write(self, m):
         stream = sys.stdout
+        if stream is None:                  # started with descriptor 1 closed: as click.echo does
+            return
         data = (_message_line(m, self.as_json) + "\n").encode(getattr(stream, "encoding", None) or "utf-8",
                                                               "backslashreplace")
         stream.flush()
@@ -415,10 +417,10 @@ def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
         raise click.exceptions.Exit(128 + signal.SIGTERM) from None
     finally:
         after_interrupt()
+        if previous_sigterm is not None:     # a second SIGTERM while giving back: no traceback
+            signal.signal(signal.SIGTERM, previous_sigterm)
         try:
             out.give_back()
         except FDQError as e:
             _tail_error(e)
-        if previous_sigterm is not None:     # a second SIGTERM during close: no traceback
-            signal.signal(signal.SIGTERM, previous_sigterm)
         consumer.close()
