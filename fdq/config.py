@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 
 from .errors import ConfigError, InvalidName
+from .headers import check_filter_name, check_filter_value
 
 NAME_RE = re.compile(r"^[.a-zA-Z0-9_-]{1,64}(#ephemeral)?$")
 DEFAULT_SUBSCRIPTION = "default"
@@ -310,7 +311,6 @@ UPDATABLE_SUBSCRIPTION_FIELDS = ("description", "ack_wait_s", "max_deliver", "ba
 # Fields ``Supervisor.update_topic`` may change (retention and limits); the others fix
 # what the topic is (shards: rebalance; extend: upgrade) or are its state.
 UPDATABLE_TOPIC_FIELDS = ("max_backlog", "dedupe_window_s", "retention_s", "retention_bytes", "max_message_bytes")
-_HEADER_NAME_RE = re.compile(r"[0-9a-zA-Z_\-#]{1,128}")   # = fdq.headers' rule (NAME_RE, MAX_NAME_CHARS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -389,10 +389,7 @@ class SubscriptionConfig:
                 raise ConfigError(f"filter_headers must be a non-empty dict {{name: value}}, "
                                   f"not {self.filter_headers!r}")
             for k, v in self.filter_headers.items():
-                if not isinstance(k, str) or not _HEADER_NAME_RE.fullmatch(k):
-                    raise ConfigError(f"filter_headers: invalid header name {k!r}")
-                if not isinstance(v, str):
-                    raise ConfigError(f"filter_headers: value of {k!r} must be a str, not {v!r}")
+                check_filter_value(check_filter_name(k), v)
             object.__setattr__(self, "filter_headers", dict(sorted(self.filter_headers.items())))
         for name in ("ordered", "ephemeral"):
             if not isinstance(getattr(self, name), bool):

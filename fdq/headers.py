@@ -67,6 +67,36 @@ def _check_str(name, s: str) -> str:
     return s
 
 
+def check_filter_name(name) -> str:
+    """A subscription's header filter names a header a message may carry: a valid
+    name, not an unknown ``##`` name (every push refuses those, so such a filter would
+    drop every message). ConfigError otherwise."""
+    if not isinstance(name, str) or len(name) > MAX_NAME_CHARS or not NAME_RE.fullmatch(name):
+        raise ConfigError(f"filter_headers: invalid header name {name!r}: use 1-{MAX_NAME_CHARS} "
+                          "characters of [0-9a-zA-Z_-#]")
+    if name.startswith("##") and name not in RESERVED:
+        raise ConfigError(f"filter_headers: header {name!r} can never be on a message (names starting "
+                          f"'##' are reserved; known: {', '.join(sorted(RESERVED))}): the filter would "
+                          "drop every message")
+    return name
+
+
+def check_filter_value(name: str, value) -> str:
+    """A header filter's value: a str (a header's text, or a non-string header's JSON
+    text) that a header could hold: valid Unicode, at most ``MAX_HEADER_BYTES`` bytes."""
+    if not isinstance(value, str):
+        raise ConfigError(f"filter_headers: value of {name!r} must be a str, not {value!r}")
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"filter_headers: value of {name!r} is not valid Unicode ({e.reason} "
+                          f"at position {e.start})") from None
+    if size > MAX_HEADER_BYTES:
+        raise ConfigError(f"filter_headers: value of {name!r} is {size:,} bytes: a message's headers "
+                          f"are at most {MAX_HEADER_BYTES:,} bytes, so the filter would drop every message")
+    return value
+
+
 def is_tag(value) -> bool:
     """Whether ``value`` is a valid dispatch tag."""
     return isinstance(value, str) and len(value) <= MAX_NAME_CHARS and NAME_RE.fullmatch(value) is not None

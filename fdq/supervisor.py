@@ -23,13 +23,14 @@ from .ops import dlq, membership
 from .ops.catchup import begin_reset, catch_up
 from .ops.play import play_chunk, resharding
 from .ops.push import MARKER_TTL_S, PushItem, fits, message_bytes
-from .ops.replay import replay_beat, replay_begin, replay_chunk, replay_count, replay_finish, replay_runs
+from .ops.replay import (Replayed, check_replay_id, default_replay_id, replay_beat, replay_begin, replay_chunk,
+                         replay_count, replay_done, replay_finish, replay_runs)
 from .ops.reshard import AREAS, fold_shard_counters, reshard_begin, reshard_chunk, reshard_finish
 from .ops.retention import (expire_dedupe_chunk, expire_markers_chunk, read_version, trim_bucket_chunk,
                             trim_index_chunk, trim_oldest_chunk, trim_time_index_before)
 from .ops.stats import topic_stats
-from .ops.subscriptions import (create_subscription, delete_subscription, set_subscription_paused,
-                                subscription_info, update_subscription)
+from .ops.subscriptions import (create_subscription, delete_subscription, matcher, read_subscription,
+                                set_subscription_paused, subscription_info, update_subscription)
 from .ops.topics import (HOLD_WAIT_S, create_topic, delete_topic, list_topics, read_topic_config,
                          update_topic_config)
 from .times import to_ms
@@ -391,6 +392,23 @@ class Supervisor:
         self.subscription(name, subscription)      # TopicNotFound, SubscriptionNotFound
         return ts, vss
 
+    def replay(self, name: str, start, end=None, *, replay_id: str | None = None, again: bool = False,
+               include_replays: bool = False, dry_run: bool = False, progress=None):
+        """Push again the "all" log's messages inserted in ``[start, end)`` (epoch ms or
+        datetimes, naive = UTC; ``end=None``: up to when the replay begins), as
+        ``Producer.replay`` does, with its options: ``replay_id`` names the replay
+        (default: its window, ``"<start_ms>:<end_ms>"`` or ``"<start_ms>:open"``); a replay
+        that finished before does nothing (``Replayed.finished`` says when, and how many it
+        replayed) unless ``again``; an interrupted one is resumed. Copies pushed by earlier
+        replays are left out (counted in ``skipped_replays``) unless ``include_replays``.
+        Returns a ``Replayed``; ``dry_run``: changes nothing and returns what it would do
+        (``fdq.supervisor.replay_plan``'s dict)."""
+        if dry_run:
+            return replay_plan(self.db, self.keyspace, name, to_ms(start), to_ms(end), replay_id=replay_id,
+                               again=again, include_replays=include_replays)
+        return run_replay(self.db, self.keyspace, name, to_ms(start), to_ms(end), progress, replay_id=replay_id,
+                          again=again, include_replays=include_replays)
+
     def consumers(self, name: str) -> list:
         st = self.stats(name)
         return [dict(c, subscription=sub) for sub, s in st["subscriptions"].items() for c in s["consumers"]]
@@ -400,26 +418,41 @@ REPLAY_HEARTBEAT_S = 0.5   # a running replay bumps its heartbeat counter this o
 REPLAY_ORPHAN_S = 3.0      # a replay whose heartbeat stays unchanged this long was killed
 
 
-def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None) -> int:
+def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None, *, replay_id: str | None = None,
+                  again: bool = False, include_replays: bool = False) -> int:
+    """``run_replay``; returns how many this call pushed (``Producer.replay``)."""
+    return run_replay(db, ks, topic, start_ms, end_ms, progress, replay_id=replay_id, again=again,
+                      include_replays=include_replays).replayed
+
+
+def _replay_window(ks: Keyspace, topic: str, start_ms, end_ms, replay_id):
+    start_ms, end_ms = to_ms(start_ms, refuse_seconds=False), to_ms(end_ms, refuse_seconds=False)
+    if start_ms is not None and end_ms is not None and end_ms < start_ms:
+        raise ConfigError(f"replay window ends ({end_ms}) before it starts ({start_ms})")
+    replay_id = check_replay_id(default_replay_id(start_ms, end_ms) if replay_id is None else replay_id)
+    return ks.topic(check_name(topic)), start_ms, end_ms, replay_id
+
+
+def run_replay(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None, *, replay_id: str | None = None,
+               again: bool = False, include_replays: bool = False) -> Replayed:
     """Push again every logged message inserted in ``[start_ms, end_ms)`` and committed
-    before the replay began, in log order, ``CHUNK`` per transaction at most: once per
-    call (``Producer.replay``).
+    before the replay began, in log order, ``CHUNK`` per transaction at most, once per
+    replay id (``ops.replay``): copies pushed by earlier replays (``replay_of`` set) are
+    left out unless ``include_replays`` (so replaying a window twice never replays its
+    own copies); a replay that has finished before does nothing (``Replayed.finished``)
+    unless ``again``.
 
     Each call is a *run* with its own progress record (``ops.replay.replay_begin``) and a
     heartbeat (a counter a thread bumps every ``REPLAY_HEARTBEAT_S``); each chunk pushes
     and advances the run's progress in one transaction (``ops.replay.replay_chunk``),
     fenced by the run's owner, so a retry after ``commit_unknown_result`` pushes nothing
-    twice. Resumable: a call that finds a run of the same window whose heartbeat stays
+    twice. Resumable: a call that finds a run of the same replay whose heartbeat stays
     unchanged for ``REPLAY_ORPHAN_S`` on its own monotonic clock (killed) takes it over
     and finishes what it left; a run that is alive is left alone, and this call replays
     the window on its own (so two calls at once replay it twice). A finished run removes
-    its progress. Returns how many this call pushed (a resumed run: what was left)."""
-    start_ms, end_ms = to_ms(start_ms, refuse_seconds=False), to_ms(end_ms, refuse_seconds=False)
-    if start_ms is not None and end_ms is not None and end_ms < start_ms:
-        raise ConfigError(f"replay window ends ({end_ms}) before it starts ({start_ms})")
-    ts = ks.topic(check_name(topic))
+    its progress and records the replay's finish."""
+    ts, start_ms, end_ms, window = _replay_window(ks, topic, start_ms, end_ms, replay_id)
     read_topic_config(db, ts, snapshot=True)     # TopicNotFound for an unknown topic
-    window = f"{start_ms}:{end_ms}"
     owner = os.urandom(8).hex()
     run, state = None, None
     for orphan in _orphaned_runs(db, ts, window):
@@ -428,11 +461,14 @@ def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None)
             run, state = got
             break
     if run is None:
-        run, state = replay_begin(db, ts, window, owner, start_ms, end_ms)
+        run, state = replay_begin(db, ts, window, owner, start_ms, end_ms, again=again)
+        if run is None:
+            return Replayed(window, 0, finished=state)
     stop = threading.Event()
     beat = threading.Thread(target=_replay_heartbeat, args=(db, ts, window, run, stop),
                             name=f"fdq-replay-{run}", daemon=True)
     beat.start()
+    skipped = 0
     try:
         after = state["after"]
         time_index = {}
@@ -463,6 +499,9 @@ def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None)
                 break       # committed after the replay began (its own pushes among them)
             if after is not None and vs.to_bytes() <= after:
                 continue    # replayed by an earlier run of this replay
+            if rec.replay_of is not None and not include_replays:
+                skipped += 1
+                continue    # an earlier replay's copy
             body = body_of(db, ts, vs, rec, strict=True)
             if body is None:
                 continue    # trimmed since read: no longer in the log, not replayed
@@ -473,11 +512,49 @@ def replay_window(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None)
             if len(batch) >= CHUNK or not fits(0, size):
                 flush()
         flush()
-        replay_finish(db, ts, window, run, owner)
+        replay_finish(db, ts, window, run, owner, int(time.time() * 1000))
     finally:
         stop.set()
         beat.join()
-    return count - first
+    return Replayed(window, count - first, skipped)
+
+
+def replay_plan(db, ks: Keyspace, topic: str, start_ms, end_ms, *, replay_id: str | None = None,
+                again: bool = False, include_replays: bool = False) -> dict:
+    """What ``run_replay`` with these arguments would push, read-only (snapshot reads;
+    nothing written): {"replay_id", "window_ms": [start, end], "finished" (the done
+    record, if it finished before: nothing would be pushed without ``again``),
+    "messages", "bytes" (bodies), "skipped_replays", "trimmed", "resumes" (runs of it
+    left unfinished: a real run would take one over and push only what it left),
+    "subscriptions": {name: how many its filter would let through}}. A message pushed
+    meanwhile may change the figures."""
+    ts, start_ms, end_ms, window = _replay_window(ks, topic, start_ms, end_ms, replay_id)
+    config = read_topic_config(db, ts, snapshot=True)
+    matchers = {sub: matcher(read_subscription(db, ts, sub, snapshot=True, topic_config=config))
+                for sub in config.subs}
+    finished = replay_done(db, ts, window)
+    out = {"replay_id": window, "window_ms": [start_ms, end_ms], "finished": finished, "messages": 0,
+           "bytes": 0, "skipped_replays": 0, "trimmed": 0, "resumes": len(replay_runs(db, ts, window)),
+           "subscriptions": {sub: 0 for sub in config.subs}}
+    if finished is not None and not again:
+        return out
+    stop = read_version(db)
+    for vs, _b, rec in iter_window(db, ts, log_buckets(db, ts), start_ms, end_ms):
+        if version_of(vs) > stop:
+            break
+        if rec.replay_of is not None and not include_replays:
+            out["skipped_replays"] += 1
+            continue
+        body = body_of(db, ts, vs, rec, strict=True)
+        if body is None:
+            out["trimmed"] += 1
+            continue
+        out["messages"] += 1
+        out["bytes"] += len(body)
+        for sub, match in matchers.items():
+            if match is None or match(rec):
+                out["subscriptions"][sub] += 1
+    return out
 
 
 def _replay_chunk(db, ks: Keyspace, ts: TopicSpace, run: tuple, batch: list, time_index: dict) -> tuple:
@@ -523,4 +600,4 @@ def _committed_count(db, ts: TopicSpace, window: str, run: str, owner: str) -> i
                     on_error=lambda _e, _attempt: Done(None))
 
 
-__all__ = ["Supervisor", "replay_window"]
+__all__ = ["Supervisor", "replay_window", "run_replay", "replay_plan"]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from .. import Producer
+from .. import ConfigError
+from ..ops.replay import check_replay_id, default_replay_id
 from ..times import as_datetime, iso_ms
 from . import render, rows
 from .app import cli, confirm, json_option, pass_state, resumable, subscription_option, topic_argument
@@ -67,14 +68,24 @@ def rebalance(state, topic, shards, as_json):
 @topic_argument
 @click.option("--start", type=Time(), required=True, help="From (ISO-8601, <n>s or <n>ms), inclusive.")
 @click.option("--end", type=Time(), default=None, help="To (ISO-8601, <n>s or <n>ms), exclusive [default: now].")
+@click.option("--id", "replay_id", default=None, metavar="ID",
+              help="Name this replay [default: its window, <start_ms>:<end_ms> or <start_ms>:open].")
+@click.option("--again", is_flag=True, help="Replay again a replay (this --id, or window) that finished before.")
+@click.option("--include-replays", is_flag=True,
+              help="Also replay the copies earlier replays pushed [default: only original messages].")
+@click.option("--dry-run", is_flag=True,
+              help="Change nothing: show how many would be replayed, and to which subscriptions.")
 @json_option
 @pass_state
-def replay(state, topic, start, end, as_json):
+def replay(state, topic, start, end, replay_id, again, include_replays, dry_run, as_json):
     """Deliver again TOPIC's messages inserted in [--start, --end).
 
     In order, as new messages (new ids; each keeps the original's id in
-    replay_of), what was committed when the replay began. Resumable: after a
-    crash, run the same command again and it continues where it stopped.
+    replay_of), what was committed when the replay began; copies pushed by
+    earlier replays are left out (--include-replays keeps them). Once per
+    replay: the same command again does nothing once the replay has finished
+    (--again replays again), and after a crash or Ctrl-C it continues where
+    it stopped.
 
     Times: ISO-8601 (2026-11-23T02:00:00Z; no zone = UTC), epoch seconds with
     s (1795399200s) or epoch milliseconds with ms or bare (1795399200000). A
@@ -82,7 +93,17 @@ def replay(state, topic, start, end, as_json):
     if end is not None and end <= start:
         raise click.BadParameter(f"--end ({iso_ms(end)}) must be after --start ({iso_ms(start)})",
                                 param_hint="'--end'")
-    state.supervisor.config(topic)
+    try:
+        check_replay_id(replay_id if replay_id is not None else default_replay_id(start, end))
+    except ConfigError as e:
+        raise click.BadParameter(str(e), param_hint="'--id'") from None
+    sup = state.supervisor
+    sup.config(topic)
+    options = dict(replay_id=replay_id, again=again, include_replays=include_replays)
+    if dry_run:
+        _replay_dry_run(sup.replay(topic, as_datetime(start), as_datetime(end), dry_run=True, **options),
+                        topic, as_json)
+        return
     done = 0
 
     def count(n):
@@ -96,10 +117,39 @@ def replay(state, topic, start, end, as_json):
     state.interrupted = lambda: (f"replayed {done:,} messages of {topic!r} so far; run the same command "
                                  "again to resume (it continues where this one stopped)")
     with render.progress(f"replaying {topic}") as advance:
-        n = Producer(state.db).replay(topic, as_datetime(start), as_datetime(end), progress=count)
-    render.note(f"replayed {n:,} messages of topic {topic!r}")
+        result = sup.replay(topic, as_datetime(start), as_datetime(end), progress=count, **options)
+    if result.finished is not None:
+        f = result.finished
+        render.note(f"replay {result.replay_id} of {topic!r} already finished at {iso_ms(f['finished_ms'])} "
+                    f"({f['count']:,} messages): nothing replayed; --again replays it again")
+    else:
+        skipped = (f" ({result.skipped_replays:,} copies from earlier replays left out; --include-replays "
+                   "replays them too)") if result.skipped_replays else ""
+        render.note(f"replayed {result.replayed:,} messages of topic {topic!r} (replay {result.replay_id}){skipped}")
     if as_json:
-        render.emit_json({"topic": topic, "replayed": n, "start_ms": start, "end_ms": end})
+        render.emit_json({"topic": topic, "replay_id": result.replay_id, "replayed": result.replayed,
+                          "skipped_replays": result.skipped_replays,
+                          "already_finished": result.finished is not None, "start_ms": start, "end_ms": end})
+
+
+def _replay_dry_run(plan: dict, topic: str, as_json: bool):
+    if as_json:
+        render.emit_json({"topic": topic, **plan})
+        return
+    if plan["finished"] is not None and plan["messages"] == 0:
+        f = plan["finished"]
+        render.note(f"dry run: replay {plan['replay_id']} of {topic!r} finished at {iso_ms(f['finished_ms'])} "
+                    f"({f['count']:,} messages): it would replay nothing (--again: replay it again)")
+        return
+    extra = [f"{plan['skipped_replays']:,} copies from earlier replays left out"] if plan["skipped_replays"] else []
+    if plan["trimmed"]:
+        extra.append(f"{plan['trimmed']:,} trimmed")
+    if plan["resumes"]:
+        extra.append("an interrupted run would be resumed: only what it left is pushed")
+    render.note(f"dry run: replay {plan['replay_id']} of {topic!r} would push {plan['messages']:,} messages "
+                f"({plan['bytes']:,} bytes)" + (f"; {'; '.join(extra)}" if extra else ""))
+    render.table("would be delivered", [("subscription", lambda kv: kv[0]), ("messages", lambda kv: kv[1])],
+                 sorted(plan["subscriptions"].items()))
 
 
 @cli.command()

@@ -9,9 +9,12 @@ message, the status a shell reports for ``seq`` or ``cat`` killed by SIGPIPE the
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import signal
 import sys
+import threading
 
 import click
 
@@ -78,6 +81,53 @@ def exit_interrupted(what=None):
     raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
 
 
+# SIGINT, however it arrives. The handler sets this flag, then raises KeyboardInterrupt
+# as Python's own does; but a KeyboardInterrupt raised while Python runs a __del__ (a
+# transaction dropped: FDQ's and FoundationDB's binding's have one) is printed as
+# "Exception ignored" and lost, and the command would run on to exit 0. The flag
+# survives: long commands call check_interrupt between chunks (render.progress's
+# advance) and before their success line.
+_interrupt = threading.Event()
+
+
+def _on_sigint(_signum, _frame):
+    _interrupt.set()
+    raise KeyboardInterrupt
+
+
+def _quiet_unraisable(unraisable, previous=sys.unraisablehook):
+    """An interrupt swallowed by a finalizer: no "Exception ignored" traceback (the flag
+    has it); anything else as Python reports it."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        return
+    previous(unraisable)
+
+
+def check_interrupt():
+    """Raise KeyboardInterrupt if SIGINT arrived during this command, also one a
+    finalizer swallowed; not while an exception is already on its way (called from an
+    ``except`` block: the interrupt, or another error, is being handled)."""
+    if _interrupt.is_set() and sys.exc_info()[1] is None:
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _sigint_flag():
+    """Install the SIGINT handler for one command (the main thread only: signals go
+    there; click's test runner invokes commands in the test's process, so restore)."""
+    _interrupt.clear()
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous, previous_hook = signal.signal(signal.SIGINT, _on_sigint), sys.unraisablehook
+    sys.unraisablehook = functools.partial(_quiet_unraisable, previous=previous_hook)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = previous_hook
+
+
 def resumable(state, what: str):
     """Ctrl-C during a chunked operation: say it is left part-way and a rerun finishes it
     (each chunk is its own transaction; the operation is safe to re-run)."""
@@ -91,8 +141,14 @@ class FDQGroup(click.Group):
     Failure."""
 
     def invoke(self, ctx):
+        with _sigint_flag():
+            return self._invoke(ctx)
+
+    def _invoke(self, ctx):
         try:
-            return super().invoke(ctx)
+            result = super().invoke(ctx)
+            check_interrupt()       # a swallowed interrupt no chunk boundary saw
+            return result
         except FDQError as e:
             raise Failure(one_line(e)) from None
         except KeyboardInterrupt:

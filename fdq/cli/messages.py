@@ -2,19 +2,25 @@
 stdout (and acked)."""
 from __future__ import annotations
 
+import collections
+import fcntl
 import json
 import os
 import select
 import signal
+import stat
+import struct
 import sys
+import termios
 import time
 
 import click
 
-from .. import Consumer, ConsumerStalled, Envelope, FDQError, LeaseLost, Producer, SubscriptionNotFound, TopicNotFound
+from .. import (Action, Consumer, ConsumerStalled, Envelope, FDQError, LeaseLost, Producer, Settlement,
+                SubscriptionNotFound, TopicNotFound)
 from ..engine import after_interrupt
 from . import render, rows
-from .app import Failure, cli, json_option, one_line, pass_state, subscription_option, topic_argument
+from .app import Failure, check_interrupt, cli, json_option, one_line, pass_state, subscription_option, topic_argument
 from .params import Header, Seconds, Tag, envelope_callback, headers_callback
 
 PUSH_BATCH = 500      # stdin lines per transaction at most (progress and errors count by them)
@@ -135,11 +141,11 @@ def push(state, topic, data, shard_key, delay, headers, msg_id, keep_empty, as_j
     render.note(f"pushed {pushed:,} messages to {topic!r}{blank}")
 
 
-def _print_message(m, as_json):
+def _message_line(m, as_json) -> str:
+    """A message as ``fdq tail`` prints it: one line (without its newline)."""
     row = rows.message_row(m)
     if as_json:
-        render.emit_json_line(row)
-        return
+        return json.dumps(row, ensure_ascii=False, separators=(",", ":"))
     parts = [row["id"]]
     if row["shard_key"] is not None:
         parts.append(f"key={row['shard_key']}")
@@ -148,13 +154,162 @@ def _print_message(m, as_json):
     if row["attempts"] > 1:
         parts.append(f"attempts={row['attempts']}")
     body = m.body.decode("utf-8", "backslashreplace")
-    # One message per line, and nothing a terminal would act on (click also strips raw
-    # ANSI sequences from piped output): control characters but tab are escaped.
-    click.echo(("  ".join(parts) + "  " + body).translate(_CONTROL_ESCAPES))
+    # One message per line, and nothing a terminal would act on: control characters
+    # but tab are escaped.
+    return ("  ".join(parts) + "  " + body).translate(_CONTROL_ESCAPES)
 
 
 _CONTROL_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7f, 0xa0)] if c != 0x09} | {
     0x0a: "\\n", 0x0d: "\\r"}
+
+
+class StdoutWatch:
+    """What ``fdq tail`` knows of its stdout's reader.
+
+    On a pipe (a FIFO), how many of the bytes written the reader has read: Linux's
+    ``FIONREAD`` on the write end gives those still unread (also after the reader
+    closed). On a pipe or a socket, whether the reader has gone, without writing:
+    ``poll`` reports ``POLLERR`` (pipe) or ``POLLHUP`` (socket) on the write end.
+    Elsewhere (a file, a terminal, no descriptor: click's test runner) what is
+    written counts as read, and the reader never goes."""
+
+    def __init__(self, stream):
+        try:
+            fd = stream.fileno()
+            mode = os.fstat(fd).st_mode
+        except (AttributeError, OSError, ValueError):
+            fd, mode = None, 0
+        self.fd = fd
+        self.fifo = stat.S_ISFIFO(mode)
+        self._poll = None
+        if self.fifo or stat.S_ISSOCK(mode):
+            self._poll = select.poll()
+            self._poll.register(fd, 0)      # POLLERR and POLLHUP are always reported
+        self.written = 0                    # bytes written to the descriptor, in all
+
+    @property
+    def watched(self) -> bool:
+        """Whether the reader's going is seen without a write (a pipe or a socket)."""
+        return self._poll is not None
+
+    def reader_gone(self, wait_s: float = 0.0) -> bool:
+        """Whether the reader has closed its end, waiting up to ``wait_s`` for it."""
+        if self._poll is None:
+            return False
+        return any(ev & (select.POLLERR | select.POLLHUP) for _fd, ev in self._poll.poll(int(wait_s * 1000)))
+
+    def read_upto(self) -> int:
+        """How many of the bytes written the reader has read."""
+        if not self.fifo:
+            return self.written
+        try:
+            unread = struct.unpack("i", fcntl.ioctl(self.fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+        except OSError:         # not Linux's pipe: as written
+            unread = 0
+        return self.written - unread
+
+
+class TailOutput:
+    """``fdq tail``'s messages from their lease to their settlement.
+
+    At-least-once, a message is acked once its line has been *read* (``StdoutWatch``:
+    on a pipe, when the reader has read past its newline; elsewhere, when written);
+    until then it stays leased (touched every half ack wait). What tail holds when it
+    stops (lines written but not read, messages not yet written) is released: back to
+    its queue at once, no attempt counted. At-most-once acks each message just before
+    its line, so a write that fails loses that one only. A subscription with ack
+    policy none leases nothing: its messages were done when fetched."""
+
+    def __init__(self, consumer, watch: StdoutWatch, at_most_once: bool, as_json: bool):
+        self.consumer, self.watch = consumer, watch
+        self.at_most_once, self.as_json = at_most_once, as_json
+        self.leasing = consumer.sub_config.ack_policy != "none"
+        self.unread = collections.deque()     # [end offset, message, leased at]: written, not yet read
+        self.unwritten = collections.deque()  # leased, not yet written
+
+    def _write(self, m):
+        stream = sys.stdout
+        if stream is None:                  # started with descriptor 1 closed: as click.echo does
+            return
+        data = (_message_line(m, self.as_json) + "\n").encode(getattr(stream, "encoding", None) or "utf-8",
+                                                              "backslashreplace")
+        stream.flush()
+        stream.buffer.write(data)
+        stream.buffer.flush()
+        self.watch.written += len(data)
+
+    def emit(self, msgs) -> int:
+        """Print ``msgs``, one line each; ack those read so far. Returns how many lines
+        were written."""
+        if not self.leasing:
+            for m in msgs:
+                self._write(m)
+            return len(msgs)
+        self.unwritten.extend(msgs)
+        now = time.monotonic()
+        written = 0
+        while self.unwritten:
+            m = self.unwritten[0]
+            if self.at_most_once:
+                try:
+                    self.consumer.ack_many([m])
+                except LeaseLost as e:      # redelivered elsewhere: not ours to print
+                    self.unwritten.popleft()
+                    render.note(f"fdq: warning: {one_line(e)}")
+                    continue
+                self.unwritten.popleft()
+                self._write(m)
+            else:
+                self._write(m)
+                self.unread.append([self.watch.written, self.unwritten.popleft(), now])
+            written += 1
+        self.ack_read()
+        return written
+
+    def ack_read(self):
+        """Ack the lines read; keep the unread ones leased."""
+        upto = self.watch.read_upto()
+        read = []
+        while self.unread and self.unread[0][0] <= upto:
+            read.append(self.unread.popleft()[1])
+        if read:
+            try:
+                self.consumer.ack_many(read)
+            except LeaseLost as e:
+                render.note(f"fdq: warning: {one_line(e)}")
+        if self.unread and time.monotonic() - self.unread[0][2] > self.consumer.config.ack_wait_s / 2:
+            now = time.monotonic()
+            try:
+                self.consumer.settle([Settlement(u[1], Action.TOUCH) for u in self.unread])
+            except LeaseLost as e:
+                render.note(f"fdq: warning: {one_line(e)}")
+            for u in self.unread:
+                u[2] = now
+
+    def drain(self):
+        """Wait for the reader to read every line written, or to go away."""
+        self.ack_read()
+        while self.unread:
+            check_interrupt()
+            gone = self.watch.reader_gone(wait_s=0.05)
+            self.ack_read()
+            if gone:
+                return
+
+    def give_back(self) -> int:
+        """Ack what was read, release the rest; returns how many were released."""
+        rest = []
+        if self.leasing:
+            self.ack_read()
+            rest = [u[1] for u in self.unread] + list(self.unwritten)
+            self.unread.clear()
+            self.unwritten.clear()
+        if rest:
+            try:
+                self.consumer.settle([Settlement(m, Action.RELEASE) for m in rest])
+            except LeaseLost as e:
+                render.note(f"fdq: warning: {one_line(e)}")
+        return len(rest)
 
 
 class _Terminated(Exception):
@@ -171,44 +326,6 @@ def _tail_error(e: BaseException):
     own them all), for over 3 heartbeats; reported again after a recovery."""
     what = "stalled" if isinstance(e, ConsumerStalled) else type(e).__name__
     render.note(f"fdq: warning: {what}: {one_line(e)}")
-
-
-def _print_and_ack(consumer, msgs, at_most_once: bool, as_json: bool) -> int:
-    """Print ``msgs`` (each line flushed to stdout) and ack them; returns how many were
-    printed. At-most-once acks each one just before its line, so a write that fails
-    (the reader went away, Ctrl-C) loses that one only, not the rest of the batch;
-    at-least-once acks the lines written, also when a write fails, and leaves the rest
-    leased (``Consumer.close`` returns them at once). A subscription with ack_policy
-    none leases nothing: its messages were done when fetched, there is nothing to ack."""
-    if consumer.sub_config.ack_policy == "none":
-        for m in msgs:
-            _print_message(m, as_json)
-        return len(msgs)
-    written = []
-    try:
-        for m in msgs:
-            if at_most_once:
-                try:
-                    consumer.ack_many([m])
-                except LeaseLost as e:      # redelivered elsewhere: not ours to print
-                    render.note(f"fdq: warning: {one_line(e)}")
-                    continue
-            _print_message(m, as_json)      # click.echo flushes each line
-            written.append(m)
-    except BaseException:
-        after_interrupt()
-        if not at_most_once and written:
-            try:
-                consumer.ack_many(written)
-            except LeaseLost:
-                pass
-        raise
-    if not at_most_once:
-        try:
-            consumer.ack_many(written)
-        except LeaseLost as e:
-            render.note(f"fdq: warning: {one_line(e)}")
-    return len(written)
 
 
 @cli.command()
@@ -241,11 +358,14 @@ def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
     A subscription with ack policy none is done with a message when tail
     fetches it, in batches (a failed write loses the rest of its batch).
 
-    A message counts as delivered once its line is written to stdout. If the
-    reader goes away (fdq tail t | head -1), tail exits 141 without a message:
-    at-least-once acks the lines it wrote (the reader may not have read all of
-    a pipe's buffer) and returns the rest of its batch to the subscription at
-    once; at-most-once loses the one message whose line could not be written.
+    At-least-once, a message is acked once its line has been read: on a pipe,
+    once the reader has read past its newline (Linux; elsewhere once written);
+    to a file or a terminal, once written. If the reader goes away (fdq tail t
+    | head -1), tail stops at once and exits 141 without a message: the lines
+    read are acked, the rest (written but unread, or not yet written) go back
+    to the subscription at once, no delivery attempt counted. With --count N it
+    never leases more than N, and ends when the reader has read them. At-most-
+    once loses the one message whose line could not be written.
     """
     config = state.supervisor.config(topic)
     if tag is not None and not config.extend:
@@ -258,8 +378,11 @@ def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
         else:
             _tail_error(e)
     consumer = Consumer(state.db, topic, subscription=subscription, create=False,
-                        extend_support=config.extend, desired_tag=tag, batch_size=TAIL_BATCH,
+                        extend_support=config.extend, desired_tag=tag,
+                        batch_size=TAIL_BATCH if count is None else min(TAIL_BATCH, count),
                         on_error=on_error)
+    watch = StdoutWatch(sys.stdout)
+    out = TailOutput(consumer, watch, mode == "at-most-once", as_json)
     got = 0
     state.interrupted = lambda: f"tail stopped after {got:,} messages"
     try:                    # SIGTERM leaves as Ctrl-C does: shards and leases given back now
@@ -269,22 +392,35 @@ def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
     try:
         last = time.monotonic()
         while count is None or got < count:
+            check_interrupt()
             if gone:
                 raise Failure(one_line(gone[0]))
-            wait = 1.0
+            if watch.reader_gone():
+                raise BrokenPipeError()         # exit 141, as a failed write
+            # a watched stdout: look at the reader at least 5 times a second
+            wait = 0.2 if watch.watched else 1.0
             if timeout is not None:
                 wait = min(wait, max(0.0, last + timeout - time.monotonic()))
             want = TAIL_BATCH if count is None else min(TAIL_BATCH, count - got)
             msgs = consumer.fetch(want, timeout=wait)
+            out.ack_read()
             if not msgs:
                 if timeout is not None and time.monotonic() - last >= timeout:
                     break
                 continue
-            got += _print_and_ack(consumer, msgs, mode == "at-most-once", as_json)
+            got += out.emit(msgs)
             last = time.monotonic()
+        out.drain()
+        if out.unread:
+            raise BrokenPipeError()             # the reader went before reading every line
     except _Terminated:
         raise click.exceptions.Exit(128 + signal.SIGTERM) from None
     finally:
-        if previous_sigterm is not None:     # a second SIGTERM during close: no traceback
+        after_interrupt()
+        if previous_sigterm is not None:     # a second SIGTERM while giving back: no traceback
             signal.signal(signal.SIGTERM, previous_sigterm)
+        try:
+            out.give_back()
+        except FDQError as e:
+            _tail_error(e)
         consumer.close()

@@ -13,6 +13,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .app import check_interrupt
+
 PLAIN_EVERY_S = 2.0
 
 
@@ -127,8 +129,11 @@ def stderr_is_terminal() -> bool:
 @contextlib.contextmanager
 def progress(label: str, total: int | None = None):
     """Yield ``advance(n)``. A rich bar on a terminal's stderr; else a plain line every
-    few seconds. Either way the caller prints its own summary afterwards."""
+    few seconds. Either way the caller prints its own summary afterwards. ``advance``
+    and the end of the block raise KeyboardInterrupt for a Ctrl-C a finalizer swallowed
+    (``app.check_interrupt``): the work stops at the next chunk, as on any Ctrl-C."""
     err = sys.stderr
+    check_interrupt()
     if stderr_is_terminal():
         # Imported here, not at the top: ~60 ms of import that only a bar on a terminal
         # needs (every command would pay it at start).
@@ -138,7 +143,12 @@ def progress(label: str, total: int | None = None):
                    MofNCompleteColumn(), TimeElapsedColumn()]
         with Progress(*columns, console=_Console(file=err, force_terminal=True), transient=True) as bar:
             task = bar.add_task(label, total=total)
-            yield lambda n: bar.advance(task, n)
+
+            def advance_bar(n):
+                bar.advance(task, n)
+                check_interrupt()
+            yield advance_bar
+        check_interrupt()
         return
     state = {"done": 0, "last": time.monotonic()}
 
@@ -149,7 +159,9 @@ def progress(label: str, total: int | None = None):
             state["last"] = now
             of = f"/{total:,}" if total else ""
             click.echo(f"{label}: {state['done']:,}{of}", err=True)
+        check_interrupt()
     yield advance
+    check_interrupt()       # before the command's success line
 
 
 __all__ = ["emit_json", "emit_json_line", "note", "table", "duration_ms", "time_ms", "shard_list",

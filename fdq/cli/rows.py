@@ -90,6 +90,7 @@ def stats_row(stats: dict) -> dict:
             "dlq": s["dlq"],
             "emitted": s["emitted"],
             "acked": s["acked"],
+            "filtered": s["filtered"],
             "lag_ms": s["lag_ms"],
             "oldest_ready_time_ms": s["oldest_ready_ms"],
             "consumers": [_consumer_row(sub, c, owned.get(c["id"], [])) for c in s["consumers"]],

@@ -8,6 +8,7 @@ import click
 
 from .. import ConfigError, SubscriptionConfig
 from ..config import ACK_POLICIES, DELIVER_POLICIES, UPDATABLE_SUBSCRIPTION_FIELDS
+from ..ops.subscriptions import check_filters
 from ..times import as_datetime
 from . import render, rows
 from .app import cli, confirm, json_option, pass_state, resumable, topic_argument
@@ -156,12 +157,15 @@ def subs_create(state, topic, name, as_json, **fields):
         fields["deliver_policy"] = "by_start_time" if fields["start_time_ms"] is not None else "all"
     if fields["description"] is None:
         fields["description"] = ""
+    sup = state.supervisor
+    topic_config = sup.config(topic)
+    existed = name in topic_config.subs
     try:
         config = SubscriptionConfig(**fields)
+        if not existed:
+            check_filters(topic, name, config, topic_config)
     except ConfigError as e:
         raise click.UsageError(f"invalid subscription options: {e}") from None
-    sup = state.supervisor
-    existed = name in sup.config(topic).subs
     copied = 0
 
     def count(n):

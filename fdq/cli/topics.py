@@ -224,6 +224,7 @@ def stats(state, topic, as_json):
         ("in flight", lambda s: s["in_flight"]),
         ("delayed", lambda s: s["delayed"]),
         ("dlq", lambda s: s["dlq"]),
+        ("filtered", lambda s: s["filtered"]),
         ("lag", lambda s: render.duration_ms(s["lag_ms"])),
         ("consumers", lambda s: len(s["consumers"])),
         ("unowned shards", lambda s: s["unowned_shards"]),

@@ -1,16 +1,23 @@
 """Replay: the transactional steps of pushing a window of the "all" log again.
 
-A replay of a window is done by *runs*. Each run has a progress record
-(``replays/<window>/<run>``: the window, ``stop`` (the read version it began at: it
+A replay has an id (``replay_id``: by default its window, ``<start_ms>:<end_ms>``, or
+``<start_ms>:open`` without an end). It is done by *runs*. Each run has a progress
+record (``replays/<id>/<run>``: the window, ``stop`` (the read version it began at: it
 replays what was committed before), ``after`` (the last original pushed again),
-``count``, and its ``owner``) and a heartbeat counter beside it. Each chunk pushes its
+``count``, and its ``owner``) and a heartbeat counter beside it. The run that finishes
+a replay leaves its record, ``replays/<id>/"done"`` ({start, end, stop, count,
+finished_ms}), in the transaction that removes its progress: the same replay again is
+then a no-op (``replay_begin`` returns that record) unless asked to run ``again``. Each chunk pushes its
 messages and advances the progress in one transaction (``replay_chunk``), fenced by the
 owner, so a retry after ``commit_unknown_result`` pushes nothing twice and a run taken
 over (``replay_begin(claim=...)``) by another caller cannot commit again. The loop that
 drives a run (a heartbeat thread, watching for orphaned runs) is
-``fdq.supervisor.replay_window``.
+``fdq.supervisor.run_replay``.
 """
 from __future__ import annotations
+
+import re
+from dataclasses import dataclass
 
 from ..engine import transactional
 from ..errors import ConfigError, ReplayTakenOver
@@ -19,13 +26,55 @@ from ..keyspace.codec import decode_replay, encode_replay
 from .push import TX_WRITE_BYTES, push_batch
 
 
+@dataclass(frozen=True)
+class Replayed:
+    """What ``Supervisor.replay`` did: ``replayed`` messages pushed again by this call;
+    ``skipped_replays``: copies made by earlier replays, left out (``include_replays``
+    keeps them); ``finished``: the replay's done record ({start, end, stop, count,
+    finished_ms}) when it had finished before and so did nothing now."""
+
+    replay_id: str
+    replayed: int
+    skipped_replays: int = 0
+    finished: dict | None = None
+
+
+DONE = "done"       # replays/<id>/"done": a finished replay's record (runs are named by hex owner ids)
+_REPLAY_ID_RE = re.compile(r"[.a-zA-Z0-9_:-]{1,128}")
+
+
+def default_replay_id(start_ms: int | None, end_ms: int | None) -> str:
+    """A replay's id when the caller gives none: its window."""
+    return f"{start_ms}:{'open' if end_ms is None else end_ms}"
+
+
+def check_replay_id(replay_id) -> str:
+    if not isinstance(replay_id, str) or not _REPLAY_ID_RE.fullmatch(replay_id) or replay_id == DONE:
+        raise ConfigError(f"invalid replay id {replay_id!r}: use 1-128 characters of [.a-zA-Z0-9_:-]")
+    return replay_id
+
+
+def done_key(ts: TopicSpace, replay_id: str) -> bytes:
+    return ts.replays.pack((replay_id, DONE))
+
+
+@transactional
+def replay_done(tr, ts: TopicSpace, replay_id: str) -> dict | None:
+    """The record of replay ``replay_id``'s finish, None if it has not finished (a
+    snapshot read)."""
+    return decode_replay(tr.snapshot[done_key(ts, replay_id)])
+
+
 @transactional
 def replay_runs(tr, ts: TopicSpace, window: str) -> dict:
-    """{run: (owner, heartbeat)} of the unfinished runs of ``window`` (snapshot reads)."""
+    """{run: (owner, heartbeat)} of the unfinished runs of replay ``window`` (its id)
+    (snapshot reads)."""
     r = ts.replay_runs_range(window)
     owners, beats = {}, {}
     for kv in tr.snapshot.get_range(r.start, r.stop):
         key = ts.replays.unpack(kv.key)
+        if key[1] == DONE:
+            continue
         if len(key) == 2:
             owners[key[1]] = decode_replay(kv.value).get("owner")
         else:
@@ -34,11 +83,14 @@ def replay_runs(tr, ts: TopicSpace, window: str) -> dict:
 
 
 @transactional
-def replay_begin(tr, ts: TopicSpace, window: str, owner: str, start_ms, end_ms, claim=None):
-    """Start a run of the replay of ``window`` owned by ``owner``: it replays what was
+def replay_begin(tr, ts: TopicSpace, window: str, owner: str, start_ms, end_ms, claim=None, *,
+                 again: bool = True):
+    """Start a run of replay ``window`` (its id) owned by ``owner``: it replays what was
     committed up to this transaction's read version (``stop``). With ``claim`` (run,
     owner, heartbeat as ``replay_runs`` saw them), take that run over instead, if it is
-    still as seen (else None). Returns ``(run, progress)``."""
+    still as seen (else None). Returns ``(run, progress)``; without ``again``, ``(None,
+    done record)`` if the replay has finished before (read with a conflict: a run
+    finishing meanwhile makes this retry and see it)."""
     if claim is not None:
         run, old_owner, seen = claim
         state = decode_replay(tr[ts.replay_run_key(window, run)])
@@ -48,6 +100,10 @@ def replay_begin(tr, ts: TopicSpace, window: str, owner: str, start_ms, end_ms, 
         state["owner"] = owner
         tr[ts.replay_run_key(window, run)] = encode_replay(state)
         return run, state
+    if not again:
+        done = decode_replay(tr[done_key(ts, window)])
+        if done is not None:
+            return None, done
     state = {"start": start_ms, "end": end_ms, "stop": tr.get_read_version().wait(), "after": None,
              "count": 0, "owner": owner}
     tr[ts.replay_run_key(window, owner)] = encode_replay(state)
@@ -102,12 +158,15 @@ def replay_count(tr, ts: TopicSpace, window: str, run: str, owner: str) -> int |
 
 
 @transactional
-def replay_finish(tr, ts: TopicSpace, window: str, run: str, owner: str):
-    """Remove a finished run's progress and heartbeat (if ``owner`` still owns it)."""
+def replay_finish(tr, ts: TopicSpace, window: str, run: str, owner: str, now_ms: int):
+    """Remove a finished run's progress and heartbeat, and record the replay's finish
+    (``DONE``: {start, end, stop, count, finished_ms}), if ``owner`` still owns it."""
     state = decode_replay(tr[ts.replay_run_key(window, run)])
     if state is not None and state.get("owner") == owner:
         del tr[ts.replay_run_key(window, run)]
         del tr[ts.replay_beat_key(window, run)]
+        tr[done_key(ts, window)] = encode_replay({k: state[k] for k in ("start", "end", "stop", "count")}
+                                                 | {"finished_ms": now_ms})
 
 
 @transactional

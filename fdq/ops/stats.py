@@ -7,7 +7,8 @@ Per shard of a subscription (``.../shards/<tag>/<n>/stats``): ``routed`` (messag
 in this shard's queue; consumers watch it), ``done`` (removed for good: acked,
 dead-lettered, consumed at most once or exactly once), ``emitted`` (deliveries,
 redeliveries included), ``in_flight`` (leased now), ``delayed`` (waiting to be due),
-``dead`` (sent to the DLQ), ``requeued`` (redeliveries queued). Backlog = routed - done.
+``dead`` (sent to the DLQ), ``requeued`` (redeliveries queued), ``filtered`` (dropped by
+the subscription's filter: counted in ``done`` too). Backlog = routed - done.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from .clock import heartbeat_age, read_clock
 from .membership import read_members, read_owners
 from .topics import load_config
 
-SHARD_COUNTERS = ("routed", "done", "emitted", "in_flight", "delayed", "dead", "acked", "requeued")
+SHARD_COUNTERS = ("routed", "done", "emitted", "in_flight", "delayed", "dead", "acked", "requeued", "filtered")
 
 
 def topic_counter(reader, ts: TopicSpace, name: str) -> int:
@@ -96,7 +97,7 @@ def topic_stats(tr, ts: TopicSpace, now_ms: int) -> dict:
         subs[sub] = {
             "catching_up": sub in config.catchup, "paused": sub in config.paused_subs,
             "backlog": total("backlog"), "in_flight": total("in_flight"), "delayed": total("delayed"),
-            "emitted": total("emitted"), "acked": total("acked"),
+            "emitted": total("emitted"), "acked": total("acked"), "filtered": total("filtered"),
             "dlq": dlq_size(snap, ts, sub),
             "oldest_ready_ms": oldest,
             "lag_ms": (now_ms - oldest) if oldest is not None else 0,

@@ -81,6 +81,20 @@ def diff_error(ts: TopicSpace, sub: str, stored: SubscriptionConfig, given: Subs
                        f"others need a new subscription")
 
 
+def check_filters(topic: str, sub: str, config: SubscriptionConfig, topic_config: TopicConfig):
+    """Refuse a filter that this topic's messages can never match, so it would drop
+    (count as ``filtered``) every message: a header filter on a topic that stores no
+    headers (no extend support). The other filters that can match nothing are refused by
+    ``SubscriptionConfig`` itself (unknown ``##`` names, values over a message's header
+    limit); a shard-key glob stays allowed (it never matches a message pushed without a
+    shard key, as documented; its drops show as ``filtered`` in stats)."""
+    if config.filter_headers is not None and not topic_config.extend:
+        raise ConfigError(f"subscription {sub!r} of {topic!r}: a header filter needs a topic with extend "
+                          f"support (topic {topic!r} stores no headers, so the filter would drop every "
+                          f"message); run fdq topics upgrade {topic} --extend (Supervisor.upgrade_extend) "
+                          "first, or create the topic with --extend")
+
+
 def routing_refusal(ts: TopicSpace, config: TopicConfig, what: str) -> ConfigError:
     """The error for a subscription change refused while the topic routes nothing."""
     return ConfigError(f"topic {ts.name!r} is {'paused' if config.paused else 'resharding'}: {what}")
@@ -107,6 +121,7 @@ def create_subscription(tr, ts: TopicSpace, sub: str, config: SubscriptionConfig
             raise ConfigError(f"subscription {sub!r} of topic {ts.name!r} already exists")
         return False
     config = config if config is not None else SubscriptionConfig()
+    check_filters(ts.name, sub, config, topic_config)
     if not topic_config.routing:
         raise routing_refusal(ts, topic_config, "subscriptions can be created once it is playing again")
     write_subscription_record(tr, ts, sub, config)

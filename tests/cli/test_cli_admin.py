@@ -14,7 +14,8 @@ from fdq.cli import render
 STATS_KEYS = {"topic", "shards", "extend", "paused", "resharding_to", "max_backlog", "retention_s",
               "dedupe_window_s", "inserted", "routed", "pending", "emitted", "acked", "subscriptions",
               "retention_bytes", "inserted_bytes", "log_bytes", "trimmed"}
-SUB_KEYS = {"name", "paused", "catching_up", "backlog", "in_flight", "delayed", "dlq", "emitted", "acked", "lag_ms",
+SUB_KEYS = {"name", "paused", "catching_up", "backlog", "in_flight", "delayed", "dlq", "emitted", "acked", "filtered",
+            "lag_ms",
             "oldest_ready_time_ms", "consumers", "unowned_shards", "tags", "per_shard"}
 CONSUMER_KEYS = {"subscription", "id", "mode", "tag", "host", "pid", "shards", "heartbeats",
                  "heartbeat_age_s", "zombie_after_s", "zombie"}
@@ -148,6 +149,34 @@ def test_replay(run, db, sup):
     # an empty window (epoch ms) replays nothing
     future = int(time.time() * 1000) + 3_600_000
     assert run.json("replay", "orders", "--start", future, "--end", future + 1000)["replayed"] == 0
+
+
+def test_replay_again_dry_run_and_include_replays(run, db, state, sup):
+    """Rerunning a replay compounded (100, 200, 400): now the same command is a no-op
+    once finished (saying so), --again replays the originals only, --dry-run changes
+    nothing and says what a run would push and to which subscriptions."""
+    sup.create_topic("r", shards=2)
+    run("subs", "create", "r", "keyed", "--filter-shard-key", "a*")
+    fdq.Producer(db).push_many("r", [fdq.Envelope(f"m{i}".encode(), shard_key="a" if i % 2 else None)
+                                     for i in range(100)])
+    start = "1000000000000ms"
+    before = state()
+    plan = run.json("replay", "r", "--start", start, "--dry-run")
+    assert state() == before
+    assert (plan["replay_id"], plan["messages"], plan["skipped_replays"], plan["subscriptions"]) == \
+        ("1000000000000:open", 100, 0, {"default": 100, "keyed": 50})
+    r = run("replay", "r", "--start", start, "--dry-run")
+    assert "would push 100 messages" in r.stderr and "keyed" in r.stdout
+    assert [run.json("replay", "r", "--start", start)["replayed"] for _ in range(3)] == [100, 0, 0]
+    r = run("replay", "r", "--start", start)
+    assert "replay 1000000000000:open of 'r' already finished at " in r.stderr and "(100 messages)" in r.stderr
+    assert "--again" in r.stderr
+    out = run.json("replay", "r", "--start", start, "--again")
+    assert (out["replayed"], out["skipped_replays"], out["already_finished"]) == (100, 100, False)
+    out = run.json("replay", "r", "--start", start, "--id", "all", "--include-replays")
+    assert (out["replay_id"], out["replayed"], out["skipped_replays"]) == ("all", 300, 0)
+    assert sup.stats("r")["counters"]["inserted"] == 600
+    run.usage_error(["replay", "r", "--start", start, "--id", "a/b"], "invalid replay id 'a/b'")
 
 
 def test_trim(run, db, sup):

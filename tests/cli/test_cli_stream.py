@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import fdq
-from fdqtest import kill_all, wait_for
+from fdqtest import kill_all, readline_within, wait_for
 
 FDQ = Path(sys.executable).parent / "fdq"
 
@@ -55,7 +55,7 @@ def test_tail_stopped_by_sigterm_leaves_at_once(url, db, sup):
     not after the zombie timeout and the ack wait)."""
     import signal
     fdq.Producer(db).push("orders", b"before")
-    p = _tail_consuming(url, sup)
+    p, line = _tail_consuming(url, sup)
     try:
         p.send_signal(signal.SIGTERM)
         out, err = p.communicate(timeout=30)
@@ -64,23 +64,25 @@ def test_tail_stopped_by_sigterm_leaves_at_once(url, db, sup):
             p.kill()
             p.wait()
     assert p.returncode == 128 + signal.SIGTERM, err
-    assert out.decode().split()[-1] == "before"
+    assert (line.decode().split()[-1], out) == ("before", b"")
     assert b"Traceback" not in err
     assert sup.consumers("orders") == []                         # left: no zombie to wait for
     assert sup.stats("orders")["subscriptions"]["default"]["in_flight"] == 0
 
 
 def _tail_consuming(url, sup):
-    """``fdq tail orders`` in its own process, once it acked the message pushed before."""
+    """``fdq tail orders`` in its own process, once it acked the message pushed before
+    (acked once its line is read: this reads it). Returns the process and that line."""
     p = subprocess.Popen([str(FDQ), "tail", "orders"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          env=_env(url))
     try:
+        line = readline_within(p, timeout=30, what="the line of the message pushed before")
         wait_for(lambda: sup.stats("orders")["subscriptions"]["default"]["acked"] == 1
                  and sup.consumers("orders"), timeout=30, what="tail consuming")
     except BaseException:
         kill_all([p])
         raise
-    return p
+    return p, line
 
 
 def test_push_with_stdin_closed_is_one_line(url):
@@ -103,7 +105,7 @@ def test_tail_ends_when_its_topic_is_deleted(url, db, sup):
     """A tail whose topic is deleted under it stops with one line naming the problem
     (exit 1), as a tail of an unknown topic does, instead of warning forever."""
     fdq.Producer(db).push("orders", b"before")
-    p = _tail_consuming(url, sup)
+    p, line = _tail_consuming(url, sup)
     try:
         sup.delete_topic("orders")
         out, err = p.communicate(timeout=30)
@@ -112,6 +114,6 @@ def test_tail_ends_when_its_topic_is_deleted(url, db, sup):
             p.kill()
             p.wait()
     assert p.returncode == 1, err
-    assert out.decode().split()[-1] == "before"
+    assert (line.decode().split()[-1], out) == ("before", b"")
     assert err.decode().splitlines()[-1] == "fdq: error: topic 'orders' does not exist"
     assert b"Traceback" not in err

@@ -289,3 +289,26 @@ def test_cli_header_and_filter_header_agree(db, db_url):
     res = run(cli, ["--url", db_url, "push", "t", "--header", "flag=true", "hello"])
     assert res.exit_code == 0, res.output
     assert len(fetch_ids(db, "t", "f", timeout=0.5, extend_support=True)) == 1
+
+
+def test_a_header_filter_on_a_topic_without_headers_exits_2(run, db, sup, state):
+    """On a topic without extend support the filter dropped every message (exit 0, then
+    0 delivered): refused, one line naming the fix, nothing created."""
+    run("topics", "create", "plain")
+    fdq.Producer(db).push("plain", b"x")
+    before = state()
+    r = run.usage_error(["subs", "create", "plain", "eu", "--filter-header", "region=eu"],
+                        "a header filter needs a topic with extend support")
+    assert "fdq topics upgrade plain --extend" in r.stderr
+    assert state() == before
+    run("topics", "upgrade", "plain", "--extend")
+    run("subs", "create", "plain", "eu", "--filter-header", "region=eu")
+    assert sup.subscription("plain", "eu")["config"].filter_headers == {"region": "eu"}
+
+
+def test_stats_show_what_a_filter_dropped(run, db, sup, orders):
+    run("subs", "create", "orders", "eu", "--filter-header", "region=eu")
+    assert len(drain(db, "orders", "eu")) == 3
+    [row] = [s for s in run.json("stats", "orders")["subscriptions"] if s["name"] == "eu"]
+    assert row["filtered"] == 3 and row["backlog"] == 0
+    assert "filtered" in run("stats", "orders").stdout

@@ -15,6 +15,7 @@ import fdq
 from fdq.headers import DISPATCH_TAG, TRACE_ID
 from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import unpack
+from fdq.ops import replay
 
 from fdqtest import (advance_clock, collect, fetch_ids, log_records, replay_counts, scan, sub_stats,
                      wait_for, with_faults)
@@ -291,7 +292,9 @@ def test_replay_without_end_stops_at_its_start(db):
     counts = _replayed(db, Keyspace().topic("t"))
     assert set(counts) == {i for i, _k, _b in pushed} and set(counts.values()) == {1}
     assert fdq.Supervisor(db).stats("t")["counters"]["inserted"] == 5000
-    assert scan(db, Keyspace().topic("t").replays.key()) == []    # finished: no progress left
+    ts = Keyspace().topic("t")
+    assert replay.replay_runs(db, ts, "0:open") == {}              # finished: no progress left
+    assert [ts.replays.unpack(k) for k, _v in scan(db, ts.replays.key())] == [("0:open", "done")]
 
 
 def test_replay_killed_midway_resumes_without_duplicates(procs, db):
@@ -306,10 +309,13 @@ def test_replay_killed_midway_resumes_without_duplicates(procs, db):
     assert fdq.Producer(db).replay("t", 0) == 6000 - done    # the same replay, resumed
     counts = _replayed(db, ts)
     assert set(counts) == {i for i, _k, _b in pushed} and set(counts.values()) == {1}
-    assert scan(db, ts.replays.key()) == []
-    # finished: the same window may be replayed again, as a new replay (it now holds the
-    # 6,000 messages and their 6,000 replays)
-    assert fdq.Producer(db).replay("t", 0) == 12000
+    assert replay.replay_runs(db, ts, "0:open") == {}
+    # finished: the same replay again does nothing; again=True replays the window's 6,000
+    # originals, not their 6,000 copies
+    sup = fdq.Supervisor(db)
+    assert fdq.Producer(db).replay("t", 0) == 0
+    assert sup.replay("t", 0, again=True).replayed == 6000
+    assert set(_replayed(db, ts).values()) == {2}
 
 
 def test_replay_under_fault_injection_pushes_each_once(db, url):
@@ -321,3 +327,46 @@ def test_replay_under_fault_injection_pushes_each_once(db, url):
     counts = _replayed(db, Keyspace().topic("t"))
     assert set(counts) == {i for i, _k, _b in pushed} and set(counts.values()) == {1}
     assert fdq.Supervisor(db).stats("t")["counters"]["inserted"] == 6000
+
+
+def test_running_the_same_replay_again_does_not_compound(db):
+    """``fdq replay r --start T0`` three times gave 100, 200, 400: each run replayed the
+    copies the earlier ones had pushed into the window. Now the same replay (its id:
+    its window) runs once; again=True replays the originals again, never copies."""
+    ids = {r.id for r in fdq.Producer(db).push_many("t", [fdq.Envelope(f"m{i}".encode()) for i in range(100)])}
+    p, sup = fdq.Producer(db), fdq.Supervisor(db)
+    assert [p.replay("t", 0) for _ in range(3)] == [100, 0, 0]
+    again = sup.replay("t", 0)
+    assert (again.replay_id, again.replayed, again.finished["count"]) == ("0:open", 0, 100)
+    assert again.finished["finished_ms"] > 0
+    assert sup.stats("t")["counters"]["inserted"] == 200
+    r = sup.replay("t", 0, again=True)
+    assert (r.replayed, r.skipped_replays) == (100, 100)
+    counts = _replayed(db, Keyspace().topic("t"))
+    assert set(counts) == ids and set(counts.values()) == {2}       # copies of originals only
+    # another id is another replay; include_replays takes the copies too
+    r = sup.replay("t", 0, replay_id="with-copies", include_replays=True)
+    assert (r.replay_id, r.replayed, r.skipped_replays) == ("with-copies", 300, 0)
+    assert sup.stats("t")["counters"]["inserted"] == 600
+    with pytest.raises(fdq.ConfigError, match="invalid replay id"):
+        sup.replay("t", 0, replay_id="a/b")
+
+
+def test_a_dry_run_changes_nothing_and_counts_what_the_replay_pushes(db):
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    sup.create_subscription("t", "keyed", fdq.SubscriptionConfig(filter_shard_key="a*"))
+    p = fdq.Producer(db)
+    p.push_many("t", [fdq.Envelope(f"m{i}".encode(), shard_key="a1" if i % 3 == 0 else None) for i in range(30)])
+    assert sup.replay("t", 0, replay_id="first").replayed == 30
+    before = scan(db, b"")
+    plan = sup.replay("t", 0, dry_run=True)
+    assert scan(db, b"") == before
+    assert plan == {"replay_id": "0:open", "window_ms": [0, None], "finished": None, "messages": 30,
+                    "bytes": sum(len(f"m{i}") for i in range(30)), "skipped_replays": 30, "trimmed": 0,
+                    "resumes": 0, "subscriptions": {"default": 30, "keyed": 10}}
+    done = sup.replay("t", 0)
+    assert (done.replayed, done.skipped_replays) == (plan["messages"], plan["skipped_replays"])
+    plan = sup.replay("t", 0, dry_run=True)
+    assert plan["finished"]["count"] == 30 and plan["messages"] == 0
+    assert sup.replay("t", 0, dry_run=True, include_replays=True, again=True)["messages"] == 90
