@@ -246,7 +246,8 @@ class TailConsumer(Consumer):
 
         def body(tr, _attempt) -> int:
             run.taken, run.current, run.watch = [], None, None
-            run.taken = queue.take_batch(tr, self._ts, shard, self.id, epoch, limit, finish=True, sel=self._sel)
+            run.taken = queue.take_batch(tr, self._ts, shard, self.id, epoch, limit, finish=True,
+                                         max_deliver=self.config.max_deliver, sel=self._sel)
             for t in run.taken:
                 run.current = t
                 m = _to_message(t, self.topic, self.subscription, self)

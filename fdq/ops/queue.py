@@ -170,14 +170,16 @@ def _held_keys(tr, shard: ShardSpace) -> set:
     return held
 
 
-def _select_ready(tr, shard: ShardSpace, limit: int, sel: Selection) -> list:
+def _select_ready(tr, ts: TopicSpace, shard: ShardSpace, limit: int, sel: Selection, max_deliver: int,
+                  consumer_id: str) -> list:
     """``_read_ready`` for a subscription with flow control, ordering or a filter.
 
     ``max_pending``: the shard's ``in_flight`` counter (snapshot) bounds the batch. Only
     the shard's owner raises it, in this fenced transaction, so the bound is exact.
     ``ordered``: messages whose key is held (leased or delayed, or taken earlier in this
     batch) are skipped without a read conflict; keys behind them still flow, within
-    ``SCAN_LIMIT`` skipped entries. Filtered-out messages are removed and counted done."""
+    ``SCAN_LIMIT`` skipped entries. Filtered-out messages are removed and counted done;
+    messages past ``max_deliver`` are dead-lettered (``_deliverable``)."""
     if sel.max_pending is not None:
         limit = min(limit, sel.max_pending - decode_counter(tr.snapshot[shard.stat("in_flight")]))
         if limit <= 0:
@@ -192,6 +194,9 @@ def _select_ready(tr, shard: ShardSpace, limit: int, sel: Selection) -> list:
             scanned += 1
             vs = vs_from_bytes(position_of(kv.key))
             rec = Record.decode(kv.value)
+            if rec.attempts >= max_deliver and not _deliverable(tr, ts, shard, kv.key, vs, rec, kv.value,
+                                                                max_deliver, consumer_id):
+                continue
             if sel.match is not None and not sel.match(rec):
                 tr.add_read_conflict_key(kv.key)
                 tr.clear(kv.key)
@@ -214,30 +219,62 @@ def _select_ready(tr, shard: ShardSpace, limit: int, sel: Selection) -> list:
     return out
 
 
-def _read_ready(tr, shard: ShardSpace, limit: int, sel: Selection | None = None):
+def _read_ready(tr, ts: TopicSpace, shard: ShardSpace, limit: int, sel: Selection | None, max_deliver: int,
+                consumer_id: str):
     promoted = {}
     promote_due(tr, shard, limit, promoted)
-    out = _select_ready(tr, shard, limit, sel) if sel is not None else _read_head(tr, shard, limit)
+    if sel is not None:
+        out = _select_ready(tr, ts, shard, limit, sel, max_deliver, consumer_id)
+    else:
+        out = _read_head(tr, ts, shard, limit, max_deliver, consumer_id)
     if promoted:
         for t in out:
             t.delayed_key = promoted.get(t.vs.to_bytes())
     return out
 
 
-def _read_head(tr, shard: ShardSpace, limit: int):
+def _deliverable(tr, ts: TopicSpace, shard: ShardSpace, key: bytes, vs, rec: Record, raw, max_deliver: int,
+                 consumer_id: str) -> bool:
+    """Whether ready message ``rec`` (at ``key``) may be delivered: one that had
+    ``max_deliver`` attempts already (put back by any path: a hand-back, an expiry, a
+    redrive by an older version) is dead-lettered here, in the taking transaction, and
+    never delivered again."""
+    if rec.attempts < max_deliver:
+        return True
+    tr.add_read_conflict_key(key)
+    tr.clear(key)
+    _dead_letter(tr, ts, shard, vs, bytes(raw),
+                 f"max_deliver ({max_deliver}) reached before delivery {rec.attempts + 1}", consumer_id)
+    return False
+
+
+def _read_head(tr, ts: TopicSpace, shard: ShardSpace, limit: int, max_deliver: int, consumer_id: str):
+    """Up to ``limit`` deliverable messages from the head of the ready queue; the ones
+    ``_deliverable`` dead-letters on the way do not count, the read goes on past them."""
     r = shard.ready_range
     out = []
     append, decode = out.append, Record.decode
     snap = tr.snapshot
-    for kv in snap.get_range(r.start, r.stop, limit=limit):
-        # Ready keys end in 0x33 + the 12-byte stamp their push's commit completed.
-        vs = StoredVersionstamp(position_of(kv.key))
-        rec = decode(kv.value)
-        append(Taken(shard, vs, rec, rec.body if not rec.nchunks else _body(snap, shard, vs, rec), kv.value))
+    begin = r.start
+    while True:
+        want = limit - len(out)
+        n = 0
+        for kv in snap.get_range(begin, r.stop, limit=want):
+            n += 1
+            # Ready keys end in 0x33 + the 12-byte stamp their push's commit completed.
+            vs = StoredVersionstamp(position_of(kv.key))
+            rec = decode(kv.value)
+            if rec.attempts >= max_deliver and not _deliverable(tr, ts, shard, kv.key, vs, rec, kv.value,
+                                                                max_deliver, consumer_id):
+                continue
+            append(Taken(shard, vs, rec, rec.body if not rec.nchunks else _body(snap, shard, vs, rec), kv.value))
+        if n < want or len(out) >= limit:
+            break
+        begin = kv.key + b"\x00"
     if out:
         # Conflict only on what we take: the head of the queue, first to last key taken
-        # (one range, not a key each; nothing else was between them at our snapshot, and
-        # a push commits above every key there).
+        # (one range, not a key each; nothing else was between them at our snapshot but
+        # what was dead-lettered, and a push commits above every key there).
         first = shard.ready_key(out[0].vs)
         tr.add_read_conflict_range(first, shard.ready_key(out[-1].vs) + b"\x00")
     return out
@@ -245,13 +282,14 @@ def _read_head(tr, shard: ShardSpace, limit: int):
 
 @transactional
 def take_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, limit: int,
-               *, finish: bool = True, sel: Selection | None = None) -> list:
+               *, max_deliver: int, finish: bool = True, sel: Selection | None = None) -> list:
     """Remove up to ``limit`` ready messages (at-most-once and exactly-once delivery).
-    ``finish``: count them done (exactly-once counts in the caller's transaction)."""
+    ``finish``: count them done (exactly-once counts in the caller's transaction). A
+    message whose failed attempts reached ``max_deliver`` is dead-lettered instead."""
     ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
     if not _consumable(tr, ts, shard.sub):
         return []
-    taken = _read_ready(tr, shard, limit, sel)
+    taken = _read_ready(tr, ts, shard, limit, sel, max_deliver, consumer_id)
     if taken and sel is None:
         # The head of the queue, first to last key: ``_read_ready`` read it all and holds
         # a read conflict on it, so one range clear removes exactly what it took.
@@ -296,14 +334,16 @@ def batch_leased(tr, shard: ShardSpace, keys, lease_id: bytes) -> bool:
 
 @transactional
 def lease_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, limit: int,
-                lease_id: bytes, ack_wait_ms: int, *, sel: Selection | None = None) -> list:
+                lease_id: bytes, ack_wait_ms: int, *, max_deliver: int, sel: Selection | None = None) -> list:
     """Lease up to ``limit`` ready messages (at-least-once): they move into one lease
     record (several if their records exceed ``LEASE_RECORD_BYTES``) under ``lease_id``,
-    with the consumer and its ack wait; each delivery counts ``attempts + 1``."""
+    with the consumer and its ack wait; each delivery counts ``attempts + 1``. A message
+    delivered ``max_deliver`` times already is dead-lettered instead: never delivered
+    past it, whatever put it back."""
     ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
     if not _consumable(tr, ts, shard.sub):
         return []
-    taken = _read_ready(tr, shard, limit, sel)
+    taken = _read_ready(tr, ts, shard, limit, sel, max_deliver, consumer_id)
     if not taken:
         return taken
     if sel is None:
@@ -400,7 +440,9 @@ class SettleRow(NamedTuple):
     """One settlement as ``settle`` applies it: the leased message (its shard, its key's
     versionstamp, the lease id and the key of the lease record holding it), the
     :class:`~fdq.settlement.Action`, and ``arg``: a ``NAK``'s delay in seconds, a
-    ``TERM``'s reason (else None)."""
+    ``TERM``'s reason (else None); ``reason``: a ``NAK``'s, how the attempt ended
+    ("failed: ValueError: ...", "not settled (consumer closed)"; None: "nak'd"), kept in
+    the dead letter's reason if it was the last."""
 
     shard: ShardSpace
     vs: Versionstamp
@@ -408,6 +450,7 @@ class SettleRow(NamedTuple):
     lease_key: bytes
     action: Action
     arg: object = None
+    reason: str | None = None
 
 
 def _acks_all(lr: LeaseRecord, rows: list) -> bool:
@@ -482,8 +525,9 @@ def settle(tr, ts: TopicSpace, rows: list, max_deliver: int) -> list:
                 _dead_letter(tr, ts, shard, vs, rec.encode(), f"terminated: {row.arg}", lr.consumer_id)
             elif action is NAK:
                 if rec.attempts >= max_deliver:
+                    ended = row.reason or "nak'd"
                     _dead_letter(tr, ts, shard, vs, rec.encode(),
-                                 f"max_deliver ({max_deliver}) reached: last attempt nak'd", lr.consumer_id)
+                                 f"max_deliver ({max_deliver}) reached: last attempt {ended}", lr.consumer_id)
                 else:
                     _requeue(tr, ts, shard, vs, rec.encode(), int((row.arg or 0) * 1000))
             else:
