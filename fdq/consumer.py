@@ -49,6 +49,9 @@ _GOODBYE_MS = 10_000
 # thousands of shards (a topic with many dispatch tags) would outlive the 5-second rule
 # and be retried for ever.
 LEASE_ROUND_SHARDS = 256
+# Without on_error, an error identical to one logged less than this long ago is not
+# logged again (``Consumer._report``).
+REPORT_EVERY_S = 10.0
 
 
 def _ms_until(deadline: float) -> int:
@@ -164,6 +167,7 @@ class Consumer:
         self._replaced = False
         self._gone = None                # TopicNotFound or SubscriptionNotFound met rejoining
         self.on_error = on_error
+        self._reported = {}          # (error type, text) -> when ``_report`` last logged it
         self._ts = self.keyspace.topic(self.topic)
         self._topic_config = self._load_topic(create, extend_support)
         if extend_support and not self._topic_config.extend:
@@ -372,13 +376,23 @@ class Consumer:
         return r.finish()
 
     def _report(self, e: BaseException):
+        """Hand ``e`` to ``on_error``; without one, log it as one warning line, an error
+        identical to one logged less than ``REPORT_EVERY_S`` ago left out (a failure
+        met every round must not flood the log)."""
         if self.on_error is not None:
             try:
                 self.on_error(e)
             except Exception:
                 log.exception("on_error callback failed")
-        else:
-            log.warning("consumer %s: %s: %s", self.id, type(e).__name__, e)
+            return
+        key, now = (type(e), str(e)), _monotonic()
+        last = self._reported.get(key)
+        if last is not None and now - last < REPORT_EVERY_S:
+            return
+        if len(self._reported) >= 64:       # bounded: the ones logged long ago go
+            self._reported = {k: t for k, t in self._reported.items() if now - t < REPORT_EVERY_S}
+        self._reported[key] = now
+        log.warning("consumer %s: %s: %s", self.id, type(e).__name__, e)
 
     @property
     def stalled_s(self) -> float:
@@ -781,7 +795,7 @@ class Consumer:
         its shards (a live previous owner's, still being worked on), and returning those
         would redeliver them before their ack wait."""
         with self._leases_lock:
-            mine = [(k, v) for k, v in self._leases.items() if v[0][:8] == self._lease_prefix]
+            mine = [(k, v) for k, v in self._leases.items() if v[0] is not None and v[0][:8] == self._lease_prefix]
         rows = []
         for (shard_id, vs12), (lease_id, _t, _s, _w, key, handed) in mine:
             rows.append(SettleRow(self._ts.shard(self.subscription, *shard_id), vs_from_bytes(vs12), lease_id, key,
