@@ -155,8 +155,8 @@ class AsyncTail:
                         m.ack()
                 except Exception as e:
                     if self._acking and m._settled is None:
-                        m.nak()
-                    self.consumer._report(e)
+                        m.nak(error=e)
+                    self.consumer._report(e, m)
                 finally:
                     m._deferred = None
 

@@ -375,15 +375,20 @@ class Consumer:
         self._rounds.pop(id(r), None)
         return r.finish()
 
-    def _report(self, e: BaseException):
-        """Hand ``e`` to ``on_error``; without one, log it as one warning line, an error
-        identical to one logged less than ``REPORT_EVERY_S`` ago left out (a failure
-        met every round must not flood the log)."""
+    def _report(self, e: BaseException, message=None):
+        """Hand ``e`` to ``on_error``. Without one: a handler's failure on ``message`` is
+        logged as an error with its traceback; any other error as one warning line, an
+        error identical to one logged less than ``REPORT_EVERY_S`` ago left out (a
+        failure met every round must not flood the log)."""
         if self.on_error is not None:
             try:
                 self.on_error(e)
             except Exception:
                 log.exception("on_error callback failed")
+            return
+        if message is not None:
+            log.error("consumer %s: handler failed on %s/%s message %s (attempt %d of %d)", self.id, self.topic,
+                      self.subscription, message.id, message.attempts, self.config.max_deliver, exc_info=e)
             return
         key, now = (type(e), str(e)), _monotonic()
         last = self._reported.get(key)

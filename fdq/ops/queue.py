@@ -670,7 +670,8 @@ def expire_leases(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch
             continue
         if rec.attempts >= max_deliver:
             _dead_letter(tr, ts, shard, vs, rec.encode(),
-                         f"max_deliver ({max_deliver}) reached: lease expired", lr.consumer_id)
+                         f"max_deliver ({max_deliver}) reached: lease expired after {lr.ack_wait_ms / 1000:g} s",
+                         lr.consumer_id)
             out[vs] = Expiry.DEAD
             continue
         attempts = rec.attempts
