@@ -82,7 +82,7 @@ class Message:
         _check_delay(delay)
         if delay is None and self._consumer is not None:
             delay = self._consumer.config.backoff_for(self.attempts)
-        self._settle(NAK, delay, failure(error) if error is not None else None)
+        self._settle(NAK, delay, _failure(error) if error is not None else None)
 
     def release(self):
         """Give it back at once without counting an attempt, first in line again: for a
@@ -110,7 +110,7 @@ class Message:
         self._settle(TOUCH)
 
 
-def failure(error: BaseException | str) -> str:
+def _failure(error: BaseException | str) -> str:
     """How an attempt failed, for a dead letter's reason: ``failed: <type>: <message>``
     of an exception (or ``failed: <text>``), on one line, at most ``MAX_REASON_CHARS``."""
     text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)

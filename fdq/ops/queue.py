@@ -265,9 +265,9 @@ def _read_ready(tr, ts: TopicSpace, shard: ShardSpace, limit: int, sel: Selectio
 def _deliverable(tr, ts: TopicSpace, shard: ShardSpace, key: bytes, vs, rec: Record, raw, max_deliver: int,
                  consumer_id: str) -> bool:
     """Whether ready message ``rec`` (at ``key``) may be delivered: one that had
-    ``max_deliver`` attempts already (put back by any path: a hand-back, an expiry, a
-    redrive by an older version) is dead-lettered here, in the taking transaction, and
-    never delivered again."""
+    ``max_deliver`` attempts already (put back by any path under a larger bound: a
+    consumer of another config, a subscription's ``max_deliver`` lowered since) is
+    dead-lettered here, in the taking transaction, and never delivered again."""
     if rec.attempts < max_deliver:
         return True
     tr.add_read_conflict_key(key)
