@@ -759,6 +759,12 @@ class Consumer:
     def ack_many(self, messages):
         self.settle([Settlement(m, ACK) for m in messages])
 
+    def release(self, messages):
+        """Give ``messages`` back at once, in one transaction, without counting an
+        attempt (``Message.release()`` of each): fetched messages the application never
+        began on (a reader gone, a shutdown before their turn)."""
+        self.settle([Settlement(m, RELEASE) for m in messages])
+
     # -- lifecycle -------------------------------------------------------------------
 
     def close(self):

@@ -74,3 +74,16 @@ def test_a_tail_shut_down_mid_batch_gives_back_the_unstarted_messages_uncounted(
         rest = fetch_until(c, lambda g: len(g) >= 9, 30)
         assert sorted((m.body, m.attempts) for m in rest) == [(b"m%d" % i, 1) for i in range(1, 10)]
         c.ack_many(rest)
+
+
+def test_consumer_release_gives_fetched_messages_back_uncounted(db):
+    """``Consumer.release(msgs)``: fetched and never begun on, given back in one go; the
+    next fetch has them as attempt 1 again."""
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"m%d" % i) for i in range(3)])
+    with fdq.Consumer(db, "t", config=FAST) as c:
+        first = fetch_until(c, lambda g: len(g) >= 3, 30)
+        c.release(first)
+        again = fetch_until(c, lambda g: len(g) >= 3, 30)
+        assert [(m.body, m.attempts) for m in again] == [(b"m0", 1), (b"m1", 1), (b"m2", 1)]
+        c.ack_many(again)
