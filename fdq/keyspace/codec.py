@@ -253,6 +253,21 @@ def decode_leases(key: bytes, raw) -> LeaseRecord:
     return LeaseRecord(v[1], v[2], v[3], [v[i:i + 3] for i in range(4, len(v), 3)])
 
 
+def lease_entries_hint(raw) -> int:
+    """How many messages a lease record that does not decode held, as far as its array
+    header still says (0 if that is damaged too, or claims more entries than its bytes
+    could hold: at least ``LEASE_ENTRY_OVERHEAD`` + 13 bytes each)."""
+    unpacker = msgpack.Unpacker()
+    unpacker.feed(bytes(raw))
+    try:
+        n = unpacker.read_array_header()
+    except _DECODE_ERRORS:
+        return 0
+    if n < 7 or (n - 4) % 3 or (n - 4) // 3 * (LEASE_ENTRY_OVERHEAD + 13) > len(raw):
+        return 0
+    return (n - 4) // 3
+
+
 def encode_dead(record: bytes, reason: str, consumer_id: str | None, raw: bool = False) -> bytes:
     """A dead letter: the record as delivered, or with ``raw`` the bytes of a record
     that did not decode, as they were stored (kept for inspection, never redriven)."""

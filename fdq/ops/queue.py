@@ -37,7 +37,7 @@ from ..keyspace import (ShardSpace, StoredVersionstamp, TopicSpace, Versionstamp
                         position_of, vs_from_bytes)
 from ..errors import CorruptValue
 from ..keyspace.codec import (CHUNK_BYTES, LEASE_ENTRY_OVERHEAD, LEASE_RECORD_BYTES, LeaseRecord, Record,
-                              decode_leases, encode_dead, encode_leases, has_chunks)
+                              decode_leases, encode_dead, encode_leases, has_chunks, lease_entries_hint)
 from ..settlement import ACK, NAK, RELEASE, TERM, TOUCH, Action
 from .topics import load_config
 from .clock import read_clock
@@ -652,6 +652,7 @@ def expire_leases(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch
         del tr[key]
         _dead_letter(tr, ts, shard, shard.leased.unpack(key)[0], bytes(raw), f"undecodable {e.what}: {e.cause}",
                      None, raw=True)
+        tr.add(shard.stat("in_flight"), counter(-lease_entries_hint(raw)))   # as far as its header says
         return {vs: Expiry.DEAD for vs, _t in expiring}
     index = {e[0]: e for e in lr.entries} if lr is not None and lr.lease_id == lease_id else {}
     out, gone = {}, set()

@@ -147,3 +147,4 @@ def test_a_damaged_lease_record_is_dead_lettered_whole_by_its_expiry(db):
     [dead] = sup.dlq_list("t")
     assert dead["id"] == got[0].id and dead["body"] == bytes(value)[:-1]
     assert dead["reason"].startswith("undecodable lease record: ")
+    assert sub_stats(db, "t")["in_flight"] == 0     # its five, as its array header says

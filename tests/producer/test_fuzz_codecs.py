@@ -73,6 +73,7 @@ DECODERS = {
     "decode_columns": lambda raw: codec.decode_columns([raw, Record(1, "k", body=b"ok").encode()]),
     "has_chunks": codec.has_chunks,
     "decode_leases": lambda raw: codec.decode_leases(b"key", raw),
+    "lease_entries_hint": codec.lease_entries_hint,
     "LeaseRecord.delivered": lambda raw: [LeaseRecord(b"l", "c", 1, []).delivered([b"v" * 12, raw, 0])],
     "decode_dead": codec.decode_dead,
     "decode_dedupe": codec.decode_dedupe,
