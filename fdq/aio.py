@@ -31,6 +31,7 @@ from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig
 from .consumer import Consumer
 from .tailing import check_delivery_args
 from .errors import ConfigError, LeaseLost
+from .settlement import RELEASE, Settlement
 
 log = logging.getLogger("fdq.aio")
 # The AsyncTail whose handler this task runs (set in each round's handler tasks).
@@ -97,7 +98,10 @@ class AsyncTail:
                     msgs = await self._call(self.consumer.fetch, self.batch_size, self._poll_s)
                 finally:
                     self._in_fetch = False
-                if msgs and not self._stopping:     # stopping: close() gives them back
+                if msgs and self._stopping:     # never handed to a handler: back, no attempt counted
+                    await self._call(self.consumer.settle, [Settlement(m, RELEASE) for m in msgs
+                                                            if m._taken.lease_id is not None])
+                elif msgs:
                     await self._round(msgs)
             except asyncio.CancelledError:
                 raise
@@ -151,8 +155,8 @@ class AsyncTail:
                         m.ack()
                 except Exception as e:
                     if self._acking and m._settled is None:
-                        m.nak()
-                    self.consumer._report(e)
+                        m.nak(error=e)
+                    self.consumer._report(e, m)
                 finally:
                     m._deferred = None
 

@@ -33,7 +33,7 @@ from .message import _check_delay, _new_tuple, _Round, _SettleGroup, _to_message
 from .ops import catchup, membership, queue
 from .ops import subscriptions as subs
 from .ops.queue import SettleRow
-from .settlement import ACK, NAK, TERM, TOUCH, Action, Settlement
+from .settlement import ACK, NAK, RELEASE, TERM, TOUCH, Action, Settlement
 from .ops.topics import create_topic, read_topic_config
 
 log = logging.getLogger("fdq.consumer")
@@ -49,6 +49,9 @@ _GOODBYE_MS = 10_000
 # thousands of shards (a topic with many dispatch tags) would outlive the 5-second rule
 # and be retried for ever.
 LEASE_ROUND_SHARDS = 256
+# Without on_error, an error identical to one logged less than this long ago is not
+# logged again (``Consumer._report``).
+REPORT_EVERY_S = 10.0
 
 
 def _ms_until(deadline: float) -> int:
@@ -62,7 +65,7 @@ def _settle_rows(items: list) -> list:
     for m, action, delay_s, reason in items:
         t = m._taken
         append(_new_tuple(SettleRow, (t.shard, t.vs, t.lease_id, t.lease_key, action,    # SettleRow(...)
-                                      reason if action is TERM else delay_s)))
+                                      reason if action is TERM else delay_s, reason)))
     return rows
 
 
@@ -164,6 +167,7 @@ class Consumer:
         self._replaced = False
         self._gone = None                # TopicNotFound or SubscriptionNotFound met rejoining
         self.on_error = on_error
+        self._reported = {}          # (error type, text) -> when ``_report`` last logged it
         self._ts = self.keyspace.topic(self.topic)
         self._topic_config = self._load_topic(create, extend_support)
         if extend_support and not self._topic_config.extend:
@@ -181,8 +185,9 @@ class Consumer:
         self._watches = {}           # (tag, n) -> watch future on the shard's "routed" counter
         self._unwatched = set()      # shards whose watch hit the watch limit: polled for now
         self._unarmed = []           # a round's watches still to set (``_lease_many(defer_arm=True)``)
-        # ((tag, n), 12-byte vs) -> [lease_id, touches, since, ack_wait_s, record key]; bytes,
-        # not the Versionstamp: its hash is Python code, two per message on the hot path
+        # ((tag, n), 12-byte vs) -> [lease_id, touches, since, ack_wait_s, record key, handed
+        # (``_lease_many``)]; bytes, not the Versionstamp: its hash is Python code, two per
+        # message on the hot path
         self._leases = {}
         self._leases_lock = threading.Lock()
         self._settle_group = _SettleGroup(self.settle)
@@ -370,14 +375,29 @@ class Consumer:
         self._rounds.pop(id(r), None)
         return r.finish()
 
-    def _report(self, e: BaseException):
+    def _report(self, e: BaseException, message=None):
+        """Hand ``e`` to ``on_error``. Without one: a handler's failure on ``message`` is
+        logged as an error with its traceback; any other error as one warning line, an
+        error identical to one logged less than ``REPORT_EVERY_S`` ago left out (a
+        failure met every round must not flood the log)."""
         if self.on_error is not None:
             try:
                 self.on_error(e)
             except Exception:
                 log.exception("on_error callback failed")
-        else:
-            log.warning("consumer %s: %s: %s", self.id, type(e).__name__, e)
+            return
+        if message is not None:
+            log.error("consumer %s: handler failed on %s/%s message %s (attempt %d of %d)", self.id, self.topic,
+                      self.subscription, message.id, message.attempts, self.config.max_deliver, exc_info=e)
+            return
+        key, now = (type(e), str(e)), _monotonic()
+        last = self._reported.get(key)
+        if last is not None and now - last < REPORT_EVERY_S:
+            return
+        if len(self._reported) >= 64:       # bounded: the ones logged long ago go
+            self._reported = {k: t for k, t in self._reported.items() if now - t < REPORT_EVERY_S}
+        self._reported[key] = now
+        log.warning("consumer %s: %s: %s", self.id, type(e).__name__, e)
 
     @property
     def stalled_s(self) -> float:
@@ -424,7 +444,7 @@ class Consumer:
             return self._lease_prefix + self._lease_seq.to_bytes(8, "big")
 
     def _lease_many(self, shards, limit: int, ack_wait_s: float | None = None, take: bool = False,
-                    settlements: list = (), defer_arm: bool = False) -> list:
+                    settlements: list = (), defer_arm: bool = False, handed: bool = False) -> list:
         """Lease (or, with ack policy "none", take) up to ``limit`` messages from
         ``shards`` [(shard_id, epoch)], in that order, in ONE transaction: a transaction
         per shard made the worker's round cost a commit per dirty shard, which bounded
@@ -450,7 +470,11 @@ class Consumer:
         ``defer_arm``: leave ``_arm``'s transaction to the caller (``_arm_pending``, after
         the handlers ran and before the next round or an idle wait), so the round's
         messages reach the handler without waiting for it; a push it detects is then
-        found by the next round just the same."""
+        found by the next round just the same.
+
+        ``handed``: the messages go to the application as they are (``fetch``): each is
+        an attempt, and one left unsettled at ``close()`` is nak'd; otherwise (a tail's
+        round, which gives back what no handler got) one left at ``close()`` is released."""
         if not shards:
             if settlements:
                 try:
@@ -464,12 +488,13 @@ class Consumer:
         ack_wait_s = self.config.ack_wait_s if ack_wait_s is None else ack_wait_s
         ack_wait_ms = int(ack_wait_s * 1000)
         spaces = {s: self._ts.shard(self.subscription, *s) for s, _e in shards}
+        max_deliver = self.config.max_deliver
         maybe_lost = []     # lost sets of settle attempts that may have committed
 
         def body(tr, attempt) -> LeaseRound:
             rnd = LeaseRound()
             if rows:
-                rnd.settle_lost = queue.settle(tr, self._ts, rows, self.config.max_deliver)
+                rnd.settle_lost = queue.settle(tr, self._ts, rows, max_deliver)
             left = limit
             for i, (shard_id, epoch) in enumerate(shards):
                 part = ShardTake(shard_id)
@@ -479,10 +504,10 @@ class Consumer:
                 try:
                     if none:
                         taken = queue.take_batch(tr, self._ts, spaces[shard_id], self.id, epoch, left,
-                                                    sel=self._sel)
+                                                 max_deliver=max_deliver, sel=self._sel)
                     else:
                         taken = queue.lease_batch(tr, self._ts, spaces[shard_id], self.id, epoch, left,
-                                                     lease_id, ack_wait_ms, sel=self._sel)
+                                                  lease_id, ack_wait_ms, max_deliver=max_deliver, sel=self._sel)
                 except LeaseLost:
                     rnd.lost = True
                     continue
@@ -550,7 +575,8 @@ class Consumer:
             if not none:
                 with self._leases_lock:
                     for t in taken:
-                        self._leases[(part.shard_id, t.vs.to_bytes())] = [lease_id, 0, now, ack_wait_s, t.lease_key]
+                        self._leases[(part.shard_id, t.vs.to_bytes())] = [lease_id, 0, now, ack_wait_s, t.lease_key,
+                                                                          handed]
             out += [_to_message(t, self.topic, self.subscription, self) for t in taken]
         if rnd.lost:
             self._refresh_owned()
@@ -660,7 +686,7 @@ class Consumer:
                 return []
             shards = self._next_shards()
             try:
-                out = self._lease_many(shards, max_messages, ack_wait_s)
+                out = self._lease_many(shards, max_messages, ack_wait_s, handed=True)
             except BaseException:
                 after_interrupt()
                 for s, _e in shards:
@@ -733,6 +759,12 @@ class Consumer:
     def ack_many(self, messages):
         self.settle([Settlement(m, ACK) for m in messages])
 
+    def release(self, messages):
+        """Give ``messages`` back at once, in one transaction, without counting an
+        attempt (``Message.release()`` of each): fetched messages the application never
+        began on (a reader gone, a shutdown before their turn)."""
+        self.settle([Settlement(m, RELEASE) for m in messages])
+
     # -- lifecycle -------------------------------------------------------------------
 
     def close(self):
@@ -766,19 +798,22 @@ class Consumer:
                                       max(0.0, deadline - _monotonic()))
 
     def _return_leases(self, deadline):
-        """Nak (delay 0) what this consumer leased and did not settle. Only its own
-        leases (its lease-id prefix): ``_leases`` also holds what its lease check observes
-        of other consumers' leases in its shards (a live previous owner's, still being
-        worked on), and returning those would redeliver them before their ack wait."""
+        """Give back what this consumer leased and did not settle: a message ``fetch``
+        handed to the application is nak'd (delay 0; it was an attempt, dead-lettered if it
+        was the last, ``max_deliver``), one never handed over (a tail's round cut short)
+        is released (no attempt counted). Only its own leases (its lease-id prefix):
+        ``_leases`` also holds what its lease check observes of other consumers' leases in
+        its shards (a live previous owner's, still being worked on), and returning those
+        would redeliver them before their ack wait."""
         with self._leases_lock:
-            mine = [(k, v) for k, v in self._leases.items() if v[0][:8] == self._lease_prefix]
+            mine = [(k, v) for k, v in self._leases.items() if v[0] is not None and v[0][:8] == self._lease_prefix]
         rows = []
-        for (shard_id, vs12), (lease_id, _t, _s, _w, key) in mine:
+        for (shard_id, vs12), (lease_id, _t, _s, _w, key, handed) in mine:
             rows.append(SettleRow(self._ts.shard(self.subscription, *shard_id), vs_from_bytes(vs12), lease_id, key,
-                                  NAK, 0))
+                                  NAK if handed else RELEASE, 0, "not settled (consumer closed)"))
         if rows:
             try:
-                run_within(self.db, _ms_until(deadline), queue.settle, self._ts, rows, 1 << 30)
+                run_within(self.db, _ms_until(deadline), queue.settle, self._ts, rows, self.config.max_deliver)
             except FDQError as e:
                 self._report(e)
 

@@ -65,6 +65,20 @@ class ReplayTakenOver(FDQError):
     having pushed nothing the rerun will push again."""
 
 
+class CorruptValue(FDQError):
+    """A stored value does not decode (a damaged record): ``what`` it was ("message
+    record", "lease record", ...), its ``raw`` bytes as stored, and ``cause``: what the
+    decoder found wrong. Queues move such a record to the dead-letter queue, raw bytes
+    kept, and go on; log readers skip it with a warning."""
+
+    def __init__(self, what: str, raw=b"", cause: str = ""):
+        self.what, self.raw, self.cause = what, bytes(raw), cause
+        super().__init__(f"{what} does not decode: {cause}" if cause else f"{what} does not decode")
+
+    def __reduce__(self):
+        return (type(self), (self.what, self.raw, self.cause))
+
+
 class ClientForked(FDQError):
     """A FoundationDB client used in a process forked after it started (it cannot work
     there: start such processes with ``spawn``, or connect after the fork)."""

@@ -244,7 +244,7 @@ class Member:
         # can hold up for seconds while a touch commits (timed from ``now``, it expired
         # early by the stall). Due checks keep ``now``: they err late, never early.
         seen_at = max(now, _monotonic())
-        leases = c._leases      # ((tag, n), 12-byte vs) -> [lease_id, touches, since, ack_wait_s, record key]
+        leases = c._leases      # ((tag, n), 12-byte vs) -> [lease_id, touches, since, ack_wait_s, record key, handed]
         for shard_id, epoch in owned.items():
             shard = spaces[shard_id]
             current = scans[shard_id]
@@ -256,7 +256,9 @@ class Member:
                     live_keys.add(key)
                     seen = leases.get(key)
                     if seen is None or seen[0] != lease_id or seen[1] != touches:
-                        leases[key] = [lease_id, touches, seen_at, ack_wait_ms / 1000, rkey]
+                        # (the last field: handed to the application, ``Consumer._lease_many``)
+                        handed = seen is not None and seen[0] == lease_id and seen[5]
+                        leases[key] = [lease_id, touches, seen_at, ack_wait_ms / 1000, rkey, handed]
                     elif now - seen[2] >= seen[3]:
                         due.setdefault((rkey, lease_id), []).append((vs, touches))
             for (rkey, lease_id), expiring in due.items():

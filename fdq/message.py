@@ -15,7 +15,7 @@ from types import MappingProxyType
 
 from .engine import after_interrupt
 from .errors import ConfigError, FDQError, LeaseLost
-from .ops.queue import Taken
+from .ops.queue import MAX_REASON_CHARS, Taken
 from .settlement import ACK, NAK, RELEASE, TERM, TOUCH, Action, Settlement
 
 _monotonic = time.monotonic  # lease timing: this host's monotonic clock only
@@ -75,12 +75,14 @@ class Message:
         """Done: remove it for good."""
         self._settle(ACK)
 
-    def nak(self, delay: float | None = None):
-        """Redeliver it, after ``delay`` seconds (default: the consumer's backoff)."""
+    def nak(self, delay: float | None = None, *, error: BaseException | str | None = None):
+        """Redeliver it, after ``delay`` seconds (default: the consumer's backoff).
+        ``error``: why this attempt failed (an exception, or text), kept in the dead
+        letter's reason if it was the last one (``max_deliver``)."""
         _check_delay(delay)
         if delay is None and self._consumer is not None:
             delay = self._consumer.config.backoff_for(self.attempts)
-        self._settle(NAK, delay)
+        self._settle(NAK, delay, _failure(error) if error is not None else None)
 
     def release(self):
         """Give it back at once without counting an attempt, first in line again: for a
@@ -106,6 +108,13 @@ class Message:
     def in_progress(self):
         """Still working on it: restart its lease."""
         self._settle(TOUCH)
+
+
+def _failure(error: BaseException | str) -> str:
+    """How an attempt failed, for a dead letter's reason: ``failed: <type>: <message>``
+    of an exception (or ``failed: <text>``), on one line, at most ``MAX_REASON_CHARS``."""
+    text = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
+    return ("failed: " + " ".join(text.split()))[:MAX_REASON_CHARS]
 
 
 class _Round(list):

@@ -33,7 +33,9 @@ ACK, NAK, TERM, TOUCH, RELEASE = Action.ACK, Action.NAK, Action.TERM, Action.TOU
 
 class Settlement(NamedTuple):
     """One message's settlement. ``delay_s``: a ``NAK``'s redelivery delay in seconds
-    (None or 0: at once); ``reason``: a ``TERM``'s, kept with the dead letter.
+    (None or 0: at once); ``reason``: a ``TERM``'s, kept with the dead letter; a
+    ``NAK``'s: how the attempt failed (``Message.nak(error=...)``: "failed: ValueError:
+    ..."), kept in the dead letter's reason if it was the last one (``max_deliver``).
 
     A named tuple rather than a frozen dataclass: immutable and named just the same, and
     made once per delivered message on the consuming hot path, where a frozen

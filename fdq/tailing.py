@@ -36,12 +36,13 @@ ACK_LINGER_S = 0.005
 
 class _OnceAttempt:
     """The attempt of ``TailConsumer._process_exactly_once``'s transaction under way: what
-    it took, the message whose handler runs (None between them), its watch."""
+    it took, the message whose handler runs (None between them; ``message``: as the
+    handler got it), its watch."""
 
-    __slots__ = ("taken", "current", "watch")
+    __slots__ = ("taken", "current", "message", "watch")
 
     def __init__(self):
-        self.taken, self.current, self.watch = [], None, None
+        self.taken, self.current, self.message, self.watch = [], None, None, None
 
 
 class _HeadFailure:
@@ -169,7 +170,7 @@ class TailConsumer(Consumer):
                 try:
                     self.handler(m)
                 except Exception as e:  # at most once: the message is gone either way
-                    self._report(e)
+                    self._report(e, m)
         finally:
             if defer:
                 self._arm_pending()
@@ -212,8 +213,8 @@ class TailConsumer(Consumer):
                         m.ack()
                 except Exception as e:
                     if m._settled is None:
-                        m.nak()
-                    self._report(e)
+                        m.nak(error=e)
+                    self._report(e, m)
                 m._deferred = None
         finally:
             pending = self._end_round(pending)
@@ -246,10 +247,11 @@ class TailConsumer(Consumer):
 
         def body(tr, _attempt) -> int:
             run.taken, run.current, run.watch = [], None, None
-            run.taken = queue.take_batch(tr, self._ts, shard, self.id, epoch, limit, finish=True, sel=self._sel)
+            run.taken = queue.take_batch(tr, self._ts, shard, self.id, epoch, limit, finish=True,
+                                         max_deliver=self.config.max_deliver, sel=self._sel)
             for t in run.taken:
                 run.current = t
-                m = _to_message(t, self.topic, self.subscription, self)
+                m = run.message = _to_message(t, self.topic, self.subscription, self)
                 m._in_tr = True
                 try:
                     self.handler(tr, m)
@@ -281,7 +283,7 @@ class TailConsumer(Consumer):
                     return Done(_HeadFailure(head, f"handler cannot finish within one transaction "
                                                    f"({EngineError(e.code).name})", e.code == 2101))
                 return None
-            self._report(e)
+            self._report(e, run.message if current is not None else None)
             if current is None:
                 return Done(_HeadFailure(None))
             reason = f"handler raised {type(e).__name__}: {e}"

@@ -225,8 +225,8 @@ class Channel:
                 if other is None:
                     break
                 rest = other.deliver(rest)
-            for m in rest:           # nobody can take it now: back to the queue at once
-                self.settle(None, m, "nak", 0)
+            for m in rest:           # nobody can take it now: back to the queue at once, no attempt counted
+                self.settle(None, m, "release")
 
     # -- settlements, committed in batches -----------------------------------------
 

@@ -10,6 +10,12 @@ up to 127 in one byte, as nil. ``due``: a delayed message's due time (database c
 ``membership.read_clock``), kept in its log entry so a copy made from the log (catch-up,
 reset, replay, play) waits for it. Bodies over ``CHUNK_BYTES`` are split: the record keeps
 the chunk count and the chunks live beside it (``.../chunks/<vs>/<i>``).
+
+Every decoder here returns a value of the shape its writer wrote or raises
+:class:`~fdq.errors.CorruptValue` (a damaged value: never msgpack's, ``ValueError``,
+``TypeError``, ...): ``_decoding`` turns what goes wrong into it, and each checks the
+decoded shape (list, field count, field types) where a wrong one would go on to fail
+far from the read.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from itertools import chain
 import msgpack
 from fdb.tuple import Versionstamp
 
+from ..errors import CorruptValue
 from .stamps import stamped_value, version_of
 
 CHUNK_BYTES = 90_000  # under FDB's 100,000-byte value limit, with room for the record
@@ -43,6 +50,34 @@ _local = threading.local()
 # use_list=True): calling it without keywords skips their parsing, about half of a small
 # record's decode (0.63 -> 0.28 µs), which the consuming hot path pays per message.
 _unpackb = msgpack.unpackb
+# What decoding damaged bytes raises: msgpack's errors (ValueError subclasses and
+# UnpackException), and what a well-formed value of the wrong shape makes the code
+# after it raise.
+_DECODE_ERRORS = (msgpack.UnpackException, ValueError, TypeError, IndexError, KeyError, AttributeError,
+                  OverflowError, struct.error)
+
+
+def _corrupt(what: str, raw, e: BaseException) -> CorruptValue:
+    """The CorruptValue of a ``what`` whose ``raw`` bytes failed to decode with ``e``."""
+    cause = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    try:
+        raw = bytes(raw)
+    except (TypeError, ValueError):
+        raw = b""
+    return CorruptValue(what, raw, cause[:300])
+
+
+def _decoding(what: str, decode, raw):
+    """``decode(raw)``, any decoding failure raised as CorruptValue naming ``what``."""
+    try:
+        return decode(raw)
+    except _DECODE_ERRORS as e:
+        raise _corrupt(what, raw, e) from None
+
+
+class _Shape(ValueError):
+    """A value decoded, but not to the shape its writer writes (raised inside the
+    decoders, turned into CorruptValue)."""
 
 
 def packer():
@@ -78,9 +113,25 @@ class Record:
 
     @classmethod
     def decode(cls, raw) -> "Record":
-        fields = _unpackb(raw if type(raw) is bytes else bytes(raw))
-        if len(fields) > _NFIELDS:      # written by a newer version: its extra fields ignored
-            del fields[_NFIELDS:]
+        """The record of ``raw``; CorruptValue if it is not one."""
+        try:
+            fields = _unpackb(raw if type(raw) is bytes else bytes(raw))
+            if type(fields) is not list or not fields:
+                raise _Shape(f"not a record: {type(fields).__name__}")
+            if len(fields) > _NFIELDS:      # written by a newer version: its extra fields ignored
+                del fields[_NFIELDS:]
+            n = len(fields)
+            # the first five fields (most records have no more) checked inline: a loop
+            # over them doubled a small record's decode, which the consuming hot path pays
+            if (type(fields[0]) is not int
+                    or (n > 1 and type(fields[1]) not in _KEY_TYPES)
+                    or (n > 2 and type(fields[2]) not in _STR_TYPES)
+                    or (n > 3 and type(fields[3]) not in _MAP_TYPES)
+                    or (n > 4 and type(fields[4]) is not bytes)
+                    or (n > 5 and not all(map(_in, _SLOT_TYPES[5:], map(type, fields[5:]))))):
+                raise _Shape("a field of the wrong type: " + ", ".join(type(v).__name__ for v in fields))
+        except _DECODE_ERRORS as e:
+            raise _corrupt("message record", raw, e) from None
         if len(fields) > 1 and type(fields[1]) is int:      # an unkeyed message's home
             home, fields[1] = fields[1], None
             return cls(*fields, home=home)
@@ -88,6 +139,14 @@ class Record:
 
 
 _RECORD_PAD = [None, None, None, None, b"", 0, 0, None]   # a record's dropped trailing defaults
+_NONE = type(None)
+_in = frozenset.__contains__
+_KEY_TYPES, _STR_TYPES, _MAP_TYPES = (str, int, _NONE), (str, _NONE), (dict, _NONE)
+# The types each record field may have (``Record.decode`` checks them): ts_ms,
+# shard_key | home, msg_id, headers, body, attempts, nchunks, replay_of, due.
+_SLOT_TYPES = (frozenset({int}), frozenset({str, int, _NONE}), frozenset({str, _NONE}), frozenset({dict, _NONE}),
+               frozenset({bytes}), frozenset({int}), frozenset({int}), frozenset({str, _NONE}),
+               frozenset({int, _NONE}))
 
 
 def decode_columns(raws) -> tuple:
@@ -96,7 +155,13 @@ def decode_columns(raws) -> tuple:
     unkeyed message; ``nchunks`` None when no record has chunks), for bulk readers."""
     # The batch's records in one msgpack call: concatenated under one array header,
     # each record a tuple; then column-wise in C (zip stops at the shortest record).
-    recs = _unpackb(b"".join(chain((b"\xdd" + len(raws).to_bytes(4, "big"),), raws)), use_list=False)
+    # CorruptValue if any of them is not a record (callers then decode them one by one).
+    try:
+        recs = _unpackb(b"".join(chain((b"\xdd" + len(raws).to_bytes(4, "big"),), raws)), use_list=False)
+        if set(map(type, recs)) != {tuple} or not all(recs):
+            raise _Shape("not a list of records")
+    except _DECODE_ERRORS as e:
+        raise _corrupt("message records", b"", e) from None
     cols = list(zip(*recs))
     if len(cols) < 5:   # a record drops trailing default fields; most keep the first five
         pad = _RECORD_PAD
@@ -104,17 +169,25 @@ def decode_columns(raws) -> tuple:
         cols = list(zip(*recs))
     tss, sks, mids, hds, bodies = cols[:5]
     del cols
+    if not (set(map(type, tss)) <= {int} and set(map(type, bodies)) <= {bytes}
+            and set(map(type, sks)) <= _SLOT_TYPES[1] and set(map(type, mids)) <= _SLOT_TYPES[2]
+            and set(map(type, hds)) <= _SLOT_TYPES[3]):
+        raise CorruptValue("message records", b"", "a field of the wrong type")
     if int in set(map(type, sks)):   # an unkeyed message's slot holds its home (Record.home)
         sks = [None if type(k) is int else k for k in sks]
     top = max(map(len, recs))
     nchunks = [r[6] if len(r) > 6 else 0 for r in recs] if top > 6 else None
     reps = [r[7] if len(r) > 7 else None for r in recs] if top > 7 else [None] * len(recs)
+    if (nchunks is not None and not set(map(type, nchunks)) <= {int}) or not set(map(type, reps)) <= _SLOT_TYPES[7]:
+        raise CorruptValue("message records", b"", "a field of the wrong type")
     return tss, sks, mids, hds, bodies, nchunks, reps
 
 
 def has_chunks(raw: bytes) -> bool:
     """Whether an encoded record may have body chunks, without decoding it: a record of
     fewer than 7 fields (a msgpack fixarray 0x90-0x96) has none."""
+    if not raw:
+        raise CorruptValue("message record", raw, "empty")
     return not (0x90 <= raw[0] <= 0x96) and Record.decode(raw).nchunks > 0
 
 
@@ -168,17 +241,50 @@ def encode_leases(lease_id: bytes, consumer_id: str, ack_wait_ms: int, flat_entr
 
 def decode_leases(key: bytes, raw) -> LeaseRecord:
     """A lease record (``key``: its key, unused: the record holds its stamps)."""
-    v = _unpackb(bytes(raw))
+    try:
+        v = _unpackb(bytes(raw))
+        if (type(v) is not list or len(v) < 7 or (len(v) - 4) % 3 or v[0] != LEASE_FORMAT
+                or type(v[1]) is not bytes or type(v[2]) is not str or type(v[3]) is not int
+                or set(map(type, v[4::3])) != {bytes} or set(map(len, v[4::3])) != {12}
+                or set(map(type, v[5::3])) != {bytes} or set(map(type, v[6::3])) != {int}):
+            raise _Shape("not a lease record")
+    except _DECODE_ERRORS as e:
+        raise _corrupt("lease record", raw, e) from None
     return LeaseRecord(v[1], v[2], v[3], [v[i:i + 3] for i in range(4, len(v), 3)])
 
 
-def encode_dead(record: bytes, reason: str, consumer_id: str | None) -> bytes:
-    return packer()([record, reason, consumer_id])
+def lease_entries_hint(raw) -> int:
+    """How many messages a lease record that does not decode held, as far as its array
+    header still says (0 if that is damaged too, or claims more entries than its bytes
+    could hold: at least ``LEASE_ENTRY_OVERHEAD`` + 13 bytes each)."""
+    unpacker = msgpack.Unpacker()
+    unpacker.feed(bytes(raw))
+    try:
+        n = unpacker.read_array_header()
+    except _DECODE_ERRORS:
+        return 0
+    if n < 7 or (n - 4) % 3 or (n - 4) // 3 * (LEASE_ENTRY_OVERHEAD + 13) > len(raw):
+        return 0
+    return (n - 4) // 3
+
+
+def encode_dead(record: bytes, reason: str, consumer_id: str | None, raw: bool = False) -> bytes:
+    """A dead letter: the record as delivered, or with ``raw`` the bytes of a record
+    that did not decode, as they were stored (kept for inspection, never redriven)."""
+    return packer()([record, reason, consumer_id, True] if raw else [record, reason, consumer_id])
 
 
 def decode_dead(raw):
-    """-> (record bytes, reason, consumer_id)"""
-    return tuple(_unpackb(bytes(raw)))
+    """-> (record bytes, reason, consumer_id, raw: whether the record bytes are an
+    undecodable record's, ``encode_dead``)"""
+    try:
+        v = _unpackb(bytes(raw))
+        if (type(v) is not list or len(v) not in (3, 4) or type(v[0]) is not bytes or type(v[1]) is not str
+                or type(v[2]) not in (str, _NONE) or (len(v) == 4 and type(v[3]) is not bool)):
+            raise _Shape("not a dead letter")
+    except _DECODE_ERRORS as e:
+        raise _corrupt("dead letter", raw, e) from None
+    return v[0], v[1], v[2], len(v) == 4 and v[3]
 
 
 # -- push side: dedupe entries, markers, pending entries -------------------------------
@@ -208,9 +314,13 @@ def encode_dedupe(uv: int, ts_ms: int, shard: int) -> bytes:
 
 
 def decode_dedupe(raw) -> DedupeEntry:
-    raw = bytes(raw)
-    _uv, ts_ms, shard = _DEDUPE.unpack_from(raw, 10)
-    return DedupeEntry(Versionstamp.from_bytes(raw[:12]), ts_ms, shard)
+    def decode(raw):
+        raw = bytes(raw)
+        if len(raw) != 10 + _DEDUPE.size:
+            raise _Shape(f"{len(raw)} bytes")
+        _uv, ts_ms, shard = _DEDUPE.unpack_from(raw, 10)
+        return DedupeEntry(Versionstamp.from_bytes(raw[:12]), ts_ms, shard)
+    return _decoding("dedupe entry", decode, raw)
 
 
 # A marker holds its transaction's results: over this, its payload is split into parts
@@ -235,10 +345,12 @@ def decode_marker(raw, rest=None) -> tuple:
     """``(stamp, results)`` of a marker's value; ``rest()`` returns its further parts'
     values, read only if the marker is split."""
     raw = bytes(raw)
+    if len(raw) < 11:
+        raise CorruptValue("push marker", raw, f"{len(raw)} bytes")
     stamp, payload = raw[:10], raw[10:]
     if payload[:1] == _SPLIT:
         payload = payload[5:] + b"".join(bytes(v) for v in rest())
-    return stamp, unpack(payload)
+    return stamp, _decoding("push marker", _unpackb, payload)
 
 
 def encode_pending(n: int) -> bytes:
@@ -249,8 +361,11 @@ def encode_pending(n: int) -> bytes:
 
 def decode_pending(raw) -> int:
     """The log bucket of a pending entry."""
-    v = unpack(raw)
-    return v[0] if isinstance(v, list) else v
+    v = _decoding("pending entry", unpack, raw)
+    n = v[0] if type(v) is list and v else v
+    if type(n) is not int:
+        raise CorruptValue("pending entry", raw, f"holds a {type(n).__name__}, not a bucket number")
+    return n
 
 
 # -- replay progress, subscription records -----------------------------------------------
@@ -261,7 +376,14 @@ def encode_replay(state: dict) -> bytes:
 
 
 def decode_replay(raw) -> dict | None:
-    return None if raw is None or raw == None else unpack(raw)  # noqa: E711 - FDB's absent Value
+    return None if raw is None or raw == None else _decode_dict("replay progress", raw)  # noqa: E711 - FDB's absent Value
+
+
+def _decode_dict(what: str, raw) -> dict:
+    v = _decoding(what, unpack, raw)
+    if type(v) is not dict:
+        raise CorruptValue(what, raw, f"a {type(v).__name__}, not a map")
+    return v
 
 
 def encode_subscription(record: dict) -> bytes:
@@ -270,7 +392,12 @@ def encode_subscription(record: dict) -> bytes:
 
 
 def decode_subscription(raw) -> dict | None:
-    return None if raw is None or raw == None else unpack(raw)  # noqa: E711 - FDB's absent Value
+    if raw is None or raw == None:  # noqa: E711 - FDB's absent Value
+        return None
+    v = _decode_dict("subscription record", raw)
+    if type(v.get("config")) is not dict:
+        raise CorruptValue("subscription record", raw, "no config map")
+    return v
 
 
 def pack(obj) -> bytes:
@@ -278,7 +405,11 @@ def pack(obj) -> bytes:
 
 
 def unpack(raw):
-    return _unpackb(bytes(raw))
+    """A stored msgpack value; CorruptValue if it does not decode."""
+    try:
+        return _unpackb(bytes(raw))
+    except _DECODE_ERRORS as e:
+        raise _corrupt("stored value", raw, e) from None
 
 
 def shard_of(shard_key: str, shards: int) -> int:

@@ -6,11 +6,16 @@ reached, a handler that cannot commit), one entry per message under its versions
 body's chunks stay in the subscription's chunk area beside it. A redrive puts a dead
 letter back where its push put it (:func:`~fdq.ops.routing.target`), attempts reset,
 unless a copy is queued there already.
+
+A record that did not decode was dead-lettered as it was stored (a raw dead letter,
+``queue._dead_letter_undecodable``): listed with its bytes as its body, purged as any
+other, never redriven (a redrive that meets one stops with an FDQError naming it).
 """
 from __future__ import annotations
 
 from ..engine import transactional
-from ..keyspace import TopicSpace, counter, decode_counter
+from ..errors import CorruptValue, FDQError
+from ..keyspace import TopicSpace, counter, decode_counter, message_id
 from ..keyspace.codec import CHUNK_WRITE_BYTES, Record, decode_dead, has_chunks
 from .topics import read_topic_config
 from .queue import in_shard
@@ -20,17 +25,31 @@ from .routing import target
 _ONE, _MINUS_ONE = counter(1), counter(-1)
 
 
+def _undecodable(value) -> tuple:
+    """``decode_dead`` of a dead letter's ``value``: (record bytes, reason, consumer_id,
+    raw); a value that does not decode itself is a raw one of its own bytes."""
+    try:
+        return decode_dead(value)
+    except CorruptValue as e:
+        return bytes(value), f"undecodable {e.what}: {e.cause}", None, True
+
+
 @transactional
 def dlq_list(tr, ts: TopicSpace, sub: str, limit: int = 100, after: bytes | None = None) -> list:
     """[(vs, Record, reason, consumer_id, key)] of the DLQ, oldest first; each
-    record's ``body`` is the whole body (a large one's chunks joined)."""
+    record's ``body`` is the whole body (a large one's chunks joined). A raw dead letter
+    (a record that did not decode) is a Record of its bytes as ``body``, ``ts_ms`` 0, its
+    reason saying what failed to decode."""
     space = ts.dlq(sub)
     r = space.range()
     begin = after + b"\x00" if after else r.start
     out = []
     for kv in tr.snapshot.get_range(begin, r.stop, limit=limit):
-        raw, reason, cid = decode_dead(kv.value)
+        raw, reason, cid, undecodable = _undecodable(kv.value)
         vs = ts.dlq_vs(sub, kv.key)
+        if undecodable:
+            out.append((vs, Record(0, body=raw), reason, cid, kv.key))
+            continue
         rec = Record.decode(raw)
         if rec.nchunks:     # the chunks stay in the subscription's chunk area (queue._dead_letter)
             c = ts.sub_chunks_range(sub, vs)
@@ -55,7 +74,11 @@ def _redrive_entry(tr, ts: TopicSpace, sub: str, shards: int, key: bytes, value:
     Where: ``routing.target``, as every copy (an unkeyed one looked in the shard of its
     versionstamp, not its push's, and was queued twice)."""
     vs = ts.dlq_vs(sub, key)
-    raw, _reason, _cid = decode_dead(value)
+    raw, _reason, _cid, undecodable = _undecodable(value)
+    if undecodable:
+        raise FDQError(f"dead letter {message_id(vs)} of {ts.name}/{sub} holds undecodable bytes (not a "
+                       f"message: nothing to redrive): read its bytes with fdq dlq list --json, purge it "
+                       f"(Supervisor.dlq_purge_ids), then redrive the others")
     rec = Record.decode(raw)
     rec.attempts = 0
     shard = ts.shard(sub, *target(rec, shards))
@@ -120,7 +143,7 @@ def dlq_purge_ids(tr, ts: TopicSpace, sub: str, vss: list) -> int:
         value = tr[key]
         if value == None:  # noqa: E711
             continue
-        if has_chunks(decode_dead(bytes(value))[0]):
+        if _chunked(value):
             c = ts.sub_chunks_range(sub, vs)
             tr.clear_range(c.start, c.stop)
         del tr[key]
@@ -141,13 +164,24 @@ def dlq_purge_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
     for kv in tr.get_range(r.start, r.stop, limit=limit):
         last = kv.key
         n += 1
-        if has_chunks(decode_dead(kv.value)[0]):
+        if _chunked(kv.value):
             c = ts.sub_chunks_range(sub, ts.dlq_vs(sub, kv.key))
             tr.clear_range(c.start, c.stop)
     if last is not None:
         tr.clear_range(r.start, last + b"\x00")
         tr.add(ts.sub_stat(sub, "dead"), counter(-n))
     return n
+
+
+def _chunked(value) -> bool:
+    """Whether a dead letter may have body chunks beside it (a raw one: it may)."""
+    raw, _reason, _cid, undecodable = _undecodable(value)
+    if undecodable:
+        return True
+    try:
+        return has_chunks(raw)
+    except CorruptValue:
+        return True
 
 
 def dlq_size(reader, ts: TopicSpace, sub: str) -> int:

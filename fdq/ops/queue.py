@@ -15,6 +15,11 @@ Consumers read the ready queue with snapshot range reads plus a read conflict on
 key they take, so pushes into the same shard never abort them; every consuming
 transaction reads the shard record first (the owner-epoch fence).
 
+A stored record that does not decode (a damaged value: ``CorruptValue``) is moved to the
+dead-letter queue by the transaction that meets it, its bytes kept as stored and the
+reason naming what failed to decode (``_dead_letter_undecodable``), and the read goes on:
+one damaged record never stops its shard.
+
 A message put back in a queue (a nak, an expiry) while the topic reshards goes where the
 reshard puts it (:func:`~fdq.ops.routing.target`). The dead-letter queue's own
 operations (list, redrive, purge) are :mod:`fdq.ops.dlq`'s.
@@ -30,8 +35,9 @@ import fdb.tuple as fdbtuple
 from ..engine import transactional
 from ..keyspace import (ShardSpace, StoredVersionstamp, TopicSpace, Versionstamp, counter, decode_counter,
                         position_of, vs_from_bytes)
+from ..errors import CorruptValue
 from ..keyspace.codec import (CHUNK_BYTES, LEASE_ENTRY_OVERHEAD, LEASE_RECORD_BYTES, LeaseRecord, Record,
-                              decode_leases, encode_dead, encode_leases, has_chunks)
+                              decode_leases, encode_dead, encode_leases, has_chunks, lease_entries_hint)
 from ..settlement import ACK, NAK, RELEASE, TERM, TOUCH, Action
 from .topics import load_config
 from .clock import read_clock
@@ -135,9 +141,26 @@ SCAN_LIMIT = 10_000   # ready entries one take may skip over (held keys) before 
 def read_leases(reader, shard: ShardSpace, limit: int = 0) -> list:
     """[(key, LeaseRecord)] of the shard's lease records in key order, read through
     ``reader`` (a transaction: conflicts with any lease change of the shard; or its
-    snapshot). ``limit``: records, 0 for all."""
+    snapshot). ``limit``: records, 0 for all. A record that does not decode is
+    (key, None): ``expire_leases`` dead-letters it (``scan_leases`` makes it due)."""
     r = shard.leased.range()
-    return [(kv.key, decode_leases(kv.key, kv.value)) for kv in reader.get_range(r.start, r.stop, limit=limit)]
+    return [(kv.key, _lease_record(kv.key, kv.value)) for kv in reader.get_range(r.start, r.stop, limit=limit)]
+
+
+def _lease_record(key: bytes, raw) -> LeaseRecord | None:
+    try:
+        return decode_leases(key, raw)
+    except CorruptValue:
+        return None
+
+
+def _shard_key(raw) -> str | None:
+    """A stored record's shard key; None if it does not decode (dead-lettered where a
+    lease or an expiry meets it)."""
+    try:
+        return Record.decode(raw).shard_key
+    except CorruptValue:
+        return None
 
 
 def in_shard(tr, shard: ShardSpace, vs, cache: dict) -> bool:
@@ -153,7 +176,8 @@ def in_shard(tr, shard: ShardSpace, vs, cache: dict) -> bool:
         return True
     got = cache.get(shard)
     if got is None:
-        got = cache[shard] = {e[0] for _key, lr in read_leases(tr.snapshot, shard) for e in lr.entries}
+        got = cache[shard] = {e[0] for _key, lr in read_leases(tr.snapshot, shard) if lr is not None
+                              for e in lr.entries}
     return vs.to_bytes() in got
 
 
@@ -161,23 +185,26 @@ def _held_keys(tr, shard: ShardSpace) -> set:
     """Shard keys with a message leased or delayed (waiting for redelivery or due)."""
     held = set()
     for _key, lr in read_leases(tr.snapshot, shard, SCAN_LIMIT):
-        for e in lr.entries:
-            held.add(Record.decode(e[1]).shard_key)
+        if lr is not None:
+            for e in lr.entries:
+                held.add(_shard_key(e[1]))
     r = shard.delayed.range()
     for kv in tr.snapshot.get_range(r.start, r.stop, limit=SCAN_LIMIT):
-        held.add(Record.decode(kv.value).shard_key)
+        held.add(_shard_key(kv.value))
     held.discard(None)
     return held
 
 
-def _select_ready(tr, shard: ShardSpace, limit: int, sel: Selection) -> list:
+def _select_ready(tr, ts: TopicSpace, shard: ShardSpace, limit: int, sel: Selection, max_deliver: int,
+                  consumer_id: str) -> list:
     """``_read_ready`` for a subscription with flow control, ordering or a filter.
 
     ``max_pending``: the shard's ``in_flight`` counter (snapshot) bounds the batch. Only
     the shard's owner raises it, in this fenced transaction, so the bound is exact.
     ``ordered``: messages whose key is held (leased or delayed, or taken earlier in this
     batch) are skipped without a read conflict; keys behind them still flow, within
-    ``SCAN_LIMIT`` skipped entries. Filtered-out messages are removed and counted done."""
+    ``SCAN_LIMIT`` skipped entries. Filtered-out messages are removed and counted done;
+    messages past ``max_deliver`` are dead-lettered (``_deliverable``)."""
     if sel.max_pending is not None:
         limit = min(limit, sel.max_pending - decode_counter(tr.snapshot[shard.stat("in_flight")]))
         if limit <= 0:
@@ -191,7 +218,14 @@ def _select_ready(tr, shard: ShardSpace, limit: int, sel: Selection) -> list:
         for kv in page:
             scanned += 1
             vs = vs_from_bytes(position_of(kv.key))
-            rec = Record.decode(kv.value)
+            try:
+                rec = Record.decode(kv.value)
+            except CorruptValue as e:
+                _dead_letter_undecodable(tr, ts, shard, kv.key, vs, kv.value, e, consumer_id)
+                continue
+            if rec.attempts >= max_deliver and not _deliverable(tr, ts, shard, kv.key, vs, rec, kv.value,
+                                                                max_deliver, consumer_id):
+                continue
             if sel.match is not None and not sel.match(rec):
                 tr.add_read_conflict_key(kv.key)
                 tr.clear(kv.key)
@@ -214,30 +248,67 @@ def _select_ready(tr, shard: ShardSpace, limit: int, sel: Selection) -> list:
     return out
 
 
-def _read_ready(tr, shard: ShardSpace, limit: int, sel: Selection | None = None):
+def _read_ready(tr, ts: TopicSpace, shard: ShardSpace, limit: int, sel: Selection | None, max_deliver: int,
+                consumer_id: str):
     promoted = {}
     promote_due(tr, shard, limit, promoted)
-    out = _select_ready(tr, shard, limit, sel) if sel is not None else _read_head(tr, shard, limit)
+    if sel is not None:
+        out = _select_ready(tr, ts, shard, limit, sel, max_deliver, consumer_id)
+    else:
+        out = _read_head(tr, ts, shard, limit, max_deliver, consumer_id)
     if promoted:
         for t in out:
             t.delayed_key = promoted.get(t.vs.to_bytes())
     return out
 
 
-def _read_head(tr, shard: ShardSpace, limit: int):
+def _deliverable(tr, ts: TopicSpace, shard: ShardSpace, key: bytes, vs, rec: Record, raw, max_deliver: int,
+                 consumer_id: str) -> bool:
+    """Whether ready message ``rec`` (at ``key``) may be delivered: one that had
+    ``max_deliver`` attempts already (put back by any path under a larger bound: a
+    consumer of another config, a subscription's ``max_deliver`` lowered since) is
+    dead-lettered here, in the taking transaction, and never delivered again."""
+    if rec.attempts < max_deliver:
+        return True
+    tr.add_read_conflict_key(key)
+    tr.clear(key)
+    _dead_letter(tr, ts, shard, vs, bytes(raw),
+                 f"max_deliver ({max_deliver}) reached before delivery {rec.attempts + 1}", consumer_id)
+    return False
+
+
+def _read_head(tr, ts: TopicSpace, shard: ShardSpace, limit: int, max_deliver: int, consumer_id: str):
+    """Up to ``limit`` deliverable messages from the head of the ready queue; the ones
+    dead-lettered on the way (``_deliverable``, ``_dead_letter_undecodable``) do not
+    count, the read goes on past them."""
     r = shard.ready_range
     out = []
     append, decode = out.append, Record.decode
     snap = tr.snapshot
-    for kv in snap.get_range(r.start, r.stop, limit=limit):
-        # Ready keys end in 0x33 + the 12-byte stamp their push's commit completed.
-        vs = StoredVersionstamp(position_of(kv.key))
-        rec = decode(kv.value)
-        append(Taken(shard, vs, rec, rec.body if not rec.nchunks else _body(snap, shard, vs, rec), kv.value))
+    begin = r.start
+    while True:
+        want = limit - len(out)
+        n = 0
+        for kv in snap.get_range(begin, r.stop, limit=want):
+            n += 1
+            # Ready keys end in 0x33 + the 12-byte stamp their push's commit completed.
+            vs = StoredVersionstamp(position_of(kv.key))
+            try:
+                rec = decode(kv.value)
+            except CorruptValue as e:
+                _dead_letter_undecodable(tr, ts, shard, kv.key, vs, kv.value, e, consumer_id)
+                continue
+            if rec.attempts >= max_deliver and not _deliverable(tr, ts, shard, kv.key, vs, rec, kv.value,
+                                                                max_deliver, consumer_id):
+                continue
+            append(Taken(shard, vs, rec, rec.body if not rec.nchunks else _body(snap, shard, vs, rec), kv.value))
+        if n < want or len(out) >= limit:
+            break
+        begin = kv.key + b"\x00"
     if out:
         # Conflict only on what we take: the head of the queue, first to last key taken
-        # (one range, not a key each; nothing else was between them at our snapshot, and
-        # a push commits above every key there).
+        # (one range, not a key each; nothing else was between them at our snapshot but
+        # what was dead-lettered, and a push commits above every key there).
         first = shard.ready_key(out[0].vs)
         tr.add_read_conflict_range(first, shard.ready_key(out[-1].vs) + b"\x00")
     return out
@@ -245,13 +316,14 @@ def _read_head(tr, shard: ShardSpace, limit: int):
 
 @transactional
 def take_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, limit: int,
-               *, finish: bool = True, sel: Selection | None = None) -> list:
+               *, max_deliver: int, finish: bool = True, sel: Selection | None = None) -> list:
     """Remove up to ``limit`` ready messages (at-most-once and exactly-once delivery).
-    ``finish``: count them done (exactly-once counts in the caller's transaction)."""
+    ``finish``: count them done (exactly-once counts in the caller's transaction). A
+    message whose failed attempts reached ``max_deliver`` is dead-lettered instead."""
     ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
     if not _consumable(tr, ts, shard.sub):
         return []
-    taken = _read_ready(tr, shard, limit, sel)
+    taken = _read_ready(tr, ts, shard, limit, sel, max_deliver, consumer_id)
     if taken and sel is None:
         # The head of the queue, first to last key: ``_read_ready`` read it all and holds
         # a read conflict on it, so one range clear removes exactly what it took.
@@ -296,14 +368,16 @@ def batch_leased(tr, shard: ShardSpace, keys, lease_id: bytes) -> bool:
 
 @transactional
 def lease_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, limit: int,
-                lease_id: bytes, ack_wait_ms: int, *, sel: Selection | None = None) -> list:
+                lease_id: bytes, ack_wait_ms: int, *, max_deliver: int, sel: Selection | None = None) -> list:
     """Lease up to ``limit`` ready messages (at-least-once): they move into one lease
     record (several if their records exceed ``LEASE_RECORD_BYTES``) under ``lease_id``,
-    with the consumer and its ack wait; each delivery counts ``attempts + 1``."""
+    with the consumer and its ack wait; each delivery counts ``attempts + 1``. A message
+    delivered ``max_deliver`` times already is dead-lettered instead: never delivered
+    past it, whatever put it back."""
     ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
     if not _consumable(tr, ts, shard.sub):
         return []
-    taken = _read_ready(tr, shard, limit, sel)
+    taken = _read_ready(tr, ts, shard, limit, sel, max_deliver, consumer_id)
     if not taken:
         return taken
     if sel is None:
@@ -339,12 +413,23 @@ MAX_REASON_CHARS = 1000    # a dead letter's reason is cut to this (a record plu
 
 
 def _dead_letter(tr, ts: TopicSpace, shard: ShardSpace, vs, record_raw: bytes, reason: str,
-                 consumer_id: str | None):
+                 consumer_id: str | None, raw: bool = False):
     if len(reason) > MAX_REASON_CHARS:
         reason = reason[:MAX_REASON_CHARS - 1] + "…"
-    tr[ts.dlq_key(shard.sub, vs)] = encode_dead(record_raw, reason, consumer_id)
+    tr[ts.dlq_key(shard.sub, vs)] = encode_dead(record_raw, reason, consumer_id, raw)
     # Chunks of large bodies stay in the subscription's chunk area with the DLQ entry.
     _add(tr, {shard.stat("done"): 1, shard.stat("dead"): 1, ts.sub_stat(shard.sub, "dead"): 1})
+
+
+def _dead_letter_undecodable(tr, ts: TopicSpace, shard: ShardSpace, key: bytes, vs, raw, e: CorruptValue,
+                             consumer_id: str | None):
+    """A queued row (at ``key``) whose record does not decode: to the DLQ in this
+    transaction, its bytes as stored (a raw dead letter: listed, never redriven), the
+    reason naming what failed; the caller's read goes on. Its body chunks, if it had
+    any, stay in the subscription's chunk area with it, as any dead letter's."""
+    tr.add_read_conflict_key(key)
+    tr.clear(key)
+    _dead_letter(tr, ts, shard, vs, bytes(raw), f"undecodable {e.what}: {e.cause}", consumer_id, raw=True)
 
 
 def dead_letter_taken(tr, ts: TopicSpace, taken: Taken, reason: str, consumer_id: str):
@@ -386,6 +471,18 @@ def _requeue(tr, ts: TopicSpace, shard: ShardSpace, vs, record_raw: bytes, delay
     tr.add(shard.stat("requeued"), ONE)
 
 
+def _clear_entry_chunks(tr, shard: ShardSpace, vs, raw):
+    """Delete the body chunks of a settled lease entry's record ``raw`` (of one that does
+    not decode: whatever chunks its message has)."""
+    try:
+        if not has_chunks(raw):
+            return
+    except CorruptValue:
+        pass
+    r = shard.chunks_range(vs)
+    tr.clear_range(r.start, r.stop)
+
+
 def _put_record(tr, key: bytes, lr: LeaseRecord, gone: set):
     """Write back a lease record without the entries whose vs is in ``gone`` (delete it
     if none is left)."""
@@ -400,7 +497,9 @@ class SettleRow(NamedTuple):
     """One settlement as ``settle`` applies it: the leased message (its shard, its key's
     versionstamp, the lease id and the key of the lease record holding it), the
     :class:`~fdq.settlement.Action`, and ``arg``: a ``NAK``'s delay in seconds, a
-    ``TERM``'s reason (else None)."""
+    ``TERM``'s reason (else None); ``reason``: a ``NAK``'s, how the attempt ended
+    ("failed: ValueError: ...", "not settled (consumer closed)"; None: "nak'd"), kept in
+    the dead letter's reason if it was the last."""
 
     shard: ShardSpace
     vs: Versionstamp
@@ -408,6 +507,7 @@ class SettleRow(NamedTuple):
     lease_key: bytes
     action: Action
     arg: object = None
+    reason: str | None = None
 
 
 def _acks_all(lr: LeaseRecord, rows: list) -> bool:
@@ -445,13 +545,15 @@ def settle(tr, ts: TopicSpace, rows: list, max_deliver: int) -> list:
         if raw == None:  # noqa: E711
             lost += group
             continue
-        lr = decode_leases(key, raw)
+        lr = _lease_record(key, raw)
+        if lr is None:      # does not decode: its expiry dead-letters it (``expire_leases``)
+            lost += group
+            continue
         shard = group[0].shard
         if _acks_all(lr, group):
             del tr[key]
             for e in lr.entries:
-                if has_chunks(e[1]):
-                    _clear_chunks(tr, shard, vs_from_bytes(e[0]), Record.decode(e[1]))
+                _clear_entry_chunks(tr, shard, vs_from_bytes(e[0]), e[1])
             acked[shard] = acked.get(shard, 0) + len(group)
             continue
         index = {e[0]: e for e in lr.entries}
@@ -469,21 +571,25 @@ def settle(tr, ts: TopicSpace, rows: list, max_deliver: int) -> list:
                 continue
             gone.add(vs12)
             if action is ACK:
-                if has_chunks(entry[1]):
-                    _clear_chunks(tr, shard, vs, Record.decode(entry[1]))
+                _clear_entry_chunks(tr, shard, vs, entry[1])
                 acked[shard] = acked.get(shard, 0) + 1
                 continue
             tr.add(shard.stat("in_flight"), MINUS_ONE)
             if action is RELEASE:    # never handed to a handler: back, no attempt counted
                 _requeue(tr, ts, shard, vs, entry[1], 0)
                 continue
-            rec = lr.delivered(entry)
+            try:
+                rec = lr.delivered(entry)
+            except CorruptValue as e:
+                _dead_letter(tr, ts, shard, vs, entry[1], f"undecodable {e.what}: {e.cause}", lr.consumer_id, raw=True)
+                continue
             if action is TERM:
                 _dead_letter(tr, ts, shard, vs, rec.encode(), f"terminated: {row.arg}", lr.consumer_id)
             elif action is NAK:
                 if rec.attempts >= max_deliver:
+                    ended = row.reason or "nak'd"
                     _dead_letter(tr, ts, shard, vs, rec.encode(),
-                                 f"max_deliver ({max_deliver}) reached: last attempt nak'd", lr.consumer_id)
+                                 f"max_deliver ({max_deliver}) reached: last attempt {ended}", lr.consumer_id)
                 else:
                     _requeue(tr, ts, shard, vs, rec.encode(), int((row.arg or 0) * 1000))
             else:
@@ -505,6 +611,9 @@ def scan_leases(tr, shard: ShardSpace, limit: int = 10_000) -> list:
     in the shard, from up to ``limit`` records (snapshot)."""
     out = []
     for key, lr in read_leases(tr.snapshot, shard, limit):
+        if lr is None:      # does not decode: due at once, its expiry dead-letters it
+            out.append((key, shard.leased.unpack(key)[0], None, 0, 0))
+            continue
         for vs12, _rec, touches in lr.entries:
             out.append((key, vs_from_bytes(vs12), lr.lease_id, touches, lr.ack_wait_ms))
     return out
@@ -537,7 +646,14 @@ def expire_leases(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch
     ``commit_unknown_result`` included) is left alone. Returns {vs: Expiry}."""
     ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
     raw = tr[key]
-    lr = decode_leases(key, raw) if raw != None else None  # noqa: E711
+    try:
+        lr = decode_leases(key, raw) if raw != None else None  # noqa: E711
+    except CorruptValue as e:   # the whole record to the DLQ, under its first message's id
+        del tr[key]
+        _dead_letter(tr, ts, shard, shard.leased.unpack(key)[0], bytes(raw), f"undecodable {e.what}: {e.cause}",
+                     None, raw=True)
+        tr.add(shard.stat("in_flight"), counter(-lease_entries_hint(raw)))   # as far as its header says
+        return {vs: Expiry.DEAD for vs, _t in expiring}
     index = {e[0]: e for e in lr.entries} if lr is not None and lr.lease_id == lease_id else {}
     out, gone = {}, set()
     for vs, touches in expiring:
@@ -547,10 +663,16 @@ def expire_leases(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch
             continue
         gone.add(entry[0])
         tr.add(shard.stat("in_flight"), MINUS_ONE)
-        rec = lr.delivered(entry)
+        try:
+            rec = lr.delivered(entry)
+        except CorruptValue as e:
+            _dead_letter(tr, ts, shard, vs, entry[1], f"undecodable {e.what}: {e.cause}", lr.consumer_id, raw=True)
+            out[vs] = Expiry.DEAD
+            continue
         if rec.attempts >= max_deliver:
             _dead_letter(tr, ts, shard, vs, rec.encode(),
-                         f"max_deliver ({max_deliver}) reached: lease expired", lr.consumer_id)
+                         f"max_deliver ({max_deliver}) reached: lease expired after {lr.ack_wait_ms / 1000:g} s",
+                         lr.consumer_id)
             out[vs] = Expiry.DEAD
             continue
         attempts = rec.attempts
@@ -592,7 +714,11 @@ def fail_in_place(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch
             tr[key] = raw
     if raw == None:  # noqa: E711
         return Fate.GONE
-    rec = Record.decode(raw)
+    try:
+        rec = Record.decode(raw)
+    except CorruptValue as e:
+        _dead_letter_undecodable(tr, ts, shard, key, vs, raw, e, consumer_id)
+        return Fate.DEAD
     if seen_attempts is not None and rec.attempts != seen_attempts:
         return Fate.RETRY
     rec.attempts += 1

@@ -82,3 +82,46 @@ def test_an_unkeyed_dead_letter_redriven_after_a_rewind_over_it_is_queued_once(d
     got = [m.id for m in drain(db, "t", "r", idle_s=1.0, settle="ack_many", create=False, config=FAST)]
     assert sorted(got) == sorted(ids)
     assert sub_stats(db, "t", "r")["backlog"] == 0
+
+
+def test_the_dead_letter_reason_keeps_the_handlers_last_exception(db):
+    """A handler failing every attempt: the dead letter says which exception ended the
+    last one (before: 'max_deliver (2) reached: last attempt nak'd'); a pull consumer's
+    ``nak(error=...)`` likewise."""
+    fdq.Producer(db).push("t", b"order 17")
+
+    def handler(m):
+        raise ValueError("order 17 has no customer")
+    c = fdq.tail(db, "t", handler, config=fast(max_deliver=2), on_error=lambda e: None)
+    try:
+        wait_for(lambda: sub_stats(db, "t")["dlq"] == 1, 30, what="the message dead-lettered")
+    finally:
+        c.shutdown()
+    [dead] = fdq.Supervisor(db).dlq_list("t")
+    assert dead["reason"] == "max_deliver (2) reached: last attempt failed: ValueError: order 17 has no customer"
+    fdq.Producer(db).push("t", b"pulled")
+    with fdq.Consumer(db, "t", config=fast(max_deliver=1)) as c:
+        [m] = fetch_until(c, lambda g: len(g) >= 1, 30)
+        m.nak(error=KeyError("customer\nid"))
+    assert fdq.Supervisor(db).dlq_list("t")[1]["reason"] == (
+        "max_deliver (1) reached: last attempt failed: KeyError: 'customer\\nid'")
+
+
+def test_the_default_on_error_logs_a_handlers_failure_with_its_traceback(db, caplog):
+    """No on_error: a handler's exception is logged as an error naming the message and
+    its attempt, with the traceback (before: one warning line, no traceback)."""
+    import logging
+    fdq.Producer(db).push("t", b"m")
+
+    def handler(m):
+        raise ValueError("order 17 has no customer")
+    with caplog.at_level(logging.WARNING, logger="fdq.consumer"):
+        c = fdq.tail(db, "t", handler, config=fast(max_deliver=1))
+        try:
+            wait_for(lambda: sub_stats(db, "t")["dlq"] == 1, 30, what="the message dead-lettered")
+        finally:
+            c.shutdown()
+    [rec] = [r for r in caplog.records if r.name == "fdq.consumer" and "handler failed" in r.getMessage()]
+    assert rec.levelname == "ERROR" and rec.exc_info is not None and "(attempt 1 of 1)" in rec.getMessage()
+    text = caplog.text
+    assert "Traceback" in text and "ValueError: order 17 has no customer" in text

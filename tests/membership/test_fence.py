@@ -39,9 +39,9 @@ def test_a_transaction_begun_before_the_shard_moved_cannot_commit(db, how, moved
     # a's transaction takes the head of the queue; a stalls before its commit
     stale = db.create_transaction()
     if how == "take":
-        taken = queue.take_batch(stale, ts, shard, "a", epoch, 2)
+        taken = queue.take_batch(stale, ts, shard, "a", epoch, 2, max_deliver=5)
     else:
-        taken = queue.lease_batch(stale, ts, shard, "a", epoch, 2, os.urandom(12), 30_000)
+        taken = queue.lease_batch(stale, ts, shard, "a", epoch, 2, os.urandom(12), 30_000, max_deliver=5)
     assert [t.record.body for t in taken] == [b"m0", b"m1"]
 
     # meanwhile the shard moves: a is declared a zombie (b owns it now), or a
@@ -66,12 +66,12 @@ def test_a_transaction_begun_before_the_shard_moved_cannot_commit(db, how, moved
     # the stale consumer's retry finds it is no longer the owner it was
     retry = db.create_transaction()
     with pytest.raises(fdq.LeaseLost):
-        queue.take_batch(retry, ts, shard, "a", epoch, 2)
+        queue.take_batch(retry, ts, shard, "a", epoch, 2, max_deliver=5)
     retry.cancel()
 
     # the new owner gets every message, in push order
     new_owner, new_epoch = _owner(db, ts)
-    got = queue.take_batch(db, ts, shard, new_owner, new_epoch, 10)
+    got = queue.take_batch(db, ts, shard, new_owner, new_epoch, 10, max_deliver=5)
     assert [fdq.keyspace.message_id(t.vs) for t in got] == ids
 
 
