@@ -42,7 +42,7 @@ def route_existing(tr, ts: TopicSpace, config: TopicConfig, vs, raw: bytes, cloc
         for i, c in enumerate(chunks):
             tr[shard.chunk_key(vs, i)] = c
         tr.add(shard.stat("routed"), counter(1))
-    tr.add(ts.stat("routed"), counter(1))
+    tr.add(ts.stat("routed", n), counter(1))
     return len(config.subs) * (len(raw) + sum(map(len, chunks)))
 
 

@@ -339,7 +339,7 @@ def take_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: i
         k = len(taken)
         _add(tr, {shard.stat("emitted"): k, shard.stat("done"): k if finish else 0,
                   shard.stat("acked"): k if finish else 0,
-                  ts.stat("emitted"): k, ts.stat("acked"): k if finish else 0})
+                  ts.stat("emitted", shard.n): k, ts.stat("acked", shard.n): k if finish else 0})
     return taken
 
 
@@ -405,7 +405,7 @@ def lease_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: 
         size += n
     tr[key] = encode_leases(lease_id, consumer_id, ack_wait_ms, flat)
     k = len(taken)
-    _add(tr, {shard.stat("emitted"): k, shard.stat("in_flight"): k, ts.stat("emitted"): k})
+    _add(tr, {shard.stat("emitted"): k, shard.stat("in_flight"): k, ts.stat("emitted", shard.n): k})
     return taken
 
 
@@ -444,7 +444,7 @@ def dead_letter_taken(tr, ts: TopicSpace, taken: Taken, reason: str, consumer_id
     if len(reason) > MAX_REASON_CHARS:
         reason = reason[:MAX_REASON_CHARS - 1] + "…"
     tr[ts.dlq_key(shard.sub, taken.vs)] = encode_dead(rec.encode(), reason, consumer_id)
-    _add(tr, {shard.stat("acked"): -1, ts.stat("acked"): -1, shard.stat("dead"): 1, ts.sub_stat(shard.sub, "dead"): 1})
+    _add(tr, {shard.stat("acked"): -1, ts.stat("acked", shard.n): -1, shard.stat("dead"): 1, ts.sub_stat(shard.sub, "dead"): 1})
 
 
 def _requeue(tr, ts: TopicSpace, shard: ShardSpace, vs, record_raw: bytes, delay_ms: int):
@@ -596,12 +596,9 @@ def settle(tr, ts: TopicSpace, rows: list, max_deliver: int) -> list:
                 raise ValueError(f"unknown settlement action {action!r}")
         if gone or touched:
             _put_record(tr, key, lr, gone)
-    total = 0
     for shard, n in acked.items():
-        _add(tr, {shard.stat("in_flight"): -n, shard.stat("done"): n, shard.stat("acked"): n})
-        total += n
-    if total:
-        tr.add(ts.stat("acked"), counter(total))
+        _add(tr, {shard.stat("in_flight"): -n, shard.stat("done"): n, shard.stat("acked"): n,
+                  ts.stat("acked", shard.n): n})
     return lost
 
 
