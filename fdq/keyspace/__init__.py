@@ -7,8 +7,9 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     meta/clock_version                                    read version of its last advance (display)
     config/topics/<topic>                                 topic config (read by every push)
     config/topics/<topic>/consumers/<sub>/<id>            consumer record
-    config/topics/<topic>/consumers/<sub>/<id>/hb         heartbeat counter (atomic add)
-    config/topics/<topic>/consumers/<sub>/<id>/hbc, hbv   clock, version at its last heartbeat (display)
+    config/topics/<topic>/heartbeats/<sub>/<id>/hb        heartbeat counter (atomic add): apart from
+                                                          the records, which assignment reads
+    config/topics/<topic>/heartbeats/<sub>/<id>/hbc, hbv  clock, version at its last heartbeat (display)
     config/topics/<topic>/shards/<sub>/<tag>/<n>          shard record: owner, epoch
     config/topics/<topic>/assignment/<sub>                bumped when ownership changes
     config/topics/<topic>/subs/<sub>                      subscription record (config, start)
@@ -164,6 +165,7 @@ class TopicSpace:
         self.config_key = ks.topics_config.pack((name,))
         self.config_space = ks.topics_config[name]
         self.consumers = self.config_space["consumers"]
+        self.heartbeats = self.config_space["heartbeats"]
         self.shard_records = self.config_space["shards"]
         self.assignment = self.config_space["assignment"]
         self.sub_records = self.config_space["subs"]
@@ -249,18 +251,18 @@ class TopicSpace:
         return self.consumers.pack((sub, cid))
 
     def heartbeat_key(self, sub: str, cid: str) -> bytes:
-        return self.consumers.pack((sub, cid, "hb"))
+        return self.heartbeats.pack((sub, cid, "hb"))
 
     def heartbeat_clock_key(self, sub: str, cid: str) -> bytes:
         """The database clock at consumer ``cid``'s last heartbeat (for display)."""
-        return self.consumers.pack((sub, cid, "hbc"))
+        return self.heartbeats.pack((sub, cid, "hbc"))
 
     def assignment_key(self, sub: str) -> bytes:
         return self.assignment.pack((sub,))
 
     def heartbeat_version_key(self, sub: str, cid: str) -> bytes:
         """The read version of consumer ``cid``'s last heartbeat (for display)."""
-        return self.consumers.pack((sub, cid, "hbv"))
+        return self.heartbeats.pack((sub, cid, "hbv"))
 
     def log_key(self, bucket: int, vs: Versionstamp) -> bytes:
         return self.log.pack((bucket, vs))

@@ -55,17 +55,26 @@ def ownership_pools(config, tags: list, members: dict) -> list:
 
 @transactional
 def read_members(tr, ts: TopicSpace, sub: str, *, snapshot: bool = True) -> dict:
-    """{consumer_id: {"record": dict, "hb": int}} of the subscription."""
+    """{consumer_id: {"record": dict, "hb": int}} of the subscription. ``snapshot=False``
+    reads the records with a conflict (a join or leave committing meanwhile conflicts);
+    the heartbeat counters are always read by snapshot, from their own range: every
+    member bumps its counter every heartbeat, and an assignment conflicting with each
+    bump would rarely commit among many consumers."""
     reader = tr.snapshot if snapshot else tr
-    r = ts.consumers[sub].range()
+    records = ts.consumers[sub]
+    r = records.range()
     members = {}
     for kv in reader.get_range(r.start, r.stop):
-        t = ts.consumers[sub].unpack(kv.key)
+        t = records.unpack(kv.key)
         if len(t) == 1:
-            members.setdefault(t[0], {"hb": 0})["record"] = unpack(kv.value)
-        elif len(t) == 2 and t[1] == "hb":
-            members.setdefault(t[0], {})["hb"] = decode_counter(kv.value)
-    return {cid: m for cid, m in members.items() if "record" in m}
+            members[t[0]] = {"record": unpack(kv.value), "hb": 0}
+    beats = ts.heartbeats[sub]
+    r = beats.range()
+    for kv in tr.snapshot.get_range(r.start, r.stop):
+        cid, kind = beats.unpack(kv.key)
+        if kind == "hb" and cid in members:
+            members[cid]["hb"] = decode_counter(kv.value)
+    return members
 
 
 @transactional
@@ -211,7 +220,7 @@ def replaced(tr, ts: TopicSpace, sub: str, consumer_id: str, incarnation) -> boo
 
 
 def _remove_member(tr, ts, sub, consumer_id):
-    r = ts.consumers[sub][consumer_id].range()
+    r = ts.heartbeats[sub][consumer_id].range()
     tr.clear_range(r.start, r.stop)
     del tr[ts.consumer_key(sub, consumer_id)]
     del tr[ts.take_marker_key(sub, consumer_id)]

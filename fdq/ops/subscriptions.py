@@ -142,7 +142,7 @@ def delete_subscription(tr, ts: TopicSpace, sub: str) -> bool:
         topic_config, subs=tuple(s for s in topic_config.subs if s != sub),
         catchup=tuple(s for s in topic_config.catchup if s != sub),
         paused_subs=tuple(s for s in topic_config.paused_subs if s != sub)))
-    for space in (ts.subs[sub], ts.consumers[sub], ts.shard_records[sub], ts.sub_records[sub]):
+    for space in (ts.subs[sub], ts.consumers[sub], ts.heartbeats[sub], ts.shard_records[sub], ts.sub_records[sub]):
         r = space.range()
         tr.clear_range(r.start, r.stop)
     del tr[ts.sub_record_key(sub)]

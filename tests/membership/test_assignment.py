@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 import fdq
 from fdq.ops import membership
 from fdq.keyspace import Keyspace
@@ -115,3 +117,27 @@ def test_assignment_racing_a_deletion_leaves_no_shard_records(db):
     tr.cancel()
     assert not left, f"{len(left)} shard records of the deleted subscription"
     assert counter == None  # noqa: E711 - FDB's absent Value
+
+
+def test_a_join_does_not_conflict_with_the_heartbeats_of_the_members(db):
+    """Every member bumps its heartbeat counter every heartbeat. With the counters in the
+    range an assignment reads with a conflict (the members), a join, leave or takeover
+    conflicted with any heartbeat landing meanwhile: among hundreds of consumers almost
+    every one. The counters are apart (read by snapshot): a heartbeat committed between a
+    join's reads and its commit leaves it to commit; a join committed meanwhile still
+    conflicts (it changes the members)."""
+    fdq.Supervisor(db).create_topic("t", shards=4)
+    ts = Keyspace().topic("t")
+    for cid in ("a", "b"):
+        membership.join(db, ts, "default", cid, {"incarnation": cid})
+    tr = db.create_transaction()
+    membership.join(tr, ts, "default", "c", {"incarnation": "c"})
+    assert membership.heartbeat(db, ts, "default", "b", "b")
+    tr.commit().wait()                                  # before: 1020 (not_committed)
+    assert set(membership.read_members(db, ts, "default")) == {"a", "b", "c"}
+    tr = db.create_transaction()
+    membership.join(tr, ts, "default", "d", {"incarnation": "d"})
+    membership.leave(db, ts, "default", "a", "a")
+    with pytest.raises(engine_errors()) as info:
+        tr.commit().wait()
+    assert info.value.code == 1020

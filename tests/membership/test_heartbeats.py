@@ -82,8 +82,9 @@ def _heartbeats(db, topic: str, cid: str) -> int:
 
 
 def _member_keys(db, ts, cid: str) -> list:
-    return [k for k, _v in scan(db, ts.consumers["default"][cid].range().start[:-1])
-            if ts.consumers["default"].unpack(k)[0] == cid]
+    """Consumer ``cid``'s record and heartbeat keys."""
+    return [k for space in (ts.consumers["default"], ts.heartbeats["default"])
+            for k, _v in scan(db, space[cid].range().start[:-1]) if space.unpack(k)[0] == cid]
 
 
 def test_heartbeat_age_after_a_version_jump(db, url):

@@ -36,7 +36,7 @@ def sub_keys(db, sup, sub):
     ts = sup.keyspace.topic("events")
     tr = db.create_transaction()
     n = 0
-    for space in (ts.subs[sub], ts.consumers[sub], ts.shard_records[sub], ts.sub_records[sub]):
+    for space in (ts.subs[sub], ts.consumers[sub], ts.heartbeats[sub], ts.shard_records[sub], ts.sub_records[sub]):
         r = space.range()
         n += len(list(tr.snapshot.get_range(r.start, r.stop)))
     n += 0 if tr.snapshot[ts.sub_records.pack((sub,))] == None else 1  # noqa: E711
