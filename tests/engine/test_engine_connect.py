@@ -12,7 +12,7 @@ import pytest
 
 import fdq
 from fdq.keyspace import Keyspace
-from fdq.keyspace.format import FORMAT_VERSION
+from fdq.keyspace.format import FORMAT_VERSION, ensure_format
 from fdqtest import ON_FDB
 
 
@@ -77,6 +77,44 @@ def test_connect_checks_the_format_and_writes_nothing(tmp_path):
         fdq.connect(url)
     assert str(FORMAT_VERSION + 1) in str(info.value)
     assert fdq.connect(url, check_format=False) is not None
+
+
+@pytest.mark.parametrize("raw,shown", [
+    (fdb.tuple.pack(("2",)), "('2',)"),
+    (fdb.tuple.pack(()), "decodes to ()"),
+    (b"\x01\x02garbage", "garbage"),
+    (fdb.tuple.pack((None,)), "(None,)"),
+    (fdb.tuple.pack((1.5,)), "(1.5,)"),
+    (fdb.tuple.pack((True,)), "(True,)"),
+    (fdb.tuple.pack((1, 1)), "(1, 1)"),
+    (fdb.tuple.pack((0,)), "decodes to 0"),
+    (fdb.tuple.pack((-1,)), "decodes to -1"),
+    (b"\xff\x00", "does not decode"),
+], ids=["string", "empty", "bytes", "none", "float", "bool", "two", "zero", "negative", "undecodable"])
+def test_a_malformed_layout_version_is_refused_naming_the_value(eng, raw, shown):
+    """meta/format holds exactly one int of 1..FORMAT_VERSION: anything else is a
+    FormatError naming the stored value and the cause, on connect and on first write."""
+    ks = Keyspace(root=("fdqtest", eng.p))
+    eng.db[ks.format_key] = raw
+    try:
+        for write in (False, True):
+            with pytest.raises(fdq.FormatError) as info:
+                ensure_format(eng.db, ks, write=write)
+            text = str(info.value)
+            assert "meta/format holds" in text and shown in text, text
+            assert "not written by FDQ, or it is damaged" in text
+        assert eng.db[ks.format_key] == raw  # nothing rewritten
+    finally:
+        del eng.db[ks.format_key]
+
+
+def test_connect_names_the_url_of_a_malformed_layout_version(tmp_path):
+    url = f"sqlite://{tmp_path / 'f.db'}"
+    db = fdq.connect(url)
+    db[Keyspace().format_key] = fdb.tuple.pack(("1",))
+    with pytest.raises(fdq.FormatError) as info:
+        fdq.connect(url)
+    assert url in str(info.value) and "('1',)" in str(info.value)
 
 
 def test_default_url(tmp_path, monkeypatch):
