@@ -79,6 +79,44 @@ def test_connect_checks_the_format_and_writes_nothing(tmp_path):
     assert fdq.connect(url, check_format=False) is not None
 
 
+@pytest.mark.parametrize("url", ["sqlite://{tmp}/d/queue#a.db", "fdb://{tmp}/fdb#1.cluster"])
+def test_a_hash_in_a_url_is_refused_saying_to_write_it_percent_23(tmp_path, url):
+    """'#' starts a URL fragment: sqlite:///d/queue#a.db used to open d/queue."""
+    (tmp_path / "d").mkdir()
+    url = url.replace("{tmp}", str(tmp_path))
+    with pytest.raises(fdq.ConnectError) as info:
+        fdq.connect(url)
+    assert url in str(info.value) and "write it %23" in str(info.value)
+    assert url.replace("#", "%23") in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"] and not list((tmp_path / "d").iterdir())
+
+
+@pytest.mark.parametrize("encoded,name", [
+    ("queue%23a.db", "queue#a.db"), ("sp%20ace.db", "sp ace.db"), ("q%25b.db", "q%b.db"),
+    ("what%3F.db", "what?.db"), ("plain.db", "plain.db"),
+])
+def test_sqlite_paths_are_percent_decoded(tmp_path, encoded, name):
+    db = fdq.connect(f"sqlite://{tmp_path}/{encoded}")
+    db[b"k"] = b"v"
+    assert db.path == str(tmp_path / name)
+    assert (tmp_path / name).exists() and not (encoded != name and (tmp_path / encoded).exists())
+
+
+def test_an_fdb_cluster_file_path_is_percent_decoded(tmp_path):
+    with pytest.raises(fdq.ConnectError) as info:
+        fdq.connect(f"fdb://{tmp_path}/my%20fdb.cluster")
+    assert repr(f"{tmp_path}/my fdb.cluster") in str(info.value)
+
+
+def test_the_default_url_names_a_home_with_hash_and_percent(tmp_path, monkeypatch):
+    monkeypatch.delenv("FDQ_URL", raising=False)
+    home = tmp_path / "h#1 50%"
+    monkeypatch.setenv("FDQ_HOME", str(home))
+    db = fdq.connect()
+    db[b"k"] = b"v"
+    assert db.path == str(home / "fdq.db") and (home / "fdq.db").exists()
+
+
 @pytest.mark.parametrize("raw,shown", [
     (fdb.tuple.pack(("2",)), "('2',)"),
     (fdb.tuple.pack(()), "decodes to ()"),
