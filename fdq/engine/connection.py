@@ -107,7 +107,7 @@ def _connect_sqlite(url, parts):
         raise ConnectError(f"{url!r}: {path!r} is not readable and writable")
     try:
         return sqlite.Database(path, **options)
-    except ValueError as e:
+    except (ValueError, ConnectError) as e:
         raise ConnectError(f"{url!r}: {e}") from None
     except Exception as e:  # sqlite3.DatabaseError: not a database, locked, ...
         raise ConnectError(f"{url!r}: cannot open {path!r}: {e}") from None

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import ctypes.util
 import os
+import sqlite3
 import subprocess
 import sys
+from pathlib import Path
 
 import fdb.tuple
 import pytest
@@ -14,6 +16,8 @@ import fdq
 from fdq.keyspace import Keyspace
 from fdq.keyspace.format import FORMAT_VERSION, ensure_format
 from fdqtest import ON_FDB
+
+FDQ = Path(sys.executable).parent / "fdq"
 
 
 @pytest.mark.parametrize("url,cause", [
@@ -39,7 +43,57 @@ def test_not_a_database_file(tmp_path):
     path.write_bytes(b"this is not SQLite" * 100)
     with pytest.raises(fdq.ConnectError) as info:
         fdq.connect(f"sqlite://{path}")
-    assert str(path) in str(info.value)
+    assert str(path) in str(info.value) and "is not an SQLite database" in str(info.value)
+    assert path.read_bytes() == b"this is not SQLite" * 100
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["garbage.db"]
+
+
+def _other_application(path, schema: str):
+    conn = sqlite3.connect(path)
+    conn.executescript(schema)
+    conn.commit()
+    conn.close()
+    return path.read_bytes()
+
+
+def _journal_mode(path) -> str:
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return conn.execute("PRAGMA journal_mode").fetchone()[0]
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("schema,tables", [
+    ("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT); INSERT INTO users VALUES (1, 'ann');", "users"),
+    ("CREATE TABLE kv (k TEXT, v TEXT); CREATE TABLE txlog (version, clock, ranges);", "kv"),
+    ("CREATE TABLE kv (key BLOB PRIMARY KEY, value BLOB NOT NULL) WITHOUT ROWID; CREATE VIEW v AS SELECT 1;",
+     "view v"),
+], ids=["users", "kv-of-another-shape", "fdq-tables-and-a-view"])
+def test_another_applications_sqlite_file_is_refused_and_left_unchanged(tmp_path, schema, tables):
+    """Even a read-only command used to convert it (WAL, FDQ's tables, side files)."""
+    path = tmp_path / "app.db"
+    before = _other_application(path, schema)
+    url = f"sqlite://{path}"
+    with pytest.raises(fdq.ConnectError) as info:
+        fdq.connect(url)
+    text = str(info.value)
+    assert url in text and "another application" in text and f"(tables: {tables}" in text, text
+    out = subprocess.run([str(FDQ), "--url", url, "topics"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "another application" in out.stderr and "Traceback" not in out.stderr, out
+    assert path.read_bytes() == before
+    assert _journal_mode(path) == "delete"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["app.db"]     # no WAL, no -fdqclock
+
+
+def test_an_empty_sqlite_file_becomes_an_fdq_database(tmp_path):
+    """No tables: nothing of anyone's to lose."""
+    path = tmp_path / "empty.db"
+    path.touch()
+    fdq.connect(f"sqlite://{path}")[b"k"] = b"v"
+    _other_application(tmp_path / "blank.db", "PRAGMA user_version = 0;")
+    fdq.connect(f"sqlite://{tmp_path / 'blank.db'}")[b"k"] = b"v"
+    assert _journal_mode(path) == _journal_mode(tmp_path / "blank.db") == "wal"
 
 
 def test_non_string_url():

@@ -7,8 +7,9 @@ import os
 import random
 import sqlite3
 import threading
+import urllib.parse
 
-from ...errors import EngineError
+from ...errors import ConnectError, EngineError
 from ..types import DEFAULT_MAX_WATCHES, StreamingMode
 from .mutations import _ATOMIC
 from .store import LOCK_WAIT_S, _SCHEMA, _SYNC_MODES, _Store, _clock, _leaked_after_fork
@@ -51,6 +52,44 @@ class _DatabaseOptions:
         self._db._defaults["snapshot_ryw"] = self._db._defaults.get("snapshot_ryw", 0) - 1
 
 
+_SQLITE_HEADER = b"SQLite format 3\x00"
+_COLUMNS = {"kv": ["key", "value"], "txlog": ["version", "clock", "ranges"]}
+
+
+def _probe(path: str) -> bool:
+    """Look at an existing file read-only: -> whether it is an initialized FDQ database
+    (its tables, a first version in ``txlog``, WAL); False for a new or empty one (no
+    tables: nothing of anyone's to lose). Raises ConnectError, having changed nothing,
+    for a file that is not SQLite or holds another application's tables."""
+    try:
+        with open(path, "rb") as f:
+            header = f.read(100)
+    except FileNotFoundError:
+        return False
+    if not header:
+        return False
+    if not header.startswith(_SQLITE_HEADER):
+        raise ConnectError(f"{path!r} is not an SQLite database (FDQ's embedded engine keeps its own "
+                           "SQLite file): choose another path")
+    uri = "file:" + urllib.parse.quote(os.path.abspath(path)) + "?mode=ro"
+    conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=LOCK_WAIT_S)
+    try:
+        objects = conn.execute("SELECT type, name FROM sqlite_master WHERE name NOT LIKE 'sqlite~_%' ESCAPE '~' "
+                               "ORDER BY name").fetchall()
+        if not objects:
+            return False
+        ours = {name for kind, name in objects if kind == "table" and name in _COLUMNS
+                and [c[1] for c in conn.execute(f"PRAGMA table_info({name})")] == _COLUMNS[name]}
+        foreign = [name if kind == "table" else f"{kind} {name}" for kind, name in objects if name not in ours]
+        if foreign:
+            raise ConnectError(f"{path!r} is an SQLite database of another application (tables: "
+                               f"{', '.join(foreign)}): FDQ keeps its own file; choose another path")
+        return (len(ours) == len(_COLUMNS) and header[18:20] == b"\x02\x02"      # WAL
+                and conn.execute("SELECT 1 FROM txlog LIMIT 1").fetchone() is not None)
+    finally:
+        conn.close()
+
+
 class Database:
     """An embedded database: FDB's ``Database`` API over one SQLite file.
 
@@ -84,6 +123,11 @@ class Database:
         self._init_file()
 
     def _init_file(self):
+        """Make the file an FDQ database, unless it is one already: an initialized file
+        is opened with no write at all (no wait for another process's write lock), and
+        a file that is not FDQ's is refused before anything in it changes."""
+        if _probe(self._path):
+            return
         conn = sqlite3.connect(self._path, isolation_level=None, timeout=LOCK_WAIT_S)
         try:
             mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
