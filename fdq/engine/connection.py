@@ -19,7 +19,7 @@ import urllib.parse
 
 import fdb
 
-from ..errors import ConnectError
+from ..errors import ConnectError, DatabaseCorrupt
 from . import sqlite
 from .binding import _learn_fdb_types, describe
 
@@ -109,6 +109,8 @@ def _connect_sqlite(url, parts):
         return sqlite.Database(path, **options)
     except (ValueError, ConnectError) as e:
         raise ConnectError(f"{url!r}: {e}") from None
+    except DatabaseCorrupt:
+        raise       # it names the file and what to do
     except Exception as e:  # sqlite3.DatabaseError: not a database, locked, ...
         raise ConnectError(f"{url!r}: cannot open {path!r}: {e}") from None
 

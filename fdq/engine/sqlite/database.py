@@ -9,10 +9,10 @@ import sqlite3
 import threading
 import urllib.parse
 
-from ...errors import ConnectError, EngineError
+from ...errors import ConnectError, DatabaseCorrupt, EngineError
 from ..types import DEFAULT_MAX_WATCHES, StreamingMode
 from .mutations import _ATOMIC
-from .store import LOCK_WAIT_S, _SCHEMA, _SYNC_MODES, _Store, _clock, _leaked_after_fork
+from .store import LOCK_WAIT_S, _SCHEMA, _SYNC_MODES, _Store, _clock, _leaked_after_fork, sqlite_error
 from .transaction import Transaction
 from .watches import _WatchManager
 
@@ -74,20 +74,30 @@ def _probe(path: str) -> bool:
     uri = "file:" + urllib.parse.quote(os.path.abspath(path)) + "?mode=ro"
     conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=LOCK_WAIT_S)
     try:
-        objects = conn.execute("SELECT type, name FROM sqlite_master WHERE name NOT LIKE 'sqlite~_%' ESCAPE '~' "
-                               "ORDER BY name").fetchall()
-        if not objects:
-            return False
-        ours = {name for kind, name in objects if kind == "table" and name in _COLUMNS
-                and [c[1] for c in conn.execute(f"PRAGMA table_info({name})")] == _COLUMNS[name]}
-        foreign = [name if kind == "table" else f"{kind} {name}" for kind, name in objects if name not in ours]
-        if foreign:
-            raise ConnectError(f"{path!r} is an SQLite database of another application (tables: "
-                               f"{', '.join(foreign)}): FDQ keeps its own file; choose another path")
-        return (len(ours) == len(_COLUMNS) and header[18:20] == b"\x02\x02"      # WAL
-                and conn.execute("SELECT 1 FROM txlog LIMIT 1").fetchone() is not None)
+        return _probe_tables(path, conn, header)
+    except sqlite3.Error as e:
+        err = sqlite_error(e, path)
+        if isinstance(err, DatabaseCorrupt):
+            raise err from e
+        raise   # locked, cannot open, ...: the caller says it cannot open the file
     finally:
         conn.close()
+
+
+def _probe_tables(path: str, conn: sqlite3.Connection, header: bytes) -> bool:
+    """``_probe``'s look at the schema, on its read-only connection."""
+    objects = conn.execute("SELECT type, name FROM sqlite_master WHERE name NOT LIKE 'sqlite~_%' ESCAPE '~' "
+                           "ORDER BY name").fetchall()
+    if not objects:
+        return False
+    ours = {name for kind, name in objects if kind == "table" and name in _COLUMNS
+            and [c[1] for c in conn.execute(f"PRAGMA table_info({name})")] == _COLUMNS[name]}
+    foreign = [name if kind == "table" else f"{kind} {name}" for kind, name in objects if name not in ours]
+    if foreign:
+        raise ConnectError(f"{path!r} is an SQLite database of another application (tables: "
+                           f"{', '.join(foreign)}): FDQ keeps its own file; choose another path")
+    return (len(ours) == len(_COLUMNS) and header[18:20] == b"\x02\x02"      # WAL
+            and conn.execute("SELECT 1 FROM txlog LIMIT 1").fetchone() is not None)
 
 
 class Database:
