@@ -449,9 +449,10 @@ def shown(value) -> str:
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
         return f"a {value.bit_length()}-bit number"
     try:
-        return _repr.repr(value)
+        text = _repr.repr(value)
     except (ValueError, RecursionError):
         return f"a {type(value).__name__}"
+    return text if len(text) <= 64 else text[:64] + "..."
 
 
 def clip(text: str, limit: int = 200) -> str:
