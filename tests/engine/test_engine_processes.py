@@ -183,3 +183,18 @@ def test_read_only_commands_open_while_another_process_holds_the_write_lock(eng,
     finally:
         holder.kill()
         holder.wait(30)
+
+
+def test_opening_the_file_again_in_a_process_keeps_its_view_of_other_processes_commits(eng):
+    """SQLite's locks on the database file are POSIX locks: they belong to the process,
+    and closing any descriptor of the file drops them all. Opening a second Database of
+    the file (its look at an existing file) must leave them: without them, another
+    process closing its last connection takes this one's WAL for its own and deletes it,
+    and this process reads a stale snapshot for ever after."""
+    k = eng.k(b"seen")
+    eng.db[k] = b"0"
+    again = eng.open()        # this process opens the file once more
+    again[eng.k(b"other")] = b"x"
+    for i in range(1, 4):
+        collect(spawn("set", eng.url, key=k.hex(), value=(b"%d" % i).hex()))
+        assert eng.db[k] == b"%d" % i, i

@@ -52,7 +52,6 @@ class _DatabaseOptions:
         self._db._defaults["snapshot_ryw"] = self._db._defaults.get("snapshot_ryw", 0) - 1
 
 
-_SQLITE_HEADER = b"SQLite format 3\x00"
 _COLUMNS = {"kv": ["key", "value"], "txlog": ["version", "clock", "ranges"]}
 
 
@@ -60,23 +59,27 @@ def _probe(path: str) -> bool:
     """Look at an existing file read-only: -> whether it is an initialized FDQ database
     (its tables, a first version in ``txlog``, WAL); False for a new or empty one (no
     tables: nothing of anyone's to lose). Raises ConnectError, having changed nothing,
-    for a file that is not SQLite or holds another application's tables."""
+    for a file that is not SQLite or holds another application's tables.
+
+    Only SQLite opens the file: its locks on it are POSIX locks, which belong to the
+    process and all go when any descriptor of the file is closed. Reading its header
+    with ``open()`` here dropped those of this process's other connections, and another
+    process closing its last connection then deleted the WAL under them (they read a
+    stale snapshot for ever after)."""
     try:
-        with open(path, "rb") as f:
-            header = f.read(100)
+        if os.stat(path).st_size == 0:
+            return False
     except FileNotFoundError:
         return False
-    if not header:
-        return False
-    if not header.startswith(_SQLITE_HEADER):
-        raise ConnectError(f"{path!r} is not an SQLite database (FDQ's embedded engine keeps its own "
-                           "SQLite file): choose another path")
     uri = "file:" + urllib.parse.quote(os.path.abspath(path)) + "?mode=ro"
     conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=LOCK_WAIT_S)
     try:
-        return _probe_tables(path, conn, header)
+        return _probe_tables(path, conn)
     except sqlite3.Error as e:
         err = sqlite_error(e, path)
+        if isinstance(err, DatabaseCorrupt) and err.cause == "file is not a database":
+            raise ConnectError(f"{path!r} is not an SQLite database (FDQ's embedded engine keeps its own "
+                               "SQLite file): choose another path") from None
         if isinstance(err, DatabaseCorrupt):
             raise err from e
         raise   # locked, cannot open, ...: the caller says it cannot open the file
@@ -84,7 +87,7 @@ def _probe(path: str) -> bool:
         conn.close()
 
 
-def _probe_tables(path: str, conn: sqlite3.Connection, header: bytes) -> bool:
+def _probe_tables(path: str, conn: sqlite3.Connection) -> bool:
     """``_probe``'s look at the schema, on its read-only connection."""
     objects = conn.execute("SELECT type, name FROM sqlite_master WHERE name NOT LIKE 'sqlite~_%' ESCAPE '~' "
                            "ORDER BY name").fetchall()
@@ -96,7 +99,7 @@ def _probe_tables(path: str, conn: sqlite3.Connection, header: bytes) -> bool:
     if foreign:
         raise ConnectError(f"{path!r} is an SQLite database of another application (tables: "
                            f"{', '.join(foreign)}): FDQ keeps its own file; choose another path")
-    return (len(ours) == len(_COLUMNS) and header[18:20] == b"\x02\x02"      # WAL
+    return (len(ours) == len(_COLUMNS) and conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
             and conn.execute("SELECT 1 FROM txlog LIMIT 1").fetchone() is not None)
 
 
