@@ -19,7 +19,7 @@ from fdqtest import ON_FDB
 
 pytestmark = pytest.mark.skipif(ON_FDB, reason="engine-independent: run in the sqlite pass")
 
-FUZZ = settings(derandomize=True, deadline=None, max_examples=150, database=None,
+FUZZ = settings(derandomize=True, deadline=None, max_examples=100, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 LIMIT = 5 * 1024 * 1024
 
