@@ -469,6 +469,11 @@ class Conn:
                         await self._close()
                         return
                     continue
+                except Exception as e:      # a publish failed as no handler expected
+                    self._write(fatal("E_INTERNAL", "publish failed").frame())
+                    self.broker.unexpected(self, "publish", e)
+                    await self._close()
+                    return
                 self._write(result)
                 if self.writer.transport.get_write_buffer_size() > 1 << 20:
                     await self.writer.drain()

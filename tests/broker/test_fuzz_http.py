@@ -16,6 +16,7 @@ import fdq
 from fdq.broker.http import HTTPError, HTTPServer, MAX_HEADER_BYTES, parse_head
 from fdq.broker.server import Broker
 from fdqtest import ON_FDB
+from inprocess import Writer, reader_of
 
 pytestmark = pytest.mark.skipif(ON_FDB, reason="engine-independent: run in the sqlite pass")
 
@@ -97,29 +98,6 @@ def test_a_head_over_the_header_limit_is_431():
 
 
 # -- the chunked body reader -----------------------------------------------------------
-
-class Writer:
-    """What the HTTP server uses of an asyncio StreamWriter, collecting what is written."""
-
-    def __init__(self):
-        self.data = bytearray()
-
-    def write(self, data):
-        self.data += data
-
-    async def drain(self):
-        pass
-
-    def close(self):
-        pass
-
-
-def reader_of(data: bytes) -> asyncio.StreamReader:
-    reader = asyncio.StreamReader()
-    reader.feed_data(data)
-    reader.feed_eof()
-    return reader
-
 
 chunk_sizes = st.one_of(st.integers(0, 40).map(lambda n: b"%x" % n), st.sampled_from(
     [b"", b"-1", b"ff" * 20, b"1_0", b"0x5", b" 3 ", b"3;ext=1", b"\xb2", b"g"]), st.binary(max_size=6))

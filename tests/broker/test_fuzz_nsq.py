@@ -15,10 +15,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import fdq
 from fdq.broker import protocol as p
-from fdq.broker.server import Broker, Conn
+from fdq.broker.server import Broker
 from fdq.errors import FDQError, InvalidHeader
 from fdq.headers import validate_headers
 from fdqtest import ON_FDB
+from inprocess import run_conn
 
 pytestmark = pytest.mark.skipif(ON_FDB, reason="engine-independent: run in the sqlite pass")
 
@@ -177,38 +178,6 @@ def test_a_pub_ext_header_is_headers_or_an_fdq_error(header):
 
 # -- a connection fed bytes (no socket) ------------------------------------------------
 
-class Writer:
-    """What Conn uses of an asyncio StreamWriter, collecting what is written."""
-
-    def __init__(self):
-        self.data = bytearray()
-        self.transport = self
-        self.closing = False
-
-    def write(self, data):
-        self.data += data
-
-    def is_closing(self):
-        return self.closing
-
-    def close(self):
-        self.closing = True
-
-    abort = close
-
-    def get_extra_info(self, name, default=None):
-        return ("127.0.0.1", 4711) if name == "peername" else default
-
-    def get_write_buffer_size(self):
-        return 0
-
-    async def drain(self):
-        pass
-
-    async def start_tls(self, context):
-        raise OSError("no TLS in this test")
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """A broker (not listening) on a fresh database, its event loop, and the
@@ -221,17 +190,6 @@ def served(tmp_path_factory):
     yield broker, loop, unexpected
     loop.run_until_complete(broker.close())
     loop.close()
-
-
-async def run_conn(broker, data: bytes) -> bytes:
-    reader = asyncio.StreamReader()
-    reader.feed_data(data)
-    reader.feed_eof()
-    writer = Writer()
-    conn = Conn(broker, reader, writer)
-    broker.conns.add(conn)
-    await asyncio.wait_for(conn.run(), 20)
-    return bytes(writer.data), conn
 
 
 @settings(FUZZ, max_examples=80)

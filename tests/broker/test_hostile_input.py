@@ -2,14 +2,19 @@
 frame, an HTTP status), the connection closed where nsqd closes it, and at most one log
 line per connection, never a traceback (they used to drop the connection with no frame
 and log a full traceback each: any client could flood the log)."""
+import asyncio
 import json
+import logging
 import socket
 import struct
 import time
 
 import pytest
 
+import fdq
 from fdq.broker import protocol as p
+from fdq.broker.server import Broker
+from inprocess import run_conn
 
 DEEP = b"[" * 5000 + b"]" * 5000
 NINES = b"9" * 5000
@@ -150,3 +155,40 @@ def test_hostile_input_logs_one_line_per_connection_and_no_traceback(raw, loud):
     assert "Traceback" not in log, log
     lines = [line for line in log.splitlines() if "client" in line]
     assert len(lines) <= len(cases), log
+
+
+@pytest.fixture
+def inproc(tmp_path):
+    """A broker that is not listening, on a fresh database, and its event loop."""
+    broker = Broker(fdq.connect(f"sqlite://{tmp_path / 'fdq.db'}"))
+    loop = asyncio.new_event_loop()
+    yield broker, loop
+    loop.run_until_complete(broker.close())
+    loop.close()
+
+
+@pytest.mark.parametrize("where,data", [
+    ("IDENTIFY", identify(b'{"client_id": "c"}')),
+    ("publish", p.encode_command(b"PUB", b"t", body=b"m")),
+], ids=["command", "publish"])
+def test_an_unexpected_failure_ends_the_connection_with_e_internal_and_one_log_line(inproc, monkeypatch, caplog,
+                                                                                    where, data):
+    """The safety net under every command (and every publish's answer): whatever no
+    handler expected gets a fatal E_INTERNAL frame, and one WARNING line, at most one a
+    second per kind; the traceback only at DEBUG."""
+    broker, loop = inproc
+    if where == "IDENTIFY":
+        monkeypatch.setattr(p, "negotiate", lambda data, limits: 1 / 0)
+    else:
+        monkeypatch.setattr(broker.producer, "push", lambda *a, **k: 1 / 0)
+    caplog.set_level(logging.INFO, logger="fdq.broker")
+    for _ in range(3):
+        out, conn = loop.run_until_complete(run_conn(broker, p.MAGIC_V2 + data))
+        frames = p.decode_frames(bytearray(out))
+        assert frames[-1][0] == p.FRAME_ERROR and frames[-1][1].startswith(b"E_INTERNAL "), frames
+        assert conn.closed
+    lines = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1, [r.getMessage() for r in lines]      # the other two within the second
+    text = lines[0].getMessage()
+    assert "ZeroDivisionError" in text and where.lower() in text.lower() and lines[0].exc_info is None
+    assert "Traceback" not in caplog.text
