@@ -82,9 +82,9 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0o2000000)
 _LAST_VERSION = "SELECT version, clock FROM txlog ORDER BY version DESC LIMIT 1"
 
 
-# SQLite's result codes by name (``sqlite3.Error.sqlite_errorname``, Python 3.11+), and
-# its message texts for Python 3.10, which lacks it.
-_DAMAGED = {"SQLITE_CORRUPT": "database disk image is malformed", "SQLITE_NOTADB": "file is not a database"}
+# SQLite's result codes of a damaged file (by ``sqlite3.Error.sqlite_errorname``, Python
+# 3.11+), and the codes of its message texts for Python 3.10, which lacks the name.
+_DAMAGED = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
 _KINDS = {"database disk image is malformed": "SQLITE_CORRUPT", "file is not a database": "SQLITE_NOTADB",
           "database or disk is full": "SQLITE_FULL", "disk I/O error": "SQLITE_IOERR"}
 
@@ -95,7 +95,7 @@ def sqlite_error(e: sqlite3.Error, path: str) -> EngineError:
     error or anything else is ``internal_error`` (4100) saying what SQLite said, and
     where. Never retryable: none of them goes away by trying again at once."""
     name = getattr(e, "sqlite_errorname", None) or _KINDS.get(str(e), "")
-    if name.startswith(tuple(_DAMAGED)):
+    if name.startswith(_DAMAGED):
         return DatabaseCorrupt(path, str(e))
     if name == "SQLITE_FULL":
         return EngineError(4100, f"SQLite: database or disk is full, writing {path!r}: free space on its disk; "
