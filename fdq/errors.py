@@ -147,6 +147,26 @@ class EngineError(FDQError):
         return (type(self), (self.code, self.description))
 
 
+class DatabaseCorrupt(EngineError):
+    """The embedded engine's database file is damaged (SQLite: "database disk image is
+    malformed", "file is not a database"): ``path`` names it, ``cause`` is SQLite's
+    text. Code 4100 (``internal_error``), never retried: the damage stays."""
+
+    def __init__(self, path: str, cause: str):
+        self.path = path
+        self.cause = cause
+        super().__init__(4100, f"database file {path!r} is damaged (SQLite: {cause}): stop the processes "
+                               f"using it, keep a copy, then recover it (sqlite3 {path} .recover) or restore "
+                               "a backup")
+        self.args = (self.description,)
+
+    def __str__(self):
+        return self.description
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.cause))
+
+
 def is_retryable(err) -> bool:
     """As ``fdb.predicates.is_retryable``: takes anything with a ``code``."""
     return getattr(err, "code", None) in RETRYABLE

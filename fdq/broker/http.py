@@ -21,8 +21,10 @@ from . import protocol as p, quantile
 
 log = logging.getLogger("fdq.broker.http")
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
-            405: "Method Not Allowed", 413: "Request Entity Too Large", 500: "Internal Server Error"}
+            405: "Method Not Allowed", 413: "Request Entity Too Large", 431: "Request Header Fields Too Large",
+            500: "Internal Server Error"}
 MAX_HEADER_BYTES = 64 * 1024
+_MAX_LENGTH = (1 << 63) - 1     # Go's server parses Content-Length as a 63-bit number
 
 
 class HTTPError(Exception):
@@ -30,6 +32,57 @@ class HTTPError(Exception):
         self.status = status
         self.message = message
         super().__init__(message)
+
+
+class Head:
+    """A request's line and headers (``parse_head``): ``length`` of its body, or
+    ``chunked``."""
+
+    __slots__ = ("method", "target", "version", "path", "query", "headers", "length", "chunked")
+
+    def __init__(self, method, target, version, path, query, headers, length, chunked):
+        self.method = method
+        self.target = target
+        self.version = version
+        self.path = path
+        self.query = query
+        self.headers = headers
+        self.length = length
+        self.chunked = chunked
+
+
+def parse_head(raw: bytes, limit: int) -> Head:
+    """The line and headers of one request (``raw``: up to and with the blank line), read
+    as Go's server (nsqd's) reads them: ``HTTPError`` 431 past ``MAX_HEADER_BYTES``;
+    400 ``INVALID_REQUEST`` for a Content-Length that is not a 63-bit number (Go's "bad
+    Content-Length") or a target that is not a URL; 413 for a body over ``limit``
+    (``MSG_TOO_BIG`` on /pub and /pub_ext, whose body is one message; else
+    ``BODY_TOO_BIG``)."""
+    if len(raw) > MAX_HEADER_BYTES:
+        raise HTTPError(431, "HEADER_TOO_BIG")
+    lines = raw.decode("latin-1").split("\r\n")
+    method, target, version = (lines[0].split(" ") + ["", "", ""])[:3]
+    headers = {}
+    for line in lines[1:]:
+        if ":" in line:
+            k, v = line.split(":", 1)
+            headers[k.strip().lower()] = v.strip()
+    try:
+        url = urlsplit(target)
+    except ValueError:
+        raise HTTPError(400, "INVALID_REQUEST") from None
+    chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+    length = 0
+    if not chunked:
+        text = headers.get("content-length", "0").strip() or "0"
+        digits = text.lstrip("0")
+        if not (text.isascii() and text.isdigit()) or len(digits) > 19 or int(digits or "0") > _MAX_LENGTH:
+            raise HTTPError(400, "INVALID_REQUEST")
+        length = int(digits or "0")
+    if length > limit:
+        raise HTTPError(413, "MSG_TOO_BIG" if url.path in ("/pub", "/pub_ext") else "BODY_TOO_BIG")
+    return Head(method.upper(), target, version, url.path, parse_qs(url.query, keep_blank_values=True), headers,
+                length, chunked)
 
 
 class Request:
@@ -127,41 +180,27 @@ class HTTPServer:
             raw = await reader.readuntil(b"\r\n\r\n")
         except asyncio.IncompleteReadError:
             return None
-        if len(raw) > MAX_HEADER_BYTES:
+        except asyncio.LimitOverrunError:       # no end of the headers within the reader's limit
+            await self._refuse(writer, 431, "HEADER_TOO_BIG")
             return None
-        lines = raw.decode("latin-1").split("\r\n")
-        method, target, version = (lines[0].split(" ") + ["", "", ""])[:3]
-        headers = {}
-        for line in lines[1:]:
-            if ":" in line:
-                k, v = line.split(":", 1)
-                headers[k.strip().lower()] = v.strip()
         limit = self.broker.options.limits.max_body_size
-        chunked = "chunked" in headers.get("transfer-encoding", "").lower()
-        length = headers.get("content-length", "0").strip() or "0"
-        if not chunked and not length.isdigit():
-            await self._refuse(writer, 400, "INVALID_REQUEST")
+        try:
+            head = parse_head(raw, limit)
+        except HTTPError as e:
+            await self._refuse(writer, e.status, e.message)
             return None
-        n = 0 if chunked else int(length)
-        if n > limit:
-            # as nsqd: a message endpoint's body is one message (its Content-Length is
-            # checked against --max-msg-size), the others' a body
-            one = urlsplit(target).path in ("/pub", "/pub_ext")
-            await self._refuse(writer, 413, "MSG_TOO_BIG" if one else "BODY_TOO_BIG")
-            return None
-        if (n or chunked) and headers.get("expect", "").lower() == "100-continue":
+        n, headers = head.length, head.headers
+        if (n or head.chunked) and headers.get("expect", "").lower() == "100-continue":
             # as Go's server: without it curl waits a second before sending a body > 1 MiB
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             await writer.drain()
-        if chunked:
+        if head.chunked:
             body = await self._read_chunked(reader, writer, limit)
             if body is None:
                 return None
         else:
             body = await reader.readexactly(n) if n else b""
-        url = urlsplit(target)
-        return Request(method.upper(), url.path, parse_qs(url.query, keep_blank_values=True), headers, body,
-                       version)
+        return Request(head.method, head.path, head.query, headers, body, head.version)
 
     @staticmethod
     async def _refuse(writer, status: int, message: str):
@@ -221,6 +260,11 @@ class HTTPServer:
             log.warning("%s failed: %s", req.path, e)
             return 500, "application/json; charset=utf-8", json.dumps({"message": "INTERNAL_ERROR",
                                                                        "detail": str(e)}).encode()
+        except Exception as e:      # a bug, or input no check foresaw: one line, not a traceback
+            self.broker.log_limiter.warning(f"http:{req.path}:{type(e).__name__}", "HTTP %s failed: %s: %s",
+                                            p.clip(req.path), type(e).__name__, p.clip(str(e)))
+            log.debug("HTTP %s failed", req.path, exc_info=e)
+            return 500, "application/json; charset=utf-8", json.dumps({"message": "INTERNAL_ERROR"}).encode()
         if isinstance(out, tuple):
             return out
         if isinstance(out, (dict, list)):
@@ -380,7 +424,7 @@ class HTTPServer:
         headers = {}
         if req.arg("ext"):
             try:
-                headers = json.loads(req.arg("ext"))
+                headers = p.loads_json(req.arg("ext"))
             except ValueError:
                 raise HTTPError(400, "E_INVALID_JSON_HEADER") from None
             if not isinstance(headers, dict):

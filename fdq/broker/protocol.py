@@ -13,9 +13,13 @@ type 0 response, 1 error, 2 message. A message's data is ``[timestamp ns int64]
 from __future__ import annotations
 
 import json
+import math
 import re
+import reprlib
 import struct
 from dataclasses import dataclass
+
+from ..errors import FDQError
 
 MAGIC_V2 = b"  V2"
 FRAME_RESPONSE, FRAME_ERROR, FRAME_MESSAGE = 0, 1, 2
@@ -55,7 +59,7 @@ DEFAULTS = {
 }
 
 
-class ProtocolError(Exception):
+class ProtocolError(FDQError):
     """A client error as nsqd reports it: ``code`` (``E_INVALID``, ...), a description,
     and whether it is fatal (the connection is closed after the error frame)."""
 
@@ -273,7 +277,8 @@ class Parser:
                 raise fatal("E_BAD_TOPIC", f"DPUB topic name {go_quote(p[0])} is not valid")
             ms = parse_int(p[1], "DPUB could not parse timeout")
             if ms < 0 or ms > self.max_req_timeout_ms:
-                raise fatal("E_INVALID", f"DPUB timeout {ms} out of range 0-{self.max_req_timeout_ms}")
+                raise fatal("E_INVALID", f"DPUB timeout {shown(p[1].lstrip(b'0') or b'0')} out of range "
+                                         f"0-{self.max_req_timeout_ms}")
         elif name == b"AUTH" and len(p) != 0:
             raise fatal("E_INVALID", "AUTH invalid number of parameters")
 
@@ -310,8 +315,8 @@ class Parser:
             cmd.bodies = self._split_mpub(body)
         elif name == b"IDENTIFY":
             try:
-                data = json.loads(body)
-            except (ValueError, UnicodeDecodeError):
+                data = loads_json(body)
+            except ValueError:
                 raise fatal("E_BAD_BODY", "IDENTIFY failed to decode JSON body") from None
             if not isinstance(data, dict):
                 raise fatal("E_BAD_BODY", "IDENTIFY failed to decode JSON body")
@@ -360,8 +365,8 @@ class Parser:
         if not raw:
             return {}, msg
         try:
-            ext = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+            ext = loads_json(raw)
+        except ValueError:
             raise nonfatal("E_INVALID_JSON_HEADER", "PUB_EXT header is not valid JSON") from None
         if not isinstance(ext, dict):
             raise nonfatal("E_INVALID_JSON_HEADER", "PUB_EXT header must be a JSON object")
@@ -416,22 +421,86 @@ class Identity:
     desired_tag: str | None = None
 
 
+def loads_json(raw):
+    """JSON as Go's ``encoding/json`` (nsqd) reads it, bounded: ``ValueError`` for text
+    that is not JSON, not UTF-8, ``NaN``/``Infinity`` (not JSON; Python's reader takes
+    them), an integer of over 4,300 digits, or nesting deeper than the interpreter's
+    recursion limit (``json`` raised RecursionError, which escaped every handler)."""
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+_repr = reprlib.Repr()
+_repr.maxstring = _repr.maxother = 40
+
+
+def shown(value) -> str:
+    """``value`` in an error text, bounded (a client chooses it: a 5,000-digit number, a
+    list nested 900 deep)."""
+    if isinstance(value, bytes):
+        text = value.decode("utf-8", "replace")
+        return text if len(text) <= 32 else text[:32] + "..."
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"a {value.bit_length()}-bit number"
+    try:
+        text = _repr.repr(value)
+    except (ValueError, RecursionError):
+        return f"a {type(value).__name__}"
+    return text if len(text) <= 64 else text[:64] + "..."
+
+
+def clip(text: str, limit: int = 200) -> str:
+    """``text`` for a log line: at most ``limit`` characters, on one line."""
+    text = text.replace("\n", "\\n")
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+_INT64 = 1 << 63
+
+
 def _int(d, key, default):
+    """An integer field of IDENTIFY: a JSON number that is finite and within int64 (a
+    Go ``int``; ``1e400`` is inf here, and ``int(inf)`` raised OverflowError)."""
     v = d.get(key, default)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise fatal("E_BAD_BODY", f"IDENTIFY {key} must be a number, not {v!r}")
+        raise fatal("E_BAD_BODY", f"IDENTIFY {key} must be a number, not {shown(v)}")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise fatal("E_BAD_BODY", f"IDENTIFY {key} must be a finite number, not {shown(v)}")
+    if not -_INT64 <= v < _INT64:
+        raise fatal("E_BAD_BODY", f"IDENTIFY {key} ({shown(v)}) is out of range")
     return int(v)
+
+
+def _text(d, *keys) -> str:
+    """A string field of IDENTIFY (the first of ``keys`` that is set): a string, or a
+    number as text; anything else is refused (Go's decoder refuses it too)."""
+    for key in keys:
+        v = d.get(key)
+        if v is None or v == "" or v is False:
+            continue
+        if isinstance(v, str):
+            return v
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and (not isinstance(v, int) or v.bit_length() <= 64):
+            return str(v)
+        raise fatal("E_BAD_BODY", f"IDENTIFY {key} must be a string, not {shown(v)}")
+    return ""
 
 
 def negotiate(data: dict, limits: Limits) -> tuple:
     """Apply an IDENTIFY body as nsqd does. Returns ``(Identity, response_bytes)``:
     the JSON feature response if ``feature_negotiation`` was asked, else ``OK``."""
     ident = Identity(heartbeat_interval_ms=limits.heartbeat_interval_ms, msg_timeout_ms=limits.msg_timeout_ms)
-    ident.client_id = str(data.get("client_id") or data.get("short_id") or "")
-    ident.hostname = str(data.get("hostname") or data.get("long_id") or "")
-    ident.user_agent = str(data.get("user_agent") or "")
+    ident.client_id = _text(data, "client_id", "short_id")
+    ident.hostname = _text(data, "hostname", "long_id")
+    ident.user_agent = _text(data, "user_agent")
     ident.feature_negotiation = bool(data.get("feature_negotiation"))
 
     hb = _int(data, "heartbeat_interval", 0)
@@ -494,7 +563,7 @@ def negotiate(data: dict, limits: Limits) -> tuple:
     tag = data.get("desired_tag")
     if tag not in (None, ""):
         if not isinstance(tag, str) or not re.match(r"^[0-9a-zA-Z_\-#]{1,128}$", tag):
-            raise fatal("E_BAD_BODY", f"IDENTIFY desired_tag {tag!r} is invalid")
+            raise fatal("E_BAD_BODY", f"IDENTIFY desired_tag {shown(tag)} is invalid")
         ident.desired_tag = tag
 
     if not ident.feature_negotiation:
@@ -518,12 +587,20 @@ def negotiate(data: dict, limits: Limits) -> tuple:
     return ident, json.dumps(resp).encode()
 
 
+OVERFLOW = 1 << 64      # parse_int's value for more digits than a uint64 holds
+
+
 def parse_int(raw: bytes, what: str) -> int:
     """A decimal parameter as nsqd's ``protocol.ByteToBase10``: digits only (no sign),
-    and an empty one is 0; anything else is a fatal E_INVALID ``what raw``."""
+    and an empty one is 0; anything else is a fatal E_INVALID ``what raw``. More than 19
+    digits (leading zeros aside) is ``OVERFLOW``, above every limit: out of range where
+    nsqd checks one, clamped where it clamps (``int()`` of 5,000 digits raised)."""
     if raw and not raw.isdigit():
-        raise fatal("E_INVALID", f"{what} {raw.decode('utf-8', 'replace')}")
-    return int(raw) if raw else 0
+        raise fatal("E_INVALID", f"{what} {shown(raw)}")
+    digits = raw.lstrip(b"0")
+    if len(digits) > 19:
+        return OVERFLOW
+    return int(digits) if digits else 0
 
 
 def go_quote(name: bytes) -> str:
@@ -548,5 +625,5 @@ def go_quote(name: bytes) -> str:
 
 __all__ = ["Parser", "Command", "ProtocolError", "Limits", "Identity", "negotiate", "frame", "response",
            "message", "encode_command", "encode_mpub", "encode_pub_ext", "decode_frames", "decode_message",
-           "valid_name", "go_quote", "parse_int", "MAGIC_V2", "HEARTBEAT", "OK", "CLOSE_WAIT", "FRAME_RESPONSE",
+           "valid_name", "go_quote", "parse_int", "loads_json", "shown", "clip", "MAGIC_V2", "HEARTBEAT", "OK", "CLOSE_WAIT", "FRAME_RESPONSE",
            "FRAME_ERROR", "FRAME_MESSAGE", "DEFAULTS", "MSG_ID_LEN"]

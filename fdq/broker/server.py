@@ -40,6 +40,7 @@ from ..web import WebApp
 from . import compress, protocol as p
 from .auth import AuthFile
 from .http import HTTPServer
+from .loglimit import LogLimiter
 from .quantile import Quantile
 from .protocol import ProtocolError, fatal, nonfatal
 
@@ -412,6 +413,10 @@ class Conn:
         self._out.put_nowait(err.frame())
         if err.fatal:
             self._out.put_nowait(None)
+            # as nsqd, one line per client error that ends a connection (INFO here: a
+            # client's mistake, not the broker's), rate-limited: any client can cause it
+            self.broker.log_limiter.log(logging.INFO, f"fatal:{err.code}", "client %s: %s: closing",
+                                        self.remote, p.clip(str(err)))
 
     def deliver(self, msgs: list) -> list:
         """Send as many of ``msgs`` as RDY allows; return the rest."""
@@ -464,6 +469,11 @@ class Conn:
                         await self._close()
                         return
                     continue
+                except Exception as e:      # a publish failed as no handler expected
+                    self._write(fatal("E_INTERNAL", "publish failed").frame())
+                    self.broker.unexpected(self, "publish", e)
+                    await self._close()
+                    return
                 self._write(result)
                 if self.writer.transport.get_write_buffer_size() > 1 << 20:
                     await self.writer.drain()
@@ -517,6 +527,11 @@ class Conn:
                         if e.fatal:
                             self.parser.dead = True     # as nsqd: nothing after it is executed
                             break
+                    except Exception as e:      # a bug, or input no check foresaw: this connection ends
+                        self.send_error(fatal("E_INTERNAL", f"{item.name.decode('utf-8', 'replace')} failed"))
+                        self.parser.dead = True
+                        self.broker.unexpected(self, f"{item.name.decode('utf-8', 'replace')}", e)
+                        break
                 if self.parser.dead:
                     break
                 if self.closed:
@@ -692,7 +707,8 @@ class Conn:
         count = p.parse_int(cmd.params[0], "RDY could not parse count") if cmd.params else 1
         mx = self.broker.options.limits.max_rdy_count
         if count < 0 or count > mx:
-            raise fatal("E_INVALID", f"RDY count {count} out of range 0-{mx}")
+            shown = count if count < p.OVERFLOW else p.shown(cmd.params[0].lstrip(b"0"))
+            raise fatal("E_INVALID", f"RDY count {shown} out of range 0-{mx}")
         self.rdy = count
         if self.capacity <= 0:
             self._flush()          # nsqd flushes a client that can take no more
@@ -863,6 +879,7 @@ class Broker:
         self._channel_locks = {}
         self.paused = set()          # (topic, channel) paused on this broker
         self.tcp_port = None
+        self.log_limiter = LogLimiter(log)
         lim = self.options.limits
         if self.options.tls_cert:
             if not self.options.tls_key:
@@ -897,9 +914,17 @@ class Broker:
             await conn.run()
         except asyncio.CancelledError:
             await conn._close()
-        except Exception:
-            log.exception("connection %s failed", conn.remote)
+        except Exception as e:
+            self.unexpected(conn, "connection", e)
             await conn._close()
+
+    def unexpected(self, conn, where: str, e: BaseException):
+        """An exception no handler expected, on ``conn``: one WARNING line (the traceback
+        at DEBUG), at most one a second per kind of failure: any client can cause
+        them, and must not be able to flood the log."""
+        self.log_limiter.warning(f"{where}:{type(e).__name__}", "client %s: %s failed: %s: %s",
+                                 conn.remote, where, type(e).__name__, p.clip(str(e)))
+        log.debug("client %s: %s failed", conn.remote, where, exc_info=e)
 
     def ensure_topic(self, topic: str):
         try:

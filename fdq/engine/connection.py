@@ -6,6 +6,9 @@
 * ``fdb://`` or ``fdb:///path/to/fdb.cluster``: FoundationDB's own ``Database`` from the
   official binding at API version 730 (see ``API_VERSION``).
 
+Paths are percent-decoded (``%23`` is ``#``, ``%25`` a literal ``%``, ``%3F`` ``?``); a
+``#`` is refused, as it would start a fragment and cut the path short.
+
 (Not named ``connect.py``: the package exports the function ``connect``, which would
 hide a submodule of that name.)
 """
@@ -16,7 +19,7 @@ import urllib.parse
 
 import fdb
 
-from ..errors import ConnectError
+from ..errors import ConnectError, DatabaseCorrupt
 from . import sqlite
 from .binding import _learn_fdb_types, describe
 
@@ -39,7 +42,7 @@ def default_url() -> str:
         return url
     home = os.environ.get("FDQ_HOME") or os.path.join(
         os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share"), "fdq")
-    return "sqlite://" + os.path.abspath(os.path.join(home, "fdq.db"))
+    return "sqlite://" + urllib.parse.quote(os.path.abspath(os.path.join(home, "fdq.db")))
 
 
 def connect(url: str | None = None):
@@ -51,9 +54,12 @@ def connect(url: str | None = None):
     if url is None:
         url = default_url()
         if url.startswith("sqlite://") and not os.environ.get("FDQ_URL"):
-            os.makedirs(os.path.dirname(urllib.parse.urlsplit(url).path), exist_ok=True)
+            os.makedirs(os.path.dirname(urllib.parse.unquote(urllib.parse.urlsplit(url).path)), exist_ok=True)
     if not isinstance(url, str):
         raise ConnectError(f"database URL must be a string, not {type(url).__name__}")
+    if "#" in url:
+        raise ConnectError(f"{url!r}: '#' starts a URL fragment: write it %23 "
+                           f"({url.replace('#', '%23')})")
     parts = urllib.parse.urlsplit(url)
     if parts.scheme == "sqlite":
         db = _connect_sqlite(url, parts)
@@ -69,13 +75,18 @@ def describe_url(url: str | None) -> str:
     """``url`` (the default one if None) and where its database is, for messages."""
     url = default_url() if url is None else url
     parts = urllib.parse.urlsplit(url)
-    where = (f"cluster file {(parts.netloc + parts.path) or 'the default'}"
+    where = (f"cluster file {_path(parts) or 'the default'}"
              if parts.scheme == "fdb" else "its file")
     return f"{url!r} ({where})"
 
 
+def _path(parts) -> str:
+    """The file a URL names: its host and path parts, percent-decoded."""
+    return urllib.parse.unquote(parts.netloc + parts.path)
+
+
 def _connect_sqlite(url, parts):
-    path = parts.netloc + parts.path if parts.netloc else parts.path
+    path = _path(parts)
     if not path:
         raise ConnectError(f"{url!r}: no database file path (sqlite:///path/to/file.db)")
     query = urllib.parse.parse_qs(parts.query, keep_blank_values=True)
@@ -96,14 +107,16 @@ def _connect_sqlite(url, parts):
         raise ConnectError(f"{url!r}: {path!r} is not readable and writable")
     try:
         return sqlite.Database(path, **options)
-    except ValueError as e:
+    except (ValueError, ConnectError) as e:
         raise ConnectError(f"{url!r}: {e}") from None
+    except DatabaseCorrupt:
+        raise       # it names the file and what to do
     except Exception as e:  # sqlite3.DatabaseError: not a database, locked, ...
         raise ConnectError(f"{url!r}: cannot open {path!r}: {e}") from None
 
 
 def _connect_fdb(url, parts):
-    cluster_file = (parts.netloc + parts.path) or None
+    cluster_file = _path(parts) or None
     if parts.query:
         names = ", ".join(sorted(urllib.parse.parse_qs(parts.query, keep_blank_values=True)))
         raise ConnectError(f"{url!r}: unknown option(s) {names} (fdb:// takes none: the cluster "

@@ -73,11 +73,16 @@ def _translate(e):
 
 def retry_or_raise(tr, e):
     """One error of a retry loop: ``tr.on_error(e)`` (backoff and reset) or raise the
-    final error as an EngineError. Every retry of :func:`transact` passes here."""
+    final error as an EngineError. Every retry of :func:`transact` passes here. The
+    engine is told the code only (FDB's binding takes no other error type); when it
+    gives up on that code, ``e`` itself leaves, with its description (a full disk's
+    cause, the damaged file), not a bare error of the same code."""
     try:
         tr.on_error(e.code).wait()
     except error_types() as final:
-        raise _translate(final) from (None if final is e else e)
+        if final is e or getattr(final, "code", None) == e.code:
+            raise _translate(e) from None
+        raise _translate(final) from e
 
 
 def _no_generator(result):

@@ -25,11 +25,35 @@ def ensure_format(tr, ks: Keyspace, *, write: bool = True) -> int | None:
             return None
         tr[ks.format_key] = fdbtuple.pack((FORMAT_VERSION,))
         return FORMAT_VERSION
-    version = fdbtuple.unpack(bytes(raw))[0]
-    if version > FORMAT_VERSION:
-        raise FormatError(f"database key layout is format {version}; this FDQ understands up "
-                          f"to {FORMAT_VERSION}: upgrade FDQ")
-    return version
+    return _layout_version(bytes(raw))
+
+
+def _layout_version(raw: bytes) -> int:
+    """The version ``meta/format`` holds: exactly one int of 1..FORMAT_VERSION packed as
+    a tuple. A newer one asks for a newer FDQ; anything else is not FDQ's, or damaged."""
+    try:
+        value = fdbtuple.unpack(raw)
+    except Exception as e:  # the tuple layer raises ValueError, IndexError, struct.error...
+        value, cause = None, f"does not decode ({type(e).__name__}: {_short(str(e))})"
+    else:
+        cause = None
+    if value is not None:
+        if len(value) != 1 or type(value[0]) is not int:
+            cause = f"decodes to {_short(repr(value))}"
+        elif value[0] > FORMAT_VERSION:
+            raise FormatError(f"database key layout is format {value[0]}; this FDQ understands up "
+                              f"to {FORMAT_VERSION}: upgrade FDQ")
+        elif value[0] < 1:
+            cause = f"decodes to {value[0]}"
+        else:
+            return value[0]
+    raise FormatError(f"meta/format holds {_short(repr(raw))}, which {cause}: not an FDQ layout "
+                      f"version (1..{FORMAT_VERSION}); this database was not written by FDQ, or it is "
+                      "damaged: use another database, or restore a backup")
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def connect(url: str | None = None, *, check_format: bool = True):
@@ -45,6 +69,8 @@ def connect(url: str | None = None, *, check_format: bool = True):
     timeout_s = connection.CONNECT_TIMEOUT_S
     try:
         run_within(db, int(timeout_s * 1000), ensure_format, Keyspace(), write=False)
+    except FormatError as e:
+        raise FormatError(f"{connection.describe_url(url)}: {e}") from None
     except EngineError as e:
         if e.code != 1031:
             raise

@@ -9,11 +9,15 @@ import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
+import fdq
 from enginehelpers import HOLD_CLOCK_LOCK, code_of, collect, spawn
 from fdqtest import readline_within
+
+FDQ = Path(sys.executable).parent / "fdq"
 
 
 @pytest.mark.slow
@@ -155,3 +159,42 @@ def test_a_process_killed_mid_commit_releases_the_lock_though_a_forked_child_liv
                 os.kill(child, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@pytest.mark.parametrize("argv", [["topics"], ["stats", "t"]], ids=["topics", "stats"])
+def test_read_only_commands_open_while_another_process_holds_the_write_lock(eng, argv):
+    """Opening an initialized database writes nothing, so it does not wait for SQLite's
+    write lock (it used to take it on every open: 10 s, then 'database is locked')."""
+    if eng.path is None:
+        pytest.skip("SQLite's write lock: the embedded engine (or the libfdb_c stand-in)")
+    fdq.Supervisor(eng.db).create_topic("t", shards=2)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sqlite3, sys, time\n"
+         f"c = sqlite3.connect({str(eng.path)!r}, isolation_level=None)\n"
+         "c.execute('BEGIN IMMEDIATE'); print('held', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert readline_within(holder, 60, "the write lock held").strip() == "held"
+        started = time.monotonic()
+        out = subprocess.run([str(FDQ), "--url", eng.url, *argv], capture_output=True, text=True, timeout=7)
+        took = time.monotonic() - started
+        assert out.returncode == 0, out.stderr
+        assert ("t" in out.stdout) and took < 7
+    finally:
+        holder.kill()
+        holder.wait(30)
+
+
+def test_opening_the_file_again_in_a_process_keeps_its_view_of_other_processes_commits(eng):
+    """SQLite's locks on the database file are POSIX locks: they belong to the process,
+    and closing any descriptor of the file drops them all. Opening a second Database of
+    the file (its look at an existing file) must leave them: without them, another
+    process closing its last connection takes this one's WAL for its own and deletes it,
+    and this process reads a stale snapshot for ever after."""
+    k = eng.k(b"seen")
+    eng.db[k] = b"0"
+    again = eng.open()        # this process opens the file once more
+    again[eng.k(b"other")] = b"x"
+    for i in range(1, 4):
+        collect(spawn("set", eng.url, key=k.hex(), value=(b"%d" % i).hex()))
+        assert eng.db[k] == b"%d" % i, i

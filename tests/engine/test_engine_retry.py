@@ -105,6 +105,20 @@ def test_transactional_reraises_non_retryable_errors_at_once(eng):
         returns_gen(eng.db.create_transaction())
 
 
+def test_a_non_retryable_error_leaves_transactional_with_its_description(eng):
+    """The retry loop tells the engine the code; when it gives up, the error itself
+    leaves (a full disk's cause used to become a bare 'An internal error occurred')."""
+    @fdq.transactional
+    def fails(tr):
+        tr[eng.k(b"x")] = b"1"
+        raise fdq.EngineError(4100, "SQLite: database or disk is full, writing '/p/fdq.db'")
+
+    with pytest.raises(fdq.EngineError) as info:
+        fails(eng.db)
+    assert info.value.code == 4100 and "database or disk is full" in str(info.value)
+    assert eng.db[eng.k(b"x")] is None
+
+
 def test_transactional_returns_a_usable_versionstamp_future(eng):
     @fdq.transactional
     def write(tr):

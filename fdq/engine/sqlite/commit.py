@@ -19,7 +19,7 @@ from ..futures import Future, VersionstampFuture
 from .mutations import (_ADD_UPSERT, _ATOMIC_OPS, _ATOMIC_UPSERT, _CLEAR, _SET, _apply_ops, _merge_ranges,
                         _overlaps)
 from .store import (CHECKPOINT_BYTES, CHECKPOINT_EVERY, MVCC_WINDOW_VERSIONS, RECOVERY_JUMP_VERSIONS, _LAST_VERSION,
-                    _clock, _flock, _sleep, _version_at)
+                    _clock, _flock, _sleep, _version_at, sqlite_error)
 from .watches import _managers_of
 
 # States in which every use of a transaction fails with one error until reset().
@@ -144,7 +144,7 @@ class _Commit:
             self._fail(e)
             raise
         except sqlite3.Error as e:
-            err = EngineError(4100, f"SQLite: {e}")
+            err = sqlite_error(e, self.db._path)
             self._fail(err)
             raise err from e
         signalled = store.signal_commit()

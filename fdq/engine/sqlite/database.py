@@ -7,11 +7,12 @@ import os
 import random
 import sqlite3
 import threading
+import urllib.parse
 
-from ...errors import EngineError
+from ...errors import ConnectError, DatabaseCorrupt, EngineError
 from ..types import DEFAULT_MAX_WATCHES, StreamingMode
 from .mutations import _ATOMIC
-from .store import LOCK_WAIT_S, _SCHEMA, _SYNC_MODES, _Store, _clock, _leaked_after_fork
+from .store import LOCK_WAIT_S, _SCHEMA, _SYNC_MODES, _Store, _clock, _leaked_after_fork, sqlite_error
 from .transaction import Transaction
 from .watches import _WatchManager
 
@@ -51,6 +52,57 @@ class _DatabaseOptions:
         self._db._defaults["snapshot_ryw"] = self._db._defaults.get("snapshot_ryw", 0) - 1
 
 
+_COLUMNS = {"kv": ["key", "value"], "txlog": ["version", "clock", "ranges"]}
+
+
+def _probe(path: str) -> bool:
+    """Look at an existing file read-only: -> whether it is an initialized FDQ database
+    (its tables, a first version in ``txlog``, WAL); False for a new or empty one (no
+    tables: nothing of anyone's to lose). Raises ConnectError, having changed nothing,
+    for a file that is not SQLite or holds another application's tables.
+
+    Only SQLite opens the file: its locks on it are POSIX locks, which belong to the
+    process and all go when any descriptor of the file is closed. Reading its header
+    with ``open()`` here dropped those of this process's other connections, and another
+    process closing its last connection then deleted the WAL under them (they read a
+    stale snapshot for ever after)."""
+    try:
+        if os.stat(path).st_size == 0:
+            return False
+    except FileNotFoundError:
+        return False
+    uri = "file:" + urllib.parse.quote(os.path.abspath(path)) + "?mode=ro"
+    conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=LOCK_WAIT_S)
+    try:
+        return _probe_tables(path, conn)
+    except sqlite3.Error as e:
+        err = sqlite_error(e, path)
+        if isinstance(err, DatabaseCorrupt) and err.cause == "file is not a database":
+            raise ConnectError(f"{path!r} is not an SQLite database (FDQ's embedded engine keeps its own "
+                               "SQLite file): choose another path") from None
+        if isinstance(err, DatabaseCorrupt):
+            raise err from e
+        raise   # locked, cannot open, ...: the caller says it cannot open the file
+    finally:
+        conn.close()
+
+
+def _probe_tables(path: str, conn: sqlite3.Connection) -> bool:
+    """``_probe``'s look at the schema, on its read-only connection."""
+    objects = conn.execute("SELECT type, name FROM sqlite_master WHERE name NOT LIKE 'sqlite~_%' ESCAPE '~' "
+                           "ORDER BY name").fetchall()
+    if not objects:
+        return False
+    ours = {name for kind, name in objects if kind == "table" and name in _COLUMNS
+            and [c[1] for c in conn.execute(f"PRAGMA table_info({name})")] == _COLUMNS[name]}
+    foreign = [name if kind == "table" else f"{kind} {name}" for kind, name in objects if name not in ours]
+    if foreign:
+        raise ConnectError(f"{path!r} is an SQLite database of another application (tables: "
+                           f"{', '.join(foreign)}): FDQ keeps its own file; choose another path")
+    return (len(ours) == len(_COLUMNS) and conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+            and conn.execute("SELECT 1 FROM txlog LIMIT 1").fetchone() is not None)
+
+
 class Database:
     """An embedded database: FDB's ``Database`` API over one SQLite file.
 
@@ -84,6 +136,11 @@ class Database:
         self._init_file()
 
     def _init_file(self):
+        """Make the file an FDQ database, unless it is one already: an initialized file
+        is opened with no write at all (no wait for another process's write lock), and
+        a file that is not FDQ's is refused before anything in it changes."""
+        if _probe(self._path):
+            return
         conn = sqlite3.connect(self._path, isolation_level=None, timeout=LOCK_WAIT_S)
         try:
             mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]

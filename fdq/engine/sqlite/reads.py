@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import bisect
 import os
+import sqlite3
 from itertools import islice, starmap
 
 from ...errors import EngineError
 from ..futures import Future, Key, Value
 from ..types import KeySelector, KeyValue, StreamingMode, key_bytes, strinc
 from .mutations import _ATOMIC_OPS, _CLEAR, _SET, _VSVALUE, _apply_ops, _merge_ranges
-from .store import MVCC_WINDOW_S, _clock, _version_at
+from .store import MVCC_WINDOW_S, _clock, _version_at, sqlite_error
 
 _RANGE_ASC = "SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key ASC LIMIT ?"
 _RANGE_DESC = "SELECT key, value FROM kv WHERE key >= ? AND key < ? ORDER BY key DESC LIMIT ?"
@@ -243,10 +244,10 @@ class _ReadView:
 
     def get_estimated_range_size_bytes(self, begin, end) -> Future:
         tr = self._tr
-        conn = tr._conn_for_metadata()
+        tr._conn_for_metadata()
         b, e = key_bytes(begin), key_bytes(end)
-        row = conn.execute("SELECT count(*), coalesce(sum(length(key) + length(value)), 0) "
-                           "FROM kv WHERE key >= ? AND key < ?", (b, e)).fetchone()
+        row = tr._query("SELECT count(*), coalesce(sum(length(key) + length(value)), 0) "
+                        "FROM kv WHERE key >= ? AND key < ?", (b, e), one=True)
         return Future.ready(int(row[1]))
 
     def get_range_split_points(self, begin, end, chunk_size) -> Future:
@@ -257,20 +258,20 @@ class _ReadView:
             raise Exception("chunk_size must be positive")
         tr = self._tr
         b, e = key_bytes(begin), key_bytes(end)
-        conn = tr._conn_for_metadata()
+        tr._conn_for_metadata()
         if b > tr._max_key() or e > tr._max_key():
             return Future.ready(None, EngineError(2004))     # as FDB's getRangeSplitPoints
         points = [b]
         # Average row size from a sample, then step by whole chunks of rows in C.
-        sample = conn.execute("SELECT avg(length(key) + length(value)) FROM "
-                              "(SELECT key, value FROM kv WHERE key >= ? AND key < ? LIMIT 1000)",
-                              (b, e)).fetchone()[0]
+        sample = tr._query("SELECT avg(length(key) + length(value)) FROM "
+                           "(SELECT key, value FROM kv WHERE key >= ? AND key < ? LIMIT 1000)",
+                           (b, e), one=True)[0]
         if sample:
             step = max(1, int(chunk_size // max(sample, 1)))
             cur = b
             while True:
-                row = conn.execute("SELECT key FROM kv WHERE key > ? AND key < ? ORDER BY key "
-                                   "LIMIT 1 OFFSET ?", (cur, e, step - 1)).fetchone()
+                row = tr._query("SELECT key FROM kv WHERE key > ? AND key < ? ORDER BY key "
+                                "LIMIT 1 OFFSET ?", (cur, e, step - 1), one=True)
                 if row is None:
                     break
                 cur = row[0]
@@ -322,12 +323,17 @@ class _Reads:
                 # attempt's first read, so an attempt sees one at most.
                 raise EngineError(db._rng.choice((1009, 1037)))
             store = db._get_store()
-            conn = store.acquire_reader()
+            try:
+                conn = store.acquire_reader()
+            except sqlite3.Error as e:
+                raise sqlite_error(e, db._path) from e
             until = self._created + self._timeout_ms / 1000 if self._timeout_ms else None
             try:
                 last, last_clock, now = store.begin_snapshot(conn, until)
-            except BaseException:
+            except BaseException as e:
                 store.release_reader(conn)
+                if isinstance(e, sqlite3.Error):
+                    raise sqlite_error(e, db._path) from e
                 raise
             self._conn = conn
             self._rv = _version_at(last, last_clock, now)
@@ -341,6 +347,16 @@ class _Reads:
     def _conn_for_metadata(self):
         self._check_use()
         return self._ensure_snapshot()
+
+    def _query(self, sql: str, args, one: bool = False):
+        """Rows of ``sql`` in this attempt's snapshot (the first, or None, if ``one``);
+        SQLite's failures (a damaged file, an I/O error) as engine errors naming the file."""
+        conn = self._ensure_snapshot()
+        try:
+            cursor = conn.execute(sql, args)
+            return cursor.fetchone() if one else cursor.fetchall()
+        except sqlite3.Error as e:
+            raise sqlite_error(e, self.db._path) from e
 
     # -- read checks ---------------------------------------------------------------
 
@@ -412,8 +428,7 @@ class _Reads:
             return self._db_values[key]
         except KeyError:
             pass
-        conn = self._ensure_snapshot()
-        row = conn.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
+        row = self._query("SELECT value FROM kv WHERE key = ?", (key,), one=True)
         v = self._db_values[key] = None if row is None else row[0]
         return v
 
@@ -533,7 +548,7 @@ class _Reads:
         q = _RANGE_DESC if reverse else _RANGE_ASC
         while lo < hi:
             n = min(batch, wanted) if wanted else batch
-            rows = self._ensure_snapshot().execute(q, (lo, hi, n)).fetchall()
+            rows = self._query(q, (lo, hi, n))
             if rows:
                 yield list(starmap(KeyValue, rows))
             if len(rows) < n:
@@ -557,7 +572,7 @@ class _Reads:
         while lo < hi:
             # Every batch reads at the read version: 1007 once it is over 5 s old, as a
             # storage server answers an iteration that outlives the MVCC window.
-            rows = self._ensure_snapshot().execute(q, (lo, hi, batch)).fetchall()
+            rows = self._query(q, (lo, hi, batch))
             for k, v in rows:
                 if skip_clears and self._clears:
                     c = self._in_clears(k)

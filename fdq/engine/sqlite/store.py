@@ -14,7 +14,7 @@ import threading
 import time
 import weakref
 
-from ...errors import EngineError
+from ...errors import DatabaseCorrupt, EngineError
 from .mutations import _op_add, _sql_atomic
 
 # The engine's own clock: captured at import, so a process that skews ``time.time`` or
@@ -80,6 +80,30 @@ _FLOCK = struct.Struct("hhqqi4x") if sys.platform.startswith("linux") and struct
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0o2000000)
 
 _LAST_VERSION = "SELECT version, clock FROM txlog ORDER BY version DESC LIMIT 1"
+
+
+# SQLite's result codes of a damaged file (by ``sqlite3.Error.sqlite_errorname``, Python
+# 3.11+), and the codes of its message texts for Python 3.10, which lacks the name.
+_DAMAGED = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
+_KINDS = {"database disk image is malformed": "SQLITE_CORRUPT", "file is not a database": "SQLITE_NOTADB",
+          "database or disk is full": "SQLITE_FULL", "disk I/O error": "SQLITE_IOERR"}
+
+
+def sqlite_error(e: sqlite3.Error, path: str) -> EngineError:
+    """The engine error for a failure of SQLite on the database file ``path``, its cause
+    kept: a damaged file is :class:`~fdq.errors.DatabaseCorrupt`; a full disk, an I/O
+    error or anything else is ``internal_error`` (4100) saying what SQLite said, and
+    where. Never retryable: none of them goes away by trying again at once."""
+    name = getattr(e, "sqlite_errorname", None) or _KINDS.get(str(e), "")
+    if name.startswith(_DAMAGED):
+        return DatabaseCorrupt(path, str(e))
+    if name == "SQLITE_FULL":
+        return EngineError(4100, f"SQLite: database or disk is full, writing {path!r}: free space on its disk; "
+                                 "the transaction was not committed")
+    if name.startswith("SQLITE_IOERR"):
+        return EngineError(4100, f"SQLite: disk I/O error ({name}) on {path!r}: check the disk and the "
+                                 "system log")
+    return EngineError(4100, f"SQLite: {e}" + (f" ({name})" if name else "") + f" on {path!r}")
 
 
 def _side_file(path: str, suffix: str) -> str:

@@ -17,7 +17,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 from ..futures import Future
-from .store import _CLOEXEC, _WATCHERS_SUFFIX, _local_key, _side_file
+from .store import _CLOEXEC, _WATCHERS_SUFFIX, _local_key, _side_file, sqlite_error
 
 if TYPE_CHECKING:
     from .database import Database
@@ -371,6 +371,16 @@ class _WatchManager:
                             del self.watches[key]
                 for f in fired:
                     f._resolve(None)
+        except sqlite3.Error as e:
+            # The file failed (damaged, an I/O error): every watch fails with the cause,
+            # as FDB fails watches with an error; the next one starts a new thread.
+            err = sqlite_error(e, self.path)
+            with self.cond:
+                failed = [f for lst in self.watches.values() for _b, f in lst]
+                self.watches.clear()
+                self.count = 0
+            for f in failed:
+                f._resolve(None, err)
         finally:
             with self.cond:
                 self._detach(poke_w)
