@@ -179,6 +179,12 @@ def scan(db, prefix: bytes) -> list:
         begin = rows[-1].key + b"\x00"
 
 
+def log_bytes(db, ts) -> int:
+    """The "all" log's bytes by a full scan: its entries' and body chunks' keys and
+    values (what the ``log_bytes`` counter must equal)."""
+    return sum(len(k) + len(v) for space in (ts.log, ts.all_chunks) for k, v in scan(db, space.key()))
+
+
 def dump(db) -> dict:
     """Every key and value of the database (the tests' databases are small)."""
     tr = db.create_transaction()

@@ -40,7 +40,7 @@ from fdq.keyspace import decode_counter, Keyspace
 from chaoshelpers import (check_acknowledged_pushes, check_first_in_order, check_no_leftovers, drained,
                           exactly_once_counts, fetch_redriven, handled, log_of, LogReader, restart_producer,
                           seeded_topic, seeds, stop_while_reading, wait_producers)
-from fdqtest import read_lines, scan, wait_for
+from fdqtest import log_bytes, read_lines, scan, wait_for
 
 
 SOAK_S = float(os.environ.get("FDQ_SOAK_SECONDS", "10"))
@@ -257,8 +257,7 @@ def test_soak(tmp_path, cluster_factory, seed):
 
     # -- counters and leftovers
     assert _check_shard_counters(db, ts)
-    from test_retention import _log_bytes
-    assert c["log_bytes"] == _log_bytes(db, ts), (c["log_bytes"], _log_bytes(db, ts))
+    assert c["log_bytes"] == log_bytes(db, ts), (c["log_bytes"], log_bytes(db, ts))
     check_no_leftovers(st, db, ts)
 
     # -- dead letters: a last redrive delivers each once more

@@ -14,7 +14,7 @@ from fdq.keyspace import Keyspace
 from fdq.ops.topics import update_topic_config
 from fdq.log import iter_window, log_buckets
 
-from fdqtest import database_url, engine_errors, scan, with_faults
+from fdqtest import database_url, engine_errors, log_bytes, scan, with_faults
 from ophelpers import consume
 
 
@@ -53,11 +53,6 @@ def test_trim_and_replay_cover_buckets_a_shrinking_reshard_left(db):
     cutoff = 2 ** 62                                       # everything is older than this
     sup.trim("t", before_ms=cutoff)
     assert _log_ids(db, ts) == []
-
-
-def _log_bytes(db, ts) -> int:
-    """The log's bytes by a full scan: its entries' and body chunks' keys and values."""
-    return sum(len(k) + len(v) for space in (ts.log, ts.all_chunks) for k, v in scan(db, space.key()))
 
 
 def _entries(db, ts) -> list:
@@ -102,14 +97,14 @@ def test_log_bytes_counts_every_kind_of_push_exactly(db):
     _push_every_kind(db, "t", rounds=1)          # pending entries (routed later by play)
     sup.play("t")
     st = sup.stats("t")["counters"]
-    assert st["log_bytes"] == _log_bytes(db, ts) > 0
+    assert st["log_bytes"] == log_bytes(db, ts) > 0
     # Trims of either kind subtract exactly what they delete.
     cut = fdq.log.Record.decode(_entries(db, ts)[45][2]).ts_ms     # (a push_many shares one)
     assert sup.trim("t", before_ms=cut) > 0
-    assert sup.stats("t")["counters"]["log_bytes"] == _log_bytes(db, ts)
-    update_topic_config(db, ts, retention_bytes=_log_bytes(db, ts) // 2)
+    assert sup.stats("t")["counters"]["log_bytes"] == log_bytes(db, ts)
+    update_topic_config(db, ts, retention_bytes=log_bytes(db, ts) // 2)
     assert sup.trim("t") > 0
-    assert sup.stats("t")["counters"]["log_bytes"] == _log_bytes(db, ts)
+    assert sup.stats("t")["counters"]["log_bytes"] == log_bytes(db, ts)
     sup.trim("t", before_ms=2 ** 62)
     assert _entries(db, ts) == [] and sup.stats("t")["counters"]["log_bytes"] == 0
 
@@ -126,10 +121,10 @@ def test_trim_by_size_is_exact_and_needs_no_estimate(db, coarse_estimate):
         p.push_many("t", [fdq.Envelope(b"y" * 700, shard_key=f"k{j}") for j in range(20)])
     before = _entries(db, ts)
     chunks = scan(db, ts.all_chunks.key())
-    assert _log_bytes(db, ts) > 300_000
+    assert log_bytes(db, ts) > 300_000
     deleted = sup.trim("t")
     after = _entries(db, ts)
-    size = _log_bytes(db, ts)
+    size = log_bytes(db, ts)
     assert coarse_estimate == []                    # the counter alone decided
     assert deleted == len(before) - len(after) > 0
     assert after == before[-len(after):]            # the oldest went, the newest stay
@@ -151,13 +146,13 @@ def test_trim_under_fault_injection_keeps_the_counter_exact(tmp_path):
     _push_every_kind(db, "t", rounds=3)
     faulty = fdq.connect(with_faults(url, 0.3, 7))
     fs = fdq.Supervisor(faulty)
-    budget = _log_bytes(db, ts) // 3
+    budget = log_bytes(db, ts) // 3
     update_topic_config(db, ts, retention_bytes=budget)
     assert fs.trim("t") > 0
-    assert sup.stats("t")["counters"]["log_bytes"] == _log_bytes(db, ts) <= budget
+    assert sup.stats("t")["counters"]["log_bytes"] == log_bytes(db, ts) <= budget
     cut = fdq.log.Record.decode(_entries(db, ts)[-1][2]).ts_ms      # all but the last push
     assert fs.trim("t", before_ms=cut) > 0
-    assert sup.stats("t")["counters"]["log_bytes"] == _log_bytes(db, ts)
+    assert sup.stats("t")["counters"]["log_bytes"] == log_bytes(db, ts)
 
 
 @pytest.mark.parametrize("how", ["age", "size"])
@@ -178,7 +173,7 @@ def test_a_trim_killed_mid_way_leaves_the_counter_exact_and_a_rerun_finishes(pro
     if how == "age":
         args = ["--before-ms", cut_ms]
     else:
-        budget = _log_bytes(db, ts) // 10
+        budget = log_bytes(db, ts) // 10
         update_topic_config(db, ts, retention_bytes=budget)
     w = procs.start("trim", "trim1", *args)
     assert procs.readline(w, 60).strip() == "start"
@@ -187,16 +182,16 @@ def test_a_trim_killed_mid_way_leaves_the_counter_exact_and_a_rerun_finishes(pro
     procs.kill9(w)                                   # mid-way: more chunks were to come
     left = len(_entries(db, ts))
     assert 400 < left < total, "the kill did not land mid-way"
-    assert sup.stats("t")["counters"]["log_bytes"] == _log_bytes(db, ts)
+    assert sup.stats("t")["counters"]["log_bytes"] == log_bytes(db, ts)
     w2 = procs.start("trim", "trim2", *args)
     procs.wait(w2, 120)
-    assert sup.stats("t")["counters"]["log_bytes"] == _log_bytes(db, ts)
+    assert sup.stats("t")["counters"]["log_bytes"] == log_bytes(db, ts)
     if how == "age":
         assert len(_entries(db, ts)) == 400
         assert all(fdq.log.Record.decode(v).ts_ms >= cut_ms for _p, _k, v in _entries(db, ts))
     else:
-        assert _log_bytes(db, ts) <= budget
-        assert _log_bytes(db, ts) > budget - 1000    # no more than needed (entries ~250 B)
+        assert log_bytes(db, ts) <= budget
+        assert log_bytes(db, ts) > budget - 1000    # no more than needed (entries ~250 B)
 
 
 def test_a_producer_clock_running_ahead_does_not_hold_back_trim_by_age(procs, db):
@@ -216,7 +211,7 @@ def test_a_producer_clock_running_ahead_does_not_hold_back_trim_by_age(procs, db
     assert [vs for vs, _r in left[1:]] == young      # the young ones stay
     assert left[0][1].ts_ms > cut_ms + 3_000_000     # and the one from an hour ahead
     assert not set(old) & {vs for vs, _r in left}
-    assert sup.stats("t")["counters"]["log_bytes"] == _log_bytes(db, ts)
+    assert sup.stats("t")["counters"]["log_bytes"] == log_bytes(db, ts)
 
 
 def test_trim_by_size_drops_time_index_entries_of_deleted_entries(db, monkeypatch):
@@ -235,7 +230,7 @@ def test_trim_by_size_drops_time_index_entries_of_deleted_entries(db, monkeypatc
             "t", [fdq.Envelope(b"q" * 300, shard_key=f"k{j}") for j in range(20)])])
     monkeypatch.setattr(time, "time", real)
     assert len(scan(db, ts.time_index.key())) == 6
-    update_topic_config(db, ts, retention_bytes=_log_bytes(db, ts) // 3)
+    update_topic_config(db, ts, retention_bytes=log_bytes(db, ts) // 3)
     sup.trim("t")
     oldest = _entries(db, ts)[0][0]
     index = [ts.time_index.unpack(k)[1].to_bytes()[-12:] for k, _v in scan(db, ts.time_index.key())]
@@ -247,7 +242,7 @@ def test_trim_by_size_drops_time_index_entries_of_deleted_entries(db, monkeypatc
         got = {vs.to_bytes().hex() for vs, _b, _r in iter_window(db, ts, log_buckets(db, ts), start, None)}
         want = left if start is None or start <= base * 1000 else set(ids[5]) & left
         assert got >= want
-    assert fdq.Supervisor(db).stats(ts.name)["counters"]["log_bytes"] == _log_bytes(db, ts)
+    assert fdq.Supervisor(db).stats(ts.name)["counters"]["log_bytes"] == log_bytes(db, ts)
 
 
 def test_a_size_trim_never_acts_on_a_size_another_trim_lowered_meanwhile(db):
@@ -263,7 +258,7 @@ def test_a_size_trim_never_acts_on_a_size_another_trim_lowered_meanwhile(db):
     p = fdq.Producer(db)
     p.push_many("t", [fdq.Envelope(b"A" * 100, shard_key=ka) for _ in range(20)])     # older, bucket 0
     p.push_many("t", [fdq.Envelope(b"B" * 100, shard_key=kb) for _ in range(20)])     # bucket 1
-    total = _log_bytes(db, ts)
+    total = log_bytes(db, ts)
     budget = total * 3 // 4              # a quarter too much: some of bucket 0's entries go
     oldest = [(0, ts.log.unpack(k)[1]) for _p, k, _v in _entries(db, ts)[:20]]
     tr = db.create_transaction()
@@ -271,13 +266,13 @@ def test_a_size_trim_never_acts_on_a_size_another_trim_lowered_meanwhile(db):
     assert deleted > 0
     # Meanwhile a trim by age empties bucket 1: the log now fits without deleting anything.
     n, _f, _last, _d = sv.trim_bucket_chunk(db, ts, 1, 2 ** 62, sv.CHUNK)
-    assert n == 20 and _log_bytes(db, ts) <= budget
+    assert n == 20 and log_bytes(db, ts) <= budget
     with pytest.raises(engine_errors()) as e:
         tr.commit().wait()
     assert e.value.code == 1020
     assert sv.trim_oldest_chunk(db, ts, oldest, budget)[0] == 0    # its retry deletes nothing
     assert len(_entries(db, ts)) == 20
-    assert fdq.Supervisor(db).stats(ts.name)["counters"]["log_bytes"] == _log_bytes(db, ts)
+    assert fdq.Supervisor(db).stats(ts.name)["counters"]["log_bytes"] == log_bytes(db, ts)
 
 
 @pytest.mark.parametrize("how", ["age", "size"])
