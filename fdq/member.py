@@ -202,8 +202,11 @@ class Member:
         self.clock_base = (clock.advance_clock(c.db, c._ts.clock_key, candidate, c._ts.clock_version_key), now)
 
     def observe_peers(self, now: float):
-        """Time each peer's heartbeat counter; declare one unchanged for its timeout a
-        zombie (its shards move)."""
+        """Time each peer's heartbeat counter; a peer's unchanged for its timeout is a
+        zombie (its shards move). One member declares it: the live one (by this
+        member's observation) with the smallest id, so hundreds of consumers do not all
+        declare the same zombie at once; any member does once it has stayed unchanged
+        for twice its timeout (observations can differ)."""
         c = self.consumer
         members = membership.read_members(c.db, c._ts, c.subscription)
         # A heartbeat value first seen now is timed from after the read that saw it, not
@@ -213,6 +216,7 @@ class Member:
         for cid in list(self.peers):
             if cid not in members:
                 del self.peers[cid]
+        stale = {}
         for cid, m in members.items():
             if cid == c.id:
                 continue
@@ -220,11 +224,16 @@ class Member:
             if seen is None or seen[0] != m["hb"]:
                 self.peers[cid] = (m["hb"], seen_at)
             elif now - seen[1] >= _peer_timeout(c.config, m["record"]):
-                if subs.declare_zombie(c.db, c._ts, c.subscription, cid, seen[0]):
-                    log.info("consumer %s: %s is a zombie (heartbeat %d unchanged for %.1fs)",
-                             c.id, cid, seen[0], now - seen[1])
-                self.peers.pop(cid, None)
-                c._refresh_owned()
+                stale[cid] = (seen, _peer_timeout(c.config, m["record"]))
+        declarer = min(cid for cid in members if cid not in stale) if c.id in members else c.id
+        for cid, (seen, timeout) in stale.items():
+            if declarer != c.id and now - seen[1] < 2 * timeout:
+                continue        # the declarer's to do
+            if subs.declare_zombie(c.db, c._ts, c.subscription, cid, seen[0]):
+                log.info("consumer %s: %s is a zombie (heartbeat %d unchanged for %.1fs)",
+                         c.id, cid, seen[0], now - seen[1])
+            self.peers.pop(cid, None)
+            c._refresh_owned()
 
     def check_leases(self, now: float):
         """Expire leases of owned shards seen unchanged (same lease, same touches) for

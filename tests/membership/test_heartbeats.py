@@ -3,6 +3,7 @@ across version jumps, client clock skew and no consumer at all; heartbeat keys l
 a zombie declaration or without a record."""
 from __future__ import annotations
 
+import threading
 import time
 
 import fdq
@@ -166,3 +167,29 @@ def test_heartbeat_racing_a_zombie_declaration_leaves_no_keys(db):
     assert retries == 1 and results == [False], "the heartbeat committed after the zombie declaration"
     assert _member_keys(db, ts, "zombie") == []
     assert set(membership.read_members(db, ts, "default")) == {"survivor"}
+
+
+def test_one_member_declares_a_zombie(db, monkeypatch):
+    """Every member times its peers' heartbeats; when one stops, all of them saw it
+    stop, and each declared it (a conflicting transaction each, hundreds at once in a
+    large group). The live member with the smallest id declares it; the others would
+    only after twice the timeout (their observation may differ)."""
+    from fdq.ops import subscriptions
+    fdq.Supervisor(db).create_topic("t", shards=4)
+    ts = Keyspace().topic("t")
+    calls = []
+    real = subscriptions.declare_zombie
+
+    def declare(*args, **kwargs):
+        calls.append((threading.current_thread().name, args[3]))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(subscriptions, "declare_zombie", declare)
+    cfg = fdq.ConsumerConfig(heartbeat_interval_s=0.2, zombie_timeout_s=3.0, poll_interval_s=0.05)
+    consumers = [fdq.Consumer(db, "t", consumer_id=cid, config=cfg) for cid in ("c", "b", "a")]
+    try:
+        membership.join(db, ts, "default", "z", {"incarnation": "z", "zombie_after_s": 1.0})  # never beats
+        wait_for(lambda: "z" not in membership.read_members(db, ts, "default"), 60, what="z declared a zombie")
+        assert calls and {name for name, cid in calls if cid == "z"} == {"fdq-member-a"}, calls
+    finally:
+        for c in consumers:
+            c.close()
