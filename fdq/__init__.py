@@ -1,8 +1,9 @@
 """FDQ: a message queue layer on FoundationDB."""
 from .engine import transactional
 from .keyspace.format import connect
-from .errors import (BacklogFull, ClientForked, ConfigError, ConnectError, ConsumerStalled, EngineError, FDQError,
-                     FormatError, InvalidHeader, InvalidMessage, InvalidName, LeaseLost,
+from .errors import (BacklogFull, ClientForked, ConfigError, ConnectError, ConsumerStalled, CorruptValue,
+                     DatabaseCorrupt, EngineError, FDQError, FormatError, InvalidHeader, InvalidMessage, InvalidName,
+                     LeaseLost,
                      MessageTooLarge, ReplayTakenOver, SubscriptionNotFound, TopicExists, TopicNotFound)
 
 from .config import ConsumerConfig, ProducerConfig, SubscriptionConfig, TopicConfig
@@ -22,5 +23,5 @@ __all__ = [
     "FDQError", "ConfigError", "ConnectError", "EngineError", "FormatError", "InvalidName",
     "TopicNotFound", "TopicExists", "SubscriptionNotFound", "MessageTooLarge",
     "InvalidMessage", "InvalidHeader", "BacklogFull", "LeaseLost", "ConsumerStalled", "ClientForked",
-    "ReplayTakenOver",
+    "ReplayTakenOver", "CorruptValue", "DatabaseCorrupt",
 ]

@@ -21,6 +21,22 @@ def check_name(name, what: str = "topic") -> str:
     return name
 
 
+REPLAY_ID_RE = re.compile(r"[.a-zA-Z0-9_:-]{1,128}")
+
+
+def default_replay_id(start_ms: int | None, end_ms: int | None) -> str:
+    """A replay's id when the caller gives none: its window."""
+    return f"{start_ms}:{'open' if end_ms is None else end_ms}"
+
+
+def check_replay_id(replay_id) -> str:
+    """A replay id: 1-128 characters of ``[.a-zA-Z0-9_:-]``, not ``done`` (the name of
+    a finished replay's record, ``keyspace.REPLAY_DONE``)."""
+    if not isinstance(replay_id, str) or not REPLAY_ID_RE.fullmatch(replay_id) or replay_id == "done":
+        raise ConfigError(f"invalid replay id {replay_id!r}: use 1-128 characters of [.a-zA-Z0-9_:-]")
+    return replay_id
+
+
 # A long operation (play, reshard, replay, trim, a subscription's catch-up or reset, DLQ
 # redrive and purge) runs in transactions of at most this many messages each (and
 # ``keyspace.codec.CHUNK_WRITE_BYTES`` of writes).
@@ -443,7 +459,21 @@ def effective_consumer_config(consumer_config: ConsumerConfig, config: Subscript
     return dataclasses.replace(consumer_config, **changes) if changes else consumer_config
 
 
+def check_filters(topic: str, sub: str, config: SubscriptionConfig, topic_config: TopicConfig):
+    """Refuse a filter that this topic's messages can never match, so it would drop
+    (count as ``filtered``) every message: a header filter on a topic that stores no
+    headers (no extend support). The other filters that can match nothing are refused by
+    ``SubscriptionConfig`` itself (unknown ``##`` names, values over a message's header
+    limit); a shard-key glob stays allowed (it never matches a message pushed without a
+    shard key, as documented; its drops show as ``filtered`` in stats)."""
+    if config.filter_headers is not None and not topic_config.extend:
+        raise ConfigError(f"subscription {sub!r} of {topic!r}: a header filter needs a topic with extend "
+                          f"support (topic {topic!r} stores no headers, so the filter would drop every "
+                          f"message); run fdq topics upgrade {topic} --extend (Supervisor.upgrade_extend) "
+                          "first, or create the topic with --extend")
+
+
 __all__ = ["TopicConfig", "ConsumerConfig", "ProducerConfig", "SubscriptionConfig",
            "UPDATABLE_SUBSCRIPTION_FIELDS", "UPDATABLE_TOPIC_FIELDS", "TOPIC_STATE", "check_topic_options",
-           "check_name", "shown", "NAME_RE",
+           "check_name", "check_filters", "check_replay_id", "default_replay_id", "shown", "NAME_RE",
            "DEFAULT_SUBSCRIPTION", "CHUNK", "effective_consumer_config"]

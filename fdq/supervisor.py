@@ -13,7 +13,8 @@ import os
 import threading
 import time
 
-from .config import CHUNK, SubscriptionConfig, TopicConfig, check_name, check_topic_options, shown
+from .config import (CHUNK, SubscriptionConfig, TopicConfig, check_name, check_replay_id, check_topic_options,
+                     default_replay_id, shown)
 from .engine import Again, Done, after_interrupt, transact
 from .errors import ConfigError, TopicExists, TopicHeld
 from .keyspace import VERSIONS_PER_S, Keyspace, TopicSpace, message_id, parse_message_id, version_of
@@ -23,7 +24,7 @@ from .ops import dlq, membership
 from .ops.catchup import begin_reset, catch_up
 from .ops.play import play_chunk, resharding
 from .ops.push import MARKER_TTL_S, PushItem, fits, message_bytes
-from .ops.replay import (Replayed, check_replay_id, default_replay_id, replay_beat, replay_begin, replay_chunk,
+from .ops.replay import (Replayed, replay_beat, replay_begin, replay_chunk,
                          replay_count, replay_done, replay_finish, replay_runs)
 from .ops.reshard import AREAS, fold_shard_counters, reshard_begin, reshard_chunk, reshard_finish
 from .ops.retention import (expire_dedupe_chunk, expire_markers_chunk, read_version, trim_bucket_chunk,
@@ -314,10 +315,12 @@ class Supervisor:
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
         return reaper.observe(self.db, ts, self.config(name), time.monotonic())
 
+    DLQ_LIST_MAX = 100_000
+
     def dlq_list(self, name: str, subscription: str = "default", limit: int = 100) -> list:
         """The subscription's first ``limit`` dead letters (oldest first), read in one
-        transaction (FDB's 5 s): ``limit`` is an integer from 1 to 100,000."""
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 100_000:
+        transaction (FDB's 5 s): ``limit`` is an integer from 1 to ``DLQ_LIST_MAX``."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= self.DLQ_LIST_MAX:
             raise ConfigError(f"limit must be an integer from 1 to 100,000 (dead letters listed in one "
                               f"transaction), not {shown(limit)}")
         ts = self._ts(name)

@@ -45,6 +45,8 @@ def build_options(args) -> BrokerOptions:
                       output_buffer_timeout_ms=ms(args.output_buffer_timeout),
                       min_output_buffer_timeout_ms=ms(args.min_output_buffer_timeout),
                       max_output_buffer_timeout_ms=ms(args.max_output_buffer_timeout))
+    if limits.msg_timeout_ms < 10:
+        raise ConfigError(f"--msg-timeout must be at least 10ms (a delivery's lease), not {limits.msg_timeout_ms}ms")
     if limits.msg_timeout_ms > limits.max_msg_timeout_ms:
         raise ConfigError("--msg-timeout must not exceed --max-msg-timeout")
     if not limits.min_output_buffer_timeout_ms <= limits.output_buffer_timeout_ms <= limits.max_output_buffer_timeout_ms:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from .. import ConfigError
-from ..ops.replay import check_replay_id, default_replay_id
+from .. import ConfigError, Supervisor
+from ..config import check_replay_id, default_replay_id
 from ..times import as_datetime, iso_ms
 from . import render, rows
 from .app import cli, confirm, json_option, pass_state, resumable, subscription_option, topic_argument
@@ -200,7 +200,7 @@ def dlq():
 @dlq.command("list")
 @topic_argument
 @subscription_option
-@click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option("--limit", type=click.IntRange(1, Supervisor.DLQ_LIST_MAX), default=100, show_default=True)
 @json_option
 @pass_state
 def dlq_list(state, topic, subscription, limit, as_json):

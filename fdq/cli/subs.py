@@ -7,8 +7,7 @@ import json
 import click
 
 from .. import ConfigError, SubscriptionConfig
-from ..config import ACK_POLICIES, DELIVER_POLICIES, UPDATABLE_SUBSCRIPTION_FIELDS
-from ..ops.subscriptions import check_filters
+from ..config import ACK_POLICIES, DELIVER_POLICIES, UPDATABLE_SUBSCRIPTION_FIELDS, check_filters
 from ..times import as_datetime
 from . import render, rows
 from .app import cli, confirm, json_option, pass_state, resumable, topic_argument

@@ -33,6 +33,7 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     topic/<topic>/marks/<txid>, marks_by_version/<p>/<vs> push markers (1021-safe retries)
     topic/<topic>/dedupe/<msg_id>, dedupe_by_version/<p>/<vs> user msg_id dedupe window
     topic/<topic>/replays/<window>/<run>[/"hb"]           a replay's progress and heartbeat (while it runs)
+    topic/<topic>/replays/<id>/"done"                     a finished replay (its window, count, when)
 
 ``<vs>`` is a tuple-layer Versionstamp: the commit's 10-byte stamp plus the message's
 index in its transaction, so keys sort by commit order and are gap-free for readers
@@ -58,8 +59,10 @@ STAT_PARTS = 16
 # by a hash of what they index (TopicSpace.marker_index, dedupe_index): no single append
 # point every push (or every push with a msg_id) writes.
 INDEX_PARTS = 16
+# replays/<id>/REPLAY_DONE: a finished replay's record (config.check_replay_id refuses the name).
+REPLAY_DONE = "done"
 
-__all__ = ["Keyspace", "TopicSpace", "ShardSpace", "STAT_PARTS", "INDEX_PARTS", "index_part", "Versionstamp", "vs_key", "vs_key_parts",
+__all__ = ["Keyspace", "TopicSpace", "ShardSpace", "STAT_PARTS", "INDEX_PARTS", "REPLAY_DONE", "index_part", "Versionstamp", "vs_key", "vs_key_parts",
            "vs_from_bytes", "counter", "decode_counter", "ensure_format", "message_id", "parse_message_id",
            "StoredVersionstamp", "STAMP_BYTES", "VERSIONS_PER_S", "position_of", "stamp_of_value", "stamped_value",
            "version_of"]
@@ -340,6 +343,10 @@ class TopicSpace:
 
     def sub_purge_mark(self, sub: str, tag: str, n: int) -> bytes:
         return self.sub_records[sub]["purge"].pack((tag, n))
+
+    def replay_done_key(self, replay_id: str) -> bytes:
+        """A finished replay's record (``REPLAY_DONE``; runs are named by hex owner ids)."""
+        return self.replays.pack((replay_id, REPLAY_DONE))
 
     def replay_run_key(self, window: str, run: str) -> bytes:
         """The progress of run ``run`` of the replay of ``window`` (``codec.encode_replay``)."""

@@ -16,12 +16,11 @@ drives a run (a heartbeat thread, watching for orphaned runs) is
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from ..engine import transactional
 from ..errors import ConfigError, ReplayTakenOver
-from ..keyspace import Keyspace, TopicSpace, counter, decode_counter
+from ..keyspace import REPLAY_DONE, Keyspace, TopicSpace, counter, decode_counter
 from ..keyspace.codec import decode_replay, encode_replay
 from .push import TX_WRITE_BYTES, push_batch
 
@@ -39,30 +38,11 @@ class Replayed:
     finished: dict | None = None
 
 
-DONE = "done"       # replays/<id>/"done": a finished replay's record (runs are named by hex owner ids)
-_REPLAY_ID_RE = re.compile(r"[.a-zA-Z0-9_:-]{1,128}")
-
-
-def default_replay_id(start_ms: int | None, end_ms: int | None) -> str:
-    """A replay's id when the caller gives none: its window."""
-    return f"{start_ms}:{'open' if end_ms is None else end_ms}"
-
-
-def check_replay_id(replay_id) -> str:
-    if not isinstance(replay_id, str) or not _REPLAY_ID_RE.fullmatch(replay_id) or replay_id == DONE:
-        raise ConfigError(f"invalid replay id {replay_id!r}: use 1-128 characters of [.a-zA-Z0-9_:-]")
-    return replay_id
-
-
-def done_key(ts: TopicSpace, replay_id: str) -> bytes:
-    return ts.replays.pack((replay_id, DONE))
-
-
 @transactional
 def replay_done(tr, ts: TopicSpace, replay_id: str) -> dict | None:
     """The record of replay ``replay_id``'s finish, None if it has not finished (a
     snapshot read)."""
-    return decode_replay(tr.snapshot[done_key(ts, replay_id)])
+    return decode_replay(tr.snapshot[ts.replay_done_key(replay_id)])
 
 
 @transactional
@@ -73,7 +53,7 @@ def replay_runs(tr, ts: TopicSpace, window: str) -> dict:
     owners, beats = {}, {}
     for kv in tr.snapshot.get_range(r.start, r.stop):
         key = ts.replays.unpack(kv.key)
-        if key[1] == DONE:
+        if key[1] == REPLAY_DONE:
             continue
         if len(key) == 2:
             owners[key[1]] = decode_replay(kv.value).get("owner")
@@ -101,7 +81,7 @@ def replay_begin(tr, ts: TopicSpace, window: str, owner: str, start_ms, end_ms, 
         tr[ts.replay_run_key(window, run)] = encode_replay(state)
         return run, state
     if not again:
-        done = decode_replay(tr[done_key(ts, window)])
+        done = decode_replay(tr[ts.replay_done_key(window)])
         if done is not None:
             return None, done
     state = {"start": start_ms, "end": end_ms, "stop": tr.get_read_version().wait(), "after": None,
@@ -160,12 +140,12 @@ def replay_count(tr, ts: TopicSpace, window: str, run: str, owner: str) -> int |
 @transactional
 def replay_finish(tr, ts: TopicSpace, window: str, run: str, owner: str, now_ms: int):
     """Remove a finished run's progress and heartbeat, and record the replay's finish
-    (``DONE``: {start, end, stop, count, finished_ms}), if ``owner`` still owns it."""
+    (``REPLAY_DONE``: {start, end, stop, count, finished_ms}), if ``owner`` still owns it."""
     state = decode_replay(tr[ts.replay_run_key(window, run)])
     if state is not None and state.get("owner") == owner:
         del tr[ts.replay_run_key(window, run)]
         del tr[ts.replay_beat_key(window, run)]
-        tr[done_key(ts, window)] = encode_replay({k: state[k] for k in ("start", "end", "stop", "count")}
+        tr[ts.replay_done_key(window)] = encode_replay({k: state[k] for k in ("start", "end", "stop", "count")}
                                                  | {"finished_ms": now_ms})
 
 

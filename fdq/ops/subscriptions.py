@@ -25,7 +25,7 @@ import fnmatch
 import json
 
 from . import membership
-from ..config import UPDATABLE_SUBSCRIPTION_FIELDS, SubscriptionConfig, TopicConfig, check_name
+from ..config import UPDATABLE_SUBSCRIPTION_FIELDS, SubscriptionConfig, TopicConfig, check_filters, check_name
 from ..engine import transactional
 from ..errors import ConfigError, SubscriptionNotFound
 from ..keyspace import TopicSpace, stamp_of_value
@@ -79,20 +79,6 @@ def diff_error(ts: TopicSpace, sub: str, stored: SubscriptionConfig, given: Subs
                        f"configuration: {diffs}. Change updatable fields "
                        f"({', '.join(UPDATABLE_SUBSCRIPTION_FIELDS)}) with update_subscription; "
                        f"others need a new subscription")
-
-
-def check_filters(topic: str, sub: str, config: SubscriptionConfig, topic_config: TopicConfig):
-    """Refuse a filter that this topic's messages can never match, so it would drop
-    (count as ``filtered``) every message: a header filter on a topic that stores no
-    headers (no extend support). The other filters that can match nothing are refused by
-    ``SubscriptionConfig`` itself (unknown ``##`` names, values over a message's header
-    limit); a shard-key glob stays allowed (it never matches a message pushed without a
-    shard key, as documented; its drops show as ``filtered`` in stats)."""
-    if config.filter_headers is not None and not topic_config.extend:
-        raise ConfigError(f"subscription {sub!r} of {topic!r}: a header filter needs a topic with extend "
-                          f"support (topic {topic!r} stores no headers, so the filter would drop every "
-                          f"message); run fdq topics upgrade {topic} --extend (Supervisor.upgrade_extend) "
-                          "first, or create the topic with --extend")
 
 
 def routing_refusal(ts: TopicSpace, config: TopicConfig, what: str) -> ConfigError:

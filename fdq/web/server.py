@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 from ..broker.server import split_address
-from ..keyspace.format import connect
+from .. import connect
 from .app import WebApp
 
 log = logging.getLogger("fdq.web")

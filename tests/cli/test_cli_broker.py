@@ -105,6 +105,7 @@ USAGE_ERRORS = [  # (flags, text of the one "Error:" line)
     (["--msg-timeout", "soon"], "invalid duration 'soon' (use e.g. 60s, 1m30s, 500ms)"),
     (["--max-req-timeout", "1x"], "invalid duration '1x'"),
     (["--msg-timeout", "2h"], "--msg-timeout must not exceed --max-msg-timeout"),
+    (["--msg-timeout", "5ms"], "--msg-timeout must be at least 10ms (a delivery's lease), not 5ms"),
     (["--tcp-address", "4150"], "address must be host:port, not '4150'"),
     (["--http-address", "127.0.0.1:99999"], "port 99999 of '127.0.0.1:99999' is above 65535"),
     (["--max-msg-size", "0"], "0 is not in the range x>=1"),
