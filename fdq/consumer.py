@@ -512,7 +512,7 @@ class Consumer:
                     rnd.lost = True
                     continue
                 part.taken = taken
-                part.drained = not taken or (self._sel is None and len(taken) < left)
+                part.drained = not taken.more and (not taken or (self._sel is None and len(taken) < left))
                 if part.drained:
                     part.watch_key = self._watch_key(shard_id)
                 rnd.parts.append(part)

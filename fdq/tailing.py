@@ -260,9 +260,9 @@ class TailConsumer(Consumer):
                 if m._settled is TERM:
                     queue.dead_letter_taken(tr, self._ts, t, f"terminated: {m._reason}", self.id)
             run.current = None
-            key = self._watch_key(shard_id) if not run.taken else None
+            key = self._watch_key(shard_id) if not run.taken and not run.taken.more else None
             run.watch = tr.watch(key) if key is not None else None
-            return len(run.taken)
+            return len(run.taken) or int(run.taken.more)    # (more: dead letters moved, not drained)
 
         def on_error(e, attempt):
             nonlocal limit, failed

@@ -195,6 +195,33 @@ def _held_keys(tr, shard: ShardSpace) -> set:
     return held
 
 
+
+# Dead letters one taking transaction writes at most (their count, their records' bytes):
+# a head of thousands of messages past max_deliver (or damaged) is moved over several
+# transactions, none over FDB's 10 MB or 5 s (one that was retried for ever, the shard
+# stuck). The batch then says more is there (``Batch.more``).
+DEAD_PER_TX = 200
+DEAD_BYTES_PER_TX = 2_000_000
+
+
+class Batch(list):
+    """The messages a take or lease took. ``more``: it stopped at the dead-letter budget,
+    so the shard is not drained however few it took."""
+    more = False
+
+
+class _DeadBudget:
+    __slots__ = ("n", "size")
+
+    def __init__(self):
+        self.n = self.size = 0
+
+    def spent(self, raw) -> bool:
+        """Count one dead letter; whether the budget is spent."""
+        self.n += 1
+        self.size += len(raw)
+        return self.n >= DEAD_PER_TX or self.size >= DEAD_BYTES_PER_TX
+
 def _select_ready(tr, ts: TopicSpace, shard: ShardSpace, limit: int, sel: Selection, max_deliver: int,
                   consumer_id: str) -> list:
     """``_read_ready`` for a subscription with flow control, ordering or a filter.
@@ -208,12 +235,13 @@ def _select_ready(tr, ts: TopicSpace, shard: ShardSpace, limit: int, sel: Select
     if sel.max_pending is not None:
         limit = min(limit, sel.max_pending - decode_counter(tr.snapshot[shard.stat("in_flight")]))
         if limit <= 0:
-            return []
+            return Batch()
     held = _held_keys(tr, shard) if sel.ordered else set()
-    out, dropped, scanned = [], 0, 0
+    out, dropped, scanned = Batch(), 0, 0
+    dead = _DeadBudget()
     r = shard.ready.range()
     begin, page_size = r.start, max(64, 4 * limit)
-    while len(out) < limit and scanned < SCAN_LIMIT:
+    while len(out) < limit and scanned < SCAN_LIMIT and not out.more:
         page = list(tr.snapshot.get_range(begin, r.stop, limit=page_size))
         for kv in page:
             scanned += 1
@@ -222,9 +250,12 @@ def _select_ready(tr, ts: TopicSpace, shard: ShardSpace, limit: int, sel: Select
                 rec = Record.decode(kv.value)
             except CorruptValue as e:
                 _dead_letter_undecodable(tr, ts, shard, kv.key, vs, kv.value, e, consumer_id)
-                continue
-            if rec.attempts >= max_deliver and not _deliverable(tr, ts, shard, kv.key, vs, rec, kv.value,
-                                                                max_deliver, consumer_id):
+                rec = None
+            if rec is None or (rec.attempts >= max_deliver and not _deliverable(
+                    tr, ts, shard, kv.key, vs, rec, kv.value, max_deliver, consumer_id)):
+                if dead.spent(kv.value):
+                    out.more = True
+                    break
                 continue
             if sel.match is not None and not sel.match(rec):
                 tr.add_read_conflict_key(kv.key)
@@ -240,7 +271,7 @@ def _select_ready(tr, ts: TopicSpace, shard: ShardSpace, limit: int, sel: Select
             out.append(Taken(shard, vs, rec, _body(tr.snapshot, shard, vs, rec), kv.value))
             if len(out) >= limit:
                 break
-        if len(page) < page_size:
+        if len(page) < page_size or out.more:
             break
         begin = page[-1].key + b"\x00"
     if dropped:
@@ -282,10 +313,11 @@ def _read_head(tr, ts: TopicSpace, shard: ShardSpace, limit: int, max_deliver: i
     dead-lettered on the way (``_deliverable``, ``_dead_letter_undecodable``) do not
     count, the read goes on past them."""
     r = shard.ready_range
-    out = []
+    out = Batch()
     append, decode = out.append, Record.decode
     snap = tr.snapshot
     begin = r.start
+    dead = _DeadBudget()
     while True:
         want = limit - len(out)
         n = 0
@@ -297,12 +329,15 @@ def _read_head(tr, ts: TopicSpace, shard: ShardSpace, limit: int, max_deliver: i
                 rec = decode(kv.value)
             except CorruptValue as e:
                 _dead_letter_undecodable(tr, ts, shard, kv.key, vs, kv.value, e, consumer_id)
-                continue
-            if rec.attempts >= max_deliver and not _deliverable(tr, ts, shard, kv.key, vs, rec, kv.value,
-                                                                max_deliver, consumer_id):
+                rec = None
+            if rec is None or (rec.attempts >= max_deliver and not _deliverable(
+                    tr, ts, shard, kv.key, vs, rec, kv.value, max_deliver, consumer_id)):
+                if dead.spent(kv.value):
+                    out.more = True
+                    break
                 continue
             append(Taken(shard, vs, rec, rec.body if not rec.nchunks else _body(snap, shard, vs, rec), kv.value))
-        if n < want or len(out) >= limit:
+        if out.more or n < want or len(out) >= limit:
             break
         begin = kv.key + b"\x00"
     if out:
@@ -322,7 +357,7 @@ def take_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: i
     message whose failed attempts reached ``max_deliver`` is dead-lettered instead."""
     ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
     if not _consumable(tr, ts, shard.sub):
-        return []
+        return Batch()
     taken = _read_ready(tr, ts, shard, limit, sel, max_deliver, consumer_id)
     if taken and sel is None:
         # The head of the queue, first to last key: ``_read_ready`` read it all and holds
@@ -376,7 +411,7 @@ def lease_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: 
     past it, whatever put it back."""
     ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
     if not _consumable(tr, ts, shard.sub):
-        return []
+        return Batch()
     taken = _read_ready(tr, ts, shard, limit, sel, max_deliver, consumer_id)
     if not taken:
         return taken
@@ -727,7 +762,7 @@ def fail_in_place(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch
     return Fate.RETRY
 
 
-__all__ = ["Taken", "Selection", "SettleRow", "Expiry", "Fate", "MAX_REASON_CHARS", "SCAN_LIMIT",
+__all__ = ["Taken", "Batch", "Selection", "SettleRow", "Expiry", "Fate", "MAX_REASON_CHARS", "SCAN_LIMIT",
            "promote_due", "read_leases", "in_shard", "take_batch", "mark_take", "take_committed", "batch_leased",
            "lease_batch", "dead_letter_taken", "settle", "scan_leases", "scan_shards_leases", "expire_leases",
            "fail_in_place"]

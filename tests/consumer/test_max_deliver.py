@@ -87,3 +87,36 @@ def test_consumer_release_gives_fetched_messages_back_uncounted(db):
         again = fetch_until(c, lambda g: len(g) >= 3, 30)
         assert [(m.body, m.attempts) for m in again] == [(b"m0", 1), (b"m1", 1), (b"m2", 1)]
         c.ack_many(again)
+
+
+def test_a_head_of_messages_past_max_deliver_is_dead_lettered_over_several_transactions(db, monkeypatch):
+    """160 messages nak'd once, then leased under max_deliver=1: each is dead-lettered by
+    the lease that meets it. All in one transaction could pass FDB's 10 MB or 5 s with
+    large records, and then failed at every retry (the shard stuck); at most
+    ``DEAD_PER_TX`` go per transaction (50 here), the round goes on to the next one, and
+    the fresh message behind them is delivered."""
+    from fdq.ops import queue
+    monkeypatch.setattr(queue, "DEAD_PER_TX", 50)
+    spent = []
+    real = queue._DeadBudget.spent
+
+    def counted(self, raw):
+        done = real(self, raw)
+        spent.append(self.n)
+        return done
+    monkeypatch.setattr(queue._DeadBudget, "spent", counted)
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    p = fdq.Producer(db)
+    p.push_many("t", [fdq.Envelope(b"m%d" % i) for i in range(160)])
+    with fdq.Consumer(db, "t", config=fast(max_deliver=10)) as c:
+        got = fetch_until(c, lambda g: len(g) >= 160, 30)
+        for m in got:
+            m.nak(0)
+    p.push("t", b"fresh")
+    with fdq.Consumer(db, "t", config=fast(max_deliver=1)) as c:
+        got = fetch_until(c, lambda g: len(g) >= 1, 30)
+        assert [(m.body, m.attempts) for m in got] == [(b"fresh", 1)]
+        got[0].ack()
+    assert max(spent) == 50 and len(spent) == 160
+    s = sub_stats(db, "t")
+    assert s["backlog"] == 0 and s["in_flight"] == 0 and s["dlq"] == 160
