@@ -797,6 +797,15 @@ class Consumer:
             self._fetch_done.wait_for(lambda: all(t == me for t in self._fetching),
                                       max(0.0, deadline - _monotonic()))
 
+    def _mark_handed(self, m):
+        """``m`` goes to a handler (a tail's round): from now on it is an attempt, nak'd if
+        the consumer closes with it unsettled (``_return_leases``), never released."""
+        m._handed = True
+        with self._leases_lock:
+            lease = self._leases.get(((m.tag, m.shard), m._taken.vs.to_bytes()))
+            if lease is not None:
+                lease[5] = True
+
     def _return_leases(self, deadline):
         """Give back what this consumer leased and did not settle: a message ``fetch``
         handed to the application is nak'd (delay 0; it was an attempt, dead-lettered if it

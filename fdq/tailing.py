@@ -33,6 +33,10 @@ from .settlement import TERM
 # next round's lease transaction before committing them on their own.
 ACK_LINGER_S = 0.005
 
+# How long a closing tail waits for its worker's round (at least the ack wait): a handler
+# still running after it keeps its message, which the close hands back as an attempt.
+WORKER_JOIN_S = 30.0
+
 
 class _OnceAttempt:
     """The attempt of ``TailConsumer._process_exactly_once``'s transaction under way: what
@@ -205,7 +209,7 @@ class TailConsumer(Consumer):
                         rest.release()
                         rest._deferred = None
                     break
-                m._handed = True
+                self._mark_handed(m)
                 m._deferred = pending
                 try:
                     self.handler(m)
@@ -325,7 +329,7 @@ class TailConsumer(Consumer):
 
     def _finish_close(self):
         if threading.current_thread() is not self._worker:
-            self._worker.join(timeout=max(30.0, self.config.ack_wait_s))
+            self._worker.join(timeout=max(WORKER_JOIN_S, self.config.ack_wait_s))
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         super().close()

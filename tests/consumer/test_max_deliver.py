@@ -120,3 +120,29 @@ def test_a_head_of_messages_past_max_deliver_is_dead_lettered_over_several_trans
     assert max(spent) == 50 and len(spent) == 160
     s = sub_stats(db, "t")
     assert s["backlog"] == 0 and s["in_flight"] == 0 and s["dlq"] == 160
+
+
+def test_a_message_whose_handler_outlives_the_close_counts_its_attempt(db, monkeypatch):
+    """A tail closing waits for its worker's round a while (``WORKER_JOIN_S``, at least
+    the ack wait), then gives back what it leased. The message a still-running handler
+    holds was handed over: it goes back as an attempt (nak), so a message that hangs its
+    handler reaches ``max_deliver`` (before: released, attempt uncounted, for ever)."""
+    from fdq import tailing
+    monkeypatch.setattr(tailing, "WORKER_JOIN_S", 0.5)
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    fdq.Producer(db).push("t", b"hang")
+    entered, release = threading.Event(), threading.Event()
+
+    def handler(m):
+        entered.set()
+        release.wait(30)
+    t = fdq.tail(db, "t", handler, config=fast(ack_wait_s=0.2), batch_size=1)
+    try:
+        assert entered.wait(30)
+        t.shutdown()                # returns after WORKER_JOIN_S with the handler still in
+    finally:
+        release.set()
+    with fdq.Consumer(db, "t", config=FAST) as c:
+        [m] = fetch_until(c, lambda g: len(g) >= 1, 30)
+        assert (m.body, m.attempts) == (b"hang", 2)
+        m.ack()
