@@ -206,15 +206,18 @@ def _expire(tr, index_part, older_than_version: int, limit: int, expire) -> int:
     from its oldest entry: for each one committed before ``older_than_version``,
     ``expire(its value, its versionstamp)`` deletes what it points to (False: keep it,
     stop that part here), then the index entry goes. Returns the entries deleted, at
-    most ``limit``: less means every part is done."""
+    most ``limit``: less means every part is done. The index is read by snapshot, with a
+    conflict on each entry deleted (a concurrent expiry of it retries): a read to the end
+    of a short part conflicted with every push appending there."""
     n = 0
     for p in range(INDEX_PARTS):
         index = index_part(p)
         r = index.range()
-        for kv in tr.get_range(r.start, r.stop, limit=limit - n):
+        for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit - n):
             vs = index.unpack(kv.key)[0]
             if version_of(vs) >= older_than_version or not expire(bytes(kv.value), vs):
                 break
+            tr.add_read_conflict_key(kv.key)
             del tr[kv.key]
             n += 1
         if n >= limit:
