@@ -515,6 +515,8 @@ def run_replay(db, ks: Keyspace, topic: str, start_ms, end_ms, progress=None, *,
             if len(batch) >= CHUNK or not fits(0, size):
                 flush()
         flush()
+        stop.set()
+        beat.join()     # no beat after the finish (it would leave its key behind)
         replay_finish(db, ts, window, run, owner, int(time.time() * 1000))
     finally:
         stop.set()

@@ -151,5 +151,8 @@ def replay_finish(tr, ts: TopicSpace, window: str, run: str, owner: str, now_ms:
 
 @transactional
 def replay_beat(tr, ts: TopicSpace, window: str, run: str):
-    """Bump ``run``'s heartbeat counter (blind: conflicts with nothing)."""
-    tr.add(ts.replay_beat_key(window, run), counter(1))
+    """Bump ``run``'s heartbeat counter while its progress record exists (read with a
+    conflict: a beat racing the run's finish or takeover retries and finds it gone,
+    rather than leave a counter of a finished run behind)."""
+    if tr[ts.replay_run_key(window, run)] != None:  # noqa: E711
+        tr.add(ts.replay_beat_key(window, run), counter(1))

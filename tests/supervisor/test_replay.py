@@ -370,3 +370,18 @@ def test_a_dry_run_changes_nothing_and_counts_what_the_replay_pushes(db):
     plan = sup.replay("t", 0, dry_run=True)
     assert plan["finished"]["count"] == 30 and plan["messages"] == 0
     assert sup.replay("t", 0, dry_run=True, include_replays=True, again=True)["messages"] == 90
+
+
+def test_a_replay_heartbeat_after_its_run_finished_writes_nothing(db):
+    """The runner's heartbeat thread may commit a beat just after the run's finish
+    removed its progress: the beat read nothing and left a counter of a finished run
+    behind for good. A beat writes only while its run's progress record exists."""
+    from fdq.ops.replay import replay_beat
+    p = fdq.Producer(db)
+    start = int(time.time() * 1000) - 1
+    p.push_many("t", [fdq.Envelope(b"m%d" % i) for i in range(3)])
+    fdq.Supervisor(db).replay("t", start)
+    ts = Keyspace().topic("t")
+    before = scan(db, ts.replays.key())
+    replay_beat(db, ts, f"{start}:open", "0123456789abcdef")
+    assert scan(db, ts.replays.key()) == before
