@@ -152,8 +152,11 @@ def main(argv=None):
     prefix = f"demo/{topic}/done/".encode()
     counts = {}
     tr = db.create_transaction()
-    for kv in tr.snapshot.get_range(prefix, prefix + b"\xff"):
-        counts[kv.key[len(prefix):].decode()] = decode_counter(kv.value)
+    try:
+        for kv in tr.snapshot.get_range(prefix, prefix + b"\xff"):
+            counts[kv.key[len(prefix):].decode()] = decode_counter(kv.value)
+    finally:
+        tr.cancel()
     by = _processed_by(db, topic)
     stats = sup.stats(topic)
     once = sum(1 for i in pushed if counts.get(i) == 1)
