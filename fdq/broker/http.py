@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import json
 import logging
+import resource
 import socket
 import struct
 from urllib.parse import parse_qs, urlsplit
@@ -102,8 +104,6 @@ class Request:
 def _memory() -> dict:
     """nsqd's ``memory`` stats (Go runtime fields), from what CPython has: the process's
     resident set for the heap sizes, the garbage collector's counts for the GC fields."""
-    import gc
-    import resource
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     try:
         with open("/proc/self/statm") as f:
