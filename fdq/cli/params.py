@@ -210,6 +210,14 @@ def _reject_constant(name):
     raise ValueError(name)
 
 
+def _name_value(ptype: click.ParamType, value, param, ctx, what: str, example: str) -> tuple:
+    """``name=value`` split at the first ``=`` (a usage error naming ``what`` otherwise)."""
+    name, sep, raw = str(value).partition("=")
+    if not sep or not name:
+        ptype.fail(f"{value!r}: {what} is name=value (e.g. {example})", param, ctx)
+    return name, raw
+
+
 class Header(click.ParamType):
     """``name=value``: the value is parsed as JSON when it is valid JSON (``n=3``,
     ``ok=true``, ``l=[1,2]``, ``s="3"``), else kept as a string (``user=alice``).
@@ -220,9 +228,7 @@ class Header(click.ParamType):
     def convert(self, value, param, ctx):
         if isinstance(value, tuple):
             return value
-        name, sep, raw = str(value).partition("=")
-        if not sep or not name:
-            self.fail(f"{value!r}: a header is name=value (e.g. --header user=alice)", param, ctx)
+        name, raw = _name_value(self, value, param, ctx, "a header", "--header user=alice")
         if name == TRACE_ID:
             return name, raw
         try:
@@ -264,10 +270,7 @@ class FilterHeader(click.ParamType):
     def convert(self, value, param, ctx):
         if isinstance(value, tuple):
             return value
-        name, sep, raw = str(value).partition("=")
-        if not sep or not name:
-            self.fail(f"{value!r}: a header filter is name=value (e.g. --filter-header region=eu)", param, ctx)
-        return name, raw
+        return _name_value(self, value, param, ctx, "a header filter", "--filter-header region=eu")
 
 
 def filter_headers_callback(ctx, param, pairs):

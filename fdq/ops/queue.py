@@ -246,13 +246,8 @@ def _select_ready(tr, ts: TopicSpace, shard: ShardSpace, limit: int, sel: Select
         for kv in page:
             scanned += 1
             vs = vs_from_bytes(position_of(kv.key))
-            try:
-                rec = Record.decode(kv.value)
-            except CorruptValue as e:
-                _dead_letter_undecodable(tr, ts, shard, kv.key, vs, kv.value, e, consumer_id)
-                rec = None
-            if rec is None or (rec.attempts >= max_deliver and not _deliverable(
-                    tr, ts, shard, kv.key, vs, rec, kv.value, max_deliver, consumer_id)):
+            rec = _deliverable(tr, ts, shard, kv, vs, max_deliver, consumer_id)
+            if rec is None:
                 if dead.spent(kv.value):
                     out.more = True
                     break
@@ -293,19 +288,24 @@ def _read_ready(tr, ts: TopicSpace, shard: ShardSpace, limit: int, sel: Selectio
     return out
 
 
-def _deliverable(tr, ts: TopicSpace, shard: ShardSpace, key: bytes, vs, rec: Record, raw, max_deliver: int,
-                 consumer_id: str) -> bool:
-    """Whether ready message ``rec`` (at ``key``) may be delivered: one that had
-    ``max_deliver`` attempts already (put back by any path under a larger bound: a
-    consumer of another config, a subscription's ``max_deliver`` lowered since) is
-    dead-lettered here, in the taking transaction, and never delivered again."""
+def _deliverable(tr, ts: TopicSpace, shard: ShardSpace, kv, vs, max_deliver: int, consumer_id: str):
+    """The record of ready row ``kv`` if it may be delivered, else None, dead-lettered
+    here in the taking transaction: one that does not decode (a raw dead letter, the
+    reason naming what failed), or one that had ``max_deliver`` attempts already (put
+    back by any path under a larger bound: a consumer of another config, a
+    subscription's ``max_deliver`` lowered since), never delivered again."""
+    try:
+        rec = Record.decode(kv.value)
+    except CorruptValue as e:
+        _dead_letter_undecodable(tr, ts, shard, kv.key, vs, kv.value, e, consumer_id)
+        return None
     if rec.attempts < max_deliver:
-        return True
-    tr.add_read_conflict_key(key)
-    tr.clear(key)
-    _dead_letter(tr, ts, shard, vs, bytes(raw),
+        return rec
+    tr.add_read_conflict_key(kv.key)
+    tr.clear(kv.key)
+    _dead_letter(tr, ts, shard, vs, bytes(kv.value),
                  f"max_deliver ({max_deliver}) reached before delivery {rec.attempts + 1}", consumer_id)
-    return False
+    return None
 
 
 def _read_head(tr, ts: TopicSpace, shard: ShardSpace, limit: int, max_deliver: int, consumer_id: str):
@@ -314,7 +314,7 @@ def _read_head(tr, ts: TopicSpace, shard: ShardSpace, limit: int, max_deliver: i
     count, the read goes on past them."""
     r = shard.ready_range
     out = Batch()
-    append, decode = out.append, Record.decode
+    append = out.append
     snap = tr.snapshot
     begin = r.start
     dead = _DeadBudget()
@@ -325,13 +325,8 @@ def _read_head(tr, ts: TopicSpace, shard: ShardSpace, limit: int, max_deliver: i
             n += 1
             # Ready keys end in 0x33 + the 12-byte stamp their push's commit completed.
             vs = StoredVersionstamp(position_of(kv.key))
-            try:
-                rec = decode(kv.value)
-            except CorruptValue as e:
-                _dead_letter_undecodable(tr, ts, shard, kv.key, vs, kv.value, e, consumer_id)
-                rec = None
-            if rec is None or (rec.attempts >= max_deliver and not _deliverable(
-                    tr, ts, shard, kv.key, vs, rec, kv.value, max_deliver, consumer_id)):
+            rec = _deliverable(tr, ts, shard, kv, vs, max_deliver, consumer_id)
+            if rec is None:
                 if dead.spent(kv.value):
                     out.more = True
                     break
