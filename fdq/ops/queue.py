@@ -205,22 +205,23 @@ DEAD_BYTES_PER_TX = 2_000_000
 
 
 class Batch(list):
-    """The messages a take or lease took. ``more``: it stopped at the dead-letter budget,
-    so the shard is not drained however few it took."""
-    more = False
-
-
-class _DeadBudget:
-    __slots__ = ("n", "size")
+    """The messages a take or lease took, and the dead letters it wrote on the way.
+    ``more``: it stopped at the dead-letter budget, so the shard is not drained however
+    few it took."""
 
     def __init__(self):
-        self.n = self.size = 0
+        super().__init__()
+        self.more = False
+        self.dead = self.dead_bytes = 0
 
     def spent(self, raw) -> bool:
-        """Count one dead letter; whether the budget is spent."""
-        self.n += 1
-        self.size += len(raw)
-        return self.n >= DEAD_PER_TX or self.size >= DEAD_BYTES_PER_TX
+        """Count one dead letter (``raw``: its record); whether the budget is spent
+        (``more`` then)."""
+        self.dead += 1
+        self.dead_bytes += len(raw)
+        self.more = self.dead >= DEAD_PER_TX or self.dead_bytes >= DEAD_BYTES_PER_TX
+        return self.more
+
 
 def _select_ready(tr, ts: TopicSpace, shard: ShardSpace, limit: int, sel: Selection, max_deliver: int,
                   consumer_id: str) -> list:
@@ -238,7 +239,6 @@ def _select_ready(tr, ts: TopicSpace, shard: ShardSpace, limit: int, sel: Select
             return Batch()
     held = _held_keys(tr, shard) if sel.ordered else set()
     out, dropped, scanned = Batch(), 0, 0
-    dead = _DeadBudget()
     r = shard.ready.range()
     begin, page_size = r.start, max(64, 4 * limit)
     while len(out) < limit and scanned < SCAN_LIMIT and not out.more:
@@ -248,8 +248,7 @@ def _select_ready(tr, ts: TopicSpace, shard: ShardSpace, limit: int, sel: Select
             vs = vs_from_bytes(position_of(kv.key))
             rec = _deliverable(tr, ts, shard, kv, vs, max_deliver, consumer_id)
             if rec is None:
-                if dead.spent(kv.value):
-                    out.more = True
+                if out.spent(kv.value):
                     break
                 continue
             if sel.match is not None and not sel.match(rec):
@@ -317,7 +316,6 @@ def _read_head(tr, ts: TopicSpace, shard: ShardSpace, limit: int, max_deliver: i
     append = out.append
     snap = tr.snapshot
     begin = r.start
-    dead = _DeadBudget()
     while True:
         want = limit - len(out)
         n = 0
@@ -327,8 +325,7 @@ def _read_head(tr, ts: TopicSpace, shard: ShardSpace, limit: int, max_deliver: i
             vs = StoredVersionstamp(position_of(kv.key))
             rec = _deliverable(tr, ts, shard, kv, vs, max_deliver, consumer_id)
             if rec is None:
-                if dead.spent(kv.value):
-                    out.more = True
+                if out.spent(kv.value):
                     break
                 continue
             append(Taken(shard, vs, rec, rec.body if not rec.nchunks else _body(snap, shard, vs, rec), kv.value))

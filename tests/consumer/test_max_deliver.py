@@ -98,13 +98,13 @@ def test_a_head_of_messages_past_max_deliver_is_dead_lettered_over_several_trans
     from fdq.ops import queue
     monkeypatch.setattr(queue, "DEAD_PER_TX", 50)
     spent = []
-    real = queue._DeadBudget.spent
+    real = queue.Batch.spent
 
     def counted(self, raw):
         done = real(self, raw)
-        spent.append(self.n)
+        spent.append(self.dead)
         return done
-    monkeypatch.setattr(queue._DeadBudget, "spent", counted)
+    monkeypatch.setattr(queue.Batch, "spent", counted)
     fdq.Supervisor(db).create_topic("t", shards=1)
     p = fdq.Producer(db)
     p.push_many("t", [fdq.Envelope(b"m%d" % i) for i in range(160)])
