@@ -145,7 +145,7 @@ class Consumer:
     def __init__(self, db, topic: str, *, subscription: str = DEFAULT_SUBSCRIPTION,
                  consumer_id: str | None = None, config: ConsumerConfig | None = None,
                  keyspace: Keyspace | None = None, create: bool = True,
-                 extend_support: bool = False, desired_tag: str | None = None,
+                 extend_support: bool | None = None, desired_tag: str | None = None,
                  on_error=None, batch_size: int = 100,
                  subscription_config: SubscriptionConfig | None = None, ephemeral: bool = False):
         self.db = db
@@ -170,11 +170,13 @@ class Consumer:
         self._reported = {}          # (error type, text) -> when ``_report`` last logged it
         self._ts = self.keyspace.topic(self.topic)
         self._topic_config = self._load_topic(create, extend_support)
+        # None (the default): as the topic is; an explicit value must match it.
         if extend_support and not self._topic_config.extend:
             raise ConfigError(f"topic {self.topic!r} has no extend support: connect without extend_support")
-        if self._topic_config.extend and not extend_support:
-            raise ConfigError(f"topic {self.topic!r} has extend support: consumers must set extend_support=True")
-        self.extend_support = extend_support
+        if self._topic_config.extend and extend_support is False:
+            raise ConfigError(f"topic {self.topic!r} has extend support: extend_support=False cannot consume it "
+                              "(leave it out, or set it True)")
+        self.extend_support = self._topic_config.extend
         if desired_tag is not None and self._topic_config.extend:
             check_tag(desired_tag)
         self.desired_tag = desired_tag if self._topic_config.extend else None   # plain: ignored

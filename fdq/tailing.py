@@ -358,17 +358,26 @@ def check_delivery_args(acking, transactional):
 
 def tail(db, topic: str, handler, acking: bool | None = None, transactional: bool = False,
          batch_size: int = 100, consumer_id: str | None = None,
-         subscription: str = DEFAULT_SUBSCRIPTION, config: ConsumerConfig | None = None, **kwargs):
+         subscription: str = DEFAULT_SUBSCRIPTION, config: ConsumerConfig | None = None, *,
+         keyspace=None, create: bool = True, extend_support: bool | None = None, desired_tag: str | None = None,
+         on_error=None, subscription_config=None, ephemeral: bool = False) -> TailConsumer:
     """Consume ``topic`` in the background until ``shutdown()``.
 
     ``transactional=True``: exactly-once, ``handler(tr, message)``. Otherwise
     ``acking=False`` is at-most-once and ``acking=None``/``True`` at-least-once,
     ``handler(message)``. Combining ``transactional=True`` with ``acking`` is an error.
+    The other arguments are :class:`fdq.Consumer`'s: ``extend_support`` follows the
+    topic unless given (an extend topic's messages carry headers, ``desired_tag`` picks
+    the dispatch tag this consumer takes), ``on_error(exception)`` hears what goes wrong
+    in the background (default: logged).
     """
     check_delivery_args(acking, transactional)
     mode = EXACTLY_ONCE if transactional else (AT_MOST_ONCE if acking is False else AT_LEAST_ONCE)
     return TailConsumer(db, topic, handler, mode=mode, batch_size=batch_size, consumer_id=consumer_id,
-                        subscription=subscription, config=config, _explicit_acking=acking is True, **kwargs)
+                        subscription=subscription, config=config, keyspace=keyspace, create=create,
+                        extend_support=extend_support, desired_tag=desired_tag, on_error=on_error,
+                        subscription_config=subscription_config, ephemeral=ephemeral,
+                        _explicit_acking=acking is True)
 
 
 __all__ = ["TailConsumer", "tail", "check_delivery_args"]

@@ -23,8 +23,11 @@ def _consumers(sup, topic):
 @pytest.mark.parametrize("topic,extend_support,desired_tag,error", [
     ("ext", True, None, None),
     ("ext", True, "A", None),
-    ("ext", False, None, "has extend support: consumers must set extend_support=True"),
-    ("ext", False, "A", "has extend support: consumers must set extend_support=True"),
+    ("ext", None, None, None),              # extend_support follows the topic unless given
+    ("ext", None, "A", None),
+    ("ext", False, None, "has extend support: extend_support=False cannot consume it"),
+    ("ext", False, "A", "has extend support: extend_support=False cannot consume it"),
+    ("plain", None, None, None),
     ("plain", False, None, None),
     ("plain", False, "A", None),            # desired_tag ignored on a plain topic
     ("plain", True, None, "has no extend support"),
@@ -71,3 +74,12 @@ def test_desired_tag_on_plain_topic_is_a_normal_consumer(db, topics):
         assert [m.body for m in got] == [b"u"] and got[0].tag == "" and dict(got[0].headers) == {}
     finally:
         c.close()
+
+
+def test_tail_says_what_it_takes():
+    """``fdq.tail``'s signature names every argument (``**kwargs`` hid
+    ``extend_support``, ``desired_tag`` and ``on_error`` from help() and editors)."""
+    import inspect
+    params = inspect.signature(fdq.tail).parameters
+    assert {"extend_support", "desired_tag", "on_error", "subscription_config", "ephemeral"} <= set(params)
+    assert all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in params.values())
