@@ -319,15 +319,17 @@ class Supervisor:
 
     def dlq_list(self, name: str, subscription: str = "default", limit: int = 100) -> list:
         """The subscription's first ``limit`` dead letters (oldest first), read in one
-        transaction (FDB's 5 s): ``limit`` is an integer from 1 to ``DLQ_LIST_MAX``."""
+        transaction (FDB's 5 s): ``limit`` is an integer from 1 to ``DLQ_LIST_MAX``. A
+        dead letter whose stored record did not decode has ``raw`` True: ``body`` is the
+        bytes as stored (no insertion time, attempts or shard key; it cannot be redriven)."""
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= self.DLQ_LIST_MAX:
-            raise ConfigError(f"limit must be an integer from 1 to 100,000 (dead letters listed in one "
-                              f"transaction), not {shown(limit)}")
+            raise ConfigError(f"limit must be an integer from 1 to {self.DLQ_LIST_MAX:,} (dead letters listed "
+                              f"in one transaction), not {shown(limit)}")
         ts = self._ts(name)
         self.subscription(name, subscription)      # TopicNotFound, SubscriptionNotFound
         return [{"id": message_id(vs), "reason": reason, "consumer": cid, "attempts": rec.attempts,
-                 "shard_key": rec.shard_key, "insertion_time": rec.ts_ms, "body": rec.body}
-                for vs, rec, reason, cid, _k in dlq.dlq_list(self.db, ts, subscription, limit)]
+                 "shard_key": rec.shard_key, "insertion_time": rec.ts_ms, "body": rec.body, "raw": raw}
+                for vs, rec, reason, cid, _k, raw in dlq.dlq_list(self.db, ts, subscription, limit)]
 
     def dlq_redrive(self, name: str, subscription: str = "default", progress=None) -> int:
         """Move the subscription's dead letters back to their shards' ready queues

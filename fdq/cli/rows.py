@@ -191,7 +191,7 @@ def dlq_row(d: dict, subscription: str) -> dict:
     """``fdq dlq list``: one dead letter (from ``Supervisor.dlq_list``)."""
     return {"id": d["id"], "subscription": subscription, "reason": d["reason"],
             "consumer": d["consumer"], "attempts": d["attempts"], "shard_key": d["shard_key"],
-            "insertion_time_ms": d["insertion_time"], **body_fields(d["body"])}
+            "insertion_time_ms": d["insertion_time"], "raw": d["raw"], **body_fields(d["body"])}
 
 
 __all__ = ["topic_row", "topic_rows", "stats_row", "consumer_rows", "message_row", "push_row",

@@ -36,10 +36,10 @@ def _undecodable(value) -> tuple:
 
 @transactional
 def dlq_list(tr, ts: TopicSpace, sub: str, limit: int = 100, after: bytes | None = None) -> list:
-    """[(vs, Record, reason, consumer_id, key)] of the DLQ, oldest first; each
+    """[(vs, Record, reason, consumer_id, key, raw)] of the DLQ, oldest first; each
     record's ``body`` is the whole body (a large one's chunks joined). A raw dead letter
-    (a record that did not decode) is a Record of its bytes as ``body``, ``ts_ms`` 0, its
-    reason saying what failed to decode."""
+    (``raw`` True: a record that did not decode) is a Record of its bytes as ``body``,
+    ``ts_ms`` 0, its reason saying what failed to decode."""
     space = ts.dlq(sub)
     r = space.range()
     begin = after + b"\x00" if after else r.start
@@ -48,13 +48,13 @@ def dlq_list(tr, ts: TopicSpace, sub: str, limit: int = 100, after: bytes | None
         raw, reason, cid, undecodable = _undecodable(kv.value)
         vs = ts.dlq_vs(sub, kv.key)
         if undecodable:
-            out.append((vs, Record(0, body=raw), reason, cid, kv.key))
+            out.append((vs, Record(0, body=raw), reason, cid, kv.key, True))
             continue
         rec = Record.decode(raw)
         if rec.nchunks:     # the chunks stay in the subscription's chunk area (queue._dead_letter)
             c = ts.sub_chunks_range(sub, vs)
             rec.body = b"".join(c.value for c in tr.snapshot.get_range(c.start, c.stop))
-        out.append((vs, rec, reason, cid, kv.key))
+        out.append((vs, rec, reason, cid, kv.key, False))
     return out
 
 

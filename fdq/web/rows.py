@@ -112,7 +112,7 @@ def dlq_row(d: dict) -> dict:
     except UnicodeDecodeError:
         text, encoding = base64.b64encode(body[:BODY_PREVIEW_BYTES]).decode("ascii"), "base64"
     return {"id": d["id"], "reason": d["reason"], "attempts": d["attempts"], "consumer": d["consumer"],
-            "shard_key": d["shard_key"], "insertion_time_ms": d["insertion_time"],
+            "shard_key": d["shard_key"], "insertion_time_ms": d["insertion_time"], "raw": d["raw"],
             "body_bytes": len(body), "body": text, "body_encoding": encoding,
             "body_truncated": len(body) > BODY_PREVIEW_BYTES}
 

@@ -72,6 +72,7 @@ def test_two_damaged_records_are_dead_lettered_and_every_shard_delivers_the_rest
     assert {d["id"]: d["body"] for d in dead} == damaged
     for d in dead:
         assert d["reason"].startswith("undecodable message record: "), d["reason"]
+        assert d["raw"] is True and d["insertion_time"] == 0
     s = sub_stats(db, "t")
     assert s["backlog"] == 0 and s["in_flight"] == 0 and s["dlq"] == 2
 
