@@ -33,10 +33,11 @@ def test_upgrade_keeps_plain_messages_readable(db):
     assert sup.upgrade_extend("t").extend                   # idempotent
     with pytest.raises(fdq.TopicNotFound):
         sup.upgrade_extend("nope")
-    # One-way: creating it again as plain changes nothing; plain consumers are refused.
+    # One-way: creating it again as plain changes nothing; a consumer asking for a plain
+    # topic is refused (one that does not ask follows the topic)
     assert sup.create_topic("t", shards=2).extend
-    with pytest.raises(fdq.ConfigError, match="extend_support=True"):
-        fdq.Consumer(db, "t")
+    with pytest.raises(fdq.ConfigError, match="extend_support=False cannot consume it"):
+        fdq.Consumer(db, "t", extend_support=False)
 
     p.push("t", b"new-tagged", headers={DISPATCH_TAG: "A", "h": 1})
     p.push("t", b"new-plain")
