@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from importlib import metadata, resources
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,6 @@ def test_the_distribution_fdq_queue_provides_fdq_and_its_command():
     """The package index's ``fdq`` is an unrelated project (it ships an ``fdq/`` package
     too): FDQ's distribution is ``fdq-queue``, which provides ``import fdq``, the ``fdq``
     command and its ``--version``; every install line of the READMEs names it."""
-    from importlib import metadata
     dist = metadata.distribution("fdq-queue")
     assert dist.version == fdq.__version__
     assert "fdq = fdq.cli:main" in {f"{e.name} = {e.value}" for e in dist.entry_points if e.group == "console_scripts"}
@@ -69,7 +69,6 @@ def test_the_distribution_fdq_queue_provides_fdq_and_its_command():
 def test_the_package_says_it_is_typed():
     """PEP 561: ``fdq/py.typed`` ships with the package (declared as package data), so
     type checkers read FDQ's annotations."""
-    from importlib import resources
     assert resources.files("fdq").joinpath("py.typed").is_file()
     setup = (Path(__file__).resolve().parents[2] / "setup.cfg").read_text()
     assert "fdq = py.typed" in setup

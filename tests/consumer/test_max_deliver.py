@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 
 import fdq
+from fdq.ops import queue
+from fdq import tailing
 
 from fdqtest import FAST, fast, fetch_until, sub_stats, wait_for
 
@@ -95,7 +97,6 @@ def test_a_head_of_messages_past_max_deliver_is_dead_lettered_over_several_trans
     large records, and then failed at every retry (the shard stuck); at most
     ``DEAD_PER_TX`` go per transaction (50 here), the round goes on to the next one, and
     the fresh message behind them is delivered."""
-    from fdq.ops import queue
     monkeypatch.setattr(queue, "DEAD_PER_TX", 50)
     spent = []
     real = queue.Batch.spent
@@ -127,7 +128,6 @@ def test_a_message_whose_handler_outlives_the_close_counts_its_attempt(db, monke
     the ack wait), then gives back what it leased. The message a still-running handler
     holds was handed over: it goes back as an attempt (nak), so a message that hangs its
     handler reaches ``max_deliver`` (before: released, attempt uncounted, for ever)."""
-    from fdq import tailing
     monkeypatch.setattr(tailing, "WORKER_JOIN_S", 0.5)
     fdq.Supervisor(db).create_topic("t", shards=1)
     fdq.Producer(db).push("t", b"hang")

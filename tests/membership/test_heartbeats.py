@@ -7,6 +7,7 @@ import threading
 import time
 
 import fdq
+from fdq.ops import subscriptions
 from fdq.ops import clock, membership
 from fdq.keyspace import decode_counter, Keyspace
 
@@ -174,7 +175,6 @@ def test_one_member_declares_a_zombie(db, monkeypatch):
     stop, and each declared it (a conflicting transaction each, hundreds at once in a
     large group). The live member with the smallest id declares it; the others would
     only after twice the timeout (their observation may differ)."""
-    from fdq.ops import subscriptions
     fdq.Supervisor(db).create_topic("t", shards=4)
     ts = Keyspace().topic("t")
     calls = []

@@ -1,6 +1,8 @@
 """Consumers identify: extend topic × consumer matrix (Consumer and tail)."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 import fdq
@@ -79,7 +81,6 @@ def test_desired_tag_on_plain_topic_is_a_normal_consumer(db, topics):
 def test_tail_says_what_it_takes():
     """``fdq.tail``'s signature names every argument (``**kwargs`` hid
     ``extend_support``, ``desired_tag`` and ``on_error`` from help() and editors)."""
-    import inspect
     params = inspect.signature(fdq.tail).parameters
     assert {"extend_support", "desired_tag", "on_error", "subscription_config", "ephemeral"} <= set(params)
     assert all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in params.values())

@@ -10,6 +10,7 @@ import pytest
 from fdb.tuple import Versionstamp
 
 import fdq
+from fdq.keyspace import INDEX_PARTS, index_part
 from fdq.keyspace import decode_counter, Keyspace, vs_key, vs_key_parts
 from fdq.keyspace.codec import Record
 
@@ -70,7 +71,6 @@ def test_the_marker_and_dedupe_indexes_have_no_single_append_point(db):
     (one storage team on a cluster). They are split by a hash of the txid / msg_id over
     INDEX_PARTS ranges: 40 transactions and 400 ids land in many parts, each part in
     version order."""
-    from fdq.keyspace import INDEX_PARTS, index_part
     p = fdq.Producer(db)
     for t in range(40):
         p.push_many("o", [fdq.Envelope(b"x", msg_id=f"m{t}-{i}") for i in range(10)])

@@ -12,6 +12,7 @@ import msgpack
 import pytest
 
 import fdq
+from fdq.ops.replay import replay_beat
 from fdq.headers import DISPATCH_TAG, TRACE_ID
 from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import unpack
@@ -376,7 +377,6 @@ def test_a_replay_heartbeat_after_its_run_finished_writes_nothing(db):
     """The runner's heartbeat thread may commit a beat just after the run's finish
     removed its progress: the beat read nothing and left a counter of a finished run
     behind for good. A beat writes only while its run's progress record exists."""
-    from fdq.ops.replay import replay_beat
     p = fdq.Producer(db)
     start = int(time.time() * 1000) - 1
     p.push_many("t", [fdq.Envelope(b"m%d" % i) for i in range(3)])

@@ -8,6 +8,7 @@ import time
 import pytest
 
 import fdq
+from fdq.ops.retention import expire_markers_chunk
 from fdq import supervisor as sv
 from fdq.engine import sqlite as engine_sqlite
 from fdq.keyspace import Keyspace
@@ -304,7 +305,6 @@ def test_expiring_old_markers_does_not_conflict_with_pushes_meanwhile(db):
     stream, for long). Read by snapshot, with a conflict on each entry deleted, an
     expiry commits across pushes; a concurrent expiry of the same entries still
     conflicts."""
-    from fdq.ops.retention import expire_markers_chunk
     p = fdq.Producer(db)
     for i in range(20):
         p.push("t", b"old %d" % i)
