@@ -185,6 +185,7 @@ class Consumer:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._watches = {}           # (tag, n) -> watch future on the shard's "routed" counter
+        self._assign_watch = None    # watch on the subscription's assignment counter (``_refresh_owned``)
         self._unwatched = set()      # shards whose watch hit the watch limit: polled for now
         self._unarmed = []           # a round's watches still to set (``_lease_many(defer_arm=True)``)
         # ((tag, n), 12-byte vs) -> [lease_id, touches, since, ack_wait_s, record key, handed
@@ -341,7 +342,20 @@ class Consumer:
             self._report(e)
 
     def _refresh_owned(self):
-        mine = membership.read_owned(self.db, self._ts, self.subscription, self.id, self._incarnation)
+        """Read the shards this consumer owns; with no live watch on the subscription's
+        assignment counter, set one in the same read (its firing has the membership
+        loop call this again: ``_assignment_changed``)."""
+        w = self._assign_watch
+        if w is None or w.is_ready():
+            mine, w = membership.read_owned_watched(self.db, self._ts, self.subscription, self.id,
+                                                    self._incarnation)
+            with self._owned_lock:
+                old, self._assign_watch = self._assign_watch, w
+            if old is not None and old is not w:
+                old.cancel()
+            w.on_ready(self._assignment_changed)
+        else:
+            mine = membership.read_owned(self.db, self._ts, self.subscription, self.id, self._incarnation)
         if mine is None:        # another instance joined under this id: it owns them now
             mine = {}
             if not self._replaced:
@@ -358,6 +372,15 @@ class Consumer:
                 w.cancel()
         if mine != {}:
             self._wake.set()
+
+    def _assignment_changed(self, watch):
+        """The assignment watch ended: fired (ownership changed) or failed (cancelled,
+        or FDB's watch limit: the heartbeat's refresh arms it again)."""
+        try:
+            watch.wait()
+        except error_types():
+            return
+        self._member.reassigned.set()
 
     @property
     def owned_shards(self) -> list:
@@ -782,8 +805,9 @@ class Consumer:
         deadline = _monotonic() + _GOODBYE_MS / 1000
         self._await_fetches(deadline)
         self._return_leases(deadline)
-        for w in self._watches.values():
-            w.cancel()
+        for w in [*self._watches.values(), self._assign_watch]:
+            if w is not None:
+                w.cancel()
         try:
             run_within(self.db, _ms_until(deadline), subs.leave, self._ts, self.subscription, self.id,
                        self._incarnation)

@@ -60,6 +60,7 @@ class Member:
         self.catching_up_since = None   # when this consumer first saw its subscription catching up
         self.catch_up_helper = None
         self.clock_base = None          # (database clock ms, this host's monotonic s) last seen
+        self.reassigned = threading.Event()  # the assignment watch fired (``Consumer._assignment_changed``)
         self.thread = None
         self.watchdog = None
 
@@ -89,6 +90,9 @@ class Member:
         while not c._stop.wait(tick):
             try:
                 now = _monotonic()
+                if self.reassigned.is_set():
+                    self.reassigned.clear()
+                    c._refresh_owned()
                 if now - self.last_hb >= cfg.heartbeat_interval_s:
                     self.last_hb = now
                     if c._replaced:

@@ -213,6 +213,16 @@ def read_owned(tr, ts: TopicSpace, sub: str, consumer_id: str, incarnation=None)
 
 
 @transactional
+def read_owned_watched(tr, ts: TopicSpace, sub: str, consumer_id: str, incarnation=None) -> tuple:
+    """``read_owned`` and a watch on the subscription's assignment counter set at the
+    same read: it fires at the next change of ownership (a join, leave, takeover or
+    reshard by anyone), so the consumer reads its shards again then, not at its next
+    heartbeat (a peer's leave gave the survivor nothing new to fence against: its own
+    shards' epochs were unchanged, it leased them and kept polling those alone)."""
+    return read_owned(tr, ts, sub, consumer_id, incarnation), tr.watch(ts.assignment_key(sub))
+
+
+@transactional
 def replaced(tr, ts: TopicSpace, sub: str, consumer_id: str, incarnation) -> bool:
     """Whether another instance joined under ``consumer_id`` (see ``join``)."""
     raw = tr.snapshot[ts.consumer_key(sub, consumer_id)]
@@ -282,5 +292,5 @@ def ensure_owner(tr, ts: TopicSpace, sub: str, shard_id, consumer_id: str, epoch
 
 
 __all__ = ["shard_ids", "read_tags", "ownership_pools", "read_members", "read_owners", "plan_assignment",
-           "assign_shards", "assign_new_tags", "join", "read_owned", "replaced", "leave", "heartbeat",
+           "assign_shards", "assign_new_tags", "join", "read_owned", "read_owned_watched", "replaced", "leave", "heartbeat",
            "declare_zombie", "ensure_owner"]

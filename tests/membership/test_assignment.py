@@ -12,7 +12,7 @@ from fdq.ops import membership
 from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import shard_of
 
-from fdqtest import engine_errors, readline_within
+from fdqtest import engine_errors, readline_within, wait_for
 
 
 _TAGGED_STREAM = """
@@ -44,7 +44,6 @@ def test_a_steady_stream_of_tagged_pushes_does_not_conflict_with_shard_assignmen
     try:
         assert readline_within(stream, 60, "ready").strip() == "ready"
         before = sup.stats("t")["counters"]["inserted"]
-        from fdqtest import wait_for
         wait_for(lambda: sup.stats("t")["counters"]["inserted"] > before + 50, timeout=20, what="the stream")
         conflicts = 0
         for _ in range(20):
@@ -92,6 +91,33 @@ def test_a_consumer_leaving_with_a_config_from_before_a_reshard_leaves_no_shard_
                 got.append(m.body)
                 m.ack()
         assert sorted(got) == sorted(k.encode() for k in keys)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_survivor_consumes_a_leaving_peers_shards_before_its_next_heartbeat(db):
+    """A peer's leave moves its shards to the survivor without touching the survivor's
+    own (their epochs stay): nothing fenced the survivor, which kept leasing its old
+    shards and learned of the new ones only at its next heartbeat (30 s here). It
+    watches the subscription's assignment counter instead."""
+    s = fdq.Supervisor(db)
+    s.create_topic("t", shards=4)
+    slow = fdq.ConsumerConfig(heartbeat_interval_s=30, ack_wait_s=600)
+    a = fdq.Consumer(db, "t", consumer_id="a", config=slow)
+    b = fdq.Consumer(db, "t", consumer_id="b", config=slow)
+    try:
+        wait_for(lambda: len(a.owned_shards) == 2, timeout=10, what="a to see b's join")
+        keys = [next(f"k{i}" for i in range(1000) if shard_of(f"k{i}", 4) == n) for n in range(4)]
+        fdq.Producer(db).push_many("t", [fdq.Envelope(k.encode(), shard_key=k) for k in keys])
+        got = [m for m in a.fetch(4, timeout=1)]
+        assert len(got) == 2, [m.body for m in got]
+        b.close()
+        deadline = time.monotonic() + 10
+        while len(got) < 4 and time.monotonic() < deadline:
+            got += a.fetch(4, timeout=0.2)
+        assert sorted(m.body for m in got) == sorted(k.encode() for k in keys)
+        assert len(a.owned_shards) == 4
     finally:
         a.close()
         b.close()
