@@ -56,6 +56,7 @@ class Member:
         self.last_error = None
         self.noshard_since = None
         self.stall_reported = False
+        self.standby = False            # owns no shard: every shard has a live owner (``observe_standby``)
         self.reaper = Reaper(consumer.config.zombie_after_s)
         self.catching_up_since = None   # when this consumer first saw its subscription catching up
         self.catch_up_helper = None
@@ -102,11 +103,12 @@ class Member:
                             c._refresh_owned()   # owns nothing, reports it once
                             continue
                         c._rejoin()
-                    self.observe_peers(now)
+                    members = self.observe_peers(now)
                     c._topic_config = read_topic_config(c.db, c._ts, snapshot=True)
                     self.help_catch_up(now)
                     membership.assign_new_tags(c.db, c._ts, c.subscription)  # new tags
                     c._refresh_owned()
+                    self.observe_standby(members)
                     self.observe_subscriptions(now)
                     self.hb_ok = _monotonic()
                     self.last_error = None     # what the stall alarm names: since the last heartbeat
@@ -171,14 +173,32 @@ class Member:
         while not c._stop.wait(c.config.heartbeat_interval_s / 2):
             self.check_stall(_monotonic())
 
-    def check_stall(self, now: float):
-        """The heartbeat alarm: report ``ConsumerStalled`` once (again after a recovery)
-        when no heartbeat round has reached the database, or this consumer has owned no
-        shard, for over 3 heartbeats."""
+    def observe_standby(self, members: dict):
+        """Whether this consumer is on standby: it owns no shard because every shard of
+        its subscription has a live owner (more consumers than shards). Not a stall: it
+        takes a shard when one frees. Logged once each time it begins."""
         c = self.consumer
         with c._owned_lock:
             owned = bool(c._owned)
-        self.noshard_since = None if owned else (self.noshard_since or now)
+        standby = False
+        if not owned:
+            owners = membership.read_owners(c.db, c._ts, c.subscription)
+            standby = bool(owners) and all(o is not None and o != c.id and o in members
+                                           for o, _e in owners.values())
+            if standby and not self.standby:
+                log.info("consumer %s of %s/%s is on standby: %d consumers share %d shards; it takes one "
+                         "when one frees (more shards let more consumers work: fdq rebalance %s --shards N)",
+                         c.id, c.topic, c.subscription, len(members), len(owners), c.topic)
+        self.standby = standby
+
+    def check_stall(self, now: float):
+        """The heartbeat alarm: report ``ConsumerStalled`` once (again after a recovery)
+        when no heartbeat round has reached the database, or this consumer has owned no
+        shard while not on standby (``observe_standby``), for over 3 heartbeats."""
+        c = self.consumer
+        with c._owned_lock:
+            owned = bool(c._owned)
+        self.noshard_since = None if owned or self.standby else (self.noshard_since or now)
         limit = 3 * c.config.heartbeat_interval_s
         unreachable = now - self.hb_ok
         no_shard = now - self.noshard_since if self.noshard_since is not None else 0.0
@@ -210,7 +230,7 @@ class Member:
         zombie (its shards move). One member declares it: the live one (by this
         member's observation) with the smallest id, so hundreds of consumers do not all
         declare the same zombie at once; any member does once it has stayed unchanged
-        for twice its timeout (observations can differ)."""
+        for twice its timeout (observations can differ). Returns the members read."""
         c = self.consumer
         members = membership.read_members(c.db, c._ts, c.subscription)
         # A heartbeat value first seen now is timed from after the read that saw it, not
@@ -238,6 +258,7 @@ class Member:
                          c.id, cid, seen[0], now - seen[1])
             self.peers.pop(cid, None)
             c._refresh_owned()
+        return members
 
     def check_leases(self, now: float):
         """Expire leases of owned shards seen unchanged (same lease, same touches) for

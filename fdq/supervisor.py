@@ -170,7 +170,10 @@ class Supervisor:
         clock, then versions); liveness does not use it. Its ``zombie`` is that age past
         its ``zombie_after_s`` (None if either is unknown): a consumer that died (kill -9)
         stays registered, owning its shards, until a live peer of its subscription finds
-        it a zombie, so with none running it is listed for good."""
+        it a zombie, so with none running it is listed for good. A consumer on ``standby``
+        owns no shard because every shard has a live owner (a subscription's ``standby``
+        counts them): it takes one when one frees; more shards let more consumers work
+        (``rebalance(name, shards=N)``)."""
         return topic_stats(self.db, self._ts(name), int(time.time() * 1000))
 
     def trim(self, name: str, *, before_ms: int | None = None, progress=None) -> int:

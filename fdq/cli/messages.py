@@ -351,8 +351,10 @@ def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
 
     Joins the subscription as a consumer: with other consumers live it gets its
     share of the shards. One message per line; --json: one JSON object per line.
-    A stalled consumer (database unreachable, or no shard owned, for over 3
-    heartbeats) is reported by one line on stderr; tail keeps going. A topic or
+    A stalled consumer (database unreachable, or no shard owned while some shard has
+    no live owner, for over 3 heartbeats) is reported by one line on stderr; tail keeps
+    going. With more consumers than shards, tail may own none (standby): it waits,
+    and takes a shard when one frees. A topic or
     subscription deleted under it ends it (exit 1).
 
     A subscription with ack policy none is done with a message when tail
