@@ -6,7 +6,7 @@ if its record vanished), times its peers' counters (one unchanged for the zombie
 is declared a zombie: its shards move), re-reads the topic config and the subscription's
 (updates apply at once), gives new dispatch tags' shards owners, refreshes the shards it
 owns, and helps a catch-up left unfinished. Every lease check interval it advances the
-database clock, keeps long rounds leased (``message._Round``) and expires leases seen
+topic's clock, keeps long rounds leased (``message._Round``) and expires leases seen
 unchanged for their ack wait. The stall watch reports ``ConsumerStalled`` when no
 heartbeat round has reached the database, or no shard has been owned, for over three
 heartbeats: the loop may be stuck in a database call.
@@ -60,13 +60,13 @@ class Member:
         self.reaper = Reaper(consumer.config.zombie_after_s)
         self.catching_up_since = None   # when this consumer first saw its subscription catching up
         self.catch_up_helper = None
-        self.clock_base = None          # (database clock ms, this host's monotonic s) last seen
+        self.clock_base = None          # (topic clock ms, this host's monotonic s) last seen
         self.reassigned = threading.Event()  # the assignment watch fired (``Consumer._assignment_changed``)
         self.thread = None
         self.watchdog = None
 
     def start(self):
-        """Advance the database clock once, then start the loop and the stall watch."""
+        """Advance the topic's clock once, then start the loop and the stall watch."""
         c = self.consumer
         self.tick_clock(_monotonic())
         self.thread = threading.Thread(target=self._loop, name=f"fdq-member-{c.id}", daemon=True)
@@ -215,7 +215,7 @@ class Member:
                                       f"for {since:.2f}s (over 3 heartbeats)"))
 
     def tick_clock(self, now: float):
-        """Advance the database clock (delays are due by it) by the time that passed on
+        """Advance the topic's clock (delays are due by it) by the time that passed on
         this host's monotonic clock since this consumer last saw it: never by versions
         (they jump on recoveries), never by wall clocks (they disagree)."""
         c = self.consumer

@@ -6,7 +6,7 @@ attempts, nchunks, replay_of, due]``; trailing defaults are dropped so a plain m
 a few bytes over its body (and a record written before a field existed decodes with its
 default). Slot 1 holds the shard key (a str), or for an unkeyed message its home shard (an
 int: ``Record.home``, the shard its push chose, ``fdq.ops.routing``); msgpack writes an int
-up to 127 in one byte, as nil. ``due``: a delayed message's due time (database clock ms,
+up to 127 in one byte, as nil. ``due``: a delayed message's due time (topic clock ms,
 ``membership.read_clock``), kept in its log entry so a copy made from the log (catch-up,
 reset, replay, play) waits for it. Bodies over ``CHUNK_BYTES`` are split: the record keeps
 the chunk count and the chunks live beside it (``.../chunks/<vs>/<i>``).
@@ -100,7 +100,7 @@ class Record:
     attempts: int = 0
     nchunks: int = 0
     replay_of: str | None = None
-    due: int | None = None      # database clock ms a delayed message is due at
+    due: int | None = None      # topic clock ms a delayed message is due at
     home: int | None = None     # unkeyed: the shard its push chose (stored in shard_key's slot)
 
     def encode(self) -> bytes:

@@ -40,7 +40,7 @@ from ..keyspace.codec import (CHUNK_BYTES, LEASE_ENTRY_OVERHEAD, LEASE_RECORD_BY
                               decode_leases, encode_dead, encode_leases, has_chunks, lease_entries_hint)
 from ..settlement import ACK, NAK, RELEASE, TERM, TOUCH, Action
 from .topics import load_config
-from .clock import read_clock
+from .clock import due_base, read_clock
 from .membership import ensure_owner
 from .routing import target
 
@@ -82,7 +82,7 @@ def _add(tr, counters: dict):
 
 @transactional
 def promote_due(tr, shard: ShardSpace, limit: int, promoted: dict | None = None) -> int | None:
-    """Move delayed messages that are due (due <= the database clock, see
+    """Move delayed messages that are due (due <= the topic's clock, see
     ``clock.read_clock``) to the head of the ready queue. Returns the next due
     time still waiting, if any; ``promoted`` collects {12-byte stamp: delayed key}.
     A message whose ready key holds it already (a reset's copy of a message nak'd with
@@ -490,7 +490,7 @@ def _requeue(tr, ts: TopicSpace, shard: ShardSpace, vs, record_raw: bytes, delay
             tr.add(dst.stat("routed"), ONE)
             shard = dst
     if delay_ms > 0:
-        due = read_clock(tr, shard.clock_key) + delay_ms
+        due = due_base(tr, ts.clock_key, ts.clock_version_key) + delay_ms
         tr[shard.delayed_key(due, vs)] = record_raw
         tr.add(shard.stat("delayed"), ONE)
     else:
