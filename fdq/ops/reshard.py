@@ -20,10 +20,9 @@ from ..config import TopicConfig
 from ..errors import ConfigError
 from ..keyspace import TopicSpace, counter, decode_counter
 from ..keyspace.codec import CHUNK_WRITE_BYTES, LeaseRecord, Record, decode_leases, pack
-from .membership import assign_shards, read_owners
+from .membership import assign_shards, read_owners, read_tags
 from .play import resharding
 from .routing import target
-from .membership import read_tags
 from .stats import SHARD_COUNTERS, shard_counters
 from .topics import read_topic_config, write_topic_config
 
