@@ -26,7 +26,8 @@ from .ops.play import play_chunk, resharding
 from .ops.push import MARKER_TTL_S, PushItem, fits, message_bytes
 from .ops.replay import (Replayed, replay_beat, replay_begin, replay_chunk,
                          replay_count, replay_done, replay_finish, replay_runs)
-from .ops.reshard import AREAS, fold_shard_counters, reshard_begin, reshard_chunk, reshard_finish
+from .ops.reshard import (AREAS, Rebalanced, fold_shard_counters, queued_messages, reshard_begin, reshard_chunk,
+                          reshard_finish)
 from .ops.retention import (expire_dedupe_chunk, expire_markers_chunk, read_version, trim_bucket_chunk,
                             trim_index_chunk, trim_oldest_chunk, trim_time_index_before)
 from .ops.stats import topic_stats
@@ -123,11 +124,16 @@ class Supervisor:
                                       "(run rebalance again), then play")
                 return total
 
-    def rebalance(self, name: str, shards: int | None = None, progress=None) -> TopicConfig:
+    def rebalance(self, name: str, shards: int | None = None, progress=None) -> Rebalanced:
         """Re-divide shards among live consumers now; with ``shards=N`` change the shard
-        count, re-routing every backlog with each shard key's order kept. Resumable."""
+        count, re-routing every backlog with each shard key's order kept. Resumable.
+        ``progress(n)``: n more queued messages handled (moved, or read where they stay;
+        a message moved to a shard not yet processed is counted once): with nothing
+        settled meanwhile they add up to ``Rebalanced.queued``. Returns ``Rebalanced``
+        (the config once done, the count before, messages queued and moved)."""
         ts = self._ts(name)
         config = self.config(name)
+        from_shards = config.shards
         if shards is None and config.resharding_to is not None:
             shards = config.resharding_to      # finish a reshard a killed run left
         if shards is None or (shards == config.shards and not resharding(config)):
@@ -136,32 +142,46 @@ class Supervisor:
                 membership.assign_shards(self.db, ts, sub)
             if not config.paused:
                 self.play(name)   # a rerun after a reshard killed before its play
-            return self.config(name)
+            return Rebalanced(self.config(name), from_shards)
         TopicConfig(shards=shards)   # validates
         if config.resharding_to is not None and not resharding(config):
             # the last reshard's drain, unfinished (killed): end it before this one
             if reshard_finish(self.db, ts).resharding_to is not None:
                 self.play(name)
         config = reshard_begin(self.db, ts, shards)
+        from_shards = config.shards
+        queued = queued_messages(self.db, ts)
         old = max(config.shards, shards)
         tags = membership.read_tags(self.db, ts)
+        moved = 0
         for sub in config.subs:
             for tag in tags:
+                arrived = {}    # (area, n): messages moved into shard n, not processed yet
                 for n in range(old):
                     for area in AREAS:
+                        reread = arrived.pop((area, n), 0)
                         after = None
                         while True:
-                            read, after, done = reshard_chunk(self.db, ts, sub, tag, n, area, shards, CHUNK, after)
+                            chunk = reshard_chunk(self.db, ts, sub, tag, n, area, shards, CHUNK, after)
+                            after = chunk.last
+                            went = sum(chunk.moves.values())
+                            for m, k in chunk.moves.items():
+                                if m > n:
+                                    arrived[(area, m)] = arrived.get((area, m), 0) + k
+                            again = min(reread, chunk.messages - went)   # read again where they stay
+                            reread -= again
+                            moved += went
                             if progress:
-                                progress(read)
-                            if done:
+                                progress(chunk.messages - again)
+                            if chunk.done:
                                 break
                     if n >= shards:
                         fold_shard_counters(self.db, ts, sub, tag, n, shards)
         config = reshard_finish(self.db, ts)
         if not config.paused:
             self.play(name)
-        return self.config(name)   # as stored now (the play above ended resharding_to)
+        # as stored now (the play above ended resharding_to)
+        return Rebalanced(self.config(name), from_shards, queued, moved)
 
     def stats(self, name: str) -> dict:
         """Counters, backlog per shard, in-flight, DLQ, consumers and lag; from counters

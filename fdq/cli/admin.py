@@ -48,20 +48,35 @@ def rebalance(state, topic, shards, as_json):
     """Re-divide TOPIC's shards among live consumers.
 
     With --shards N, change the shard count first (every backlog re-routed,
-    each shard key's order kept)."""
+    each shard key's order kept): a bar counts the queued messages (each once,
+    moved or kept in its shard), then a line says how many moved."""
     sup = state.supervisor
-    sup.config(topic)          # unknown: exit 1 before anything changes
+    config = sup.config(topic)          # unknown: exit 1 before anything changes
     resumable(state, f"rebalance of {topic!r}")
-    # Queue entries read, without a total: a message moving to a shard not processed yet
-    # is read again there, so no count known beforehand bounds it (the backlog did not).
-    with render.progress(f"resharding {topic}") as advance:
-        config = sup.rebalance(topic, shards=shards, progress=advance)
+    if shards not in (None, config.shards) or config.resharding_to not in (None, config.shards):
+        # the total: what the queues hold, from counters (a reshard counts each message once)
+        queued = sum(s["backlog"] for s in sup.stats(topic)["subscriptions"].values())
+        with render.progress(f"resharding {topic}", queued) as advance:
+            result = sup.rebalance(topic, shards=shards, progress=advance)
+    else:
+        result = sup.rebalance(topic, shards=shards)
     members = rows.consumer_rows(sup.stats(topic))
     zombies = sum(1 for c in members if c["zombie"])
-    render.note(f"topic {topic!r}: {config.shards} shards divided among {len(members)} consumer(s)"
-                + (f" ({zombies} of them zombies: a live consumer takes their shards over)" if zombies else ""))
+    consumers = _count(len(members), "consumer") + (
+        f" ({zombies} of them zombies: a live consumer takes their shards over)" if zombies else "")
+    if result.from_shards != result.shards:
+        render.note(f"topic {topic!r}: {result.from_shards} → {result.shards} shards; moved {result.moved:,} of "
+                    f"{_count(result.queued, 'queued message')}; {consumers}")
+    else:
+        render.note(f"topic {topic!r}: {result.shards} shards divided among {consumers}")
     if as_json:
-        render.emit_json(rows.topic_row(topic, sup.stats(topic)))
+        render.emit_json({"topic": topic, "from_shards": result.from_shards, "shards": result.shards,
+                          "queued": result.queued, "moved": result.moved, "consumers": len(members),
+                          "zombies": zombies})
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
 
 @cli.command()

@@ -7,8 +7,15 @@ The untagged dispatch tag is ``None`` (JSON ``null``).
 from __future__ import annotations
 
 import base64
+import dataclasses
 
+from ..config import TOPIC_STATE, TopicConfig
 from ..errors import TopicNotFound
+
+# A topic's settings: every TopicConfig field but its state (fdq.config.TOPIC_STATE,
+# changed by the operations that own it) and its subscriptions (listed with theirs).
+TOPIC_SETTINGS = tuple(f.name for f in dataclasses.fields(TopicConfig) if f.name not in TOPIC_STATE
+                       and f.name != "subs")
 
 
 def _tag(tag: str):
@@ -16,13 +23,13 @@ def _tag(tag: str):
 
 
 def topic_row(name: str, stats: dict) -> dict:
-    """One line of ``fdq topics``."""
+    """One line of ``fdq topics``: every setting of the topic, its state, subscriptions
+    (names) and counts."""
     config = stats["config"]
     subs = stats["subscriptions"]
     return {
         "name": name,
-        "shards": config["shards"],
-        "extend": config["extend"],
+        **{k: config[k] for k in TOPIC_SETTINGS},
         "paused": config["paused"],
         "resharding_to": config.get("resharding_to"),
         "subscriptions": list(subs),
@@ -30,6 +37,13 @@ def topic_row(name: str, stats: dict) -> dict:
         "pending": stats["counters"]["pending"],
         "backlog": sum(s["backlog"] for s in subs.values()),
     }
+
+
+def topic_detail(sup, name: str) -> dict:
+    """``fdq topics show``: the topic's row, its subscriptions in full (as ``fdq subs``
+    lists them: state, counts, every setting under ``config``) instead of their names."""
+    stats = sup.stats(name)
+    return {**topic_row(name, stats), "subscriptions": subscription_rows(sup, name, stats)}
 
 
 def topic_rows(sup) -> list:
@@ -70,8 +84,9 @@ def _tag_rows(shards: list) -> list:
 
 
 def stats_row(stats: dict) -> dict:
-    """``fdq stats``: the topic's config and counters, then per subscription its counts,
-    live consumers (with the shards each owns) and backlog per dispatch tag and per shard."""
+    """The tables of ``fdq stats`` (its ``--json`` prints ``Supervisor.stats`` as it is):
+    the topic's config and counters, then per subscription its counts, live consumers
+    (with the shards each owns) and backlog per dispatch tag and per shard."""
     config = stats["config"]
     counters = stats["counters"]
     subs = []
@@ -150,9 +165,10 @@ def subscription_row(topic: str, info: dict, sub_stats: dict | None) -> dict:
     }
 
 
-def subscription_rows(sup, topic: str) -> list:
-    stats = sup.stats(topic)["subscriptions"]
-    return [subscription_row(topic, info, stats.get(info["name"])) for info in sup.subscriptions(topic)]
+def subscription_rows(sup, topic: str, stats: dict | None = None) -> list:
+    """Every subscription of ``topic`` (``stats``: its ``Supervisor.stats``, read if None)."""
+    subs = (stats or sup.stats(topic))["subscriptions"]
+    return [subscription_row(topic, info, subs.get(info["name"])) for info in sup.subscriptions(topic)]
 
 
 def body_fields(body: bytes) -> dict:
@@ -194,5 +210,5 @@ def dlq_row(d: dict, subscription: str) -> dict:
             "insertion_time_ms": d["insertion_time"], "raw": d["raw"], **body_fields(d["body"])}
 
 
-__all__ = ["topic_row", "topic_rows", "stats_row", "consumer_rows", "message_row", "push_row",
-           "dlq_row", "body_fields", "subscription_row", "subscription_rows"]
+__all__ = ["TOPIC_SETTINGS", "topic_row", "topic_detail", "topic_rows", "stats_row", "consumer_rows", "message_row",
+           "push_row", "dlq_row", "body_fields", "subscription_row", "subscription_rows"]

@@ -1,6 +1,8 @@
-"""``fdq topics`` (list, create, update, delete, upgrade), ``fdq stats`` and
+"""``fdq topics`` (list, show, create, update, delete, upgrade), ``fdq stats`` and
 ``fdq consumers``: a topic's settings, counters and consumers."""
 from __future__ import annotations
+
+import json
 
 import click
 
@@ -27,7 +29,7 @@ TOPIC_COLUMNS = [
 @pass_state
 @click.pass_context
 def topics(ctx, state, as_json):
-    """List topics (or create, update, delete, upgrade one).
+    """List topics (or show, create, update, delete, upgrade one).
 
     Columns: shards, extend support, paused, subscriptions, messages inserted,
     backlog (routed, not yet done, summed over subscriptions), pending (pushed
@@ -37,6 +39,39 @@ def topics(ctx, state, as_json):
         return
     data = rows.topic_rows(state.supervisor)
     render.rows_or_note(data, TOPIC_COLUMNS, "no topics", as_json)
+
+
+def _value(v):
+    """A setting's value in a table: a list or mapping as JSON, the rest as tables show it."""
+    return json.dumps(v, ensure_ascii=False) if isinstance(v, (dict, list, tuple)) else v
+
+
+SETTING_COLUMNS = [("setting", lambda kv: kv[0]), ("value", lambda kv: _value(kv[1]))]
+
+
+@topics.command("show")
+@click.argument("name", type=TOPIC)
+@json_option
+@pass_state
+def topics_show(state, name, as_json):
+    """Show topic NAME's settings and its subscriptions' settings.
+
+    Every setting of the topic (shards, hash, extend, limits, retention, dedupe
+    window), its state and counts; then each subscription: its state and
+    every setting. --json: fdq topics --json's row, with each subscription as
+    fdq subs --json lists it instead of its name."""
+    data = rows.topic_detail(state.supervisor, name)
+    if as_json:
+        render.emit_json(data)
+        return
+    render.table(f"topic {name}", SETTING_COLUMNS,
+                 [(k, v) for k, v in data.items() if k not in ("name", "subscriptions")])
+    for sub in data["subscriptions"]:
+        items = [(k, sub[k]) for k in ("paused", "catching_up", "start_position", "backlog",
+                                       "in_flight", "delayed", "dlq", "consumers")]
+        render.table(f"subscription {name}/{sub['name']}", SETTING_COLUMNS,
+                     items + [(k, v if not k.endswith("time_ms") or v is None else render.time_ms(v))
+                              for k, v in sub["config"].items()])
 
 
 def _show_topic(state, name, as_json):
@@ -202,11 +237,13 @@ def stats(state, topic, as_json):
     Per subscription: backlog, in flight, delayed, DLQ, lag; consumers with the
     shards each owns and heartbeat age (a zombie: older than its zombie timeout,
     e.g. killed, its shards not yet taken over); backlog per dispatch tag.
-    --json adds per-shard counters."""
-    data = rows.stats_row(state.supervisor.stats(topic))
+    --json prints what the Python API's Supervisor.stats(TOPIC) returns, per-shard
+    counters included."""
+    stats = state.supervisor.stats(topic)
     if as_json:
-        render.emit_json(data)
+        render.emit_json(stats)
         return
+    data = rows.stats_row(stats)
     state_text = "paused" if data["paused"] else "running"
     if data["resharding_to"] == data["shards"]:     # reshard_finish done, not its play
         state_text += ", resharded: routing what was pushed meanwhile (run rebalance if stuck)"
