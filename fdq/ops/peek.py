@@ -1,0 +1,197 @@
+"""Looking at messages without consuming them: ``Supervisor.peek`` and ``get``.
+
+Each is one read-only transaction of snapshot reads: it writes nothing and takes no
+read conflict, so it never aborts a consumer or a push (nor is aborted by them), and
+at one read version a message is seen once, in the one place it is.
+
+``peek`` reads the first entries of each of a subscription's shards' ready, delayed
+and leased areas (and its DLQ): ``limit`` per shard and state, merged by message id
+(push order), the first ``limit`` kept. ``get`` finds one message: its log entry
+(one point read per log bucket) and, per subscription, where it is, looking only
+where a message can be: its shard's ready key and DLQ key (point reads), its shard's
+lease records (as many as the shard has in flight) and delayed area (at most
+``DELAYED_SCAN`` entries: past that, ``delayed_unsearched``); never a scan of a backlog.
+"""
+from __future__ import annotations
+
+import heapq
+
+from ..engine import transactional
+from ..errors import CorruptValue
+from ..keyspace import TopicSpace, Versionstamp, vs_from_bytes
+from ..keyspace.codec import LeaseRecord, Record, decode_leases
+from .dlq import dead_entry, read_now
+from .log import buckets_in
+from .membership import read_tags
+from .routing import target
+from .topics import load_config
+
+STATES = ("ready", "delayed", "in_flight", "dead")
+# The entries of a shard's delayed area ``get`` looks through for one message (keyed by
+# due time: no point read finds it).
+DELAYED_SCAN = 10_000
+
+
+def shards_of(config, tags: list) -> list:
+    """(tag, n) of every shard a subscription may hold messages in (a growing
+    reshard's new ones too)."""
+    return [(tag, n) for tag in tags for n in range(max(config.shards, config.resharding_to or 0))]
+
+
+def _record(raw) -> Record | None:
+    try:
+        return Record.decode(raw)
+    except CorruptValue:
+        return None
+
+
+def _body(snap, ts: TopicSpace, sub: str, vs, rec: Record) -> bytes:
+    if not rec.nchunks:
+        return rec.body
+    r = ts.sub_chunks_range(sub, vs)
+    return b"".join(kv.value for kv in snap.get_range(r.start, r.stop))
+
+
+def _entry(snap, ts: TopicSpace, sub: str, state: str, tag: str, n: int | None, vs, raw, **extra) -> dict:
+    """A peeked message: its record's fields (``raw`` True and its bytes as ``body`` if
+    it does not decode)."""
+    rec = _record(raw)
+    out = {"vs": vs, "state": state, "tag": tag, "shard": n}
+    if rec is None:
+        out.update(raw=True, inserted_ms=None, attempts=None, shard_key=None, msg_id=None, headers=None,
+                   replay_of=None, body=bytes(raw))
+    else:
+        out.update(raw=False, inserted_ms=rec.ts_ms, attempts=rec.attempts, shard_key=rec.shard_key,
+                   msg_id=rec.msg_id, headers=rec.headers, replay_of=rec.replay_of,
+                   body=_body(snap, ts, sub, vs, rec))
+    out.update(extra)
+    return out
+
+
+def _lease_entries(snap, shard, limit: int = 0):
+    """(vs, record bytes, LeaseRecord) of the shard's leased messages, record by record
+    (a record that does not decode: its first message, its bytes, None)."""
+    r = shard.leased.range()
+    for kv in snap.get_range(r.start, r.stop, limit=limit):
+        try:
+            lr = decode_leases(kv.key, kv.value)
+        except CorruptValue:
+            yield shard.leased.unpack(kv.key)[0], bytes(kv.value), None
+            continue
+        for vs12, rec, _touches in lr.entries:
+            yield vs_from_bytes(vs12), rec, lr
+
+
+def _in_flight(snap, ts, sub, tag, n, vs, raw, lr: LeaseRecord | None, now) -> dict:
+    e = _entry(snap, ts, sub, "in_flight", tag, n, vs, raw, leased_by=lr and lr.consumer_id,
+               ack_wait_s=lr and lr.ack_wait_ms / 1000)
+    if lr is not None and e["attempts"] is not None:
+        e["attempts"] += lr.bump        # this delivery counts
+    return e
+
+
+def _delayed(snap, ts, sub, tag, n, due, vs, raw, now) -> dict:
+    return _entry(snap, ts, sub, "delayed", tag, n, vs, raw, due_ms=due, due_in_s=(due - now[0]) / 1000)
+
+
+def _dead(tr, ts, sub, key, value, now) -> dict:
+    vs, rec, reason, cid, _key, raw, age = dead_entry(tr, ts, sub, key, value, now)
+    return {"vs": vs, "state": "dead", "tag": None, "shard": None, "raw": raw,
+            "inserted_ms": None if raw else rec.ts_ms, "attempts": None if raw else rec.attempts,
+            "shard_key": rec.shard_key, "msg_id": rec.msg_id, "headers": rec.headers,
+            "replay_of": rec.replay_of, "body": rec.body, "reason": reason, "consumer": cid, "dead_age_s": age}
+
+
+@transactional
+def peek(tr, ts: TopicSpace, sub: str, states, limit: int) -> list:
+    """The first ``limit`` messages of subscription ``sub`` in ``states`` (of
+    ``STATES``), by message id: dicts of ``_entry``'s keys plus, for a delayed one
+    ``due_ms`` (database clock) and ``due_in_s``; leased: ``leased_by``, ``ack_wait_s``
+    (attempts counting this delivery); dead: ``reason``, ``consumer``, ``dead_age_s``.
+    Snapshot reads only."""
+    snap = tr.snapshot
+    config = load_config(snap[ts.config_key])
+    now = read_now(tr, ts)
+    per_state = []
+    for tag, n in shards_of(config, read_tags(tr, ts)):
+        shard = ts.shard(sub, tag, n)
+        if "ready" in states:
+            per_state.append([_entry(snap, ts, sub, "ready", tag, n, shard.ready.unpack(kv.key)[0], kv.value)
+                              for kv in snap.get_range(shard.ready_range.start, shard.ready_range.stop,
+                                                       limit=limit)])
+        if "delayed" in states:
+            rows = [(shard.delayed.unpack(kv.key), kv.value)
+                    for kv in snap.get_range(shard.delayed_range.start, shard.delayed_range.stop, limit=limit)]
+            per_state.append(sorted((_delayed(snap, ts, sub, tag, n, due, vs, raw, now)
+                                     for (due, vs), raw in rows), key=lambda e: e["vs"]))
+        if "in_flight" in states:
+            got = []
+            for vs, raw, lr in _lease_entries(snap, shard):
+                got.append(_in_flight(snap, ts, sub, tag, n, vs, raw, lr, now))
+                if len(got) >= limit:
+                    break
+            per_state.append(sorted(got, key=lambda e: e["vs"]))
+    if "dead" in states:
+        r = ts.dlq(sub).range()
+        per_state.append([_dead(tr, ts, sub, kv.key, kv.value, now)
+                          for kv in snap.get_range(r.start, r.stop, limit=limit)])
+    out = list(heapq.merge(*per_state, key=lambda e: e["vs"]))
+    return out[:limit]
+
+
+@transactional
+def get(tr, ts: TopicSpace, vs: Versionstamp) -> dict:
+    """Message ``vs``: ``{"log": (bucket, Record with its whole body) or None (trimmed,
+    or no such message), "pending": pushed while paused and not yet routed,
+    "subscriptions": {sub: [places]}}``: a place is a ``peek`` entry (ready, delayed,
+    in_flight, dead; usually one, more only while a copy is being moved); none found:
+    done (acked, taken, filtered, expired) or not yet queued there (``catching_up``).
+    ``delayed_unsearched`` lists the subscriptions whose delayed area was too large to
+    search (``DELAYED_SCAN``). Snapshot reads only."""
+    snap = tr.snapshot
+    config = load_config(snap[ts.config_key])
+    now = read_now(tr, ts)
+    log = None
+    for b in buckets_in(tr, ts):
+        raw = snap[ts.log_key(b, vs)]
+        if raw != None:  # noqa: E711
+            rec = _record(raw)
+            if rec is not None and rec.nchunks:
+                r = ts.chunks_range(vs)
+                rec.body = b"".join(kv.value for kv in snap.get_range(r.start, r.stop))
+            log = (b, rec if rec is not None else Record(0, body=bytes(raw)), rec is None)
+            break
+    pending = snap[ts.pending_key(vs)] != None  # noqa: E711
+    if log is not None and not log[2]:
+        # where a copy can be: its shard under the shard count (both, while resharding)
+        counts = {config.shards, config.resharding_to or config.shards}
+        where = sorted({target(log[1], c) for c in counts})
+    else:   # no record to route by: every shard
+        where = shards_of(config, read_tags(tr, ts))
+    subs, unsearched = {}, []
+    for sub in config.subs:
+        places = []
+        for tag, n in where:
+            shard = ts.shard(sub, tag, n)
+            raw = snap[shard.ready_key(vs)]
+            if raw != None:  # noqa: E711
+                places.append(_entry(snap, ts, sub, "ready", tag, n, vs, raw))
+            for lvs, lraw, lr in _lease_entries(snap, shard):
+                if lvs == vs:
+                    places.append(_in_flight(snap, ts, sub, tag, n, vs, lraw, lr, now))
+            rows = list(snap.get_range(shard.delayed_range.start, shard.delayed_range.stop, limit=DELAYED_SCAN + 1))
+            if len(rows) > DELAYED_SCAN and sub not in unsearched:
+                unsearched.append(sub)
+            for kv in rows[:DELAYED_SCAN]:
+                due, dvs = shard.delayed.unpack(kv.key)
+                if dvs == vs:
+                    places.append(_delayed(snap, ts, sub, tag, n, due, vs, kv.value, now))
+        key = ts.dlq_key(sub, vs)
+        value = snap[key]
+        if value != None:  # noqa: E711
+            places.append(_dead(tr, ts, sub, key, value, now))
+        subs[sub] = {"places": places, "catching_up": sub in config.catchup}
+    return {"log": log, "pending": pending, "subscriptions": subs, "delayed_unsearched": unsearched}
+
+
+__all__ = ["STATES", "DELAYED_SCAN", "shards_of", "peek", "get"]
