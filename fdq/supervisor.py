@@ -324,7 +324,8 @@ class Supervisor:
     PEEK_MAX = 10_000
     PEEK_STATES = peek.STATES
 
-    def peek(self, name: str, subscription: str = "default", *, states=peek.STATES, limit: int = 20) -> list:
+    def peek(self, name: str, subscription: str = "default", *, states=peek.STATES, limit: int = 20,
+             from_time=None) -> list:
         """Look at a subscription's messages without consuming them: the first ``limit``
         (1 to ``PEEK_MAX``) of those in ``states`` (of ``PEEK_STATES``: "ready",
         "delayed", "in_flight", "dead"), by id (push order). Reads only, at one read
@@ -338,13 +339,15 @@ class Supervisor:
         consumer holding it) and ``ack_wait_s`` (its lease runs for that since the last
         delivery or touch, timed by the shard owner's clock: the database keeps no
         expiry time); dead: ``reason``, ``consumer``, ``dead_age_s``. Keys that do not
-        apply are None."""
+        apply are None. ``from_time`` (epoch ms or a datetime, naive = UTC): only
+        messages inserted then or later. Delayed messages are read by due time: per
+        shard, the ``limit`` due soonest."""
         states = self._states(states)
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= self.PEEK_MAX:
             raise ConfigError(f"limit must be an integer from 1 to {self.PEEK_MAX:,}, not {shown(limit)}")
         ts = self._ts(name)
         self.subscription(name, subscription)      # TopicNotFound, SubscriptionNotFound
-        return [_peeked(e) for e in peek.peek(self.db, ts, subscription, states, limit)]
+        return [_peeked(e) for e in peek.peek(self.db, ts, subscription, states, limit, to_ms(from_time))]
 
     def _states(self, states) -> tuple:
         if isinstance(states, str):

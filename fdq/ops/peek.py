@@ -21,7 +21,7 @@ from ..errors import CorruptValue
 from ..keyspace import TopicSpace, Versionstamp, vs_from_bytes
 from ..keyspace.codec import LeaseRecord, Record, decode_leases
 from .dlq import dead_entry, read_now
-from .log import buckets_in
+from .log import buckets_in, position_for_time
 from .membership import read_tags
 from .routing import target
 from .topics import load_config
@@ -30,6 +30,9 @@ STATES = ("ready", "delayed", "in_flight", "dead")
 # The entries of a shard's delayed area ``get`` looks through for one message (keyed by
 # due time: no point read finds it).
 DELAYED_SCAN = 10_000
+# Entries ``peek`` with a start time skips per shard and state at most (inserted before it,
+# between the time index's entry and the time).
+SKIP_LIMIT = 10_000
 
 
 def shards_of(config, tags: list) -> list:
@@ -68,11 +71,11 @@ def _entry(snap, ts: TopicSpace, sub: str, state: str, tag: str, n: int | None, 
     return out
 
 
-def _lease_entries(snap, shard, limit: int = 0):
+def _lease_entries(snap, shard):
     """(vs, record bytes, LeaseRecord) of the shard's leased messages, record by record
     (a record that does not decode: its first message, its bytes, None)."""
     r = shard.leased.range()
-    for kv in snap.get_range(r.start, r.stop, limit=limit):
+    for kv in snap.get_range(r.start, r.stop):
         try:
             lr = decode_leases(kv.key, kv.value)
         except CorruptValue:
@@ -102,41 +105,70 @@ def _dead(tr, ts, sub, key, value, now) -> dict:
             "replay_of": rec.replay_of, "body": rec.body, "reason": reason, "consumer": cid, "dead_age_s": age}
 
 
+def _pages(snap, begin: bytes, end: bytes, page: int):
+    """The key-values of ``[begin, end)``, read ``page`` at a time as they are used."""
+    while True:
+        rows = list(snap.get_range(begin, end, limit=page))
+        yield from rows
+        if len(rows) < page:
+            return
+        begin = rows[-1].key + b"\x00"
+
+
+def _first(entries, limit: int, keep) -> list:
+    """The first ``limit`` of ``entries`` that ``keep`` keeps, looking at no more than
+    ``limit + SKIP_LIMIT`` of them."""
+    out = []
+    for i, e in enumerate(entries):
+        if keep(e):
+            out.append(e)
+            if len(out) >= limit:
+                break
+        if i >= limit + SKIP_LIMIT:
+            break
+    return out
+
+
 @transactional
-def peek(tr, ts: TopicSpace, sub: str, states, limit: int) -> list:
+def peek(tr, ts: TopicSpace, sub: str, states, limit: int, from_ms: int | None = None) -> list:
     """The first ``limit`` messages of subscription ``sub`` in ``states`` (of
-    ``STATES``), by message id: dicts of ``_entry``'s keys plus, for a delayed one
-    ``due_ms`` (database clock) and ``due_in_s``; leased: ``leased_by``, ``ack_wait_s``
-    (attempts counting this delivery); dead: ``reason``, ``consumer``, ``dead_age_s``.
-    Snapshot reads only."""
+    ``STATES``), by message id (per shard: the first ``limit`` ready, in flight and dead
+    by id, the ``limit`` delayed due soonest), inserted at ``from_ms`` or later if given
+    (from the log position of the time index's entry before it: ``position_for_time``):
+    dicts of ``_entry``'s keys plus, for a delayed one ``due_ms`` (database clock) and
+    ``due_in_s``; leased: ``leased_by``, ``ack_wait_s`` (attempts counting this
+    delivery); dead: ``reason``, ``consumer``, ``dead_age_s``. Snapshot reads only."""
     snap = tr.snapshot
     config = load_config(snap[ts.config_key])
     now = read_now(tr, ts)
+    start = position_for_time(tr, ts, from_ms) if from_ms is not None else None
+
+    def keep(e) -> bool:
+        return start is None or (e["vs"] >= start and (e["inserted_ms"] is None or e["inserted_ms"] >= from_ms))
+    page = min(limit, 1000) + 1
     per_state = []
     for tag, n in shards_of(config, read_tags(tr, ts)):
         shard = ts.shard(sub, tag, n)
         if "ready" in states:
-            per_state.append([_entry(snap, ts, sub, "ready", tag, n, shard.ready.unpack(kv.key)[0], kv.value)
-                              for kv in snap.get_range(shard.ready_range.start, shard.ready_range.stop,
-                                                       limit=limit)])
+            r = shard.ready_range
+            begin = shard.ready_key(start) if start is not None else r.start
+            per_state.append(_first((_entry(snap, ts, sub, "ready", tag, n, shard.ready.unpack(kv.key)[0], kv.value)
+                                     for kv in _pages(snap, begin, r.stop, page)), limit, keep))
         if "delayed" in states:
-            rows = [(shard.delayed.unpack(kv.key), kv.value)
-                    for kv in snap.get_range(shard.delayed_range.start, shard.delayed_range.stop, limit=limit)]
-            per_state.append(sorted((_delayed(snap, ts, sub, tag, n, due, vs, raw, now)
-                                     for (due, vs), raw in rows), key=lambda e: e["vs"]))
+            r = shard.delayed_range
+            got = _first((_delayed(snap, ts, sub, tag, n, *shard.delayed.unpack(kv.key), kv.value, now)
+                          for kv in _pages(snap, r.start, r.stop, page)), limit, keep)
+            per_state.append(sorted(got, key=lambda e: e["vs"]))
         if "in_flight" in states:
-            got = []
-            for vs, raw, lr in _lease_entries(snap, shard):
-                got.append(_in_flight(snap, ts, sub, tag, n, vs, raw, lr, now))
-                if len(got) >= limit:
-                    break
+            got = _first((_in_flight(snap, ts, sub, tag, n, vs, raw, lr, now)
+                          for vs, raw, lr in _lease_entries(snap, shard)), limit, keep)
             per_state.append(sorted(got, key=lambda e: e["vs"]))
     if "dead" in states:
         r = ts.dlq(sub).range()
-        per_state.append([_dead(tr, ts, sub, kv.key, kv.value, now)
-                          for kv in snap.get_range(r.start, r.stop, limit=limit)])
-    out = list(heapq.merge(*per_state, key=lambda e: e["vs"]))
-    return out[:limit]
+        begin = ts.dlq_key(sub, start) if start is not None else r.start
+        per_state.append(_first((_dead(tr, ts, sub, kv.key, kv.value, now) for kv in _pages(snap, begin, r.stop, page)),
+                                limit, keep))
+    return list(heapq.merge(*per_state, key=lambda e: e["vs"]))[:limit]
 
 
 @transactional
@@ -194,4 +226,4 @@ def get(tr, ts: TopicSpace, vs: Versionstamp) -> dict:
     return {"log": log, "pending": pending, "subscriptions": subs, "delayed_unsearched": unsearched}
 
 
-__all__ = ["STATES", "DELAYED_SCAN", "shards_of", "peek", "get"]
+__all__ = ["STATES", "DELAYED_SCAN", "SKIP_LIMIT", "shards_of", "peek", "get"]
