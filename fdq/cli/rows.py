@@ -191,7 +191,8 @@ def dlq_row(d: dict, subscription: str) -> dict:
     """``fdq dlq list``: one dead letter (from ``Supervisor.dlq_list``)."""
     return {"id": d["id"], "subscription": subscription, "reason": d["reason"],
             "consumer": d["consumer"], "attempts": d["attempts"], "shard_key": d["shard_key"],
-            "insertion_time_ms": d["insertion_time"], "raw": d["raw"], **body_fields(d["body"])}
+            "insertion_time_ms": d["insertion_time"], "dead_age_s": d["dead_age_s"], "raw": d["raw"],
+            **body_fields(d["body"])}
 
 
 def peek_row(e: dict, subscription: str) -> dict:

@@ -106,6 +106,7 @@ def test_dlq_redrive_and_purge_by_id_and_by_age(run, db, sup):
     assert sorted(d["body"] for d in sup.dlq_list("t")) == [b"b", b"c"]
     assert run.json("dlq", "purge", "t", "--older-than", "1h", "--yes")["purged"] == 0
     advance_clock(db, 2 * 3600 * 1000)
+    assert all(d["dead_age_s"] >= 7200 for d in run.json("dlq", "list", "t"))
     assert run.json("dlq", "purge", "t", "--id", ids[b"b"], "--yes")["purged"] == 1
     assert run.json("dlq", "redrive", "t", "--older-than", "1h")["redriven"] == 1
     assert sup.dlq_list("t") == [] and sup.stats("t")["subscriptions"]["default"]["backlog"] == 2
