@@ -170,3 +170,20 @@ def test_get_of_a_message_pushed_while_paused_is_pending(db):
     assert got["pending"] and got["subscriptions"]["default"] == {"state": "pending", "places": []}
     sup.play("t")
     assert sup.get("t", mid)["subscriptions"]["default"]["state"] == "ready"
+
+
+def test_peek_shows_a_damaged_record_as_stored_and_leaves_it(db, dump):
+    """A ready value that does not decode is shown raw (its bytes as the body), not
+    dead-lettered: moving it is the consumers' job, a peek writes nothing."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=1)
+    mid = fdq.Producer(db).push("t", b"fine").id
+    [(key, value)] = scan(db, Keyspace().topic("t").shard("default", "", 0).ready.key())
+    tr = db.create_transaction()
+    tr[key] = value + b"\x01"
+    tr.commit().wait()
+    before = dump()
+    [e] = sup.peek("t")
+    assert (e["id"], e["state"], e["raw"], e["body"], e["attempts"]) == (mid, "ready", True, value + b"\x01", None)
+    assert sup.get("t", mid)["subscriptions"]["default"]["places"][0]["raw"] is True
+    assert dump() == before
