@@ -6,7 +6,8 @@ at one read version a message is seen once, in the one place it is.
 
 ``peek`` reads the first entries of each of a subscription's shards' ready, delayed
 and leased areas (and its DLQ): ``limit`` per shard and state, merged by message id
-(push order), the first ``limit`` kept. ``get`` finds one message: its log entry
+(push order), the first ``limit`` kept; from a time, from the log position the time
+index gives for it, less those inserted before it. ``get`` finds one message: its log entry
 (one point read per log bucket) and, per subscription, where it is, looking only
 where a message can be: its shard's ready key and DLQ key (point reads), its shard's
 lease records (as many as the shard has in flight) and delayed area (at most
@@ -17,7 +18,7 @@ from __future__ import annotations
 import heapq
 
 from ..engine import transactional
-from ..errors import CorruptValue
+from ..errors import CorruptValue, TopicNotFound
 from ..keyspace import TopicSpace, Versionstamp, vs_from_bytes
 from ..keyspace.codec import LeaseRecord, Record, decode_leases
 from .dlq import dead_entry, read_now
@@ -39,6 +40,13 @@ def shards_of(config, tags: list) -> list:
     """(tag, n) of every shard a subscription may hold messages in (a growing
     reshard's new ones too)."""
     return [(tag, n) for tag in tags for n in range(max(config.shards, config.resharding_to or 0))]
+
+
+def _config(snap, ts: TopicSpace):
+    config = load_config(snap[ts.config_key])
+    if config is None:
+        raise TopicNotFound(f"topic {ts.name!r} does not exist")
+    return config
 
 
 def _record(raw) -> Record | None:
@@ -139,7 +147,7 @@ def peek(tr, ts: TopicSpace, sub: str, states, limit: int, from_ms: int | None =
     ``due_in_s``; leased: ``leased_by``, ``ack_wait_s`` (attempts counting this
     delivery); dead: ``reason``, ``consumer``, ``dead_age_s``. Snapshot reads only."""
     snap = tr.snapshot
-    config = load_config(snap[ts.config_key])
+    config = _config(snap, ts)
     now = read_now(tr, ts)
     start = position_for_time(tr, ts, from_ms) if from_ms is not None else None
 
@@ -181,7 +189,7 @@ def get(tr, ts: TopicSpace, vs: Versionstamp) -> dict:
     ``delayed_unsearched`` lists the subscriptions whose delayed area was too large to
     search (``DELAYED_SCAN``). Snapshot reads only."""
     snap = tr.snapshot
-    config = load_config(snap[ts.config_key])
+    config = _config(snap, ts)
     now = read_now(tr, ts)
     log = None
     for b in buckets_in(tr, ts):
