@@ -319,16 +319,22 @@ class Reaper:
     """Watches the members of a topic's ephemeral subscriptions for zombies (heartbeat
     counter unchanged for ``zombie_after_s`` on this host's monotonic clock), so a
     subscription whose last consumer was killed is deleted even with no peer left to
-    notice. Consumers of the topic run one in their heartbeat; ``Supervisor.reap`` too."""
+    notice. Consumers of the topic run one in their heartbeat; ``Supervisor.reap`` too,
+    with ``every_subscription``: the members of durable subscriptions as well (a killed
+    consumer with no live peer to notice would stay registered). ``declared``: the
+    (sub, cid) its last observation declared zombies."""
 
-    def __init__(self, zombie_after_s: float):
+    def __init__(self, zombie_after_s: float, every_subscription: bool = False):
         self.zombie_after_s = zombie_after_s
+        self.every_subscription = every_subscription
         self.longest_timeout_s = zombie_after_s   # the longest timeout a member advertised
         self._seen = {}          # (sub, cid) -> (hb, since)
+        self.declared = []
 
     def observe(self, db, ts: TopicSpace, topic_config, now: float, skip: str | None = None) -> list:
         """One observation; returns the subscriptions deleted."""
         deleted = []
+        self.declared = []
         live = set()
         for sub in topic_config.subs:
             if sub == skip:
@@ -339,7 +345,7 @@ class Reaper:
                 eph = subs.is_ephemeral(sub, subs.read_subscription(db, ts, sub, snapshot=True, topic_config=topic_config))
             except SubscriptionNotFound:
                 continue
-            if not eph:
+            if not eph and not self.every_subscription:
                 continue
             members = membership.read_members(db, ts, sub)
             seen_at = max(now, time.monotonic())    # first seen after the read (see Consumer._observe_peers)
@@ -351,9 +357,10 @@ class Reaper:
                     self._seen[(sub, cid)] = (m["hb"], seen_at)
                 elif now - seen[1] >= max(self.zombie_after_s, _advertised_timeout(m["record"])):
                     self._seen.pop((sub, cid), None)
-                    if subs.declare_zombie(db, ts, sub, cid, seen[0]) and \
-                            sub not in read_topic_config(db, ts, snapshot=True).subs:
-                        deleted.append(sub)
+                    if subs.declare_zombie(db, ts, sub, cid, seen[0]):
+                        self.declared.append((sub, cid))
+                        if sub not in read_topic_config(db, ts, snapshot=True).subs:
+                            deleted.append(sub)
         for key in [k for k in self._seen if k not in live]:
             del self._seen[key]
         return deleted

@@ -9,7 +9,7 @@ from ..config import check_replay_id, default_replay_id
 from ..times import as_datetime, iso_ms
 from . import render, rows
 from .app import cli, confirm, json_option, pass_state, resumable, subscription_option, topic_argument
-from .params import Shards, Time
+from .params import Duration, Shards, Time
 
 @cli.command()
 @topic_argument
@@ -224,20 +224,61 @@ def dlq_list(state, topic, subscription, limit, as_json):
     render.rows_or_note(data, DLQ_COLUMNS, f"the dead-letter queue of {topic}/{subscription} is empty", as_json)
 
 
+def _dlq_selection(ids, older_than, every) -> str:
+    """Which dead letters a redrive or purge acts on: exactly one of --id, --older-than
+    and --all (a usage error otherwise)."""
+    given = [name for name, v in (("--id", ids), ("--older-than", older_than), ("--all", every)) if v]
+    if len(given) != 1:
+        raise click.UsageError("give one of --id ID (repeatable), --older-than DURATION or --all"
+                               + (f", not {' and '.join(given)} together" if given else ""))
+    return given[0]
+
+
+def _by_ids(call, topic, subscription, ids) -> int:
+    try:
+        return call(topic, subscription, list(ids))
+    except ConfigError as e:            # a malformed id: nothing changed
+        raise click.BadParameter(str(e), param_hint="'--id'") from None
+
+
+def _which(ids, older_than) -> str:
+    if ids:
+        return f" (of the {len(set(ids)):,} ids given)"
+    if older_than is not None:
+        return f" (those dead-lettered over {render.duration_ms(round(older_than * 1000))} ago)"
+    return ""
+
+
+dlq_ids_option = click.option("--id", "ids", multiple=True, metavar="ID",
+                              help="This dead letter (its id, as fdq dlq list shows it); repeatable.")
+dlq_older_option = click.option("--older-than", type=Duration(), default=None, metavar="DURATION",
+                                help="Those dead-lettered at least this long ago (1h, 30m, 90s).")
+
+
 @dlq.command("redrive")
 @topic_argument
 @subscription_option
+@dlq_ids_option
+@dlq_older_option
+@click.option("--all", "every", is_flag=True, help="Every dead letter of the subscription.")
 @json_option
 @pass_state
-def dlq_redrive(state, topic, subscription, as_json):
-    """Move every dead letter back to its shard's queue (attempts reset)."""
+def dlq_redrive(state, topic, subscription, ids, older_than, every, as_json):
+    """Move dead letters back to their shards' queues (attempts reset).
+
+    Which: --id ID (repeatable), --older-than DURATION (by when each was
+    dead-lettered), or --all."""
+    _dlq_selection(ids, older_than, every)
     sup = state.supervisor
     sup.subscription(topic, subscription)     # unknown: exit 1 before anything changes
-    total = sup.stats(topic)["subscriptions"][subscription]["dlq"]
     resumable(state, f"redrive of {topic}/{subscription}")
-    with render.progress(f"redriving {topic}/{subscription}", total) as advance:
-        n = sup.dlq_redrive(topic, subscription, progress=advance)
-    render.note(f"redrove {n:,} dead letters of {topic}/{subscription}")
+    if ids:
+        n = _by_ids(sup.dlq_redrive_ids, topic, subscription, ids)
+    else:
+        total = sup.stats(topic)["subscriptions"][subscription]["dlq"]
+        with render.progress(f"redriving {topic}/{subscription}", None if older_than else total) as advance:
+            n = sup.dlq_redrive(topic, subscription, progress=advance, older_than_s=older_than)
+    render.note(f"redrove {n:,} dead letters of {topic}/{subscription}{_which(ids, older_than)}")
     if as_json:
         render.emit_json({"topic": topic, "subscription": subscription, "redriven": n})
 
@@ -245,18 +286,49 @@ def dlq_redrive(state, topic, subscription, as_json):
 @dlq.command("purge")
 @topic_argument
 @subscription_option
+@dlq_ids_option
+@dlq_older_option
+@click.option("--all", "every", is_flag=True, help="Every dead letter of the subscription.")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @json_option
 @pass_state
-def dlq_purge(state, topic, subscription, yes, as_json):
-    """Delete every dead letter of the subscription."""
+def dlq_purge(state, topic, subscription, ids, older_than, every, yes, as_json):
+    """Delete dead letters of the subscription.
+
+    Which: --id ID (repeatable), --older-than DURATION (by when each was
+    dead-lettered), or --all."""
+    _dlq_selection(ids, older_than, every)
     sup = state.supervisor
     sup.subscription(topic, subscription)     # unknown: exit 1 before anything changes
+    which = ("every dead letter" if every else f"{len(set(ids)):,} dead letter(s) by id" if ids
+             else f"the dead letters dead-lettered over {render.duration_ms(round(older_than * 1000))} ago")
     if not yes:
-        confirm(f"Delete every dead letter of {topic}/{subscription}?",
-                 f"the dead letters of {topic}/{subscription} not purged")
+        confirm(f"Delete {which} of {topic}/{subscription}?", f"the dead letters of {topic}/{subscription} not purged")
     resumable(state, f"purge of {topic}/{subscription}")
-    n = sup.dlq_purge(topic, subscription)
-    render.note(f"purged {n:,} dead letters of {topic}/{subscription}")
+    if ids:
+        n = _by_ids(sup.dlq_purge_ids, topic, subscription, ids)
+    else:
+        n = sup.dlq_purge(topic, subscription, older_than_s=older_than)
+    render.note(f"purged {n:,} dead letters of {topic}/{subscription}{_which(ids, older_than)}")
     if as_json:
         render.emit_json({"topic": topic, "subscription": subscription, "purged": n})
+
+
+def reap_consumers(state, topic: str, action: str | None, zombie_after: float | None, as_json: bool):
+    """``fdq consumers TOPIC reap``: ``Supervisor.reap``, said."""
+    if action != "reap":
+        raise click.UsageError("--zombie-after goes with reap: fdq consumers TOPIC reap --zombie-after 3s")
+    zombie_after = 3.0 if zombie_after is None else zombie_after
+    sup = state.supervisor
+    sup.config(topic)               # unknown: exit 1 before waiting
+    render.note(f"watching the heartbeats of the consumers of {topic!r} for "
+                f"{render.duration_ms(round(zombie_after * 1000))} (or a consumer's own longer zombie timeout)...")
+    reaped = sup.reap(topic, zombie_after_s=zombie_after)
+    zombies = reaped["zombies"]
+    render.note(f"declared {len(zombies):,} zombie(s) of {topic!r}"
+                + (": " + ", ".join(f"{z['subscription']}/{z['id']}" for z in zombies)
+                   + " (their shards divided among live consumers)" if zombies else "")
+                + (f"; deleted ephemeral subscription(s) left without consumers: "
+                   f"{', '.join(reaped['deleted_subscriptions'])}" if reaped["deleted_subscriptions"] else ""))
+    if as_json:
+        render.emit_json({"topic": topic, **reaped})

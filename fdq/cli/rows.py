@@ -207,8 +207,36 @@ def dlq_row(d: dict, subscription: str) -> dict:
     """``fdq dlq list``: one dead letter (from ``Supervisor.dlq_list``)."""
     return {"id": d["id"], "subscription": subscription, "reason": d["reason"],
             "consumer": d["consumer"], "attempts": d["attempts"], "shard_key": d["shard_key"],
-            "insertion_time_ms": d["insertion_time"], "raw": d["raw"], **body_fields(d["body"])}
+            "insertion_time_ms": d["insertion_time"], "dead_age_s": d["dead_age_s"], "raw": d["raw"],
+            **body_fields(d["body"])}
+
+
+def peek_row(e: dict, subscription: str) -> dict:
+    """``fdq peek``: one message as ``Supervisor.peek`` shows it (keys that do not apply
+    to its state are null)."""
+    return {"id": e["id"], "subscription": subscription, "state": e["state"], "shard": e["shard"],
+            "tag": _tag(e["tag"]), "attempts": e["attempts"],
+            "insertion_time_ms": e["insertion_time"], "shard_key": e["shard_key"], "msg_id": e["msg_id"],
+            "replay_of": e["replay_of"], "due_in_s": e["due_in_s"], "leased_by": e["leased_by"],
+            "ack_wait_s": e["ack_wait_s"], "reason": e["reason"], "consumer": e["consumer"],
+            "dead_age_s": e["dead_age_s"], "raw": e["raw"], "headers": e["headers"], **body_fields(e["body"])}
+
+
+def get_row(info: dict) -> dict:
+    """``fdq get``: one message (``Supervisor.get``): its log entry (null once trimmed)
+    and, per subscription in creation order, its state and where it is."""
+    log = info["log"]
+    return {
+        "id": info["id"], "topic": info["topic"], "pending": info["pending"],
+        "log": None if log is None else {
+            "bucket": log["bucket"], "insertion_time_ms": log["insertion_time"], "shard_key": log["shard_key"],
+            "msg_id": log["msg_id"], "replay_of": log["replay_of"], "raw": log["raw"], "headers": log["headers"],
+            **body_fields(log["body"])},
+        "subscriptions": [{"name": sub, "state": s["state"], "places": [peek_row(p, sub) for p in s["places"]]}
+                          for sub, s in info["subscriptions"].items()],
+        "delayed_unsearched": info["delayed_unsearched"],
+    }
 
 
 __all__ = ["TOPIC_SETTINGS", "topic_row", "topic_detail", "topic_rows", "stats_row", "consumer_rows", "message_row",
-           "push_row", "dlq_row", "body_fields", "subscription_row", "subscription_rows"]
+           "push_row", "dlq_row", "body_fields", "subscription_row", "subscription_rows", "peek_row", "get_row"]

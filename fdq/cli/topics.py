@@ -7,9 +7,9 @@ import json
 import click
 
 from ..config import UPDATABLE_TOPIC_FIELDS, TopicConfig
-from . import render, rows
+from . import admin, render, rows
 from .app import cli, confirm, json_option, pass_state, topic_argument
-from .params import CLEARED, TOPIC, OrNone, Seconds, Shards, topic_config_callback
+from .params import CLEARED, TOPIC, Duration, OrNone, Seconds, Shards, topic_config_callback
 
 TOPIC_COLUMNS = [
     ("topic", lambda r: r["name"]),
@@ -283,13 +283,20 @@ def stats(state, topic, as_json):
 
 @cli.command()
 @topic_argument
+@click.argument("action", required=False, type=click.Choice(["reap"]))
+@click.option("--zombie-after", type=Duration(), default=None, metavar="DURATION",
+              help="reap: declare a zombie a consumer whose heartbeat stands still this long [default: 3s].")
 @json_option
 @pass_state
-def consumers(state, topic, as_json):
-    """List TOPIC's consumers, their shards, heartbeat age.
+def consumers(state, topic, action, zombie_after, as_json):
+    """List TOPIC's consumers, their shards, heartbeat age; or reap zombies.
 
     A consumer whose heartbeat is older than its zombie timeout is marked a
     zombie (killed, or stalled): it owns its shards until a live consumer of
-    its subscription takes them over."""
+    its subscription takes them over, or until fdq consumers TOPIC reap
+    (watches the heartbeats for --zombie-after, or a consumer's own longer
+    timeout, then removes those that stood still and divides their shards)."""
+    if action == "reap" or zombie_after is not None:
+        return admin.reap_consumers(state, topic, action, zombie_after, as_json)
     data = rows.consumer_rows(state.supervisor.stats(topic))
     render.rows_or_note(data, CONSUMER_COLUMNS, f"topic {topic!r} has no consumers", as_json)

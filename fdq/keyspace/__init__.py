@@ -304,6 +304,10 @@ class TopicSpace:
         """The time index's entry of ``minute_ms`` at this transaction's message ``uv``."""
         return vs_key(self.time_index.pack((minute_ms,)), uv)
 
+    def pending_key(self, vs: Versionstamp) -> bytes:
+        """Message ``vs``'s entry in the pending list (pushed while paused)."""
+        return self.pending.pack((vs,))
+
     def pending_vs_key(self, uv: int) -> bytes:
         """The stamped key of this transaction's message ``uv`` pushed while paused."""
         return vs_key(self.pending.key(), uv)

@@ -268,23 +268,28 @@ def lease_entries_hint(raw) -> int:
     return (n - 4) // 3
 
 
-def encode_dead(record: bytes, reason: str, consumer_id: str | None, raw: bool = False) -> bytes:
+def encode_dead(record: bytes, reason: str, consumer_id: str | None, dead_ms: int, dead_version: int,
+                raw: bool = False) -> bytes:
     """A dead letter: the record as delivered, or with ``raw`` the bytes of a record
-    that did not decode, as they were stored (kept for inspection, never redriven)."""
-    return packer()([record, reason, consumer_id, True] if raw else [record, reason, consumer_id])
+    that did not decode, as they were stored (kept for inspection, never redriven);
+    when: ``dead_ms`` the database clock (``clock.read_clock``) and ``dead_version`` the
+    read version of the transaction that dead-lettered it (its age as a heartbeat's:
+    ``clock.heartbeat_age``)."""
+    return packer()([record, reason, consumer_id, raw, dead_ms, dead_version])
 
 
 def decode_dead(raw):
     """-> (record bytes, reason, consumer_id, raw: whether the record bytes are an
-    undecodable record's, ``encode_dead``)"""
+    undecodable record's, dead_ms, dead_version) (``encode_dead``)"""
     try:
         v = _unpackb(bytes(raw))
-        if (type(v) is not list or len(v) not in (3, 4) or type(v[0]) is not bytes or type(v[1]) is not str
-                or type(v[2]) not in (str, _NONE) or (len(v) == 4 and type(v[3]) is not bool)):
+        if (type(v) is not list or len(v) != 6 or type(v[0]) is not bytes or type(v[1]) is not str
+                or type(v[2]) not in (str, _NONE) or type(v[3]) is not bool
+                or type(v[4]) is not int or type(v[5]) is not int):
             raise _Shape("not a dead letter")
     except _DECODE_ERRORS as e:
         raise _corrupt("dead letter", raw, e) from None
-    return v[0], v[1], v[2], len(v) == 4 and v[3]
+    return tuple(v)
 
 
 # -- push side: dedupe entries, markers, pending entries -------------------------------

@@ -208,15 +208,15 @@ def test_dlq(run, db, sup):
     assert len(run.json("dlq", "list", "orders", "--limit", 2)) == 2
     assert run.json("stats", "orders")["subscriptions"]["default"]["dlq"] == 3
 
-    assert run.json("dlq", "redrive", "orders")["redriven"] == 3
+    assert run.json("dlq", "redrive", "orders", "--all")["redriven"] == 3
     assert sup.dlq_list("orders") == [] and sup.stats("orders")["subscriptions"]["default"]["backlog"] == 3
     with fdq.Consumer(db, "orders") as c:
         for m in c.fetch(10, timeout=5):
             m.term("again")
-    r = run("dlq", "purge", "orders", input="n\n", code=1)       # declined
+    r = run("dlq", "purge", "orders", "--all", input="n\n", code=1)       # declined
     assert "fdq: error: not confirmed: the dead letters of orders/default not purged" in r.stderr
     assert len(sup.dlq_list("orders")) == 3
-    assert run.json("dlq", "purge", "orders", "--yes")["purged"] == 3
+    assert run.json("dlq", "purge", "orders", "--all", "--yes")["purged"] == 3
     assert sup.dlq_list("orders") == []
     assert "is empty" in run("dlq", "list", "orders").stderr
 
