@@ -5,6 +5,8 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     meta/format                                           layout version
     meta/clock                                            the database clock (ms; see membership)
     meta/clock_version                                    read version of its last advance (display)
+    meta/leaders/<name>                                   a database-wide role's holder (ops/leaders)
+    meta/leaders/<name>/beat                              its holder's beat counter (atomic add)
     config/topics/<topic>                                 topic config (read by every push)
     config/topics/<topic>/consumers/<sub>/<id>            consumer record
     config/topics/<topic>/heartbeats/<sub>/<id>/hb        heartbeat counter (atomic add): apart from
@@ -371,6 +373,7 @@ class Keyspace:
         # the read version of the clock's last advance (membership.advance_clock)
         self.clock_version_key = self.root.pack(("meta", "clock_version"))
         self.topics_config = self.root["config"]["topics"]
+        self.leaders = self.root["meta"]["leaders"]
         self._topics = {}
 
     def topic(self, name: str) -> TopicSpace:
@@ -378,6 +381,14 @@ class Keyspace:
         if t is None:
             t = self._topics[name] = TopicSpace(self, name)
         return t
+
+    def leader_key(self, role: str) -> bytes:
+        """Who holds the database-wide role ``role`` (``codec.encode_leader``)."""
+        return self.leaders.pack((role,))
+
+    def leader_beat_key(self, role: str) -> bytes:
+        """The beat counter of ``role``'s holder."""
+        return self.leaders.pack((role, "beat"))
 
     def topic_names_range(self):
         return self.topics_config.range()
