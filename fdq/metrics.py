@@ -31,6 +31,7 @@ subscription and consumer:
 ``fdq_subscription_dead_letters``                       gauge    in the dead-letter queue now
 ``fdq_subscription_paused``                             gauge
 ``fdq_subscription_consumers{state}``                   gauge    live, zombie or unknown consumers
+``fdq_subscription_standby_consumers``                  gauge    live ones owning no shard (all owned)
 ``fdq_consumer_heartbeat_age_seconds{consumer}``        gauge    (``consumer_labels=False``: left out)
 ``fdq_consumer_owned_shards{consumer}``                 gauge    (same)
 ======================================================  =======  ==========================================
@@ -250,6 +251,8 @@ def _database_families(topics: list, consumer_labels: bool) -> list:
     family(GaugeMetricFamily, "fdq_subscription_consumers",
            "Registered consumers by state (zombie: heartbeat older than its timeout; unknown: no age yet)",
            sl + ["state"])
+    family(GaugeMetricFamily, "fdq_subscription_standby_consumers",
+           "Consumers owning no shard because every shard has a live owner (more shards: rebalance)", sl)
     if consumer_labels:
         family(GaugeMetricFamily, "fdq_consumer_heartbeat_age_seconds",
                "Seconds since the consumer's last heartbeat (as of the last read)", cl)
@@ -290,6 +293,7 @@ def _database_families(topics: list, consumer_labels: bool) -> list:
                     fam["fdq_consumer_owned_shards"].add_metric(lc, len(con["tag_shards"]))
             for state, n in states.items():
                 fam["fdq_subscription_consumers"].add_metric(ls + [state], n)
+            fam["fdq_subscription_standby_consumers"].add_metric(ls, s["standby"])
     return list(fam.values())
 
 

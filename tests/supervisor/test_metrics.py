@@ -103,6 +103,21 @@ def test_without_consumer_labels_no_series_names_a_consumer(db, registry):
     assert not any(n.startswith("fdq_consumer_") for n in names(samples))
 
 
+def test_consumers_beyond_the_shard_count_are_standby(db, registry):
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=1)
+    with fdq.Consumer(db, "t", config=FAST) as a, fdq.Consumer(db, "t", config=FAST) as b:
+        a.fetch(1, timeout=0.5)
+        b.fetch(1, timeout=0.5)
+        wait_for(lambda: sup.stats("t")["subscriptions"]["default"]["standby"] == 1, what="one on standby")
+        fdq.metrics.register(db, registry, cache_s=0)
+        samples = scrape(registry)
+    lab = {"topic": "t", "subscription": "default"}
+    assert value(samples, "fdq_subscription_standby_consumers", **lab) == 1
+    owned = sorted(value(samples, "fdq_consumer_owned_shards", **lab, consumer=c.id) for c in (a, b))
+    assert owned == [0, 1]
+
+
 def test_a_scrape_within_the_cache_time_reads_the_database_once(db, registry):
     p = fdq.Producer(db)
     p.push("t", b"1")
