@@ -84,6 +84,33 @@ def test_metrics_database_always_and_never(broker_factory):
     assert leader_flags([always, never]) == [1, 0]
 
 
+def test_the_fdq_command_takes_the_metrics_options(tmp_path, db_url):
+    fdq_command = os.path.join(os.path.dirname(sys.executable), "fdq")
+    env = {k: v for k, v in os.environ.items() if k not in ("FDQ_URL", "FDQ_HOME")}
+    proc = subprocess.Popen([fdq_command, "--url", db_url, "broker", "--tcp-address", "127.0.0.1:0",
+                             "--http-address", "127.0.0.1:0", "--metrics-database", "never",
+                             "--metrics-leader-timeout", "2s"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, text=True)
+    try:
+        line = ""
+        for _ in range(20):
+            line = readline_within(proc, 60, "fdq broker's listening line")
+            if line.startswith("fdq broker: listening ") or not line:
+                break
+        http = line.split("http=")[1].split()[0]
+        with urllib.request.urlopen(f"http://{http}/metrics", timeout=30) as r:
+            samples = {s.name: s.value for f in text_string_to_metric_families(r.read().decode()) for s in f.samples}
+        assert samples["fdq_metrics_leader"] == 0
+        assert "process_cpu_seconds_total" in samples
+        bad = subprocess.run([fdq_command, "--url", db_url, "broker", "--metrics-database", "sometimes"],
+                             capture_output=True, text=True, env=env, timeout=120)
+        assert bad.returncode == 2 and "'sometimes' is not one of 'leader', 'always', 'never'" in bad.stderr
+    finally:
+        proc.kill()
+        proc.wait(30)
+        proc.stdout.close()
+
+
 def test_openmetrics_when_the_scraper_asks_for_it(broker_factory):
     b = broker_factory()
     assert b.http_req("/pub?topic=m", b"x") == (200, b"OK")
