@@ -135,11 +135,11 @@ def parser() -> argparse.ArgumentParser:
                     help="serve the web dashboard (fdq web) under this path of the HTTP port, e.g. /web/")
     ap.add_argument("--web-write-token", default=None,
                     help="actions from the dashboard need this token (or an --auth-file secret with admin)")
-    ap.add_argument("--metrics-database", choices=METRICS_DATABASE, default="leader",
+    ap.add_argument("--metrics-database", choices=METRICS_DATABASE, default=BrokerOptions.metrics_database,
                     help="/metrics' database-wide families (topics, subscriptions, consumers): leader = "
                          "from one of the brokers serving /metrics on the database at a time; always = from "
                          "this broker; never")
-    ap.add_argument("--metrics-leader-timeout", type=parse_duration, default=10.0,
+    ap.add_argument("--metrics-leader-timeout", type=parse_duration, default=BrokerOptions.metrics_leader_timeout_s,
                     help="the metrics leader's beat standing still this long, another broker takes over")
     ap.add_argument("--log-level", default="WARNING")
     return ap
