@@ -54,6 +54,8 @@ def build_options(args) -> BrokerOptions:
     if limits.max_output_buffer_size < 64:
         raise ConfigError("--max-output-buffer-size must be at least 64")
     percentiles = tuple(parse_percentiles(args.e2e_processing_latency_percentile or []))
+    if args.metrics_leader_timeout <= 0:
+        raise ConfigError("--metrics-leader-timeout must be > 0")
     if args.e2e_processing_latency_window_time <= 0:
         raise ConfigError("--e2e-processing-latency-window-time must be > 0")
     web_path = getattr(args, "web_path", None) or None
@@ -64,9 +66,12 @@ def build_options(args) -> BrokerOptions:
     return BrokerOptions(limits=limits, tls_cert=args.tls_cert, tls_key=args.tls_key,
                          tls_required=args.tls_required, auth_file=args.auth_file,
                          e2e_percentiles=percentiles, e2e_window_s=args.e2e_processing_latency_window_time,
-                         web_path=web_path, web_write_token=getattr(args, "web_write_token", None) or None)
+                         web_path=web_path, web_write_token=getattr(args, "web_write_token", None) or None,
+                         metrics_database=args.metrics_database,
+                         metrics_leader_timeout_s=args.metrics_leader_timeout)
 
 
+METRICS_DATABASE = ("leader", "always", "never")
 _NSQD_PATHS = ("ping", "info", "stats", "metrics", "pub", "mpub", "pub_ext", "topic", "channel")
 
 
@@ -130,6 +135,12 @@ def parser() -> argparse.ArgumentParser:
                     help="serve the web dashboard (fdq web) under this path of the HTTP port, e.g. /web/")
     ap.add_argument("--web-write-token", default=None,
                     help="actions from the dashboard need this token (or an --auth-file secret with admin)")
+    ap.add_argument("--metrics-database", choices=METRICS_DATABASE, default=BrokerOptions.metrics_database,
+                    help="/metrics' database-wide families (topics, subscriptions, consumers): leader = "
+                         "from one of the brokers serving /metrics on the database at a time; always = from "
+                         "this broker; never")
+    ap.add_argument("--metrics-leader-timeout", type=parse_duration, default=BrokerOptions.metrics_leader_timeout_s,
+                    help="the metrics leader's beat standing still this long, another broker takes over")
     ap.add_argument("--log-level", default="WARNING")
     return ap
 

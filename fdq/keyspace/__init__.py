@@ -3,6 +3,8 @@
 Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
 
     meta/format                                           layout version
+    meta/leaders/<name>                                   a database-wide role's holder (ops/leaders)
+    meta/leaders/<name>/beat                              its holder's beat counter (atomic add)
     config/topics/<topic>                                 topic config (read by every push)
     config/topics/<topic>/consumers/<sub>/<id>            consumer record
     config/topics/<topic>/heartbeats/<sub>/<id>/hb        heartbeat counter (atomic add): apart from
@@ -375,6 +377,7 @@ class Keyspace:
         self.root = Subspace(tuple(root))
         self.format_key = self.root.pack(("meta", "format"))
         self.topics_config = self.root["config"]["topics"]
+        self.leaders = self.root["meta"]["leaders"]
         self._topics = {}
 
     def topic(self, name: str) -> TopicSpace:
@@ -382,6 +385,14 @@ class Keyspace:
         if t is None:
             t = self._topics[name] = TopicSpace(self, name)
         return t
+
+    def leader_key(self, role: str) -> bytes:
+        """Who holds the database-wide role ``role`` (``codec.encode_leader``)."""
+        return self.leaders.pack((role,))
+
+    def leader_beat_key(self, role: str) -> bytes:
+        """The beat counter of ``role``'s holder."""
+        return self.leaders.pack((role, "beat"))
 
     def topic_names_range(self):
         return self.topics_config.range()

@@ -391,6 +391,16 @@ def _decode_dict(what: str, raw) -> dict:
     return v
 
 
+def encode_leader(holder: str, timeout_s: float) -> bytes:
+    """The holder of a database-wide role (``fdq.ops.leaders``) and the timeout it
+    advertises (how long its beat may stand still before another takes over)."""
+    return pack({"holder": holder, "timeout_s": timeout_s})
+
+
+def decode_leader(raw) -> dict | None:
+    return None if raw is None or raw == None else _decode_dict("leader record", raw)  # noqa: E711 - FDB's absent Value
+
+
 def encode_subscription(record: dict) -> bytes:
     """A subscription's record: its config and start point."""
     return pack(record)
