@@ -21,7 +21,6 @@ from opentelemetry.trace import SpanKind, StatusCode
 import fdq
 import fdq.aio
 import fdq.tracing
-from fdq import hooks
 from fdq.errors import InvalidHeader
 
 from fdqtest import FAST, fast, log_records, wait_for
@@ -241,6 +240,35 @@ def test_with_the_api_alone_nothing_is_written_and_no_span_made(db_url, tmp_path
     assert out["handled"] == [{}, {"a": 1}]
 
 
+GLOBAL = """
+import sys
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+import fdq
+from fdqtest import log_records
+
+db = fdq.connect(sys.argv[1])
+fdq.Supervisor(db).create_topic("t", shards=1)
+p = fdq.Producer(db)
+p.push("t", b"before")      # loads the default hook: no provider yet
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)
+p.push("t", b"after")
+print([rec[3] and sorted(rec[3]) for rec in log_records(db, "t")], [s.name for s in exporter.get_finished_spans()])
+"""
+
+
+def test_the_global_provider_is_used_once_set(db_url):
+    r = subprocess.run([sys.executable, "-c", GLOBAL, db_url], capture_output=True, text=True, timeout=120,
+                       env=_env())
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[None, ['traceparent']] ['send t']"
+
+
 def test_without_opentelemetry_nothing_is_imported_and_records_are_unchanged(db_url):
     out = _run(db_url, 'sys.modules["opentelemetry"] = None\n')
     assert out["hooks"] == []
@@ -284,10 +312,14 @@ print(json.dumps({{
 """
 
 
-def _run(db_url, prelude) -> dict:
+def _env() -> dict:
+    """This environment, with the tests' directory on the path (fdqtest in a subprocess)."""
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([tests] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+
+
+def _run(db_url, prelude) -> dict:
     r = subprocess.run([sys.executable, "-c", SCRIPT.format(prelude="import sys\n" + prelude), db_url],
-                       capture_output=True, text=True, timeout=120, env=env)
+                       capture_output=True, text=True, timeout=120, env=_env())
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
