@@ -18,6 +18,10 @@ A hook is an object with any of these methods (:class:`Hook` has them all, doing
         (``"ack"``, ``"nak"``, ``"term"``) or ``"ok"`` (nothing to settle: at-most-once,
         exactly-once)
 
+A ``*_begin`` that returns :data:`SKIP` is not called at the end of that push or handler
+call (nothing to finish: the tracing hook without a tracer provider); when every hook
+skips, the call costs no more (no clock read, no call object).
+
 Call sites: :class:`fdq.Producer`'s ``push``, ``push_async``, ``push_many`` and
 ``push_stream`` (one ``push_begin`` per call, ``push_stream``: per transaction); each
 delivery mode of ``fdq.tail`` and ``fdq.aio.tail`` around the handler. A hook that
@@ -46,6 +50,7 @@ _reported = set()       # (hook id, method) already logged
 active = True           # a hook is registered, or the defaults are not loaded yet: call sites test it
 
 _OUTCOMES = {ACK: "ack", NAK: "nak", TERM: "term", RELEASE: "release"}
+SKIP = object()     # a ``*_begin``'s answer: no ``*_end`` for this call
 
 
 class Hook:
@@ -128,6 +133,8 @@ class PushCall:
         """Tell the hooks how the push ended (``results`` None on an error)."""
         seconds = perf_counter() - self.t0
         for hook, state in zip(self.hooks, self.states):
+            if state is SKIP:
+                continue
             try:
                 hook.push_end(state, self.topic, self.envelopes, results, error, seconds)
             except Exception as e:
@@ -150,8 +157,6 @@ def begin_push(topic: str, envelopes: list) -> PushCall | None:
     hooks = _hooks
     if not hooks:
         return None
-    call = PushCall()
-    call.topic, call.envelopes, call.hooks = topic, envelopes, hooks
     states = []
     for hook in hooks:
         try:
@@ -159,7 +164,10 @@ def begin_push(topic: str, envelopes: list) -> PushCall | None:
         except Exception as e:
             _failed(hook, "push_begin", e)
             states.append(None)
-    call.states = states
+    if states.count(SKIP) == len(states):
+        return None
+    call = PushCall()
+    call.topic, call.envelopes, call.hooks, call.states = topic, envelopes, hooks, states
     call.t0 = perf_counter()
     return call
 
@@ -175,6 +183,8 @@ class HandleCall:
         m = self.message
         outcome = "error" if error is not None else _OUTCOMES.get(m._settled, "ok")
         for hook, state in zip(reversed(self.hooks), reversed(self.states)):    # nested: last in, first out
+            if state is SKIP:
+                continue
             try:
                 hook.handle_end(state, m, outcome, error, seconds)
             except Exception as e:
@@ -188,8 +198,6 @@ def begin_handle(message) -> HandleCall | None:
     hooks = _hooks
     if not hooks:
         return None
-    call = HandleCall()
-    call.message, call.hooks = message, hooks
     states = []
     for hook in hooks:
         try:
@@ -197,9 +205,12 @@ def begin_handle(message) -> HandleCall | None:
         except Exception as e:
             _failed(hook, "handle_begin", e)
             states.append(None)
-    call.states = states
+    if states.count(SKIP) == len(states):
+        return None
+    call = HandleCall()
+    call.message, call.hooks, call.states = message, hooks, states
     call.t0 = perf_counter()
     return call
 
 
-__all__ = ["Hook", "register", "unregister", "registered", "begin_push", "begin_handle"]
+__all__ = ["Hook", "SKIP", "register", "unregister", "registered", "begin_push", "begin_handle"]

@@ -69,7 +69,7 @@ class OpenTelemetryHook(hooks.Hook):
 
     def push_begin(self, topic: str, envelopes: list):
         if not self._records() and not trace.get_current_span().get_span_context().is_valid:
-            return None     # nothing records a span, no context to pass on
+            return hooks.SKIP   # nothing records a span, no context to pass on
         attributes = {"messaging.system": SYSTEM, "messaging.destination.name": topic,
                       "messaging.operation.type": "send", "messaging.operation.name": "send"}
         if len(envelopes) > 1:
@@ -85,8 +85,6 @@ class OpenTelemetryHook(hooks.Hook):
         return span
 
     def push_end(self, span, topic: str, envelopes: list, results, error, seconds: float):
-        if span is None:
-            return
         if results:
             if len(results) == 1:
                 span.set_attribute("messaging.message.id", results[0].id)
@@ -98,7 +96,7 @@ class OpenTelemetryHook(hooks.Hook):
 
     def handle_begin(self, message):
         if not self._records():
-            return None
+            return hooks.SKIP
         links = None
         if message.headers and "traceparent" in message.headers:
             sent = trace.get_current_span(propagate.extract(message.headers)).get_span_context()
@@ -119,8 +117,6 @@ class OpenTelemetryHook(hooks.Hook):
         return span, otel_context.attach(trace.set_span_in_context(span))
 
     def handle_end(self, state, message, outcome: str, error, seconds: float):
-        if state is None:
-            return
         span, token = state
         otel_context.detach(token)
         span.set_attribute("fdq.outcome", outcome)

@@ -86,3 +86,24 @@ def test_a_failing_hook_is_logged_once_and_the_push_goes_on(db, caplog):
     assert len(log_records(db, "t")) == 3
     assert [r.getMessage() for r in caplog.records if "broken hook" in r.getMessage()] == [
         f"fdq hook {broken!r} failed in push_begin (ignored; logged once): RuntimeError: broken hook"]
+
+
+def test_a_hook_that_skips_is_not_called_at_the_end(db, recorder):
+    class Skipper(hooks.Hook):
+        ended = 0
+
+        def push_begin(self, topic, envelopes):
+            return hooks.SKIP
+
+        def push_end(self, *args):
+            Skipper.ended += 1
+
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    skipper = Skipper()
+    hooks.register(skipper)
+    try:
+        fdq.Producer(db).push("t", b"x")
+    finally:
+        hooks.unregister(skipper)
+    assert Skipper.ended == 0
+    assert len(recorder.calls) == 1     # the other hook's end all the same
