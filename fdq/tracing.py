@@ -85,6 +85,8 @@ class OpenTelemetryHook(hooks.Hook):
         return span
 
     def push_end(self, span, topic: str, envelopes: list, results, error, seconds: float):
+        if span is None:    # (its push_begin failed: logged by fdq.hooks)
+            return
         if results:
             if len(results) == 1:
                 span.set_attribute("messaging.message.id", results[0].id)
@@ -117,6 +119,8 @@ class OpenTelemetryHook(hooks.Hook):
         return span, otel_context.attach(trace.set_span_in_context(span))
 
     def handle_end(self, state, message, outcome: str, error, seconds: float):
+        if state is None:   # (its handle_begin failed: logged by fdq.hooks)
+            return
         span, token = state
         otel_context.detach(token)
         span.set_attribute("fdq.outcome", outcome)
