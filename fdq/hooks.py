@@ -8,7 +8,8 @@ A hook is an object with any of these methods (:class:`Hook` has them all, doing
     push_end(state, topic, envelopes, results, error, seconds)
         when the push's outcome is known (``push_async``: in the thread that committed
         it): ``results`` the PushResults (``push_stream``: of the messages this
-        transaction took, maybe fewer) or None, ``error`` the exception or None,
+        transaction took, maybe fewer) or None, ``error`` the exception or None (both
+        None: a ``push_async`` future cancelled first; the push may still be stored),
         ``seconds`` since ``push_begin``
     handle_begin(message) -> state
         in the thread (``fdq.aio``: the task) about to run a ``tail`` handler on ``message``
@@ -18,9 +19,9 @@ A hook is an object with any of these methods (:class:`Hook` has them all, doing
         (``"ack"``, ``"nak"``, ``"term"``) or ``"ok"`` (nothing to settle: at-most-once,
         exactly-once)
 
-A ``*_begin`` that returns :data:`SKIP` is not called at the end of that push or handler
-call (nothing to finish: the tracing hook without a tracer provider); when every hook
-skips, the call costs no more (no clock read, no call object).
+A hook whose ``*_begin`` returns :data:`SKIP` has nothing to finish: its ``*_end`` is not
+called for that push or handler call (the tracing hook without a tracer provider); when
+every hook skips, the call costs nothing more (no clock read, no call object).
 
 Call sites: :class:`fdq.Producer`'s ``push``, ``push_async``, ``push_many`` and
 ``push_stream`` (one ``push_begin`` per call, ``push_stream``: per transaction); each
