@@ -24,7 +24,7 @@ from ..config import TopicConfig, check_name
 from ..engine import transactional
 from ..envelope import Envelope
 from ..errors import BacklogFull, InvalidHeader, MessageTooLarge, TopicNotFound
-from ..headers import dispatch_tag
+from ..headers import PROPAGATION, dispatch_tag
 from ..keyspace.format import ensure_format
 from ..keyspace import (VERSIONS_PER_S, Keyspace, TopicSpace, counter, index_part, message_id,
                         vs_key, vs_key_parts)
@@ -204,7 +204,7 @@ def _push_full(tr, b: _Batch, plan, topic: str, env, uv: int, n: int) -> tuple:
     """Push message ``uv`` (any message: a msg_id, a delay, headers, chunks, a replay, a
     paused topic) to shard ``n``; returns its result."""
     ts, config = plan.ts, plan.config
-    if env.headers and not config.extend:
+    if env.headers and not config.extend and not PROPAGATION.issuperset(env.headers):
         raise InvalidHeader(f"topic {topic!r} has no extend support: headers are refused "
                             "(create it with extend=True or upgrade it)")
     if env.msg_id is not None:
