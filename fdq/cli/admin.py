@@ -9,7 +9,7 @@ from ..config import check_replay_id, default_replay_id
 from ..times import as_datetime, iso_ms
 from . import render, rows
 from .app import cli, confirm, json_option, pass_state, resumable, subscription_option, topic_argument
-from .params import Shards, Time
+from .params import Shards, Since, Time
 
 @cli.command()
 @topic_argument
@@ -66,8 +66,12 @@ def rebalance(state, topic, shards, as_json):
 
 @cli.command()
 @topic_argument
-@click.option("--start", type=Time(), required=True, help="From (ISO-8601, <n>s or <n>ms), inclusive.")
-@click.option("--end", type=Time(), default=None, help="To (ISO-8601, <n>s or <n>ms), exclusive [default: now].")
+@click.option("--start", type=Time(), default=None,
+              help="From (ISO-8601, <n>s, <n>ms, or before now: -15m), inclusive.")
+@click.option("--since", type=Since(), default=None, metavar="DURATION",
+              help="From this long ago: --since 1h is --start -1h.")
+@click.option("--end", type=Time(), default=None,
+              help="To (ISO-8601, <n>s, <n>ms, now, -5m), exclusive [default: now].")
 @click.option("--id", "replay_id", default=None, metavar="ID",
               help="Name this replay [default: its window, <start_ms>:<end_ms> or <start_ms>:open].")
 @click.option("--again", is_flag=True, help="Replay again a replay (this --id, or window) that finished before.")
@@ -77,7 +81,7 @@ def rebalance(state, topic, shards, as_json):
               help="Change nothing: show how many would be replayed, and to which subscriptions.")
 @json_option
 @pass_state
-def replay(state, topic, start, end, replay_id, again, include_replays, dry_run, as_json):
+def replay(state, topic, start, since, end, replay_id, again, include_replays, dry_run, as_json):
     """Deliver again TOPIC's messages inserted in [--start, --end).
 
     In order, as new messages (new ids; each keeps the original's id in
@@ -89,7 +93,11 @@ def replay(state, topic, start, end, replay_id, again, include_replays, dry_run,
 
     Times: ISO-8601 (2026-11-23T02:00:00Z; no zone = UTC), epoch seconds with
     s (1795399200s) or epoch milliseconds with ms or bare (1795399200000). A
-    bare number that looks like seconds (below 100000000000) is refused."""
+    bare number that looks like seconds (below 100000000000) is refused;
+    now, or a duration before or after now (-15m, +1h)."""
+    if (start is None) == (since is None):
+        raise click.UsageError("give the window's start: --start TIME or --since DURATION (one of them)")
+    start = since if start is None else start
     if end is not None and end <= start:
         raise click.BadParameter(f"--end ({iso_ms(end)}) must be after --start ({iso_ms(start)})",
                                 param_hint="'--end'")
@@ -155,7 +163,7 @@ def _replay_dry_run(plan: dict, topic: str, as_json: bool):
 @cli.command()
 @topic_argument
 @click.option("--before", type=Time(), default=None,
-              help="Delete log entries inserted before this time (ISO-8601, <n>s or <n>ms) [default: the topic's retention_s]; "
+              help="Delete log entries inserted before this time (ISO-8601, <n>s, <n>ms, -7d) [default: the topic's retention_s]; "
                    "its retention_bytes applies either way.")
 @json_option
 @pass_state

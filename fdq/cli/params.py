@@ -3,19 +3,17 @@ alone is judged here, with FDQ's own rules (``check_name``, ``TopicConfig``,
 ``validate_headers``), and a bad value is a usage error (exit 2)."""
 from __future__ import annotations
 
-import argparse
 import json
 import math
 
 import click
 
-from ..broker.__main__ import parse_duration
 from ..broker.server import split_address
 from ..config import MAX_SECONDS, SubscriptionConfig, TopicConfig, check_name, shown
 from ..envelope import Envelope
 from ..errors import ConfigError, InvalidHeader, InvalidMessage, InvalidName
 from ..headers import TRACE_ID, is_tag, validate_headers
-from ..times import parse_time
+from ..times import now_ms, parse_duration, parse_time
 
 
 class Name(click.ParamType):
@@ -84,9 +82,10 @@ def subscription_config_callback(ctx, param, value):
 
 
 class SecondsList(click.ParamType):
-    """Comma-separated seconds (``1,5,30``); the empty string is the empty list."""
+    """Comma-separated durations (``1,5,30``, ``1s,30s,5m``); the empty string is the
+    empty list. -> a tuple of seconds."""
 
-    name = "s1,s2,..."
+    name = "d1,d2,..."
 
     def convert(self, value, param, ctx):
         if isinstance(value, tuple):
@@ -98,18 +97,22 @@ class SecondsList(click.ParamType):
 
 
 class Seconds(click.ParamType):
-    """A finite number of seconds >= 0 (an option's callback applies its FDQ bound)."""
+    """A duration >= 0 as ``fdq.times.parse_duration`` reads it (``1m30s``, ``500ms``,
+    ``1.5s``, ``2d``, a bare number of seconds; at most 100 years); an option's callback
+    applies its FDQ bound. -> seconds (float)."""
 
-    name = "seconds"
+    name = "duration"
+    zero = True
 
     def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):    # a default, in seconds
+            if math.isfinite(value) and 0 <= value <= MAX_SECONDS and (value > 0 or self.zero):
+                return float(value)
+            value = shown(value)
         try:
-            s = float(value)
-        except (TypeError, ValueError):
-            self.fail(f"{shown(value)} is not a number of seconds", param, ctx)
-        if not (math.isfinite(s) and s >= 0):
-            self.fail(f"{shown(value)}: seconds must be a finite number >= 0", param, ctx)
-        return s
+            return parse_duration(value, zero=self.zero)
+        except ConfigError as e:
+            self.fail(str(e), param, ctx)
 
 
 class Cleared:
@@ -138,11 +141,14 @@ class OrNone(click.ParamType):
 class Time(click.ParamType):
     """A point in time as ``fdq.times.parse_time`` reads it: ISO-8601 (no zone = UTC),
     ``<n>s`` (epoch seconds), ``<n>ms`` or a bare integer of epoch milliseconds (one
-    that looks like seconds is refused). -> epoch ms."""
+    that looks like seconds is refused), ``now``, or ``-15m`` / ``+1h`` (a duration
+    before or after now). -> epoch ms."""
 
     name = "time"
 
     def convert(self, value, param, ctx):
+        if isinstance(value, int) and not isinstance(value, bool):      # converted before
+            return value
         try:
             return parse_time(value)
         except ConfigError as e:
@@ -150,39 +156,34 @@ class Time(click.ParamType):
 
 
 class TimeOrNow(Time):
-    """A ``Time``, or ``now`` (-> None)."""
+    """A ``Time``, where ``now`` is the moment the operation runs (-> None)."""
 
     name = "time|now"
 
     def convert(self, value, param, ctx):
-        if isinstance(value, str) and value.strip().lower() == "now":
+        if value is None or (isinstance(value, str) and value.strip().lower() == "now"):
             return None
-        try:
-            return parse_time(value)
-        except ConfigError as e:
-            self.fail(f"{e}; or now", param, ctx)
+        return super().convert(value, param, ctx)
 
 
-class Duration(click.ParamType):
-    """A Go duration as nsqd takes it (``60s``, ``1m30s``, ``500ms``) or plain seconds,
-    parsed by the broker's own ``parse_duration``; must be > 0 and at most ``MAX_SECONDS``
-    (100 years). -> seconds."""
+class Since(click.ParamType):
+    """A duration back from now (``--since 1h``: an hour ago). -> epoch ms."""
 
     name = "duration"
 
     def convert(self, value, param, ctx):
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            s = float(value)
-        else:
-            try:
-                s = parse_duration(str(value))
-            except argparse.ArgumentTypeError as e:
-                self.fail(str(e), param, ctx)
-        if not (math.isfinite(s) and s > 0):
-            self.fail(f"{shown(value)}: a duration must be > 0", param, ctx)
-        if s > MAX_SECONDS:
-            self.fail(f"{shown(value)}: a duration must be at most {MAX_SECONDS:,} s (100 years)", param, ctx)
-        return s
+        if isinstance(value, int) and not isinstance(value, bool):      # converted before
+            return value
+        try:
+            return max(0, now_ms() - int(parse_duration(value) * 1000))
+        except ConfigError as e:
+            self.fail(str(e), param, ctx)
+
+
+class Duration(Seconds):
+    """A duration > 0 (``Seconds`` without 0): intervals, timeouts of the servers."""
+
+    zero = False
 
 
 class Address(click.ParamType):
@@ -295,5 +296,5 @@ TOPIC = Name("topic")
 SUBSCRIPTION = Name("subscription")
 
 __all__ = ["CLEARED", "OrNone", "topic_config_callback", "envelope_callback", "subscription_config_callback", "Name", "Shards", "Seconds",
-           "SecondsList", "Time", "TimeOrNow", "Duration", "Address", "Header", "FilterHeader", "Tag",
+           "SecondsList", "Time", "TimeOrNow", "Since", "Duration", "Address", "Header", "FilterHeader", "Tag",
            "headers_callback", "filter_headers_callback", "TOPIC", "SUBSCRIPTION"]

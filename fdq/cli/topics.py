@@ -54,12 +54,12 @@ def _show_topic(state, name, as_json):
 @click.option("--extend", is_flag=True, help="Extend support: headers and tag dispatch.")
 @click.option("--max-backlog", type=int, default=None, metavar="N", callback=topic_config_callback,
               help="Refuse pushes beyond this backlog per subscription.")
-@click.option("--retention-s", type=Seconds(), default=None, metavar="S", callback=topic_config_callback,
-              help="Keep the \"all\" log this many seconds (applied by fdq trim).")
+@click.option("--retention-s", type=Seconds(), default=None, metavar="DURATION", callback=topic_config_callback,
+              help="Keep the \"all\" log this long, e.g. 7d (applied by fdq trim).")
 @click.option("--retention-bytes", type=int, default=None, metavar="N", callback=topic_config_callback,
               help="Keep at most this many bytes of the \"all\" log, the newest (applied by fdq trim).")
-@click.option("--dedupe-window-s", type=Seconds(), default=None, metavar="S", callback=topic_config_callback,
-              help=f"Remember msg-ids this long [default: {TopicConfig().dedupe_window_s:g}].")
+@click.option("--dedupe-window-s", type=Seconds(), default=None, metavar="DURATION", callback=topic_config_callback,
+              help=f"Remember msg-ids this long, e.g. 10m [default: {TopicConfig().dedupe_window_s:g}s].")
 @json_option
 @pass_state
 def topics_create(state, name, shards, extend, max_backlog, retention_s, retention_bytes, dedupe_window_s,
@@ -120,10 +120,10 @@ class TopicUpdateCommand(click.Command):
 @click.argument("name", type=TOPIC)
 @click.option("--max-backlog", type=OrNone(click.INT), default=None, metavar="N|none",
               callback=topic_config_callback, help="Refuse pushes beyond this backlog per subscription.")
-@click.option("--dedupe-window-s", type=Seconds(), default=None, metavar="S", callback=topic_config_callback,
-              help="Remember msg-ids this long.")
-@click.option("--retention-s", type=OrNone(Seconds()), default=None, metavar="S|none",
-              callback=topic_config_callback, help="Keep the \"all\" log this many seconds.")
+@click.option("--dedupe-window-s", type=Seconds(), default=None, metavar="DURATION", callback=topic_config_callback,
+              help="Remember msg-ids this long, e.g. 10m.")
+@click.option("--retention-s", type=OrNone(Seconds()), default=None, metavar="DURATION|none",
+              callback=topic_config_callback, help="Keep the \"all\" log this long, e.g. 7d.")
 @click.option("--retention-bytes", type=OrNone(click.INT), default=None, metavar="N|none",
               callback=topic_config_callback, help="Keep at most this many bytes of the \"all\" log.")
 @click.option("--max-message-bytes", type=int, default=None, metavar="N", callback=topic_config_callback,
