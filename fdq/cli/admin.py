@@ -9,7 +9,7 @@ from ..config import check_replay_id, default_replay_id
 from ..times import as_datetime, iso_ms
 from . import render, rows
 from .app import cli, confirm, json_option, pass_state, resumable, subscription_option, topic_argument
-from .params import Shards, Since, Time
+from .params import Shards, Since, Time, format_option
 
 @cli.command()
 @topic_argument
@@ -191,12 +191,12 @@ def trim(state, topic, before, as_json):
 
 DLQ_COLUMNS = [
     ("id", lambda d: d["id"]),
-    ("reason", lambda d: d["reason"] if len(d["reason"]) <= 60 else d["reason"][:57] + "..."),
+    ("reason", lambda d: d["reason"]),
     ("attempts", lambda d: d["attempts"]),
     ("key", lambda d: d["shard_key"]),
     ("inserted", lambda d: render.time_ms(d["insertion_time_ms"])),
     ("consumer", lambda d: d["consumer"]),
-    ("body", lambda d: d["body"] if len(d["body"]) <= 60 else d["body"][:57] + "..."),
+    ("body", lambda d: d["body"]),
 ]
 
 
@@ -209,7 +209,7 @@ def dlq():
 @topic_argument
 @subscription_option
 @click.option("--limit", type=click.IntRange(1, Supervisor.DLQ_LIST_MAX), default=100, show_default=True)
-@json_option
+@format_option
 @pass_state
 def dlq_list(state, topic, subscription, limit, as_json):
     """List dead letters, oldest first, with the reason each was dead-lettered."""

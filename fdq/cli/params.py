@@ -3,6 +3,7 @@ alone is judged here, with FDQ's own rules (``check_name``, ``TopicConfig``,
 ``validate_headers``), and a bad value is a usage error (exit 2)."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -295,6 +296,27 @@ class Tag(click.ParamType):
 TOPIC = Name("topic")
 SUBSCRIPTION = Name("subscription")
 
+FORMATS = ("table", "plain", "tsv", "json")
+FORMAT_KEY = "fdq.format"       # the command's --format, in click's context (render reads it)
+
+
+def format_option(f):
+    """``--format table|plain|tsv|json`` (default: table on a terminal, else plain) and
+    ``--json`` (= ``--format json``, kept) on a command that lists or shows rows. The
+    command still gets ``as_json``; ``render`` reads the format from the context."""
+    @functools.wraps(f)
+    def command(*args, output_format, as_json, **kwargs):
+        if as_json and output_format not in (None, "json"):
+            raise click.UsageError(f"--json is --format json: give one of them, not --format {output_format} too")
+        chosen = "json" if as_json else output_format
+        if chosen is not None:
+            click.get_current_context().meta[FORMAT_KEY] = chosen
+        return f(*args, as_json=chosen == "json", **kwargs)
+    command = click.option("--json", "as_json", is_flag=True, help="Print JSON (stable keys): --format json.")(command)
+    return click.option("--format", "output_format", type=click.Choice(FORMATS), default=None,
+                        help="table (a terminal's default), plain (aligned text, nothing cut: the default "
+                             "off a terminal), tsv or json.")(command)
+
 __all__ = ["CLEARED", "OrNone", "topic_config_callback", "envelope_callback", "subscription_config_callback", "Name", "Shards", "Seconds",
            "SecondsList", "Time", "TimeOrNow", "Since", "Duration", "Address", "Header", "FilterHeader", "Tag",
-           "headers_callback", "filter_headers_callback", "TOPIC", "SUBSCRIPTION"]
+           "headers_callback", "filter_headers_callback", "TOPIC", "SUBSCRIPTION", "FORMATS", "format_option"]

@@ -12,7 +12,7 @@ from ..times import as_datetime
 from . import render, rows
 from .app import cli, confirm, json_option, pass_state, resumable, topic_argument
 from .params import (SUBSCRIPTION, FilterHeader, Seconds, SecondsList, Time, TimeOrNow, filter_headers_callback,
-                     subscription_config_callback)
+                     format_option, subscription_config_callback)
 
 class SubsGroup(click.Group):
     """``fdq subs TOPIC`` is ``fdq subs list TOPIC``; ``fdq subs COMMAND ...`` runs COMMAND."""
@@ -131,7 +131,7 @@ def subs():
 
 @subs.command("list")
 @topic_argument
-@json_option
+@format_option
 @pass_state
 def subs_list(state, topic, as_json):
     """List TOPIC's subscriptions: start, backlog, in flight, DLQ, consumers."""
@@ -187,7 +187,7 @@ def subs_create(state, topic, name, as_json, **fields):
 @subs.command("show")
 @topic_argument
 @click.argument("name", type=SUBSCRIPTION)
-@json_option
+@format_option
 @pass_state
 def subs_show(state, topic, name, as_json):
     """Show subscription NAME of TOPIC: its stored options and counts."""

@@ -7,7 +7,7 @@ import click
 from ..config import UPDATABLE_TOPIC_FIELDS, TopicConfig
 from . import render, rows
 from .app import cli, confirm, json_option, pass_state, topic_argument
-from .params import CLEARED, TOPIC, OrNone, Seconds, Shards, topic_config_callback
+from .params import CLEARED, TOPIC, OrNone, Seconds, Shards, format_option, topic_config_callback
 
 TOPIC_COLUMNS = [
     ("topic", lambda r: r["name"]),
@@ -23,7 +23,7 @@ TOPIC_COLUMNS = [
 
 
 @cli.group(invoke_without_command=True)
-@json_option
+@format_option
 @pass_state
 @click.pass_context
 def topics(ctx, state, as_json):
@@ -194,7 +194,7 @@ CONSUMER_COLUMNS = [
 
 @cli.command()
 @topic_argument
-@json_option
+@format_option
 @pass_state
 def stats(state, topic, as_json):
     """Show TOPIC's counters, backlog, consumers and lag.
@@ -246,7 +246,7 @@ def stats(state, topic, as_json):
 
 @cli.command()
 @topic_argument
-@json_option
+@format_option
 @pass_state
 def consumers(state, topic, as_json):
     """List TOPIC's consumers, their shards, heartbeat age.
