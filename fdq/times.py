@@ -150,7 +150,9 @@ def parse_time(value, *, now: int | None = None) -> int:
                 raise ConfigError("a space after the sign")
             seconds = _duration(text[1:])
         except ConfigError as e:
-            why = "at most 100 years" if "at most" in str(e) else "- or + a duration"
+            why = ("at most 100 years" if "at most" in str(e) else
+                   f"- or + a duration of at most {MAX_DURATION_CHARS} characters" if "longer than" in str(e)
+                   else "- or + a duration")
             raise ConfigError(f"{shown(text)} is not a time: a time relative to now is {why} "
                               f"(-15m, -1h30m, +2d, -90 for seconds)") from None
         ms = base + int(seconds * 1000) * (-1 if text[0] == "-" else 1)     # exact; below a ms: cut

@@ -9,7 +9,7 @@ from ..config import check_replay_id, default_replay_id
 from ..times import as_datetime, iso_ms
 from . import render, rows
 from .app import cli, confirm, json_option, pass_state, resumable, subscription_option, topic_argument
-from .params import Shards, Since, Time, format_option
+from .params import Int, Shards, Since, Time, format_option
 
 @cli.command()
 @topic_argument
@@ -208,7 +208,7 @@ def dlq():
 @dlq.command("list")
 @topic_argument
 @subscription_option
-@click.option("--limit", type=click.IntRange(1, Supervisor.DLQ_LIST_MAX), default=100, show_default=True)
+@click.option("--limit", type=Int(1, Supervisor.DLQ_LIST_MAX), default=100, show_default=True)
 @format_option
 @pass_state
 def dlq_list(state, topic, subscription, limit, as_json):

@@ -22,7 +22,7 @@ from .. import (Action, Consumer, ConsumerStalled, Envelope, FDQError, LeaseLost
 from ..engine import after_interrupt
 from . import render, rows
 from .app import Failure, check_interrupt, cli, json_option, one_line, pass_state, subscription_option, topic_argument
-from .params import Header, Seconds, Tag, envelope_callback, headers_callback
+from .params import Header, Int, Seconds, Tag, envelope_callback, headers_callback
 
 PUSH_BATCH = 500      # stdin lines per transaction at most (progress and errors count by them)
 TAIL_BATCH = 100
@@ -375,7 +375,7 @@ def _tail_error(e: BaseException):
 
 @cli.command()
 @topic_argument
-@click.option("--count", "-n", type=click.IntRange(min=1), default=None, metavar="N",
+@click.option("--count", "-n", type=Int(min=1), default=None, metavar="N",
               help="Stop after N messages [default: follow until Ctrl-C].")
 @click.option("--timeout", type=Seconds(), default=None, metavar="DURATION",
               help="Stop after this long without a message: 5 (seconds), 1m30s, 500ms.")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 
 import click
 
@@ -31,6 +32,31 @@ class Name(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
+# Digits an integer option may have (leading zeros aside): past any count FDQ stores
+# (2**63 - 1 has 19), short of a flood Python would spend time on (or refuse: 4,300).
+MAX_INT_DIGITS = 30
+_INT = re.compile(r"([+-]?)0*([0-9]+)")
+
+
+def _digit_flood(ptype: click.ParamType, value, param, ctx):
+    """Refuse an integer of more than ``MAX_INT_DIGITS`` digits, before Python converts it."""
+    if not isinstance(value, int):
+        m = _INT.fullmatch(str(value).strip())
+        if m and len(m[2]) > MAX_INT_DIGITS:
+            ptype.fail(f"{shown(str(value))} is not a valid integer: more than {MAX_INT_DIGITS} digits", param, ctx)
+
+
+class Int(click.IntRange):
+    """click's integer (within [``min``, ``max``] when given), of at most
+    ``MAX_INT_DIGITS`` digits (an option's callback applies its FDQ bound)."""
+
+    name = "integer"
+
+    def convert(self, value, param, ctx):
+        _digit_flood(self, value, param, ctx)
+        return super().convert(value, param, ctx)
+
+
 class Shards(click.ParamType):
     """A shard count, valid as ``TopicConfig.shards`` is."""
 
@@ -40,10 +66,11 @@ class Shards(click.ParamType):
         if isinstance(value, int) and not isinstance(value, bool):
             n = value
         else:
+            _digit_flood(self, value, param, ctx)
             try:
                 n = int(str(value).strip())
             except ValueError:
-                self.fail(f"{value!r} is not an integer", param, ctx)
+                self.fail(f"{shown(value)} is not an integer", param, ctx)
         try:
             TopicConfig(shards=n)
         except ConfigError as e:
@@ -313,10 +340,10 @@ def format_option(f):
             click.get_current_context().meta[FORMAT_KEY] = chosen
         return f(*args, as_json=chosen == "json", **kwargs)
     command = click.option("--json", "as_json", is_flag=True, help="Print JSON (stable keys): --format json.")(command)
-    return click.option("--format", "output_format", type=click.Choice(FORMATS), default=None,
-                        help="table (a terminal's default), plain (aligned text, nothing cut: the default "
-                             "off a terminal), tsv or json.")(command)
+    return click.option("--format", "output_format", type=click.Choice(FORMATS), default=None, metavar="FORMAT",
+                        help="table|plain|tsv|json [default: table on a terminal, else plain: aligned text, "
+                             "nothing cut].")(command)
 
-__all__ = ["CLEARED", "OrNone", "topic_config_callback", "envelope_callback", "subscription_config_callback", "Name", "Shards", "Seconds",
+__all__ = ["CLEARED", "OrNone", "topic_config_callback", "envelope_callback", "subscription_config_callback", "Name", "Int", "Shards", "Seconds",
            "SecondsList", "Time", "TimeOrNow", "Since", "Duration", "Address", "Header", "FilterHeader", "Tag",
            "headers_callback", "filter_headers_callback", "TOPIC", "SUBSCRIPTION", "FORMATS", "format_option"]

@@ -11,7 +11,7 @@ from ..config import ACK_POLICIES, DELIVER_POLICIES, UPDATABLE_SUBSCRIPTION_FIEL
 from ..times import as_datetime
 from . import render, rows
 from .app import cli, confirm, json_option, pass_state, resumable, topic_argument
-from .params import (SUBSCRIPTION, FilterHeader, Seconds, SecondsList, Time, TimeOrNow, filter_headers_callback,
+from .params import (SUBSCRIPTION, FilterHeader, Int, Seconds, SecondsList, Time, TimeOrNow, filter_headers_callback,
                      format_option, subscription_config_callback)
 
 class SubsGroup(click.Group):
@@ -48,14 +48,14 @@ SUBSCRIPTION_OPTIONS = {
         "--ack-wait-s", type=Seconds(), default=None, metavar="DURATION", callback=subscription_config_callback,
         help="Lease length of every consumer, e.g. 30s, 1m30s [default: each consumer's own]."),
     "max_deliver": click.option(
-        "--max-deliver", type=int, default=None, metavar="N", callback=subscription_config_callback,
+        "--max-deliver", type=Int(), default=None, metavar="N", callback=subscription_config_callback,
         help="Deliveries before the DLQ [default: each consumer's own]."),
     "backoff_s": click.option(
         "--backoff-s", type=SecondsList(), default=None, metavar="D1,D2,...", callback=subscription_config_callback,
         help="Redelivery delays by attempt, e.g. 1,5,30 or 1s,30s,5m (the last repeats; '' = at once) "
              "[default: each consumer's own]."),
     "max_ack_pending": click.option(
-        "--max-ack-pending", type=int, default=None, metavar="N", callback=subscription_config_callback,
+        "--max-ack-pending", type=Int(), default=None, metavar="N", callback=subscription_config_callback,
         help="At most N leased messages per shard [default: no limit]."),
     "deliver_policy": click.option(
         "--deliver-policy", type=click.Choice(DELIVER_POLICIES), default=None,

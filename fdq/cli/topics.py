@@ -7,7 +7,7 @@ import click
 from ..config import UPDATABLE_TOPIC_FIELDS, TopicConfig
 from . import render, rows
 from .app import cli, confirm, json_option, pass_state, topic_argument
-from .params import CLEARED, TOPIC, OrNone, Seconds, Shards, format_option, topic_config_callback
+from .params import CLEARED, TOPIC, Int, OrNone, Seconds, Shards, format_option, topic_config_callback
 
 TOPIC_COLUMNS = [
     ("topic", lambda r: r["name"]),
@@ -52,11 +52,11 @@ def _show_topic(state, name, as_json):
               help=f"Number of shards [default: {TopicConfig().shards}]; an existing topic with "
                    "another count is an error (use rebalance).")
 @click.option("--extend", is_flag=True, help="Extend support: headers and tag dispatch.")
-@click.option("--max-backlog", type=int, default=None, metavar="N", callback=topic_config_callback,
+@click.option("--max-backlog", type=Int(), default=None, metavar="N", callback=topic_config_callback,
               help="Refuse pushes beyond this backlog per subscription.")
 @click.option("--retention-s", type=Seconds(), default=None, metavar="DURATION", callback=topic_config_callback,
               help="Keep the \"all\" log this long, e.g. 7d (applied by fdq trim).")
-@click.option("--retention-bytes", type=int, default=None, metavar="N", callback=topic_config_callback,
+@click.option("--retention-bytes", type=Int(), default=None, metavar="N", callback=topic_config_callback,
               help="Keep at most this many bytes of the \"all\" log, the newest (applied by fdq trim).")
 @click.option("--dedupe-window-s", type=Seconds(), default=None, metavar="DURATION", callback=topic_config_callback,
               help=f"Remember msg-ids this long, e.g. 10m [default: {TopicConfig().dedupe_window_s:g}s].")
@@ -118,15 +118,15 @@ class TopicUpdateCommand(click.Command):
 
 @topics.command("update", cls=TopicUpdateCommand)
 @click.argument("name", type=TOPIC)
-@click.option("--max-backlog", type=OrNone(click.INT), default=None, metavar="N|none",
+@click.option("--max-backlog", type=OrNone(Int()), default=None, metavar="N|none",
               callback=topic_config_callback, help="Refuse pushes beyond this backlog per subscription.")
 @click.option("--dedupe-window-s", type=Seconds(), default=None, metavar="DURATION", callback=topic_config_callback,
               help="Remember msg-ids this long, e.g. 10m.")
 @click.option("--retention-s", type=OrNone(Seconds()), default=None, metavar="DURATION|none",
               callback=topic_config_callback, help="Keep the \"all\" log this long, e.g. 7d.")
-@click.option("--retention-bytes", type=OrNone(click.INT), default=None, metavar="N|none",
+@click.option("--retention-bytes", type=OrNone(Int()), default=None, metavar="N|none",
               callback=topic_config_callback, help="Keep at most this many bytes of the \"all\" log.")
-@click.option("--max-message-bytes", type=int, default=None, metavar="N", callback=topic_config_callback,
+@click.option("--max-message-bytes", type=Int(), default=None, metavar="N", callback=topic_config_callback,
               help="The largest body a push accepts.")
 @json_option
 @pass_state

@@ -247,3 +247,22 @@ def test_push_eof_reads_a_pipe_to_its_end(url, db):
 def test_push_takes_one_source(run, tmp_path, argv):
     (tmp_path / "f").write_bytes(b"x")
     run.usage_error([str(tmp_path / "f") if a == "F" else a for a in argv], "give one of DATA, --file F and --eof")
+
+
+FLOOD = "9" * 5000
+
+
+@pytest.mark.parametrize("argv", [
+    ["topics", "create", "t", "--max-backlog", FLOOD], ["topics", "create", "t", "--shards", FLOOD],
+    ["topics", "update", "orders", "--retention-bytes", FLOOD], ["tail", "orders", "--count", FLOOD],
+    ["dlq", "list", "orders", "--limit", "0" * 5000 + "1" + FLOOD], ["subs", "create", "orders", "s", "--max-deliver", FLOOD],
+    ["topics", "create", "t", "--retention-s", FLOOD + "s"], ["push", "orders", "x", "--delay", "0." + FLOOD],
+    ["replay", "orders", "--start", "-" + FLOOD + "ms"], ["replay", "orders", "--start", FLOOD],
+])
+def test_a_digit_flood_is_refused_in_one_short_line(run, argv):
+    """Integers, durations and times have bounded digit counts: 5,000 digits are refused
+    at once, the message quoting the value shortened."""
+    r = run.usage_error(argv, "Invalid value for")
+    line = next(line for line in r.stderr.splitlines() if line.startswith("Error: "))
+    assert len(line) < 300 and ("more than 30 digits" in line or "32 characters" in line
+                                or "out of range" in line), line
