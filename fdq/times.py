@@ -191,4 +191,5 @@ def parse_time(value, *, now: int | None = None) -> int:
     return ms
 
 
-__all__ = ["to_ms", "parse_time", "parse_duration", "now_ms", "MAX_DURATION_CHARS", "iso_ms", "as_datetime", "EPOCH", "MAX_TIME_MS", "MAX_API_MS", "MIN_BARE_MS"]
+__all__ = ["to_ms", "parse_time", "parse_duration", "now_ms", "MAX_DURATION_CHARS", "iso_ms", "as_datetime", "EPOCH",
+           "MAX_TIME_MS", "MAX_API_MS", "MIN_BARE_MS"]
