@@ -6,31 +6,20 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import sys
 
+from .. import times
 from ..errors import ConfigError, FDQError
 from . import protocol as p
 from .server import BrokerOptions, run
 
-_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
-
-
 def parse_duration(text: str) -> float:
-    """Seconds of a Go duration (``60s``, ``1m30s``, ``500ms``) or a plain number of seconds."""
-    text = text.strip()
+    """Seconds of a duration as every FDQ option reads it (``fdq.times.parse_duration``:
+    nsqd's Go durations ``60s``, ``1m30s``, ``500ms``, also ``2d``, or plain seconds)."""
     try:
-        return float(text)
-    except ValueError:
-        pass
-    pos, total = 0, 0.0
-    while m := _PART.match(text, pos):     # (finditer searched on from every digit: quadratic)
-        total += float(m.group(1)) * _UNITS[m.group(2)]
-        pos = m.end()
-    if pos != len(text) or not text:
-        raise argparse.ArgumentTypeError(f"invalid duration {text!r} (use e.g. 60s, 1m30s, 500ms)")
-    return total
+        return times.parse_duration(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_options(args) -> BrokerOptions:

@@ -9,7 +9,7 @@ from ..config import check_replay_id, default_replay_id
 from ..times import as_datetime, iso_ms
 from . import render, rows
 from .app import cli, confirm, json_option, pass_state, resumable, subscription_option, topic_argument
-from .params import Duration, Shards, Time
+from .params import Duration, Int, Shards, Since, Time, format_option
 
 @cli.command()
 @topic_argument
@@ -81,8 +81,12 @@ def _count(n: int, noun: str) -> str:
 
 @cli.command()
 @topic_argument
-@click.option("--start", type=Time(), required=True, help="From (ISO-8601, <n>s or <n>ms), inclusive.")
-@click.option("--end", type=Time(), default=None, help="To (ISO-8601, <n>s or <n>ms), exclusive [default: now].")
+@click.option("--start", type=Time(), default=None,
+              help="From (ISO-8601, <n>s, <n>ms, or before now: -15m), inclusive.")
+@click.option("--since", type=Since(), default=None, metavar="DURATION",
+              help="From this long ago: --since 1h is --start -1h.")
+@click.option("--end", type=Time(), default=None,
+              help="To (ISO-8601, <n>s, <n>ms, now, -5m), exclusive [default: now].")
 @click.option("--id", "replay_id", default=None, metavar="ID",
               help="Name this replay [default: its window, <start_ms>:<end_ms> or <start_ms>:open].")
 @click.option("--again", is_flag=True, help="Replay again a replay (this --id, or window) that finished before.")
@@ -92,7 +96,7 @@ def _count(n: int, noun: str) -> str:
               help="Change nothing: show how many would be replayed, and to which subscriptions.")
 @json_option
 @pass_state
-def replay(state, topic, start, end, replay_id, again, include_replays, dry_run, as_json):
+def replay(state, topic, start, since, end, replay_id, again, include_replays, dry_run, as_json):
     """Deliver again TOPIC's messages inserted in [--start, --end).
 
     In order, as new messages (new ids; each keeps the original's id in
@@ -104,7 +108,11 @@ def replay(state, topic, start, end, replay_id, again, include_replays, dry_run,
 
     Times: ISO-8601 (2026-11-23T02:00:00Z; no zone = UTC), epoch seconds with
     s (1795399200s) or epoch milliseconds with ms or bare (1795399200000). A
-    bare number that looks like seconds (below 100000000000) is refused."""
+    bare number that looks like seconds (below 100000000000) is refused;
+    now, or a duration before or after now (-15m, +1h)."""
+    if (start is None) == (since is None):
+        raise click.UsageError("give the window's start: --start TIME or --since DURATION (one of them)")
+    start = since if start is None else start
     if end is not None and end <= start:
         raise click.BadParameter(f"--end ({iso_ms(end)}) must be after --start ({iso_ms(start)})",
                                 param_hint="'--end'")
@@ -170,7 +178,7 @@ def _replay_dry_run(plan: dict, topic: str, as_json: bool):
 @cli.command()
 @topic_argument
 @click.option("--before", type=Time(), default=None,
-              help="Delete log entries inserted before this time (ISO-8601, <n>s or <n>ms) [default: the topic's retention_s]; "
+              help="Delete log entries inserted before this time (ISO-8601, <n>s, <n>ms, -7d) [default: the topic's retention_s]; "
                    "its retention_bytes applies either way.")
 @json_option
 @pass_state
@@ -198,12 +206,12 @@ def trim(state, topic, before, as_json):
 
 DLQ_COLUMNS = [
     ("id", lambda d: d["id"]),
-    ("reason", lambda d: d["reason"] if len(d["reason"]) <= 60 else d["reason"][:57] + "..."),
+    ("reason", lambda d: d["reason"]),
     ("attempts", lambda d: d["attempts"]),
     ("key", lambda d: d["shard_key"]),
     ("inserted", lambda d: render.time_ms(d["insertion_time_ms"])),
     ("consumer", lambda d: d["consumer"]),
-    ("body", lambda d: d["body"] if len(d["body"]) <= 60 else d["body"][:57] + "..."),
+    ("body", lambda d: d["body"]),
 ]
 
 
@@ -215,8 +223,8 @@ def dlq():
 @dlq.command("list")
 @topic_argument
 @subscription_option
-@click.option("--limit", type=click.IntRange(1, Supervisor.DLQ_LIST_MAX), default=100, show_default=True)
-@json_option
+@click.option("--limit", type=Int(1, Supervisor.DLQ_LIST_MAX), default=100, show_default=True)
+@format_option
 @pass_state
 def dlq_list(state, topic, subscription, limit, as_json):
     """List dead letters, oldest first, with the reason each was dead-lettered."""

@@ -7,6 +7,7 @@ from .. import ConfigError, Supervisor
 from ..times import as_datetime
 from . import render, rows
 from .app import cli, json_option, pass_state, subscription_option, topic_argument
+from .params import format_option
 from .params import Time
 
 
@@ -49,8 +50,8 @@ PEEK_COLUMNS = [
 @click.option("--state", "states", type=click.Choice(Supervisor.PEEK_STATES), multiple=True,
               help="Only messages in this state (repeat for several) [default: every state].")
 @click.option("--from", "from_time", type=Time(), default=None,
-              help="Only messages inserted at this time or later (ISO-8601, <n>s or <n>ms).")
-@json_option
+              help="Only messages inserted at this time or later (now, -15m, ISO-8601, <n>s or <n>ms).")
+@format_option
 @pass_state
 def peek(state, topic, subscription, limit, states, from_time, as_json):
     """Show a subscription's messages without consuming them.

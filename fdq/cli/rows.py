@@ -238,5 +238,28 @@ def get_row(info: dict) -> dict:
     }
 
 
-__all__ = ["TOPIC_SETTINGS", "topic_row", "topic_detail", "topic_rows", "stats_row", "consumer_rows", "message_row",
-           "push_row", "dlq_row", "body_fields", "subscription_row", "subscription_rows", "peek_row", "get_row"]
+# -- column metadata (how render.table shows them) ---------------------------------------
+
+# Which columns a table on a narrow terminal keeps, by header: the highest number goes
+# first (then the rightmost of equals); unlisted headers are 1; a table's first column
+# always stays. 0: what a row is about and its main counts.
+COLUMN_PRIORITY = {
+    # identity and what is queued
+    "topic": 0, "subscription": 0, "consumer": 0, "id": 0, "field": 0, "value": 0, "backlog": 0,
+    "messages": 0, "reason": 0,
+    # state and counts
+    "shards": 1, "state": 1, "in flight": 1, "dlq": 1, "lag": 1, "heartbeat age": 1, "attempts": 1,
+    "inserted": 1, "deliver": 1, "tag": 1, "body": 1, "consumers": 2,
+    # detail
+    "paused": 2, "pending": 2, "delayed": 2, "catching up": 2, "host": 2, "key": 2, "subscriptions": 2,
+    "extend": 3, "mode": 3, "pid": 3, "filtered": 3, "unowned shards": 3, "ack": 3, "ephemeral": 3,
+}
+
+# Columns of free text (a body, a reason, a list of names): in a table they shrink to
+# the room left, ellipsized ("..."); plain and tsv show them whole.
+FREE_TEXT_COLUMNS = frozenset({"subscriptions", "reason", "body", "value", "description"})
+
+
+__all__ = ["COLUMN_PRIORITY", "FREE_TEXT_COLUMNS", "TOPIC_SETTINGS", "topic_row", "topic_detail", "topic_rows",
+           "stats_row", "consumer_rows", "message_row", "push_row", "dlq_row", "body_fields", "subscription_row",
+           "subscription_rows", "peek_row", "get_row"]

@@ -9,7 +9,7 @@ import click
 from ..config import UPDATABLE_TOPIC_FIELDS, TopicConfig
 from . import admin, render, rows
 from .app import cli, confirm, json_option, pass_state, topic_argument
-from .params import CLEARED, TOPIC, Duration, OrNone, Seconds, Shards, topic_config_callback
+from .params import CLEARED, TOPIC, Duration, Int, OrNone, Seconds, Shards, format_option, topic_config_callback
 
 TOPIC_COLUMNS = [
     ("topic", lambda r: r["name"]),
@@ -25,7 +25,7 @@ TOPIC_COLUMNS = [
 
 
 @cli.group(invoke_without_command=True)
-@json_option
+@format_option
 @pass_state
 @click.pass_context
 def topics(ctx, state, as_json):
@@ -51,7 +51,7 @@ SETTING_COLUMNS = [("setting", lambda kv: kv[0]), ("value", lambda kv: _value(kv
 
 @topics.command("show")
 @click.argument("name", type=TOPIC)
-@json_option
+@format_option
 @pass_state
 def topics_show(state, name, as_json):
     """Show topic NAME's settings and its subscriptions' settings.
@@ -87,14 +87,14 @@ def _show_topic(state, name, as_json):
               help=f"Number of shards [default: {TopicConfig().shards}]; an existing topic with "
                    "another count is an error (use rebalance).")
 @click.option("--extend", is_flag=True, help="Extend support: headers and tag dispatch.")
-@click.option("--max-backlog", type=int, default=None, metavar="N", callback=topic_config_callback,
+@click.option("--max-backlog", type=Int(), default=None, metavar="N", callback=topic_config_callback,
               help="Refuse pushes beyond this backlog per subscription.")
-@click.option("--retention-s", type=Seconds(), default=None, metavar="S", callback=topic_config_callback,
-              help="Keep the \"all\" log this many seconds (applied by fdq trim).")
-@click.option("--retention-bytes", type=int, default=None, metavar="N", callback=topic_config_callback,
+@click.option("--retention-s", type=Seconds(), default=None, metavar="DURATION", callback=topic_config_callback,
+              help="Keep the \"all\" log this long, e.g. 7d (applied by fdq trim).")
+@click.option("--retention-bytes", type=Int(), default=None, metavar="N", callback=topic_config_callback,
               help="Keep at most this many bytes of the \"all\" log, the newest (applied by fdq trim).")
-@click.option("--dedupe-window-s", type=Seconds(), default=None, metavar="S", callback=topic_config_callback,
-              help=f"Remember msg-ids this long [default: {TopicConfig().dedupe_window_s:g}].")
+@click.option("--dedupe-window-s", type=Seconds(), default=None, metavar="DURATION", callback=topic_config_callback,
+              help=f"Remember msg-ids this long, e.g. 10m [default: {TopicConfig().dedupe_window_s:g}s].")
 @json_option
 @pass_state
 def topics_create(state, name, shards, extend, max_backlog, retention_s, retention_bytes, dedupe_window_s,
@@ -153,15 +153,15 @@ class TopicUpdateCommand(click.Command):
 
 @topics.command("update", cls=TopicUpdateCommand)
 @click.argument("name", type=TOPIC)
-@click.option("--max-backlog", type=OrNone(click.INT), default=None, metavar="N|none",
+@click.option("--max-backlog", type=OrNone(Int()), default=None, metavar="N|none",
               callback=topic_config_callback, help="Refuse pushes beyond this backlog per subscription.")
-@click.option("--dedupe-window-s", type=Seconds(), default=None, metavar="S", callback=topic_config_callback,
-              help="Remember msg-ids this long.")
-@click.option("--retention-s", type=OrNone(Seconds()), default=None, metavar="S|none",
-              callback=topic_config_callback, help="Keep the \"all\" log this many seconds.")
-@click.option("--retention-bytes", type=OrNone(click.INT), default=None, metavar="N|none",
+@click.option("--dedupe-window-s", type=Seconds(), default=None, metavar="DURATION", callback=topic_config_callback,
+              help="Remember msg-ids this long, e.g. 10m.")
+@click.option("--retention-s", type=OrNone(Seconds()), default=None, metavar="DURATION|none",
+              callback=topic_config_callback, help="Keep the \"all\" log this long, e.g. 7d.")
+@click.option("--retention-bytes", type=OrNone(Int()), default=None, metavar="N|none",
               callback=topic_config_callback, help="Keep at most this many bytes of the \"all\" log.")
-@click.option("--max-message-bytes", type=int, default=None, metavar="N", callback=topic_config_callback,
+@click.option("--max-message-bytes", type=Int(), default=None, metavar="N", callback=topic_config_callback,
               help="The largest body a push accepts.")
 @json_option
 @pass_state
@@ -229,7 +229,7 @@ CONSUMER_COLUMNS = [
 
 @cli.command()
 @topic_argument
-@json_option
+@format_option
 @pass_state
 def stats(state, topic, as_json):
     """Show TOPIC's counters, backlog, consumers and lag.
@@ -286,7 +286,7 @@ def stats(state, topic, as_json):
 @click.argument("action", required=False, type=click.Choice(["reap"]))
 @click.option("--zombie-after", type=Duration(), default=None, metavar="DURATION",
               help="reap: declare a zombie a consumer whose heartbeat stands still this long [default: 3s].")
-@json_option
+@format_option
 @pass_state
 def consumers(state, topic, action, zombie_after, as_json):
     """List TOPIC's consumers, their shards, heartbeat age; or reap zombies.

@@ -46,10 +46,10 @@ def test_topics_update_bad_values_exit_2_and_unknown_topic_exit_1(run, sup, stat
     run("topics", "create", "orders")
     before = state()
     for argv, text in [(["--retention-bytes", 0], "retention_bytes must be an integer > 0, not 0"),
-                       (["--retention-s", "-1"], "seconds must be a finite number >= 0"),
+                       (["--retention-s", "-1"], "'-1': a duration must be >= 0"),
                        (["--max-backlog", "lots"], "'lots' is not a valid integer"),
                        (["--max-message-bytes", 9 << 20], "max_message_bytes must be at most 8 MiB"),
-                       (["--dedupe-window-s", "none"], "'none' is not a number of seconds"),
+                       (["--dedupe-window-s", "none"], "'none' is not a duration"),
                        ([], "nothing to update")]:
         r = run("topics", "update", "orders", *argv, code=2)
         assert text in r.stderr, r.stderr

@@ -176,10 +176,10 @@ def test_delete(run, state, sup, orders):
 
 USAGE_ERRORS = [  # (argv, text the one "Error:" line must contain)
     (["subs", "create", "orders", "s", "--ack-wait-s", "0"], "ack_wait_s must be a number > 0, not 0.0"),
-    (["subs", "create", "orders", "s", "--ack-wait-s", "-1"], "seconds must be a finite number >= 0"),
+    (["subs", "create", "orders", "s", "--ack-wait-s", "-1"], "'-1': a duration must be >= 0"),
     (["subs", "create", "orders", "s", "--max-deliver", "0"], "max_deliver must be an integer > 0, not 0"),
     (["subs", "create", "orders", "s", "--max-deliver", "x"], "'x' is not a valid integer"),
-    (["subs", "create", "orders", "s", "--backoff-s", "1,x"], "'x' is not a number of seconds"),
+    (["subs", "create", "orders", "s", "--backoff-s", "1,x"], "'x' is not a duration"),
     (["subs", "create", "orders", "s", "--max-ack-pending", "0"], "max_ack_pending must be an integer > 0"),
     (["subs", "create", "orders", "s", "--ack-policy", "maybe"], "'maybe' is not one of 'explicit', 'none'"),
     (["subs", "create", "orders", "s", "--deliver-policy", "old"], "'old' is not one of"),
