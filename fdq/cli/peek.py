@@ -7,8 +7,7 @@ from .. import ConfigError, Supervisor
 from ..times import as_datetime
 from . import render, rows
 from .app import cli, json_option, pass_state, subscription_option, topic_argument
-from .params import format_option
-from .params import Time
+from .params import Time, format_option
 
 
 def _short(text, n: int = 40):
