@@ -11,7 +11,8 @@ Read options (strings, as Spark passes them): ``url`` and ``topic`` (required), 
 / ``end`` (epoch ms or ISO-8601, naive = UTC; the window is ``[start, end)``),
 ``numPartitions``, ``batchSize`` (at most this many entries per read transaction, and
 ~8 MB of them), ``batchFormat``
-(``arrow``, the default and faster, or ``tuples``). Streaming adds
+(``arrow``, the default and faster, or ``tuples``), ``filterPushdown`` (``true``:
+``FDQPushdownReader``). Streaming adds
 ``startingPosition`` (``earliest``, ``latest`` or a time) and ``maxRecordsPerTrigger``.
 Write options: ``url``, ``topic``, ``batchSize`` (messages per push transaction),
 ``writeId`` (see :class:`FDQWriter`), ``idempotent`` (refused on a topic with
@@ -73,13 +74,13 @@ SCHEMA = StructType([
     StructField("replay_of", StringType()),   # the original id of a replayed message
 ])
 
-READ_OPTIONS = {"url", "topic", "start", "end", "numpartitions", "batchsize", "batchformat"}
+READ_OPTIONS = {"url", "topic", "start", "end", "numpartitions", "batchsize", "batchformat", "filterpushdown"}
 STREAM_OPTIONS = {"url", "topic", "numpartitions", "batchsize", "batchformat",
                   "startingposition", "maxrecordspertrigger"}
 WRITE_OPTIONS = {"url", "topic", "batchsize", "writeid", "idempotent", "autocreate"}
 _CANONICAL = {o.lower(): o for o in ("url", "topic", "start", "end", "numPartitions", "batchSize",
                                      "batchFormat", "startingPosition", "maxRecordsPerTrigger",
-                                     "writeId", "idempotent", "autoCreate")}
+                                     "writeId", "idempotent", "autoCreate", "filterPushdown")}
 SPLIT_CHUNK_MAX = (1 << 31) - 1  # get_range_split_points' chunk size: a C int in FDB's binding
 
 
@@ -151,6 +152,7 @@ def read_options(options) -> dict:
     o["start_ms"] = parse_time(_get(options, "start"), "start")
     o["end_ms"] = parse_time(_get(options, "end"), "end")
     o["num_partitions"] = _int(options, "numPartitions", None)
+    o["filter_pushdown"] = _bool(options, "filterPushdown", False)
     return o
 
 
@@ -446,40 +448,6 @@ class FDQReader(DataSourceReader):
         self.end_us = None if o["end_ms"] is None else o["end_ms"] * 1000   # exclusive
         self.shard_keys = None
 
-    def pushFilters(self, filters):
-        """insertion_time comparisons narrow the window (and the scanned key range);
-        shard_key = / IN are applied before rows are built. Both exactly: Spark does not
-        re-check them."""
-        for f in filters:
-            col = getattr(f, "attribute", None)   # Not(...) has none: Spark applies it
-            if col == ("insertion_time",) and isinstance(f, (EqualTo, GreaterThan, GreaterThanOrEqual,
-                                                              LessThan, LessThanOrEqual)):
-                us = _us(f.value)
-                if us is None:
-                    yield f
-                    continue
-                lo = hi = None   # [lo, hi) in µs
-                if isinstance(f, EqualTo):
-                    lo, hi = us, us + 1
-                elif isinstance(f, GreaterThan):
-                    lo = us + 1
-                elif isinstance(f, GreaterThanOrEqual):
-                    lo = us
-                elif isinstance(f, LessThan):
-                    hi = us
-                else:
-                    hi = us + 1
-                if lo is not None:
-                    self.start_us = lo if self.start_us is None else max(self.start_us, lo)
-                if hi is not None:
-                    self.end_us = hi if self.end_us is None else min(self.end_us, hi)
-            elif col == ("shard_key",) and isinstance(f, (EqualTo, In)):
-                keys = {f.value} if isinstance(f, EqualTo) else set(f.value)
-                keys = {k for k in keys if isinstance(k, str)}
-                self.shard_keys = keys if self.shard_keys is None else self.shard_keys & keys
-            else:
-                yield f
-
     def _window_ms(self):
         # Messages carry ms: t_ms*1000 >= start_us  <=>  t_ms >= ceil(start_us / 1000).
         start = None if self.start_us is None else -(-self.start_us // 1000)
@@ -512,6 +480,51 @@ def _decode_offset(offset) -> dict:
 
 def _encode_offset(cursors: dict) -> dict:
     return {"positions": {str(b): cursors[b].hex() for b in sorted(cursors) if cursors[b] is not None}}
+
+
+
+class FDQPushdownReader(FDQReader):
+    """``FDQReader`` with the filter pushdown (option ``filterPushdown=true``; Spark's
+    ``spark.sql.python.filterPushdown.enabled``, which ``register`` sets, must be on).
+    Not the default: Spark 4.3 keeps the reader a filtered query planned for the same
+    DataFrame's later queries that have no filter (``df.filter(...).count()`` then
+    ``df.count()`` counted the filtered rows)."""
+
+    def pushFilters(self, filters):
+        """insertion_time comparisons narrow the window (and the scanned key range);
+        shard_key = / IN are applied before rows are built. Both exactly: Spark does not
+        re-check them. Each call starts from the options alone (a DataFrame's next
+        filtered query is pushed into the reader of its last one)."""
+        FDQReader.__init__(self, self.o)
+        for f in filters:
+            col = getattr(f, "attribute", None)   # Not(...) has none: Spark applies it
+            if col == ("insertion_time",) and isinstance(f, (EqualTo, GreaterThan, GreaterThanOrEqual,
+                                                              LessThan, LessThanOrEqual)):
+                us = _us(f.value)
+                if us is None:
+                    yield f
+                    continue
+                lo = hi = None   # [lo, hi) in µs
+                if isinstance(f, EqualTo):
+                    lo, hi = us, us + 1
+                elif isinstance(f, GreaterThan):
+                    lo = us + 1
+                elif isinstance(f, GreaterThanOrEqual):
+                    lo = us
+                elif isinstance(f, LessThan):
+                    hi = us
+                else:
+                    hi = us + 1
+                if lo is not None:
+                    self.start_us = lo if self.start_us is None else max(self.start_us, lo)
+                if hi is not None:
+                    self.end_us = hi if self.end_us is None else min(self.end_us, hi)
+            elif col == ("shard_key",) and isinstance(f, (EqualTo, In)):
+                keys = {f.value} if isinstance(f, EqualTo) else set(f.value)
+                keys = {k for k in keys if isinstance(k, str)}
+                self.shard_keys = keys if self.shard_keys is None else self.shard_keys & keys
+            else:
+                yield f
 
 
 class FDQStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -721,7 +734,7 @@ class FDQDataSource(DataSource):
         _check_read_schema(schema)
         o = read_options(self.options)
         _open_topic(o)
-        return FDQReader(o)
+        return FDQPushdownReader(o) if o["filter_pushdown"] else FDQReader(o)
 
     def streamReader(self, schema):
         _check_read_schema(schema)
@@ -767,5 +780,5 @@ def register(spark) -> None:
     spark.dataSource.register(FDQDataSource)
 
 
-__all__ = ["register", "FDQDataSource", "FDQReader", "FDQStreamReader", "FDQWriter",
+__all__ = ["register", "FDQDataSource", "FDQReader", "FDQPushdownReader", "FDQStreamReader", "FDQWriter",
            "SparkOptionError", "SCHEMA", "parse_time", "plan_ranges"]
