@@ -88,7 +88,8 @@ class _Batch:
     def __init__(self, ks: Keyspace, now_ms: int, time_index: dict):
         self.ks, self.now_ms, self.time_index = ks, now_ms, time_index
         self.minute = now_ms // 60000 * 60000
-        self.rv = self.clock = self.due_base = None     # read once per transaction, when needed
+        self.rv = None
+        self.clock, self.due_base = {}, {}  # topic -> its clock's reading, due base: read once, when needed
         self.batch_ids = {}
         self.counters = defaultdict(int)
         self.tags = set()     # each tag's key once per transaction
@@ -238,13 +239,15 @@ def _push_full(tr, b: _Batch, plan, topic: str, env, uv: int, n: int) -> tuple:
         headers = dict(env.headers) if env.headers else None
     due = None
     if env.delay:
-        if b.due_base is None:
-            b.due_base = due_base(tr, ts.clock_key, ts.clock_version_key)
-        due = b.due_base + int(env.delay * 1000)
+        base = b.due_base.get(topic)
+        if base is None:
+            base = b.due_base[topic] = due_base(tr, ts.clock_key, ts.clock_version_key)
+        due = base + int(env.delay * 1000)
     elif due_at is not None:
-        if b.clock is None:
-            b.clock = read_clock(tr, ts.clock_key)
-        due = due_at if due_at > b.clock else None     # (a replayed message already due: ready at once)
+        clock = b.clock.get(topic)
+        if clock is None:
+            clock = b.clock[topic] = read_clock(tr, ts.clock_key)
+        due = due_at if due_at > clock else None     # (a replayed message already due: ready at once)
     inline, chunks = split_body(env.body)
     key = env.shard_key
     home = n if key is None else None

@@ -276,3 +276,25 @@ def test_a_cancelled_push_async_future_does_not_strand_the_other_pushes_of_its_c
     t.join(30)
     assert result and result[0].id, "push() never returned"
     assert fdq.Supervisor(db).stats("t")["counters"]["inserted"] == 2
+
+
+def test_delayed_pushes_to_two_topics_in_one_commit_are_due_by_their_own_topics_clocks(db, sup):
+    """A commit of several callers' pushes spans topics; each has its own clock. The
+    transaction read the first delayed push's topic's clock and counted every other
+    topic's due times from it (here, 1,000 s late)."""
+    from fdq.ops.clock import advance_clock
+    sup.create_topic("a", shards=1)
+    sup.create_topic("b", shards=1)
+    ks = Keyspace()
+    advance_clock(db, ks.topic("a").clock_key, 1_000_000)        # a's consumers ran 1,000 s
+    p = fdq.Producer(db, config=fdq.ProducerConfig(linger_ms=200))
+    for _ in range(20):         # until both land in one commit (the group commit decides)
+        fa, fb = p.push_async("a", b"x", delay=5), p.push_async("b", b"y", delay=5)
+        ra, rb = fa.result(30), fb.result(30)
+        if parse_message_id(ra.id).tr_version == parse_message_id(rb.id).tr_version:
+            break
+    else:
+        raise AssertionError("the two pushes never shared a commit")
+    [da] = [m for m in sup.peek("a", states=["delayed"]) if m["id"] == ra.id]
+    [db_] = [m for m in sup.peek("b", states=["delayed"]) if m["id"] == rb.id]
+    assert 4 <= da["due_in_s"] <= 6 and 4 <= db_["due_in_s"] <= 6, (da["due_in_s"], db_["due_in_s"])
