@@ -61,9 +61,9 @@ With ``process_metrics=True`` (the default) the collector also registers a hook
 ``fdq_handler_duration_seconds{topic,subscription,outcome}``   histogram  one per ``fdq.tail``/``fdq.aio.tail``
                                                                           handler call (exactly-once: per attempt)
 ``fdq_handled_messages_total{topic,subscription,outcome}``     counter    handler calls: ``ack``, ``nak``,
-                                                                          ``term``, ``release``, ``ok`` (nothing
-                                                                          to settle: at most once, exactly once),
-                                                                          ``error`` (it raised)
+                                                                          ``term``, ``ok`` (nothing to settle: at
+                                                                          most once, exactly once), ``error`` (it
+                                                                          raised)
 =============================================================  =========  ==========================================
 
 ``process_metrics=False`` leaves them out (and registers no hook: a push then costs what
@@ -273,7 +273,7 @@ class ProcessMetrics(hooks.Hook):
             ["topic", "subscription", "outcome"], buckets=HANDLER_BUCKETS, registry=None)
         self.handled = Counter(
             "fdq_handled_messages", "Handler calls of this process's tails, by outcome "
-            "(ack, nak, term, release, ok: nothing to settle, error: it raised)",
+            "(ack, nak, term, ok: nothing to settle, error: it raised)",
             ["topic", "subscription", "outcome"], registry=None)
         self._push = {}         # topic: its histogram's child
         self._pushed = {}       # (topic, outcome): counter child
