@@ -445,3 +445,12 @@ def test_closing_the_collector_unregisters_its_hook(db, registry):
     fdq.Producer(db).push("t", b"x")
     assert value(scrape(registry), "fdq_pushed_messages_total", topic="t", outcome="ok") is None    # unregistered
     assert [s for family in collector.process.collect() for s in family.samples] == []              # not counted
+
+
+def test_a_collector_the_registry_refuses_leaves_no_hook(db, registry):
+    first = fdq.metrics.register(db, registry)
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        fdq.metrics.register(db, registry)              # the same families twice in one registry
+    assert [h for h in fdq.hooks.registered() if isinstance(h, fdq.metrics.ProcessMetrics)] == [first.process]
+    fdq.Producer(db).push("t", b"x")
+    assert value(scrape(registry), "fdq_pushed_messages_total", topic="t", outcome="ok") == 1     # counted once
