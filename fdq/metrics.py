@@ -46,6 +46,28 @@ clocks, e.g. when it is killed); with ``False``, never. Every process exports
 ``fdq_scrape_duration_seconds`` (its last read of the database) and
 ``fdq_scrape_errors_total`` (reads that failed: the scrape then has no database
 families, rather than failing).
+
+With ``process_metrics=True`` (the default) the collector also registers a hook
+(:mod:`fdq.hooks`) timing every push and handler call of this process (any database):
+
+=============================================================  =========  ==========================================
+``fdq_push_duration_seconds{topic}``                           histogram  one per ``push``, ``push_async`` or
+                                                                          ``push_many`` call and ``push_stream``
+                                                                          transaction: its start to its commit
+``fdq_pushed_messages_total{topic,outcome}``                   counter    messages: ``ok``, ``duplicate`` (its
+                                                                          ``msg_id`` seen in the dedupe window),
+                                                                          ``error``, ``cancelled`` (a
+                                                                          ``push_async`` future: maybe stored)
+``fdq_handler_duration_seconds{topic,subscription,outcome}``   histogram  one per ``fdq.tail``/``fdq.aio.tail``
+                                                                          handler call (exactly-once: per attempt)
+``fdq_handled_messages_total{topic,subscription,outcome}``     counter    handler calls: ``ack``, ``nak``,
+                                                                          ``term``, ``ok`` (nothing to settle: at
+                                                                          most once, exactly once), ``error`` (it
+                                                                          raised)
+=============================================================  =========  ==========================================
+
+``process_metrics=False`` leaves them out (and registers no hook: a push then costs what
+it costs without ``fdq.metrics``). ``close()`` unregisters the hook.
 """
 from __future__ import annotations
 
@@ -55,13 +77,14 @@ import socket
 import threading
 import time
 
+from . import hooks
 from .errors import ConfigError, TopicNotFound
 from .keyspace import Keyspace
 from .ops.leaders import Watch, beat_leader, read_leader, release_leader, take_leader
 from .supervisor import Supervisor
 
 try:
-    from prometheus_client import REGISTRY
+    from prometheus_client import REGISTRY, Counter, Histogram
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     from prometheus_client.registry import Collector
 except ImportError as e:        # the optional extra is not installed
@@ -72,6 +95,10 @@ log = logging.getLogger("fdq.metrics")
 ROLE = "metrics"                # the leadership's name in the database (meta/leaders/metrics)
 LEADER_TIMEOUT_S = 10.0         # a leader's beat standing still this long: another takes over
 CACHE_S = 5.0
+# seconds: a push commits in ~1 ms (embedded engine) to ~10 ms (FoundationDB); handlers vary more
+PUSH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+HANDLER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                   30.0, 60.0)
 
 
 class FDQCollector(Collector):
@@ -80,7 +107,7 @@ class FDQCollector(Collector):
 
     def __init__(self, db, *, topics=None, database_metrics=True, consumer_labels: bool = True,
                  cache_s: float = CACHE_S, leader_timeout_s: float = LEADER_TIMEOUT_S,
-                 keyspace: Keyspace | None = None):
+                 keyspace: Keyspace | None = None, process_metrics: bool = True):
         if not (isinstance(database_metrics, bool) or database_metrics == "leader"):
             raise ConfigError(f"database_metrics must be True, False or 'leader', not {database_metrics!r}")
         if not leader_timeout_s > 0:
@@ -104,6 +131,9 @@ class FDQCollector(Collector):
         self._watch = Watch(leader_timeout_s)
         self._stop = threading.Event()
         self._thread = None
+        self.process = ProcessMetrics() if process_metrics else None
+        if self.process is not None:
+            hooks.register(self.process)
         if database_metrics == "leader":
             self._thread = threading.Thread(target=self._lead, name="fdq-metrics-leader", daemon=True)
             self._thread.start()
@@ -147,8 +177,10 @@ class FDQCollector(Collector):
 
     def close(self):
         """Stop: no more beats, the leadership released (if held), unregistered from the
-        registry ``register`` put it in."""
+        registry ``register`` put it in, the process metrics' hook unregistered."""
         self._stop.set()
+        if self.process is not None:
+            hooks.unregister(self.process)
         if self._thread is not None:
             self._thread.join(10)
         with self._lead_lock:
@@ -200,6 +232,8 @@ class FDQCollector(Collector):
         """Every family's name (for the registry's duplicate check), without reading."""
         yield from self._own(0)
         yield from _database_families([], self.consumer_labels)
+        if self.process is not None:
+            yield from self.process.collect()
 
     def collect(self):
         leader = self.leading()
@@ -207,6 +241,8 @@ class FDQCollector(Collector):
         yield from self._own(1 if leader else 0)
         if topics is not None:
             yield from _database_families(topics, self.consumer_labels)
+        if self.process is not None:
+            yield from self.process.collect()
 
     def _own(self, leader: int) -> list:
         g = GaugeMetricFamily("fdq_metrics_leader",
@@ -217,6 +253,68 @@ class FDQCollector(Collector):
         e = CounterMetricFamily("fdq_scrape_errors", "Reads of the database's stats that failed",
                                 value=self.scrape_errors)
         return [g, d, e]
+
+
+class ProcessMetrics(hooks.Hook):
+    """The hook behind the process metrics (see the module): histograms and counters of
+    this process's pushes and handler calls, in no registry (``collect()`` yields them).
+    Each label set's children are looked up once and kept (``labels()`` takes a lock and
+    builds a tuple each call)."""
+
+    def __init__(self):
+        self.push_seconds = Histogram(
+            "fdq_push_duration_seconds", "Seconds a push call (push_stream: a transaction) took to commit",
+            ["topic"], buckets=PUSH_BUCKETS, registry=None)
+        self.pushed = Counter(
+            "fdq_pushed_messages", "Messages pushed by this process, by outcome (ok, duplicate, error, cancelled)",
+            ["topic", "outcome"], registry=None)
+        self.handler_seconds = Histogram(
+            "fdq_handler_duration_seconds", "Seconds a tail handler call took, by outcome",
+            ["topic", "subscription", "outcome"], buckets=HANDLER_BUCKETS, registry=None)
+        self.handled = Counter(
+            "fdq_handled_messages", "Handler calls of this process's tails, by outcome "
+            "(ack, nak, term, ok: nothing to settle, error: it raised)",
+            ["topic", "subscription", "outcome"], registry=None)
+        self._push = {}         # topic: its histogram's child
+        self._pushed = {}       # (topic, outcome): counter child
+        self._handle = {}       # (topic, subscription, outcome): (histogram child, counter child)
+
+    def __repr__(self):
+        return "fdq.metrics.ProcessMetrics()"
+
+    def collect(self):
+        for metric in (self.push_seconds, self.pushed, self.handler_seconds, self.handled):
+            yield from metric.collect()
+
+    def _count(self, topic: str, outcome: str, n: int):
+        child = self._pushed.get((topic, outcome))
+        if child is None:
+            child = self._pushed[(topic, outcome)] = self.pushed.labels(topic, outcome)
+        child.inc(n)
+
+    def push_end(self, state, topic: str, envelopes: list, results, error, seconds: float):
+        child = self._push.get(topic)
+        if child is None:
+            child = self._push[topic] = self.push_seconds.labels(topic)
+        child.observe(seconds)
+        if results:
+            duplicates = sum(1 for r in results if r.duplicate)
+            if duplicates:
+                self._count(topic, "duplicate", duplicates)
+            if len(results) > duplicates:
+                self._count(topic, "ok", len(results) - duplicates)
+        elif error is not None:
+            self._count(topic, "error", len(envelopes))
+        elif results is None:       # a push_async future cancelled before its commit
+            self._count(topic, "cancelled", len(envelopes))
+
+    def handle_end(self, state, message, outcome: str, error, seconds: float):
+        key = (message.topic, message.subscription, outcome)
+        children = self._handle.get(key)
+        if children is None:
+            children = self._handle[key] = (self.handler_seconds.labels(*key), self.handled.labels(*key))
+        children[0].observe(seconds)
+        children[1].inc()
 
 
 def _database_families(topics: list, consumer_labels: bool) -> list:
@@ -299,7 +397,7 @@ def _database_families(topics: list, consumer_labels: bool) -> list:
 
 def register(db, registry=REGISTRY, *, topics=None, database_metrics=True, consumer_labels: bool = True,
              cache_s: float = CACHE_S, leader_timeout_s: float = LEADER_TIMEOUT_S,
-             keyspace: Keyspace | None = None) -> FDQCollector:
+             keyspace: Keyspace | None = None, process_metrics: bool = True) -> FDQCollector:
     """Register the metrics of ``db`` in ``registry`` (default: prometheus_client's
     global one) and return the collector (``close()`` it to stop).
 
@@ -309,9 +407,13 @@ def register(db, registry=REGISTRY, *, topics=None, database_metrics=True, consu
     ``consumer_labels``: export the per-consumer families (one series per consumer id);
     ``cache_s``: the longest a scrape reuses the last read of the database;
     ``leader_timeout_s``: how long the leader's beat may stand still before another
-    process takes over (it beats every quarter of it)."""
+    process takes over (it beats every quarter of it); ``process_metrics``: also time
+    and count this process's pushes and handler calls (``fdq_push_duration_seconds``,
+    ``fdq_pushed_messages_total``, ``fdq_handler_duration_seconds``,
+    ``fdq_handled_messages_total``), through a hook (``fdq.hooks``)."""
     collector = FDQCollector(db, topics=topics, database_metrics=database_metrics, consumer_labels=consumer_labels,
-                             cache_s=cache_s, leader_timeout_s=leader_timeout_s, keyspace=keyspace)
+                             cache_s=cache_s, leader_timeout_s=leader_timeout_s, keyspace=keyspace,
+                             process_metrics=process_metrics)
     try:
         registry.register(collector)
     except Exception:
@@ -321,4 +423,5 @@ def register(db, registry=REGISTRY, *, topics=None, database_metrics=True, consu
     return collector
 
 
-__all__ = ["FDQCollector", "register", "ROLE", "LEADER_TIMEOUT_S"]
+__all__ = ["FDQCollector", "ProcessMetrics", "register", "ROLE", "LEADER_TIMEOUT_S", "PUSH_BUCKETS",
+           "HANDLER_BUCKETS"]

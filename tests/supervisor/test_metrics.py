@@ -1,11 +1,16 @@
 """``fdq.metrics``: a prometheus_client collector of the database, scraped with
 ``generate_latest`` and parsed with prometheus_client's own parser: its values are
 ``Supervisor.stats``'s; the database-wide families come from one process in leader
-mode; without prometheus_client, a ConfigError naming the extra."""
+mode; the process metrics (push and handler durations, pushed and handled messages by
+outcome) count what this process pushed and handled; without prometheus_client, a
+ConfigError naming the extra."""
 from __future__ import annotations
 
+import asyncio
+import collections
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -13,6 +18,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import fdq
+import fdq.aio
+import fdq.hooks
 import fdq.metrics
 from fdq.keyspace import Keyspace
 
@@ -39,6 +46,16 @@ def names(samples) -> set:
 @pytest.fixture
 def registry():
     return CollectorRegistry()
+
+
+@pytest.fixture(autouse=True)
+def no_metrics_hook_left():
+    """A collector a test leaves open keeps its hook registered in the worker process:
+    unregistered after each test (through the hook module's public calls)."""
+    yield
+    for hook in fdq.hooks.registered():
+        if isinstance(hook, fdq.metrics.ProcessMetrics):
+            fdq.hooks.unregister(hook)
 
 
 def test_scraped_backlog_lag_in_flight_redeliveries_and_dead_letters_equal_stats(db, registry):
@@ -199,3 +216,241 @@ def test_without_prometheus_client_fdq_metrics_names_the_extra_to_install():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == ("ConfigError fdq.metrics needs the prometheus_client package: "
                                   "pip install 'fdq-queue[metrics]'"), out.stderr
+
+
+# -- the process metrics: this process's pushes and handler calls ---------------------------
+
+def counts(samples, name, **labels) -> dict:
+    """{outcome: value} of ``name``'s samples with ``labels``."""
+    out = {}
+    for (n, labs), v in samples.items():
+        labs = dict(labs)
+        if n == name and all(labs.get(k) == w for k, w in labels.items()):
+            out[labs["outcome"]] = v
+    return out
+
+
+def test_push_durations_and_pushed_messages_count_every_push_call_and_message_by_outcome(db, registry):
+    fdq.metrics.register(db, registry)
+    p = fdq.Producer(db)
+    p.push("t", b"a")
+    p.push("t", b"b", msg_id="dup")
+    p.push("t", b"b", msg_id="dup")                                         # deduplicated
+    p.push_async("t", b"c").result(timeout=30)
+    p.push_many("t", [fdq.Envelope(b"m%d" % i) for i in range(4)])         # one call, 4 messages
+    stream = list(p.push_stream("t", (fdq.Envelope(b"s%d" % i) for i in range(5)), max_messages=2))
+    assert [len(r) for r in stream] == [2, 2, 1]                            # three transactions
+    strict = fdq.Producer(db, config=fdq.ProducerConfig(auto_create=False))
+    with pytest.raises(fdq.TopicNotFound):
+        strict.push("missing", b"x")
+    with pytest.raises(fdq.TopicNotFound):
+        strict.push_many("missing", [fdq.Envelope(b"x"), fdq.Envelope(b"y")])
+    lingering = fdq.Producer(db, config=fdq.ProducerConfig(linger_ms=3000))
+    future = lingering.push_async("t", b"cancelled")
+    assert future.cancel()                  # before its commit (3 s linger): may still be stored
+    samples = scrape(registry)
+    assert counts(samples, "fdq_pushed_messages_total", topic="t") == {"ok": 1 + 1 + 1 + 4 + 5, "duplicate": 1,
+                                                                        "cancelled": 1}
+    assert counts(samples, "fdq_pushed_messages_total", topic="missing") == {"error": 1 + 2}
+    # one observation per call (push_stream: per transaction), whatever its outcome
+    assert value(samples, "fdq_push_duration_seconds_count", topic="t") == 3 + 1 + 1 + 3 + 1
+    assert value(samples, "fdq_push_duration_seconds_count", topic="missing") == 2
+    assert value(samples, "fdq_push_duration_seconds_bucket", topic="t", le="+Inf") == 9
+    assert value(samples, "fdq_push_duration_seconds_sum", topic="t") > 0
+    lingering.flush(30)
+
+
+def _kind(m) -> str:
+    return m.body.split(b"-")[0].decode()
+
+
+KINDS = {"plain": 2, "slow": 2, "nak": 2, "term": 2, "error": 2}
+SLOW_S = 0.06
+
+
+def push_kinds(db, topic):
+    p = fdq.Producer(db)
+    for kind, n in KINDS.items():
+        for i in range(n):
+            p.push(topic, f"{kind}-{i}".encode())
+
+
+def handled_as_tallied(registry, tally, lock, topic, expected):
+    """Wait until the handlers' own tally holds ``expected`` (at least) and the scraped
+    counters equal it; returns the scrape."""
+    def done():
+        with lock:
+            now = dict(tally)
+        if any(now.get(k, 0) < n for k, n in expected.items()):
+            return None
+        samples = scrape(registry)
+        return samples if counts(samples, "fdq_handled_messages_total", topic=topic) == now else None
+    return wait_for(done, timeout=60, what=f"handled {expected}")
+
+
+def check_histograms(samples, topic, tally):
+    """Each outcome's histogram count equals its counter; the slow handlers (ack or ok)
+    lie above the 0.05 s bucket."""
+    lab = {"topic": topic, "subscription": "default"}
+    for outcome, n in tally.items():
+        assert value(samples, "fdq_handler_duration_seconds_count", **lab, outcome=outcome) == n, outcome
+        assert value(samples, "fdq_handler_duration_seconds_bucket", **lab, outcome=outcome, le="+Inf") == n
+    slow = "ok" if "ok" in tally else "ack"
+    assert value(samples, "fdq_handler_duration_seconds_bucket", **lab, outcome=slow, le="0.05") \
+        <= tally[slow] - KINDS["slow"]
+    assert value(samples, "fdq_handler_duration_seconds_sum", **lab, outcome=slow) >= KINDS["slow"] * SLOW_S
+
+
+def test_handled_messages_and_durations_by_outcome_at_least_once(db, registry):
+    push_kinds(db, "t")
+    fdq.metrics.register(db, registry)
+    tally, lock = collections.Counter(), threading.Lock()
+
+    def handler(m):
+        kind = _kind(m)
+        if kind == "slow":
+            time.sleep(SLOW_S)
+        first = m.attempts == 1
+        if kind == "error" and first:
+            with lock:
+                tally["error"] += 1
+            raise ValueError("first attempt fails")
+        outcome = "nak" if kind == "nak" and first else "term" if kind == "term" else "ack"
+        with lock:
+            tally[outcome] += 1
+        if outcome == "nak":
+            m.nak()
+        elif outcome == "term":
+            m.term("bad")
+        # else: returned: acked
+
+    t = fdq.tail(db, "t", handler, config=FAST, on_error=lambda e: None)
+    try:
+        expected = {"ack": 2 + 2 + 2 + 2, "nak": 2, "term": 2, "error": 2}    # nak'd, failed: acked next time
+        samples = handled_as_tallied(registry, tally, lock, "t", expected)
+    finally:
+        t.shutdown()
+    assert dict(tally) == expected
+    check_histograms(samples, "t", tally)
+
+
+def test_handled_messages_and_durations_by_outcome_at_most_once(db, registry):
+    push_kinds(db, "t")
+    fdq.metrics.register(db, registry)
+    tally, lock = collections.Counter(), threading.Lock()
+
+    def handler(m):
+        kind = _kind(m)
+        if kind == "slow":
+            time.sleep(SLOW_S)
+        with lock:
+            tally["error" if kind == "error" else "ok"] += 1
+        if kind == "error":
+            raise ValueError("gone anyway")
+
+    t = fdq.tail(db, "t", handler, acking=False, config=FAST, on_error=lambda e: None)
+    try:
+        expected = {"ok": 8, "error": 2}                    # at most once: nothing to settle, no second try
+        samples = handled_as_tallied(registry, tally, lock, "t", expected)
+    finally:
+        t.shutdown()
+    assert dict(tally) == expected
+    check_histograms(samples, "t", tally)
+
+
+def test_handled_messages_and_durations_by_outcome_exactly_once(db, registry):
+    push_kinds(db, "t")
+    fdq.metrics.register(db, registry)
+    tally, lock = collections.Counter(), threading.Lock()
+
+    def handler(tr, m):
+        kind = _kind(m)
+        if kind == "slow":
+            time.sleep(SLOW_S)
+        if kind == "error" and m.attempts == 1:
+            with lock:
+                tally["error"] += 1
+            raise ValueError("first attempt fails")
+        with lock:
+            tally["term" if kind == "term" else "ok"] += 1
+        if kind == "term":
+            m.term("bad")
+
+    # one message per transaction: a handler runs again only when its transaction is retried
+    t = fdq.tail(db, "t", handler, transactional=True, batch_size=1, config=FAST, on_error=lambda e: None)
+    try:
+        expected = {"ok": 2 + 2 + 2 + 2, "term": 2, "error": 2}
+        samples = handled_as_tallied(registry, tally, lock, "t", expected)
+    finally:
+        t.shutdown()
+    assert set(tally) == set(expected)      # (more only if a transaction was retried: counted as run)
+    check_histograms(samples, "t", tally)
+    assert fdq.Supervisor(db).stats("t")["subscriptions"]["default"]["dlq"] == 2
+
+
+def test_handled_messages_by_outcome_in_fdq_aio_tail(db, registry):
+    push_kinds(db, "t")
+    fdq.metrics.register(db, registry)
+    tally, lock = collections.Counter(), threading.Lock()
+
+    async def handler(m):
+        kind = _kind(m)
+        if kind == "slow":
+            await asyncio.sleep(SLOW_S)
+        first = m.attempts == 1
+        if kind == "error" and first:
+            with lock:
+                tally["error"] += 1
+            raise ValueError("first attempt fails")
+        outcome = "nak" if kind == "nak" and first else "term" if kind == "term" else "ack"
+        with lock:
+            tally[outcome] += 1
+        if outcome == "nak":
+            m.nak()
+        elif outcome == "term":
+            m.term("bad")
+
+    expected = {"ack": 8, "nak": 2, "term": 2, "error": 2}
+
+    async def main():
+        t = await fdq.aio.tail(db, "t", handler, config=FAST, on_error=lambda e: None)
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                with lock:
+                    if dict(tally) == expected:
+                        break
+                await asyncio.sleep(0.02)
+        finally:
+            await t.shutdown()
+
+    asyncio.run(main())
+    samples = handled_as_tallied(registry, tally, lock, "t", expected)
+    assert dict(tally) == expected
+    check_histograms(samples, "t", tally)
+
+
+def test_process_metrics_false_registers_no_hook_and_exports_no_push_or_handler_family(db, registry):
+    fdq.metrics.register(db, registry, process_metrics=False)
+    fdq.Producer(db).push("t", b"x")
+    assert not any(isinstance(h, fdq.metrics.ProcessMetrics) for h in fdq.hooks.registered())
+    assert not any(n.startswith(("fdq_push_", "fdq_pushed_", "fdq_handle")) for n in names(scrape(registry)))
+
+
+def test_closing_the_collector_unregisters_its_hook(db, registry):
+    collector = fdq.metrics.register(db, registry)
+    assert collector.process in fdq.hooks.registered()
+    collector.close()
+    assert collector.process not in fdq.hooks.registered()
+    fdq.Producer(db).push("t", b"x")
+    assert value(scrape(registry), "fdq_pushed_messages_total", topic="t", outcome="ok") is None    # unregistered
+    assert [s for family in collector.process.collect() for s in family.samples] == []              # not counted
+
+
+def test_a_collector_the_registry_refuses_leaves_no_hook(db, registry):
+    first = fdq.metrics.register(db, registry)
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        fdq.metrics.register(db, registry)              # the same families twice in one registry
+    assert [h for h in fdq.hooks.registered() if isinstance(h, fdq.metrics.ProcessMetrics)] == [first.process]
+    fdq.Producer(db).push("t", b"x")
+    assert value(scrape(registry), "fdq_pushed_messages_total", topic="t", outcome="ok") == 1     # counted once
