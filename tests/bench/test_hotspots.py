@@ -23,6 +23,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+import fdqtest  # noqa: E402
 from bench import hotspots  # noqa: E402
 from fdq.keyspace import Keyspace  # noqa: E402
 
@@ -110,3 +111,32 @@ def test_a_single_hot_key_crowds_one_team_in_the_distribution():
 def hotspots_vs():
     from fdb.tuple import Versionstamp
     return Versionstamp(b"\x00" * 10, 0)
+
+
+@pytest.mark.skipif(not fdqtest.STANDIN, reason="the libfdb_c stand-in's recorder (the fdb pass)")
+def test_the_stand_in_records_committed_attempts_only(db):
+    """``Library.recorder`` gets each committed attempt's calls, in order; an attempt
+    reset, or one that fails its commit on a conflict, is not recorded."""
+    import standin
+    lib = standin.install_from_env()
+    got = []
+    lib.recorder = got.append
+    try:
+        tr = db.create_transaction()
+        tr[b"hot/x1"] = b"1"
+        tr.reset()
+        tr[b"hot/x2"] = b"22"
+        tr.add(b"hot/n", b"\x01" + b"\x00" * 7)
+        tr.commit().wait()
+        assert got == [[("set", b"hot/x2", 2), ("atomic", b"hot/n", "add", 8)]]
+        got.clear()
+        loser = db.create_transaction()
+        loser[b"hot/y"].present()           # a read with a conflict range
+        loser[b"hot/z"] = b"1"
+        db[b"hot/y"] = b"2"                  # a commit after its read version
+        with pytest.raises(Exception) as e:
+            loser.commit().wait()
+        assert getattr(e.value, "code", None) == 1020
+        assert got == [[("set", b"hot/y", 1)]]
+    finally:
+        lib.recorder = None
