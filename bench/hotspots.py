@@ -634,16 +634,24 @@ SECTION = "## Hot spots (bench/hotspots.py)"
 
 
 def write_results(text: str, path: str):
-    """Replace (or add, before the investigations) this tool's section of RESULTS.md."""
+    """Replace this tool's "Latest" part of RESULTS.md (its other parts stay), adding the
+    section before the investigations if it is not there."""
     with open(path) as f:
         doc = f.read()
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    body = f"{SECTION}\n\n### Latest: {stamp}\n\n{text}\n\n"
+    latest = f"### Latest: {stamp}\n\n{text}\n\n"
     if SECTION in doc:
         start = doc.index(SECTION)
-        nxt = doc.find("\n## ", start + len(SECTION))
-        doc = doc[:start] + body + (doc[nxt + 1:] if nxt >= 0 else "")
+        at = doc.find("### Latest", start)
+        end_of_section = doc.find("\n## ", start + len(SECTION))
+        if at < 0 or (0 <= end_of_section < at):
+            at = end = start + len(SECTION) + 2
+        else:
+            ends = [i for i in (doc.find("\n### ", at + 1), end_of_section) if i >= 0]
+            end = min(ends) + 1 if ends else len(doc)
+        doc = doc[:at] + latest + doc[end:]
     else:
+        body = f"{SECTION}\n\n{latest}"
         at = doc.find("## Investigations")
         doc = doc[:at] + body + doc[at:] if at >= 0 else doc.rstrip("\n") + "\n\n" + body
     with open(path, "w") as f:
