@@ -42,7 +42,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))   # standin (the libfdb_c stand-in)
 sys.path.insert(0, ROOT)
 
+from fdb import tuple as fdbtuple  # noqa: E402 - (fdb.tuple does not load the client library)
+from fdb.tuple import Versionstamp  # noqa: E402
+
 from bench._common import FAST, machine, progress  # noqa: E402
+
+# fdq, fdq.keyspace and standin are imported in the functions that use them: the stand-in
+# must be installed before anything loads fdb.impl, and --fdq chooses the fdq to import.
 
 # The CI ratios (machine-independent counts).
 MAX_KEY_SHARE = 0.25            # of a push (or lease/settle) phase's transactions
@@ -57,6 +63,7 @@ PUSH_PHASES = ("push", "push_msg_id", "push_many")
 SINGLE_PUSH_PHASES = ("push", "push_msg_id")
 
 VS_OP = "set_versionstamped_key"
+VS_CODE = b"\x33"   # the tuple layer's type code of a Versionstamp, which a stamp follows
 HEARTBEAT_NAMES = ("hb", "hbc", "hbv")   # a member's heartbeat keys end with these
 
 
@@ -67,7 +74,6 @@ _WORD = re.compile(r"^[a-z_]{1,24}$")
 
 def _elements(key: bytes):
     """The tuple elements ``key`` decodes to (as many as decode) and the bytes left."""
-    from fdb import tuple as fdbtuple
     out, pos = [], 0
     while pos < len(key):
         try:
@@ -80,7 +86,6 @@ def _elements(key: bytes):
 
 
 def _element(v, names: dict) -> str:
-    from fdb.tuple import Versionstamp
     if isinstance(v, Versionstamp):
         return "<vs>"
     if isinstance(v, bool) or v is None:
@@ -114,9 +119,7 @@ def family(key: bytes, names: dict) -> str:
 def head_family(head: bytes, names: dict) -> str:
     """An append point's family: its prefix's, then the stamp (``head`` ends with the
     versionstamp's type code, which the stamp follows)."""
-    from fdq.keyspace import VS_CODE
-    code = bytes([VS_CODE]) if isinstance(VS_CODE, int) else VS_CODE
-    return family(head[:-1] if head.endswith(code) else head, names) + "/<vs>…"
+    return family(head[:-1] if head.endswith(VS_CODE) else head, names) + "/<vs>…"
 
 
 def exact(key) -> str:
@@ -130,7 +133,7 @@ def exact(key) -> str:
     for v in els:
         if isinstance(v, bytes):
             parts.append(v[:6].hex())
-        elif type(v).__name__ == "Versionstamp":
+        elif isinstance(v, Versionstamp):
             parts.append("vs")
         else:
             parts.append(str(v) if v != "" else "''")
@@ -203,8 +206,14 @@ def summarize(calls: list) -> dict:
     return {"muts": muts, "reads": reads, "writes": writes, "options": options}
 
 
-def kind_of(tx: dict, names: dict) -> str:
-    """What a transaction did, from the families it wrote."""
+PHASE_KINDS = {"play": "play", "trim": "trim"}   # one kind of transaction each
+
+
+def kind_of(tx: dict, names: dict, phase: str = "") -> str:
+    """What a transaction did: its phase's kind where the phase has one, else from the
+    families it wrote."""
+    if phase in PHASE_KINDS:
+        return PHASE_KINDS[phase]
     fams = {family(m[1], names) if not isinstance(m[1], tuple) else range_family(*m[1], names)
             for m in tx["muts"]}
     text = " ".join(fams)
@@ -342,13 +351,13 @@ def run_workload(url: str, rec: Recorder, *, quick: bool, topic: str = "t", seed
 
 # -- analysis -----------------------------------------------------------------------
 
-def analyze_phase(raw: list, names: dict, unit: str, count: float, scale: float, args) -> dict:
+def analyze_phase(phase: str, raw: list, names: dict, unit: str, count: float, scale: float, args) -> dict:
     """One phase's figures; ``scale`` = units per second at the target."""
     txs = [summarize(c) for c in raw]
     txs = [t for t in txs if t["muts"]]          # what reaches the resolvers and storage
-    kinds = collections.Counter(kind_of(t, names) for t in txs)
     for t in txs:
-        t["kind"] = kind_of(t, names)
+        t["kind"] = kind_of(t, names, phase)
+    kinds = collections.Counter(t["kind"] for t in txs)
     per_unit = scale / count if count else 0.0
     keys = {}
     fams = {}
@@ -688,7 +697,7 @@ def main(argv=None):
         cluster = standin.write_cluster_file(os.path.join(d, "fdb.cluster"), os.path.join(d, "db.sqlite"))
         units = run_workload(f"fdb://{cluster}", rec, quick=args.quick)
     args._scales = {p: (args.rate if u == "messages" else args.consumers) for p, (u, _c) in units.items()}
-    phases = {p: analyze_phase(rec.txs.get(p, []), names, u, c, args._scales[p], args) for p, (u, c) in units.items()}
+    phases = {p: analyze_phase(p, rec.txs.get(p, []), names, u, c, args._scales[p], args) for p, (u, c) in units.items()}
     rep = {"machine": machine(), "rate": args.rate, "consumers": args.consumers, "phases": phases,
            "checks": checks(phases, names), "distribution": distribution(phases, names, args)}
     for ph in phases.values():

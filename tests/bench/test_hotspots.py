@@ -13,17 +13,20 @@ A rule today's code breaks is a finding, marked xfail(strict=True) with its key 
 fixed, it XPASSes and the mark must go."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+from fdb.tuple import Versionstamp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-import fdqtest  # noqa: E402
+import fdqtest  # noqa: E402 - first: on the fdb pass it installs the libfdb_c stand-in
+import standin  # noqa: E402
 from bench import hotspots  # noqa: E402
 from fdq.keyspace import Keyspace  # noqa: E402
 
@@ -93,11 +96,10 @@ def test_a_single_hot_key_crowds_one_team_in_the_distribution():
     """The simulated distribution cannot split a single key: one key taking half the
     writes (1,000/s) is one team's whole load, twice the mean of 4 teams, while the
     other half (30 keys) splits into shards of at most 100 writes/s spread over the rest."""
-    import argparse
     args = argparse.Namespace(split_rate=100, split_bytes=1e9, teams=4, team_writes=20_000, team_bytes=30e6,
                               _scales={"push": 1000, "consume": 1000, "membership": 10})
     hot = Keyspace().topic("t").stat("inserted")
-    cold = [Keyspace().topic("t").log_key(n, hotspots_vs()) for n in range(30)]
+    cold = [Keyspace().topic("t").log_key(n, Versionstamp(b"\x00" * 10, 0)) for n in range(30)]
     txs = [{"muts": [("add", hot, 10, None), ("set", cold[i % 30], 10, None)], "reads": [], "writes": []}
            for i in range(100)]
     phases = {p: {"count": 100, "heads": [], "_txs": txs if p == "push" else []} for p in ("push", "consume",
@@ -108,16 +110,11 @@ def test_a_single_hot_key_crowds_one_team_in_the_distribution():
     assert d["max_over_mean"] == pytest.approx(2.0)
 
 
-def hotspots_vs():
-    from fdb.tuple import Versionstamp
-    return Versionstamp(b"\x00" * 10, 0)
-
 
 @pytest.mark.skipif(not fdqtest.STANDIN, reason="the libfdb_c stand-in's recorder (the fdb pass)")
 def test_the_stand_in_records_committed_attempts_only(db):
     """``Library.recorder`` gets each committed attempt's calls, in order; an attempt
     reset, or one that fails its commit on a conflict, is not recorded."""
-    import standin
     lib = standin.install_from_env()
     got = []
     lib.recorder = got.append
