@@ -572,8 +572,9 @@ def print_report(rep: dict, args, top: int):
     from rich.markup import escape
     from rich.table import Table
     con = Console(width=max(150, os.get_terminal_size().columns if sys.stdout.isatty() else 150))
-    con.print(f"[bold]Hot spots[/] at {args.rate:,} msgs/s, {args.consumers} consumers; team limit "
-              f"{args.team_writes:,} writes/s, {args.team_bytes / 1e6:g} MB/s ({rep['machine']})")
+    con.print(f"[bold]Hot spots[/] at {args.rate:,} msgs/s, {args.consumers} consumers (heartbeat and lease "
+              f"check every {FAST['heartbeat_interval_s']:g} s); team limit {args.team_writes:,} writes/s, "
+              f"{args.team_bytes / 1e6:g} MB/s ({rep['machine']})")
     for name, ph in rep["phases"].items():
         t = Table(title=f"{name}: {ph['transactions']} write transactions per {ph['count']:g} {ph['unit']} "
                         f"({', '.join(f'{k} {v}' for k, v in ph['kinds'].items())}); "
@@ -627,6 +628,9 @@ def markdown(rep: dict, args) -> str:
                          if r["tx_share"] >= PER_MESSAGE or r["per_msg"] >= PER_MESSAGE)
         lines.append(f"| {name} | {ph['transactions']} | {ph['mutations_per_unit']:.2f} per {ph['unit'][:-1]} | "
                      + (f"`{k['key']}` ({k['tx_share']:.0%})" if k else "–") + f" | {apps or '–'} |")
+    lines += ["", f"Consumers heartbeat and check leases every {FAST['heartbeat_interval_s']:g} s here (the "
+                  f"benchmarks' quick config; the default heartbeat is 1 s): per consumer-second, a default "
+                  f"consumer writes about a quarter of the heartbeat figures."]
     d = rep["distribution"]
     lines += ["", f"Simulated distribution (push + consume at {args.rate:,}/s, heartbeats of {args.consumers} "
                   f"consumers; shards cut at {args.split_rate:,} writes/s): {d['shards']} shards on "
