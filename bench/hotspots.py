@@ -55,7 +55,9 @@ MAX_KEY_SHARE = 0.25            # of a push (or lease/settle) phase's transactio
 MIN_APPEND_PARTITIONS = 4       # per per-message append family
 PER_MESSAGE = 0.25              # an append family appended by this share of a phase's
                                 # transactions (or messages) is per-message
-MUTATION_BUDGETS = {"push": 8.0, "push_many": 2.1, "push_msg_id": 10.0, "consume": 2.0}
+# Mutations per message in the phase's own transactions: the plan's targets for pushes
+# (plan23_26 2.2), and for consuming 1.5 (1.05-1.1 today: one more per message fails).
+MUTATION_BUDGETS = {"push": 8.0, "push_many": 2.1, "push_msg_id": 10.0, "consume": 1.5}
 PUSH_PHASES = ("push", "push_msg_id", "push_many")
 # The key-share rule is about transactions of one message each: a push_many of 100
 # random keys touches every counter part (a part per shard) by design, at 1/100 of the
@@ -279,7 +281,7 @@ def run_workload(url: str, rec: Recorder, *, quick: bool, topic: str = "t", seed
                                            for _ in range(n)])
     phase("push_msg_id", "messages", n,
           lambda: [prod.push(topic, body, shard_key=f"k{rng.randrange(10**6)}", msg_id=f"m-{i}") for i in range(n)])
-    batches = 2 if quick else 8
+    batches = 12    # (the marker index of 12 transactions: fewer than 4 of 16 parts by chance ~1e-6)
     phase("push_many", "messages", 100 * batches, lambda: [
         prod.push_many(topic, [fdq.Envelope(body, shard_key=f"k{rng.randrange(10**6)}") for _ in range(100)])
         for _ in range(batches)])
@@ -491,8 +493,13 @@ def checks(phases: dict, names: dict) -> dict:
             "detail": "; ".join(f"{f}: {n} partition(s)" for f, n in narrow) or
                       ", ".join(f"{r['family']}: {r['partitions']}" for r in ph["append_families"]) or "no appends"}
     for p, budget in MUTATION_BUDGETS.items():
-        m = phases[p]["mutations_per_unit"]
-        out[f"mutations_per_message[{p}]"] = {"ok": m <= budget, "detail": f"{m:.2f} (budget {budget:g})"}
+        # the phase's own transactions (a consume phase also has its consumers' heartbeats,
+        # which depend on how long it ran)
+        kind = "lease/settle" if p == "consume" else "push"
+        ph = phases[p]
+        m = sum(len(t["muts"]) for t in ph["_txs"] if t["kind"] == kind) / ph["count"]
+        out[f"mutations_per_message[{p}]"] = {"ok": m <= budget, "detail": f"{m:.2f} in {kind} transactions "
+                                                                             f"(budget {budget:g})"}
     ph = phases["membership"]
     hb_writes = [w for t in ph["_txs"] if t["kind"] == "heartbeat" for w in t["writes"]]
     assign = [t for t in ph["_txs"] if t["kind"] == "membership"]
