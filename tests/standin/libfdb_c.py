@@ -41,6 +41,10 @@ Modes (``Library(ffi=..., network=..., strict=...)``, or ``$FDQ_STANDIN``, see
   after ``fdb_stop_network`` fails with ``client_invalid_operation`` (2000), where a real
   client would hang. Memory of a released future is overwritten.
 
+Recording: ``Library.recorder``, when set, is called with each committed attempt's
+calls in order (mutations, conflicting reads, conflict ranges, options): what
+``bench/hotspots.py`` reports on. None (the default) records nothing.
+
 Which database a cluster file names: the stand-in serves a cluster file that carries a
 ``# standin {json}`` line after its connection string (``path``: the SQLite file;
 optional ``fault_injection``, ``seed``, ``synchronous``: the engine's URL options). Any
