@@ -41,6 +41,10 @@ Modes (``Library(ffi=..., network=..., strict=...)``, or ``$FDQ_STANDIN``, see
   after ``fdb_stop_network`` fails with ``client_invalid_operation`` (2000), where a real
   client would hang. Memory of a released future is overwritten.
 
+Recording: ``Library.recorder``, when set, is called with each committed attempt's
+calls in order (mutations, conflicting reads, conflict ranges, options): what
+``bench/hotspots.py`` reports on. None (the default) records nothing.
+
 Which database a cluster file names: the stand-in serves a cluster file that carries a
 ``# standin {json}`` line after its connection string (``path``: the SQLite file;
 optional ``fault_injection``, ``seed``, ``synchronous``: the engine's URL options). Any
@@ -102,6 +106,7 @@ _DB_OPTIONS = _names_by_code(fdboptions.DatabaseOption)
 # Atomic operation codes -> the engine's method (``and`` and ``bit_and`` share a code).
 _MUTATIONS = {code: next(n if hasattr(engine.Transaction, n) else "bit_" + n for n in names)
               for code, names in _names_by_code(fdboptions.MutationType).items()}
+_MUTATION_NAMES = {code: names[0] for code, names in _names_by_code(fdboptions.MutationType).items()}
 _STREAMING = {v[0]: k for k, v in fdboptions.StreamingMode.items()}
 
 # Bytes per range batch (bindings/c/fdb_c.cpp, fdb_transaction_get_range_impl): the
@@ -194,7 +199,7 @@ class _Future:
 
 class _Transaction:
     __slots__ = ("db", "engine", "futures", "destroyed", "timeout_ms", "created", "deferred",
-                 "vs_futures")
+                 "vs_futures", "calls")
 
     def __init__(self, db):
         self.db = db
@@ -205,6 +210,7 @@ class _Transaction:
         self.created = time.monotonic()
         self.deferred = 0       # an error of a void call, for the next read or commit
         self.vs_futures = []
+        self.calls = []         # this attempt's calls, for Library.recorder
 
 
 class _Database:
@@ -289,6 +295,11 @@ class Library:
         self._functions = {}
         self._error_strings = {}
         self.internal_errors = []   # exceptions inside the stand-in itself (a test bug)
+        # recorder(calls): called with each committed attempt's mutations, reads, conflict
+        # ranges and options in order (bench/hotspots.py), tuples such as ("set", key,
+        # value_bytes), ("atomic", key, op, param_bytes), ("clear_range", b, e),
+        # ("read", b, e) (a conflicting read's range), ("conflict", "read"|"write", b, e)
+        self.recorder = None
 
     # -- the CDLL surface ---------------------------------------------------------------
 
@@ -721,6 +732,10 @@ class Library:
                     fut.doom()
         tr.futures = []
 
+    def _record(self, tr: _Transaction, *call):
+        if self.recorder is not None:
+            tr.calls.append(call)
+
     def _settle_versionstamps(self, tr):
         still = []
         for fut in tr.vs_futures:
@@ -755,6 +770,7 @@ class Library:
 
     def _fdb_transaction_cancel(self, t):
         def cancel(tr):
+            tr.calls = []
             tr.engine.cancel()
             self._settle_versionstamps(tr)
         self._end_attempt(self._tr(t))
@@ -762,6 +778,7 @@ class Library:
 
     def _fdb_transaction_reset(self, t):
         def reset(tr):
+            tr.calls = []
             tr.engine.reset()
             tr.deferred = 0
             self._settle_versionstamps(tr)
@@ -783,6 +800,8 @@ class Library:
 
         def get(tr):
             view = tr.engine.snapshot if snapshot else tr.engine
+            if not snapshot:
+                self._record(tr, "read", key, key + b"\x00")
             return view.get(key).value
         return self._future_op(t, "value", get)
 
@@ -839,6 +858,11 @@ class Library:
                 got = [(kv.key, kv.value) for kv in
                        tr.engine.get_range(begin, end, limit=len(got) if more else max(limit, 0),
                                            reverse=reverse, streaming_mode=want_all)]
+                if self.recorder is not None:
+                    b, e = (getattr(x, "key", x) for x in (begin, end))
+                    if got and (more or 0 < limit <= len(got)):
+                        b, e = (got[-1][0], e) if reverse else (b, got[-1][0] + b"\x00")
+                    self._record(tr, "read", b, e)
             return got, more
         return self._future_op(t, "kvs", get_range)
 
@@ -871,6 +895,7 @@ class Library:
             return 2006
 
         def add(tr):
+            self._record(tr, "conflict", "write" if kind else "read", b, e)
             (tr.engine.add_read_conflict_range if kind == 0 else tr.engine.add_write_conflict_range)(b, e)
         self._void_op(t, add)
         return 0
@@ -882,7 +907,10 @@ class Library:
             tr.timeout_ms = struct.unpack("<q", value)[0]
         if tr.db.engine is None:
             return 0
-        self._void_op(t, lambda tr: _apply_option(tr.engine.options, _TR_OPTIONS, option, value))
+        def apply(tr):
+            self._record(tr, "option", _TR_OPTIONS.get(option, [str(option)])[0])
+            _apply_option(tr.engine.options, _TR_OPTIONS, option, value)
+        self._void_op(t, apply)
         return 0
 
     def _fdb_transaction_atomic_op(self, t, key, klen, param, plen, code):
@@ -892,20 +920,33 @@ class Library:
         def atomic(tr):
             if method is None:
                 raise _Err(2000)   # deferred, as a real client defers an unknown mutation type
+            self._record(tr, "atomic", key, _MUTATION_NAMES[code], len(param))
             getattr(tr.engine, method)(key, param)
         self._void_op(t, atomic)
 
     def _fdb_transaction_set(self, t, key, klen, value, vlen):
         key, value = _bytes(key, klen), _bytes(value, vlen)
-        self._void_op(t, lambda tr: tr.engine.set(key, value))
+
+        def set_(tr):
+            self._record(tr, "set", key, len(value))
+            tr.engine.set(key, value)
+        self._void_op(t, set_)
 
     def _fdb_transaction_clear(self, t, key, klen):
         key = _bytes(key, klen)
-        self._void_op(t, lambda tr: tr.engine.clear(key))
+
+        def clear(tr):
+            self._record(tr, "clear", key)
+            tr.engine.clear(key)
+        self._void_op(t, clear)
 
     def _fdb_transaction_clear_range(self, t, bkey, blen, ekey, elen):
         b, e = _bytes(bkey, blen), _bytes(ekey, elen)
-        self._void_op(t, lambda tr: tr.engine.clear_range(b, e))
+
+        def clear_range(tr):
+            self._record(tr, "clear_range", b, e)
+            tr.engine.clear_range(b, e)
+        self._void_op(t, clear_range)
 
     def _fdb_transaction_watch(self, t, key, klen):
         key = _bytes(key, klen)
@@ -936,7 +977,10 @@ class Library:
                     tr.engine.cancel()
                     raise _Err(tr.deferred)
                 tr.engine.commit().wait()
+                if self.recorder is not None:
+                    self.recorder(tr.calls)
             finally:
+                tr.calls = []
                 self._settle_versionstamps(tr)
         for fut in self._tr(t).futures:
             fut.final = True   # a real commit waits for the transaction's reads
@@ -973,6 +1017,7 @@ class Library:
             return fut.h
 
         def on_error():
+            tr.calls = []
             f, delay = tr.engine.prepare_retry(code)
             tr.deferred = 0
             self._settle_versionstamps(tr)
