@@ -41,6 +41,7 @@ from . import compress, protocol as p
 from .auth import AuthFile
 from .http import HTTPServer
 from .loglimit import LogLimiter
+from .lookupd import Registrar
 from .quantile import Quantile
 from .protocol import ProtocolError, fatal, nonfatal
 
@@ -83,7 +84,10 @@ class BrokerOptions:
     threads: int = 64
     e2e_percentiles: tuple = ()      # --e2e-processing-latency-percentile (quantiles in (0, 1])
     e2e_window_s: float = 600.0      # --e2e-processing-latency-window-time
-    broadcast_address: str = "127.0.0.1"
+    broadcast_address: str = "127.0.0.1"   # --broadcast-address: the host others reach this broker at
+    broadcast_tcp_port: int | None = None  # --broadcast-tcp-port / --broadcast-http-port: None, the bound ports
+    broadcast_http_port: int | None = None
+    lookupd_tcp_addresses: tuple = ()      # --lookupd-tcp-address: nsqlookupds to register with (lookupd.py)
     web_path: str | None = None      # --web-path: serve the web dashboard (fdq.web) there
     web_write_token: str | None = None   # --web-write-token: actions from the dashboard with it
     metrics_database: str = "leader"     # --metrics-database: leader | always | never (fdq.metrics)
@@ -1057,6 +1061,12 @@ async def serve(url: str, tcp_address: str = "127.0.0.1:4150", http_address: str
                      base=broker.options.web_path,
                      enable_hint="fdq broker --web-write-token TOKEN, or --auth-file with admin secrets").start()
         http_server.mount(broker.options.web_path, web)
+    registrar = None
+    o = broker.options
+    if o.lookupd_tcp_addresses:
+        registrar = Registrar(broker, o.lookupd_tcp_addresses, tcp_port=o.broadcast_tcp_port or tcp_port,
+                              http_port=o.broadcast_http_port or http_port or 0)
+        await registrar.start()
     stop = asyncio.Event()
     stopped_by = []
     loop = asyncio.get_running_loop()
@@ -1070,6 +1080,8 @@ async def serve(url: str, tcp_address: str = "127.0.0.1:4150", http_address: str
     if ready is not None:
         ready(tcp_port, http_port)
     await stop.wait()
+    if registrar is not None:
+        await registrar.close()
     if http_server is not None:
         await http_server.close()
     if web is not None:

@@ -83,6 +83,15 @@ def _duration_default(name):
                    "of the brokers serving /metrics on the database at a time; always = from this broker.")
 @click.option("--metrics-leader-timeout", type=Duration(), default=_duration_default("metrics_leader_timeout"),
               help="The metrics leader's beat standing still this long, another broker takes over.")
+@click.option("--lookupd-tcp-address", type=Address(), multiple=True,
+              help="nsqlookupd TCP address to register with (repeatable): NSQ clients find the broker "
+                   "through nsqlookupd; every topic and subscription of the database is registered.")
+@click.option("--broadcast-address", default=None,
+              help="Address this broker is registered under with nsqlookupd.  [default: the hostname]")
+@click.option("--broadcast-tcp-port", type=click.IntRange(1, 65535), default=None,
+              help="TCP port registered with nsqlookupd.  [default: the bound TCP port]")
+@click.option("--broadcast-http-port", type=click.IntRange(1, 65535), default=None,
+              help="HTTP port registered with nsqlookupd.  [default: the bound HTTP port]")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
               default=_BROKER["log_level"], help="Log level (stderr).")
 @pass_state
