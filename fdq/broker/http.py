@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import json
 import logging
-import resource
 import socket
 import struct
 from urllib.parse import parse_qs, urlsplit
 
 from ..errors import FDQError, InvalidHeader, InvalidName, MessageTooLarge, TopicNotFound
 from ..headers import validate_headers
-from . import protocol as p, quantile
+from . import protocol as p, quantile, runtime
 
 try:
     from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
@@ -116,21 +114,6 @@ class Request:
         return v[0] if v else default
 
 
-def _memory() -> dict:
-    """nsqd's ``memory`` stats (Go runtime fields), from what CPython has: the process's
-    resident set for the heap sizes, the garbage collector's counts for the GC fields."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    try:
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * resource.getpagesize()
-    except OSError:
-        pass
-    counts = gc.get_count()
-    return {"heap_objects": sum(counts), "heap_idle_bytes": 0, "heap_in_use_bytes": rss,
-            "heap_released_bytes": 0, "gc_pause_usec_100": 0, "gc_pause_usec_99": 0, "gc_pause_usec_95": 0,
-            "next_gc_bytes": 0, "gc_total_runs": sum(g["collections"] for g in gc.get_stats())}
-
-
 class HTTPServer:
     def __init__(self, broker):
         self.broker = broker
@@ -153,6 +136,7 @@ class HTTPServer:
     async def start(self, host="127.0.0.1", port=4151) -> int:
         self.server = await asyncio.start_server(self._serve, host, port)
         self.port = self.server.sockets[0].getsockname()[1]
+        runtime.record_gc_pauses()
         self._metrics_registry()
         return self.port
 
@@ -589,6 +573,10 @@ class HTTPServer:
                     "e2e_processing_latency": quantile.result(pct, e2e),
                 })
             depth = st["counters"]["pending"]
+            if not cfg.get("subs"):
+                # as nsqd's topic, which holds what is published until its first channel
+                # exists: the log, which that channel starts from (Broker.ensure_channel)
+                depth += st["counters"]["inserted"] - st["counters"]["trimmed"]
             out.append({"topic_name": name, "channels": channels, "depth": depth, "backend_depth": 0,
                         "message_count": st["counters"]["inserted"],
                         "message_bytes": st["counters"]["inserted_bytes"],
@@ -605,7 +593,7 @@ class HTTPServer:
                 for c in t["channels"]:
                     c["clients"] = []
         data = {"version": b.options.limits.version, "health": "OK", "start_time": b.start_time,
-                "topics": topics, "memory": _memory() if req.arg("include_mem") != "false" else None,
+                "topics": topics, "memory": runtime.memory() if req.arg("include_mem") != "false" else None,
                 "producers": [c.stats() for c in b.conns if c.published]
                 if req.arg("include_clients") != "false" else []}
         if data["memory"] is None:
