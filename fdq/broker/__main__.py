@@ -53,6 +53,11 @@ def build_options(args) -> BrokerOptions:
                                  or web_path.strip("/").split("/")[0] in _NSQD_PATHS):
         raise ConfigError(f"--web-path must be a path of its own such as /web/, not {web_path!r} "
                           f"(nsqd's endpoints are {', '.join('/' + x for x in _NSQD_PATHS)})")
+    https = getattr(args, "https_address", None) or None
+    if https is not None:
+        split_address(https)
+        if not args.tls_cert or not args.tls_key:
+            raise ConfigError("--https-address needs --tls-cert and --tls-key")
     lookupds = tuple(getattr(args, "lookupd_tcp_address", None) or ())
     for a in lookupds:
         split_address(a)
@@ -72,7 +77,7 @@ def build_options(args) -> BrokerOptions:
                          metrics_database=args.metrics_database,
                          metrics_leader_timeout_s=args.metrics_leader_timeout,
                          broadcast_address=getattr(args, "broadcast_address", None) or socket.gethostname(),
-                         lookupd_tcp_addresses=lookupds, **ports)
+                         lookupd_tcp_addresses=lookupds, https_address=https, **ports)
 
 
 METRICS_DATABASE = ("leader", "always", "never")
@@ -134,6 +139,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tls-cert")
     ap.add_argument("--tls-key")
     ap.add_argument("--tls-required", action="store_true")
+    ap.add_argument("--https-address", default=None,
+                    help="<addr>:<port> for HTTPS clients (the HTTP API over TLS; needs --tls-cert/--tls-key)")
     ap.add_argument("--auth-file", help="secrets -> permissions (see fdq/broker/auth.py)")
     ap.add_argument("--web-path", default=None,
                     help="serve the web dashboard (fdq web) under this path of the HTTP port, e.g. /web/")
@@ -161,10 +168,11 @@ def main(argv=None):
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
-    def ready(tcp_port, http_port):
+    def ready(tcp_port, http_port, https_port):
         th = args.tcp_address.rpartition(":")[0]
         hh = args.http_address.rpartition(":")[0]
-        print(f"fdq-broker tcp={th}:{tcp_port} http={hh}:{http_port}", flush=True)
+        https = f" https={args.https_address.rpartition(':')[0]}:{https_port}" if https_port is not None else ""
+        print(f"fdq-broker tcp={th}:{tcp_port} http={hh}:{http_port}{https}", flush=True)
     try:
         run(args.url, args.tcp_address, args.http_address or None, build_options(args), ready)
     except FDQError as e:

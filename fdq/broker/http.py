@@ -117,8 +117,9 @@ class Request:
 class HTTPServer:
     def __init__(self, broker):
         self.broker = broker
-        self.server = None
-        self.port = None
+        self.servers = []
+        self.port = None          # HTTP's (/info's http_port)
+        self.https_port = None
         self._routes = {
             "/ping": self.ping, "/info": self.info, "/stats": self.stats, "/metrics": self.metrics,
             "/pub": self.pub, "/mpub": self.mpub, "/pub_ext": self.pub_ext,
@@ -133,16 +134,23 @@ class HTTPServer:
         self._registry = None   # /metrics' (made at start: the broker takes part in the leadership)
         self._collector = None
 
-    async def start(self, host="127.0.0.1", port=4151) -> int:
-        self.server = await asyncio.start_server(self._serve, host, port)
-        self.port = self.server.sockets[0].getsockname()[1]
+    async def start(self, host="127.0.0.1", port=4151, ssl_context=None) -> int:
+        """Listen on ``host:port``, over TLS with ``ssl_context`` (``--https-address``);
+        called once per address, one app behind both. Returns the bound port."""
+        server = await asyncio.start_server(self._serve, host, port, ssl=ssl_context)
+        self.servers.append(server)
+        bound = server.sockets[0].getsockname()[1]
+        if ssl_context is None:
+            self.port = bound
+        else:
+            self.https_port = bound
         runtime.record_gc_pauses()
         self._metrics_registry()
-        return self.port
+        return bound
 
     async def close(self):
-        if self.server is not None:
-            self.server.close()
+        for server in self.servers:
+            server.close()
         if self._collector is not None:
             await self.run(self._collector.close)       # gives the metrics leadership up
 
@@ -174,7 +182,7 @@ class HTTPServer:
                 await writer.drain()
                 if not keep:
                     break
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
             pass
         finally:
             writer.close()

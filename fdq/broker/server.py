@@ -88,6 +88,7 @@ class BrokerOptions:
     broadcast_tcp_port: int | None = None  # --broadcast-tcp-port / --broadcast-http-port: None, the bound ports
     broadcast_http_port: int | None = None
     lookupd_tcp_addresses: tuple = ()      # --lookupd-tcp-address: nsqlookupds to register with (lookupd.py)
+    https_address: str | None = None       # --https-address: the HTTP API over TLS (--tls-cert/--tls-key)
     web_path: str | None = None      # --web-path: serve the web dashboard (fdq.web) there
     web_write_token: str | None = None   # --web-write-token: actions from the dashboard with it
     metrics_database: str = "leader"     # --metrics-database: leader | always | never (fdq.metrics)
@@ -1043,8 +1044,8 @@ class Broker:
 
 async def serve(url: str, tcp_address: str = "127.0.0.1:4150", http_address: str | None = "127.0.0.1:4151",
                 options: BrokerOptions | None = None, ready=None):
-    """Run a broker until SIGTERM/SIGINT. ``ready(tcp_port, http_port)`` is called once listening.
-    Returns the signal that stopped it."""
+    """Run a broker until SIGTERM/SIGINT. ``ready(tcp_port, http_port, https_port)`` is called
+    once listening (None for an address not served). Returns the signal that stopped it."""
     db = connect(url)
     broker = Broker(db, options)
     host, port = split_address(tcp_address)
@@ -1055,6 +1056,12 @@ async def serve(url: str, tcp_address: str = "127.0.0.1:4150", http_address: str
         hhost, hport = split_address(http_address)
         http_server = HTTPServer(broker)
         http_port = await http_server.start(hhost, hport)
+    https_port = None
+    if broker.options.https_address:
+        if broker.ssl_context is None:
+            raise ConfigError("--https-address needs --tls-cert and --tls-key")
+        http_server = http_server or HTTPServer(broker)
+        https_port = await http_server.start(*split_address(broker.options.https_address), broker.ssl_context)
     web = None
     if http_server is not None and broker.options.web_path:
         web = WebApp(db, write_token=broker.options.web_write_token, auth=broker.auth,
@@ -1078,7 +1085,7 @@ async def serve(url: str, tcp_address: str = "127.0.0.1:4150", http_address: str
         loop.add_signal_handler(sig, on_signal, sig)
     log.info("fdq broker: TCP on %s:%d, HTTP on %s", host, tcp_port, http_port)
     if ready is not None:
-        ready(tcp_port, http_port)
+        ready(tcp_port, http_port, https_port)
     await stop.wait()
     if registrar is not None:
         await registrar.close()

@@ -70,6 +70,9 @@ def _duration_default(name):
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None,
               help="TLS private key (PEM).")
 @click.option("--tls-required", is_flag=True, help="Clients must upgrade to TLS.")
+@click.option("--https-address", type=Address(optional=True), default=None,
+              help="<addr>:<port> to serve the HTTP API over TLS on (needs --tls-cert/--tls-key). "
+                   "[default: none]")
 @click.option("--auth-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Secrets and their permissions (JSON; see fdq/broker/auth.py).")
 @click.option("--web-path", default=None,
@@ -116,8 +119,10 @@ def broker(state, **flags):
     tcp_host = flags["tcp_address"].rpartition(":")[0]
     http_host = flags["http_address"].rpartition(":")[0]
 
-    def ready(tcp_port, http_port):
+    def ready(tcp_port, http_port, https_port):
         http = f"http={http_host}:{http_port}" if http_port is not None else "http=off"
+        if https_port is not None:
+            http += f" https={flags['https_address'].rpartition(':')[0]}:{https_port}"
         web = f" web=http://{http_host}:{http_port}/{flags['web_path'].strip('/')}/" \
             if flags["web_path"] and http_port is not None else ""
         render.note(f"fdq broker: listening tcp={tcp_host}:{tcp_port} {http}{web}")
