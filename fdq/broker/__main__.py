@@ -58,6 +58,9 @@ def build_options(args) -> BrokerOptions:
         split_address(https)
         if not args.tls_cert or not args.tls_key:
             raise ConfigError("--https-address needs --tls-cert and --tls-key")
+    auth_servers = tuple(getattr(args, "auth_http_address", None) or ())
+    if auth_servers and args.auth_file:
+        raise ConfigError("--auth-file and --auth-http-address exclude each other: use one")
     lookupds = tuple(getattr(args, "lookupd_tcp_address", None) or ())
     for a in lookupds:
         split_address(a)
@@ -77,7 +80,8 @@ def build_options(args) -> BrokerOptions:
                          metrics_database=args.metrics_database,
                          metrics_leader_timeout_s=args.metrics_leader_timeout,
                          broadcast_address=getattr(args, "broadcast_address", None) or socket.gethostname(),
-                         lookupd_tcp_addresses=lookupds, https_address=https, **ports)
+                         lookupd_tcp_addresses=lookupds, https_address=https,
+                         auth_http_addresses=auth_servers, **ports)
 
 
 METRICS_DATABASE = ("leader", "always", "never")
@@ -142,6 +146,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--https-address", default=None,
                     help="<addr>:<port> for HTTPS clients (the HTTP API over TLS; needs --tls-cert/--tls-key)")
     ap.add_argument("--auth-file", help="secrets -> permissions (see fdq/broker/auth.py)")
+    ap.add_argument("--auth-http-address", action="append", default=None,
+                    help="nsqd auth server, host:port or URL (repeatable; see fdq/broker/authd.py)")
     ap.add_argument("--web-path", default=None,
                     help="serve the web dashboard (fdq web) under this path of the HTTP port, e.g. /web/")
     ap.add_argument("--web-write-token", default=None,

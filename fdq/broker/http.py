@@ -108,6 +108,8 @@ class Request:
         self.query = query
         self.headers = headers
         self.body = body
+        self.remote_ip = ""       # the client's (an auth server is told it)
+        self.tls = False
 
     def arg(self, name, default=None):
         v = self.query.get(name)
@@ -170,6 +172,8 @@ class HTTPServer:
                 req = await self._read_request(reader, writer)
                 if req is None:
                     break
+                req.remote_ip = (writer.get_extra_info("peername") or ("",))[0]
+                req.tls = writer.get_extra_info("ssl_object") is not None
                 status, ctype, body = await self._dispatch(req)
                 # HTTP/1.0 closes unless asked to keep alive (monitoring probes such as
                 # check_http read a 1.0 answer until the connection closes)
@@ -259,7 +263,7 @@ class HTTPServer:
             if handler is None:
                 raise HTTPError(404, "NOT_FOUND")
             if req.path != "/ping":
-                self._check_auth(req)
+                await self._check_auth(req)
             out = await handler(req)
         except HTTPError as e:
             return e.status, "application/json; charset=utf-8", json.dumps({"message": e.message}).encode()
@@ -283,14 +287,14 @@ class HTTPServer:
             return 200, "application/json; charset=utf-8", json.dumps(out).encode()
         return 200, "text/plain; charset=utf-8", out if isinstance(out, bytes) else str(out).encode()
 
-    def _check_auth(self, req: Request):
+    async def _check_auth(self, req: Request):
         auth = self.broker.auth
         if auth is None:
             return
         secret = req.headers.get("x-nsq-auth-secret")
         if not secret:
             raise HTTPError(401, "AUTH_REQUIRED")
-        grant = auth.lookup(secret.encode())
+        grant = await self.run(auth.lookup, secret.encode(), req.remote_ip, req.tls)    # may ask a server
         if grant is None:
             raise HTTPError(403, "AUTH_FAILED")
         topic, channel = req.arg("topic"), req.arg("channel")

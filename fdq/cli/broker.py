@@ -75,6 +75,9 @@ def _duration_default(name):
                    "[default: none]")
 @click.option("--auth-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Secrets and their permissions (JSON; see fdq/broker/auth.py).")
+@click.option("--auth-http-address", multiple=True,
+              help="nsqd auth server (host:port or URL; repeatable) asked for each secret's permissions "
+                   "(GET /auth?secret=...); excludes --auth-file.")
 @click.option("--web-path", default=None,
               help="Serve the web dashboard (fdq web) under this path of the HTTP address, e.g. /web/.")
 @click.option("--web-write-token", envvar="FDQ_WEB_WRITE_TOKEN", default=None,
