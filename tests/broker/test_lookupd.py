@@ -4,13 +4,15 @@ and HTTP), follow creations and deletions, come back after a lookupd restart, an
 clients discovering producers through lookupd consume from them."""
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import urllib.request
 
 import pytest
 
-from fdqtest import kill_all, wait_for
+from fdqtest import kill_all, readline_within, wait_for
 from lookupd_standin import LookupdStandin
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -124,3 +126,42 @@ def test_lookupd_without_http_needs_a_broadcast_http_port(db_url, lookupds):
     out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "fdq"), "--url", db_url, "broker", "--tcp-address", "127.0.0.1:0", "--http-address", "",
                           "--lookupd-tcp-address", s.tcp], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--broadcast-http-port" in out.stderr, out.stderr
+
+
+def test_the_broker_pings_its_lookupds(broker_factory, lookupds):
+    s = lookupds()
+    broker_factory(*register_flags(s))
+    wait_for(lambda: "PING" in s.lines(), 40, "a PING (every 15 s)", interval=0.5)
+
+
+NSQLOOKUPD = os.environ.get("FDQ_NSQLOOKUPD") or shutil.which("nsqlookupd")
+
+
+@pytest.mark.skipif(not NSQLOOKUPD, reason="no nsqlookupd binary (set FDQ_NSQLOOKUPD or put it on PATH)")
+def test_the_real_nsqlookupd_lists_the_broker(broker_factory, tmp_path):
+    proc = subprocess.Popen([NSQLOOKUPD, "--tcp-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        ports = {}
+        while len(ports) < 2:
+            line = readline_within(proc, 30, "nsqlookupd's listening lines")
+            assert line, "nsqlookupd exited"
+            m = re.search(r"(TCP|HTTP): listening on 127\.0\.0\.1:(\d+)", line)
+            if m:
+                ports[m.group(1)] = int(m.group(2))
+        b = broker_factory("--broadcast-address", "127.0.0.1", "--lookupd-tcp-address", f"127.0.0.1:{ports['TCP']}")
+        assert b.http_req("/channel/create?topic=real&channel=ch", b"")[0] == 200
+
+        def found():
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{ports['HTTP']}/lookup?topic=real", timeout=10) as r:
+                    return json.loads(r.read())
+            except urllib.error.HTTPError:
+                return None
+        data = wait_for(found, WAIT_S, "the topic in nsqlookupd")
+        assert data["channels"] == ["ch"]
+        assert [(x["broadcast_address"], x["tcp_port"], x["http_port"]) for x in data["producers"]] == \
+            [("127.0.0.1", b.tcp_port, b.http_port)]
+    finally:
+        kill_all([proc])
+        proc.stdout.close()
