@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from fdqtest import kill_all, readline_within, wait_for
+from fdqtest import kill_all, wait_for
 from lookupd_standin import LookupdStandin
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -139,16 +139,15 @@ NSQLOOKUPD = os.environ.get("FDQ_NSQLOOKUPD") or shutil.which("nsqlookupd")
 
 @pytest.mark.skipif(not NSQLOOKUPD, reason="no nsqlookupd binary (set FDQ_NSQLOOKUPD or put it on PATH)")
 def test_the_real_nsqlookupd_lists_the_broker(broker_factory, tmp_path):
-    proc = subprocess.Popen([NSQLOOKUPD, "--tcp-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "nsqlookupd.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([NSQLOOKUPD, "--tcp-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0"],
+                                stdout=out, stderr=subprocess.STDOUT)
     try:
-        ports = {}
-        while len(ports) < 2:
-            line = readline_within(proc, 30, "nsqlookupd's listening lines")
-            assert line, "nsqlookupd exited"
-            m = re.search(r"(TCP|HTTP): listening on 127\.0\.0\.1:(\d+)", line)
-            if m:
-                ports[m.group(1)] = int(m.group(2))
+        def listening():
+            found = dict(re.findall(r"(TCP|HTTP): listening on 127\.0\.0\.1:(\d+)", log.read_text()))
+            return {k: int(v) for k, v in found.items()} if len(found) == 2 else None
+        ports = wait_for(listening, 30, "nsqlookupd's listening lines")
         b = broker_factory("--broadcast-address", "127.0.0.1", "--lookupd-tcp-address", f"127.0.0.1:{ports['TCP']}")
         assert b.http_req("/channel/create?topic=real&channel=ch", b"")[0] == 200
 
@@ -164,4 +163,3 @@ def test_the_real_nsqlookupd_lists_the_broker(broker_factory, tmp_path):
             [("127.0.0.1", b.tcp_port, b.http_port)]
     finally:
         kill_all([proc])
-        proc.stdout.close()
