@@ -67,7 +67,6 @@ class LookupPeer:
         self.reader = self.writer = None
         self.registered = set()
         self.info = None              # lookupd's answer to IDENTIFY
-        self.connected = asyncio.Event()
 
     async def _connect(self):
         self.reader, self.writer = await asyncio.wait_for(
@@ -110,7 +109,6 @@ class LookupPeer:
             self.writer.close()
         self.reader = self.writer = None
         self.registered = set()
-        self.connected.clear()
 
     async def run(self):
         backoff = BACKOFF_MIN_S
@@ -118,18 +116,16 @@ class LookupPeer:
         while True:
             try:
                 await self._connect()
-                await self.sync()
-                self.connected.set()
                 backoff = BACKOFF_MIN_S
                 next_ping = loop.time() + PING_INTERVAL_S
                 while True:
-                    changed = self.registrar.changed
+                    changed = self.registrar.changed    # taken before sync: a change meanwhile sets it
+                    if self.registered != self.registrar.wanted:
+                        await self.sync()
                     try:
                         await asyncio.wait_for(changed.wait(), max(0.0, next_ping - loop.time()))
                     except asyncio.TimeoutError:
                         pass
-                    if changed.is_set():
-                        await self.sync()
                     if loop.time() >= next_ping:
                         await self._exchange(b"PING\n")
                         next_ping = loop.time() + PING_INTERVAL_S
@@ -154,28 +150,32 @@ class Registrar:
         self.identity = {"version": o.limits.version, "tcp_port": tcp_port, "http_port": http_port,
                          "hostname": socket.gethostname(), "broadcast_address": o.broadcast_address}
         self.wanted = set()
-        self.changed = asyncio.Event()   # set after wanted changes; cleared when every peer has seen it
+        self.changed = asyncio.Event()   # set (and replaced by a new one) when wanted changes
         self.peers = [LookupPeer(self, a) for a in addresses]
         self._tasks = []
 
+    async def _list(self):
+        """Read the topics and subscriptions; on a change, wake every peer."""
+        try:
+            wanted = registrations(await self.broker.run(self.broker.supervisor.topics))
+        except Exception as e:      # noqa: BLE001 - the database may be briefly unreachable: retried
+            self.log_limiter.warning("lookupd:topics", "lookupd: cannot list the topics: %s: %s",
+                                     type(e).__name__, e)
+            return
+        if wanted != self.wanted:
+            self.wanted = wanted
+            old, self.changed = self.changed, asyncio.Event()
+            old.set()
+
     async def _refresh(self):
         while True:
-            try:
-                wanted = registrations(await self.broker.run(self.broker.supervisor.topics))
-            except Exception as e:      # noqa: BLE001 - the database may be briefly unreachable: retried
-                self.log_limiter.warning("lookupd:topics", "lookupd: cannot list the topics: %s: %s",
-                                         type(e).__name__, e)
-            else:
-                if wanted != self.wanted:
-                    self.wanted = wanted
-                    old, self.changed = self.changed, asyncio.Event()
-                    old.set()            # every peer waiting on the old event syncs once
             await asyncio.sleep(self.interval)
+            await self._list()
 
     async def start(self):
-        self._tasks = [asyncio.create_task(self._refresh())]
-        await asyncio.sleep(0)           # the first listing before the peers connect (a best effort)
-        self._tasks += [asyncio.create_task(p.run()) for p in self.peers]
+        await self._list()                # the first IDENTIFY is followed by every REGISTER
+        self._tasks = [asyncio.create_task(self._refresh())] + \
+            [asyncio.create_task(p.run()) for p in self.peers]
 
     async def close(self):
         for t in self._tasks:
