@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 
 from .. import times
 from ..errors import ConfigError, FDQError
 from . import protocol as p
-from .server import BrokerOptions, run
+from .server import BrokerOptions, run, split_address
 
 def parse_duration(text: str) -> float:
     """Seconds of a duration as every FDQ option reads it (``fdq.times.parse_duration``:
@@ -52,12 +53,35 @@ def build_options(args) -> BrokerOptions:
                                  or web_path.strip("/").split("/")[0] in _NSQD_PATHS):
         raise ConfigError(f"--web-path must be a path of its own such as /web/, not {web_path!r} "
                           f"(nsqd's endpoints are {', '.join('/' + x for x in _NSQD_PATHS)})")
+    https = getattr(args, "https_address", None) or None
+    if https is not None:
+        split_address(https)
+        if not args.tls_cert or not args.tls_key:
+            raise ConfigError("--https-address needs --tls-cert and --tls-key")
+    auth_servers = tuple(getattr(args, "auth_http_address", None) or ())
+    if auth_servers and args.auth_file:
+        raise ConfigError("--auth-file and --auth-http-address exclude each other: use one")
+    lookupds = tuple(getattr(args, "lookupd_tcp_address", None) or ())
+    for a in lookupds:
+        split_address(a)
+    ports = {}
+    for name in ("broadcast_tcp_port", "broadcast_http_port"):
+        port = getattr(args, name, None)
+        if port is not None and not 0 < port < 65536:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a port in 1-65535, not {port}")
+        ports[name] = port
+    if lookupds and not getattr(args, "http_address", None) and ports["broadcast_http_port"] is None:
+        raise ConfigError("--lookupd-tcp-address without an --http-address needs --broadcast-http-port "
+                          "(nsqlookupd requires an HTTP port)")
     return BrokerOptions(limits=limits, tls_cert=args.tls_cert, tls_key=args.tls_key,
                          tls_required=args.tls_required, auth_file=args.auth_file,
                          e2e_percentiles=percentiles, e2e_window_s=args.e2e_processing_latency_window_time,
                          web_path=web_path, web_write_token=getattr(args, "web_write_token", None) or None,
                          metrics_database=args.metrics_database,
-                         metrics_leader_timeout_s=args.metrics_leader_timeout)
+                         metrics_leader_timeout_s=args.metrics_leader_timeout,
+                         broadcast_address=getattr(args, "broadcast_address", None) or socket.gethostname(),
+                         lookupd_tcp_addresses=lookupds, https_address=https,
+                         auth_http_addresses=auth_servers, **ports)
 
 
 METRICS_DATABASE = ("leader", "always", "never")
@@ -119,7 +143,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tls-cert")
     ap.add_argument("--tls-key")
     ap.add_argument("--tls-required", action="store_true")
+    ap.add_argument("--https-address", default=None,
+                    help="<addr>:<port> for HTTPS clients (the HTTP API over TLS; needs --tls-cert/--tls-key)")
     ap.add_argument("--auth-file", help="secrets -> permissions (see fdq/broker/auth.py)")
+    ap.add_argument("--auth-http-address", action="append", default=None,
+                    help="nsqd auth server, host:port or URL (repeatable; see fdq/broker/authd.py)")
     ap.add_argument("--web-path", default=None,
                     help="serve the web dashboard (fdq web) under this path of the HTTP port, e.g. /web/")
     ap.add_argument("--web-write-token", default=None,
@@ -130,6 +158,14 @@ def parser() -> argparse.ArgumentParser:
                          "this broker; never")
     ap.add_argument("--metrics-leader-timeout", type=parse_duration, default=BrokerOptions.metrics_leader_timeout_s,
                     help="the metrics leader's beat standing still this long, another broker takes over")
+    ap.add_argument("--lookupd-tcp-address", action="append", default=None,
+                    help="nsqlookupd TCP address to register with (repeatable)")
+    ap.add_argument("--broadcast-address", default=None,
+                    help="address this broker is registered under with nsqlookupd (default: the hostname)")
+    ap.add_argument("--broadcast-tcp-port", type=int, default=None,
+                    help="TCP port registered with nsqlookupd (default: the bound TCP port)")
+    ap.add_argument("--broadcast-http-port", type=int, default=None,
+                    help="HTTP port registered with nsqlookupd (default: the bound HTTP port)")
     ap.add_argument("--log-level", default="WARNING")
     return ap
 
@@ -138,10 +174,11 @@ def main(argv=None):
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
-    def ready(tcp_port, http_port):
+    def ready(tcp_port, http_port, https_port):
         th = args.tcp_address.rpartition(":")[0]
         hh = args.http_address.rpartition(":")[0]
-        print(f"fdq-broker tcp={th}:{tcp_port} http={hh}:{http_port}", flush=True)
+        https = f" https={args.https_address.rpartition(':')[0]}:{https_port}" if https_port is not None else ""
+        print(f"fdq-broker tcp={th}:{tcp_port} http={hh}:{http_port}{https}", flush=True)
     try:
         run(args.url, args.tcp_address, args.http_address or None, build_options(args), ready)
     except FDQError as e:

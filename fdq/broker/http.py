@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import json
 import logging
-import resource
 import socket
 import struct
 from urllib.parse import parse_qs, urlsplit
 
 from ..errors import FDQError, InvalidHeader, InvalidName, MessageTooLarge, TopicNotFound
 from ..headers import validate_headers
-from . import protocol as p, quantile
+from . import protocol as p, quantile, runtime
 
 try:
     from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
@@ -110,32 +108,20 @@ class Request:
         self.query = query
         self.headers = headers
         self.body = body
+        self.remote_ip = ""       # the client's (an auth server is told it)
+        self.tls = False
 
     def arg(self, name, default=None):
         v = self.query.get(name)
         return v[0] if v else default
 
 
-def _memory() -> dict:
-    """nsqd's ``memory`` stats (Go runtime fields), from what CPython has: the process's
-    resident set for the heap sizes, the garbage collector's counts for the GC fields."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    try:
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * resource.getpagesize()
-    except OSError:
-        pass
-    counts = gc.get_count()
-    return {"heap_objects": sum(counts), "heap_idle_bytes": 0, "heap_in_use_bytes": rss,
-            "heap_released_bytes": 0, "gc_pause_usec_100": 0, "gc_pause_usec_99": 0, "gc_pause_usec_95": 0,
-            "next_gc_bytes": 0, "gc_total_runs": sum(g["collections"] for g in gc.get_stats())}
-
-
 class HTTPServer:
     def __init__(self, broker):
         self.broker = broker
-        self.server = None
-        self.port = None
+        self.servers = []
+        self.port = None          # HTTP's (/info's http_port)
+        self.https_port = None
         self._routes = {
             "/ping": self.ping, "/info": self.info, "/stats": self.stats, "/metrics": self.metrics,
             "/pub": self.pub, "/mpub": self.mpub, "/pub_ext": self.pub_ext,
@@ -150,15 +136,23 @@ class HTTPServer:
         self._registry = None   # /metrics' (made at start: the broker takes part in the leadership)
         self._collector = None
 
-    async def start(self, host="127.0.0.1", port=4151) -> int:
-        self.server = await asyncio.start_server(self._serve, host, port)
-        self.port = self.server.sockets[0].getsockname()[1]
+    async def start(self, host="127.0.0.1", port=4151, ssl_context=None) -> int:
+        """Listen on ``host:port``, over TLS with ``ssl_context`` (``--https-address``);
+        called once per address, one app behind both. Returns the bound port."""
+        server = await asyncio.start_server(self._serve, host, port, ssl=ssl_context)
+        self.servers.append(server)
+        bound = server.sockets[0].getsockname()[1]
+        if ssl_context is None:
+            self.port = bound
+        else:
+            self.https_port = bound
+        runtime.record_gc_pauses()
         self._metrics_registry()
-        return self.port
+        return bound
 
     async def close(self):
-        if self.server is not None:
-            self.server.close()
+        for server in self.servers:
+            server.close()
         if self._collector is not None:
             await self.run(self._collector.close)       # gives the metrics leadership up
 
@@ -178,6 +172,8 @@ class HTTPServer:
                 req = await self._read_request(reader, writer)
                 if req is None:
                     break
+                req.remote_ip = (writer.get_extra_info("peername") or ("",))[0]
+                req.tls = writer.get_extra_info("ssl_object") is not None
                 status, ctype, body = await self._dispatch(req)
                 # HTTP/1.0 closes unless asked to keep alive (monitoring probes such as
                 # check_http read a 1.0 answer until the connection closes)
@@ -190,7 +186,7 @@ class HTTPServer:
                 await writer.drain()
                 if not keep:
                     break
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
             pass
         finally:
             writer.close()
@@ -267,7 +263,7 @@ class HTTPServer:
             if handler is None:
                 raise HTTPError(404, "NOT_FOUND")
             if req.path != "/ping":
-                self._check_auth(req)
+                await self._check_auth(req)
             out = await handler(req)
         except HTTPError as e:
             return e.status, "application/json; charset=utf-8", json.dumps({"message": e.message}).encode()
@@ -291,14 +287,14 @@ class HTTPServer:
             return 200, "application/json; charset=utf-8", json.dumps(out).encode()
         return 200, "text/plain; charset=utf-8", out if isinstance(out, bytes) else str(out).encode()
 
-    def _check_auth(self, req: Request):
+    async def _check_auth(self, req: Request):
         auth = self.broker.auth
         if auth is None:
             return
         secret = req.headers.get("x-nsq-auth-secret")
         if not secret:
             raise HTTPError(401, "AUTH_REQUIRED")
-        grant = auth.lookup(secret.encode())
+        grant = await self.run(auth.lookup, secret.encode(), req.remote_ip, req.tls)    # may ask a server
         if grant is None:
             raise HTTPError(403, "AUTH_FAILED")
         topic, channel = req.arg("topic"), req.arg("channel")
@@ -589,6 +585,10 @@ class HTTPServer:
                     "e2e_processing_latency": quantile.result(pct, e2e),
                 })
             depth = st["counters"]["pending"]
+            if not cfg.get("subs"):
+                # as nsqd's topic, which holds what is published until its first channel
+                # exists: the log, which that channel starts from (Broker.ensure_channel)
+                depth += st["counters"]["inserted"] - st["counters"]["trimmed"]
             out.append({"topic_name": name, "channels": channels, "depth": depth, "backend_depth": 0,
                         "message_count": st["counters"]["inserted"],
                         "message_bytes": st["counters"]["inserted_bytes"],
@@ -605,7 +605,7 @@ class HTTPServer:
                 for c in t["channels"]:
                     c["clients"] = []
         data = {"version": b.options.limits.version, "health": "OK", "start_time": b.start_time,
-                "topics": topics, "memory": _memory() if req.arg("include_mem") != "false" else None,
+                "topics": topics, "memory": runtime.memory() if req.arg("include_mem") != "false" else None,
                 "producers": [c.stats() for c in b.conns if c.published]
                 if req.arg("include_clients") != "false" else []}
         if data["memory"] is None:

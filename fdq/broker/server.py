@@ -38,9 +38,11 @@ from ..errors import ConfigError, FDQError, InvalidHeader, LeaseLost, MessageToo
 from ..settlement import Action, Settlement
 from ..web import WebApp
 from . import compress, protocol as p
-from .auth import AuthFile
+from .auth import AuthFailed, AuthFile
+from .authd import AuthServers
 from .http import HTTPServer
 from .loglimit import LogLimiter
+from .lookupd import Registrar
 from .quantile import Quantile
 from .protocol import ProtocolError, fatal, nonfatal
 
@@ -83,7 +85,12 @@ class BrokerOptions:
     threads: int = 64
     e2e_percentiles: tuple = ()      # --e2e-processing-latency-percentile (quantiles in (0, 1])
     e2e_window_s: float = 600.0      # --e2e-processing-latency-window-time
-    broadcast_address: str = "127.0.0.1"
+    broadcast_address: str = "127.0.0.1"   # --broadcast-address: the host others reach this broker at
+    broadcast_tcp_port: int | None = None  # --broadcast-tcp-port / --broadcast-http-port: None, the bound ports
+    broadcast_http_port: int | None = None
+    lookupd_tcp_addresses: tuple = ()      # --lookupd-tcp-address: nsqlookupds to register with (lookupd.py)
+    https_address: str | None = None       # --https-address: the HTTP API over TLS (--tls-cert/--tls-key)
+    auth_http_addresses: tuple = ()        # --auth-http-address: nsqd's auth servers (authd.py)
     web_path: str | None = None      # --web-path: serve the web dashboard (fdq.web) there
     web_write_token: str | None = None   # --web-write-token: actions from the dashboard with it
     metrics_database: str = "leader"     # --metrics-database: leader | always | never (fdq.metrics)
@@ -290,6 +297,7 @@ class Conn:
         self.in_flight = {}        # nsq id -> (fdq Message, deadline)
         self.channel = None
         self.auth = None           # granted permissions (auth.Grant) once AUTH succeeded
+        self._secret = b""         # AUTH's, to ask an auth server again when the grant expires
         self._out = asyncio.Queue()
         self._pending_publishes = 0    # publishes not yet committed (or failed), and their bytes
         self._pending_bytes = 0
@@ -325,7 +333,7 @@ class Conn:
                 "authed": self.auth is not None, "msg_timeout": self.ident.msg_timeout_ms,
                 "heartbeat_interval": self.ident.heartbeat_interval_ms, "name": self.ident.client_id,
                 "timeout_count": self.timeout_count, "deferred_count": 0,
-                "auth_identity": self.auth.identity if self.auth is not None else "", "auth_identity_url": "",
+                "auth_identity": self.auth.identity if self.auth is not None else "", "auth_identity_url": self.auth.identity_url if self.auth is not None else "",
                 "output_buffer_size": self.ident.output_buffer_size,
                 "output_buffer_timeout": self.ident.output_buffer_timeout_ms,
                 "pub_counts": [{"topic": t, "count": n} for t, n in sorted(self.published.items())],
@@ -655,23 +663,36 @@ class Conn:
             raise fatal("E_AUTH_DISABLED", "AUTH Disabled")
         if self.auth is not None:
             raise fatal("E_INVALID", "AUTH Already set")
-        grant = b.auth.lookup(cmd.body)
-        if grant is None:
-            raise fatal("E_AUTH_FAILED", "AUTH failed")
+        self._secret = cmd.body
+        grant = await self._query_auth()
         if not grant.rules:
             raise fatal("E_UNAUTHORIZED", "AUTH No authorizations found")
         self.auth = grant
-        body = json.dumps({"identity": grant.identity, "identity_url": "",
+        body = json.dumps({"identity": grant.identity, "identity_url": grant.identity_url,
                            "permission_count": len(grant.rules)}).encode()
         self._out.put_nowait(p.response(body))
 
-    def _check_auth(self, topic: str, channel: str | None, action: str, verb: str):
-        """nsqd's CheckAuth: ``verb`` (SUB, PUB, ...) names the command in its errors."""
+    async def _query_auth(self):
+        """The grant of the connection's secret (an auth server is asked: in the executor)."""
+        obj = self.writer.get_extra_info("ssl_object") if self.ident.tls_v1 else None
+        cert = (obj.getpeercert() or {}) if obj is not None else {}
+        cn = next((v for rdn in cert.get("subject", ()) for k, v in rdn if k == "commonName"), "")
+        try:
+            return await self.broker.run(self.broker.auth.query, self._secret, (self.remote or ("",))[0],
+                                         bool(self.ident.tls_v1), cn)
+        except AuthFailed:
+            raise fatal("E_AUTH_FAILED", "AUTH failed") from None
+
+    async def _check_auth(self, topic: str, channel: str | None, action: str, verb: str):
+        """nsqd's CheckAuth: ``verb`` (SUB, PUB, ...) names the command in its errors; a
+        grant past its ttl is asked for again."""
         b = self.broker
         if b.auth is None:
             return
         if self.auth is None:
             raise fatal("E_AUTH_FIRST", f"AUTH required before {verb}")
+        if self.auth.expired():
+            self.auth = await self._query_auth()
         if not self.auth.allows(topic, channel, action):
             raise fatal("E_UNAUTHORIZED", f"AUTH failed for {verb} on {p.go_quote(topic.encode())} "
                                           f"{p.go_quote((channel or '').encode())}")
@@ -689,7 +710,7 @@ class Conn:
         if not p.valid_name(channel):
             raise fatal("E_BAD_CHANNEL", f"SUB channel name {p.go_quote(channel)} is not valid")
         topic, channel = topic.decode(), channel.decode()
-        self._check_auth(topic, channel, "subscribe", "SUB")
+        await self._check_auth(topic, channel, "subscribe", "SUB")
         try:
             ch = await self.broker.channel_for(topic, channel, self.ident)
         except ProtocolError:
@@ -806,7 +827,7 @@ class Conn:
 
     async def cmd_pub(self, cmd):
         topic = cmd.params[0].decode()
-        self._check_auth(topic, None, "publish", "PUB")
+        await self._check_auth(topic, None, "publish", "PUB")
         body = cmd.body
         self._publish(topic, lambda: (self.broker.producer.push(topic, body), 1)[1], "E_PUB_FAILED", "PUB",
                       len(body))
@@ -814,21 +835,21 @@ class Conn:
     async def cmd_dpub(self, cmd):
         topic = cmd.params[0].decode()
         ms = p.parse_int(cmd.params[1], "DPUB could not parse timeout")    # the parser checked its range
-        self._check_auth(topic, None, "publish", "DPUB")
+        await self._check_auth(topic, None, "publish", "DPUB")
         body = cmd.body
         self._publish(topic, lambda: (self.broker.producer.push(topic, body, delay=ms / 1000), 1)[1],
                       "E_DPUB_FAILED", "DPUB", len(body))
 
     async def cmd_mpub(self, cmd):
         topic = cmd.params[0].decode()
-        self._check_auth(topic, None, "publish", "MPUB")
+        await self._check_auth(topic, None, "publish", "MPUB")
         bodies = cmd.bodies
         self._publish(topic, lambda: len(self.broker.producer.push_many(topic, bodies)), "E_MPUB_FAILED", "MPUB",
                       sum(map(len, bodies)))
 
     async def cmd_pub_ext(self, cmd):
         topic = cmd.params[0].decode()
-        self._check_auth(topic, None, "publish", "PUB_EXT")
+        await self._check_auth(topic, None, "publish", "PUB_EXT")
         b = self.broker
         if not await b.is_extend(topic):
             raise nonfatal("E_EXT_NOT_SUPPORT", f"PUB_EXT topic {topic!r} has no extend support")
@@ -891,8 +912,13 @@ class Broker:
             self.ssl_context = ctx
             lim.tls = True
             lim.tls_required = self.options.tls_required
+        if self.options.auth_file and self.options.auth_http_addresses:
+            raise ConfigError("--auth-file and --auth-http-address exclude each other: use one")
         if self.options.auth_file:
             self.auth = AuthFile.load(self.options.auth_file)
+            lim.auth_required = True
+        elif self.options.auth_http_addresses:
+            self.auth = AuthServers(self.options.auth_http_addresses)
             lim.auth_required = True
         if not compress.SNAPPY_AVAILABLE:
             lim.snappy = False
@@ -1039,8 +1065,8 @@ class Broker:
 
 async def serve(url: str, tcp_address: str = "127.0.0.1:4150", http_address: str | None = "127.0.0.1:4151",
                 options: BrokerOptions | None = None, ready=None):
-    """Run a broker until SIGTERM/SIGINT. ``ready(tcp_port, http_port)`` is called once listening.
-    Returns the signal that stopped it."""
+    """Run a broker until SIGTERM/SIGINT. ``ready(tcp_port, http_port, https_port)`` is called
+    once listening (None for an address not served). Returns the signal that stopped it."""
     db = connect(url)
     broker = Broker(db, options)
     host, port = split_address(tcp_address)
@@ -1051,12 +1077,24 @@ async def serve(url: str, tcp_address: str = "127.0.0.1:4150", http_address: str
         hhost, hport = split_address(http_address)
         http_server = HTTPServer(broker)
         http_port = await http_server.start(hhost, hport)
+    https_port = None
+    if broker.options.https_address:
+        if broker.ssl_context is None:
+            raise ConfigError("--https-address needs --tls-cert and --tls-key")
+        http_server = http_server or HTTPServer(broker)
+        https_port = await http_server.start(*split_address(broker.options.https_address), broker.ssl_context)
     web = None
     if http_server is not None and broker.options.web_path:
         web = WebApp(db, write_token=broker.options.web_write_token, auth=broker.auth,
                      base=broker.options.web_path,
                      enable_hint="fdq broker --web-write-token TOKEN, or --auth-file with admin secrets").start()
         http_server.mount(broker.options.web_path, web)
+    registrar = None
+    o = broker.options
+    if o.lookupd_tcp_addresses:
+        registrar = Registrar(broker, o.lookupd_tcp_addresses, tcp_port=o.broadcast_tcp_port or tcp_port,
+                              http_port=o.broadcast_http_port or http_port or 0)
+        await registrar.start()
     stop = asyncio.Event()
     stopped_by = []
     loop = asyncio.get_running_loop()
@@ -1068,8 +1106,10 @@ async def serve(url: str, tcp_address: str = "127.0.0.1:4150", http_address: str
         loop.add_signal_handler(sig, on_signal, sig)
     log.info("fdq broker: TCP on %s:%d, HTTP on %s", host, tcp_port, http_port)
     if ready is not None:
-        ready(tcp_port, http_port)
+        ready(tcp_port, http_port, https_port)
     await stop.wait()
+    if registrar is not None:
+        await registrar.close()
     if http_server is not None:
         await http_server.close()
     if web is not None:

@@ -70,8 +70,14 @@ def _duration_default(name):
 @click.option("--tls-key", type=click.Path(exists=True, dir_okay=False), default=None,
               help="TLS private key (PEM).")
 @click.option("--tls-required", is_flag=True, help="Clients must upgrade to TLS.")
+@click.option("--https-address", type=Address(optional=True), default=None,
+              help="<addr>:<port> to serve the HTTP API over TLS on (needs --tls-cert/--tls-key). "
+                   "[default: none]")
 @click.option("--auth-file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Secrets and their permissions (JSON; see fdq/broker/auth.py).")
+@click.option("--auth-http-address", multiple=True,
+              help="nsqd auth server (host:port or URL; repeatable) asked for each secret's permissions "
+                   "(GET /auth?secret=...); excludes --auth-file.")
 @click.option("--web-path", default=None,
               help="Serve the web dashboard (fdq web) under this path of the HTTP address, e.g. /web/.")
 @click.option("--web-write-token", envvar="FDQ_WEB_WRITE_TOKEN", default=None,
@@ -83,6 +89,15 @@ def _duration_default(name):
                    "of the brokers serving /metrics on the database at a time; always = from this broker.")
 @click.option("--metrics-leader-timeout", type=Duration(), default=_duration_default("metrics_leader_timeout"),
               help="The metrics leader's beat standing still this long, another broker takes over.")
+@click.option("--lookupd-tcp-address", type=Address(), multiple=True,
+              help="nsqlookupd TCP address to register with (repeatable): NSQ clients find the broker "
+                   "through nsqlookupd; every topic and subscription of the database is registered.")
+@click.option("--broadcast-address", default=None,
+              help="Address this broker is registered under with nsqlookupd.  [default: the hostname]")
+@click.option("--broadcast-tcp-port", type=click.IntRange(1, 65535), default=None,
+              help="TCP port registered with nsqlookupd.  [default: the bound TCP port]")
+@click.option("--broadcast-http-port", type=click.IntRange(1, 65535), default=None,
+              help="HTTP port registered with nsqlookupd.  [default: the bound HTTP port]")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
               default=_BROKER["log_level"], help="Log level (stderr).")
 @pass_state
@@ -107,8 +122,10 @@ def broker(state, **flags):
     tcp_host = flags["tcp_address"].rpartition(":")[0]
     http_host = flags["http_address"].rpartition(":")[0]
 
-    def ready(tcp_port, http_port):
+    def ready(tcp_port, http_port, https_port):
         http = f"http={http_host}:{http_port}" if http_port is not None else "http=off"
+        if https_port is not None:
+            http += f" https={flags['https_address'].rpartition(':')[0]}:{https_port}"
         web = f" web=http://{http_host}:{http_port}/{flags['web_path'].strip('/')}/" \
             if flags["web_path"] and http_port is not None else ""
         render.note(f"fdq broker: listening tcp={tcp_host}:{tcp_port} {http}{web}")

@@ -34,6 +34,7 @@ class BrokerProc:
         self.http_port = int(parts["http"].rsplit(":", 1)[1])
         self.tcp = f"127.0.0.1:{self.tcp_port}"
         self.http = f"127.0.0.1:{self.http_port}"
+        self.https = parts["https"] if "https" in parts else None      # --https-address
 
     def http_req(self, path, body=None, method=None, headers=None, timeout=30):
         req = urllib.request.Request(f"http://{self.http}{path}", data=body, method=method or ("POST" if body is not None else "GET"),

@@ -1,7 +1,8 @@
 """A pynsq (tornado) client, unchanged library code, run as a subprocess by the tests.
 
     pub ADDR TOPIC N          PUB n/3, MPUB n/3 (batches of 10), DPUB the rest (500 ms)
-    sub ADDR TOPIC CHANNEL N  consume until N distinct bodies are finished; REQ (1 s) the
+    sub ADDR TOPIC CHANNEL N  consume until N distinct bodies are finished (ADDR http://H:P:
+                              discover the brokers through that nsqlookupd); REQ (1 s) the
                               first delivery of every 10th+3, TOUCH-then-FIN every 10th+5
 Prints one JSON line with what happened."""
 import json
@@ -126,7 +127,8 @@ def sub(addr, topic, channel, n):
         else:
             loop.call_later(0.2, tick)
 
-    r = nsq.Reader(topic=topic, channel=channel, message_handler=handler, nsqd_tcp_addresses=[addr],
+    source = dict(lookupd_http_addresses=[addr]) if addr.startswith("http://") else dict(nsqd_tcp_addresses=[addr])
+    r = nsq.Reader(topic=topic, channel=channel, message_handler=handler, **source,
                    max_in_flight=50, max_tries=0, msg_timeout=MSG_TIMEOUT_S, heartbeat_interval=1,
                    lookupd_poll_interval=1, **conn_options())
     loop.call_later(0.5, tick)
@@ -134,8 +136,9 @@ def sub(addr, topic, channel, n):
     loop.start()
     # which compressed socket pynsq switched to (after IDENTIFY negotiated it)
     sockets = [type(getattr(c, "socket", None)).__name__ for c in r.conns.values()]
+    conns = sorted(r.conns)
     r.close()
-    print(json.dumps({"seen": seen, "finished": len(finished), "bad": bad,
+    print(json.dumps({"seen": seen, "finished": len(finished), "bad": bad, "conns": conns,
                       "snappy": "SnappySocket" in sockets, "deflate": "DeflateSocket" in sockets,
                       "ts_min": min(ts) if ts else None, "ts_max": max(ts) if ts else None}), flush=True)
 

@@ -423,3 +423,21 @@ def test_client_states_in_stats_as_nsqd(broker):
     assert states() == {"prod": 0, "cons": 4}
     text = broker.http_req("/stats?topic=states")[1].decode()
     assert "state: 4" in text
+
+
+def test_topic_depth_counts_what_is_published_before_its_first_channel(broker):
+    assert broker.http_req("/mpub?topic=early", b"a\nb\nc")[0] == 200
+    t = stats(broker, topic="early")["topics"][0]
+    assert t["depth"] == 3 and t["channels"] == []           # as nsqd: held by the topic
+    assert broker.http_req("/channel/create?topic=early&channel=first", b"")[0] == 200
+    t = stats(broker, topic="early")["topics"][0]
+    assert t["depth"] == 0 and channel(broker, "early", "first")["depth"] == 3     # moved to the channel
+
+
+def test_stats_memory_has_only_measured_figures(broker):
+    mem = stats(broker)["memory"]
+    for absent in ("heap_idle_bytes", "heap_released_bytes", "next_gc_bytes"):   # CPython cannot measure them
+        assert absent not in mem, mem
+    assert mem["heap_objects"] > 1000 and mem["heap_in_use_bytes"] > 1 << 20 and mem["gc_total_runs"] > 0
+    pauses = [mem.get(f"gc_pause_usec_{q}") for q in (95, 99, 100)]
+    assert pauses == [None] * 3 or 1 <= pauses[0] <= pauses[1] <= pauses[2], mem     # measured, or absent
