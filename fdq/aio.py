@@ -28,7 +28,7 @@ import functools
 import logging
 
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig
-from .consumer import Consumer
+from .consumer import Consumer as _SyncConsumer, check_messages_args
 from .tailing import check_delivery_args
 from .errors import ConfigError, LeaseLost
 from .settlement import RELEASE, Settlement
@@ -53,7 +53,7 @@ def _cancelled(task) -> bool:
 class AsyncTail:
     """A running asyncio consumer (made by :func:`tail`)."""
 
-    def __init__(self, consumer: Consumer, handler, acking: bool, poll_s: float):
+    def __init__(self, consumer: _SyncConsumer, handler, acking: bool, poll_s: float):
         self.consumer = consumer
         self.handler = handler
         self._acking = acking
@@ -196,6 +196,98 @@ class AsyncTail:
         await self.shutdown()
 
 
+class Consumer:
+    """:class:`fdq.Consumer` on an event loop: every engine call in a worker thread.
+
+        async with await fdq.aio.Consumer.open(db, "orders") as c:
+            async for m in c.messages():
+                await store(m.body)
+                m.ack()
+
+    ``open`` takes :class:`fdq.Consumer`'s arguments; ``.consumer`` is the consumer."""
+
+    def __init__(self, consumer):
+        self.consumer = consumer
+
+    @classmethod
+    async def open(cls, db, topic: str, **kwargs) -> "Consumer":
+        loop = asyncio.get_running_loop()
+        return cls(await loop.run_in_executor(None, functools.partial(_SyncConsumer, db, topic, **kwargs)))
+
+    @property
+    def id(self) -> str:
+        return self.consumer.id
+
+    async def _call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+
+    async def messages(self, batch: int = 100, timeout: float | None = None):
+        """As :meth:`fdq.Consumer.messages`, for ``async for``. ``m.ack()``,
+        ``m.nak()``, ``m.term()`` of a message of the batch in hand are recorded, not
+        committed on the loop: they commit (off the loop) before the next batch is
+        leased, when the loop is left, or within half the ack wait if a batch runs
+        long; a message settled after its batch is done commits at once (blocking)."""
+        check_messages_args(batch, timeout)
+        c = self.consumer
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        msgs, given, pending = [], 0, None
+        try:
+            while not c._closed:
+                wait = 1.0 if timeout is None else min(1.0, max(0.0, last + timeout - loop.time()))
+                settled, pending = _end_batch(c, msgs, pending), None
+                msgs, given = await self._call(_settle_and_fetch, c, settled, batch, wait), 0
+                if not msgs:
+                    if timeout is not None and loop.time() - last >= timeout:
+                        return
+                    continue
+                pending = c._begin_round([m for m in msgs if m._taken.lease_id is not None])
+                for m in msgs:
+                    if m._taken.lease_id is not None:
+                        m._deferred = pending
+                    c._mark_handed(m)
+                    given += 1
+                    yield m
+                last = loop.time()
+        finally:
+            settled = _end_batch(c, msgs, pending)
+            rest = [m for m in msgs[given:] if m._taken.lease_id is not None and m._settled is None]
+            if (settled or rest) and not c._closed:
+                try:
+                    await self._call(c.settle, settled + [Settlement(m, RELEASE) for m in rest])
+                except LeaseLost as e:
+                    c._report(e)
+
+    async def close(self):
+        """Leave (:meth:`fdq.Consumer.close`, off the loop)."""
+        await self._call(self.consumer.close)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+
+def _end_batch(consumer, msgs, pending) -> list:
+    """The batch ``msgs`` is done: its recorded settlements (to commit); messages of it
+    settled from now on commit at once."""
+    for m in msgs:
+        m._deferred = None
+    return consumer._end_round(pending) if pending is not None else []
+
+
+def _settle_and_fetch(consumer, settled, batch, wait) -> list:
+    """In a worker thread: commit the last batch's settlements, lease the next batch
+    (not handed over: released at close unless yielded, ``Consumer.messages``)."""
+    if settled:
+        try:
+            consumer.settle(settled)
+        except LeaseLost as e:
+            consumer._report(e)
+    return consumer._fetch_tracked(batch, wait, None, handed=False)
+
+
 async def tail(db, topic: str, handler, acking: bool | None = None, transactional: bool = False,
                batch_size: int = 100, consumer_id: str | None = None,
                subscription: str = DEFAULT_SUBSCRIPTION, config: ConsumerConfig | None = None,
@@ -216,7 +308,7 @@ async def tail(db, topic: str, handler, acking: bool | None = None, transactiona
     poll_s = (config or ConsumerConfig()).poll_interval_s
     loop = asyncio.get_running_loop()
     consumer = await loop.run_in_executor(None, functools.partial(
-        Consumer, db, topic, subscription=subscription, consumer_id=consumer_id, config=config,
+        _SyncConsumer, db, topic, subscription=subscription, consumer_id=consumer_id, config=config,
         batch_size=batch_size, **kwargs))
     if consumer.sub_config.ack_policy == "none":
         # As ``fdq.tail``: its messages are taken, not leased (nothing to ack): at most once.
@@ -234,4 +326,4 @@ async def push(producer, topic: str, body: bytes, **kwargs):
     return await asyncio.wrap_future(producer.push_async(topic, body, **kwargs))
 
 
-__all__ = ["tail", "push", "AsyncTail"]
+__all__ = ["tail", "push", "AsyncTail", "Consumer"]
