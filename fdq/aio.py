@@ -141,6 +141,10 @@ class AsyncTail:
         _IN_ROUND.set(self)     # this task's own context (gather made it a task)
         async with self._slots:
             for m in msgs:
+                if self._stopping and self._acking:     # shutting down: not begun, back uncounted
+                    m.release()
+                    m._deferred = None
+                    continue
                 m._handed = True
                 try:
                     try:

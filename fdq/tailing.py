@@ -313,11 +313,14 @@ class TailConsumer(Consumer):
         queue.fail_in_place(self.db, self._ts, shard, self.id, epoch, taken.vs, max_deliver, reason,
                                taken.record.attempts, taken.delayed_key)
 
-    def close(self):
-        """Stop consuming and leave. Called by a handler (``shutdown()`` from inside a
-        round: the worker or a pool thread, which cannot wait for itself), it returns at
-        once; the worker finishes the round (the message in hand settled as usual, the
-        rest of the batch given back) and then closes the consumer."""
+    def close(self, timeout: float | None = None):
+        """Stop consuming and leave: the handlers running finish their messages (settled
+        as usual), the rest of their batches go back uncounted. Waits up to ``timeout``
+        seconds for them (default: ``WORKER_JOIN_S`` or the ack wait, the longer); a
+        handler still running then keeps its message, which the close hands back as an
+        attempt (nak). Called by a handler (``shutdown()`` from inside a round: the
+        worker or a pool thread, which cannot wait for itself), it returns at once; the
+        worker finishes the round and then closes the consumer."""
         if self._closed:
             return
         self._stop.set()
@@ -325,14 +328,23 @@ class TailConsumer(Consumer):
         if getattr(self._in_round, "active", False):
             self._close_in_worker = True
             return
-        self._finish_close()
+        self._finish_close(timeout)
 
-    def _finish_close(self):
+    def _finish_close(self, timeout: float | None = None):
         if threading.current_thread() is not self._worker:
-            self._worker.join(timeout=max(WORKER_JOIN_S, self.config.ack_wait_s))
+            self._worker.join(timeout=max(WORKER_JOIN_S, self.config.ack_wait_s) if timeout is None else timeout)
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            # a handler still running past the wait is not waited for (its worker thread
+            # is then still in the pool's map): the pool's idle threads end, its own later
+            done = threading.current_thread() is self._worker or not self._worker.is_alive()
+            self._pool.shutdown(wait=done, cancel_futures=True)
         super().close()
+
+    @property
+    def running(self) -> bool:
+        """Whether its worker (and so a handler) still runs: after ``close(timeout)``
+        ran out, a handler that did not return."""
+        return self._worker.is_alive()
 
 
 def _by_shard_number(shards) -> list:
