@@ -169,7 +169,9 @@ class AsyncTail:
         await self._call(msg.in_progress)
 
     async def shutdown(self):
-        """Finish the round in hand (its settlements committed), then leave: the shards
+        """Finish the round in hand: the handlers running finish, the messages no handler
+        began go back at once, no attempt counted (as ``fdq.tail``'s ``shutdown()``), its
+        settlements commit; then leave: the shards
         go to the other consumers at once, and so do the leases of a fetch under way (it
         ends at once; ``Consumer.close`` waits for its worker thread, also when this
         tail's task was cancelled, so nothing it leased waits for its ack wait).
