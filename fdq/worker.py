@@ -45,6 +45,7 @@ class HandlerDefaults:
     topic: str | None = None
     subscription: str | None = None
     mode: str | None = None
+    batch: bool | None = None
 
 
 def _check_mode(mode):
@@ -53,13 +54,18 @@ def _check_mode(mode):
     return mode
 
 
-def handler(fn=None, *, topic: str | None = None, subscription: str | None = None, mode: str | None = None):
-    """Mark ``fn`` as a worker's handler with defaults for its topic, subscription and
-    delivery mode (``@fdq.worker.handler(topic="orders")``; bare ``@fdq.worker.handler``
-    marks it only). Returns ``fn`` itself: it can still be called directly."""
+def handler(fn=None, *, topic: str | None = None, subscription: str | None = None, mode: str | None = None,
+            batch: bool | None = None):
+    """Mark ``fn`` as a worker's handler with defaults for its topic, subscription,
+    delivery mode and whether it takes a batch (a list of messages: ``fdq.tail``'s
+    ``batch=True``) (``@fdq.worker.handler(topic="orders")``; bare
+    ``@fdq.worker.handler`` marks it only). Returns ``fn`` itself: it can still be
+    called directly."""
+    if batch is not None and not isinstance(batch, bool):
+        raise ConfigError(f"batch must be True or False, not {batch!r:.80}")
     defaults = HandlerDefaults(None if topic is None else check_name(topic),
                                None if subscription is None else check_name(subscription, "subscription"),
-                               _check_mode(mode))
+                               _check_mode(mode), batch)
 
     def mark(f):
         if not callable(f):
@@ -81,11 +87,12 @@ def is_coroutine_handler(fn) -> bool:
 
 class Worker:
     """A handler consuming a subscription (``run_worker`` runs one): ``start()``, then
-    ``stop(drain_timeout_s)`` (or ``abort()``). ``handled``: handler calls that ended."""
+    ``stop(drain_timeout_s)`` (or ``abort()``). ``handled``: messages whose handler call
+    ended (returned or raised)."""
 
     def __init__(self, db, handler, *, topic: str | None = None, subscription: str | None = None,
                  mode: str | None = None, concurrency: int | None = None, config: ConsumerConfig | None = None,
-                 batch_size: int = 100, consumer_id: str | None = None, on_error=None):
+                 batch_size: int = 100, consumer_id: str | None = None, on_error=None, batch: bool | None = None):
         if not callable(handler):
             raise ConfigError(f"handler must be callable, not {type(handler).__name__}")
         defaults = defaults_of(handler)
@@ -96,6 +103,9 @@ class Worker:
         self.subscription = subscription or defaults.subscription or DEFAULT_SUBSCRIPTION
         self.mode = _check_mode(mode or defaults.mode or "at-least-once")
         self.is_async = is_coroutine_handler(handler)
+        self.batch = bool(batch if batch is not None else defaults.batch)
+        if self.is_async and self.batch:
+            raise ConfigError("batch handlers run on fdq.tail only: make it a plain function handler(messages)")
         if self.is_async and self.mode == "exactly-once":
             raise ConfigError("exactly-once runs the handler inside the engine transaction, which is "
                               "synchronous: a coroutine handler cannot; make it a plain function handler(tr, msg)")
@@ -132,13 +142,13 @@ class Worker:
                 try:
                     return h(tr, m)
                 finally:
-                    self.handled += 1
+                    self.handled += len(m) if self.batch else 1
         else:
             def run(m):
                 try:
                     return h(m)
                 finally:
-                    self.handled += 1
+                    self.handled += len(m) if self.batch else 1
         return run
 
     @property
@@ -150,7 +160,7 @@ class Worker:
                       config=self.config, on_error=self.on_error)
         if not self.is_async:
             self._tail = tail(self.db, self.topic, self._counted(), acking=self._acking,
-                              transactional=self.mode == "exactly-once", **kwargs)
+                              transactional=self.mode == "exactly-once", batch=self.batch, **kwargs)
             return self
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="fdq-worker-loop", daemon=True)
@@ -216,16 +226,17 @@ class Worker:
 def run_worker(db, handler, *, topic: str | None = None, subscription: str | None = None,
                mode: str | None = None, concurrency: int | None = None, drain_timeout_s: float | None = None,
                stop: threading.Event | None = None, config: ConsumerConfig | None = None, batch_size: int = 100,
-               consumer_id: str | None = None, on_error=None, started=None) -> Worker:
+               consumer_id: str | None = None, on_error=None, batch: bool | None = None, started=None) -> Worker:
     """Run ``handler`` over ``topic``'s ``subscription`` (defaults: ``@handler``'s; the
     subscription ``default``; at-least-once) until ``stop`` is set or an exception
     (KeyboardInterrupt) arrives while it waits, then drain (the module's docstring) and
     return the stopped :class:`Worker` (``running``: a handler outlived the drain); the
     exception is raised again after the drain. ``concurrency``: handlers at once (shards
     of one number never at once: a key's order holds). ``started(worker)`` is called once
-    consuming. A topic or subscription deleted under it ends it (raised)."""
+    consuming. A topic or subscription deleted under it ends it (raised). ``batch``: the
+    handler takes each round's messages as a list (``fdq.tail``'s ``batch=True``)."""
     w = Worker(db, handler, topic=topic, subscription=subscription, mode=mode, concurrency=concurrency,
-               config=config, batch_size=batch_size, consumer_id=consumer_id, on_error=on_error)
+               config=config, batch_size=batch_size, consumer_id=consumer_id, on_error=on_error, batch=batch)
     w.start()
     try:
         if started is not None:

@@ -112,13 +112,16 @@ def _exit_now(code: int, line: str | None):
 @click.option("--mode", type=click.Choice(list(fdq_worker.MODES)), default=None,
               help="Delivery [default: the handler's, else at-least-once]. exactly-once calls "
                    "handler(tr, msg) inside the dequeue transaction.")
+@click.option("--batch", is_flag=True, default=None,
+              help="The handler takes a list of messages (a round's, up to 100) [default: the handler's]: "
+                   "return acks those it left unsettled, raise naks them.")
 @click.option("--drain-timeout", type=Duration(), default=None, metavar="DURATION",
               help="On SIGTERM/Ctrl-C, how long running handlers may take to finish (30s, 1m) "
                    "[default: the ack wait].")
 @click.option("--path", "paths", type=click.Path(exists=True, file_okay=False), multiple=True, metavar="DIR",
               help="Also import from DIR (the current directory always). Repeatable.")
 @pass_state
-def worker(state, handler, topic, subscription, concurrency, mode, drain_timeout, paths):
+def worker(state, handler, topic, subscription, concurrency, mode, batch, drain_timeout, paths):
     """Run HANDLER (module:attr) on a subscription's messages until SIGTERM or Ctrl-C.
 
     The handler takes a message; returning acks it, raising naks it (redelivered
@@ -144,14 +147,15 @@ def worker(state, handler, topic, subscription, concurrency, mode, drain_timeout
     def started(w):
         made.append(w)
         render.note(f"fdq: worker {w.consumer.id}: {module}:{attr} on {w.topic}/{w.subscription}, {w.mode}, "
-                    f"concurrency {w.config.max_concurrency} (SIGTERM or Ctrl-C: drain and stop)")
+                    f"concurrency {w.config.max_concurrency}{', batches' if w.batch else ''} "
+                    "(SIGTERM or Ctrl-C: drain and stop)")
 
-    state.interrupted = lambda: f"worker stopped after {made[0].handled if made else 0:,} handler calls"
+    state.interrupted = lambda: f"worker stopped after {made[0].handled if made else 0:,} messages handled"
     with _Signals(stop) as signals:
         try:
             w = fdq_worker.run_worker(state.db, fn, topic=topic, subscription=subscription, mode=mode,
                                       concurrency=concurrency, drain_timeout_s=drain_timeout, stop=stop,
-                                      started=started)
+                                      batch=batch, started=started)
         except (KeyboardInterrupt, _Terminated) as e:     # a second signal: the consumer has left
             code = app.EXIT_INTERRUPTED if isinstance(e, KeyboardInterrupt) else 128 + signal.SIGTERM
             _exit_now(code, f"fdq: interrupted: {state.interrupted()}; stopped at once, running handlers' "
@@ -162,4 +166,4 @@ def worker(state, handler, topic, subscription, concurrency, mode, drain_timeout
             _exit_now(app.EXIT_INTERRUPTED, f"{late}\nfdq: interrupted: {state.interrupted()}")
         _exit_now(0, late)
     if signals.first != signal.SIGINT:
-        render.note(f"fdq: worker stopped after {w.handled:,} handler calls")
+        render.note(f"fdq: worker stopped after {w.handled:,} messages handled")

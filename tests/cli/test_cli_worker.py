@@ -53,6 +53,11 @@ def once(tr, msg):
     _note(msg)
 
 
+def bhandle(msgs):
+    for m in msgs:
+        _note(m)
+
+
 not_callable = 3
 '''
 
@@ -217,6 +222,19 @@ def test_an_exactly_once_handler_gets_the_transaction(setup, url, db, sup):
     stored = {bytes(kv.value) for kv in tr.get_range(b"worker-test/", b"worker-test0")}
     tr.cancel()
     assert stored == {f"m{i}".encode() for i in range(N)}
+
+
+def test_batch_gives_the_handler_lists(setup, url, db, sup):
+    p = _start(url, setup, "handlers:bhandle", "--topic", "orders", "-s", "billing", "--batch")
+    try:
+        wait_for(lambda: sub_stats(db, "orders", "billing")["acked"] == N, 60, "every message acked")
+        p.send_signal(signal.SIGTERM)
+        code, err, _took = _finish(p, 60)
+    finally:
+        kill_all([p])
+    assert code == 0, err
+    assert ", batches" in err and f"stopped after {N} messages handled" in err, err
+    assert sorted(b for b, _a in _handled(setup)) == sorted(f"m{i}".encode() for i in range(N))
 
 
 def test_options_override_the_decorators_defaults(setup, url, db, sup):

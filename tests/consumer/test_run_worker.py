@@ -108,6 +108,30 @@ def test_run_worker_refuses_what_cannot_run(db, handler, kwargs, text):
         fdq.worker.run_worker(db, handler, **kwargs)
 
 
+def test_a_batch_handler_from_the_decorator_gets_lists(db):
+    _push(db, 60)
+    sizes = []
+
+    @fdq.worker.handler(topic="orders", subscription="billing", batch=True)
+    def bill(msgs):
+        sizes.append(len(msgs))
+
+    stop = threading.Event()
+    t, out = _run_in_thread(db, bill, stop)
+    wait_for(lambda: sum(sizes) == 60, 30, "60 handled")
+    stop.set()
+    t.join(30)
+    assert "error" not in out and out["worker"].handled == 60 and max(sizes) > 1
+    assert sub_stats(db, "orders", "billing")["acked"] == 60
+
+
+def test_a_coroutine_handler_cannot_take_batches(db):
+    async def h(msgs):
+        pass
+    with pytest.raises(fdq.ConfigError, match="batch handlers run on fdq.tail only"):
+        fdq.worker.run_worker(db, h, topic="orders", batch=True)
+
+
 def test_a_coroutine_handler_cannot_be_exactly_once(db):
     async def h(msg):
         pass
