@@ -119,6 +119,7 @@ class Worker:
         self.consumer_id = consumer_id
         self.on_error = on_error
         self.handled = 0
+        self._count_lock = threading.Lock()     # handlers end in several threads at once
         self._tail = None       # the TailConsumer, or fdq.aio's AsyncTail
         self._loop = None       # the event loop of a coroutine handler, in its own thread
         self._loop_thread = None
@@ -128,27 +129,31 @@ class Worker:
         """The consumer (a :class:`fdq.tailing.TailConsumer`, or ``fdq.aio``'s consumer)."""
         return None if self._tail is None else getattr(self._tail, "consumer", self._tail)
 
+    def _ended(self, arg):
+        with self._count_lock:
+            self.handled += len(arg) if self.batch else 1
+
     def _counted(self):
-        """The handler, counting the calls that ended (``handled``)."""
-        h = self.handler
+        """The handler, counting the messages whose call ended (``handled``)."""
+        h, ended = self.handler, self._ended
         if self.is_async:
             async def run(m):
                 try:
                     return await h(m)
                 finally:
-                    self.handled += 1
+                    ended(m)
         elif self.mode == "exactly-once":
             def run(tr, m):
                 try:
                     return h(tr, m)
                 finally:
-                    self.handled += len(m) if self.batch else 1
+                    ended(m)
         else:
             def run(m):
                 try:
                     return h(m)
                 finally:
-                    self.handled += len(m) if self.batch else 1
+                    ended(m)
         return run
 
     @property

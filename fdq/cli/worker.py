@@ -74,7 +74,10 @@ class _Signals:
         if signum == signal.SIGINT:
             app._interrupt.set()
         self.stop.set()
-        render.note(f"fdq: worker: {signal.Signals(signum).name}: draining (send it again to stop at once)")
+        try:
+            render.note(f"fdq: worker: {signal.Signals(signum).name}: draining (send it again to stop at once)")
+        except RuntimeError:    # the signal came while this thread wrote to stderr (reentrant write)
+            pass
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -112,6 +115,8 @@ def _exit_now(code: int, line: str | None):
 @click.option("--mode", type=click.Choice(list(fdq_worker.MODES)), default=None,
               help="Delivery [default: the handler's, else at-least-once]. exactly-once calls "
                    "handler(tr, msg) inside the dequeue transaction.")
+@click.option("--exactly-once", is_flag=True,
+              help="Short for --mode exactly-once.")
 @click.option("--batch", is_flag=True, default=None,
               help="The handler takes a list of messages (a round's, up to 100) [default: the handler's]: "
                    "return acks those it left unsettled, raise naks them.")
@@ -121,7 +126,7 @@ def _exit_now(code: int, line: str | None):
 @click.option("--path", "paths", type=click.Path(exists=True, file_okay=False), multiple=True, metavar="DIR",
               help="Also import from DIR (the current directory always). Repeatable.")
 @pass_state
-def worker(state, handler, topic, subscription, concurrency, mode, batch, drain_timeout, paths):
+def worker(state, handler, topic, subscription, concurrency, mode, exactly_once, batch, drain_timeout, paths):
     """Run HANDLER (module:attr) on a subscription's messages until SIGTERM or Ctrl-C.
 
     The handler takes a message; returning acks it, raising naks it (redelivered
@@ -136,6 +141,10 @@ def worker(state, handler, topic, subscription, concurrency, mode, batch, drain_
     130 on Ctrl-C. A second signal stops at once. A module that cannot be imported,
     or a name that is not a callable: one line, exit 1.
     """
+    if exactly_once:
+        if mode not in (None, "exactly-once"):
+            raise click.UsageError(f"--exactly-once contradicts --mode {mode}")
+        mode = "exactly-once"
     module, attr = handler
     fn = load_handler(module, attr, paths)
     if not logging.getLogger().handlers:    # handler failures (tracebacks), warnings: on stderr

@@ -53,6 +53,10 @@ def once(tr, msg):
     _note(msg)
 
 
+def once_plain(tr, msg):
+    once(tr, msg)
+
+
 def bhandle(msgs):
     for m in msgs:
         _note(m)
@@ -207,8 +211,10 @@ def test_a_second_signal_stops_at_once(setup, url, db, sup):
     assert s["in_flight"] == 0 and s["consumers"] == []
 
 
-def test_an_exactly_once_handler_gets_the_transaction(setup, url, db, sup):
-    p = _start(url, setup, "handlers:once", "--concurrency", "2")
+@pytest.mark.parametrize("argv", [["handlers:once"],       # the decorator's mode
+                                  ["handlers:once_plain", "-t", "orders", "-s", "billing", "--exactly-once"]])
+def test_an_exactly_once_handler_gets_the_transaction(setup, url, db, sup, argv):
+    p = _start(url, setup, *argv, "--concurrency", "2")
     try:
         wait_for(lambda: len(_handled(setup)) >= N and sub_stats(db, "orders", "billing")["backlog"] == 0,
                  60, "every message handled")
@@ -249,6 +255,13 @@ def test_options_override_the_decorators_defaults(setup, url, db, sup):
         kill_all([p])
     assert code == 0, err
     assert sub_stats(db, "orders", "billing")["backlog"] == N
+
+
+def test_exactly_once_contradicting_mode_is_a_usage_error(setup, url):
+    r = subprocess.run([str(FDQ), "worker", "handlers:once", "--exactly-once", "--mode", "at-most-once"],
+                       cwd=setup, capture_output=True, timeout=60, env=_env(url, setup))
+    assert r.returncode == 2
+    assert "Error: --exactly-once contradicts --mode at-most-once" in r.stderr.decode()
 
 
 @pytest.mark.parametrize("spec, code, text", [
