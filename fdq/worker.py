@@ -187,10 +187,11 @@ class Worker:
 
     def stop(self, drain_timeout_s: float | None = None) -> bool:
         """Drain and leave (see the module); True if every handler returned within
-        ``drain_timeout_s`` (None: the consumer's ack wait)."""
+        ``drain_timeout_s`` (None: the consumer's ack wait, as the subscription makes it)."""
         if self._tail is None:
             return True
-        timeout = self.config.ack_wait_s if drain_timeout_s is None else max(0.0, drain_timeout_s)
+        ack_wait_s = self.consumer.config.ack_wait_s      # the subscription's, if it sets one
+        timeout = ack_wait_s if drain_timeout_s is None else max(0.0, drain_timeout_s)
         if not self.is_async:
             self._tail.close(timeout)
             return not self._tail.running

@@ -132,11 +132,11 @@ def worker(state, handler, topic, subscription, concurrency, mode, exactly_once,
     The handler takes a message; returning acks it, raising naks it (redelivered
     with backoff, dead-lettered after max_deliver attempts). A coroutine function
     runs on an event loop (fdq.aio). Decorated with @fdq.worker.handler(topic=...,
-    subscription=..., mode=...), it gives these options' defaults.
+    subscription=..., mode=..., batch=...), it gives these options' defaults.
 
     SIGTERM or Ctrl-C: no new message is leased, running handlers finish (up to
-    --drain-timeout; one still running then is stopped and its message redelivered
-    as a failed attempt), the messages no handler began go back at once without
+    --drain-timeout; one still running then is cut off, the process exiting, and
+    its message redelivered as a failed attempt), the messages no handler began go back at once without
     counting an attempt, and the worker leaves the subscription: exit 0 on SIGTERM,
     130 on Ctrl-C. A second signal stops at once. A module that cannot be imported,
     or a name that is not a callable: one line, exit 1.
