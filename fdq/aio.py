@@ -214,6 +214,7 @@ class Consumer:
 
     def __init__(self, consumer):
         self.consumer = consumer
+        self._batches = set()   # the _Batch of each messages() iterator under way
 
     @classmethod
     async def open(cls, db, topic: str, **kwargs) -> "Consumer":
@@ -231,41 +232,48 @@ class Consumer:
         """As :meth:`fdq.Consumer.messages`, for ``async for``. ``m.ack()``,
         ``m.nak()``, ``m.term()`` of a message of the batch in hand are recorded, not
         committed on the loop: they commit (off the loop) before the next batch is
-        leased, when the loop is left, or within half the ack wait if a batch runs
-        long; a message settled after its batch is done commits at once (blocking)."""
+        leased, when the iterator is closed or the consumer is (``break`` then ``close()``:
+        an iterator left by ``break`` is closed only when Python collects it), or within
+        half the ack wait if a batch runs long; a message settled after its batch is done
+        commits at once (blocking)."""
         check_messages_args(batch, timeout)
         c = self.consumer
         loop = asyncio.get_running_loop()
         last = loop.time()
-        msgs, given, pending = [], 0, None
+        b = _Batch()
+        self._batches.add(b)
         try:
             while not c._closed:
                 wait = 1.0 if timeout is None else min(1.0, max(0.0, last + timeout - loop.time()))
-                settled, pending = _end_batch(c, msgs, pending), None
-                msgs, given = await self._call(_settle_and_fetch, c, settled, batch, wait), 0
+                msgs = await self._call(_settle_and_fetch, c, b.finish(c), batch, wait)
                 if not msgs:
                     if timeout is not None and loop.time() - last >= timeout:
                         return
                     continue
-                pending = c._begin_round([m for m in msgs if m._taken.lease_id is not None])
+                b.begin(c, msgs)
                 for m in msgs:
-                    if m._taken.lease_id is not None:
-                        m._deferred = pending
                     c._mark_handed(m)
-                    given += 1
+                    b.given += 1
                     yield m
                 last = loop.time()
         finally:
-            settled = _end_batch(c, msgs, pending)
-            rest = [m for m in msgs[given:] if m._taken.lease_id is not None and m._settled is None]
-            if (settled or rest) and not c._closed:
-                try:
-                    await self._call(c.settle, settled + [Settlement(m, RELEASE) for m in rest])
-                except LeaseLost as e:
-                    c._report(e)
+            self._batches.discard(b)
+            await self._flush(b)
+
+    async def _flush(self, b: "_Batch"):
+        """Commit what ``b``'s batch recorded and give back what it did not yield."""
+        settlements = b.finish(self.consumer)
+        if settlements and not self.consumer._closed:
+            try:
+                await self._call(self.consumer.settle, settlements)
+            except LeaseLost as e:
+                self.consumer._report(e)
 
     async def close(self):
-        """Leave (:meth:`fdq.Consumer.close`, off the loop)."""
+        """Commit the settlements its iterators recorded, give back what they did not
+        yield, then leave (:meth:`fdq.Consumer.close`, off the loop)."""
+        while self._batches:
+            await self._flush(self._batches.pop())
         await self._call(self.consumer.close)
 
     async def __aenter__(self):
@@ -275,12 +283,31 @@ class Consumer:
         await self.close()
 
 
-def _end_batch(consumer, msgs, pending) -> list:
-    """The batch ``msgs`` is done: its recorded settlements (to commit); messages of it
-    settled from now on commit at once."""
-    for m in msgs:
-        m._deferred = None
-    return consumer._end_round(pending) if pending is not None else []
+class _Batch:
+    """The batch a ``Consumer.messages()`` iterator has in hand: its messages, how many
+    it yielded, the round collecting their settlements."""
+
+    __slots__ = ("msgs", "given", "pending")
+
+    def __init__(self):
+        self.msgs, self.given, self.pending = [], 0, None
+
+    def begin(self, consumer, msgs):
+        leased = [m for m in msgs if m._taken.lease_id is not None]     # not: taken (ack_policy none)
+        self.msgs, self.given, self.pending = msgs, 0, consumer._begin_round(leased)
+        for m in leased:
+            m._deferred = self.pending
+
+    def finish(self, consumer) -> list:
+        """The batch is done: its recorded settlements and a release of each message it
+        did not yield (to commit); its messages settled from now on commit at once."""
+        for m in self.msgs:
+            m._deferred = None
+        out = consumer._end_round(self.pending) if self.pending is not None else []
+        out += [Settlement(m, RELEASE) for m in self.msgs[self.given:]
+                if m._taken.lease_id is not None and m._settled is None]
+        self.msgs, self.given, self.pending = [], 0, None
+        return out
 
 
 def _settle_and_fetch(consumer, settled, batch, wait) -> list:
