@@ -87,7 +87,7 @@ def is_coroutine_handler(fn) -> bool:
 
 class Worker:
     """A handler consuming a subscription (``run_worker`` runs one): ``start()``, then
-    ``stop(drain_timeout_s)`` (or ``abort()``). ``handled``: messages whose handler call
+    ``stop(drain_timeout_s)`` (or ``abort()``). ``handled``: deliveries whose handler call
     ended (returned or raised)."""
 
     def __init__(self, db, handler, *, topic: str | None = None, subscription: str | None = None,

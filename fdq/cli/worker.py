@@ -159,7 +159,7 @@ def worker(state, handler, topic, subscription, concurrency, mode, exactly_once,
                     f"concurrency {w.config.max_concurrency}{', batches' if w.batch else ''} "
                     "(SIGTERM or Ctrl-C: drain and stop)")
 
-    state.interrupted = lambda: f"worker stopped after {made[0].handled if made else 0:,} messages handled"
+    state.interrupted = lambda: f"worker stopped after {made[0].handled if made else 0:,} deliveries handled"
     with _Signals(stop) as signals:
         try:
             w = fdq_worker.run_worker(state.db, fn, topic=topic, subscription=subscription, mode=mode,
@@ -175,4 +175,4 @@ def worker(state, handler, topic, subscription, concurrency, mode, exactly_once,
             _exit_now(app.EXIT_INTERRUPTED, f"{late}\nfdq: interrupted: {state.interrupted()}")
         _exit_now(0, late)
     if signals.first != signal.SIGINT:
-        render.note(f"fdq: worker stopped after {w.handled:,} messages handled")
+        render.note(f"fdq: worker stopped after {w.handled:,} deliveries handled")

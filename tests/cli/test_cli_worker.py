@@ -62,6 +62,12 @@ def bhandle(msgs):
         _note(m)
 
 
+def flaky(msg):
+    if msg.body == b"m3" and msg.attempts == 1:
+        raise ValueError("bad input m3")
+    _note(msg)
+
+
 not_callable = 3
 '''
 
@@ -239,8 +245,22 @@ def test_batch_gives_the_handler_lists(setup, url, db, sup):
     finally:
         kill_all([p])
     assert code == 0, err
-    assert ", batches" in err and f"stopped after {N} messages handled" in err, err
+    assert ", batches" in err and f"stopped after {N} deliveries handled" in err, err
     assert sorted(b for b, _a in _handled(setup)) == sorted(f"m{i}".encode() for i in range(N))
+
+
+def test_a_failing_handler_is_logged_with_its_traceback_and_its_message_redelivered(setup, url, db, sup):
+    p = _start(url, setup, "handlers:flaky", "-t", "orders", "-s", "billing", "-c", "4")
+    try:
+        wait_for(lambda: sub_stats(db, "orders", "billing")["acked"] == N, 60, "every message acked")
+        p.send_signal(signal.SIGTERM)
+        code, err, _took = _finish(p, 60)
+    finally:
+        kill_all([p])
+    assert code == 0, err
+    assert "handler failed on orders/billing message" in err and "ValueError: bad input m3" in err, err
+    assert "Traceback" in err and f"stopped after {N + 1} deliveries handled" in err, err
+    assert (b"m3", 2) in _handled(setup)
 
 
 def test_options_override_the_decorators_defaults(setup, url, db, sup):
