@@ -114,6 +114,8 @@ def _finish(p, timeout):
 def _rest(db, n) -> dict:
     """{body: attempts} of the ``n`` messages left on billing, fetched and acked."""
     out = {}
+    if n == 0:
+        return out
     with fdq.Consumer(db, "orders", subscription="billing", create=False) as c:
         for m in c.messages(timeout=10):
             out[m.body] = m.attempts
@@ -168,6 +170,25 @@ def test_ctrl_c_mid_run_drains_and_exits_130(setup, url, db, sup):
     assert code == 130, err
     assert "Traceback" not in err and err.splitlines()[-1].startswith("fdq: interrupted: worker stopped after"), err
     _check_each_handled_once_or_back_uncounted(db, sup, setup)
+
+
+def test_at_most_once_drains_the_batches_it_took(setup, url, db, sup):
+    """At most once a batch is gone from the queue once taken: the drain runs every
+    message of it (none lost, none twice)."""
+    p = _start(url, setup, "handlers:handle", "--mode", "at-most-once", "-c", "4")
+    try:
+        wait_for(lambda: len(_handled(setup)) >= 20, 60, "20 messages handled")
+        p.send_signal(signal.SIGTERM)
+        code, err, _took = _finish(p, 60)
+    finally:
+        kill_all([p])
+    assert code == 0, err
+    counts = collections.Counter(b for b, _a in _handled(setup))
+    assert set(counts.values()) == {1}
+    s = sub_stats(db, "orders", "billing")
+    assert s["in_flight"] == 0 and s["backlog"] == N - len(counts)
+    rest = _rest(db, N - len(counts))
+    assert set(rest) | set(counts) == {f"m{i}".encode() for i in range(N)}
 
 
 def test_a_handler_stuck_past_the_drain_timeout_is_left_and_its_message_counted(setup, url, db, sup):
