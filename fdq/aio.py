@@ -1,5 +1,6 @@
-"""asyncio variants of ``tail`` and ``push``: coroutine handlers on the caller's event
-loop, every engine call in a worker thread, so the loop never blocks on the database.
+"""asyncio variants of ``tail``, ``push`` and the pull consumer (``Consumer``, whose
+``messages()`` is for ``async for``): coroutine handlers on the caller's event loop,
+every engine call in a worker thread, so the loop never blocks on the database.
 
     async def handle(msg):
         await store(msg.body)              # return = ack, raise = nak (with backoff)
