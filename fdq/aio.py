@@ -96,7 +96,10 @@ class AsyncTail:
             try:
                 self._in_fetch = True
                 try:
-                    msgs = await self._call(self.consumer.fetch, self.batch_size, self._poll_s)
+                    # not handed over until a handler begins (``_mark_handed``): what none
+                    # began goes back uncounted at close, also past a drain's timeout
+                    msgs = await self._call(self.consumer._fetch_tracked, self.batch_size, self._poll_s, None,
+                                            False)
                 finally:
                     self._in_fetch = False
                 if msgs and self._stopping:     # never handed to a handler: back, no attempt counted
@@ -146,7 +149,7 @@ class AsyncTail:
                     m.release()
                     m._deferred = None
                     continue
-                m._handed = True
+                self.consumer._mark_handed(m)
                 try:
                     try:
                         await self.handler(m)

@@ -865,6 +865,7 @@ class Consumer:
         self._member.join(timeout=10)
         deadline = _monotonic() + _GOODBYE_MS / 1000
         self._await_fetches(deadline)
+        self._settle_rounds(deadline)
         self._return_leases(deadline)
         for w in [*self._watches.values(), self._assign_watch]:
             if w is not None:
@@ -883,6 +884,28 @@ class Consumer:
         with self._fetch_done:
             self._fetch_done.wait_for(lambda: all(t == me for t in self._fetching),
                                       max(0.0, deadline - _monotonic()))
+
+    def _settle_rounds(self, deadline):
+        """Commit what the rounds still in hand recorded (a handler still running when a
+        tail's close stopped waiting: the acks of the messages its round finished, the
+        releases of those it gave back), so ``_return_leases`` naks only what a handler
+        still has. Taken from the round: its owner, ending it later, does not commit
+        them again."""
+        items = []
+        for r in list(self._rounds.values()):
+            taken = self._end_round(r)
+            del r[:len(taken)]
+            items += taken
+        if not items:
+            return
+        try:
+            lost = run_within(self.db, _ms_until(deadline), queue.settle, self._ts, _settle_rows(items),
+                              self.config.max_deliver)
+            error = self._settled(items, lost, [])
+            if error is not None:
+                self._report(error)
+        except FDQError as e:
+            self._report(e)
 
     def _mark_handed(self, m):
         """``m`` goes to a handler (a tail's round): from now on it is an attempt, nak'd if

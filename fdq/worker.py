@@ -123,6 +123,7 @@ class Worker:
         self._tail = None       # the TailConsumer, or fdq.aio's AsyncTail
         self._loop = None       # the event loop of a coroutine handler, in its own thread
         self._loop_thread = None
+        self._cut_off = False   # a coroutine handler was left running (its loop stopped under it)
 
     @property
     def consumer(self):
@@ -200,6 +201,7 @@ class Worker:
             fut.result(timeout)
             return True
         except concurrent.futures.TimeoutError:
+            self._cut_off = True
             self._tail.consumer.close()     # its leases back (started: nak), membership left
             return False
         finally:
@@ -212,6 +214,7 @@ class Worker:
         if not self.is_async:
             self._tail.close(0)
             return
+        self._cut_off = not self._tail._task.done()
         self._tail.consumer.close()
         self._stop_loop()
 
@@ -225,7 +228,7 @@ class Worker:
         if self._tail is None:
             return False
         if self.is_async:
-            return self._loop_thread.is_alive() and not self._tail._task.done()
+            return self._cut_off
         return self._tail.running
 
 
@@ -237,13 +240,15 @@ def run_worker(db, handler, *, topic: str | None = None, subscription: str | Non
     subscription ``default``; at-least-once) until ``stop`` is set or an exception
     (KeyboardInterrupt) arrives while it waits, then drain (the module's docstring) and
     return the stopped :class:`Worker` (``running``: a handler outlived the drain); the
-    exception is raised again after the drain. ``concurrency``: handlers at once (shards
+    exception is raised again after the drain. An exception once stopping (``stop``
+    set: a second signal) leaves at once. ``concurrency``: handlers at once (shards
     of one number never at once: a key's order holds). ``started(worker)`` is called once
     consuming. A topic or subscription deleted under it ends it (raised). ``batch``: the
     handler takes each round's messages as a list (``fdq.tail``'s ``batch=True``)."""
     w = Worker(db, handler, topic=topic, subscription=subscription, mode=mode, concurrency=concurrency,
                config=config, batch_size=batch_size, consumer_id=consumer_id, on_error=on_error, batch=batch)
     w.start()
+    stopping = False
     try:
         if started is not None:
             started(w)
@@ -253,12 +258,18 @@ def run_worker(db, handler, *, topic: str | None = None, subscription: str | Non
                 time.sleep(TICK_S)
             else:
                 stop.wait(TICK_S)
-    finally:
-        try:
+        stopping = True
+        w.stop(drain_timeout_s)
+    except BaseException:
+        if stopping or (stop is not None and stop.is_set()):
+            w.abort()       # a second request (a signal) while stopping: leave at once
+            raise
+        try:                # the first: drain, then raise it
             w.stop(drain_timeout_s)
-        except BaseException:       # a second interrupt: leave at once
+        except BaseException:
             w.abort()
             raise
+        raise
     return w
 
 
