@@ -54,22 +54,24 @@ def load_handler(module: str, attr: str, paths=()):
     return obj
 
 
-class _Terminated(Exception):
-    """A second SIGTERM while draining: leave at once."""
+# How long a second signal's leaving (leases back, membership left) may take before the
+# process ends anyway.
+AT_ONCE_S = 10.0
 
 
 class _Signals:
     """SIGTERM and SIGINT while the worker runs: the first sets ``stop`` (SIGINT also the
     CLI's interrupt flag, so the command ends with exit 130 and its one line); a second
-    one raises (KeyboardInterrupt, or ``_Terminated`` for SIGTERM), ending the drain."""
+    one ends the process (``at_once(code)``), wherever the main thread is: an exception
+    raised there could be swallowed (a finalizer) or land inside a transaction."""
 
-    def __init__(self, stop: threading.Event):
-        self.stop, self.first = stop, None
+    def __init__(self, stop: threading.Event, at_once):
+        self.stop, self.first, self.at_once = stop, None, at_once
         self._previous = {}
 
     def _on_signal(self, signum, _frame):
         if self.stop.is_set():
-            raise KeyboardInterrupt if signum == signal.SIGINT else _Terminated()
+            self.at_once(app.EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signal.SIGTERM)
         self.first = signum
         if signum == signal.SIGINT:
             app._interrupt.set()
@@ -160,15 +162,21 @@ def worker(state, handler, topic, subscription, concurrency, mode, exactly_once,
                     "(SIGTERM or Ctrl-C: drain and stop)")
 
     state.interrupted = lambda: f"worker stopped after {made[0].handled if made else 0:,} deliveries handled"
-    with _Signals(stop) as signals:
-        try:
-            w = fdq_worker.run_worker(state.db, fn, topic=topic, subscription=subscription, mode=mode,
-                                      concurrency=concurrency, drain_timeout_s=drain_timeout, stop=stop,
-                                      batch=batch, started=started)
-        except (KeyboardInterrupt, _Terminated) as e:     # a second signal: the consumer has left
-            code = app.EXIT_INTERRUPTED if isinstance(e, KeyboardInterrupt) else 128 + signal.SIGTERM
-            _exit_now(code, f"fdq: interrupted: {state.interrupted()}; stopped at once, running handlers' "
-                            "messages go back as failed attempts")
+
+    def at_once(code):
+        """A second signal: leave (in a thread, at most ``AT_ONCE_S``: the main thread
+        may hold what leaving needs), then end the process."""
+        if made:
+            leaving = threading.Thread(target=made[0].abort, name="fdq-worker-abort", daemon=True)
+            leaving.start()
+            leaving.join(AT_ONCE_S)
+        _exit_now(code, f"fdq: interrupted: {state.interrupted()}; stopped at once, running handlers' "
+                        "messages go back as failed attempts")
+
+    with _Signals(stop, at_once) as signals:
+        w = fdq_worker.run_worker(state.db, fn, topic=topic, subscription=subscription, mode=mode,
+                                  concurrency=concurrency, drain_timeout_s=drain_timeout, stop=stop,
+                                  batch=batch, started=started)
     if w.running:
         late = "fdq: warning: handlers still running after the drain timeout: their messages go back as failed attempts"
         if signals.first == signal.SIGINT:
