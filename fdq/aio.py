@@ -28,6 +28,7 @@ import contextvars
 import functools
 import logging
 
+from . import hooks
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig
 from .consumer import Consumer as _SyncConsumer, check_messages_args
 from .tailing import check_delivery_args
@@ -150,6 +151,8 @@ class AsyncTail:
                     m._deferred = None
                     continue
                 self.consumer._mark_handed(m)
+                call = hooks.begin_handle(m) if hooks.active else None
+                error = None
                 try:
                     try:
                         await self.handler(m)
@@ -162,11 +165,17 @@ class AsyncTail:
                     if self._acking and m._settled is None:
                         m.ack()
                 except Exception as e:
+                    error = e
                     if self._acking and m._settled is None:
                         m.nak(error=e)
                     self.consumer._report(e, m)
+                except BaseException as e:
+                    error = e
+                    raise
                 finally:
                     m._deferred = None
+                    if call is not None:
+                        call.end(error)
 
     async def in_progress(self, msg):
         """Extend ``msg``'s lease now (one transaction, off the loop)."""

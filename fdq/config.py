@@ -248,7 +248,7 @@ class ConsumerConfig:
     (tag dispatch gives each tag's shards to the consumers wanting it).
     ``poll_interval_s``: the longest a consumer sleeps without a watch firing.
     ``lease_check_interval_s``: how often a consumer checks its shards' leases and
-    advances the database clock that delays are due by (``membership.read_clock``): a
+    advances the topic's clock that delays are due by (``membership.read_clock``): a
     delay ends at most about this much late, never early.
     Lower bounds (``MIN_INTERVALS``): 0.01 s for ``ack_wait_s``, ``heartbeat_interval_s``
     and ``lease_check_interval_s``, 0.001 s for ``poll_interval_s``; below them a

@@ -34,6 +34,11 @@ class SubscriptionNotFound(FDQError):
     """The subscription does not exist."""
 
 
+class MessageNotFound(FDQError):
+    """No trace of the message: not in the topic's log (trimmed, or never pushed) nor
+    in any queue or dead-letter queue of its subscriptions."""
+
+
 class ConsumerStalled(FDQError):
     """A consumer could not reach the database, or owned no shard, for over 3 heartbeats."""
 

@@ -5,7 +5,8 @@ JSON-compatible: str, int (64 bits), finite float, bool, None, lists and maps wi
 keys, nested at most ``MAX_DEPTH`` levels. Tuples are stored as lists. Names starting
 ``##`` are FDQ's: ``##client_dispatch_tag`` (tag dispatch: a tag is a non-empty string
 of the name characters) and ``##trace_id`` (a string of digits is echoed in the
-``PushResult``); any other ``##`` name is refused. Limits: at most ``MAX_HEADERS``
+``PushResult``); any other ``##`` name is refused. Only extend topics store headers,
+except the trace context ones (``PROPAGATION``), stored on every topic. Limits: at most ``MAX_HEADERS``
 headers, ``MAX_HEADER_BYTES`` bytes encoded (msgpack, as stored with the message).
 """
 from __future__ import annotations
@@ -22,6 +23,10 @@ NAME_RE = re.compile(r"[0-9a-zA-Z_\-#]+")      # used with fullmatch: "a\n" is n
 DISPATCH_TAG = "##client_dispatch_tag"
 TRACE_ID = "##trace_id"
 RESERVED = frozenset({DISPATCH_TAG, TRACE_ID})
+# Trace context (W3C Trace Context and Baggage, as OpenTelemetry's default propagators
+# write them: fdq.tracing): the headers every topic stores, extend support or not (a
+# plain topic refuses any other header; its NSQ clients get no headers).
+PROPAGATION = frozenset({"traceparent", "tracestate", "baggage"})
 MAX_HEADERS = 64
 MAX_HEADER_BYTES = 8192
 MAX_NAME_CHARS = 128

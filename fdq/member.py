@@ -6,7 +6,7 @@ if its record vanished), times its peers' counters (one unchanged for the zombie
 is declared a zombie: its shards move), re-reads the topic config and the subscription's
 (updates apply at once), gives new dispatch tags' shards owners, refreshes the shards it
 owns, and helps a catch-up left unfinished. Every lease check interval it advances the
-database clock, keeps long rounds leased (``message._Round``) and expires leases seen
+topic's clock, keeps long rounds leased (``message._Round``) and expires leases seen
 unchanged for their ack wait. The stall watch reports ``ConsumerStalled`` when no
 heartbeat round has reached the database, or no shard has been owned, for over three
 heartbeats: the loop may be stuck in a database call.
@@ -56,16 +56,17 @@ class Member:
         self.last_error = None
         self.noshard_since = None
         self.stall_reported = False
+        self.standby = False            # owns no shard: every shard has a live owner (``observe_standby``)
         self.reaper = Reaper(consumer.config.zombie_after_s)
         self.catching_up_since = None   # when this consumer first saw its subscription catching up
         self.catch_up_helper = None
-        self.clock_base = None          # (database clock ms, this host's monotonic s) last seen
+        self.clock_base = None          # (topic clock ms, this host's monotonic s) last seen
         self.reassigned = threading.Event()  # the assignment watch fired (``Consumer._assignment_changed``)
         self.thread = None
         self.watchdog = None
 
     def start(self):
-        """Advance the database clock once, then start the loop and the stall watch."""
+        """Advance the topic's clock once, then start the loop and the stall watch."""
         c = self.consumer
         self.tick_clock(_monotonic())
         self.thread = threading.Thread(target=self._loop, name=f"fdq-member-{c.id}", daemon=True)
@@ -102,11 +103,12 @@ class Member:
                             c._refresh_owned()   # owns nothing, reports it once
                             continue
                         c._rejoin()
-                    self.observe_peers(now)
+                    members = self.observe_peers(now)
                     c._topic_config = read_topic_config(c.db, c._ts, snapshot=True)
                     self.help_catch_up(now)
                     membership.assign_new_tags(c.db, c._ts, c.subscription)  # new tags
                     c._refresh_owned()
+                    self.observe_standby(members)
                     self.observe_subscriptions(now)
                     self.hb_ok = _monotonic()
                     self.last_error = None     # what the stall alarm names: since the last heartbeat
@@ -171,14 +173,32 @@ class Member:
         while not c._stop.wait(c.config.heartbeat_interval_s / 2):
             self.check_stall(_monotonic())
 
-    def check_stall(self, now: float):
-        """The heartbeat alarm: report ``ConsumerStalled`` once (again after a recovery)
-        when no heartbeat round has reached the database, or this consumer has owned no
-        shard, for over 3 heartbeats."""
+    def observe_standby(self, members: dict):
+        """Whether this consumer is on standby: it owns no shard because every shard of
+        its subscription has a live owner (more consumers than shards). Not a stall: it
+        takes a shard when one frees. Logged once each time it begins."""
         c = self.consumer
         with c._owned_lock:
             owned = bool(c._owned)
-        self.noshard_since = None if owned else (self.noshard_since or now)
+        standby = False
+        if not owned:
+            owners = membership.read_owners(c.db, c._ts, c.subscription)
+            standby = bool(owners) and all(o is not None and o != c.id and o in members
+                                           for o, _e in owners.values())
+            if standby and not self.standby:
+                log.info("consumer %s of %s/%s is on standby: %d consumers share %d shards; it takes one "
+                         "when one frees (more shards let more consumers work: fdq rebalance %s --shards N)",
+                         c.id, c.topic, c.subscription, len(members), len(owners), c.topic)
+        self.standby = standby
+
+    def check_stall(self, now: float):
+        """The heartbeat alarm: report ``ConsumerStalled`` once (again after a recovery)
+        when no heartbeat round has reached the database, or this consumer has owned no
+        shard while not on standby (``observe_standby``), for over 3 heartbeats."""
+        c = self.consumer
+        with c._owned_lock:
+            owned = bool(c._owned)
+        self.noshard_since = None if owned or self.standby else (self.noshard_since or now)
         limit = 3 * c.config.heartbeat_interval_s
         unreachable = now - self.hb_ok
         no_shard = now - self.noshard_since if self.noshard_since is not None else 0.0
@@ -195,7 +215,7 @@ class Member:
                                       f"for {since:.2f}s (over 3 heartbeats)"))
 
     def tick_clock(self, now: float):
-        """Advance the database clock (delays are due by it) by the time that passed on
+        """Advance the topic's clock (delays are due by it) by the time that passed on
         this host's monotonic clock since this consumer last saw it: never by versions
         (they jump on recoveries), never by wall clocks (they disagree)."""
         c = self.consumer
@@ -210,7 +230,7 @@ class Member:
         zombie (its shards move). One member declares it: the live one (by this
         member's observation) with the smallest id, so hundreds of consumers do not all
         declare the same zombie at once; any member does once it has stayed unchanged
-        for twice its timeout (observations can differ)."""
+        for twice its timeout (observations can differ). Returns the members read."""
         c = self.consumer
         members = membership.read_members(c.db, c._ts, c.subscription)
         # A heartbeat value first seen now is timed from after the read that saw it, not
@@ -238,6 +258,7 @@ class Member:
                          c.id, cid, seen[0], now - seen[1])
             self.peers.pop(cid, None)
             c._refresh_owned()
+        return members
 
     def check_leases(self, now: float):
         """Expire leases of owned shards seen unchanged (same lease, same touches) for
@@ -298,16 +319,22 @@ class Reaper:
     """Watches the members of a topic's ephemeral subscriptions for zombies (heartbeat
     counter unchanged for ``zombie_after_s`` on this host's monotonic clock), so a
     subscription whose last consumer was killed is deleted even with no peer left to
-    notice. Consumers of the topic run one in their heartbeat; ``Supervisor.reap`` too."""
+    notice. Consumers of the topic run one in their heartbeat; ``Supervisor.reap`` too,
+    with ``every_subscription``: the members of durable subscriptions as well (a killed
+    consumer with no live peer to notice would stay registered). ``declared``: the
+    (sub, cid) its last observation declared zombies."""
 
-    def __init__(self, zombie_after_s: float):
+    def __init__(self, zombie_after_s: float, every_subscription: bool = False):
         self.zombie_after_s = zombie_after_s
+        self.every_subscription = every_subscription
         self.longest_timeout_s = zombie_after_s   # the longest timeout a member advertised
         self._seen = {}          # (sub, cid) -> (hb, since)
+        self.declared = []
 
     def observe(self, db, ts: TopicSpace, topic_config, now: float, skip: str | None = None) -> list:
         """One observation; returns the subscriptions deleted."""
         deleted = []
+        self.declared = []
         live = set()
         for sub in topic_config.subs:
             if sub == skip:
@@ -318,7 +345,7 @@ class Reaper:
                 eph = subs.is_ephemeral(sub, subs.read_subscription(db, ts, sub, snapshot=True, topic_config=topic_config))
             except SubscriptionNotFound:
                 continue
-            if not eph:
+            if not eph and not self.every_subscription:
                 continue
             members = membership.read_members(db, ts, sub)
             seen_at = max(now, time.monotonic())    # first seen after the read (see Consumer._observe_peers)
@@ -330,9 +357,10 @@ class Reaper:
                     self._seen[(sub, cid)] = (m["hb"], seen_at)
                 elif now - seen[1] >= max(self.zombie_after_s, _advertised_timeout(m["record"])):
                     self._seen.pop((sub, cid), None)
-                    if subs.declare_zombie(db, ts, sub, cid, seen[0]) and \
-                            sub not in read_topic_config(db, ts, snapshot=True).subs:
-                        deleted.append(sub)
+                    if subs.declare_zombie(db, ts, sub, cid, seen[0]):
+                        self.declared.append((sub, cid))
+                        if sub not in read_topic_config(db, ts, snapshot=True).subs:
+                            deleted.append(sub)
         for key in [k for k in self._seen if k not in live]:
             del self._seen[key]
         return deleted

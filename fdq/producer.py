@@ -28,6 +28,7 @@ from .headers import trace_id
 from .keyspace import Keyspace, message_id
 from .ops.push import TX_WRITE_BYTES, fits, push_batch, read_marker
 from .ops.routing import spread_start
+from . import hooks
 from .supervisor import replay_window
 from .times import to_ms
 from .ops.topics import HOLD_WAIT_S
@@ -306,8 +307,17 @@ class Producer:
              delay: float | None = None, headers: Mapping | None = None) -> PushResult:
         """Push one message; returns after it is committed. A call interrupted (by a
         signal handler's exception) may still commit its push, as a cancelled future."""
-        item = _Item(check_name(topic), Envelope(body, shard_key, delay, msg_id, headers))
+        topic = check_name(topic)
+        env = Envelope(body, shard_key, delay, msg_id, headers)
+        call = None
+        if hooks.active:
+            envs = [env]
+            call = hooks.begin_push(topic, envs)
+            env = envs[0]
+        item = _Item(topic, env)
         self._group.submit(item)
+        if call is not None:
+            call.end(None if item.error is not None else [item.result], item.error)
         if item.error is not None:
             raise item.error
         return item.result
@@ -319,8 +329,16 @@ class Producer:
         ``PushResult``, resolved after the commit. Pending pushes share transactions
         (committed by one background thread per producer). Cancelling the future does
         not recall the push."""
-        item = _Item(check_name(topic), Envelope(body, shard_key, delay, msg_id, headers),
-                     future=_ConcurrentFuture())
+        topic = check_name(topic)
+        env = Envelope(body, shard_key, delay, msg_id, headers)
+        call = None
+        if hooks.active:
+            envs = [env]
+            call = hooks.begin_push(topic, envs)
+            env = envs[0]
+        item = _Item(topic, env, future=_ConcurrentFuture())
+        if call is not None:    # (before the commit can resolve it: run in the committing thread)
+            item.future.add_done_callback(call.end_future)
         self._group.submit_async(item)
         return item.future
 
@@ -342,7 +360,7 @@ class Producer:
             raise InvalidMessage(f"push_many of {len(envs):,} messages: one transaction holds at most "
                                  f"{MAX_PER_TRANSACTION:,} (a message id numbers it in 2 bytes)")
         try:
-            return self._commit([(topic, e) for e in envs])
+            return self._commit_hooked([(topic, e) for e in envs])
         except EngineError as e:
             if e.code != 2101 or len(envs) == 1:
                 raise
@@ -441,16 +459,38 @@ class Producer:
                 if len(pending) < max_messages and fits(0, body_bytes):
                     continue
             while pending:
-                results = self._commit(pending, budget=TX_WRITE_BYTES, also=also)
+                results = self._commit_hooked(pending, budget=TX_WRITE_BYTES, also=also)
                 del pending[:len(results)]
                 body_bytes = sum(len(it[1].body) for it in pending)
                 yield results
                 if item is not None and len(pending) < max_messages and fits(0, body_bytes):
                     break   # room again: read on
         while pending:
-            results = self._commit(pending, budget=TX_WRITE_BYTES, also=also)
+            results = self._commit_hooked(pending, budget=TX_WRITE_BYTES, also=also)
             del pending[:len(results)]
             yield results
+
+    def _commit_hooked(self, items: list, budget: int | None = None, also=None) -> list:
+        """``_commit`` of one caller's messages to one topic (``push_many``, a
+        ``push_stream`` transaction: committed in the caller's thread) between the hooks'
+        ``push_begin`` and ``push_end`` (``fdq.hooks``; ``push``/``push_async`` call them
+        themselves, in the caller's thread: the group commit commits in another one)."""
+        call = None
+        if hooks.active:
+            topic = items[0][0]
+            envs = [e for _t, e in items]
+            call = hooks.begin_push(topic, envs)
+            if call is not None:
+                items = [(topic, e) for e in envs]      # (a copy: the caller's list keeps what did not fit)
+        if call is None:
+            return self._commit(items, budget, also)
+        try:
+            results = self._commit(items, budget, also)
+        except BaseException as e:
+            call.end(None, e)
+            raise
+        call.end(results)
+        return results
 
     def _commit(self, items: list, budget: int | None = None, also=None) -> list:
         """Push ``items`` [(topic, envelope)] in one transaction through the retry loop;

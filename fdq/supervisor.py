@@ -16,17 +16,18 @@ import time
 from .config import (CHUNK, SubscriptionConfig, TopicConfig, check_name, check_replay_id, check_topic_options,
                      default_replay_id, shown)
 from .engine import Again, Done, after_interrupt, transact
-from .errors import ConfigError, TopicExists, TopicHeld
+from .errors import ConfigError, MessageNotFound, TopicExists, TopicHeld
 from .keyspace import VERSIONS_PER_S, Keyspace, TopicSpace, message_id, parse_message_id, version_of
 from .log import body_of, iter_window, log_buckets, read_chunk
 from .member import Reaper
-from .ops import dlq, membership
+from .ops import dlq, membership, peek
 from .ops.catchup import begin_reset, catch_up
 from .ops.play import play_chunk, resharding
 from .ops.push import MARKER_TTL_S, PushItem, fits, message_bytes
 from .ops.replay import (Replayed, replay_beat, replay_begin, replay_chunk,
                          replay_count, replay_done, replay_finish, replay_runs)
-from .ops.reshard import AREAS, fold_shard_counters, reshard_begin, reshard_chunk, reshard_finish
+from .ops.reshard import (AREAS, Rebalanced, fold_shard_counters, queued_messages, reshard_begin, reshard_chunk,
+                          reshard_finish)
 from .ops.retention import (expire_dedupe_chunk, expire_markers_chunk, read_version, trim_bucket_chunk,
                             trim_index_chunk, trim_oldest_chunk, trim_time_index_before)
 from .ops.stats import topic_stats
@@ -123,11 +124,16 @@ class Supervisor:
                                       "(run rebalance again), then play")
                 return total
 
-    def rebalance(self, name: str, shards: int | None = None, progress=None) -> TopicConfig:
+    def rebalance(self, name: str, shards: int | None = None, progress=None) -> Rebalanced:
         """Re-divide shards among live consumers now; with ``shards=N`` change the shard
-        count, re-routing every backlog with each shard key's order kept. Resumable."""
+        count, re-routing every backlog with each shard key's order kept. Resumable.
+        ``progress(n)``: n more queued messages handled (moved, or read where they stay;
+        a message moved to a shard not yet processed is counted once): with nothing
+        settled meanwhile they add up to ``Rebalanced.queued``. Returns ``Rebalanced``
+        (the config once done, the count before, messages queued and moved)."""
         ts = self._ts(name)
         config = self.config(name)
+        from_shards = config.shards
         if shards is None and config.resharding_to is not None:
             shards = config.resharding_to      # finish a reshard a killed run left
         if shards is None or (shards == config.shards and not resharding(config)):
@@ -136,32 +142,46 @@ class Supervisor:
                 membership.assign_shards(self.db, ts, sub)
             if not config.paused:
                 self.play(name)   # a rerun after a reshard killed before its play
-            return self.config(name)
+            return Rebalanced(self.config(name), from_shards)
         TopicConfig(shards=shards)   # validates
         if config.resharding_to is not None and not resharding(config):
             # the last reshard's drain, unfinished (killed): end it before this one
             if reshard_finish(self.db, ts).resharding_to is not None:
                 self.play(name)
         config = reshard_begin(self.db, ts, shards)
+        from_shards = config.shards
+        queued = queued_messages(self.db, ts)
         old = max(config.shards, shards)
         tags = membership.read_tags(self.db, ts)
+        moved = 0
         for sub in config.subs:
             for tag in tags:
+                arrived = {}    # (area, n): messages moved into shard n, not processed yet
                 for n in range(old):
                     for area in AREAS:
+                        reread = arrived.pop((area, n), 0)
                         after = None
                         while True:
-                            read, after, done = reshard_chunk(self.db, ts, sub, tag, n, area, shards, CHUNK, after)
+                            chunk = reshard_chunk(self.db, ts, sub, tag, n, area, shards, CHUNK, after)
+                            after = chunk.last
+                            went = sum(chunk.moves.values())
+                            for m, k in chunk.moves.items():
+                                if m > n:
+                                    arrived[(area, m)] = arrived.get((area, m), 0) + k
+                            again = min(reread, chunk.messages - went)   # read again where they stay
+                            reread -= again
+                            moved += went
                             if progress:
-                                progress(read)
-                            if done:
+                                progress(chunk.messages - again)
+                            if chunk.done:
                                 break
                     if n >= shards:
                         fold_shard_counters(self.db, ts, sub, tag, n, shards)
         config = reshard_finish(self.db, ts)
         if not config.paused:
             self.play(name)
-        return self.config(name)   # as stored now (the play above ended resharding_to)
+        # as stored now (the play above ended resharding_to)
+        return Rebalanced(self.config(name), from_shards, queued, moved)
 
     def stats(self, name: str) -> dict:
         """Counters, backlog per shard, in-flight, DLQ, consumers and lag; from counters
@@ -170,7 +190,10 @@ class Supervisor:
         clock, then versions); liveness does not use it. Its ``zombie`` is that age past
         its ``zombie_after_s`` (None if either is unknown): a consumer that died (kill -9)
         stays registered, owning its shards, until a live peer of its subscription finds
-        it a zombie, so with none running it is listed for good."""
+        it a zombie, so with none running it is listed for good. A consumer on ``standby``
+        owns no shard because every shard has a live owner (a subscription's ``standby``
+        counts them): it takes one when one frees; more shards let more consumers work
+        (``rebalance(name, shards=N)``)."""
         return topic_stats(self.db, self._ts(name), int(time.time() * 1000))
 
     def trim(self, name: str, *, before_ms: int | None = None, progress=None) -> int:
@@ -303,17 +326,100 @@ class Supervisor:
         """``subscription`` of each of the topic's subscriptions, in creation order."""
         return [self.subscription(name, sub) for sub in self.config(name).subs]
 
-    def reap(self, name: str, zombie_after_s: float = 3.0) -> list:
-        """Delete the topic's ephemeral subscriptions whose consumers are all zombies:
-        watches their heartbeats for ``zombie_after_s``, or a member's own longer timeout
-        (blocking). Returns those deleted."""
-        reaper = Reaper(zombie_after_s)
+    def reap(self, name: str, zombie_after_s: float = 3.0) -> dict:
+        """Declare zombies the topic's consumers (of every subscription) whose heartbeat
+        counter stays unchanged for ``zombie_after_s``, or a member's own longer timeout,
+        watched on this host's monotonic clock (blocking that long): each is removed and
+        its shards divided among its subscription's live consumers, as a live peer would
+        (a consumer killed with none left to notice stays registered, owning its shards,
+        until this runs). An ephemeral subscription left without consumers is deleted.
+        Returns ``{"zombies": [{"subscription", "id"}], "deleted_subscriptions": [...]}``."""
+        reaper = Reaper(zombie_after_s, every_subscription=True)
         ts = self._ts(name)
         reaper.observe(self.db, ts, self.config(name), time.monotonic())
         deadline = time.monotonic() + reaper.longest_timeout_s
         while time.monotonic() < deadline:
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-        return reaper.observe(self.db, ts, self.config(name), time.monotonic())
+        deleted = reaper.observe(self.db, ts, self.config(name), time.monotonic())
+        return {"zombies": [{"subscription": sub, "id": cid} for sub, cid in reaper.declared],
+                "deleted_subscriptions": deleted}
+
+    PEEK_MAX = 10_000
+    PEEK_STATES = peek.STATES
+
+    def peek(self, name: str, subscription: str = "default", *, states=peek.STATES, limit: int = 20,
+             from_time=None) -> list:
+        """Look at a subscription's messages without consuming them: the first ``limit``
+        (1 to ``PEEK_MAX``) of those in ``states`` (of ``PEEK_STATES``: "ready",
+        "delayed", "in_flight", "dead"), by id (push order). Reads only, at one read
+        version (snapshot reads: no write, no conflict with consumers or producers); up
+        to ``limit`` entries read per shard and state. Each a dict: ``id``, ``state``,
+        ``shard`` and ``tag`` (None for a dead letter), ``attempts`` (an in-flight one's
+        counts its current delivery), ``insertion_time`` (epoch ms), ``shard_key``,
+        ``msg_id``, ``headers``, ``body``, ``replay_of``, ``raw`` (True: a stored record
+        that does not decode, its bytes as ``body``); delayed: ``due_in_s`` (by the
+        database clock; ``due_ms`` that clock's reading); in flight: ``leased_by`` (the
+        consumer holding it) and ``ack_wait_s`` (its lease runs for that since the last
+        delivery or touch, timed by the shard owner's clock: the database keeps no
+        expiry time); dead: ``reason``, ``consumer``, ``dead_age_s``. Keys that do not
+        apply are None. ``from_time`` (epoch ms or a datetime, naive = UTC): only
+        messages inserted then or later. Delayed messages are read by due time: per
+        shard, the ``limit`` due soonest."""
+        states = self._states(states)
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= self.PEEK_MAX:
+            raise ConfigError(f"limit must be an integer from 1 to {self.PEEK_MAX:,}, not {shown(limit)}")
+        ts = self._ts(name)
+        self.subscription(name, subscription)      # TopicNotFound, SubscriptionNotFound
+        return [_peeked(e) for e in peek.peek(self.db, ts, subscription, states, limit, to_ms(from_time))]
+
+    def _states(self, states) -> tuple:
+        if isinstance(states, str):
+            states = (states,)
+        states = tuple(states)
+        bad = [s for s in states if s not in peek.STATES]
+        if bad or not states:
+            raise ConfigError(f"states must be some of {', '.join(peek.STATES)}, not {shown(list(states))}")
+        return states
+
+    def get(self, name: str, id: str) -> dict:
+        """Message ``id`` (a message id as ``push`` returns it): ``{"id", "topic", "log",
+        "pending", "subscriptions"}``. ``log``: its entry in the topic's log (``bucket``,
+        ``insertion_time``, ``shard_key``, ``msg_id``, ``headers``, ``body``,
+        ``replay_of``, ``raw``), None once trimmed; ``pending``: pushed while the topic
+        was paused, not yet routed. ``subscriptions`` {name: {"state", "places"}}:
+        ``state`` one of "ready", "delayed", "in_flight", "dead" (where it is: ``places``
+        are ``peek``'s dicts, one but for a copy being moved), else "pending", "catching_up"
+        (not queued there yet) or "done" (acked, taken, filtered, expired, or older than
+        the subscription). Found without scanning a backlog: point reads at its shard and
+        dead-letter keys, its shard's lease records and at most ``DELAYED_SCAN`` entries
+        of its shard's delayed area (a subscription whose area is larger is listed in
+        ``delayed_unsearched``: it may be there, shown "done"); a trimmed message is
+        looked for in every shard. One read-only transaction of snapshot reads.
+        ``MessageNotFound`` if there is no trace of it."""
+        try:
+            vs = parse_message_id(id)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        ts = self._ts(name)
+        self.config(name)                           # TopicNotFound
+        got = peek.get(self.db, ts, vs)
+        subs = {}
+        for sub, info in got["subscriptions"].items():
+            places = [_peeked(e) for e in info["places"]]
+            state = (places[0]["state"] if places else "pending" if got["pending"]
+                     else "catching_up" if info["catching_up"] else "done")
+            subs[sub] = {"state": state, "places": places}
+        log = None
+        if got["log"] is not None:
+            bucket, rec, raw = got["log"]
+            log = {"bucket": bucket, "insertion_time": None if raw else rec.ts_ms, "shard_key": rec.shard_key,
+                   "msg_id": rec.msg_id, "headers": rec.headers, "body": rec.body, "replay_of": rec.replay_of,
+                   "raw": raw}
+        if log is None and not got["pending"] and not any(s["places"] for s in subs.values()):
+            raise MessageNotFound(f"message {id} of topic {name!r} not found: not in its log (trimmed, or "
+                                  f"never pushed) nor queued or dead-lettered in any subscription")
+        return {"id": message_id(vs), "topic": name, "log": log, "pending": got["pending"], "subscriptions": subs,
+                "delayed_unsearched": got["delayed_unsearched"]}
 
     DLQ_LIST_MAX = 100_000
 
@@ -328,16 +434,24 @@ class Supervisor:
         ts = self._ts(name)
         self.subscription(name, subscription)      # TopicNotFound, SubscriptionNotFound
         return [{"id": message_id(vs), "reason": reason, "consumer": cid, "attempts": rec.attempts,
-                 "shard_key": rec.shard_key, "insertion_time": rec.ts_ms, "body": rec.body, "raw": raw}
-                for vs, rec, reason, cid, _k, raw in dlq.dlq_list(self.db, ts, subscription, limit)]
+                 "shard_key": rec.shard_key, "insertion_time": rec.ts_ms, "body": rec.body, "raw": raw,
+                 "dead_age_s": age}
+                for vs, rec, reason, cid, _k, raw, age in dlq.dlq_list(self.db, ts, subscription, limit)]
 
-    def dlq_redrive(self, name: str, subscription: str = "default", progress=None) -> int:
+    def dlq_redrive(self, name: str, subscription: str = "default", progress=None, *,
+                    older_than_s: float | None = None) -> int:
         """Move the subscription's dead letters back to their shards' ready queues
         (attempts reset), in chunks; resumable. A dead letter whose message is queued
         already (a ``reset`` rewound over it) leaves the DLQ without a second copy: the
-        queued one delivers it. Returns the dead letters moved."""
+        queued one delivers it. ``older_than_s``: only those dead-lettered at least that
+        many seconds ago (``dlq_list``'s ``dead_age_s``; the whole DLQ is read, in
+        chunks: dead letters are kept in message order, not by age). Returns the dead
+        letters moved."""
         ts = self._ts(name)
         self.subscription(name, subscription)
+        if older_than_s is not None:
+            return self._dlq_older(ts, subscription, _seconds(older_than_s), progress,
+                                   lambda vss: self._redrive_vss(ts, subscription, vss, older_than_s))
         total = 0
         while True:
             n, done = dlq.dlq_redrive_chunk(self.db, ts, subscription, CHUNK)
@@ -347,9 +461,15 @@ class Supervisor:
             if done:
                 return total
 
-    def dlq_purge(self, name: str, subscription: str = "default") -> int:
+    def dlq_purge(self, name: str, subscription: str = "default", *, older_than_s: float | None = None) -> int:
+        """Delete the subscription's dead letters (``older_than_s``: only those
+        dead-lettered at least that many seconds ago, as ``dlq_redrive``). Returns how
+        many."""
         ts = self._ts(name)
         self.subscription(name, subscription)
+        if older_than_s is not None:
+            return self._dlq_older(ts, subscription, _seconds(older_than_s), None,
+                                   lambda vss: dlq.dlq_purge_ids(self.db, ts, subscription, vss, older_than_s))
         total = 0
         while True:
             n = dlq.dlq_purge_chunk(self.db, ts, subscription, CHUNK)
@@ -364,12 +484,28 @@ class Supervisor:
         ``CHUNK`` ids (and ``CHUNK_WRITE_BYTES``). Returns the dead letters moved; an id
         that is not a message id is a ``ConfigError``, nothing moved."""
         ts, vss = self._dlq_ids(name, subscription, ids)
+        return self._redrive_vss(ts, subscription, vss)
+
+    def _redrive_vss(self, ts: TopicSpace, subscription: str, vss: list, older_than_s: float | None = None) -> int:
         total = 0
         while vss:
-            moved, looked = dlq.dlq_redrive_ids(self.db, ts, subscription, vss[:CHUNK])
+            moved, looked = dlq.dlq_redrive_ids(self.db, ts, subscription, vss[:CHUNK], older_than_s)
             total += moved
             vss = vss[looked:]
         return total
+
+    def _dlq_older(self, ts: TopicSpace, subscription: str, older_than_s: float, progress, act) -> int:
+        """``act(vss)`` on the dead letters at least ``older_than_s`` old, chunk by chunk
+        (``dlq.dlq_older``); its total."""
+        total, after = 0, None
+        while True:
+            vss, after = dlq.dlq_older(self.db, ts, subscription, older_than_s, CHUNK, after)
+            n = act(vss) if vss else 0
+            total += n
+            if progress:
+                progress(n)
+            if after is None:
+                return total
 
     def dlq_purge_ids(self, name: str, subscription: str, ids) -> int:
         """Delete the dead letters of ``ids`` (``dlq_list``'s ``id``), skipping those no
@@ -417,6 +553,22 @@ class Supervisor:
     def consumers(self, name: str) -> list:
         st = self.stats(name)
         return [dict(c, subscription=sub) for sub, s in st["subscriptions"].items() for c in s["consumers"]]
+
+
+def _seconds(s) -> float:
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s < float("inf"):
+        raise ConfigError(f"older_than_s must be a finite number of seconds >= 0, not {shown(s)}")
+    return float(s)
+
+
+def _peeked(e: dict) -> dict:
+    """A ``peek.peek`` / ``peek.get`` entry as ``Supervisor.peek`` returns it."""
+    return {"id": message_id(e["vs"]), "state": e["state"], "shard": e["shard"], "tag": e["tag"],
+            "attempts": e["attempts"], "insertion_time": e["inserted_ms"], "shard_key": e["shard_key"],
+            "msg_id": e["msg_id"], "headers": e["headers"], "body": e["body"], "replay_of": e["replay_of"],
+            "raw": e["raw"], "due_ms": e.get("due_ms"), "due_in_s": e.get("due_in_s"),
+            "leased_by": e.get("leased_by"), "ack_wait_s": e.get("ack_wait_s"), "reason": e.get("reason"),
+            "consumer": e.get("consumer"), "dead_age_s": e.get("dead_age_s")}
 
 
 REPLAY_HEARTBEAT_S = 0.5   # a running replay bumps its heartbeat counter this often

@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from . import hooks
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig
 from .consumer import AT_LEAST_ONCE, AT_MOST_ONCE, EXACTLY_ONCE, Consumer
 from .engine import Again, Done, after_interrupt, error_types, transact
@@ -180,10 +181,19 @@ class TailConsumer(Consumer):
                 except Exception as e:  # at most once: the messages are gone either way
                     self._report(e, msgs[0])
             for m in (msgs if not self.batch else ()):
+                call = hooks.begin_handle(m) if hooks.active else None
+                error = None
                 try:
                     self.handler(m)
                 except Exception as e:  # at most once: the message is gone either way
+                    error = e
                     self._report(e, m)
+                except BaseException as e:
+                    error = e
+                    raise
+                finally:
+                    if call is not None:
+                        call.end(error)
         finally:
             if defer:
                 self._arm_pending()
@@ -222,14 +232,23 @@ class TailConsumer(Consumer):
                     break
                 self._mark_handed(m)
                 m._deferred = pending
+                call = hooks.begin_handle(m) if hooks.active else None
+                error = None
                 try:
                     self.handler(m)
                     if m._settled is None:
                         m.ack()
                 except Exception as e:
+                    error = e
                     if m._settled is None:
                         m.nak(error=e)
                     self._report(e, m)
+                except BaseException as e:
+                    error = e
+                    raise
+                finally:
+                    if call is not None:
+                        call.end(error)
                 m._deferred = None
         finally:
             pending = self._end_round(pending)
@@ -299,10 +318,17 @@ class TailConsumer(Consumer):
                 run.current = t
                 m = run.message = _to_message(t, self.topic, self.subscription, self)
                 m._in_tr = True
+                call = hooks.begin_handle(m) if hooks.active else None
+                error = None
                 try:
                     self.handler(tr, m)
+                except BaseException as e:
+                    error = e
+                    raise
                 finally:
                     m._in_tr = False    # term() only in its handler (then: not leased)
+                    if call is not None:
+                        call.end(error)
                 if m._settled is TERM:
                     queue.dead_letter_taken(tr, self._ts, t, f"terminated: {m._reason}", self.id)
             run.current = None

@@ -1,21 +1,31 @@
 """Points in time to epoch milliseconds, the unit FDQ stores: as the Python API takes them
 (:func:`to_ms`: numbers of milliseconds, datetimes) and as people write them
-(:func:`parse_time`: the ``fdq`` command's options, Spark's options).
+(:func:`parse_time`: the ``fdq`` command's options, Spark's options); and durations as
+people write them (:func:`parse_duration`: every ``*-s`` option, ``--timeout``,
+``--delay``, the broker's nsqd flags).
 
-Accepted: ISO-8601 (``2026-11-23T02:00:00Z``, ``2026-11-23``, an offset; no zone = UTC),
-a number with its unit (``1795399200s``, ``1795399200.5s``, ``1795399200000ms``), or a
-bare integer of epoch milliseconds. A bare integer from 1 to 99,999,999,999 is refused:
-as milliseconds it is a time in 1970-1973, as seconds one from 1970 to the year 5138, so
-it is almost surely seconds typed where milliseconds are meant (``1700000000``: 2023 in
-seconds, 1970-01-20 in milliseconds); the message says to add ``s`` or ``ms``.
+A time: ISO-8601 (``2026-11-23T02:00:00Z``, ``2026-11-23``, an offset; no zone = UTC),
+a number with its unit (``1795399200s``, ``1795399200.5s``, ``1795399200000ms``), a bare
+integer of epoch milliseconds, ``now``, or a duration before or after now (``-15m``,
+``+1h``). A bare integer from 1 to 99,999,999,999 is refused: as milliseconds it is a
+time in 1970-1973, as seconds one from 1970 to the year 5138, so it is almost surely
+seconds typed where milliseconds are meant (``1700000000``: 2023 in seconds, 1970-01-20
+in milliseconds); the message says to add ``s`` or ``ms``.
+
+A duration: numbers with units, summed (``1m30s``, ``1h30m``, ``500ms``, ``1.5s``,
+``2d``; units ``ns us µs ms s m h d``: Go's, as nsqd's flags take them, and days), or a
+bare number of seconds (``90``, ``0.5``). Never negative, NaN or infinite; at most 100
+years (``config.MAX_SECONDS``); at most ``MAX_DURATION_CHARS`` characters (no digit
+floods).
 """
 from __future__ import annotations
 
 import datetime
 import decimal
 import re
+import time
 
-from .config import shown
+from .config import MAX_SECONDS, shown
 from .errors import ConfigError
 
 EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
@@ -31,7 +41,19 @@ _WITH_UNIT = re.compile(r"([0-9]+(?:\.[0-9]+)?)(ms|s)")
 # Digits a number may have before its point (leading zeros aside): MAX_TIME_MS has 15,
 # and Python refuses to convert more than 4,300 (ValueError).
 MAX_DIGITS = 20
-EXAMPLES = "e.g. 2026-11-23T02:00:00Z, 1795399200s or 1795399200000ms"
+EXAMPLES = "e.g. 2026-11-23T02:00:00Z, 1795399200s, 1795399200000ms, now or -15m"
+
+_DURATION_UNITS = {"ns": decimal.Decimal("1e-9"), "us": decimal.Decimal("1e-6"), "µs": decimal.Decimal("1e-6"),
+                   "ms": decimal.Decimal("0.001"), "s": decimal.Decimal(1), "m": decimal.Decimal(60),
+                   "h": decimal.Decimal(3600), "d": decimal.Decimal(86400)}
+_NUMBER = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+_DURATION_BARE = re.compile(_NUMBER)
+# One number and its unit; a duration is one or more of them, matched from where the last
+# ended (re.match at a position: linear, never a search from every digit).
+_DURATION_PART = re.compile(f"({_NUMBER})(ns|us|µs|ms|s|m|h|d)")
+# Longer than any duration people write ("1d23h59m59.999s" is 15): refused before parsing.
+MAX_DURATION_CHARS = 32
+DURATION_EXAMPLES = "e.g. 90 (seconds), 1m30s, 500ms, 1.5s, 2h or 2d"
 
 
 def iso_ms(ms: int) -> str:
@@ -77,10 +99,66 @@ def _iso(text: str) -> datetime.datetime:
     return t if t.tzinfo is not None else t.replace(tzinfo=datetime.timezone.utc)
 
 
-def parse_time(value) -> int:
+def parse_duration(value, *, zero: bool = True) -> float:
+    """Seconds from a duration as written (see the module's docstring): ``1m30s`` ->
+    90.0, ``500ms`` -> 0.5, ``90`` -> 90.0; ``zero=False`` refuses 0. A ``ConfigError``
+    naming the value, the problem and examples otherwise."""
+    total = _duration(str(value).strip())
+    if total == 0 and not zero:
+        raise ConfigError(f"{shown(str(value).strip())}: a duration must be > 0 ({DURATION_EXAMPLES})")
+    return float(total)
+
+
+def _duration(text: str) -> decimal.Decimal:
+    """Exact seconds of ``text`` (stripped), within 0 and ``MAX_SECONDS``."""
+    if len(text) > MAX_DURATION_CHARS:
+        raise ConfigError(f"{shown(text)} is not a duration: longer than {MAX_DURATION_CHARS} characters "
+                          f"({DURATION_EXAMPLES})")
+    if text[:1] == "-" and (_DURATION_BARE.fullmatch(text[1:]) or _DURATION_PART.match(text, 1)):
+        raise ConfigError(f"{shown(text)}: a duration must be >= 0 ({DURATION_EXAMPLES})")
+    if _DURATION_BARE.fullmatch(text):
+        total = decimal.Decimal(text)
+    else:
+        pos, total = 0, decimal.Decimal(0)
+        while m := _DURATION_PART.match(text, pos):
+            total += decimal.Decimal(m[1]) * _DURATION_UNITS[m[2]]
+            pos = m.end()
+        if pos != len(text) or not text:
+            raise ConfigError(f"{shown(text)} is not a duration: give a number of seconds or numbers with units "
+                              f"ns, us, ms, s, m, h, d ({DURATION_EXAMPLES})")
+    if total > MAX_SECONDS:
+        raise ConfigError(f"{shown(text)}: a duration must be at most {MAX_SECONDS:,} s (100 years)")
+    return total
+
+
+def now_ms() -> int:
+    """The present as epoch milliseconds (the clock relative times count from)."""
+    return time.time_ns() // 1_000_000
+
+
+def parse_time(value, *, now: int | None = None) -> int:
     """Epoch milliseconds from ``value`` as written (see the module's docstring); a
-    ``ConfigError`` naming the value and the problem otherwise."""
+    ``ConfigError`` naming the value and the problem otherwise. ``now``, ``-15m`` and
+    ``+1h`` count from ``now`` (epoch ms; default the clock, read once)."""
     text = str(value).strip()
+    if text.lower() == "now" or text[:1] in ("-", "+"):
+        base = now_ms() if now is None else now
+        if text.lower() == "now":
+            return base
+        try:
+            if text[1:2].isspace():
+                raise ConfigError("a space after the sign")
+            seconds = _duration(text[1:])
+        except ConfigError as e:
+            why = ("at most 100 years" if "at most" in str(e) else
+                   f"- or + a duration of at most {MAX_DURATION_CHARS} characters" if "longer than" in str(e)
+                   else "- or + a duration")
+            raise ConfigError(f"{shown(text)} is not a time: a time relative to now is {why} "
+                              f"(-15m, -1h30m, +2d, -90 for seconds)") from None
+        ms = base + int(seconds * 1000) * (-1 if text[0] == "-" else 1)     # exact; below a ms: cut
+        if not 0 <= ms <= MAX_TIME_MS:
+            raise ConfigError(f"{shown(text)} is out of range: times go from 1970-01-01 to 9999-12-31")
+        return ms
     out_of_range = ConfigError(f"{shown(text)} is out of range: times go from 1970-01-01 to 9999-12-31 "
                                f"(epoch milliseconds 0 to {MAX_TIME_MS})")
     if _BARE.fullmatch(text):
@@ -113,4 +191,5 @@ def parse_time(value) -> int:
     return ms
 
 
-__all__ = ["to_ms", "parse_time", "iso_ms", "as_datetime", "EPOCH", "MAX_TIME_MS", "MAX_API_MS", "MIN_BARE_MS"]
+__all__ = ["to_ms", "parse_time", "parse_duration", "now_ms", "MAX_DURATION_CHARS", "iso_ms", "as_datetime", "EPOCH",
+           "MAX_TIME_MS", "MAX_API_MS", "MIN_BARE_MS"]

@@ -228,10 +228,10 @@ def fetch_until(c, cond, timeout=30):
     return got
 
 
-def advance_clock(db, ms):
-    """Move the database clock (what delays are due by) ``ms`` ahead, as consumers do
-    with the time their monotonic clocks saw pass."""
-    ck = Keyspace().clock_key
+def advance_clock(db, ms, topic="t"):
+    """Move ``topic``'s clock (what its delays are due by) ``ms`` ahead, as its consumers
+    do with the time their monotonic clocks saw pass."""
+    ck = Keyspace().topic(topic).clock_key
     tr = db.create_transaction()
     now = clock.read_clock(tr, ck)
     tr.cancel()

@@ -6,31 +6,20 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import sys
 
+from .. import times
 from ..errors import ConfigError, FDQError
 from . import protocol as p
 from .server import BrokerOptions, run
 
-_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
-
-
 def parse_duration(text: str) -> float:
-    """Seconds of a Go duration (``60s``, ``1m30s``, ``500ms``) or a plain number of seconds."""
-    text = text.strip()
+    """Seconds of a duration as every FDQ option reads it (``fdq.times.parse_duration``:
+    nsqd's Go durations ``60s``, ``1m30s``, ``500ms``, also ``2d``, or plain seconds)."""
     try:
-        return float(text)
-    except ValueError:
-        pass
-    pos, total = 0, 0.0
-    while m := _PART.match(text, pos):     # (finditer searched on from every digit: quadratic)
-        total += float(m.group(1)) * _UNITS[m.group(2)]
-        pos = m.end()
-    if pos != len(text) or not text:
-        raise argparse.ArgumentTypeError(f"invalid duration {text!r} (use e.g. 60s, 1m30s, 500ms)")
-    return total
+        return times.parse_duration(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_options(args) -> BrokerOptions:
@@ -54,6 +43,8 @@ def build_options(args) -> BrokerOptions:
     if limits.max_output_buffer_size < 64:
         raise ConfigError("--max-output-buffer-size must be at least 64")
     percentiles = tuple(parse_percentiles(args.e2e_processing_latency_percentile or []))
+    if args.metrics_leader_timeout <= 0:
+        raise ConfigError("--metrics-leader-timeout must be > 0")
     if args.e2e_processing_latency_window_time <= 0:
         raise ConfigError("--e2e-processing-latency-window-time must be > 0")
     web_path = getattr(args, "web_path", None) or None
@@ -64,9 +55,12 @@ def build_options(args) -> BrokerOptions:
     return BrokerOptions(limits=limits, tls_cert=args.tls_cert, tls_key=args.tls_key,
                          tls_required=args.tls_required, auth_file=args.auth_file,
                          e2e_percentiles=percentiles, e2e_window_s=args.e2e_processing_latency_window_time,
-                         web_path=web_path, web_write_token=getattr(args, "web_write_token", None) or None)
+                         web_path=web_path, web_write_token=getattr(args, "web_write_token", None) or None,
+                         metrics_database=args.metrics_database,
+                         metrics_leader_timeout_s=args.metrics_leader_timeout)
 
 
+METRICS_DATABASE = ("leader", "always", "never")
 _NSQD_PATHS = ("ping", "info", "stats", "metrics", "pub", "mpub", "pub_ext", "topic", "channel")
 
 
@@ -130,6 +124,12 @@ def parser() -> argparse.ArgumentParser:
                     help="serve the web dashboard (fdq web) under this path of the HTTP port, e.g. /web/")
     ap.add_argument("--web-write-token", default=None,
                     help="actions from the dashboard need this token (or an --auth-file secret with admin)")
+    ap.add_argument("--metrics-database", choices=METRICS_DATABASE, default=BrokerOptions.metrics_database,
+                    help="/metrics' database-wide families (topics, subscriptions, consumers): leader = "
+                         "from one of the brokers serving /metrics on the database at a time; always = from "
+                         "this broker; never")
+    ap.add_argument("--metrics-leader-timeout", type=parse_duration, default=BrokerOptions.metrics_leader_timeout_s,
+                    help="the metrics leader's beat standing still this long, another broker takes over")
     ap.add_argument("--log-level", default="WARNING")
     return ap
 

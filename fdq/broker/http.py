@@ -1,5 +1,12 @@
 """nsqd's HTTP API over asyncio (HTTP/1.1, keep-alive), plus ``/metrics``.
 
+``/metrics`` is Prometheus's (text, or OpenMetrics when the scraper asks for it) from
+prometheus_client (the ``metrics`` extra; 501 without it): ``fdq.metrics``'s collector
+of the database (by default only the broker holding the metrics leadership exports the
+database-wide families: ``--metrics-database``), this process's figures (CPU, memory,
+file descriptors, Python's garbage collector) and the broker's own (connections,
+messages published, clients per channel).
+
 Errors are ``{"message": "..."}`` with nsqd's messages and status codes
 (``MISSING_ARG_TOPIC`` 400, ``TOPIC_NOT_FOUND`` 404, ``MSG_TOO_BIG`` 413, ...).
 With ``--auth-file`` every endpoint but ``/ping`` needs the secret in the
@@ -21,10 +28,18 @@ from ..errors import FDQError, InvalidHeader, InvalidName, MessageTooLarge, Topi
 from ..headers import validate_headers
 from . import protocol as p, quantile
 
+try:
+    from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.exposition import choose_encoder
+    from .. import metrics as fdq_metrics
+except ImportError:     # without the metrics extra: /metrics answers 501, naming it
+    fdq_metrics = None
+
 log = logging.getLogger("fdq.broker.http")
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
             405: "Method Not Allowed", 413: "Request Entity Too Large", 431: "Request Header Fields Too Large",
-            500: "Internal Server Error"}
+            500: "Internal Server Error", 501: "Not Implemented"}
 MAX_HEADER_BYTES = 64 * 1024
 _MAX_LENGTH = (1 << 63) - 1     # Go's server parses Content-Length as a 63-bit number
 
@@ -132,15 +147,20 @@ class HTTPServer:
             "/channel/unpause": self.channel_unpause,
         }
         self._mounts = {}       # path prefix -> app (mount)
+        self._registry = None   # /metrics' (made at start: the broker takes part in the leadership)
+        self._collector = None
 
     async def start(self, host="127.0.0.1", port=4151) -> int:
         self.server = await asyncio.start_server(self._serve, host, port)
         self.port = self.server.sockets[0].getsockname()[1]
+        self._metrics_registry()
         return self.port
 
     async def close(self):
         if self.server is not None:
             self.server.close()
+        if self._collector is not None:
+            await self.run(self._collector.close)       # gives the metrics leadership up
 
     def mount(self, prefix: str, app):
         """Serve ``app`` under ``prefix`` (e.g. the web dashboard at ``/web/``): a request
@@ -609,43 +629,54 @@ class HTTPServer:
         return ("\n".join(lines) + "\n").encode()
 
     async def metrics(self, req):
-        """Prometheus text exposition format (version 0.0.4)."""
-        topics = await self._collect()
+        """Prometheus's exposition (text 0.0.4, or OpenMetrics if the Accept header asks
+        for it), read in the executor (the database collector may read the database)."""
+        registry = self._metrics_registry()
+        if registry is None:
+            return (501, "text/plain; charset=utf-8",
+                    b"/metrics needs the prometheus_client package: pip install 'fdq-queue[metrics]'\n")
+        encoder, content_type = choose_encoder(req.headers.get("accept", ""))
+        return 200, content_type, await self.run(encoder, registry)
+
+    def _metrics_registry(self):
+        """/metrics' registry (None without prometheus_client), made once."""
+        if self._registry is None and fdq_metrics is not None:
+            b = self.broker
+            registry = CollectorRegistry()
+            ProcessCollector(registry=registry)
+            PlatformCollector(registry=registry)
+            GCCollector(registry=registry)
+            registry.register(BrokerCollector(b))
+            mode = {"leader": "leader", "always": True, "never": False}[b.options.metrics_database]
+            self._collector = fdq_metrics.register(b.db, registry, database_metrics=mode,
+                                                   leader_timeout_s=b.options.metrics_leader_timeout_s)
+            self._registry = registry
+        return self._registry
+
+
+class BrokerCollector:
+    """This broker's own figures: open connections, messages published through it,
+    client connections per channel. (Read from the scrape's thread: each read is one
+    atomic copy of the loop's containers.)"""
+
+    def __init__(self, broker):
+        self.broker = broker
+
+    def collect(self):
         b = self.broker
-        out = []
-
-        def metric(name, kind, help_, samples):
-            out.append(f"# HELP {name} {help_}")
-            out.append(f"# TYPE {name} {kind}")
-            for labels, value in samples:
-                lab = ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items())
-                out.append(f"{name}{{{lab}}} {value}" if lab else f"{name} {value}")
-        metric("fdq_broker_published_total", "counter", "Messages published through this broker.",
-               [({}, b.published)])
-        metric("fdq_broker_connections", "gauge", "Open client connections on this broker.",
-               [({}, len(b.conns))])
-        metric("fdq_topic_messages_total", "counter", "Messages inserted into the topic.",
-               [({"topic": t["topic_name"]}, t["message_count"]) for t in topics])
-        ch = [(t["topic_name"], c) for t in topics for c in t["channels"]]
-        metric("fdq_channel_backlog", "gauge", "Messages ready or delayed in the channel.",
-               [({"topic": tn, "channel": c["channel_name"]}, c["depth"]) for tn, c in ch])
-        metric("fdq_channel_in_flight", "gauge", "Messages delivered and not yet settled.",
-               [({"topic": tn, "channel": c["channel_name"]}, c["in_flight_count"]) for tn, c in ch])
-        metric("fdq_channel_deferred", "gauge", "Delayed messages.",
-               [({"topic": tn, "channel": c["channel_name"]}, c["deferred_count"]) for tn, c in ch])
-        metric("fdq_channel_delivered_total", "counter", "Deliveries (every attempt).",
-               [({"topic": tn, "channel": c["channel_name"]}, c["message_count"]) for tn, c in ch])
-        metric("fdq_channel_acked_total", "counter", "Messages finished.",
-               [({"topic": tn, "channel": c["channel_name"]}, c["acked_count"]) for tn, c in ch])
-        metric("fdq_channel_consumers", "gauge", "FDQ consumers of the channel (one per broker serving it).",
-               [({"topic": tn, "channel": c["channel_name"]}, c["consumer_count"]) for tn, c in ch])
-        metric("fdq_channel_clients", "gauge", "Client connections to the channel on this broker.",
-               [({"topic": tn, "channel": c["channel_name"]}, c["client_count"]) for tn, c in ch])
-        return 200, "text/plain; version=0.0.4; charset=utf-8", ("\n".join(out) + "\n").encode()
-
-
-def _esc(v) -> str:
-    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+        yield GaugeMetricFamily("fdq_broker_connections", "Open client connections (TCP) on this broker",
+                                value=len(b.conns))
+        yield CounterMetricFamily("fdq_broker_published_messages", "Messages published through this broker",
+                                  value=b.published)
+        clients = GaugeMetricFamily("fdq_broker_channel_clients",
+                                    "Client connections subscribed to the channel on this broker",
+                                    labels=["topic", "channel"])
+        counts = {}
+        for (topic, channel, _tag), ch in list(b.channels.items()):
+            counts[(topic, channel)] = counts.get((topic, channel), 0) + len(ch.conns)
+        for (topic, channel), n in sorted(counts.items()):
+            clients.add_metric([topic, channel], n)
+        yield clients
 
 
 __all__ = ["HTTPServer"]

@@ -86,6 +86,8 @@ class BrokerOptions:
     broadcast_address: str = "127.0.0.1"
     web_path: str | None = None      # --web-path: serve the web dashboard (fdq.web) there
     web_write_token: str | None = None   # --web-write-token: actions from the dashboard with it
+    metrics_database: str = "leader"     # --metrics-database: leader | always | never (fdq.metrics)
+    metrics_leader_timeout_s: float = 10.0   # --metrics-leader-timeout (fdq.metrics.LEADER_TIMEOUT_S)
 
 
 class ChannelStats:

@@ -9,7 +9,7 @@ from ..config import check_replay_id, default_replay_id
 from ..times import as_datetime, iso_ms
 from . import render, rows
 from .app import cli, confirm, json_option, pass_state, resumable, subscription_option, topic_argument
-from .params import Shards, Time
+from .params import Duration, Int, Shards, Since, Time, format_option
 
 @cli.command()
 @topic_argument
@@ -48,26 +48,45 @@ def rebalance(state, topic, shards, as_json):
     """Re-divide TOPIC's shards among live consumers.
 
     With --shards N, change the shard count first (every backlog re-routed,
-    each shard key's order kept)."""
+    each shard key's order kept): a bar counts the queued messages (each once,
+    moved or kept in its shard), then a line says how many moved."""
     sup = state.supervisor
-    sup.config(topic)          # unknown: exit 1 before anything changes
+    config = sup.config(topic)          # unknown: exit 1 before anything changes
     resumable(state, f"rebalance of {topic!r}")
-    # Queue entries read, without a total: a message moving to a shard not processed yet
-    # is read again there, so no count known beforehand bounds it (the backlog did not).
-    with render.progress(f"resharding {topic}") as advance:
-        config = sup.rebalance(topic, shards=shards, progress=advance)
+    if shards not in (None, config.shards) or config.resharding_to not in (None, config.shards):
+        # the total: what the queues hold, from counters (a reshard counts each message once)
+        queued = sum(s["backlog"] for s in sup.stats(topic)["subscriptions"].values())
+        with render.progress(f"resharding {topic}", queued) as advance:
+            result = sup.rebalance(topic, shards=shards, progress=advance)
+    else:
+        result = sup.rebalance(topic, shards=shards)
     members = rows.consumer_rows(sup.stats(topic))
     zombies = sum(1 for c in members if c["zombie"])
-    render.note(f"topic {topic!r}: {config.shards} shards divided among {len(members)} consumer(s)"
-                + (f" ({zombies} of them zombies: a live consumer takes their shards over)" if zombies else ""))
+    consumers = _count(len(members), "consumer") + (
+        f" ({zombies} of them zombies: a live consumer takes their shards over)" if zombies else "")
+    if result.from_shards != result.shards:
+        render.note(f"topic {topic!r}: {result.from_shards} → {result.shards} shards; moved {result.moved:,} of "
+                    f"{_count(result.queued, 'queued message')}; {consumers}")
+    else:
+        render.note(f"topic {topic!r}: {result.shards} shards divided among {consumers}")
     if as_json:
-        render.emit_json(rows.topic_row(topic, sup.stats(topic)))
+        render.emit_json({"topic": topic, "from_shards": result.from_shards, "shards": result.shards,
+                          "queued": result.queued, "moved": result.moved, "consumers": len(members),
+                          "zombies": zombies})
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
 
 @cli.command()
 @topic_argument
-@click.option("--start", type=Time(), required=True, help="From (ISO-8601, <n>s or <n>ms), inclusive.")
-@click.option("--end", type=Time(), default=None, help="To (ISO-8601, <n>s or <n>ms), exclusive [default: now].")
+@click.option("--start", type=Time(), default=None,
+              help="From (ISO-8601, <n>s, <n>ms, or before now: -15m), inclusive.")
+@click.option("--since", type=Since(), default=None, metavar="DURATION",
+              help="From this long ago: --since 1h is --start -1h.")
+@click.option("--end", type=Time(), default=None,
+              help="To (ISO-8601, <n>s, <n>ms, now, -5m), exclusive [default: now].")
 @click.option("--id", "replay_id", default=None, metavar="ID",
               help="Name this replay [default: its window, <start_ms>:<end_ms> or <start_ms>:open].")
 @click.option("--again", is_flag=True, help="Replay again a replay (this --id, or window) that finished before.")
@@ -77,7 +96,7 @@ def rebalance(state, topic, shards, as_json):
               help="Change nothing: show how many would be replayed, and to which subscriptions.")
 @json_option
 @pass_state
-def replay(state, topic, start, end, replay_id, again, include_replays, dry_run, as_json):
+def replay(state, topic, start, since, end, replay_id, again, include_replays, dry_run, as_json):
     """Deliver again TOPIC's messages inserted in [--start, --end).
 
     In order, as new messages (new ids; each keeps the original's id in
@@ -89,7 +108,11 @@ def replay(state, topic, start, end, replay_id, again, include_replays, dry_run,
 
     Times: ISO-8601 (2026-11-23T02:00:00Z; no zone = UTC), epoch seconds with
     s (1795399200s) or epoch milliseconds with ms or bare (1795399200000). A
-    bare number that looks like seconds (below 100000000000) is refused."""
+    bare number that looks like seconds (below 100000000000) is refused;
+    now, or a duration before or after now (-15m, +1h)."""
+    if (start is None) == (since is None):
+        raise click.UsageError("give the window's start: --start TIME or --since DURATION (one of them)")
+    start = since if start is None else start
     if end is not None and end <= start:
         raise click.BadParameter(f"--end ({iso_ms(end)}) must be after --start ({iso_ms(start)})",
                                 param_hint="'--end'")
@@ -155,7 +178,7 @@ def _replay_dry_run(plan: dict, topic: str, as_json: bool):
 @cli.command()
 @topic_argument
 @click.option("--before", type=Time(), default=None,
-              help="Delete log entries inserted before this time (ISO-8601, <n>s or <n>ms) [default: the topic's retention_s]; "
+              help="Delete log entries inserted before this time (ISO-8601, <n>s, <n>ms, -7d) [default: the topic's retention_s]; "
                    "its retention_bytes applies either way.")
 @json_option
 @pass_state
@@ -183,12 +206,12 @@ def trim(state, topic, before, as_json):
 
 DLQ_COLUMNS = [
     ("id", lambda d: d["id"]),
-    ("reason", lambda d: d["reason"] if len(d["reason"]) <= 60 else d["reason"][:57] + "..."),
+    ("reason", lambda d: d["reason"]),
     ("attempts", lambda d: d["attempts"]),
     ("key", lambda d: d["shard_key"]),
     ("inserted", lambda d: render.time_ms(d["insertion_time_ms"])),
     ("consumer", lambda d: d["consumer"]),
-    ("body", lambda d: d["body"] if len(d["body"]) <= 60 else d["body"][:57] + "..."),
+    ("body", lambda d: d["body"]),
 ]
 
 
@@ -200,8 +223,8 @@ def dlq():
 @dlq.command("list")
 @topic_argument
 @subscription_option
-@click.option("--limit", type=click.IntRange(1, Supervisor.DLQ_LIST_MAX), default=100, show_default=True)
-@json_option
+@click.option("--limit", type=Int(1, Supervisor.DLQ_LIST_MAX), default=100, show_default=True)
+@format_option
 @pass_state
 def dlq_list(state, topic, subscription, limit, as_json):
     """List dead letters, oldest first, with the reason each was dead-lettered."""
@@ -209,20 +232,61 @@ def dlq_list(state, topic, subscription, limit, as_json):
     render.rows_or_note(data, DLQ_COLUMNS, f"the dead-letter queue of {topic}/{subscription} is empty", as_json)
 
 
+def _dlq_selection(ids, older_than, every) -> str:
+    """Which dead letters a redrive or purge acts on: exactly one of --id, --older-than
+    and --all (a usage error otherwise)."""
+    given = [name for name, v in (("--id", ids), ("--older-than", older_than), ("--all", every)) if v]
+    if len(given) != 1:
+        raise click.UsageError("give one of --id ID (repeatable), --older-than DURATION or --all"
+                               + (f", not {' and '.join(given)} together" if given else ""))
+    return given[0]
+
+
+def _by_ids(call, topic, subscription, ids) -> int:
+    try:
+        return call(topic, subscription, list(ids))
+    except ConfigError as e:            # a malformed id: nothing changed
+        raise click.BadParameter(str(e), param_hint="'--id'") from None
+
+
+def _which(ids, older_than) -> str:
+    if ids:
+        return f" (of the {len(set(ids)):,} ids given)"
+    if older_than is not None:
+        return f" (those dead-lettered over {render.duration_ms(round(older_than * 1000))} ago)"
+    return ""
+
+
+dlq_ids_option = click.option("--id", "ids", multiple=True, metavar="ID",
+                              help="This dead letter (its id, as fdq dlq list shows it); repeatable.")
+dlq_older_option = click.option("--older-than", type=Duration(), default=None, metavar="DURATION",
+                                help="Those dead-lettered at least this long ago (1h, 30m, 90s).")
+
+
 @dlq.command("redrive")
 @topic_argument
 @subscription_option
+@dlq_ids_option
+@dlq_older_option
+@click.option("--all", "every", is_flag=True, help="Every dead letter of the subscription.")
 @json_option
 @pass_state
-def dlq_redrive(state, topic, subscription, as_json):
-    """Move every dead letter back to its shard's queue (attempts reset)."""
+def dlq_redrive(state, topic, subscription, ids, older_than, every, as_json):
+    """Move dead letters back to their shards' queues (attempts reset).
+
+    Which: --id ID (repeatable), --older-than DURATION (by when each was
+    dead-lettered), or --all."""
+    _dlq_selection(ids, older_than, every)
     sup = state.supervisor
     sup.subscription(topic, subscription)     # unknown: exit 1 before anything changes
-    total = sup.stats(topic)["subscriptions"][subscription]["dlq"]
     resumable(state, f"redrive of {topic}/{subscription}")
-    with render.progress(f"redriving {topic}/{subscription}", total) as advance:
-        n = sup.dlq_redrive(topic, subscription, progress=advance)
-    render.note(f"redrove {n:,} dead letters of {topic}/{subscription}")
+    if ids:
+        n = _by_ids(sup.dlq_redrive_ids, topic, subscription, ids)
+    else:
+        total = sup.stats(topic)["subscriptions"][subscription]["dlq"]
+        with render.progress(f"redriving {topic}/{subscription}", None if older_than else total) as advance:
+            n = sup.dlq_redrive(topic, subscription, progress=advance, older_than_s=older_than)
+    render.note(f"redrove {n:,} dead letters of {topic}/{subscription}{_which(ids, older_than)}")
     if as_json:
         render.emit_json({"topic": topic, "subscription": subscription, "redriven": n})
 
@@ -230,18 +294,49 @@ def dlq_redrive(state, topic, subscription, as_json):
 @dlq.command("purge")
 @topic_argument
 @subscription_option
+@dlq_ids_option
+@dlq_older_option
+@click.option("--all", "every", is_flag=True, help="Every dead letter of the subscription.")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @json_option
 @pass_state
-def dlq_purge(state, topic, subscription, yes, as_json):
-    """Delete every dead letter of the subscription."""
+def dlq_purge(state, topic, subscription, ids, older_than, every, yes, as_json):
+    """Delete dead letters of the subscription.
+
+    Which: --id ID (repeatable), --older-than DURATION (by when each was
+    dead-lettered), or --all."""
+    _dlq_selection(ids, older_than, every)
     sup = state.supervisor
     sup.subscription(topic, subscription)     # unknown: exit 1 before anything changes
+    which = ("every dead letter" if every else f"{len(set(ids)):,} dead letter(s) by id" if ids
+             else f"the dead letters dead-lettered over {render.duration_ms(round(older_than * 1000))} ago")
     if not yes:
-        confirm(f"Delete every dead letter of {topic}/{subscription}?",
-                 f"the dead letters of {topic}/{subscription} not purged")
+        confirm(f"Delete {which} of {topic}/{subscription}?", f"the dead letters of {topic}/{subscription} not purged")
     resumable(state, f"purge of {topic}/{subscription}")
-    n = sup.dlq_purge(topic, subscription)
-    render.note(f"purged {n:,} dead letters of {topic}/{subscription}")
+    if ids:
+        n = _by_ids(sup.dlq_purge_ids, topic, subscription, ids)
+    else:
+        n = sup.dlq_purge(topic, subscription, older_than_s=older_than)
+    render.note(f"purged {n:,} dead letters of {topic}/{subscription}{_which(ids, older_than)}")
     if as_json:
         render.emit_json({"topic": topic, "subscription": subscription, "purged": n})
+
+
+def reap_consumers(state, topic: str, action: str | None, zombie_after: float | None, as_json: bool):
+    """``fdq consumers TOPIC reap``: ``Supervisor.reap``, said."""
+    if action != "reap":
+        raise click.UsageError("--zombie-after goes with reap: fdq consumers TOPIC reap --zombie-after 3s")
+    zombie_after = 3.0 if zombie_after is None else zombie_after
+    sup = state.supervisor
+    sup.config(topic)               # unknown: exit 1 before waiting
+    render.note(f"watching the heartbeats of the consumers of {topic!r} for "
+                f"{render.duration_ms(round(zombie_after * 1000))} (or a consumer's own longer zombie timeout)...")
+    reaped = sup.reap(topic, zombie_after_s=zombie_after)
+    zombies = reaped["zombies"]
+    render.note(f"declared {len(zombies):,} zombie(s) of {topic!r}"
+                + (": " + ", ".join(f"{z['subscription']}/{z['id']}" for z in zombies)
+                   + " (their shards divided among live consumers)" if zombies else "")
+                + (f"; deleted ephemeral subscription(s) left without consumers: "
+                   f"{', '.join(reaped['deleted_subscriptions'])}" if reaped["deleted_subscriptions"] else ""))
+    if as_json:
+        render.emit_json({"topic": topic, **reaped})

@@ -77,6 +77,12 @@ def _duration_default(name):
 @click.option("--web-write-token", envvar="FDQ_WEB_WRITE_TOKEN", default=None,
               help="Dashboard actions need this token (or an --auth-file secret with admin) "
                    "[env FDQ_WEB_WRITE_TOKEN].")
+@click.option("--metrics-database", type=click.Choice(broker_main.METRICS_DATABASE),
+              default=_BROKER["metrics_database"],
+              help="/metrics' database-wide families (topics, subscriptions, consumers): leader = from one "
+                   "of the brokers serving /metrics on the database at a time; always = from this broker.")
+@click.option("--metrics-leader-timeout", type=Duration(), default=_duration_default("metrics_leader_timeout"),
+              help="The metrics leader's beat standing still this long, another broker takes over.")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
               default=_BROKER["log_level"], help="Log level (stderr).")
 @pass_state

@@ -3,6 +3,7 @@ stdout (and acked)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import fcntl
 import json
 import os
@@ -17,11 +18,11 @@ import time
 import click
 
 from .. import (Action, Consumer, ConsumerStalled, Envelope, FDQError, LeaseLost, Producer, Settlement,
-                SubscriptionNotFound, TopicNotFound)
+                SubscriptionNotFound, TopicConfig, TopicNotFound)
 from ..engine import after_interrupt
 from . import render, rows
 from .app import Failure, check_interrupt, cli, json_option, one_line, pass_state, subscription_option, topic_argument
-from .params import Header, Seconds, Tag, envelope_callback, headers_callback
+from .params import Header, Int, Seconds, Tag, envelope_callback, headers_callback
 
 PUSH_BATCH = 500      # stdin lines per transaction at most (progress and errors count by them)
 TAIL_BATCH = 100
@@ -60,13 +61,42 @@ def _encode_arg(text: str) -> bytes:
     return text.encode("utf-8", "surrogateescape")
 
 
+def _whole_body(sup, topic: str, path: str | None) -> bytes:
+    """The bytes of file ``path`` (None: stdin to its end) as one message body. Larger
+    than the topic's ``max_message_bytes`` (a topic the push would create: the default
+    one's) is refused: a regular file by its size, before it is read; a pipe once one
+    byte more than the limit has been read."""
+    try:
+        limit = sup.config(topic).max_message_bytes
+    except TopicNotFound:
+        limit = TopicConfig().max_message_bytes
+    what = "stdin" if path is None else f"file {path!r}"
+
+    def too_large(size: str):
+        return Failure(f"{what} is {size} bytes, more than topic {topic!r}'s max_message_bytes ({limit:,}): "
+                       f"raise it with fdq topics update {topic} --max-message-bytes N (at most 8 MiB)")
+    if path is None and sys.stdin is None:      # started with descriptor 0 closed
+        raise Failure("stdin is closed: give DATA or --file F")
+    with (open(path, "rb") if path is not None else contextlib.nullcontext(sys.stdin.buffer)) as stream:
+        try:
+            st = os.fstat(stream.fileno())
+        except (AttributeError, OSError, ValueError):       # no descriptor (a test's stdin)
+            st = None
+        if st is not None and stat.S_ISREG(st.st_mode) and st.st_size - stream.tell() > limit:
+            raise too_large(f"{st.st_size - stream.tell():,}")
+        body = stream.read(limit + 1)
+    if len(body) > limit:
+        raise too_large(f"over {limit:,}")
+    return body
+
+
 @cli.command()
 @topic_argument
 @click.argument("data", required=False)
 @click.option("--key", "-k", "shard_key", metavar="K", callback=envelope_callback,
               help="Shard key (messages of one key keep their order).")
-@click.option("--delay", type=Seconds(), default=None, callback=envelope_callback,
-              help="Deliver after this many seconds.")
+@click.option("--delay", type=Seconds(), default=None, metavar="DURATION", callback=envelope_callback,
+              help="Deliver after this long: 30 (seconds), 1m30s, 500ms, 2h.")
 @click.option("--header", "-H", "headers", type=Header(), multiple=True, callback=headers_callback,
               help="A header name=value (extend topics); the value is JSON if it parses, "
                    "else a string. Repeatable.")
@@ -74,9 +104,12 @@ def _encode_arg(text: str) -> bytes:
               help="Your id: a repeat within the topic's dedupe window is stored once.")
 @click.option("--keep-empty", is_flag=True,
               help="Push blank stdin lines as empty messages [default: skip them].")
+@click.option("--file", "-f", "path", type=click.Path(exists=True, dir_okay=False), default=None, metavar="F",
+              help="Push file F's bytes as one message, exactly (nothing stripped).")
+@click.option("--eof", is_flag=True, help="Push stdin, read to its end, as one message, exactly.")
 @json_option
 @pass_state
-def push(state, topic, data, shard_key, delay, headers, msg_id, keep_empty, as_json):
+def push(state, topic, data, shard_key, delay, headers, msg_id, keep_empty, path, eof, as_json):
     """Push DATA (or stdin lines) to TOPIC; print the ids.
 
     TOPIC is created if missing.
@@ -87,10 +120,22 @@ def push(state, topic, data, shard_key, delay, headers, msg_id, keep_empty, as_j
     of a live pipe go out as they come); prints one id per line. Blank lines (nothing before the newline) are
     skipped and counted in the summary; --keep-empty pushes them as empty
     messages. A line of spaces is data, pushed as it is.
+
+    --file F (or --eof: stdin to its end) pushes a whole file as one message,
+    its bytes exactly; one larger than the topic's max_message_bytes is
+    refused before it is read (exit 1).
     """
     show = render.emit_json_line if as_json else (lambda r: click.echo(r["id"]))
-    if data is not None and data != "-":
-        r = Producer(state.db).push(topic, _encode_arg(data), shard_key=shard_key, msg_id=msg_id, delay=delay,
+    if path is not None or eof:
+        if data is not None or (path is not None and eof):
+            raise click.UsageError("give one of DATA, --file F and --eof")
+        body = _whole_body(state.supervisor, topic, path)
+    elif data is not None and data != "-":
+        body = _encode_arg(data)
+    else:
+        body = None
+    if body is not None:
+        r = Producer(state.db).push(topic, body, shard_key=shard_key, msg_id=msg_id, delay=delay,
                           headers=headers)
         if r.duplicate:
             render.note(f"msg-id {msg_id!r} was pushed before: not stored again")
@@ -330,10 +375,10 @@ def _tail_error(e: BaseException):
 
 @cli.command()
 @topic_argument
-@click.option("--count", "-n", type=click.IntRange(min=1), default=None, metavar="N",
+@click.option("--count", "-n", type=Int(min=1), default=None, metavar="N",
               help="Stop after N messages [default: follow until Ctrl-C].")
-@click.option("--timeout", type=Seconds(), default=None,
-              help="Stop after this many seconds without a message.")
+@click.option("--timeout", type=Seconds(), default=None, metavar="DURATION",
+              help="Stop after this long without a message: 5 (seconds), 1m30s, 500ms.")
 @subscription_option
 @click.option("--tag", type=Tag(), default=None, metavar="T",
               help="Take messages dispatched to tag T (extend topics).")
@@ -351,8 +396,10 @@ def tail(state, topic, count, timeout, subscription, tag, mode, as_json):
 
     Joins the subscription as a consumer: with other consumers live it gets its
     share of the shards. One message per line; --json: one JSON object per line.
-    A stalled consumer (database unreachable, or no shard owned, for over 3
-    heartbeats) is reported by one line on stderr; tail keeps going. A topic or
+    A stalled consumer (database unreachable, or no shard owned while some shard has
+    no live owner, for over 3 heartbeats) is reported by one line on stderr; tail keeps
+    going. With more consumers than shards, tail may own none (standby): it waits,
+    and takes a shard when one frees. A topic or
     subscription deleted under it ends it (exit 1).
 
     A subscription with ack policy none is done with a message when tail

@@ -3,19 +3,19 @@ alone is judged here, with FDQ's own rules (``check_name``, ``TopicConfig``,
 ``validate_headers``), and a bad value is a usage error (exit 2)."""
 from __future__ import annotations
 
-import argparse
+import functools
 import json
 import math
+import re
 
 import click
 
-from ..broker.__main__ import parse_duration
 from ..broker.server import split_address
 from ..config import MAX_SECONDS, SubscriptionConfig, TopicConfig, check_name, shown
 from ..envelope import Envelope
 from ..errors import ConfigError, InvalidHeader, InvalidMessage, InvalidName
 from ..headers import TRACE_ID, is_tag, validate_headers
-from ..times import parse_time
+from ..times import now_ms, parse_duration, parse_time
 
 
 class Name(click.ParamType):
@@ -32,6 +32,31 @@ class Name(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
+# Digits an integer option may have (leading zeros aside): past any count FDQ stores
+# (2**63 - 1 has 19), short of a flood Python would spend time on (or refuse: 4,300).
+MAX_INT_DIGITS = 30
+_INT = re.compile(r"([+-]?)0*([0-9]+)")
+
+
+def _digit_flood(ptype: click.ParamType, value, param, ctx):
+    """Refuse an integer of more than ``MAX_INT_DIGITS`` digits, before Python converts it."""
+    if not isinstance(value, int):
+        m = _INT.fullmatch(str(value).strip())
+        if m and len(m[2]) > MAX_INT_DIGITS:
+            ptype.fail(f"{shown(str(value))} is not a valid integer: more than {MAX_INT_DIGITS} digits", param, ctx)
+
+
+class Int(click.IntRange):
+    """click's integer (within [``min``, ``max``] when given), of at most
+    ``MAX_INT_DIGITS`` digits (an option's callback applies its FDQ bound)."""
+
+    name = "integer"
+
+    def convert(self, value, param, ctx):
+        _digit_flood(self, value, param, ctx)
+        return super().convert(value, param, ctx)
+
+
 class Shards(click.ParamType):
     """A shard count, valid as ``TopicConfig.shards`` is."""
 
@@ -41,10 +66,11 @@ class Shards(click.ParamType):
         if isinstance(value, int) and not isinstance(value, bool):
             n = value
         else:
+            _digit_flood(self, value, param, ctx)
             try:
                 n = int(str(value).strip())
             except ValueError:
-                self.fail(f"{value!r} is not an integer", param, ctx)
+                self.fail(f"{shown(value)} is not an integer", param, ctx)
         try:
             TopicConfig(shards=n)
         except ConfigError as e:
@@ -84,9 +110,10 @@ def subscription_config_callback(ctx, param, value):
 
 
 class SecondsList(click.ParamType):
-    """Comma-separated seconds (``1,5,30``); the empty string is the empty list."""
+    """Comma-separated durations (``1,5,30``, ``1s,30s,5m``); the empty string is the
+    empty list. -> a tuple of seconds."""
 
-    name = "s1,s2,..."
+    name = "d1,d2,..."
 
     def convert(self, value, param, ctx):
         if isinstance(value, tuple):
@@ -98,18 +125,22 @@ class SecondsList(click.ParamType):
 
 
 class Seconds(click.ParamType):
-    """A finite number of seconds >= 0 (an option's callback applies its FDQ bound)."""
+    """A duration >= 0 as ``fdq.times.parse_duration`` reads it (``1m30s``, ``500ms``,
+    ``1.5s``, ``2d``, a bare number of seconds; at most 100 years); an option's callback
+    applies its FDQ bound. -> seconds (float)."""
 
-    name = "seconds"
+    name = "duration"
+    zero = True
 
     def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):    # a default, in seconds
+            if math.isfinite(value) and 0 <= value <= MAX_SECONDS and (value > 0 or self.zero):
+                return float(value)
+            value = shown(value)
         try:
-            s = float(value)
-        except (TypeError, ValueError):
-            self.fail(f"{shown(value)} is not a number of seconds", param, ctx)
-        if not (math.isfinite(s) and s >= 0):
-            self.fail(f"{shown(value)}: seconds must be a finite number >= 0", param, ctx)
-        return s
+            return parse_duration(value, zero=self.zero)
+        except ConfigError as e:
+            self.fail(str(e), param, ctx)
 
 
 class Cleared:
@@ -138,11 +169,14 @@ class OrNone(click.ParamType):
 class Time(click.ParamType):
     """A point in time as ``fdq.times.parse_time`` reads it: ISO-8601 (no zone = UTC),
     ``<n>s`` (epoch seconds), ``<n>ms`` or a bare integer of epoch milliseconds (one
-    that looks like seconds is refused). -> epoch ms."""
+    that looks like seconds is refused), ``now``, or ``-15m`` / ``+1h`` (a duration
+    before or after now). -> epoch ms."""
 
     name = "time"
 
     def convert(self, value, param, ctx):
+        if isinstance(value, int) and not isinstance(value, bool):      # converted before
+            return value
         try:
             return parse_time(value)
         except ConfigError as e:
@@ -150,39 +184,34 @@ class Time(click.ParamType):
 
 
 class TimeOrNow(Time):
-    """A ``Time``, or ``now`` (-> None)."""
+    """A ``Time``, where ``now`` is the moment the operation runs (-> None)."""
 
     name = "time|now"
 
     def convert(self, value, param, ctx):
-        if isinstance(value, str) and value.strip().lower() == "now":
+        if value is None or (isinstance(value, str) and value.strip().lower() == "now"):
             return None
-        try:
-            return parse_time(value)
-        except ConfigError as e:
-            self.fail(f"{e}; or now", param, ctx)
+        return super().convert(value, param, ctx)
 
 
-class Duration(click.ParamType):
-    """A Go duration as nsqd takes it (``60s``, ``1m30s``, ``500ms``) or plain seconds,
-    parsed by the broker's own ``parse_duration``; must be > 0 and at most ``MAX_SECONDS``
-    (100 years). -> seconds."""
+class Since(click.ParamType):
+    """A duration back from now (``--since 1h``: an hour ago). -> epoch ms."""
 
     name = "duration"
 
     def convert(self, value, param, ctx):
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            s = float(value)
-        else:
-            try:
-                s = parse_duration(str(value))
-            except argparse.ArgumentTypeError as e:
-                self.fail(str(e), param, ctx)
-        if not (math.isfinite(s) and s > 0):
-            self.fail(f"{shown(value)}: a duration must be > 0", param, ctx)
-        if s > MAX_SECONDS:
-            self.fail(f"{shown(value)}: a duration must be at most {MAX_SECONDS:,} s (100 years)", param, ctx)
-        return s
+        if isinstance(value, int) and not isinstance(value, bool):      # converted before
+            return value
+        try:
+            return max(0, now_ms() - int(parse_duration(value) * 1000))
+        except ConfigError as e:
+            self.fail(str(e), param, ctx)
+
+
+class Duration(Seconds):
+    """A duration > 0 (``Seconds`` without 0): intervals, timeouts of the servers."""
+
+    zero = False
 
 
 class Address(click.ParamType):
@@ -294,6 +323,27 @@ class Tag(click.ParamType):
 TOPIC = Name("topic")
 SUBSCRIPTION = Name("subscription")
 
-__all__ = ["CLEARED", "OrNone", "topic_config_callback", "envelope_callback", "subscription_config_callback", "Name", "Shards", "Seconds",
-           "SecondsList", "Time", "TimeOrNow", "Duration", "Address", "Header", "FilterHeader", "Tag",
-           "headers_callback", "filter_headers_callback", "TOPIC", "SUBSCRIPTION"]
+FORMATS = ("table", "plain", "tsv", "json")
+FORMAT_KEY = "fdq.format"       # the command's --format, in click's context (render reads it)
+
+
+def format_option(f):
+    """``--format table|plain|tsv|json`` (default: table on a terminal, else plain) and
+    ``--json`` (= ``--format json``, kept) on a command that lists or shows rows. The
+    command still gets ``as_json``; ``render`` reads the format from the context."""
+    @functools.wraps(f)
+    def command(*args, output_format, as_json, **kwargs):
+        if as_json and output_format not in (None, "json"):
+            raise click.UsageError(f"--json is --format json: give one of them, not --format {output_format} too")
+        chosen = "json" if as_json else output_format
+        if chosen is not None:
+            click.get_current_context().meta[FORMAT_KEY] = chosen
+        return f(*args, as_json=chosen == "json", **kwargs)
+    command = click.option("--json", "as_json", is_flag=True, help="Print JSON (stable keys): --format json.")(command)
+    return click.option("--format", "output_format", type=click.Choice(FORMATS), default=None, metavar="FORMAT",
+                        help="table|plain|tsv|json [default: table on a terminal, else plain: aligned text, "
+                             "nothing cut].")(command)
+
+__all__ = ["CLEARED", "OrNone", "topic_config_callback", "envelope_callback", "subscription_config_callback", "Name", "Int", "Shards", "Seconds",
+           "SecondsList", "Time", "TimeOrNow", "Since", "Duration", "Address", "Header", "FilterHeader", "Tag",
+           "headers_callback", "filter_headers_callback", "TOPIC", "SUBSCRIPTION", "FORMATS", "format_option"]

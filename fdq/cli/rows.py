@@ -7,8 +7,15 @@ The untagged dispatch tag is ``None`` (JSON ``null``).
 from __future__ import annotations
 
 import base64
+import dataclasses
 
+from ..config import TOPIC_STATE, TopicConfig
 from ..errors import TopicNotFound
+
+# A topic's settings: every TopicConfig field but its state (fdq.config.TOPIC_STATE,
+# changed by the operations that own it) and its subscriptions (listed with theirs).
+TOPIC_SETTINGS = tuple(f.name for f in dataclasses.fields(TopicConfig) if f.name not in TOPIC_STATE
+                       and f.name != "subs")
 
 
 def _tag(tag: str):
@@ -16,13 +23,13 @@ def _tag(tag: str):
 
 
 def topic_row(name: str, stats: dict) -> dict:
-    """One line of ``fdq topics``."""
+    """One line of ``fdq topics``: every setting of the topic, its state, subscriptions
+    (names) and counts."""
     config = stats["config"]
     subs = stats["subscriptions"]
     return {
         "name": name,
-        "shards": config["shards"],
-        "extend": config["extend"],
+        **{k: config[k] for k in TOPIC_SETTINGS},
         "paused": config["paused"],
         "resharding_to": config.get("resharding_to"),
         "subscriptions": list(subs),
@@ -30,6 +37,13 @@ def topic_row(name: str, stats: dict) -> dict:
         "pending": stats["counters"]["pending"],
         "backlog": sum(s["backlog"] for s in subs.values()),
     }
+
+
+def topic_detail(sup, name: str) -> dict:
+    """``fdq topics show``: the topic's row, its subscriptions in full (as ``fdq subs``
+    lists them: state, counts, every setting under ``config``) instead of their names."""
+    stats = sup.stats(name)
+    return {**topic_row(name, stats), "subscriptions": subscription_rows(sup, name, stats)}
 
 
 def topic_rows(sup) -> list:
@@ -70,8 +84,9 @@ def _tag_rows(shards: list) -> list:
 
 
 def stats_row(stats: dict) -> dict:
-    """``fdq stats``: the topic's config and counters, then per subscription its counts,
-    live consumers (with the shards each owns) and backlog per dispatch tag and per shard."""
+    """The tables of ``fdq stats`` (its ``--json`` prints ``Supervisor.stats`` as it is):
+    the topic's config and counters, then per subscription its counts, live consumers
+    (with the shards each owns) and backlog per dispatch tag and per shard."""
     config = stats["config"]
     counters = stats["counters"]
     subs = []
@@ -150,9 +165,10 @@ def subscription_row(topic: str, info: dict, sub_stats: dict | None) -> dict:
     }
 
 
-def subscription_rows(sup, topic: str) -> list:
-    stats = sup.stats(topic)["subscriptions"]
-    return [subscription_row(topic, info, stats.get(info["name"])) for info in sup.subscriptions(topic)]
+def subscription_rows(sup, topic: str, stats: dict | None = None) -> list:
+    """Every subscription of ``topic`` (``stats``: its ``Supervisor.stats``, read if None)."""
+    subs = (stats or sup.stats(topic))["subscriptions"]
+    return [subscription_row(topic, info, subs.get(info["name"])) for info in sup.subscriptions(topic)]
 
 
 def body_fields(body: bytes) -> dict:
@@ -191,8 +207,59 @@ def dlq_row(d: dict, subscription: str) -> dict:
     """``fdq dlq list``: one dead letter (from ``Supervisor.dlq_list``)."""
     return {"id": d["id"], "subscription": subscription, "reason": d["reason"],
             "consumer": d["consumer"], "attempts": d["attempts"], "shard_key": d["shard_key"],
-            "insertion_time_ms": d["insertion_time"], "raw": d["raw"], **body_fields(d["body"])}
+            "insertion_time_ms": d["insertion_time"], "dead_age_s": d["dead_age_s"], "raw": d["raw"],
+            **body_fields(d["body"])}
 
 
-__all__ = ["topic_row", "topic_rows", "stats_row", "consumer_rows", "message_row", "push_row",
-           "dlq_row", "body_fields", "subscription_row", "subscription_rows"]
+def peek_row(e: dict, subscription: str) -> dict:
+    """``fdq peek``: one message as ``Supervisor.peek`` shows it (keys that do not apply
+    to its state are null)."""
+    return {"id": e["id"], "subscription": subscription, "state": e["state"], "shard": e["shard"],
+            "tag": _tag(e["tag"]), "attempts": e["attempts"],
+            "insertion_time_ms": e["insertion_time"], "shard_key": e["shard_key"], "msg_id": e["msg_id"],
+            "replay_of": e["replay_of"], "due_in_s": e["due_in_s"], "leased_by": e["leased_by"],
+            "ack_wait_s": e["ack_wait_s"], "reason": e["reason"], "consumer": e["consumer"],
+            "dead_age_s": e["dead_age_s"], "raw": e["raw"], "headers": e["headers"], **body_fields(e["body"])}
+
+
+def get_row(info: dict) -> dict:
+    """``fdq get``: one message (``Supervisor.get``): its log entry (null once trimmed)
+    and, per subscription in creation order, its state and where it is."""
+    log = info["log"]
+    return {
+        "id": info["id"], "topic": info["topic"], "pending": info["pending"],
+        "log": None if log is None else {
+            "bucket": log["bucket"], "insertion_time_ms": log["insertion_time"], "shard_key": log["shard_key"],
+            "msg_id": log["msg_id"], "replay_of": log["replay_of"], "raw": log["raw"], "headers": log["headers"],
+            **body_fields(log["body"])},
+        "subscriptions": [{"name": sub, "state": s["state"], "places": [peek_row(p, sub) for p in s["places"]]}
+                          for sub, s in info["subscriptions"].items()],
+        "delayed_unsearched": info["delayed_unsearched"],
+    }
+
+
+# -- column metadata (how render.table shows them) ---------------------------------------
+
+# Which columns a table on a narrow terminal keeps, by header: the highest number goes
+# first (then the rightmost of equals); unlisted headers are 1; a table's first column
+# always stays. 0: what a row is about and its main counts.
+COLUMN_PRIORITY = {
+    # identity and what is queued
+    "topic": 0, "subscription": 0, "consumer": 0, "id": 0, "field": 0, "value": 0, "backlog": 0,
+    "messages": 0, "reason": 0,
+    # state and counts
+    "shards": 1, "state": 1, "in flight": 1, "dlq": 1, "lag": 1, "heartbeat age": 1, "attempts": 1,
+    "inserted": 1, "deliver": 1, "tag": 1, "body": 1, "consumers": 2,
+    # detail
+    "paused": 2, "pending": 2, "delayed": 2, "catching up": 2, "host": 2, "key": 2, "subscriptions": 2,
+    "extend": 3, "mode": 3, "pid": 3, "filtered": 3, "unowned shards": 3, "ack": 3, "ephemeral": 3,
+}
+
+# Columns of free text (a body, a reason, a list of names): in a table they shrink to
+# the room left, ellipsized ("..."); plain and tsv show them whole.
+FREE_TEXT_COLUMNS = frozenset({"subscriptions", "reason", "body", "value", "description"})
+
+
+__all__ = ["COLUMN_PRIORITY", "FREE_TEXT_COLUMNS", "TOPIC_SETTINGS", "topic_row", "topic_detail", "topic_rows",
+           "stats_row", "consumer_rows", "message_row", "push_row", "dlq_row", "body_fields", "subscription_row",
+           "subscription_rows", "peek_row", "get_row"]

@@ -11,8 +11,8 @@ from ..config import ACK_POLICIES, DELIVER_POLICIES, UPDATABLE_SUBSCRIPTION_FIEL
 from ..times import as_datetime
 from . import render, rows
 from .app import cli, confirm, json_option, pass_state, resumable, topic_argument
-from .params import (SUBSCRIPTION, FilterHeader, Seconds, SecondsList, Time, TimeOrNow, filter_headers_callback,
-                     subscription_config_callback)
+from .params import (SUBSCRIPTION, FilterHeader, Int, Seconds, SecondsList, Time, TimeOrNow, filter_headers_callback,
+                     format_option, subscription_config_callback)
 
 class SubsGroup(click.Group):
     """``fdq subs TOPIC`` is ``fdq subs list TOPIC``; ``fdq subs COMMAND ...`` runs COMMAND."""
@@ -45,17 +45,17 @@ SUBSCRIPTION_OPTIONS = {
         "--ack-policy", type=click.Choice(ACK_POLICIES), default="explicit", show_default=True,
         help="explicit: messages are leased until acked; none: done when delivered."),
     "ack_wait_s": click.option(
-        "--ack-wait-s", type=Seconds(), default=None, callback=subscription_config_callback,
-        help="Lease length of every consumer [default: each consumer's own]."),
+        "--ack-wait-s", type=Seconds(), default=None, metavar="DURATION", callback=subscription_config_callback,
+        help="Lease length of every consumer, e.g. 30s, 1m30s [default: each consumer's own]."),
     "max_deliver": click.option(
-        "--max-deliver", type=int, default=None, metavar="N", callback=subscription_config_callback,
+        "--max-deliver", type=Int(), default=None, metavar="N", callback=subscription_config_callback,
         help="Deliveries before the DLQ [default: each consumer's own]."),
     "backoff_s": click.option(
-        "--backoff-s", type=SecondsList(), default=None, callback=subscription_config_callback,
-        help="Redelivery delays by attempt, e.g. 1,5,30 (the last repeats; '' = at once) "
+        "--backoff-s", type=SecondsList(), default=None, metavar="D1,D2,...", callback=subscription_config_callback,
+        help="Redelivery delays by attempt, e.g. 1,5,30 or 1s,30s,5m (the last repeats; '' = at once) "
              "[default: each consumer's own]."),
     "max_ack_pending": click.option(
-        "--max-ack-pending", type=int, default=None, metavar="N", callback=subscription_config_callback,
+        "--max-ack-pending", type=Int(), default=None, metavar="N", callback=subscription_config_callback,
         help="At most N leased messages per shard [default: no limit]."),
     "deliver_policy": click.option(
         "--deliver-policy", type=click.Choice(DELIVER_POLICIES), default=None,
@@ -63,7 +63,7 @@ SUBSCRIPTION_OPTIONS = {
              "by_start_time [default: all; by_start_time with --start-time]."),
     "start_time_ms": click.option(
         "--start-time", "start_time_ms", type=Time(), default=None,
-        help="Start at messages inserted at this time or later (ISO-8601, <n>s or <n>ms)."),
+        help="Start at messages inserted at this time or later (ISO-8601, <n>s, <n>ms, now or -1h)."),
     "filter_shard_key": click.option(
         "--filter-shard-key", metavar="GLOB", default=None, callback=subscription_config_callback,
         help="Deliver only messages whose shard key matches this glob."),
@@ -131,7 +131,7 @@ def subs():
 
 @subs.command("list")
 @topic_argument
-@json_option
+@format_option
 @pass_state
 def subs_list(state, topic, as_json):
     """List TOPIC's subscriptions: start, backlog, in flight, DLQ, consumers."""
@@ -187,7 +187,7 @@ def subs_create(state, topic, name, as_json, **fields):
 @subs.command("show")
 @topic_argument
 @click.argument("name", type=SUBSCRIPTION)
-@json_option
+@format_option
 @pass_state
 def subs_show(state, topic, name, as_json):
     """Show subscription NAME of TOPIC: its stored options and counts."""
@@ -226,7 +226,7 @@ def subs_update(state, topic, name, as_json, **changes):
 @topic_argument
 @click.argument("name", type=SUBSCRIPTION)
 @click.option("--to", "to_time", type=TimeOrNow(), required=True,
-              help="The new start (ISO-8601, <n>s or <n>ms), or now (skip everything queued).")
+              help="The new start (ISO-8601, <n>s, <n>ms, -1h), or now (skip everything queued).")
 @json_option
 @pass_state
 def subs_reset(state, topic, name, to_time, as_json):

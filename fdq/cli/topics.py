@@ -1,13 +1,15 @@
-"""``fdq topics`` (list, create, update, delete, upgrade), ``fdq stats`` and
+"""``fdq topics`` (list, show, create, update, delete, upgrade), ``fdq stats`` and
 ``fdq consumers``: a topic's settings, counters and consumers."""
 from __future__ import annotations
+
+import json
 
 import click
 
 from ..config import UPDATABLE_TOPIC_FIELDS, TopicConfig
-from . import render, rows
+from . import admin, render, rows
 from .app import cli, confirm, json_option, pass_state, topic_argument
-from .params import CLEARED, TOPIC, OrNone, Seconds, Shards, topic_config_callback
+from .params import CLEARED, TOPIC, Duration, Int, OrNone, Seconds, Shards, format_option, topic_config_callback
 
 TOPIC_COLUMNS = [
     ("topic", lambda r: r["name"]),
@@ -23,11 +25,11 @@ TOPIC_COLUMNS = [
 
 
 @cli.group(invoke_without_command=True)
-@json_option
+@format_option
 @pass_state
 @click.pass_context
 def topics(ctx, state, as_json):
-    """List topics (or create, update, delete, upgrade one).
+    """List topics (or show, create, update, delete, upgrade one).
 
     Columns: shards, extend support, paused, subscriptions, messages inserted,
     backlog (routed, not yet done, summed over subscriptions), pending (pushed
@@ -37,6 +39,39 @@ def topics(ctx, state, as_json):
         return
     data = rows.topic_rows(state.supervisor)
     render.rows_or_note(data, TOPIC_COLUMNS, "no topics", as_json)
+
+
+def _value(v):
+    """A setting's value in a table: a list or mapping as JSON, the rest as tables show it."""
+    return json.dumps(v, ensure_ascii=False) if isinstance(v, (dict, list, tuple)) else v
+
+
+SETTING_COLUMNS = [("setting", lambda kv: kv[0]), ("value", lambda kv: _value(kv[1]))]
+
+
+@topics.command("show")
+@click.argument("name", type=TOPIC)
+@format_option
+@pass_state
+def topics_show(state, name, as_json):
+    """Show topic NAME's settings and its subscriptions' settings.
+
+    Every setting of the topic (shards, hash, extend, limits, retention, dedupe
+    window), its state and counts; then each subscription: its state and
+    every setting. --json: fdq topics --json's row, with each subscription as
+    fdq subs --json lists it instead of its name."""
+    data = rows.topic_detail(state.supervisor, name)
+    if as_json:
+        render.emit_json(data)
+        return
+    render.table(f"topic {name}", SETTING_COLUMNS,
+                 [(k, v) for k, v in data.items() if k not in ("name", "subscriptions")])
+    for sub in data["subscriptions"]:
+        items = [(k, sub[k]) for k in ("paused", "catching_up", "start_position", "backlog",
+                                       "in_flight", "delayed", "dlq", "consumers")]
+        render.table(f"subscription {name}/{sub['name']}", SETTING_COLUMNS,
+                     items + [(k, v if not k.endswith("time_ms") or v is None else render.time_ms(v))
+                              for k, v in sub["config"].items()])
 
 
 def _show_topic(state, name, as_json):
@@ -52,14 +87,14 @@ def _show_topic(state, name, as_json):
               help=f"Number of shards [default: {TopicConfig().shards}]; an existing topic with "
                    "another count is an error (use rebalance).")
 @click.option("--extend", is_flag=True, help="Extend support: headers and tag dispatch.")
-@click.option("--max-backlog", type=int, default=None, metavar="N", callback=topic_config_callback,
+@click.option("--max-backlog", type=Int(), default=None, metavar="N", callback=topic_config_callback,
               help="Refuse pushes beyond this backlog per subscription.")
-@click.option("--retention-s", type=Seconds(), default=None, metavar="S", callback=topic_config_callback,
-              help="Keep the \"all\" log this many seconds (applied by fdq trim).")
-@click.option("--retention-bytes", type=int, default=None, metavar="N", callback=topic_config_callback,
+@click.option("--retention-s", type=Seconds(), default=None, metavar="DURATION", callback=topic_config_callback,
+              help="Keep the \"all\" log this long, e.g. 7d (applied by fdq trim).")
+@click.option("--retention-bytes", type=Int(), default=None, metavar="N", callback=topic_config_callback,
               help="Keep at most this many bytes of the \"all\" log, the newest (applied by fdq trim).")
-@click.option("--dedupe-window-s", type=Seconds(), default=None, metavar="S", callback=topic_config_callback,
-              help=f"Remember msg-ids this long [default: {TopicConfig().dedupe_window_s:g}].")
+@click.option("--dedupe-window-s", type=Seconds(), default=None, metavar="DURATION", callback=topic_config_callback,
+              help=f"Remember msg-ids this long, e.g. 10m [default: {TopicConfig().dedupe_window_s:g}s].")
 @json_option
 @pass_state
 def topics_create(state, name, shards, extend, max_backlog, retention_s, retention_bytes, dedupe_window_s,
@@ -118,15 +153,15 @@ class TopicUpdateCommand(click.Command):
 
 @topics.command("update", cls=TopicUpdateCommand)
 @click.argument("name", type=TOPIC)
-@click.option("--max-backlog", type=OrNone(click.INT), default=None, metavar="N|none",
+@click.option("--max-backlog", type=OrNone(Int()), default=None, metavar="N|none",
               callback=topic_config_callback, help="Refuse pushes beyond this backlog per subscription.")
-@click.option("--dedupe-window-s", type=Seconds(), default=None, metavar="S", callback=topic_config_callback,
-              help="Remember msg-ids this long.")
-@click.option("--retention-s", type=OrNone(Seconds()), default=None, metavar="S|none",
-              callback=topic_config_callback, help="Keep the \"all\" log this many seconds.")
-@click.option("--retention-bytes", type=OrNone(click.INT), default=None, metavar="N|none",
+@click.option("--dedupe-window-s", type=Seconds(), default=None, metavar="DURATION", callback=topic_config_callback,
+              help="Remember msg-ids this long, e.g. 10m.")
+@click.option("--retention-s", type=OrNone(Seconds()), default=None, metavar="DURATION|none",
+              callback=topic_config_callback, help="Keep the \"all\" log this long, e.g. 7d.")
+@click.option("--retention-bytes", type=OrNone(Int()), default=None, metavar="N|none",
               callback=topic_config_callback, help="Keep at most this many bytes of the \"all\" log.")
-@click.option("--max-message-bytes", type=int, default=None, metavar="N", callback=topic_config_callback,
+@click.option("--max-message-bytes", type=Int(), default=None, metavar="N", callback=topic_config_callback,
               help="The largest body a push accepts.")
 @json_option
 @pass_state
@@ -194,7 +229,7 @@ CONSUMER_COLUMNS = [
 
 @cli.command()
 @topic_argument
-@json_option
+@format_option
 @pass_state
 def stats(state, topic, as_json):
     """Show TOPIC's counters, backlog, consumers and lag.
@@ -202,11 +237,13 @@ def stats(state, topic, as_json):
     Per subscription: backlog, in flight, delayed, DLQ, lag; consumers with the
     shards each owns and heartbeat age (a zombie: older than its zombie timeout,
     e.g. killed, its shards not yet taken over); backlog per dispatch tag.
-    --json adds per-shard counters."""
-    data = rows.stats_row(state.supervisor.stats(topic))
+    --json prints what the Python API's Supervisor.stats(TOPIC) returns, per-shard
+    counters included."""
+    stats = state.supervisor.stats(topic)
     if as_json:
-        render.emit_json(data)
+        render.emit_json(stats)
         return
+    data = rows.stats_row(stats)
     state_text = "paused" if data["paused"] else "running"
     if data["resharding_to"] == data["shards"]:     # reshard_finish done, not its play
         state_text += ", resharded: routing what was pushed meanwhile (run rebalance if stuck)"
@@ -246,13 +283,20 @@ def stats(state, topic, as_json):
 
 @cli.command()
 @topic_argument
-@json_option
+@click.argument("action", required=False, type=click.Choice(["reap"]))
+@click.option("--zombie-after", type=Duration(), default=None, metavar="DURATION",
+              help="reap: declare a zombie a consumer whose heartbeat stands still this long [default: 3s].")
+@format_option
 @pass_state
-def consumers(state, topic, as_json):
-    """List TOPIC's consumers, their shards, heartbeat age.
+def consumers(state, topic, action, zombie_after, as_json):
+    """List TOPIC's consumers, their shards, heartbeat age; or reap zombies.
 
     A consumer whose heartbeat is older than its zombie timeout is marked a
     zombie (killed, or stalled): it owns its shards until a live consumer of
-    its subscription takes them over."""
+    its subscription takes them over, or until fdq consumers TOPIC reap
+    (watches the heartbeats for --zombie-after, or a consumer's own longer
+    timeout, then removes those that stood still and divides their shards)."""
+    if action == "reap" or zombie_after is not None:
+        return admin.reap_consumers(state, topic, action, zombie_after, as_json)
     data = rows.consumer_rows(state.supervisor.stats(topic))
     render.rows_or_note(data, CONSUMER_COLUMNS, f"topic {topic!r} has no consumers", as_json)

@@ -14,7 +14,7 @@ import click
 from .. import worker as fdq_worker
 from . import app, render
 from .app import Failure, cli, one_line, pass_state
-from .params import SUBSCRIPTION, TOPIC, Duration
+from .params import SUBSCRIPTION, TOPIC, Duration, Int
 
 
 class HandlerSpec(click.ParamType):
@@ -112,7 +112,7 @@ def _exit_now(code: int, line: str | None):
               help="The topic [default: the handler's @fdq.worker.handler(topic=...)].")
 @click.option("--subscription", "-s", type=SUBSCRIPTION, default=None, metavar="S",
               help="The subscription [default: the handler's, else 'default'].")
-@click.option("--concurrency", "-c", type=click.IntRange(min=1), default=None, metavar="N",
+@click.option("--concurrency", "-c", type=Int(min=1), default=None, metavar="N",
               help="Handlers running at once (a shard key's messages never at once) [default: 1].")
 @click.option("--mode", type=click.Choice(list(fdq_worker.MODES)), default=None,
               help="Delivery [default: the handler's, else at-least-once]. exactly-once calls "

@@ -3,8 +3,8 @@
 Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
 
     meta/format                                           layout version
-    meta/clock                                            the database clock (ms; see membership)
-    meta/clock_version                                    read version of its last advance (display)
+    meta/leaders/<name>                                   a database-wide role's holder (ops/leaders)
+    meta/leaders/<name>/beat                              its holder's beat counter (atomic add)
     config/topics/<topic>                                 topic config (read by every push)
     config/topics/<topic>/consumers/<sub>/<id>            consumer record
     config/topics/<topic>/heartbeats/<sub>/<id>/hb        heartbeat counter (atomic add): apart from
@@ -16,13 +16,16 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     config/topics/<topic>/subs/<sub>/boundary             versionstamp of its creation / reset
     config/topics/<topic>/subs/<sub>/cursor/<bucket>      catch-up progress per log bucket
     config/topics/<topic>/subs/<sub>/purge/<tag>/<n>      a reset's purge progress per shard
+    topic/<topic>/clock                                   the topic's clock (ms; ops.clock): its
+                                                          consumers advance it, its delays are due by it
+    topic/<topic>/clock_version                           read version of its last advance (display)
     topic/<topic>/all/log/<bucket>/<vs>                   the "all" log (bucket = shard n)
     topic/<topic>/all/time/<minute_ms>/<vs>               sparse time -> position index
     topic/<topic>/all/stats/<name>/<part>                 inserted, routed, emitted, acked, ...: summed parts
     topic/<topic>/all/chunks/<vs>/<i>                     body chunks of large messages
     topic/<topic>/all/pending/<vs>                        pushed while paused, not yet routed
     topic/<topic>/subs/<sub>/shards/<tag>/<n>/ready/<vs>             ready queue
-    topic/<topic>/subs/<sub>/shards/<tag>/<n>/delayed/<due>/<vs>     due = database clock ms
+    topic/<topic>/subs/<sub>/shards/<tag>/<n>/delayed/<due>/<vs>     due = topic clock ms
     topic/<topic>/subs/<sub>/shards/<tag>/<n>/leased/<vs>/<lease_id> a leased batch (or part):
                                                           vs = its first message's
     topic/<topic>/subs/<sub>/shards/<tag>/<n>/stats/<name>           per-shard counters
@@ -163,8 +166,6 @@ class TopicSpace:
 
     def __init__(self, ks: "Keyspace", name: str):
         self.name = name
-        self.clock_key = ks.clock_key
-        self.clock_version_key = ks.clock_version_key
         self.config_key = ks.topics_config.pack((name,))
         self.config_space = ks.topics_config[name]
         self.consumers = self.config_space["consumers"]
@@ -173,6 +174,10 @@ class TopicSpace:
         self.assignment = self.config_space["assignment"]
         self.sub_records = self.config_space["subs"]
         self.space = ks.root["topic"][name]
+        # one clock per topic: no key every consumer of the database writes 4 times a second
+        self.clock_key = self.space.pack(("clock",))
+        # the read version of the clock's last advance (ops.clock.advance_clock)
+        self.clock_version_key = self.space.pack(("clock_version",))
         self.all = self.space["all"]
         self.log = self.all["log"]
         self.time_index = self.all["time"]
@@ -257,7 +262,7 @@ class TopicSpace:
         return self.heartbeats.pack((sub, cid, "hb"))
 
     def heartbeat_clock_key(self, sub: str, cid: str) -> bytes:
-        """The database clock at consumer ``cid``'s last heartbeat (for display)."""
+        """The topic's clock at consumer ``cid``'s last heartbeat (for display)."""
         return self.heartbeats.pack((sub, cid, "hbc"))
 
     def assignment_key(self, sub: str) -> bytes:
@@ -300,6 +305,10 @@ class TopicSpace:
     def time_index_vs_key(self, minute_ms: int, uv: int) -> bytes:
         """The time index's entry of ``minute_ms`` at this transaction's message ``uv``."""
         return vs_key(self.time_index.pack((minute_ms,)), uv)
+
+    def pending_key(self, vs: Versionstamp) -> bytes:
+        """Message ``vs``'s entry in the pending list (pushed while paused)."""
+        return self.pending.pack((vs,))
 
     def pending_vs_key(self, uv: int) -> bytes:
         """The stamped key of this transaction's message ``uv`` pushed while paused."""
@@ -367,10 +376,8 @@ class Keyspace:
     def __init__(self, root: tuple = ("fdq",)):
         self.root = Subspace(tuple(root))
         self.format_key = self.root.pack(("meta", "format"))
-        self.clock_key = self.root.pack(("meta", "clock"))
-        # the read version of the clock's last advance (membership.advance_clock)
-        self.clock_version_key = self.root.pack(("meta", "clock_version"))
         self.topics_config = self.root["config"]["topics"]
+        self.leaders = self.root["meta"]["leaders"]
         self._topics = {}
 
     def topic(self, name: str) -> TopicSpace:
@@ -378,6 +385,14 @@ class Keyspace:
         if t is None:
             t = self._topics[name] = TopicSpace(self, name)
         return t
+
+    def leader_key(self, role: str) -> bytes:
+        """Who holds the database-wide role ``role`` (``codec.encode_leader``)."""
+        return self.leaders.pack((role,))
+
+    def leader_beat_key(self, role: str) -> bytes:
+        """The beat counter of ``role``'s holder."""
+        return self.leaders.pack((role, "beat"))
 
     def topic_names_range(self):
         return self.topics_config.range()

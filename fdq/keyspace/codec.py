@@ -6,7 +6,7 @@ attempts, nchunks, replay_of, due]``; trailing defaults are dropped so a plain m
 a few bytes over its body (and a record written before a field existed decodes with its
 default). Slot 1 holds the shard key (a str), or for an unkeyed message its home shard (an
 int: ``Record.home``, the shard its push chose, ``fdq.ops.routing``); msgpack writes an int
-up to 127 in one byte, as nil. ``due``: a delayed message's due time (database clock ms,
+up to 127 in one byte, as nil. ``due``: a delayed message's due time (topic clock ms,
 ``membership.read_clock``), kept in its log entry so a copy made from the log (catch-up,
 reset, replay, play) waits for it. Bodies over ``CHUNK_BYTES`` are split: the record keeps
 the chunk count and the chunks live beside it (``.../chunks/<vs>/<i>``).
@@ -100,7 +100,7 @@ class Record:
     attempts: int = 0
     nchunks: int = 0
     replay_of: str | None = None
-    due: int | None = None      # database clock ms a delayed message is due at
+    due: int | None = None      # topic clock ms a delayed message is due at
     home: int | None = None     # unkeyed: the shard its push chose (stored in shard_key's slot)
 
     def encode(self) -> bytes:
@@ -268,23 +268,28 @@ def lease_entries_hint(raw) -> int:
     return (n - 4) // 3
 
 
-def encode_dead(record: bytes, reason: str, consumer_id: str | None, raw: bool = False) -> bytes:
+def encode_dead(record: bytes, reason: str, consumer_id: str | None, dead_ms: int, dead_version: int,
+                raw: bool = False) -> bytes:
     """A dead letter: the record as delivered, or with ``raw`` the bytes of a record
-    that did not decode, as they were stored (kept for inspection, never redriven)."""
-    return packer()([record, reason, consumer_id, True] if raw else [record, reason, consumer_id])
+    that did not decode, as they were stored (kept for inspection, never redriven);
+    when: ``dead_ms`` the database clock (``clock.read_clock``) and ``dead_version`` the
+    read version of the transaction that dead-lettered it (its age as a heartbeat's:
+    ``clock.heartbeat_age``)."""
+    return packer()([record, reason, consumer_id, raw, dead_ms, dead_version])
 
 
 def decode_dead(raw):
     """-> (record bytes, reason, consumer_id, raw: whether the record bytes are an
-    undecodable record's, ``encode_dead``)"""
+    undecodable record's, dead_ms, dead_version) (``encode_dead``)"""
     try:
         v = _unpackb(bytes(raw))
-        if (type(v) is not list or len(v) not in (3, 4) or type(v[0]) is not bytes or type(v[1]) is not str
-                or type(v[2]) not in (str, _NONE) or (len(v) == 4 and type(v[3]) is not bool)):
+        if (type(v) is not list or len(v) != 6 or type(v[0]) is not bytes or type(v[1]) is not str
+                or type(v[2]) not in (str, _NONE) or type(v[3]) is not bool
+                or type(v[4]) is not int or type(v[5]) is not int):
             raise _Shape("not a dead letter")
     except _DECODE_ERRORS as e:
         raise _corrupt("dead letter", raw, e) from None
-    return v[0], v[1], v[2], len(v) == 4 and v[3]
+    return tuple(v)
 
 
 # -- push side: dedupe entries, markers, pending entries -------------------------------
@@ -384,6 +389,16 @@ def _decode_dict(what: str, raw) -> dict:
     if type(v) is not dict:
         raise CorruptValue(what, raw, f"a {type(v).__name__}, not a map")
     return v
+
+
+def encode_leader(holder: str, timeout_s: float) -> bytes:
+    """The holder of a database-wide role (``fdq.ops.leaders``) and the timeout it
+    advertises (how long its beat may stand still before another takes over)."""
+    return pack({"holder": holder, "timeout_s": timeout_s})
+
+
+def decode_leader(raw) -> dict | None:
+    return None if raw is None or raw == None else _decode_dict("leader record", raw)  # noqa: E711 - FDB's absent Value
 
 
 def encode_subscription(record: dict) -> bytes:

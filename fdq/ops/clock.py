@@ -1,10 +1,13 @@
-"""The database clock: what delays are due by, and the heartbeat age stats show.
+"""A topic's clock: what its delays are due by, and the heartbeat age stats show.
 
 Delays (delayed pushes, nak delays, backoff) are due by this clock, not by database
 versions (an FDB recovery jumps versions ~100 s at once) nor by a wall clock (hosts
-disagree). Live consumers advance it by the time that passed on their own monotonic
-clocks (:func:`advance_clock`), so it never runs ahead of real time: a delay may end a
-heartbeat late, never early. It stands still while no consumer runs.
+disagree). The topic's live consumers advance it by the time that passed on their own
+monotonic clocks (:func:`advance_clock`), so it never runs ahead of real time; a due time is
+counted from :func:`due_base` (the clock plus versions since its last advance), so a
+delay may end a lease check late, never early. It stands still while none of them runs (nobody
+to deliver to). One per topic (``TopicSpace.clock_key``): a single key for the whole
+database was written by every consumer 4 times a second.
 """
 from __future__ import annotations
 
@@ -13,15 +16,32 @@ from ..keyspace import VERSIONS_PER_S, decode_counter
 
 
 def read_clock(tr, clock_key: bytes) -> int:
-    """The database clock, in milliseconds (snapshot read: never conflicts)."""
+    """The clock, in milliseconds (snapshot read: never conflicts)."""
     return decode_counter(tr.snapshot[clock_key])
+
+
+def due_base(tr, clock_key: bytes, version_key: bytes) -> int:
+    """The clock reading a due time is counted from (a delayed push, a nak's delay): the
+    clock plus the time since its last advance by versions (``version_key``: the read
+    version of that advance). The clock alone lags real time by up to a lease-check
+    interval (more on a loaded host, whose consumers advance it late), and a delay
+    counted from it ended that much early. Versions advance at least ``VERSIONS_PER_S``
+    a second, so this is never behind the clock's next advances: a delay ends late,
+    never early (a version jump since the last advance makes it longer, never shorter).
+    Snapshot reads."""
+    current = read_clock(tr, clock_key)
+    advanced = tr.snapshot[version_key]
+    if advanced == None:  # noqa: E711 - never advanced: no consumer has run yet
+        return current
+    behind = tr.get_read_version().wait() - decode_counter(advanced)
+    return current + max(0, behind) * 1000 // VERSIONS_PER_S
 
 
 @transactional
 def advance_clock(tr, clock_key: bytes, candidate_ms: int, version_key: bytes | None = None) -> int:
-    """Move the database clock to at least ``candidate_ms`` (a blind atomic max, so
-    consumers never conflict over it). Returns the clock's new value as seen here.
-    With ``version_key`` (``Keyspace.clock_version_key``), an advance also records its
+    """Move the clock to at least ``candidate_ms`` (a blind atomic max, so consumers
+    never conflict over it). Returns the clock's new value as seen here.
+    With ``version_key`` (``TopicSpace.clock_version_key``), an advance also records its
     read version there (a blind max too): how long ago, in versions, the clock last
     moved (``heartbeat_age``)."""
     current = read_clock(tr, clock_key)
@@ -34,15 +54,15 @@ def advance_clock(tr, clock_key: bytes, candidate_ms: int, version_key: bytes | 
 
 def heartbeat_age(hb_clock, hb_version, clock: int, clock_version, read_version: int):
     """Seconds since a consumer's last heartbeat, for display (``Supervisor.stats``), from
-    what it recorded (``hb_clock``: the database clock then; ``hb_version``: the read
+    what it recorded (``hb_clock``: the topic's clock then; ``hb_version``: the read
     version then; None if absent) and the database now (its ``clock``, the read version
     of the clock's last advance ``clock_version`` or None, and ``read_version``). None
     before the first heartbeat. Liveness never uses it (see ``fdq.ops.membership``).
 
     No single read can time a heartbeat exactly: versions jump ~100 s at an FDB recovery,
-    the client's wall clock is any host's, and the database clock only moves while some
-    consumer runs. So the age is split at the clock's last advance: up to it, the
-    database clock (advanced by live consumers' monotonic clocks: immune to version
+    the client's wall clock is any host's, and the topic's clock only moves while some
+    consumer of it runs. So the age is split at the clock's last advance: up to it, the
+    topic's clock (advanced by live consumers' monotonic clocks: immune to version
     jumps and clock skew; it lags real time by at most a lease-check interval); after
     it (or from the heartbeat, if the clock has not moved since), versions (~1,000,000 a
     second). While any consumer of the database runs, the clock advances every
@@ -57,4 +77,4 @@ def heartbeat_age(hb_clock, hb_version, clock: int, clock_version, read_version:
     return round(max(0, clock - hb_clock) / 1000 + max(0, read_version - since) / VERSIONS_PER_S, 3)
 
 
-__all__ = ["read_clock", "advance_clock", "heartbeat_age"]
+__all__ = ["read_clock", "due_base", "advance_clock", "heartbeat_age"]

@@ -260,7 +260,7 @@ def heartbeat(tr, ts: TopicSpace, sub: str, consumer_id: str, incarnation=None) 
     if raw == None or not _is_mine(raw, incarnation):  # noqa: E711
         return False
     tr.add(ts.heartbeat_key(sub, consumer_id), counter(1))
-    # For display only (``clock.heartbeat_age``): the database clock and the read version.
+    # For display only (``clock.heartbeat_age``): the topic's clock and the read version.
     tr.max(ts.heartbeat_clock_key(sub, consumer_id), read_clock(tr, ts.clock_key).to_bytes(8, "little"))
     tr.max(ts.heartbeat_version_key(sub, consumer_id), tr.get_read_version().wait().to_bytes(8, "little"))
     return True

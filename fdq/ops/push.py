@@ -24,13 +24,13 @@ from ..config import TopicConfig, check_name
 from ..engine import transactional
 from ..envelope import Envelope
 from ..errors import BacklogFull, InvalidHeader, MessageTooLarge, TopicNotFound
-from ..headers import dispatch_tag
+from ..headers import PROPAGATION, dispatch_tag
 from ..keyspace.format import ensure_format
 from ..keyspace import (VERSIONS_PER_S, Keyspace, TopicSpace, counter, index_part, message_id,
                         vs_key, vs_key_parts)
 from ..keyspace.codec import (CHUNK_BYTES, CHUNK_WRITE_BYTES, RECORD_BYTES, ROUTE_BYTES, Record, decode_dedupe,
                               decode_marker, encode_dedupe, encode_marker, encode_pending, packer, split_body)
-from .clock import read_clock
+from .clock import due_base, read_clock
 from .stats import shard_counters, topic_counter
 from .topics import check_hold, load_config, write_new_topic_config
 from .log import entry_bytes
@@ -68,7 +68,7 @@ def fits(written: int, more: int, budget: int = TX_WRITE_BYTES) -> bool:
 @dataclass(frozen=True)
 class PushItem:
     """A message pushed on FDQ's own behalf (a replay): as an ``Envelope``, plus the
-    original's id (``replay_of``) and due time (``due_at``, database clock ms)."""
+    original's id (``replay_of``) and due time (``due_at``, topic clock ms)."""
 
     body: bytes
     shard_key: str | None = None
@@ -82,12 +82,13 @@ class PushItem:
 class _Batch:
     """What one push transaction keeps across its messages (the full path's state)."""
 
-    __slots__ = ("ks", "now_ms", "minute", "time_index", "rv", "clock", "batch_ids", "counters", "tags")
+    __slots__ = ("ks", "now_ms", "minute", "time_index", "rv", "clock", "due_base", "batch_ids", "counters",
+                 "tags")
 
     def __init__(self, ks: Keyspace, now_ms: int, time_index: dict):
         self.ks, self.now_ms, self.time_index = ks, now_ms, time_index
         self.minute = now_ms // 60000 * 60000
-        self.rv = self.clock = None
+        self.rv = self.clock = self.due_base = None     # read once per transaction, when needed
         self.batch_ids = {}
         self.counters = defaultdict(int)
         self.tags = set()     # each tag's key once per transaction
@@ -203,7 +204,7 @@ def _push_full(tr, b: _Batch, plan, topic: str, env, uv: int, n: int) -> tuple:
     """Push message ``uv`` (any message: a msg_id, a delay, headers, chunks, a replay, a
     paused topic) to shard ``n``; returns its result."""
     ts, config = plan.ts, plan.config
-    if env.headers and not config.extend:
+    if env.headers and not config.extend and not PROPAGATION.issuperset(env.headers):
         raise InvalidHeader(f"topic {topic!r} has no extend support: headers are refused "
                             "(create it with extend=True or upgrade it)")
     if env.msg_id is not None:
@@ -236,12 +237,14 @@ def _push_full(tr, b: _Batch, plan, topic: str, env, uv: int, n: int) -> tuple:
         replay_of, due_at = env.replay_of, env.due_at
         headers = dict(env.headers) if env.headers else None
     due = None
-    if env.delay or due_at is not None:
+    if env.delay:
+        if b.due_base is None:
+            b.due_base = due_base(tr, ts.clock_key, ts.clock_version_key)
+        due = b.due_base + int(env.delay * 1000)
+    elif due_at is not None:
         if b.clock is None:
             b.clock = read_clock(tr, ts.clock_key)
-        due = b.clock + int(env.delay * 1000) if env.delay else due_at
-        if due <= b.clock:
-            due = None      # (a replayed message already due: ready at once)
+        due = due_at if due_at > b.clock else None     # (a replayed message already due: ready at once)
     inline, chunks = split_body(env.body)
     key = env.shard_key
     home = n if key is None else None
@@ -349,7 +352,7 @@ def _push_plan(ts: TopicSpace, config: TopicConfig) -> _PushPlan:
 def route_message(tr, ts: TopicSpace, config: TopicConfig, tag: str, n: int, uv: int,
                   record: bytes, chunks: list, due: int | None, counters):
     """Write one message (user version ``uv`` of this transaction's versionstamp) into
-    every subscription's shard queue: ready, or delayed until the database clock reaches
+    every subscription's shard queue: ready, or delayed until the topic's clock reaches
     ``due`` (ms, ``clock.read_clock``)."""
     for sub in config.subs:
         shard = ts.shard(sub, tag, n)

@@ -40,7 +40,7 @@ from ..keyspace.codec import (CHUNK_BYTES, LEASE_ENTRY_OVERHEAD, LEASE_RECORD_BY
                               decode_leases, encode_dead, encode_leases, has_chunks, lease_entries_hint)
 from ..settlement import ACK, NAK, RELEASE, TERM, TOUCH, Action
 from .topics import load_config
-from .clock import read_clock
+from .clock import due_base, read_clock
 from .membership import ensure_owner
 from .routing import target
 
@@ -82,7 +82,7 @@ def _add(tr, counters: dict):
 
 @transactional
 def promote_due(tr, shard: ShardSpace, limit: int, promoted: dict | None = None) -> int | None:
-    """Move delayed messages that are due (due <= the database clock, see
+    """Move delayed messages that are due (due <= the topic's clock, see
     ``clock.read_clock``) to the head of the ready queue. Returns the next due
     time still waiting, if any; ``promoted`` collects {12-byte stamp: delayed key}.
     A message whose ready key holds it already (a reset's copy of a message nak'd with
@@ -439,11 +439,19 @@ def lease_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: 
 MAX_REASON_CHARS = 1000    # a dead letter's reason is cut to this (a record plus it fits a value)
 
 
+def _dead_value(tr, shard: ShardSpace, record_raw: bytes, reason: str, consumer_id: str | None,
+                raw: bool = False) -> bytes:
+    """A dead letter's value, stamped with when (the database clock and this
+    transaction's read version: a snapshot read, no conflict): ``--older-than`` ages."""
+    return encode_dead(record_raw, reason, consumer_id, read_clock(tr, shard.clock_key),
+                       tr.get_read_version().wait(), raw)
+
+
 def _dead_letter(tr, ts: TopicSpace, shard: ShardSpace, vs, record_raw: bytes, reason: str,
                  consumer_id: str | None, raw: bool = False):
     if len(reason) > MAX_REASON_CHARS:
         reason = reason[:MAX_REASON_CHARS - 1] + "…"
-    tr[ts.dlq_key(shard.sub, vs)] = encode_dead(record_raw, reason, consumer_id, raw)
+    tr[ts.dlq_key(shard.sub, vs)] = _dead_value(tr, shard, record_raw, reason, consumer_id, raw)
     # Chunks of large bodies stay in the subscription's chunk area with the DLQ entry.
     _add(tr, {shard.stat("done"): 1, shard.stat("dead"): 1, ts.sub_stat(shard.sub, "dead"): 1})
 
@@ -470,7 +478,7 @@ def dead_letter_taken(tr, ts: TopicSpace, taken: Taken, reason: str, consumer_id
         tr[shard.chunk_key(taken.vs, i)] = taken.body[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES]
     if len(reason) > MAX_REASON_CHARS:
         reason = reason[:MAX_REASON_CHARS - 1] + "…"
-    tr[ts.dlq_key(shard.sub, taken.vs)] = encode_dead(rec.encode(), reason, consumer_id)
+    tr[ts.dlq_key(shard.sub, taken.vs)] = _dead_value(tr, shard, rec.encode(), reason, consumer_id)
     _add(tr, {shard.stat("acked"): -1, ts.stat("acked", shard.n): -1, shard.stat("dead"): 1, ts.sub_stat(shard.sub, "dead"): 1})
 
 
@@ -490,7 +498,7 @@ def _requeue(tr, ts: TopicSpace, shard: ShardSpace, vs, record_raw: bytes, delay
             tr.add(dst.stat("routed"), ONE)
             shard = dst
     if delay_ms > 0:
-        due = read_clock(tr, shard.clock_key) + delay_ms
+        due = due_base(tr, ts.clock_key, ts.clock_version_key) + delay_ms
         tr[shard.delayed_key(due, vs)] = record_raw
         tr.add(shard.stat("delayed"), ONE)
     else:

@@ -7,23 +7,69 @@ keyed message by its key, an unkeyed one to its home, where every copy of it goe
 keys (versionstamps) kept, so each new shard's queue stays in push order per shard key; ``fold_shard_counters``
 keeps the counters of shards that go away; ``reshard_finish`` adopts the new count, and
 ``fdq.ops.play`` then routes what was pushed meanwhile. Every step is safe to re-run.
+``queued_messages`` counts, from counters, what the queues hold when a reshard begins;
+``Rebalanced`` is what ``Supervisor.rebalance`` reports.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 from ..engine import transactional
 from ..config import TopicConfig
 from ..errors import ConfigError
 from ..keyspace import TopicSpace, counter, decode_counter
 from ..keyspace.codec import CHUNK_WRITE_BYTES, LeaseRecord, Record, decode_leases, pack
-from .membership import assign_shards, read_owners
+from .membership import assign_shards, read_owners, read_tags
 from .play import resharding
 from .routing import target
-from .stats import SHARD_COUNTERS
+from .stats import SHARD_COUNTERS, shard_counters
 from .topics import read_topic_config, write_topic_config
 
 AREAS = ("ready", "delayed", "leased")    # a shard's queue areas, as reshard_chunk moves them
+
+
+@dataclasses.dataclass(frozen=True)
+class Rebalanced:
+    """What ``Supervisor.rebalance`` did. ``config``: the topic's config as stored when it
+    returned (``shards``: its shard count now); ``from_shards``: the count before;
+    ``queued``: the messages its subscriptions' queues held (ready, delayed, in flight;
+    from counters) when the reshard began, 0 when the count did not change; ``moved``:
+    the messages this call moved to another shard. Each message moves at most once, so
+    ``moved <= queued`` and, with no settlement meanwhile, the other ``queued - moved``
+    kept their shard."""
+
+    config: TopicConfig
+    from_shards: int
+    queued: int = 0
+    moved: int = 0
+
+    @property
+    def shards(self) -> int:
+        return self.config.shards
+
+
+class ReshardChunk(NamedTuple):
+    """What one ``reshard_chunk`` did: ``read`` entries (a lease record is one),
+    ``last`` key read, ``done`` with the area; ``messages`` read (a lease record's every
+    message), ``moves`` {new shard: messages moved there}."""
+
+    read: int
+    last: bytes | None
+    done: bool
+    messages: int
+    moves: dict
+
+
+@transactional
+def queued_messages(tr, ts: TopicSpace) -> int:
+    """The messages the topic's queues hold (ready, delayed, in flight; every
+    subscription, tag and shard, the new count's shards too while resharding): routed
+    minus done, from counters, never a scan (snapshot reads)."""
+    config = read_topic_config(tr, ts, snapshot=True)
+    tags = read_tags(tr, ts)
+    return sum(c["backlog"] for sub in config.subs
+               for c in shard_counters(tr.snapshot, ts, sub, config, tags).values())
 
 
 @transactional
@@ -48,7 +94,7 @@ def reshard_begin(tr, ts: TopicSpace, shards: int) -> TopicConfig:
 
 @transactional
 def reshard_chunk(tr, ts: TopicSpace, sub: str, tag: str, old_n: int, area: str, new_shards: int,
-                  limit: int, after: bytes | None = None) -> tuple:
+                  limit: int, after: bytes | None = None) -> ReshardChunk:
     """Move the entries of one queue area (ready, delayed, leased) of shard ``(tag,
     old_n)`` whose new shard differs, reading up to ``limit`` entries (lease records)
     or ``CHUNK_WRITE_BYTES`` of them after the key ``after``. Keys keep their
@@ -59,7 +105,7 @@ def reshard_chunk(tr, ts: TopicSpace, sub: str, tag: str, old_n: int, area: str,
     space = getattr(src, area)
     r = space.range()
     begin = after + b"\x00" if after is not None else r.start
-    read = size = 0
+    read = size = messages = 0
     last = None
     moves = {}      # new shard n -> messages moved there
     for kv in tr.get_range(begin, r.stop, limit=limit):
@@ -69,8 +115,9 @@ def reshard_chunk(tr, ts: TopicSpace, sub: str, tag: str, old_n: int, area: str,
         last = kv.key
         size += len(kv.key) + len(kv.value)
         if area == "leased":
-            _reshard_lease_record(tr, ts, src, kv.key, kv.value, new_shards, moves)
+            messages += _reshard_lease_record(tr, ts, src, kv.key, kv.value, new_shards, moves)
             continue
+        messages += 1
         parts = space.unpack(kv.key)
         new_n = target(Record.decode(kv.value), new_shards)[1]
         if new_n == old_n:
@@ -86,10 +133,10 @@ def reshard_chunk(tr, ts: TopicSpace, sub: str, tag: str, old_n: int, area: str,
             name = "in_flight" if area == "leased" else "delayed"
             tr.add(src.stat(name), counter(-k))
             tr.add(dst.stat(name), counter(k))
-    return read, last, read < limit and size < CHUNK_WRITE_BYTES
+    return ReshardChunk(read, last, read < limit and size < CHUNK_WRITE_BYTES, messages, moves)
 
 
-def _reshard_lease_record(tr, ts: TopicSpace, src, key: bytes, raw, new_shards: int, moves: dict):
+def _reshard_lease_record(tr, ts: TopicSpace, src, key: bytes, raw, new_shards: int, moves: dict) -> int:
     """Split lease record ``key`` of shard ``src`` by its messages' new shards: those
     that move go to a record under the same key suffix (lease id and first stamp) in
     their new shard, merged with one already there (a part of the same record moved by
@@ -101,7 +148,7 @@ def _reshard_lease_record(tr, ts: TopicSpace, src, key: bytes, raw, new_shards: 
         n = target(Record.decode(e[1]), new_shards)[1]
         groups.setdefault(n, []).append(e)
     if list(groups) == [src.n]:
-        return
+        return len(lr.entries)
     suffix = key[len(src.leased_prefix):]
     for n, entries in groups.items():
         if n == src.n:
@@ -118,6 +165,7 @@ def _reshard_lease_record(tr, ts: TopicSpace, src, key: bytes, raw, new_shards: 
         tr[key] = LeaseRecord(lr.lease_id, lr.consumer_id, lr.ack_wait_ms, stay, lr.bump).encode()
     else:
         del tr[key]
+    return len(lr.entries)
 
 
 @transactional

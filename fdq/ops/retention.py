@@ -1,7 +1,9 @@
 """Retention: trimming the "all" log by age and by size, its time index, and expiring
 push markers and dedupe ids past their windows.
 
-Nothing expires by itself: ``Supervisor.trim`` runs these in chunks. The log's size is
+Nothing expires by itself: ``Supervisor.trim`` runs these in chunks, each transaction at
+batch priority (FoundationDB's ratekeeper throttles it first: maintenance yields to pushes
+and consumers). The log's size is
 kept exactly in the ``log_bytes`` counter (push adds each entry's ``ops.log.entry_bytes``,
 a trim subtracts what it deletes in the same transaction), so a trim killed mid-way
 leaves it exact. No trim deletes a message not routed yet (``first_pending``: pushed
@@ -38,9 +40,11 @@ def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: in
     kept and the scan goes on (None: stop at the first entry not due). The bytes freed
     are subtracted from the ``log_bytes`` counter here.
 
-    Entries are read by snapshot (pushes appending to the bucket do not abort a trim)
-    with a read conflict on each deleted one: two trims never both delete (and
-    subtract) one entry."""
+    Entries are read by snapshot (pushes appending to the bucket do not abort a trim);
+    the deleted ones go by runs (``_Runs``: one clear and one read conflict range per
+    run of consecutive entries), so two trims never both delete (and subtract) one
+    entry. At batch priority: maintenance yields to pushes and consumers."""
+    tr.options.set_priority_batch()
     space = ts.log[bucket]
     r = space.range()
     begin = ts.log_key(bucket, after) + b"\x00" if after is not None else r.start
@@ -48,6 +52,7 @@ def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: in
     deleted = freed = 0
     rows = list(tr.snapshot.get_range(begin, r.stop, limit=limit))
     last, done = after, len(rows) < limit
+    runs = _Runs(tr)
     for kv in rows:
         vs = space.unpack(kv.key)[0]
         if pending is not None and vs >= pending:
@@ -58,13 +63,38 @@ def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: in
             if young_from is None or version_of(vs) >= young_from:
                 done = True
                 break
-            last = vs       # a clock ahead: kept, and not a reason to keep what follows
+            runs.end()      # a clock ahead: kept, and not a reason to keep what follows
+            last = vs
             continue
-        freed += _delete_entry(tr, ts, bucket, kv.key, vs, kv.value, rec.nchunks)
+        runs.add(kv.key)
+        freed += _entry_bytes(tr, ts, bucket, vs, len(kv.value), rec.nchunks)
         deleted += 1
         last = vs
+    runs.end()
     _note_trimmed(tr, ts, deleted, freed)
     return deleted, freed, last, done
+
+
+class _Runs:
+    """Deletes runs of consecutive log entries of one bucket: each run (``add`` its keys
+    in order, ``end`` it) is one ``clear_range`` with one read conflict range over it, so
+    a concurrent trim of any of them makes one of the two retry (and find them gone).
+    Pushes append after every entry committed, never inside a run: no conflict."""
+
+    def __init__(self, tr):
+        self.tr, self.first, self.last = tr, None, None
+
+    def add(self, key: bytes):
+        if self.first is None:
+            self.first = key
+        self.last = key
+
+    def end(self):
+        if self.first is not None:
+            stop = self.last + b"\x00"
+            self.tr.add_read_conflict_range(self.first, stop)
+            self.tr.clear_range(self.first, stop)
+            self.first = self.last = None
 
 
 def _note_trimmed(tr, ts: TopicSpace, deleted: int, freed: int):
@@ -78,43 +108,46 @@ def _note_trimmed(tr, ts: TopicSpace, deleted: int, freed: int):
         tr.add(ts.stat("trimmed"), counter(deleted))
 
 
-def _delete_entry(tr, ts: TopicSpace, bucket: int, key: bytes, vs, raw, nchunks: int) -> int:
-    """Delete one log entry (read by the caller) and its body chunks: its bytes
-    (``ops.log.entry_bytes``). A read conflict on its key: a concurrent trim deleting it
-    too makes one of the two retry (and find it gone)."""
-    tr.add_read_conflict_key(key)
+def _entry_bytes(tr, ts: TopicSpace, bucket: int, vs, value_bytes: int, nchunks: int) -> int:
+    """Delete the body chunks of log entry ``vs`` (its key goes with its run, ``_Runs``)
+    and return the entry's bytes (``ops.log.entry_bytes``)."""
     size = 0
     if nchunks:
         last = tr.snapshot[ts.chunk_key(vs, nchunks - 1)]
         size = chunks_bytes(len(last) if last != None else 0, nchunks)   # noqa: E711
         cr = ts.chunks_range(vs)
         tr.clear_range(cr.start, cr.stop)
-    del tr[key]
-    return entry_bytes(ts, bucket, len(raw), nchunks, size)
+    return entry_bytes(ts, bucket, value_bytes, nchunks, size)
 
 
 @transactional
 def trim_oldest_chunk(tr, ts: TopicSpace, entries: list, max_bytes: int) -> tuple:
-    """Delete the oldest of ``entries`` [(bucket, vs)] (the log's oldest, in log order)
-    while the log is over ``max_bytes`` by its ``log_bytes`` counter, never one not yet
-    routed nor any after it. -> (deleted, bytes freed, done). An entry already gone (a
-    concurrent trim) is skipped. The counter is read by snapshot (concurrent pushes do
-    not abort a trim), ``trimmed`` with a conflict (a concurrent trim does); the bytes
-    freed are subtracted from it here."""
+    """Delete the oldest of ``entries`` [(bucket, vs)] (the log's oldest, in log order:
+    each bucket's are consecutive in it) while the log is over ``max_bytes`` by its
+    ``log_bytes`` counter, never one not yet routed nor any after it. -> (deleted, bytes
+    freed, done). An entry already gone (a concurrent trim) is skipped. The counter is
+    read by snapshot (concurrent pushes do not abort a trim), ``trimmed`` with a conflict
+    (a concurrent trim does); the bytes freed are subtracted from it here. Each bucket's
+    deleted entries go as one run (``_Runs``). At batch priority."""
+    tr.options.set_priority_batch()
     tr.add_read_conflict_key(ts.stat("trimmed"))    # any other trim's commit (``_note_trimmed``)
     size = topic_counter(tr.snapshot, ts, "log_bytes")
     pending = first_pending(tr, ts)
     raws = [tr.snapshot[ts.log_key(b, vs)] for b, vs in entries]    # (futures on FDB)
     deleted = freed = 0
     done = False
+    runs = {}
     for (bucket, vs), raw in zip(entries, raws):
         if size - freed <= max_bytes or (pending is not None and vs >= pending):
             done = True
             break
         if raw == None:  # noqa: E711 - deleted meanwhile
             continue
-        freed += _delete_entry(tr, ts, bucket, ts.log_key(bucket, vs), vs, raw, Record.decode(raw).nchunks)
+        runs.setdefault(bucket, _Runs(tr)).add(ts.log_key(bucket, vs))
+        freed += _entry_bytes(tr, ts, bucket, vs, len(raw), Record.decode(raw).nchunks)
         deleted += 1
+    for run in runs.values():
+        run.end()
     _note_trimmed(tr, ts, deleted, freed)
     return deleted, freed, done
 
@@ -124,6 +157,7 @@ def trim_time_index_before(tr, ts: TopicSpace, before_ms: int):
     """Drop the time index's entries of the minutes that end ``INDEX_KEEP_MS`` before
     ``before_ms`` (after a trim by age to ``before_ms``). Pushes add entries blind: no
     conflict with them."""
+    tr.options.set_priority_batch()
     r = ts.time_index.range()
     tr.clear_range(r.start, ts.time_index_key(before_ms // 60000 * 60000 - INDEX_KEEP_MS))
 
@@ -134,6 +168,7 @@ def trim_index_chunk(tr, ts: TopicSpace, limit: int) -> tuple:
     entry, up to the first that does not. -> (deleted, done). Deleting an index entry is
     always safe (a window then starts earlier, ``log.position_for_time``); keeping them
     would grow the index without bound under retention by size alone."""
+    tr.options.set_priority_batch()
     oldest = None
     for b in buckets_in(tr, ts):
         br = ts.log_bucket_range(b)
@@ -167,6 +202,7 @@ def expire_markers_chunk(tr, ts: TopicSpace, older_than_version: int, limit: int
     """Delete up to ``limit`` push markers (and their split parts) committed before
     version ``older_than_version``, with their by-version index entries. Returns the
     index entries deleted (``limit``: maybe more to do)."""
+    tr.options.set_priority_batch()
     def expire(txid: bytes, vs) -> bool:
         key = ts.marker_key(txid)
         current = tr[key]
@@ -188,6 +224,7 @@ def expire_dedupe_chunk(tr, ts: TopicSpace, older_than_version: int, limit: int,
     version jump, not age; a time past ``keep_before_ms`` is a producer's clock ahead
     (kept, it would stop the cleanup of every later entry while that clock is ahead).
     Returns the index entries deleted (``limit``: maybe more to do)."""
+    tr.options.set_priority_batch()
     def expire(msg_id: bytes, vs) -> bool:
         key = ts.dedupe_key(msg_id.decode())
         current = tr[key]

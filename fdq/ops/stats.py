@@ -87,6 +87,8 @@ def topic_stats(tr, ts: TopicSpace, now_ms: int) -> dict:
         owners = read_owners(tr, ts, sub)
         members = read_members(tr, ts, sub)
         consumers = []
+        # every shard has a live owner: a member owning none waits for one (standby)
+        all_owned = bool(owners) and all(o is not None and o in members for o, _e in owners.values())
         for cid, m in sorted(members.items()):
             hbc, hbv = snap[ts.heartbeat_clock_key(sub, cid)], snap[ts.heartbeat_version_key(sub, cid)]
             age = heartbeat_age(_counter_or_none(hbc), _counter_or_none(hbv), clock, clock_version, rv)
@@ -98,6 +100,7 @@ def topic_stats(tr, ts: TopicSpace, now_ms: int) -> dict:
                               # for people, as the age: a peer would take its shards (none
                               # runs to, or it has not yet); liveness never reads this
                               "zombie": None if age is None or zombie_after is None else age > zombie_after,
+                              "standby": all_owned and not any(o == cid for o, _e in owners.values()),
                               "shards": sorted(n for (t, n), (o, _e) in owners.items() if o == cid),
                               "tag_shards": sorted([t, n] for (t, n), (o, _e) in owners.items() if o == cid)})
         oldest = None
@@ -115,6 +118,8 @@ def topic_stats(tr, ts: TopicSpace, now_ms: int) -> dict:
             "oldest_ready_ms": oldest,
             "lag_ms": (now_ms - oldest) if oldest is not None else 0,
             "consumers": consumers,
+            # consumers beyond the shard count: raise it with rebalance (``--shards``)
+            "standby": sum(c["standby"] for c in consumers),
             "shards": [{"tag": tag, "shard": n, "owner": owners.get((tag, n), (None, 0))[0], **c}
                        for (tag, n), c in sorted(shards.items())],
             "tags": per_tag(shards, owners, members),

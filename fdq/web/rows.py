@@ -16,10 +16,11 @@ def _tag(tag: str):
 
 def consumer_state(c: dict) -> str:
     """``zombie`` (its heartbeat is older than its zombie timeout: killed, with no live
-    peer that has taken its shards yet), ``live``, or ``unknown`` (no age to judge by)."""
+    peer that has taken its shards yet), ``standby`` (live, owning no shard: every shard
+    has a live owner), ``live``, or ``unknown`` (no age to judge by)."""
     if c.get("zombie") is None:
         return "unknown"
-    return "zombie" if c["zombie"] else "live"
+    return "zombie" if c["zombie"] else "standby" if c.get("standby") else "live"
 
 
 def consumer_row(sub: str, c: dict) -> dict:

@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import fdq
 from fdq.broker import protocol as p
@@ -108,10 +109,13 @@ def test_pub_mpub_and_consume(broker):
     assert ch["clients"][0]["finish_count"] == 6 and ch["clients"][0]["ready_count"] == 10
     text = broker.http_req("/stats")[1].decode()
     assert "[h" in text and "[c" in text
-    metrics = broker.http_req("/metrics")[1].decode()
-    assert 'fdq_channel_backlog{topic="h",channel="c"} 0' in metrics
-    assert 'fdq_topic_messages_total{topic="h"} 6' in metrics
-    assert 'fdq_channel_clients{topic="h",channel="c"} 1' in metrics
+    def metrics():      # (the page may be a read of a few seconds ago: fdq.metrics' cache)
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in text_string_to_metric_families(broker.http_req("/metrics")[1].decode()) for s in f.samples}
+        return [samples.get(("fdq_subscription_backlog_messages", (("subscription", "c"), ("topic", "h")))),
+                samples.get(("fdq_topic_inserted_messages_total", (("topic", "h"),))),
+                samples.get(("fdq_broker_channel_clients", (("channel", "c"), ("topic", "h"))))]
+    wait_for(lambda: metrics() == [0, 6, 1], timeout=30, what="/metrics' figures")
     c.close()
 
 

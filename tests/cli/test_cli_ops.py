@@ -46,10 +46,10 @@ def test_topics_update_bad_values_exit_2_and_unknown_topic_exit_1(run, sup, stat
     run("topics", "create", "orders")
     before = state()
     for argv, text in [(["--retention-bytes", 0], "retention_bytes must be an integer > 0, not 0"),
-                       (["--retention-s", "-1"], "seconds must be a finite number >= 0"),
+                       (["--retention-s", "-1"], "'-1': a duration must be >= 0"),
                        (["--max-backlog", "lots"], "'lots' is not a valid integer"),
                        (["--max-message-bytes", 9 << 20], "max_message_bytes must be at most 8 MiB"),
-                       (["--dedupe-window-s", "none"], "'none' is not a number of seconds"),
+                       (["--dedupe-window-s", "none"], "'none' is not a duration"),
                        ([], "nothing to update")]:
         r = run("topics", "update", "orders", *argv, code=2)
         assert text in r.stderr, r.stderr
@@ -117,11 +117,11 @@ def test_a_consumer_killed_with_none_left_shows_as_a_zombie_not_live(run, url, t
             p.wait()
     [c] = run.json("consumers", "orders")
     assert c["heartbeat_age_s"] > 0.6 and len(c["shards"]) == 4      # registered, owning its shards
-    [s] = run.json("stats", "orders")["subscriptions"]
+    [s] = run.json("stats", "orders")["subscriptions"].values()
     assert s["consumers"][0]["zombie"] is True
     assert "(zombie)" in run("consumers", "orders").stdout
     assert "(zombie)" in run("stats", "orders").stdout
-    assert "divided among 1 consumer(s) (1 of them zombies" in run("rebalance", "orders").stderr
+    assert "divided among 1 consumer (1 of them zombies" in run("rebalance", "orders").stderr
 
 
 def test_a_subscription_paused_on_its_own_is_shown_and_can_be_played(run, db, sup):
@@ -132,7 +132,7 @@ def test_a_subscription_paused_on_its_own_is_shown_and_can_be_played(run, db, su
     run("subs", "create", "orders", "audit")
     fdq.Producer(db).push_many("orders", [fdq.Envelope(f"m{i}".encode()) for i in range(5)])
     sup.pause_subscription("orders", "audit")              # as the broker's /channel/pause does
-    subs = {s["name"]: s for s in run.json("stats", "orders")["subscriptions"]}
+    subs = run.json("stats", "orders")["subscriptions"]
     assert (subs["audit"]["paused"], subs["default"]["paused"]) == (True, False)
     assert subs["audit"]["catching_up"] is False
     rows = {r["name"]: r for r in run.json("subs", "orders")}
@@ -226,6 +226,29 @@ def test_rebalance_progress_never_runs_past_its_total(run, db, monkeypatch):
     for line in lines:
         done, _, total = line.split(": ")[1].replace(",", "").partition("/")
         assert not total or int(done) <= int(total), line
+
+
+def test_rebalance_shows_a_bar_to_the_queued_total_and_says_how_many_moved(run, db, sup, monkeypatch):
+    """fdq rebalance --shards: the bar's total is what the queues hold (from counters),
+    it ends there, and the last line says how many messages moved of how many queued
+    (a shrink to 3 of 5 moves messages into shards not processed yet: counted once)."""
+    from fdq.cli import render
+    from fdq.keyspace.codec import shard_of
+    monkeypatch.setattr(render, "PLAIN_EVERY_S", 0.0)
+    run("topics", "create", "orders", "--shards", 5)
+    keys = [f"k{i % 61}" for i in range(1200)]
+    fdq.Producer(db).push_many("orders", [fdq.Envelope(b"m", shard_key=k) for k in keys])
+    with fdq.Consumer(db, "orders", consumer_id="a"):
+        r = run("rebalance", "orders", "--shards", 3, "--json")
+    moved = sum(1 for k in keys if shard_of(k, 5) != shard_of(k, 3))
+    bar = [line.split(": ")[1] for line in r.stderr.splitlines() if line.startswith("resharding orders: ")]
+    assert bar and bar[-1] == "1,200/1,200", bar
+    assert r.stderr.splitlines()[-1] == f"topic 'orders': 5 → 3 shards; moved {moved:,} of 1,200 queued messages; " \
+                                        "1 consumer"
+    assert json.loads(r.stdout) == {"topic": "orders", "from_shards": 5, "shards": 3, "queued": 1200,
+                                    "moved": moved, "consumers": 1, "zombies": 0}
+    r = run("rebalance", "orders")                          # no count: no bar, nothing moved
+    assert r.stderr == "topic 'orders': 3 shards divided among 0 consumers\n"
 
 
 @pytest.mark.parametrize("mode", ["at-least-once", "at-most-once"])

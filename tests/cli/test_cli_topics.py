@@ -1,7 +1,10 @@
 """fdq topics: list, create, delete, upgrade; --url / FDQ_URL; checked against the API."""
 from __future__ import annotations
 
+import dataclasses
+
 import fdq
+from fdq.config import TOPIC_STATE
 
 
 def test_topics_empty(run):
@@ -24,7 +27,9 @@ def test_create_and_list(run, sup):
     rows = run.json("topics")
     assert [r["name"] for r in rows] == [n for n, _c in sup.topics()] == ["orders", "plain"]
     orders, plain = rows
-    assert orders == {"name": "orders", "shards": 4, "extend": True, "paused": False, "resharding_to": None,
+    assert orders == {"name": "orders", "shards": 4, "hash": "blake2b-64", "extend": True, "max_backlog": 1000,
+                      "dedupe_window_s": 120.0, "retention_s": 3600.0, "retention_bytes": None,
+                      "max_message_bytes": 1 << 20, "paused": False, "resharding_to": None,
                       "subscriptions": ["default"], "inserted": 0, "pending": 0, "backlog": 0}
     st = sup.stats("plain")
     assert plain["inserted"] == st["counters"]["inserted"] == 3
@@ -106,3 +111,56 @@ def test_default_url_is_the_embedded_database(tmp_path):
     assert (home / "fdq.db").exists()
     db = fdq.connect(f"sqlite://{home / 'fdq.db'}")
     assert [n for n, _c in fdq.Supervisor(db).topics()] == ["t"]
+
+
+# Every TopicConfig field that is a setting: not its state, not its subscriptions' names.
+SETTINGS = {f.name for f in dataclasses.fields(fdq.TopicConfig)} - set(TOPIC_STATE) - {"subs"}
+
+
+def test_topics_json_rows_carry_every_setting(run, sup):
+    sup.create_topic("sized", shards=3, retention_bytes=5000, dedupe_window_s=30, max_message_bytes=4096)
+    [row] = run.json("topics")
+    config = sup.config("sized")
+    assert SETTINGS <= set(row)
+    assert {k: row[k] for k in SETTINGS} == {k: getattr(config, k) for k in SETTINGS}
+
+
+def test_topics_show_prints_every_setting_and_each_subscription_with_its_config(run, sup):
+    run("topics", "create", "orders", "--shards", 4, "--extend", "--max-backlog", 1000, "--retention-s", 3600,
+        "--retention-bytes", 1 << 30, "--dedupe-window-s", 45)
+    run("topics", "update", "orders", "--max-message-bytes", 65536)
+    run("subs", "create", "orders", "audit", "--ack-wait-s", 30, "--backoff-s", "1,5", "--max-deliver", 7,
+        "--filter-header", "region=eu", "--description", "the audit trail")
+    fdq.Producer(sup.db).push_many("orders", [fdq.Envelope(b"x")] * 2)
+    sup.pause_subscription("orders", "audit")
+
+    data = run.json("topics", "show", "orders")
+    config = sup.config("orders")
+    assert {k: data[k] for k in SETTINGS} == {k: getattr(config, k) for k in SETTINGS}
+    assert (data["max_message_bytes"], data["dedupe_window_s"], data["retention_bytes"]) == (65536, 45, 1 << 30)
+    [row] = [r for r in run.json("topics") if r["name"] == "orders"]
+    assert {k: v for k, v in data.items() if k != "subscriptions"} == \
+        {k: v for k, v in row.items() if k != "subscriptions"}              # the list's row, in full
+    subs = {s["name"]: s for s in data["subscriptions"]}
+    assert list(subs) == row["subscriptions"] == ["default", "audit"]
+    assert subs == {s["name"]: s for s in run.json("subs", "orders")}      # as fdq subs lists them
+    audit = sup.subscription("orders", "audit")
+    assert subs["audit"]["config"] == audit["config"].as_dict()
+    assert subs["audit"]["paused"] is True and subs["audit"]["backlog"] == 2
+    assert subs["audit"]["config"]["backoff_s"] == [1.0, 5.0] and subs["audit"]["config"]["max_deliver"] == 7
+
+    out = run("topics", "show", "orders").stdout
+    for name in SETTINGS | {"paused", "backlog"}:
+        assert f"\n{name} " in out, name
+    lines = {line.split()[0]: line.split()[-1] for line in out.splitlines()
+             if line.split() and line.split()[0] in SETTINGS}
+    assert (lines["shards"], lines["retention_s"], lines["max_message_bytes"], lines["max_backlog"]) == \
+        ("4", "3600", "65,536", "1,000")
+    assert "subscription orders/default" in out and "subscription orders/audit" in out
+    for text in ("the audit trail", '{"region": "eu"}', "[1.0, 5.0]"):
+        assert text in out, text
+
+
+def test_topics_show_of_a_missing_topic_is_an_error(run):
+    r = run("topics", "show", "nosuch", code=1)
+    assert r.stdout == "" and r.stderr == "fdq: error: topic 'nosuch' does not exist\n"

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 import fdq
 from fdq.cli import cli
-from fdq.cli.params import (Address, Duration, FilterHeader, Header, Name, OrNone, Seconds, SecondsList, Shards,
-                            Tag, Time, TimeOrNow, headers_callback)
+from fdq.cli.params import (Address, Duration, FilterHeader, Header, Int, Name, OrNone, Seconds, SecondsList, Shards,
+                            Since, Tag, Time, TimeOrNow, headers_callback)
 from fdq.config import MAX_SECONDS
 from fdq.times import MAX_API_MS, MAX_TIME_MS, iso_ms, parse_time, to_ms
 from fdqtest import ON_FDB
@@ -111,6 +111,8 @@ TYPES = {
     "Time": (Time(), lambda v: 0 <= v <= MAX_TIME_MS),
     "TimeOrNow": (TimeOrNow(), lambda v: v is None or 0 <= v <= MAX_TIME_MS),
     "Duration": (Duration(), lambda v: 0 < v <= MAX_SECONDS),
+    "Since": (Since(), lambda v: 0 <= v <= MAX_TIME_MS),
+    "Int": (Int(min=1), lambda v: 1 <= v < 10**30),
     "Address": (Address(), lambda v: isinstance(v, str)),
     "Header": (Header(), lambda v: isinstance(v, tuple) and len(v) == 2),
     "FilterHeader": (FilterHeader(), lambda v: isinstance(v, tuple) and len(v) == 2),
@@ -193,8 +195,8 @@ OPTIONS = _options()
 
 def test_the_fuzzed_options_cover_every_parameter_type():
     names = {type(cmd_opt).__name__ for cmd_opt in _types_of_options()}
-    assert {"Shards", "Seconds", "SecondsList", "OrNone", "Time", "TimeOrNow", "Duration", "Address", "Header",
-            "FilterHeader", "Tag", "IntRange"} <= names, names
+    assert {"Shards", "Seconds", "SecondsList", "OrNone", "Time", "TimeOrNow", "Since", "Duration", "Address",
+            "Header", "FilterHeader", "Tag", "Int", "IntRange"} <= names, names
 
 
 def _types_of_options():

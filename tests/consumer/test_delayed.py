@@ -94,3 +94,32 @@ def test_nak_delay_is_respected(db):
         [m2] = fetch_until(c, lambda g: g, 30)
         assert time.monotonic() - t0 >= 1.1 and m2.attempts == 2 and m2.id == m.id
         m2.ack()
+
+
+def _clock(db, topic="t"):
+    from fdq.ops.clock import read_clock
+    return read_clock(db.create_transaction(), Keyspace().topic(topic).clock_key)
+
+
+def test_a_delay_counted_while_the_clock_lags_never_ends_early(db):
+    """Delays are due by the topic's clock, which its consumers advance every lease
+    check: between two advances it lags real time. A due time counted from the lagging
+    reading ended early by that lag (pushed 1.5 s after an advance with a 1 s delay,
+    due at the next advance, 0.5 s later); it is counted from the clock plus the
+    versions since its last advance."""
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    slow = fdq.ConsumerConfig(lease_check_interval_s=2.0, poll_interval_s=0.05)
+    with fdq.Consumer(db, "t", config=slow) as c:
+        before = _clock(db)
+        deadline = time.monotonic() + 30
+        while _clock(db) == before:          # an advance: the clock is exact now, then lags
+            assert time.monotonic() < deadline, "the consumer never advanced the clock"
+            time.sleep(0.01)
+        advanced = time.monotonic()
+        while time.monotonic() < advanced + 1.5:     # let it lag 1.5 s (of a 2 s interval)
+            time.sleep(0.05)
+        pushed = time.monotonic()
+        fdq.Producer(db).push("t", b"x", delay=1.0)
+        [m] = fetch_until(c, lambda g: g, 30)
+        assert time.monotonic() - pushed >= 1.0, time.monotonic() - pushed
+        m.ack()

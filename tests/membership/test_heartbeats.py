@@ -103,7 +103,7 @@ def test_heartbeat_age_after_a_version_jump(db, url):
         wait_for(lambda: _consumer_row(db, "t", "live")["heartbeat_age_s"] is not None, 30,
                  what="the consumer's first heartbeat")
         beats = _heartbeats(db, "t", "live")
-        ck = Keyspace().clock_key
+        ck = Keyspace().topic("t").clock_key
         jumped_at = _jump(db, url)
         clock0 = clock.read_clock(db.create_transaction(), ck)
         # the clock advances after the jump: a lease check of the live consumer
@@ -193,3 +193,21 @@ def test_one_member_declares_a_zombie(db, monkeypatch):
     finally:
         for c in consumers:
             c.close()
+
+
+def test_a_consumer_advances_only_its_own_topics_clock(db, sup):
+    """Delays are due by a clock per topic: one key for the whole database was written
+    by every consumer 4 times a second (one storage team for all of them). A topic with
+    no consumer keeps its clock still, and its heartbeat ages grow by versions."""
+    sup.create_topic("a", shards=1)
+    sup.create_topic("b", shards=1)
+    ka, kb = Keyspace().topic("a").clock_key, Keyspace().topic("b").clock_key
+    assert ka != kb
+    c = fdq.Consumer(db, "a", config=fdq.ConsumerConfig(lease_check_interval_s=0.05))
+    try:
+        start = clock.read_clock(db.create_transaction(), ka)
+        wait_for(lambda: clock.read_clock(db.create_transaction(), ka) > start + 200, 30,
+                 what="topic a's clock to advance")
+        assert clock.read_clock(db.create_transaction(), kb) == 0
+    finally:
+        c.close()

@@ -41,7 +41,8 @@ def _valid_encodings():
     return st.one_of(
         _records.map(Record.encode), st.just(lease),
         st.builds(codec.encode_dead, _records.map(Record.encode), st.text(max_size=30),
-                  st.one_of(st.none(), st.text(max_size=10)), st.booleans()),
+                  st.one_of(st.none(), st.text(max_size=10)), st.integers(0, 2 ** 62), st.integers(0, 2 ** 62),
+                  st.booleans()),
         st.builds(lambda ts, shard: b"s" * 10 + codec._DEDUPE.pack(1, ts, shard),
                   st.integers(0, 2 ** 62), st.integers(0, 2 ** 31)),
         st.builds(codec.encode_pending, st.integers(0, 1000)),

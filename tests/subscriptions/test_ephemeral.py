@@ -115,13 +115,15 @@ def test_ephemeral_in_process_and_supervisor_reap(db):
     c3._stop.set()
     c3._member.thread.join(timeout=10)
     assert "r" in sup.config("events").subs
-    assert sup.reap("events", zombie_after_s=1.0) == ["r"]
+    assert sup.reap("events", zombie_after_s=1.0) == {"zombies": [{"subscription": "r", "id": c3.id}],
+                                                      "deleted_subscriptions": ["r"]}
     assert "r" not in sup.config("events").subs
-    # A durable subscription is never reaped.
+    # A durable subscription is never reaped (its zombie is declared one).
     c4 = fdq.Consumer(db, "events", subscription="durable", config=cfg)
     c4._stop.set()
     c4._member.thread.join(timeout=10)
-    assert sup.reap("events", zombie_after_s=1.0) == []
+    assert sup.reap("events", zombie_after_s=1.0) == {"zombies": [{"subscription": "durable", "id": c4.id}],
+                                                      "deleted_subscriptions": []}
     assert "durable" in sup.config("events").subs
 
 

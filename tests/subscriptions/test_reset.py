@@ -120,7 +120,7 @@ def test_reset_purges_delayed_messages_in_pages(db, monkeypatch):
     assert drain(db, "t", "r", idle_s=0.3) == []
     from fdq.ops import clock
     from fdq.keyspace import Keyspace
-    ck = Keyspace().clock_key
+    ck = Keyspace().topic("t").clock_key
     tr = db.create_transaction()
     clock.advance_clock(db, ck, clock.read_clock(tr, ck) + 601_000)   # all due
     got = _ids(drain(db, "t", "r", idle_s=0.3))

@@ -208,19 +208,27 @@ def test_ack_policy_none_delivers_at_most_once(db):
     pull.close()
 
 
-def test_stall_alarm_when_owning_no_shard(db):
-    fdq.Supervisor(db).create_topic("t", shards=1)
+def test_a_consumer_beyond_the_shard_count_is_on_standby_not_stalled(db, sup):
+    """With more consumers than shards, one owns none: that is standby (it takes a shard
+    when one frees), shown in stats, and no ``ConsumerStalled`` alarm (it was reported
+    as a stall after 3 heartbeats)."""
+    sup.create_topic("t", shards=1)
     errors = {"a": [], "b": []}
-    cfg = SUBS_FAST
-    a = fdq.Consumer(db, "t", config=cfg, consumer_id="a", on_error=errors["a"].append)
-    b = fdq.Consumer(db, "t", config=cfg, consumer_id="b", on_error=errors["b"].append)
+    a = fdq.Consumer(db, "t", config=SUBS_FAST, consumer_id="a", on_error=errors["a"].append)
+    b = fdq.Consumer(db, "t", config=SUBS_FAST, consumer_id="b", on_error=errors["b"].append)
     try:
-        idle = "b" if a.owned_shards else "a"
-        wait_for(lambda: errors[idle], timeout=10, what="the stall alarm")
-        assert isinstance(errors[idle][0], fdq.ConsumerStalled)
-        assert "owns no shard" in str(errors[idle][0]) and "over 3 heartbeats" in str(errors[idle][0])
-        busy = "a" if idle == "b" else "b"
-        assert not [e for e in errors[busy] if isinstance(e, fdq.ConsumerStalled)]
+        busy, idle = (a, b) if a.owned_shards else (b, a)
+        row = lambda cid: next(c for c in sup.stats("t")["subscriptions"]["default"]["consumers"]  # noqa: E731
+                               if c["id"] == cid)
+        start = row(idle.id)["heartbeats"]
+        wait_for(lambda: row(idle.id)["heartbeats"] >= start + 5, timeout=20,
+                 what="5 heartbeats of the idle consumer (past the 3 of the stall alarm)")
+        assert idle.owned_shards == [] and row(idle.id)["standby"] and not row(busy.id)["standby"]
+        assert sup.stats("t")["subscriptions"]["default"]["standby"] == 1
+        assert not [e for es in errors.values() for e in es if isinstance(e, fdq.ConsumerStalled)], errors
+        busy.close()
+        wait_for(lambda: idle.owned_shards, timeout=10, what="the standby consumer to take the freed shard")
+        assert sup.stats("t")["subscriptions"]["default"]["standby"] == 0
     finally:
         a.close()
         b.close()

@@ -69,7 +69,7 @@ def reshard_steps(db, ts, shards: int, old: int):
         for area in ("ready", "delayed", "leased"):
             after = None
             while True:
-                _r, after, done = sv.reshard_chunk(db, ts, "default", "", n, area, shards, sv.CHUNK, after)
+                _r, after, done, *_ = sv.reshard_chunk(db, ts, "default", "", n, area, shards, sv.CHUNK, after)
                 if done:
                     break
     sv.reshard_finish(db, ts)

@@ -13,7 +13,7 @@ import fdq
 from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import CHUNK_BYTES
 
-from fdqtest import FAST, fetch_until, scan, sub_stats
+from fdqtest import FAST, advance_clock, fetch_until, scan, sub_stats, wait_for
 
 
 def _fetch(c, n, timeout=30):
@@ -149,3 +149,45 @@ def test_dlq_list_refuses_a_limit_that_is_not_a_count_it_can_read(db, limit):
         sup.dlq_list("t", limit=limit)
     assert [d["id"] for d in sup.dlq_list("t", limit=1)] == [min(ids.values())]
     assert len(sup.dlq_list("t", limit=100_000)) == 2
+
+
+def _term(db, body: bytes) -> str:
+    """Push ``body`` to "t" and dead-letter it (term); its id."""
+    mid = fdq.Producer(db).push("t", body, shard_key=body.decode()).id
+    with fdq.Consumer(db, "t", config=FAST) as c:
+        [m] = fetch_until(c, lambda g: len(g) >= 1, 30)
+        m.term("old or new")
+    return mid
+
+
+def test_dead_letters_age_by_the_database_clock_and_go_by_age(db):
+    """A dead letter records when it was dead-lettered (the database clock and the
+    read version): ``dead_age_s`` grows as the clock moves on, and ``older_than_s``
+    redrives or purges only those dead-lettered that long ago."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    old = _term(db, b"old")
+    advance_clock(db, 2 * 3600 * 1000)              # two hours later, by the database clock
+    young = _term(db, b"young")
+    ages = {d["id"]: d["dead_age_s"] for d in sup.dlq_list("t")}
+    assert ages[old] >= 7200 and ages[young] < 600, ages
+    assert sup.dlq_redrive("t", older_than_s=3600) == 1
+    assert [d["id"] for d in sup.dlq_list("t")] == [young]
+    assert sub_stats(db, "t")["backlog"] == 1
+    assert sup.dlq_purge("t", older_than_s=3600) == 0 and sup.dlq_redrive("t", older_than_s=3600) == 0
+    advance_clock(db, 2 * 3600 * 1000)
+    assert sup.dlq_purge("t", older_than_s=3600) == 1
+    assert sup.dlq_list("t") == [] and sub_stats(db, "t")["dlq"] == 0
+    with pytest.raises(fdq.ConfigError, match="older_than_s"):
+        sup.dlq_purge("t", older_than_s=-1)
+
+
+def test_a_dead_letters_age_grows_with_no_consumer_running(db):
+    """With no consumer to advance the database clock, the age goes on by versions (as
+    a heartbeat's), so --older-than still finds what was dead-lettered long ago."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=1)
+    _term(db, b"a")
+    first = sup.dlq_list("t")[0]["dead_age_s"]
+    wait_for(lambda: sup.dlq_list("t")[0]["dead_age_s"] >= first + 1.0, 30, what="the age growing")
+    assert sup.dlq_purge("t", older_than_s=first + 1.0) == 1

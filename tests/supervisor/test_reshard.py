@@ -141,7 +141,7 @@ def test_stats_and_max_backlog_count_a_growing_reshards_new_shards(db):
     sv.reshard_begin(db, ts, 6)
     after = None
     while True:       # shard 0's ready queue moved to the new layout, shard 1's not yet
-        _r, after, done = sv.reshard_chunk(db, ts, "default", "", 0, "ready", 6, sv.CHUNK, after)
+        _r, after, done, *_ = sv.reshard_chunk(db, ts, "default", "", 0, "ready", 6, sv.CHUNK, after)
         if done:
             break
     st = sub_stats(db, "t")
@@ -245,7 +245,7 @@ def test_rebalance_shard_count_keeps_order(db, old, new):
         runner.start()
         runner.join(120)
         assert done and done[0].shards == new, "rebalance did not finish"
-        assert done[0].resharding_to is None and not done[0].paused   # it returns the topic as it is now
+        assert done[0].config.resharding_to is None and not done[0].config.paused   # the topic as it is now
         stop.set()
         t.join(30)
         assert sup.config("t").shards == new
@@ -286,7 +286,8 @@ def test_rebalance_killed_midway_and_rerun(procs, db):
     returned = sup.rebalance("t", shards=7)
     config = sup.config("t")
     assert config.shards == 7 and config.resharding_to is None
-    assert returned == config      # what is stored once it returns (it had resharding_to=7)
+    assert returned.config == config      # what is stored once it returns (it had resharding_to=7)
+    assert returned.from_shards == 4 and returned.queued == 8000 and 0 < returned.moved < 8000
     c = sup.stats("t")["counters"]
     assert (c["inserted"], c["routed"], c["pending"]) == (8300, 8300, 0)
     assert sorted(ready_ids(db)) == sorted(i for i, _k, _b in pushed + more)
@@ -295,3 +296,37 @@ def test_rebalance_killed_midway_and_rerun(procs, db):
     counts = rec.committed(db)
     assert len(counts) == 8300 and set(counts.values()) == {1}
     check_order(pushed + more, rec.seen(db))
+
+
+@pytest.mark.parametrize("old,new", [(5, 3), (3, 8)])
+def test_rebalance_reports_the_messages_it_moved_and_progress_adds_up_to_the_queued(db, old, new):
+    """``Rebalanced``: ``queued`` is what the queues held at its start (ready, delayed
+    and leased, from counters), ``moved`` the messages whose shard changed, each once
+    (a shrink to a count that is not a divisor moves messages into shards not processed
+    yet, read there again); ``progress`` counts every queued message once: with no push
+    or settlement meanwhile, moved + kept == queued == the progress total."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=old)
+    ready = push_keys(db, "t", supmod.CHUNK + 300, 97)      # more than a chunk per shard for some
+    p = fdq.Producer(db)
+    delayed = [(p.push("t", b"later", shard_key=f"d{i}", delay=600).id, f"d{i}") for i in range(20)]
+    c = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
+    leased = []
+    wait_for(lambda: leased.extend(c.fetch(30 - len(leased), timeout=0.2)) or len(leased) >= 30, 30,
+             what="30 messages leased")
+    keys = [k for _i, k, _b in ready] + [k for _i, k in delayed]
+    assert sub_stats(db, "t")["in_flight"] == 30 and sub_stats(db, "t")["delayed"] == 20
+    counted = []
+    try:
+        result = sup.rebalance("t", shards=new, progress=counted.append)
+    finally:
+        c.close()
+    want_moved = sum(1 for k in keys if shard_of(k, old) != shard_of(k, new))
+    assert 0 < want_moved < len(keys)
+    assert (result.from_shards, result.shards, result.config.shards) == (old, new, new)
+    assert result.queued == len(keys)
+    assert result.moved == want_moved
+    assert result.moved + sum(1 for k in keys if shard_of(k, old) == shard_of(k, new)) == result.queued
+    assert sum(counted) == result.queued
+    again = sup.rebalance("t", shards=new)                 # nothing to do: nothing queued or moved
+    assert (again.from_shards, again.shards, again.queued, again.moved) == (new, new, 0, 0)

@@ -277,6 +277,52 @@ def test_a_size_trim_never_acts_on_a_size_another_trim_lowered_meanwhile(db):
 
 
 @pytest.mark.parametrize("how", ["age", "size"])
+def test_a_trim_deletes_a_run_of_entries_as_one_range(db, how):
+    """A trim deleted entry by entry, each with a read conflict key: a transaction's
+    mutations and conflict ranges (what FDB's resolvers and logs carry) grew with every
+    entry it trimmed. A run of consecutive entries is one clear and one conflict range:
+    trimming ten times the entries costs the same."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=1)
+    ts = Keyspace().topic("t")
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"m" * 50) for _ in range(400)])
+    entries = [(0, ts.log.unpack(k)[1]) for _p, k, _v in _entries(db, ts)]
+
+    def cost(n):
+        tr = db.create_transaction()
+        if how == "age":
+            deleted = sv.trim_bucket_chunk(tr, ts, 0, 2 ** 62, n)[0]
+        else:
+            deleted = sv.trim_oldest_chunk(tr, ts, entries[:n], 0)[0]
+        assert deleted == n
+        size = tr.get_approximate_size().wait()
+        tr.cancel()
+        return size
+    small, large = cost(20), cost(400)
+    assert large < small * 1.5, (small, large)
+    sup.trim("t", before_ms=2 ** 62)
+    assert _entries(db, ts) == [] and log_bytes(db, ts) == 0
+
+
+def test_two_trims_of_one_run_conflict_and_the_counter_stays_exact(db):
+    """Runs carry a read conflict range over what they clear: two trims of the same
+    entries racing, one commits and the other retries and finds them gone."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=1)
+    ts = Keyspace().topic("t")
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"m" * 50) for _ in range(30)])
+    tr = db.create_transaction()
+    assert sv.trim_bucket_chunk(tr, ts, 0, 2 ** 62, 10)[0] == 10     # not committed yet
+    assert sv.trim_bucket_chunk(db, ts, 0, 2 ** 62, 20)[0] == 20
+    with pytest.raises(engine_errors()) as e:
+        tr.commit().wait()
+    assert e.value.code == 1020
+    assert sv.trim_bucket_chunk(db, ts, 0, 2 ** 62, 10)[0] == 10      # its retry: the ten left
+    assert _entries(db, ts) == []
+    assert sup.stats("t")["counters"]["log_bytes"] == log_bytes(db, ts) == 0
+
+
+@pytest.mark.parametrize("how", ["age", "size"])
 def test_trim_keeps_messages_pushed_while_paused(db, how):
     """Retention deleted log entries still waiting in the pending area (pushed while
     paused): play then found no entry and dropped them, lost for good (inserted >

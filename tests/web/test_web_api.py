@@ -83,6 +83,21 @@ def test_consumers_show_liveness_heartbeat_age_and_the_shards_each_owns(api, sup
         b.shutdown()
 
 
+def test_a_consumer_beyond_the_shard_count_shows_as_standby(api, sup, db):
+    sup.create_topic("orders", shards=1)
+    a = fdq.tail(db, "orders", lambda m: None, consumer_id="a", config=WEB_FAST)
+    b = fdq.tail(db, "orders", lambda m: None, consumer_id="b", config=WEB_FAST)
+    try:
+        def states():
+            s = _sub(api.ok("api/topics/orders"))
+            got = sorted(c["state"] for c in s["consumers"])
+            return got if got == ["live", "standby"] else None
+        wait_for(states, 30, what="one consumer live with the shard, the other on standby")
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
 def test_history_holds_samples_and_events_of_consumers_joining_and_shards_moving(api, app, sup, db):
     sup.create_topic("orders", shards=4)
     app.history.sample_all()
