@@ -1,5 +1,6 @@
-"""asyncio variants of ``tail`` and ``push``: coroutine handlers on the caller's event
-loop, every engine call in a worker thread, so the loop never blocks on the database.
+"""asyncio variants of ``tail``, ``push`` and the pull consumer (``Consumer``, whose
+``messages()`` is for ``async for``): coroutine handlers on the caller's event loop,
+every engine call in a worker thread, so the loop never blocks on the database.
 
     async def handle(msg):
         await store(msg.body)              # return = ack, raise = nak (with backoff)
@@ -29,7 +30,7 @@ import logging
 
 from . import hooks
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig
-from .consumer import Consumer
+from .consumer import Consumer as _SyncConsumer, check_messages_args
 from .tailing import check_delivery_args
 from .errors import ConfigError, LeaseLost
 from .settlement import RELEASE, Settlement
@@ -54,7 +55,7 @@ def _cancelled(task) -> bool:
 class AsyncTail:
     """A running asyncio consumer (made by :func:`tail`)."""
 
-    def __init__(self, consumer: Consumer, handler, acking: bool, poll_s: float):
+    def __init__(self, consumer: _SyncConsumer, handler, acking: bool, poll_s: float):
         self.consumer = consumer
         self.handler = handler
         self._acking = acking
@@ -96,7 +97,10 @@ class AsyncTail:
             try:
                 self._in_fetch = True
                 try:
-                    msgs = await self._call(self.consumer.fetch, self.batch_size, self._poll_s)
+                    # not handed over until a handler begins (``_mark_handed``): what none
+                    # began goes back uncounted at close, also past a drain's timeout
+                    msgs = await self._call(self.consumer._fetch_tracked, self.batch_size, self._poll_s, None,
+                                            False)
                 finally:
                     self._in_fetch = False
                 if msgs and self._stopping:     # never handed to a handler: back, no attempt counted
@@ -142,7 +146,11 @@ class AsyncTail:
         _IN_ROUND.set(self)     # this task's own context (gather made it a task)
         async with self._slots:
             for m in msgs:
-                m._handed = True
+                if self._stopping and self._acking:     # shutting down: not begun, back uncounted
+                    m.release()
+                    m._deferred = None
+                    continue
+                self.consumer._mark_handed(m)
                 call = hooks.begin_handle(m) if hooks.active else None
                 error = None
                 try:
@@ -174,7 +182,9 @@ class AsyncTail:
         await self._call(msg.in_progress)
 
     async def shutdown(self):
-        """Finish the round in hand (its settlements committed), then leave: the shards
+        """Finish the round in hand: the handlers running finish, the messages no handler
+        began go back at once, no attempt counted (as ``fdq.tail``'s ``shutdown()``), its
+        settlements commit; then leave: the shards
         go to the other consumers at once, and so do the leases of a fetch under way (it
         ends at once; ``Consumer.close`` waits for its worker thread, also when this
         tail's task was cancelled, so nothing it leased waits for its ack wait).
@@ -205,6 +215,125 @@ class AsyncTail:
         await self.shutdown()
 
 
+class Consumer:
+    """:class:`fdq.Consumer` on an event loop: every engine call in a worker thread.
+
+        async with await fdq.aio.Consumer.open(db, "orders") as c:
+            async for m in c.messages():
+                await store(m.body)
+                m.ack()
+
+    ``open`` takes :class:`fdq.Consumer`'s arguments; ``.consumer`` is the consumer."""
+
+    def __init__(self, consumer):
+        self.consumer = consumer
+        self._batches = set()   # the _Batch of each messages() iterator under way
+
+    @classmethod
+    async def open(cls, db, topic: str, **kwargs) -> "Consumer":
+        loop = asyncio.get_running_loop()
+        return cls(await loop.run_in_executor(None, functools.partial(_SyncConsumer, db, topic, **kwargs)))
+
+    @property
+    def id(self) -> str:
+        return self.consumer.id
+
+    async def _call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+
+    async def messages(self, batch: int = 100, timeout: float | None = None):
+        """As :meth:`fdq.Consumer.messages`, for ``async for``. ``m.ack()``,
+        ``m.nak()``, ``m.term()`` of a message of the batch in hand are recorded, not
+        committed on the loop: they commit (off the loop) before the next batch is
+        leased, when the iterator is closed or the consumer is (``break`` then ``close()``:
+        an iterator left by ``break`` is closed only when Python collects it), or within
+        half the ack wait if a batch runs long; a message settled after its batch is done
+        commits at once (blocking)."""
+        check_messages_args(batch, timeout)
+        c = self.consumer
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        b = _Batch()
+        self._batches.add(b)
+        try:
+            while not c._closed:
+                wait = 1.0 if timeout is None else min(1.0, max(0.0, last + timeout - loop.time()))
+                msgs = await self._call(_settle_and_fetch, c, b.finish(c), batch, wait)
+                if not msgs:
+                    if timeout is not None and loop.time() - last >= timeout:
+                        return
+                    continue
+                b.begin(c, msgs)
+                for m in msgs:
+                    c._mark_handed(m)
+                    b.given += 1
+                    yield m
+                last = loop.time()
+        finally:
+            self._batches.discard(b)
+            await self._flush(b)
+
+    async def _flush(self, b: "_Batch"):
+        """Commit what ``b``'s batch recorded and give back what it did not yield."""
+        settlements = b.finish(self.consumer)
+        if settlements and not self.consumer._closed:
+            try:
+                await self._call(self.consumer.settle, settlements)
+            except LeaseLost as e:
+                self.consumer._report(e)
+
+    async def close(self):
+        """Commit the settlements its iterators recorded, give back what they did not
+        yield, then leave (:meth:`fdq.Consumer.close`, off the loop)."""
+        while self._batches:
+            await self._flush(self._batches.pop())
+        await self._call(self.consumer.close)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+
+class _Batch:
+    """The batch a ``Consumer.messages()`` iterator has in hand: its messages, how many
+    it yielded, the round collecting their settlements."""
+
+    __slots__ = ("msgs", "given", "pending")
+
+    def __init__(self):
+        self.msgs, self.given, self.pending = [], 0, None
+
+    def begin(self, consumer, msgs):
+        leased = [m for m in msgs if m._taken.lease_id is not None]     # not: taken (ack_policy none)
+        self.msgs, self.given, self.pending = msgs, 0, consumer._begin_round(leased)
+        for m in leased:
+            m._deferred = self.pending
+
+    def finish(self, consumer) -> list:
+        """The batch is done: its recorded settlements and a release of each message it
+        did not yield (to commit); its messages settled from now on commit at once."""
+        for m in self.msgs:
+            m._deferred = None
+        out = consumer._end_round(self.pending) if self.pending is not None else []
+        out += [Settlement(m, RELEASE) for m in self.msgs[self.given:]
+                if m._taken.lease_id is not None and m._settled is None]
+        self.msgs, self.given, self.pending = [], 0, None
+        return out
+
+
+def _settle_and_fetch(consumer, settled, batch, wait) -> list:
+    """In a worker thread: commit the last batch's settlements, lease the next batch
+    (not handed over: released at close unless yielded, ``Consumer.messages``)."""
+    if settled:
+        try:
+            consumer.settle(settled)
+        except LeaseLost as e:
+            consumer._report(e)
+    return consumer._fetch_tracked(batch, wait, None, handed=False)
+
+
 async def tail(db, topic: str, handler, acking: bool | None = None, transactional: bool = False,
                batch_size: int = 100, consumer_id: str | None = None,
                subscription: str = DEFAULT_SUBSCRIPTION, config: ConsumerConfig | None = None,
@@ -225,7 +354,7 @@ async def tail(db, topic: str, handler, acking: bool | None = None, transactiona
     poll_s = (config or ConsumerConfig()).poll_interval_s
     loop = asyncio.get_running_loop()
     consumer = await loop.run_in_executor(None, functools.partial(
-        Consumer, db, topic, subscription=subscription, consumer_id=consumer_id, config=config,
+        _SyncConsumer, db, topic, subscription=subscription, consumer_id=consumer_id, config=config,
         batch_size=batch_size, **kwargs))
     if consumer.sub_config.ack_policy == "none":
         # As ``fdq.tail``: its messages are taken, not leased (nothing to ack): at most once.
@@ -243,4 +372,4 @@ async def push(producer, topic: str, body: bytes, **kwargs):
     return await asyncio.wrap_future(producer.push_async(topic, body, **kwargs))
 
 
-__all__ = ["tail", "push", "AsyncTail"]
+__all__ = ["tail", "push", "AsyncTail", "Consumer"]

@@ -82,6 +82,16 @@ def _note_maybe_lost(maybe_lost: list, e, lost):
         maybe_lost.append({_row_id(r) for r in lost})
 
 
+def check_messages_args(batch, timeout):
+    """``messages()``'s arguments (sync and ``fdq.aio``): ``batch`` an integer >= 1,
+    ``timeout`` None or seconds >= 0."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ConfigError(f"batch must be an integer >= 1, not {batch!r:.80}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 <= timeout < float("inf")):
+        raise ConfigError(f"timeout must be None or a number of seconds >= 0, not {timeout!r:.80}")
+
+
 def _raw(value):
     """A read's value as bytes, or None if absent."""
     return bytes(value) if value.present() else None
@@ -692,26 +702,77 @@ class Consumer:
             raise ConfigError(f"timeout must be a number of seconds, not {timeout!r:.80}")
         if ack_wait_s is not None:
             ConsumerConfig(ack_wait_s=ack_wait_s)   # validates
+        return self._fetch_tracked(max_messages, timeout, ack_wait_s, handed=True)
+
+    def _fetch_tracked(self, max_messages: int, timeout: float, ack_wait_s: float | None, handed: bool) -> list:
+        """``_fetch``, known to ``close()`` (``_await_fetches``). ``handed``: as
+        ``_lease_many``'s (False: the caller marks each message as it hands it over,
+        ``_mark_handed``; those it never did are released at ``close()``)."""
         me = threading.get_ident()
         with self._fetch_done:
             if self._closed:
                 return []
             self._fetching.append(me)
         try:
-            return self._fetch(max_messages, timeout, ack_wait_s)
+            return self._fetch(max_messages, timeout, ack_wait_s, handed)
         finally:
             with self._fetch_done:
                 self._fetching.remove(me)
                 self._fetch_done.notify_all()
 
-    def _fetch(self, max_messages: int, timeout: float, ack_wait_s: float | None) -> list:
+    def messages(self, batch: int = 100, timeout: float | None = None):
+        """Leased messages one at a time (a generator)::
+
+            for m in consumer.messages():
+                handle(m.body); m.ack()
+
+        Leases up to ``batch`` at once; the ones waiting their turn are kept leased
+        while the application works on those before them (touched every half ack wait,
+        as a tail's round). Each message yielded is an attempt: settle it (``ack()``,
+        ``nak()``, ``term()``; ``release()`` is refused: it was handed over); one left
+        unsettled is redelivered after its ack wait, or nak'd at ``close()``. Ends when
+        the consumer is closed, or after ``timeout`` seconds without a message (None:
+        never). Leaving the loop early (``break``, an exception) gives the messages of
+        the batch not yet yielded back at once, no attempt counted."""
+        check_messages_args(batch, timeout)
+        last = _monotonic()
+        while not self._closed:
+            wait = 1.0 if timeout is None else min(1.0, max(0.0, last + timeout - _monotonic()))
+            msgs = self._fetch_tracked(batch, wait, None, handed=False)
+            if not msgs:
+                if timeout is not None and _monotonic() - last >= timeout:
+                    return
+                continue
+            last = _monotonic()
+            rnd, given = self._begin_round([m for m in msgs if m._taken.lease_id is not None]), 0
+            try:
+                for m in msgs:
+                    self._mark_handed(m)
+                    given += 1
+                    yield m
+            finally:
+                self._end_round(rnd)
+                self._give_back(msgs[given:])
+            last = _monotonic()
+
+    def _give_back(self, msgs: list):
+        """Release ``msgs`` (leased, never handed over); after ``close()`` it did."""
+        msgs = [m for m in msgs if m._taken.lease_id is not None]     # not: taken (ack_policy none)
+        if not msgs or self._closed:
+            return
+        try:
+            self.release(msgs)
+        except LeaseLost as e:
+            self._report(e)
+
+    def _fetch(self, max_messages: int, timeout: float, ack_wait_s: float | None, handed: bool = True) -> list:
         deadline = _monotonic() + max(0.0, timeout)
         while True:
             if self._stop.is_set():         # closing: lease nothing more
                 return []
             shards = self._next_shards()
             try:
-                out = self._lease_many(shards, max_messages, ack_wait_s, handed=True)
+                out = self._lease_many(shards, max_messages, ack_wait_s, handed=handed)
             except BaseException:
                 after_interrupt()
                 for s, _e in shards:
@@ -804,6 +865,7 @@ class Consumer:
         self._member.join(timeout=10)
         deadline = _monotonic() + _GOODBYE_MS / 1000
         self._await_fetches(deadline)
+        self._settle_rounds(deadline)
         self._return_leases(deadline)
         for w in [*self._watches.values(), self._assign_watch]:
             if w is not None:
@@ -822,6 +884,28 @@ class Consumer:
         with self._fetch_done:
             self._fetch_done.wait_for(lambda: all(t == me for t in self._fetching),
                                       max(0.0, deadline - _monotonic()))
+
+    def _settle_rounds(self, deadline):
+        """Commit what the rounds still in hand recorded (a handler still running when a
+        tail's close stopped waiting: the acks of the messages its round finished, the
+        releases of those it gave back), so ``_return_leases`` naks only what a handler
+        still has. Taken from the round: its owner, ending it later, does not commit
+        them again."""
+        items = []
+        for r in list(self._rounds.values()):
+            taken = self._end_round(r)
+            del r[:len(taken)]
+            items += taken
+        if not items:
+            return
+        try:
+            lost = run_within(self.db, _ms_until(deadline), queue.settle, self._ts, _settle_rows(items),
+                              self.config.max_deliver)
+            error = self._settled(items, lost, [])
+            if error is not None:
+                self._report(error)
+        except FDQError as e:
+            self._report(e)
 
     def _mark_handed(self, m):
         """``m`` goes to a handler (a tail's round): from now on it is an attempt, nak'd if

@@ -44,10 +44,11 @@ class _OnceAttempt:
     it took, the message whose handler runs (None between them; ``message``: as the
     handler got it), its watch."""
 
-    __slots__ = ("taken", "current", "message", "watch")
+    __slots__ = ("taken", "current", "message", "watch", "in_batch")
 
     def __init__(self):
         self.taken, self.current, self.message, self.watch = [], None, None, None
+        self.in_batch = False   # a batch handler runs (``handler(tr, messages)``)
 
 
 class _HeadFailure:
@@ -63,11 +64,14 @@ class _HeadFailure:
 class TailConsumer(Consumer):
     """A consumer that runs ``handler`` on its shards' messages in the background."""
 
-    def __init__(self, db, topic, handler, *, mode: str, **kwargs):
+    def __init__(self, db, topic, handler, *, mode: str, batch: bool = False, **kwargs):
         if not callable(handler):
             raise ConfigError("handler must be callable")
+        if not isinstance(batch, bool):
+            raise ConfigError(f"batch must be True or False, not {batch!r:.80}")
         self.handler = handler
         self.mode = mode
+        self.batch = batch      # the handler takes a round's messages as one list
         explicit_acking = kwargs.pop("_explicit_acking", False)
         self._carried = []      # the last batch's settlements, committed by the next round
         self._in_round = threading.local()  # .active: this thread runs a round (and handlers)
@@ -171,7 +175,12 @@ class TailConsumer(Consumer):
         defer = self._pool is None
         msgs = self._lease_many(shards, self.batch_size, take=True, defer_arm=defer)
         try:
-            for m in msgs:
+            if self.batch and msgs:
+                try:
+                    self.handler(list(msgs))
+                except Exception as e:  # at most once: the messages are gone either way
+                    self._report(e, msgs[0])
+            for m in (msgs if not self.batch else ()):
                 call = hooks.begin_handle(m) if hooks.active else None
                 error = None
                 try:
@@ -212,7 +221,9 @@ class TailConsumer(Consumer):
             raise
         pending = self._begin_round(msgs)
         try:
-            for i, m in enumerate(msgs):
+            if self.batch:
+                self._handle_batch(msgs, pending)
+            for i, m in enumerate(msgs if not self.batch else ()):
                 if self._stop.is_set():     # shutting down: the rest go back uncounted
                     for rest in msgs[i:]:
                         rest._deferred = pending
@@ -252,6 +263,35 @@ class TailConsumer(Consumer):
             self._report(e)
         return len(msgs)
 
+    def _handle_batch(self, msgs, pending):
+        """At least once, ``batch=True``: the handler gets the round's messages as one
+        list; return → the unsettled ones acked, raise → nak'd with the error (each an
+        attempt). A shutdown before it began gives them back uncounted."""
+        if not msgs:
+            return
+        if self._stop.is_set():
+            for m in msgs:
+                m._deferred = pending
+                m.release()
+                m._deferred = None
+            return
+        for m in msgs:
+            self._mark_handed(m)
+            m._deferred = pending
+        try:
+            self.handler(list(msgs))
+            for m in msgs:
+                if m._settled is None:
+                    m.ack()
+        except Exception as e:
+            for m in msgs:
+                if m._settled is None:
+                    m.nak(error=e)
+            self._report(e, msgs[0])
+        finally:
+            for m in msgs:
+                m._deferred = None
+
     def _process_exactly_once(self, shard_id, epoch) -> int:
         """Take a batch and run the handler on each message inside the taking
         transaction; returns how many messages it settled (0: none there).
@@ -269,10 +309,12 @@ class TailConsumer(Consumer):
         run = _OnceAttempt()
 
         def body(tr, _attempt) -> int:
-            run.taken, run.current, run.watch = [], None, None
+            run.taken, run.current, run.watch, run.in_batch = [], None, None, False
             run.taken = queue.take_batch(tr, self._ts, shard, self.id, epoch, limit, finish=True,
                                          max_deliver=self.config.max_deliver, sel=self._sel)
-            for t in run.taken:
+            if self.batch and run.taken:
+                self._run_batch_in(tr, run)
+            for t in (run.taken if not self.batch else ()):
                 run.current = t
                 m = run.message = _to_message(t, self.topic, self.subscription, self)
                 m._in_tr = True
@@ -313,10 +355,16 @@ class TailConsumer(Consumer):
                     return Done(_HeadFailure(head, f"handler cannot finish within one transaction "
                                                    f"({EngineError(e.code).name})", e.code == 2101))
                 return None
+            reason = f"handler raised {type(e).__name__}: {e}"
+            if run.in_batch:    # the batch handler raised: halve until the message is alone
+                if len(taken) > 1:
+                    limit, failed = max(1, len(taken) // 2), None
+                    return Again()
+                self._report(e, run.message)
+                return Done(_HeadFailure(taken[0], reason))
             self._report(e, run.message if current is not None else None)
             if current is None:
                 return Done(_HeadFailure(None))
-            reason = f"handler raised {type(e).__name__}: {e}"
             i = next(i for i, t in enumerate(taken) if t is current)
             if i > 0:
                 limit, failed = i, (current, reason)
@@ -334,16 +382,39 @@ class TailConsumer(Consumer):
             return n + 1
         return n
 
+    def _run_batch_in(self, tr, run):
+        """Exactly once, ``batch=True``: ``handler(tr, messages)`` on what ``run`` took;
+        a message ``term()``'d in it is dead-lettered in the transaction. The handler
+        raising fails the attempt (``_process_exactly_once``'s ``on_error``: the batch is
+        halved and run again until the message it fails on is alone, which fails in place)."""
+        msgs = [_to_message(t, self.topic, self.subscription, self) for t in run.taken]
+        run.message = msgs[0]
+        for m in msgs:
+            m._in_tr = True
+        run.in_batch = True
+        try:
+            self.handler(tr, msgs)
+        finally:
+            for m in msgs:
+                m._in_tr = False
+        run.in_batch = False
+        for t, m in zip(run.taken, msgs):
+            if m._settled is TERM:
+                queue.dead_letter_taken(tr, self._ts, t, f"terminated: {m._reason}", self.id)
+
     def _fail_head(self, shard, epoch, taken, reason, dead=False):
         max_deliver = 1 if dead else self.config.max_deliver
         queue.fail_in_place(self.db, self._ts, shard, self.id, epoch, taken.vs, max_deliver, reason,
                                taken.record.attempts, taken.delayed_key)
 
-    def close(self):
-        """Stop consuming and leave. Called by a handler (``shutdown()`` from inside a
-        round: the worker or a pool thread, which cannot wait for itself), it returns at
-        once; the worker finishes the round (the message in hand settled as usual, the
-        rest of the batch given back) and then closes the consumer."""
+    def close(self, timeout: float | None = None):
+        """Stop consuming and leave: the handlers running finish their messages (settled
+        as usual), the rest of their batches go back uncounted. Waits up to ``timeout``
+        seconds for them (default: ``WORKER_JOIN_S`` or the ack wait, the longer); a
+        handler still running then keeps its message, which the close hands back as an
+        attempt (nak). Called by a handler (``shutdown()`` from inside a round: the
+        worker or a pool thread, which cannot wait for itself), it returns at once; the
+        worker finishes the round and then closes the consumer."""
         if self._closed:
             return
         self._stop.set()
@@ -351,14 +422,23 @@ class TailConsumer(Consumer):
         if getattr(self._in_round, "active", False):
             self._close_in_worker = True
             return
-        self._finish_close()
+        self._finish_close(timeout)
 
-    def _finish_close(self):
+    def _finish_close(self, timeout: float | None = None):
         if threading.current_thread() is not self._worker:
-            self._worker.join(timeout=max(WORKER_JOIN_S, self.config.ack_wait_s))
+            self._worker.join(timeout=max(WORKER_JOIN_S, self.config.ack_wait_s) if timeout is None else timeout)
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            # a handler still running past the wait is not waited for (its worker thread
+            # is then still in the pool's map): the pool's idle threads end, its own later
+            done = threading.current_thread() is self._worker or not self._worker.is_alive()
+            self._pool.shutdown(wait=done, cancel_futures=True)
         super().close()
+
+    @property
+    def running(self) -> bool:
+        """Whether its worker (and so a handler) still runs: after ``close(timeout)``
+        ran out, a handler that did not return."""
+        return self._worker.is_alive()
 
 
 def _by_shard_number(shards) -> list:
@@ -386,7 +466,7 @@ def tail(db, topic: str, handler, acking: bool | None = None, transactional: boo
          batch_size: int = 100, consumer_id: str | None = None,
          subscription: str = DEFAULT_SUBSCRIPTION, config: ConsumerConfig | None = None, *,
          keyspace=None, create: bool = True, extend_support: bool | None = None, desired_tag: str | None = None,
-         on_error=None, subscription_config=None, ephemeral: bool = False) -> TailConsumer:
+         on_error=None, subscription_config=None, ephemeral: bool = False, batch: bool = False) -> TailConsumer:
     """Consume ``topic`` in the background until ``shutdown()``.
 
     ``transactional=True``: exactly-once, ``handler(tr, message)``. Otherwise
@@ -395,7 +475,10 @@ def tail(db, topic: str, handler, acking: bool | None = None, transactional: boo
     The other arguments are :class:`fdq.Consumer`'s: ``extend_support`` follows the
     topic unless given (an extend topic's messages carry headers, ``desired_tag`` picks
     the dispatch tag this consumer takes), ``on_error(exception)`` hears what goes wrong
-    in the background (default: logged).
+    in the background (default: logged). ``batch=True``: the handler takes a round's
+    messages as one list (``handler(messages)``; exactly-once ``handler(tr, messages)``):
+    at least once, its return acks those it left unsettled and its exception naks them;
+    exactly once, an exception halves the batch until the message it fails on is alone.
     """
     check_delivery_args(acking, transactional)
     mode = EXACTLY_ONCE if transactional else (AT_MOST_ONCE if acking is False else AT_LEAST_ONCE)
@@ -403,7 +486,7 @@ def tail(db, topic: str, handler, acking: bool | None = None, transactional: boo
                         subscription=subscription, config=config, keyspace=keyspace, create=create,
                         extend_support=extend_support, desired_tag=desired_tag, on_error=on_error,
                         subscription_config=subscription_config, ephemeral=ephemeral,
-                        _explicit_acking=acking is True)
+                        batch=batch, _explicit_acking=acking is True)
 
 
 __all__ = ["TailConsumer", "tail", "check_delivery_args"]
