@@ -17,8 +17,8 @@ from collections import defaultdict
 from .dlq import dlq_size
 from ..engine import transactional
 from ..errors import TopicNotFound
-from ..keyspace import TopicSpace, decode_counter
-from ..keyspace.codec import Record
+from ..keyspace import VERSIONS_PER_S, TopicSpace, decode_counter
+from ..keyspace.codec import Record, decode_leader, unpack
 from .clock import heartbeat_age, read_clock
 from .membership import read_members, read_owners
 from .topics import load_config
@@ -124,7 +124,25 @@ def topic_stats(tr, ts: TopicSpace, now_ms: int) -> dict:
                        for (tag, n), c in sorted(shards.items())],
             "tags": per_tag(shards, owners, members),
         }
-    return {"topic": ts.name, "config": config.as_dict(), "counters": topic, "subscriptions": subs}
+    return {"topic": ts.name, "config": config.as_dict(), "counters": topic, "subscriptions": subs,
+            "maintenance": maintenance_stats(snap, ts, rv, sums)}
+
+
+def maintenance_stats(snap, ts: TopicSpace, rv: int, sums) -> dict:
+    """The topic's maintenance (``fdq.maintainer``): the ``holder`` of its role (None:
+    none; its ``beat`` counter), its last pass (``last_pass_age_s`` by database versions,
+    for display; the entries it ``deleted``; ``behind``: it stopped with more to do) and
+    the log entries and bytes trimmed in all (by it and by ``trim``)."""
+    record_key, beat_key = ts.maintenance_role_keys
+    holder = (decode_leader(snap[record_key]) or {}).get("holder")
+    raw = snap[ts.maintenance_key]
+    last = unpack(bytes(raw)) if raw != None else {}    # noqa: E711
+    version = last.get("version")
+    return {"holder": holder, "beat": decode_counter(snap[beat_key]),
+            "last_pass_by": last.get("holder"),
+            "last_pass_age_s": max(0.0, (rv - version) / VERSIONS_PER_S) if isinstance(version, int) else None,
+            "last_pass_deleted": last.get("deleted"), "behind": last.get("behind"),
+            "trimmed": sums["trimmed"], "trimmed_bytes": sums["trimmed_bytes"]}
 
 
 def _counter_or_none(raw):

@@ -1,0 +1,163 @@
+"""A topic's maintenance, continuously: its retention (age, size, count), its time index,
+and push markers and dedupe ids past their windows, by the processes already running.
+
+Every consumer (``ConsumerConfig(maintenance=True)``, the default) runs a
+:class:`Maintainer` of its topic in a thread of its own (``fdq.member``): one process
+per topic holds the topic's maintenance role (``fdq.ops.leaders``, role
+``TopicSpace.maintenance_role``) and does the work; the others watch its beat and take
+the role over once it has stood still for their zombie timeout on their own monotonic
+clock (a holder killed with ``kill -9``). Work is a pass of :func:`retention_steps`:
+each step one transaction of at most ``CHUNK`` entries at batch priority, resumable
+(each deletes what it did); the holder beats between steps and stops at once when
+another took over. A pass stops after ``PASS_STEPS`` steps (the next tick goes on:
+"behind"); passes come every ``MIN_INTERVAL_S`` while they find work, backing off to
+``MAX_INTERVAL_S`` while they find none. ``Supervisor.trim`` runs the same steps to the
+end. Progress: ``Supervisor.stats(name)["maintenance"]``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from .config import CHUNK, TopicConfig
+from .keyspace import VERSIONS_PER_S, Keyspace, TopicSpace
+from .log import log_buckets, read_chunk
+from .ops.leaders import Watch, beat_leader, read_leader, release_leader, take_leader
+from .ops.push import MARKER_TTL_S
+from .ops.retention import (expire_dedupe_chunk, expire_markers_chunk, read_version, record_maintenance_pass,
+                            trim_bucket_chunk, trim_index_chunk, trim_oldest_chunk, trim_time_index_before)
+from .ops.topics import read_topic_config
+
+log = logging.getLogger("fdq.maintainer")
+
+MIN_INTERVAL_S = 1.0     # between passes while they find work
+MAX_INTERVAL_S = 30.0    # ... backing off (doubling) to this while they find none
+PASS_STEPS = 50          # transactions per pass at most (more: the next tick goes on)
+
+
+def retention_steps(db, ts: TopicSpace, config: TopicConfig, *, before_ms: int | None = None,
+                    limit: int = CHUNK):
+    """Apply ``config``'s retention to the "all" log, one transaction per step (yields
+    the log entries each deleted): by age (``before_ms``, default now minus
+    ``retention_s``), then by size (``retention_bytes``) and count
+    (``retention_messages``), the oldest first; then the time index entries that point
+    before the oldest entry left, and push markers and dedupe ids past their windows.
+    Stopping between steps loses nothing: running the steps again finishes."""
+    if before_ms is None and config.retention_s is not None:
+        before_ms = int((time.time() - config.retention_s) * 1000)
+    buckets = log_buckets(db, ts)     # a reshard to fewer shards leaves buckets behind
+    if before_ms is not None:
+        # Versions advance at least VERSIONS_PER_S (recoveries jump ahead): an entry
+        # committed at or after this version was committed after before_ms.
+        young_from = read_version(db) - max(0, int(time.time() * 1000) - before_ms) * (VERSIONS_PER_S // 1000)
+        for b in buckets:
+            after, done = None, False
+            while not done:
+                n, _freed, after, done = trim_bucket_chunk(db, ts, b, before_ms, limit, after, young_from)
+                yield n
+        trim_time_index_before(db, ts, before_ms)
+    if config.retention_bytes is not None or config.retention_messages is not None:
+        cursors = {}
+        buckets = log_buckets(db, ts)
+        while True:
+            rows = read_chunk(db, ts, buckets, cursors, limit)
+            if not rows:
+                break
+            n, _freed, done = trim_oldest_chunk(db, ts, [(b, vs) for vs, b, _rec, _raw in rows],
+                                                config.retention_bytes, config.retention_messages)
+            yield n
+            if done:
+                break       # fits, or reached messages not routed yet: they and later ones stay
+    while not trim_index_chunk(db, ts, limit)[1]:
+        yield 0
+    rv = read_version(db)
+    while expire_markers_chunk(db, ts, rv - int(MARKER_TTL_S * VERSIONS_PER_S), limit) == limit:
+        yield 0
+    window_s, now_ms = config.dedupe_window_s, int(time.time() * 1000)
+    # an id is young by versions or by the producers' clock, either way (as push judges it)
+    keep = (now_ms - int(window_s * 1000), now_ms + int(window_s * 1000))
+    while expire_dedupe_chunk(db, ts, rv - int(window_s * VERSIONS_PER_S), limit, *keep) == limit:
+        yield 0
+    yield 0
+
+
+class Maintainer:
+    """One candidate for the maintenance of topic ``ts`` (of keyspace ``ks``), named ``me`` (a consumer's id):
+    ``tick(now)`` (this process's monotonic clock, every second or so) takes the role
+    when it is free or its holder's beat stood still for ``lease_s``, beats it while
+    holding it, and runs a pass when one is due. ``release()`` gives it up (a clean
+    stop: the next candidate takes it at once)."""
+
+    def __init__(self, db, ks: Keyspace, ts: TopicSpace, me: str, lease_s: float):
+        self.db, self.ks, self.ts, self.me = db, ks, ts, me
+        self.lease_s = lease_s
+        self.watch = Watch(lease_s)
+        self.holding = False
+        self.last_beat = 0.0
+        self.next_pass = 0.0
+        self.interval = MIN_INTERVAL_S
+
+    @property
+    def tick_interval_s(self) -> float:
+        """How often ``tick`` should run: a beat every quarter of the lease at least."""
+        return min(MIN_INTERVAL_S, self.lease_s / 4)
+
+    def tick(self, now: float, stop=None):
+        """One tick (see the class); ``stop``: an Event ending a pass between steps."""
+        if not self.holding:
+            seen = read_leader(self.db, *self._role())
+            if seen.holder is not None and not self.watch.stale(seen, now):
+                return
+            read_topic_config(self.db, self.ts, snapshot=True)   # TopicNotFound: no role for it
+            if not take_leader(self.db, *self._role(), self.me, self.lease_s, seen):
+                return
+            log.info("%s maintains topic %s (the role was %s)", self.me, self.ts.name,
+                     f"held by {seen.holder}, its beat still for {self.lease_s}s" if seen.holder else "free")
+            self.holding, self.last_beat, self.next_pass = True, now, now
+            self.watch.reset()
+        elif not self._beat(now):
+            return
+        if now >= self.next_pass:
+            self.run_pass(stop)
+
+    def _role(self):
+        return self.ks, self.ts.maintenance_role
+
+    def _beat(self, now: float, force: bool = False) -> bool:
+        if force or now - self.last_beat >= self.lease_s / 4:
+            self.last_beat = now
+            if not beat_leader(self.db, *self._role(), self.me):
+                log.info("%s no longer maintains topic %s (taken over)", self.me, self.ts.name)
+                self.holding = False
+        return self.holding
+
+    def run_pass(self, stop=None) -> int:
+        """Run up to ``PASS_STEPS`` steps of ``retention_steps`` (beating between them);
+        returns the log entries deleted. Schedules the next pass."""
+        config = read_topic_config(self.db, self.ts, snapshot=True)
+        deleted, steps, behind = 0, 0, False
+        for n in retention_steps(self.db, self.ts, config):
+            deleted += n
+            steps += 1
+            if stop is not None and stop.is_set():
+                behind = True
+                break
+            if not self._beat(time.monotonic()):
+                return deleted
+            if steps >= PASS_STEPS:
+                behind = True
+                break
+        now = time.monotonic()
+        self.interval = MIN_INTERVAL_S if deleted or behind else min(MAX_INTERVAL_S, self.interval * 2)
+        self.next_pass = now if behind else now + self.interval
+        record_maintenance_pass(self.db, self.ts, self.me, deleted, behind)
+        return deleted
+
+    def release(self):
+        """Give the role up if held (the next candidate takes it at once)."""
+        if self.holding:
+            self.holding = False
+            release_leader(self.db, *self._role(), self.me)
+
+
+__all__ = ["Maintainer", "retention_steps", "MIN_INTERVAL_S", "MAX_INTERVAL_S", "PASS_STEPS"]
