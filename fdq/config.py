@@ -109,6 +109,11 @@ class TopicConfig:
     entries the log keeps (its oldest go first; ``inserted - trimmed`` counts them).
     Retention is enforced continuously by the topic's consumers (``fdq.maintainer``:
     one process at a time) and by ``trim``.
+    ``ttl_s``: the time to live of a message pushed without its own (``push(ttl=)``;
+    None: none); a message whose TTL ended is never delivered: ``ttl_action`` "drop"
+    removes it (counted ``expired``), "dead_letter" moves it to the DLQ, in the
+    transaction that would have delivered it. A TTL ends by the topic's clock (as
+    delays): late, never early.
     ``max_message_bytes``: the largest body (split into chunks above 90,000 bytes); a
     push also refuses a body whose copies (the log's, one per subscription) exceed
     ``fdq.keyspace.codec.ROUTE_BYTES`` (9 MB: they are written in one transaction).
@@ -131,6 +136,8 @@ class TopicConfig:
     retention_s: float | None = None
     retention_bytes: int | None = None
     retention_messages: int | None = None
+    ttl_s: float | None = None
+    ttl_action: str = "drop"
     max_message_bytes: int = 1 << 20
     subs: tuple = (DEFAULT_SUBSCRIPTION,)
     resharding_to: int | None = None   # set while a shard-count change is in progress (== shards:
@@ -151,6 +158,9 @@ class TopicConfig:
         _positive("retention_s", self.retention_s, allow_none=True)
         _positive("retention_bytes", self.retention_bytes, allow_none=True, integer=True)
         _positive("retention_messages", self.retention_messages, allow_none=True, integer=True)
+        _positive("ttl_s", self.ttl_s, allow_none=True)
+        if self.ttl_action not in TTL_ACTIONS:
+            raise ConfigError(f"ttl_action must be one of {', '.join(TTL_ACTIONS)}, not {shown(self.ttl_action)}")
         _positive("max_message_bytes", self.max_message_bytes, integer=True)
         if self.max_message_bytes > 8 << 20:
             raise ConfigError("max_message_bytes must be at most 8 MiB (a transaction is 10 MB)")
@@ -338,7 +348,9 @@ UPDATABLE_SUBSCRIPTION_FIELDS = ("description", "ack_wait_s", "max_deliver", "ba
 # Fields ``Supervisor.update_topic`` may change (retention and limits); the others fix
 # what the topic is (shards: rebalance; extend: upgrade) or are its state.
 UPDATABLE_TOPIC_FIELDS = ("max_backlog", "dedupe_window_s", "retention_s", "retention_bytes", "retention_messages",
-                          "max_message_bytes")
+                          "ttl_s", "ttl_action", "max_message_bytes")
+# What becomes of a message whose TTL ended before its delivery (TopicConfig.ttl_action).
+TTL_ACTIONS = ("drop", "dead_letter")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -488,4 +500,4 @@ def check_filters(topic: str, sub: str, config: SubscriptionConfig, topic_config
 __all__ = ["TopicConfig", "ConsumerConfig", "ProducerConfig", "SubscriptionConfig",
            "UPDATABLE_SUBSCRIPTION_FIELDS", "UPDATABLE_TOPIC_FIELDS", "TOPIC_STATE", "check_topic_options",
            "check_name", "check_filters", "check_replay_id", "default_replay_id", "shown", "NAME_RE",
-           "DEFAULT_SUBSCRIPTION", "CHUNK", "effective_consumer_config"]
+           "DEFAULT_SUBSCRIPTION", "CHUNK", "effective_consumer_config", "TTL_ACTIONS"]

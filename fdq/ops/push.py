@@ -83,7 +83,7 @@ class _Batch:
     """What one push transaction keeps across its messages (the full path's state)."""
 
     __slots__ = ("ks", "now_ms", "minute", "time_index", "rv", "clock", "due_base", "batch_ids", "counters",
-                 "tags")
+                 "tags", "expiry_bases")
 
     def __init__(self, ks: Keyspace, now_ms: int, time_index: dict):
         self.ks, self.now_ms, self.time_index = ks, now_ms, time_index
@@ -92,6 +92,7 @@ class _Batch:
         self.batch_ids = {}
         self.counters = defaultdict(int)
         self.tags = set()     # each tag's key once per transaction
+        self.expiry_bases = {}  # topic -> its due_base (TTLs), read once per transaction
 
 
 @transactional
@@ -154,7 +155,8 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
         # unkeyed: its home, kept in its record (the shard key's slot) for every later copy
         n = shard_for(key, config.shards) if key is not None else home_for(spread, uv, config.shards)
         if plan.routing and env.msg_id is None and not env.delay and not env.headers \
-                and 0 < len(body) <= CHUNK_BYTES and isinstance(env, Envelope):
+                and 0 < len(body) <= CHUNK_BYTES and isinstance(env, Envelope) \
+                and env.ttl_s is None and plan.config.ttl_s is None:
             # The common message (what _push_full does for it, with the keys' prefixes
             # prepared once per transaction): its record into the log and into every
             # subscription's ready queue of shard n.
@@ -245,13 +247,16 @@ def _push_full(tr, b: _Batch, plan, topic: str, env, uv: int, n: int) -> tuple:
         if b.clock is None:
             b.clock = read_clock(tr, ts.clock_key)
         due = due_at if due_at > b.clock else None     # (a replayed message already due: ready at once)
+    expires = _expires(tr, b, ts, env, config)
     inline, chunks = split_body(env.body)
     key = env.shard_key
     home = n if key is None else None
-    record = Record(b.now_ms, key, env.msg_id, headers, inline, 0, len(chunks), replay_of, due, home).encode()
+    record = Record(b.now_ms, key, env.msg_id, headers, inline, 0, len(chunks), replay_of, due,
+                    expires, home).encode()
     if len(record) > RECORD_BYTES:      # the body fits a value, not with its headers and keys
         inline, chunks = split_body(env.body, force=True)
-        record = Record(b.now_ms, key, env.msg_id, headers, inline, 0, len(chunks), replay_of, due, home).encode()
+        record = Record(b.now_ms, key, env.msg_id, headers, inline, 0, len(chunks), replay_of, due,
+                        expires, home).encode()
     if not config.routing and len(config.subs) * (len(record) + len(env.body)) > ROUTE_BYTES:
         # play routes it alone, to every subscription, in one transaction: refuse what
         # could never be routed (it would block the play, and every message behind it)
@@ -302,6 +307,20 @@ def _note_tag(tr, ts: TopicSpace, tag: str):
     key = ts.tag_key(tag)
     if tr.snapshot[key] == None:  # noqa: E711
         tr[key] = b""
+
+
+def _expires(tr, b: _Batch, ts: TopicSpace, env, config: TopicConfig) -> int | None:
+    """When a message's TTL ends (topic clock ms; None: it has none): its own ``ttl_s``
+    or the topic's (a replay's copy: the topic's), from ``clock.due_base`` as a delay
+    (the clock never runs ahead of real time and this base never behind it, so a TTL
+    never ends early)."""
+    ttl = env.ttl_s if isinstance(env, Envelope) and env.ttl_s is not None else config.ttl_s
+    if ttl is None:
+        return None
+    base = b.expiry_bases.get(ts.name)
+    if base is None:
+        base = b.expiry_bases[ts.name] = due_base(tr, ts.clock_key, ts.clock_version_key)
+    return base + int(ttl * 1000)
 
 
 class _PushPlan:

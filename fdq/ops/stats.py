@@ -5,10 +5,11 @@ Per topic (``topic/<t>/all/stats``): ``inserted`` (pushed into the "all" log), `
 (routed to the subscriptions' queues; lags ``inserted`` while paused).
 Per shard of a subscription (``.../shards/<tag>/<n>/stats``): ``routed`` (messages put
 in this shard's queue; consumers watch it), ``done`` (removed for good: acked,
-dead-lettered, consumed at most once or exactly once), ``emitted`` (deliveries,
+dead-lettered, consumed at most once or exactly once, dropped by TTL), ``emitted`` (deliveries,
 redeliveries included), ``in_flight`` (leased now), ``delayed`` (waiting to be due),
 ``dead`` (sent to the DLQ), ``requeued`` (redeliveries queued), ``filtered`` (dropped by
-the subscription's filter: counted in ``done`` too). Backlog = routed - done.
+the subscription's filter: counted in ``done`` too), ``expired`` (its TTL ended before a
+delivery: dropped or dead-lettered, by the topic's ``ttl_action``). Backlog = routed - done.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from .clock import heartbeat_age, read_clock
 from .membership import read_members, read_owners
 from .topics import load_config
 
-SHARD_COUNTERS = ("routed", "done", "emitted", "in_flight", "delayed", "dead", "acked", "requeued", "filtered")
+SHARD_COUNTERS = ("routed", "done", "emitted", "in_flight", "delayed", "dead", "acked", "requeued", "filtered",
+                  "expired")
 
 
 def topic_counter(reader, ts: TopicSpace, name: str) -> int:
@@ -114,6 +116,7 @@ def topic_stats(tr, ts: TopicSpace, now_ms: int) -> dict:
             "catching_up": sub in config.catchup, "paused": sub in config.paused_subs,
             "backlog": total("backlog"), "in_flight": total("in_flight"), "delayed": total("delayed"),
             "emitted": total("emitted"), "acked": total("acked"), "filtered": total("filtered"),
+            "expired": total("expired"),
             "dlq": dlq_size(snap, ts, sub),
             "oldest_ready_ms": oldest,
             "lag_ms": (now_ms - oldest) if oldest is not None else 0,
