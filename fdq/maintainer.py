@@ -6,26 +6,30 @@ Every consumer (``ConsumerConfig(maintenance=True)``, the default) runs a
 per topic holds the topic's maintenance role (``fdq.ops.leaders``, role
 ``TopicSpace.maintenance_role``) and does the work; the others watch its beat and take
 the role over once it has stood still for their zombie timeout on their own monotonic
-clock (a holder killed with ``kill -9``). Work is a pass of :func:`retention_steps`:
+clock (a holder killed with ``kill -9``). Work is a pass of :func:`retention_steps`
+and :func:`ttl_steps` (messages whose TTL ended, removed from every queue):
 each step one transaction of at most ``CHUNK`` entries at batch priority, resumable
 (each deletes what it did); the holder beats between steps and stops at once when
-another took over. A pass stops after ``PASS_STEPS`` steps (the next tick goes on:
-"behind"); passes come every ``MIN_INTERVAL_S`` while they find work, backing off to
-``MAX_INTERVAL_S`` while they find none. ``Supervisor.trim`` runs the same steps to the
+another took over. A pass runs at most ``PASS_STEPS`` steps of the sweep under way
+(the next tick goes on with it: "behind"); sweeps come every ``MIN_INTERVAL_S`` while
+they remove something, backing off to ``MAX_INTERVAL_S`` while they remove nothing. ``Supervisor.trim`` runs the same steps to the
 end. Progress: ``Supervisor.stats(name)["maintenance"]``.
 """
 from __future__ import annotations
 
 import logging
 import time
+from itertools import chain
 
 from .config import CHUNK, TopicConfig
 from .keyspace import VERSIONS_PER_S, Keyspace, TopicSpace
 from .log import log_buckets, read_chunk
 from .ops.leaders import Watch, beat_leader, read_leader, release_leader, take_leader
 from .ops.push import MARKER_TTL_S
-from .ops.retention import (expire_dedupe_chunk, expire_markers_chunk, read_version, record_maintenance_pass,
-                            trim_bucket_chunk, trim_index_chunk, trim_oldest_chunk, trim_time_index_before)
+from .ops.membership import read_tags
+from .ops.retention import (expire_dedupe_chunk, expire_markers_chunk, expire_ready_chunk, read_version,
+                            record_maintenance_pass, trim_bucket_chunk, trim_index_chunk, trim_oldest_chunk,
+                            trim_time_index_before)
 from .ops.topics import read_topic_config
 
 log = logging.getLogger("fdq.maintainer")
@@ -81,6 +85,17 @@ def retention_steps(db, ts: TopicSpace, config: TopicConfig, *, before_ms: int |
     yield 0
 
 
+def ttl_steps(db, ts: TopicSpace, config: TopicConfig, *, limit: int = CHUNK):
+    """Remove the messages whose TTL ended from the head (``limit`` messages) of every
+    ready queue of every subscription, one transaction per shard (yields how many each
+    removed): a subscription nobody consumes shrinks too."""
+    tags = read_tags(db, ts)
+    for sub in config.subs:
+        for tag in tags:
+            for n in range(max(config.shards, config.resharding_to or 0)):
+                yield expire_ready_chunk(db, ts, ts.shard(sub, tag, n), limit)
+
+
 class Maintainer:
     """One candidate for the maintenance of topic ``ts`` (of keyspace ``ks``), named ``me`` (a consumer's id):
     ``tick(now)`` (this process's monotonic clock, every second or so) takes the role
@@ -96,6 +111,8 @@ class Maintainer:
         self.last_beat = 0.0
         self.next_pass = 0.0
         self.interval = MIN_INTERVAL_S
+        self._sweep = None              # the steps of the sweep under way (a generator)
+        self._swept = 0                 # what it removed so far
 
     @property
     def tick_interval_s(self) -> float:
@@ -128,36 +145,42 @@ class Maintainer:
             self.last_beat = now
             if not beat_leader(self.db, *self._role(), self.me):
                 log.info("%s no longer maintains topic %s (taken over)", self.me, self.ts.name)
-                self.holding = False
+                self.holding, self._sweep = False, None
         return self.holding
 
     def run_pass(self, stop=None) -> int:
-        """Run up to ``PASS_STEPS`` steps of ``retention_steps`` (beating between them);
-        returns the log entries deleted. Schedules the next pass."""
-        config = read_topic_config(self.db, self.ts, snapshot=True)
-        deleted, steps, behind = 0, 0, False
-        for n in retention_steps(self.db, self.ts, config):
-            deleted += n
-            steps += 1
-            if stop is not None and stop.is_set():
-                behind = True
+        """Run up to ``PASS_STEPS`` steps of the current sweep (``retention_steps`` then
+        ``ttl_steps``, begun when the last one ended: a sweep spans passes), beating
+        between them; returns what they removed. Schedules the next pass: at once while
+        the sweep goes on ("behind"), else after the interval (backing off while
+        sweeps remove nothing)."""
+        if self._sweep is None:
+            config = read_topic_config(self.db, self.ts, snapshot=True)
+            self._sweep = chain(retention_steps(self.db, self.ts, config), ttl_steps(self.db, self.ts, config))
+            self._swept = 0
+        removed, behind = 0, True
+        for _ in range(PASS_STEPS):
+            n = next(self._sweep, None)
+            if n is None:
+                behind, self._sweep = False, None
                 break
-            if not self._beat(time.monotonic()):
-                return deleted
-            if steps >= PASS_STEPS:
-                behind = True
-                break
+            removed += n
+            self._swept += n
+            if (stop is not None and stop.is_set()) or not self._beat(time.monotonic()):
+                return removed
         now = time.monotonic()
-        self.interval = MIN_INTERVAL_S if deleted or behind else min(MAX_INTERVAL_S, self.interval * 2)
+        if not behind:
+            self.interval = MIN_INTERVAL_S if self._swept else min(MAX_INTERVAL_S, self.interval * 2)
         self.next_pass = now if behind else now + self.interval
-        record_maintenance_pass(self.db, self.ts, self.me, deleted, behind)
-        return deleted
+        record_maintenance_pass(self.db, self.ts, self.me, removed, behind)
+        return removed
 
     def release(self):
         """Give the role up if held (the next candidate takes it at once)."""
+        self._sweep = None
         if self.holding:
             self.holding = False
             release_leader(self.db, *self._role(), self.me)
 
 
-__all__ = ["Maintainer", "retention_steps", "MIN_INTERVAL_S", "MAX_INTERVAL_S", "PASS_STEPS"]
+__all__ = ["Maintainer", "retention_steps", "ttl_steps", "MIN_INTERVAL_S", "MAX_INTERVAL_S", "PASS_STEPS"]

@@ -298,7 +298,7 @@ def _deliverable(tr, ts: TopicSpace, shard: ShardSpace, kv, vs, max_deliver: int
     except CorruptValue as e:
         _dead_letter_undecodable(tr, ts, shard, kv.key, vs, kv.value, e, consumer_id)
         return None
-    if rec.expires is not None and _expired(tr, ts, shard, kv, vs, rec, consumer_id):
+    if rec.expires is not None and expire_ended(tr, ts, shard, kv, vs, rec, consumer_id):
         return None
     if rec.attempts < max_deliver:
         return rec
@@ -309,9 +309,10 @@ def _deliverable(tr, ts: TopicSpace, shard: ShardSpace, kv, vs, max_deliver: int
     return None
 
 
-def _expired(tr, ts: TopicSpace, shard: ShardSpace, kv, vs, rec: Record, consumer_id: str) -> bool:
+def expire_ended(tr, ts: TopicSpace, shard: ShardSpace, kv, vs, rec: Record, consumer_id: str | None) -> bool:
     """Whether ready row ``kv``'s TTL ended (``Record.expires`` reached by the topic's
-    clock); if so it is removed here, in the transaction that would have delivered it:
+    clock); if so it is removed here, in the transaction that would have delivered it
+    (or the maintenance's sweep, ``retention.expire_ready_chunk``):
     dropped (its chunks too) or dead-lettered, by the topic's ``ttl_action``, and
     counted ``expired``."""
     now = read_clock(tr, ts.clock_key)

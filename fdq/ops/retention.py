@@ -12,10 +12,13 @@ while paused, its log entry its only copy) nor any after it.
 from __future__ import annotations
 
 from ..engine import transactional
-from ..keyspace import INDEX_PARTS, TopicSpace, Versionstamp, counter, stamp_of_value, version_of
+from ..errors import CorruptValue
+from ..keyspace import (INDEX_PARTS, ShardSpace, StoredVersionstamp, TopicSpace, Versionstamp, counter, position_of,
+                        stamp_of_value, version_of)
 from ..keyspace.codec import Record, decode_dedupe, pack
 from .topics import load_config
 from .log import buckets_in, chunks_bytes, entry_bytes
+from .queue import expire_ended
 from .stats import topic_counter
 
 # The time index holds an entry per minute of pushes; a trim by age drops those of
@@ -273,13 +276,33 @@ def _expire(tr, index_part, older_than_version: int, limit: int, expire) -> int:
 
 
 @transactional
-def record_maintenance_pass(tr, ts: TopicSpace, holder: str, deleted: int, behind: bool) -> bool:
+def record_maintenance_pass(tr, ts: TopicSpace, holder: str, removed: int, behind: bool) -> bool:
     """Note a maintainer's pass (``fdq.maintainer``): its holder, the read version it
-    ended at (its age in ``stats``), the log entries it deleted and whether it stopped
+    ended at (its age in ``stats``), what it removed (log entries, expired messages) and whether it stopped
     with more to do. Not on a deleted topic (returns False)."""
     if load_config(tr.snapshot[ts.config_key]) is None:
         return False
     tr[ts.maintenance_key] = pack({"holder": holder, "version": tr.get_read_version().wait(),
-                                   "deleted": deleted, "behind": behind})
+                                   "removed": removed, "behind": behind})
     return True
 
+
+
+@transactional
+def expire_ready_chunk(tr, ts: TopicSpace, shard: ShardSpace, limit: int) -> int:
+    """Remove the messages whose TTL ended among the first ``limit`` of ``shard``'s ready
+    queue (``queue.expire_ended``: dropped or dead-lettered, as a take would), so the
+    queues of a subscription nobody consumes shrink too. Read by snapshot, a conflict on
+    each row removed (a take of it retries, or this does). Returns how many."""
+    tr.options.set_priority_batch()
+    n = 0
+    r = shard.ready_range
+    for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit):
+        try:
+            rec = Record.decode(kv.value)
+        except CorruptValue:        # a take dead-letters it
+            continue
+        if rec.expires is not None and expire_ended(tr, ts, shard, kv, StoredVersionstamp(position_of(kv.key)),
+                                                    rec, None):
+            n += 1
+    return n

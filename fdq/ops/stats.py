@@ -134,7 +134,7 @@ def topic_stats(tr, ts: TopicSpace, now_ms: int) -> dict:
 def maintenance_stats(snap, ts: TopicSpace, rv: int, sums) -> dict:
     """The topic's maintenance (``fdq.maintainer``): the ``holder`` of its role (None:
     none; its ``beat`` counter), its last pass (``last_pass_age_s`` by database versions,
-    for display; the entries it ``deleted``; ``behind``: it stopped with more to do) and
+    for display; what it ``removed``: log entries, expired messages; ``behind``: its sweep goes on) and
     the log entries and bytes trimmed in all (by it and by ``trim``)."""
     record_key, beat_key = ts.maintenance_role_keys
     holder = (decode_leader(snap[record_key]) or {}).get("holder")
@@ -144,7 +144,7 @@ def maintenance_stats(snap, ts: TopicSpace, rv: int, sums) -> dict:
     return {"holder": holder, "beat": decode_counter(snap[beat_key]),
             "last_pass_by": last.get("holder"),
             "last_pass_age_s": max(0.0, (rv - version) / VERSIONS_PER_S) if isinstance(version, int) else None,
-            "last_pass_deleted": last.get("deleted"), "behind": last.get("behind"),
+            "last_pass_removed": last.get("removed"), "behind": last.get("behind"),
             "trimmed": sums["trimmed"], "trimmed_bytes": sums["trimmed_bytes"]}
 
 

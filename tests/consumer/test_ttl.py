@@ -60,7 +60,8 @@ def test_an_expired_message_is_never_delivered(db, sup, mode, action):
         p.push("t", b"long", ttl=600)
         p.push_many("t", [fdq.Envelope(b"none")])
         expires = ready_expiries(db, "t")
-        assert expires[b"none"] is None and expires[b"long"] - expires[b"short"] >= 599_700
+        # (the base, due_base, may move either way by a little between two pushes)
+        assert expires[b"none"] is None and abs(expires[b"long"] - expires[b"short"] - 599_700) < 5_000
         wait_for(lambda: clock_ms(db, "t") >= expires[b"short"], 30, what="the topic's clock past the TTL")
         sup.play_subscription("t", "default")
         wait_for(lambda: len(handled) >= 2, 30, what="the two live messages")
@@ -97,7 +98,7 @@ def test_a_topic_default_ttl_applies_to_pushes_without_their_own(db, sup):
     p.push_many("t", [fdq.Envelope(b"plain")])
     e = ready_expiries(db, "t")
     assert 59_000 <= e[b"default"] - clock_ms(db, "t") <= 61_000 + 60_000    # (+ versions since the clock moved)
-    assert e[b"own"] - e[b"default"] == 540_000 and e[b"plain"] == e[b"default"]
+    assert abs(e[b"own"] - e[b"default"] - 540_000) < 5_000 and abs(e[b"plain"] - e[b"default"]) < 5_000
 
 
 def test_ttl_is_checked_at_the_call(db):
@@ -108,3 +109,14 @@ def test_ttl_is_checked_at_the_call(db):
         fdq.Producer(db).push("t", b"x", delay=5, ttl=2)
     with pytest.raises(fdq.ConfigError):
         fdq.TopicConfig(ttl_action="keep")
+
+
+def test_the_maintenance_removes_expired_messages_of_a_subscription_nobody_consumes(db, sup):
+    sup.create_topic("t", shards=2, ttl_action="dead_letter")
+    sup.create_subscription("t", "idle")
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b"m%d" % i, ttl_s=0.3) for i in range(5)])
+    with fdq.Consumer(db, "t", config=FAST):     # holds the topic's maintenance, runs its clock
+        st = wait_for(lambda: (s := sup.stats("t")["subscriptions"]["idle"])["backlog"] == 0 and s, 30,
+                      what="the idle subscription's expired messages removed")
+    assert (st["expired"], st["dlq"]) == (5, 5)
+    assert sup.stats("t")["maintenance"]["last_pass_by"] is not None
