@@ -18,10 +18,15 @@ end. Progress: ``Supervisor.stats(name)["maintenance"]``.
 from __future__ import annotations
 
 import logging
+import os
+import secrets
+import socket
+import threading
 import time
 from itertools import chain
 
 from .config import CHUNK, TopicConfig
+from .errors import ConfigError
 from .keyspace import VERSIONS_PER_S, Keyspace, TopicSpace
 from .log import log_buckets, read_chunk
 from .ops.leaders import Watch, beat_leader, read_leader, release_leader, take_leader
@@ -30,10 +35,11 @@ from .ops.membership import read_tags
 from .ops.retention import (expire_dedupe_chunk, expire_markers_chunk, expire_ready_chunk, read_version,
                             record_maintenance_pass, trim_bucket_chunk, trim_index_chunk, trim_oldest_chunk,
                             trim_time_index_before)
-from .ops.topics import read_topic_config
+from .ops.topics import list_topics, read_topic_config
 
 log = logging.getLogger("fdq.maintainer")
 
+MAINT_LEASE_S = 10.0     # Maintenance: a holder's beat standing still this long, another takes over
 MIN_INTERVAL_S = 1.0     # between passes while they find work
 MAX_INTERVAL_S = 30.0    # ... backing off (doubling) to this while they find none
 PASS_STEPS = 50          # transactions per pass at most (more: the next tick goes on)
@@ -183,4 +189,79 @@ class Maintainer:
             release_leader(self.db, *self._role(), self.me)
 
 
-__all__ = ["Maintainer", "retention_steps", "ttl_steps", "MIN_INTERVAL_S", "MAX_INTERVAL_S", "PASS_STEPS"]
+class Maintenance:
+    """This process's part in the maintenance of every topic of the database (or of
+    ``topics``), for a service that runs no consumer of them (the broker): a
+    :class:`Maintainer` per topic, named ``name`` (default host-pid-random), ticked by
+    one thread of its own; the topic list is read again every ``REFRESH_S`` (a topic
+    created or deleted since). ``lease_s``: how long a holder's beat must stand still
+    before this process takes a topic's maintenance over. ``close()`` stops it and
+    gives up what it holds.
+
+    Example::
+
+        m = fdq.Maintenance(db)     # ... m.close()
+    """
+
+    REFRESH_S = 5.0
+
+    def __init__(self, db, *, name: str | None = None, topics=None, lease_s: float = MAINT_LEASE_S,
+                 keyspace: Keyspace | None = None):
+        if not (isinstance(lease_s, (int, float)) and lease_s > 0):
+            raise ConfigError(f"lease_s must be seconds above 0, not {lease_s!r}")
+        self.db, self.ks = db, keyspace or Keyspace()
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+        self.topics = None if topics is None else set(topics)
+        self.lease_s = lease_s
+        self.maintainers = {}           # topic -> Maintainer
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"fdq-maintenance-{self.name}", daemon=True)
+        self._thread.start()
+
+    def _refresh(self):
+        names = {name for name, _c in list_topics(self.db, self.ks)}
+        if self.topics is not None:
+            names &= self.topics
+        for name in [n for n in self.maintainers if n not in names]:
+            self.maintainers.pop(name).release()
+        for name in names - set(self.maintainers):
+            self.maintainers[name] = Maintainer(self.db, self.ks, self.ks.topic(name), self.name, self.lease_s)
+
+    def _run(self):
+        tick = min(MIN_INTERVAL_S, self.lease_s / 4)
+        refreshed = None
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                try:
+                    if refreshed is None or now - refreshed >= self.REFRESH_S:
+                        self._refresh()
+                        refreshed = now
+                except Exception as e:      # the next tick tries again
+                    log.warning("maintenance %s: listing topics: %s: %s", self.name, type(e).__name__, e)
+                for name, m in list(self.maintainers.items()):
+                    try:
+                        m.tick(time.monotonic(), self._stop)
+                    except Exception as e:  # the next tick tries again
+                        log.warning("maintenance %s of %s: %s: %s", self.name, name, type(e).__name__, e)
+                self._stop.wait(tick)
+        finally:
+            for m in self.maintainers.values():
+                try:
+                    m.release()
+                except Exception as e:      # its beat stands still: another takes over
+                    log.warning("maintenance %s: releasing %s: %s", self.name, m.ts.name, e)
+
+    def close(self, timeout: float = 10.0):
+        """Stop (after the step under way) and give up every topic held."""
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+__all__ = ["Maintenance", "MAINT_LEASE_S", "Maintainer", "retention_steps", "ttl_steps", "MIN_INTERVAL_S", "MAX_INTERVAL_S", "PASS_STEPS"]

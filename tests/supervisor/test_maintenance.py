@@ -103,3 +103,26 @@ def test_deleting_a_topic_clears_its_maintenance_role(db, sup, dump):
     keys = dump()
     assert not any(k in keys for k in ts.maintenance_role_keys)
     assert not [k for k in keys if k.startswith(ts.space.key())]
+
+
+def test_fdq_maintenance_maintains_every_topic_one_process_at_a_time(db, sup):
+    """``fdq.Maintenance`` (what a service running no consumer uses, the broker): each
+    topic held by one of two instances, trimmed; a topic created later is picked up;
+    a clean close hands its topics to the other at once."""
+    sup.create_topic("a", retention_messages=5)
+    p = fdq.Producer(db)
+    with fdq.Maintenance(db, name="m1", lease_s=1.0) as m1, fdq.Maintenance(db, name="m2", lease_s=1.0) as m2:
+        m1.REFRESH_S = m2.REFRESH_S = 0.2
+        sup.create_topic("b", retention_messages=5)
+        for name in ("a", "b"):
+            p.push_many(name, [fdq.Envelope(b"x")] * 20)
+        for name in ("a", "b"):
+            wait_for(lambda: log_count(sup, name) <= 5, 30, what=f"topic {name} trimmed")
+        held = {n: sup.stats(n)["maintenance"]["holder"] for n in ("a", "b")}
+        assert set(held.values()) <= {"m1", "m2"} and None not in held.values()
+        first = held["a"]
+        (m1 if first == "m1" else m2).close()
+        other = "m2" if first == "m1" else "m1"
+        wait_for(lambda: sup.stats("a")["maintenance"]["holder"] == other, 15, what=f"{other} taking topic a")
+        p.push_many("a", [fdq.Envelope(b"y")] * 20)
+        wait_for(lambda: log_count(sup, "a") <= 5, 30, what="topic a trimmed by the other")
