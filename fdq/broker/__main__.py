@@ -57,7 +57,7 @@ def build_options(args) -> BrokerOptions:
                          e2e_percentiles=percentiles, e2e_window_s=args.e2e_processing_latency_window_time,
                          web_path=web_path, web_write_token=getattr(args, "web_write_token", None) or None,
                          metrics_database=args.metrics_database,
-                         metrics_leader_timeout_s=args.metrics_leader_timeout)
+                         metrics_leader_timeout_s=args.metrics_leader_timeout, maintenance=args.maintenance)
 
 
 METRICS_DATABASE = ("leader", "always", "never")
@@ -130,6 +130,8 @@ def parser() -> argparse.ArgumentParser:
                          "this broker; never")
     ap.add_argument("--metrics-leader-timeout", type=parse_duration, default=BrokerOptions.metrics_leader_timeout_s,
                     help="the metrics leader's beat standing still this long, another broker takes over")
+    ap.add_argument("--maintenance", action=argparse.BooleanOptionalAction, default=True,
+                    help="take part in every topic's retention and TTL sweeps (one process per topic at a time)")
     ap.add_argument("--log-level", default="WARNING")
     return ap
 

@@ -83,6 +83,8 @@ def _duration_default(name):
                    "of the brokers serving /metrics on the database at a time; always = from this broker.")
 @click.option("--metrics-leader-timeout", type=Duration(), default=_duration_default("metrics_leader_timeout"),
               help="The metrics leader's beat standing still this long, another broker takes over.")
+@click.option("--maintenance/--no-maintenance", default=_BROKER["maintenance"],
+              help="Take part in every topic's retention and TTL sweeps (one process per topic at a time).")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
               default=_BROKER["log_level"], help="Log level (stderr).")
 @pass_state
