@@ -12,8 +12,10 @@ each step one transaction of at most ``CHUNK`` entries at batch priority, resuma
 (each deletes what it did); the holder beats between steps and stops at once when
 another took over. A pass runs at most ``PASS_STEPS`` steps of the sweep under way
 (the next tick goes on with it: "behind"); sweeps come every ``MIN_INTERVAL_S`` while
-they remove something, backing off to ``MAX_INTERVAL_S`` while they remove nothing. ``Supervisor.trim`` runs the same steps to the
-end. Progress: ``Supervisor.stats(name)["maintenance"]``.
+they remove something, backing off to ``MAX_INTERVAL_S`` while they remove nothing.
+``Supervisor.trim`` runs the same retention steps to the end. Progress:
+``Supervisor.stats(name)["maintenance"]``. :class:`Maintenance` is the same for every
+topic of the database, for a process running no consumer of them (the broker).
 """
 from __future__ import annotations
 
@@ -103,8 +105,9 @@ def ttl_steps(db, ts: TopicSpace, config: TopicConfig, *, limit: int = CHUNK):
 
 
 class Maintainer:
-    """One candidate for the maintenance of topic ``ts`` (of keyspace ``ks``), named ``me`` (a consumer's id):
-    ``tick(now)`` (this process's monotonic clock, every second or so) takes the role
+    """One candidate for the maintenance of topic ``ts`` (of keyspace ``ks``), named
+    ``me`` (a consumer's id): ``tick(now)`` (this process's monotonic clock, every
+    ``tick_interval_s``) takes the role
     when it is free or its holder's beat stood still for ``lease_s``, beats it while
     holding it, and runs a pass when one is due. ``release()`` gives it up (a clean
     stop: the next candidate takes it at once)."""
@@ -146,8 +149,9 @@ class Maintainer:
     def _role(self):
         return self.ks, self.ts.maintenance_role
 
-    def _beat(self, now: float, force: bool = False) -> bool:
-        if force or now - self.last_beat >= self.lease_s / 4:
+    def _beat(self, now: float) -> bool:
+        """Beat the role (every quarter lease); whether this still holds it."""
+        if now - self.last_beat >= self.lease_s / 4:
             self.last_beat = now
             if not beat_leader(self.db, *self._role(), self.me):
                 log.info("%s no longer maintains topic %s (taken over)", self.me, self.ts.name)
@@ -264,4 +268,5 @@ class Maintenance:
         self.close()
 
 
-__all__ = ["Maintenance", "MAINT_LEASE_S", "Maintainer", "retention_steps", "ttl_steps", "MIN_INTERVAL_S", "MAX_INTERVAL_S", "PASS_STEPS"]
+__all__ = ["Maintenance", "MAINT_LEASE_S", "Maintainer", "retention_steps", "ttl_steps", "MIN_INTERVAL_S",
+           "MAX_INTERVAL_S", "PASS_STEPS"]

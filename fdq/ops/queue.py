@@ -322,8 +322,8 @@ def expire_ended(tr, ts: TopicSpace, shard: ShardSpace, kv, vs, rec: Record, con
     tr.clear(kv.key)
     config = load_config(tr.snapshot[ts.config_key])
     if config is not None and config.ttl_action == "dead_letter":
-        _dead_letter(tr, ts, shard, vs, bytes(kv.value),
-                     f"ttl expired {(now - rec.expires) / 1000:.1f}s before delivery {rec.attempts + 1}", consumer_id)
+        reason = f"ttl expired {(now - rec.expires) / 1000:.1f}s before delivery {rec.attempts + 1}"
+        _dead_letter(tr, ts, shard, vs, bytes(kv.value), reason, consumer_id)
         _add(tr, {shard.stat("expired"): 1})
     else:
         _clear_chunks(tr, shard, vs, rec)

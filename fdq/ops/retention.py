@@ -1,9 +1,9 @@
-"""Retention: trimming the "all" log by age and by size, its time index, and expiring
-push markers and dedupe ids past their windows.
+"""Retention: trimming the "all" log by age, size and count, its time index, expiring
+push markers and dedupe ids past their windows, and sweeping messages whose TTL ended.
 
 ``fdq.maintainer`` runs these in chunks continuously (the topic's consumers, one at a
-time), ``Supervisor.trim`` on demand; each transaction at batch priority (FoundationDB's ratekeeper throttles it first: maintenance yields to pushes
-and consumers). The log's size is
+time), ``Supervisor.trim`` on demand; each transaction at batch priority (FoundationDB's
+ratekeeper throttles it first: maintenance yields to pushes and consumers). The log's size is
 kept exactly in the ``log_bytes`` counter (push adds each entry's ``ops.log.entry_bytes``,
 a trim subtracts what it deletes in the same transaction), so a trim killed mid-way
 leaves it exact. No trim deletes a message not routed yet (``first_pending``: pushed
