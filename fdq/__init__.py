@@ -13,13 +13,14 @@ from .settlement import Action, Settlement
 from .tailing import tail
 from .producer import Envelope, Producer, PushResult
 from .supervisor import Supervisor
+from .maintainer import Maintenance
 from . import aio, worker
 
 __version__ = "0.1.0"
 
 __all__ = [
     "connect", "transactional", "Producer", "Envelope", "PushResult", "Consumer", "Message", "Settlement",
-    "Action", "tail", "aio", "worker", "Supervisor", "ConsumerConfig", "ProducerConfig", "TopicConfig", "SubscriptionConfig",
+    "Action", "tail", "aio", "worker", "Supervisor", "Maintenance", "ConsumerConfig", "ProducerConfig", "TopicConfig", "SubscriptionConfig",
     "FDQError", "ConfigError", "ConnectError", "EngineError", "FormatError", "InvalidName",
     "TopicNotFound", "TopicExists", "SubscriptionNotFound", "MessageTooLarge",
     "InvalidMessage", "InvalidHeader", "BacklogFull", "LeaseLost", "ConsumerStalled", "ClientForked",

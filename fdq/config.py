@@ -105,7 +105,15 @@ class TopicConfig:
     size (``retention_bytes``, ``stats()["counters"]["log_bytes"]``) is the bytes of its
     entries' keys and records and of their body chunks' keys and values (not the time
     index), kept exactly in a counter: push adds by atomic add, trim subtracts in the
-    transaction that deletes (``fdq.log.entry_bytes``).
+    transaction that deletes (``fdq.log.entry_bytes``). ``retention_messages``: the most
+    entries the log keeps (its oldest go first; ``inserted - trimmed`` counts them).
+    Retention is enforced continuously by the topic's consumers (``fdq.maintainer``:
+    one process at a time) and by ``trim``.
+    ``ttl_s``: the time to live of a message pushed without its own (``push(ttl=)``;
+    None: none); a message whose TTL ended is never delivered: ``ttl_action`` "drop"
+    removes it (counted ``expired``), "dead_letter" moves it to the DLQ, in the
+    transaction that would have delivered it. A TTL ends by the topic's clock (as
+    delays): late, never early.
     ``max_message_bytes``: the largest body (split into chunks above 90,000 bytes); a
     push also refuses a body whose copies (the log's, one per subscription) exceed
     ``fdq.keyspace.codec.ROUTE_BYTES`` (9 MB: they are written in one transaction).
@@ -127,6 +135,9 @@ class TopicConfig:
     dedupe_window_s: float = 120.0
     retention_s: float | None = None
     retention_bytes: int | None = None
+    retention_messages: int | None = None
+    ttl_s: float | None = None
+    ttl_action: str = "drop"
     max_message_bytes: int = 1 << 20
     subs: tuple = (DEFAULT_SUBSCRIPTION,)
     resharding_to: int | None = None   # set while a shard-count change is in progress (== shards:
@@ -146,6 +157,10 @@ class TopicConfig:
         _positive("dedupe_window_s", self.dedupe_window_s, zero=True)
         _positive("retention_s", self.retention_s, allow_none=True)
         _positive("retention_bytes", self.retention_bytes, allow_none=True, integer=True)
+        _positive("retention_messages", self.retention_messages, allow_none=True, integer=True)
+        _positive("ttl_s", self.ttl_s, allow_none=True)
+        if self.ttl_action not in TTL_ACTIONS:
+            raise ConfigError(f"ttl_action must be one of {', '.join(TTL_ACTIONS)}, not {shown(self.ttl_action)}")
         _positive("max_message_bytes", self.max_message_bytes, integer=True)
         if self.max_message_bytes > 8 << 20:
             raise ConfigError("max_message_bytes must be at most 8 MiB (a transaction is 10 MB)")
@@ -250,6 +265,9 @@ class ConsumerConfig:
     ``lease_check_interval_s``: how often a consumer checks its shards' leases and
     advances the topic's clock that delays are due by (``membership.read_clock``): a
     delay ends at most about this much late, never early.
+    ``maintenance``: take part in the topic's maintenance (``fdq.maintainer``: its
+    retention, one process at a time, taken over after the holder's beat stood still
+    for this consumer's zombie timeout); False: never.
     Lower bounds (``MIN_INTERVALS``): 0.01 s for ``ack_wait_s``, ``heartbeat_interval_s``
     and ``lease_check_interval_s``, 0.001 s for ``poll_interval_s``; below them a
     consumer's loops spin and its stall alarm fires on a healthy consumer.
@@ -263,9 +281,12 @@ class ConsumerConfig:
     max_concurrency: int = 1
     poll_interval_s: float = 0.5
     lease_check_interval_s: float = 0.25
+    maintenance: bool = True
 
     def __post_init__(self):
         _positive("ack_wait_s", self.ack_wait_s)
+        if not isinstance(self.maintenance, bool):
+            raise ConfigError(f"maintenance must be True or False, not {shown(self.maintenance)}")
         _positive("max_deliver", self.max_deliver, integer=True)
         if not isinstance(self.backoff_s, (tuple, list)):
             raise ConfigError(f"backoff_s must be a sequence of seconds, not {self.backoff_s!r}")
@@ -326,7 +347,10 @@ UPDATABLE_SUBSCRIPTION_FIELDS = ("description", "ack_wait_s", "max_deliver", "ba
                                  "max_ack_pending")
 # Fields ``Supervisor.update_topic`` may change (retention and limits); the others fix
 # what the topic is (shards: rebalance; extend: upgrade) or are its state.
-UPDATABLE_TOPIC_FIELDS = ("max_backlog", "dedupe_window_s", "retention_s", "retention_bytes", "max_message_bytes")
+UPDATABLE_TOPIC_FIELDS = ("max_backlog", "dedupe_window_s", "retention_s", "retention_bytes", "retention_messages",
+                          "ttl_s", "ttl_action", "max_message_bytes")
+# What becomes of a message whose TTL ended before its delivery (TopicConfig.ttl_action).
+TTL_ACTIONS = ("drop", "dead_letter")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -476,4 +500,4 @@ def check_filters(topic: str, sub: str, config: SubscriptionConfig, topic_config
 __all__ = ["TopicConfig", "ConsumerConfig", "ProducerConfig", "SubscriptionConfig",
            "UPDATABLE_SUBSCRIPTION_FIELDS", "UPDATABLE_TOPIC_FIELDS", "TOPIC_STATE", "check_topic_options",
            "check_name", "check_filters", "check_replay_id", "default_replay_id", "shown", "NAME_RE",
-           "DEFAULT_SUBSCRIPTION", "CHUNK", "effective_consumer_config"]
+           "DEFAULT_SUBSCRIPTION", "CHUNK", "effective_consumer_config", "TTL_ACTIONS"]

@@ -37,6 +37,7 @@ class Envelope:
     delay: float | None = None
     msg_id: str | None = None
     headers: Mapping | None = None
+    ttl_s: float | None = None      # time to live (None: the topic's ttl_s); a timedelta too
 
     def __post_init__(self):
         if isinstance(self.body, (bytearray, memoryview)):
@@ -61,6 +62,14 @@ class Envelope:
         if self.delay is not None and (isinstance(self.delay, bool) or not isinstance(self.delay, (int, float))
                                        or not 0 <= self.delay <= MAX_DELAY_S):
             raise InvalidMessage(f"delay must be seconds from 0 to {MAX_DELAY_S:,}, not {self.delay!r}")
+        if isinstance(self.ttl_s, datetime.timedelta):
+            object.__setattr__(self, "ttl_s", self.ttl_s.total_seconds())
+        if self.ttl_s is not None and (isinstance(self.ttl_s, bool) or not isinstance(self.ttl_s, (int, float))
+                                       or not 0 < self.ttl_s <= MAX_DELAY_S):
+            raise InvalidMessage(f"ttl must be seconds above 0 up to {MAX_DELAY_S:,}, not {self.ttl_s!r}")
+        if self.ttl_s is not None and self.delay and self.ttl_s <= self.delay:
+            raise InvalidMessage(f"ttl ({self.ttl_s!r} s) must exceed delay ({self.delay!r} s): the message "
+                                 "would expire before it is due")
         if self.headers is not None:
             plain = validate_headers(self.headers)
             object.__setattr__(self, "headers", MappingProxyType(plain))

@@ -5,7 +5,9 @@ Every heartbeat interval the loop bumps the consumer's heartbeat counter (joinin
 if its record vanished), times its peers' counters (one unchanged for the zombie timeout
 is declared a zombie: its shards move), re-reads the topic config and the subscription's
 (updates apply at once), gives new dispatch tags' shards owners, refreshes the shards it
-owns, and helps a catch-up left unfinished. Every lease check interval it advances the
+owns, and helps a catch-up left unfinished. A third thread ticks the topic's maintenance
+(``fdq.maintainer``: retention, one process per topic) unless
+``ConsumerConfig(maintenance=False)``. Every lease check interval it advances the
 topic's clock, keeps long rounds leased (``message._Round``) and expires leases seen
 unchanged for their ack wait. The stall watch reports ``ConsumerStalled`` when no
 heartbeat round has reached the database, or no shard has been owned, for over three
@@ -20,6 +22,7 @@ import time
 from .config import CHUNK, ConsumerConfig
 from .errors import ConsumerStalled, LeaseLost, SubscriptionNotFound
 from .keyspace import TopicSpace
+from .maintainer import Maintainer
 from .ops import catchup, clock, membership, queue
 from .ops import subscriptions as subs
 from .ops.topics import read_topic_config
@@ -64,6 +67,8 @@ class Member:
         self.reassigned = threading.Event()  # the assignment watch fired (``Consumer._assignment_changed``)
         self.thread = None
         self.watchdog = None
+        self.maintainer = None          # the topic's maintenance (``_maintain``)
+        self.maintenance = None
 
     def start(self):
         """Advance the topic's clock once, then start the loop and the stall watch."""
@@ -73,11 +78,33 @@ class Member:
         self.thread.start()
         self.watchdog = threading.Thread(target=self._stall_watch, name=f"fdq-watchdog-{c.id}", daemon=True)
         self.watchdog.start()
+        if c.config.maintenance:
+            self.maintainer = Maintainer(c.db, c.keyspace, c._ts, c.id, c.config.zombie_after_s)
+            self.maintenance = threading.Thread(target=self._maintain, name=f"fdq-maintain-{c.id}", daemon=True)
+            self.maintenance.start()
 
     def join(self, timeout: float):
-        """Wait for the loop to end (after the consumer's ``_stop`` is set)."""
-        if self.thread is not None:
-            self.thread.join(timeout=timeout)
+        """Wait for the loop (and the maintenance) to end (after the consumer's ``_stop``
+        is set)."""
+        for t in (self.thread, self.maintenance):
+            if t is not None:
+                t.join(timeout=timeout)
+
+    def _maintain(self):
+        """Tick the topic's maintenance (a thread of its own: a pass never holds up a
+        heartbeat); give its role up at a clean stop."""
+        c, m = self.consumer, self.maintainer
+        try:
+            while not c._stop.wait(m.tick_interval_s):
+                try:
+                    m.tick(_monotonic(), c._stop)
+                except Exception as e:      # the next tick tries again
+                    log.warning("consumer %s: maintenance of %s: %s: %s", c.id, c.topic, type(e).__name__, e)
+        finally:
+            try:
+                m.release()
+            except Exception as e:          # its beat stands still: another takes over
+                log.warning("consumer %s: releasing the maintenance of %s: %s", c.id, c.topic, e)
 
     @property
     def stalled_s(self) -> float:

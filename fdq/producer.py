@@ -304,11 +304,13 @@ class Producer:
         atexit.register(_flush_at_exit)
 
     def push(self, topic: str, body: bytes, *, shard_key: str | None = None, msg_id: str | None = None,
-             delay: float | None = None, headers: Mapping | None = None) -> PushResult:
+             delay: float | None = None, headers: Mapping | None = None, ttl: float | None = None) -> PushResult:
         """Push one message; returns after it is committed. A call interrupted (by a
-        signal handler's exception) may still commit its push, as a cancelled future."""
+        signal handler's exception) may still commit its push, as a cancelled future.
+        ``ttl``: seconds (or a timedelta) after which it is never delivered (default the
+        topic's ``ttl_s``; ``TopicConfig.ttl_action`` says what becomes of it)."""
         topic = check_name(topic)
-        env = Envelope(body, shard_key, delay, msg_id, headers)
+        env = Envelope(body, shard_key, delay, msg_id, headers, ttl)
         call = None
         if hooks.active:
             envs = [env]
@@ -324,13 +326,13 @@ class Producer:
 
     def push_async(self, topic: str, body: bytes, *, shard_key: str | None = None,
                    msg_id: str | None = None, delay: float | None = None,
-                   headers: Mapping | None = None) -> _ConcurrentFuture:
+                   headers: Mapping | None = None, ttl: float | None = None) -> _ConcurrentFuture:
         """As ``push`` without waiting: returns a ``concurrent.futures.Future`` of the
         ``PushResult``, resolved after the commit. Pending pushes share transactions
         (committed by one background thread per producer). Cancelling the future does
         not recall the push."""
         topic = check_name(topic)
-        env = Envelope(body, shard_key, delay, msg_id, headers)
+        env = Envelope(body, shard_key, delay, msg_id, headers, ttl)
         call = None
         if hooks.active:
             envs = [env]

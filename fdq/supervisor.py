@@ -17,19 +17,19 @@ from .config import (CHUNK, SubscriptionConfig, TopicConfig, check_name, check_r
                      default_replay_id, shown)
 from .engine import Again, Done, after_interrupt, transact
 from .errors import ConfigError, MessageNotFound, TopicExists, TopicHeld
-from .keyspace import VERSIONS_PER_S, Keyspace, TopicSpace, message_id, parse_message_id, version_of
-from .log import body_of, iter_window, log_buckets, read_chunk
+from .keyspace import Keyspace, TopicSpace, message_id, parse_message_id, version_of
+from .log import body_of, iter_window, log_buckets
+from .maintainer import retention_steps
+from .ops.retention import read_version
 from .member import Reaper
 from .ops import dlq, membership, peek
 from .ops.catchup import begin_reset, catch_up
 from .ops.play import play_chunk, resharding
-from .ops.push import MARKER_TTL_S, PushItem, fits, message_bytes
+from .ops.push import PushItem, fits, message_bytes
 from .ops.replay import (Replayed, replay_beat, replay_begin, replay_chunk,
                          replay_count, replay_done, replay_finish, replay_runs)
 from .ops.reshard import (AREAS, Rebalanced, fold_shard_counters, queued_messages, reshard_begin, reshard_chunk,
                           reshard_finish)
-from .ops.retention import (expire_dedupe_chunk, expire_markers_chunk, read_version, trim_bucket_chunk,
-                            trim_index_chunk, trim_oldest_chunk, trim_time_index_before)
 from .ops.stats import topic_stats
 from .ops.subscriptions import (create_subscription, delete_subscription, matcher, read_subscription,
                                 set_subscription_paused, subscription_info, update_subscription)
@@ -201,7 +201,9 @@ class Supervisor:
         (default: ``retention_s`` of the config), then, with ``retention_bytes``, the oldest
         entries (in log order) until the log's size (``TopicConfig``: its ``log_bytes``
         counter) is at most ``retention_bytes``; drop time index entries that point before
-        the oldest entry left; and expire push markers and dedupe ids past their windows.
+        the oldest entry left; and expire push markers and dedupe ids past their windows
+        (``fdq.maintainer.retention_steps``: what the topic's consumers run continuously;
+        with ``retention_messages``, the oldest entries past that count go too).
         Returns the log entries deleted. Queued messages are untouched, and so is every
         entry from the oldest one not routed yet (pushed while paused) on.
 
@@ -214,56 +216,11 @@ class Supervisor:
         and running it again finishes. ``before_ms``: epoch ms or a datetime; anything
         else is a ConfigError (a NaN, never compared as newer, deleted the whole log)."""
         before_ms = to_ms(before_ms)
-        ts = self._ts(name)
-        config = self.config(name)
-        if before_ms is None and config.retention_s is not None:
-            before_ms = int((time.time() - config.retention_s) * 1000)
         deleted = 0
-        buckets = log_buckets(self.db, ts)     # a reshard to fewer shards leaves buckets behind
-        if before_ms is not None:
-            # Versions advance at least VERSIONS_PER_S (recoveries jump ahead): an entry
-            # committed at or after this version was committed after before_ms.
-            young_from = read_version(self.db) - max(0, int(time.time() * 1000) - before_ms) * (VERSIONS_PER_S // 1000)
-            for b in buckets:
-                after = None
-                while True:
-                    n, _freed, after, done = trim_bucket_chunk(self.db, ts, b, before_ms, CHUNK, after,
-                                                               young_from)
-                    deleted += n
-                    if progress:
-                        progress(n)
-                    if done:
-                        break
-            trim_time_index_before(self.db, ts, before_ms)
-        if config.retention_bytes is not None:
-            deleted += self._trim_to_size(ts, log_buckets(self.db, ts), config, progress)
-        while not trim_index_chunk(self.db, ts, CHUNK)[1]:
-            pass
-        rv = read_version(self.db)
-        while expire_markers_chunk(self.db, ts, rv - int(MARKER_TTL_S * VERSIONS_PER_S), CHUNK) == CHUNK:
-            pass
-        window_s, now_ms = config.dedupe_window_s, int(time.time() * 1000)
-        # an id is young by versions or by the producers' clock, either way (as push judges it)
-        keep = (now_ms - int(window_s * 1000), now_ms + int(window_s * 1000))
-        while expire_dedupe_chunk(self.db, ts, rv - int(window_s * VERSIONS_PER_S), CHUNK, *keep) == CHUNK:
-            pass
-        return deleted
-
-    def _trim_to_size(self, ts: TopicSpace, buckets: list, config: TopicConfig, progress=None) -> int:
-        """Delete the log's oldest entries until its size is at most ``retention_bytes``
-        by its ``log_bytes`` counter (exact; read again in every chunk)."""
-        deleted, cursors = 0, {}
-        while True:
-            rows = read_chunk(self.db, ts, buckets, cursors, CHUNK)
-            if not rows:
-                break
-            n, _freed, done = trim_oldest_chunk(self.db, ts, [(b, vs) for vs, b, _rec, _raw in rows],
-                                                config.retention_bytes)
+        for n in retention_steps(self.db, self._ts(name), self.config(name), before_ms=before_ms):
             deleted += n
-            if progress:
+            if progress and n:
                 progress(n)
-            if done:
-                break       # fits, or reached messages not routed yet: they and later ones stay
         return deleted
 
     # -- subscriptions (fdq.ops.subscriptions, fdq.ops.catchup) ---------------------------

@@ -81,7 +81,7 @@ def build_options(args) -> BrokerOptions:
                          metrics_leader_timeout_s=args.metrics_leader_timeout,
                          broadcast_address=getattr(args, "broadcast_address", None) or socket.gethostname(),
                          lookupd_tcp_addresses=lookupds, https_address=https,
-                         auth_http_addresses=auth_servers, **ports)
+                         auth_http_addresses=auth_servers, maintenance=args.maintenance, **ports)
 
 
 METRICS_DATABASE = ("leader", "always", "never")
@@ -166,6 +166,8 @@ def parser() -> argparse.ArgumentParser:
                     help="TCP port registered with nsqlookupd (default: the bound TCP port)")
     ap.add_argument("--broadcast-http-port", type=int, default=None,
                     help="HTTP port registered with nsqlookupd (default: the bound HTTP port)")
+    ap.add_argument("--maintenance", action=argparse.BooleanOptionalAction, default=True,
+                    help="take part in every topic's retention and TTL sweeps (one process per topic at a time)")
     ap.add_argument("--log-level", default="WARNING")
     return ap
 

@@ -32,7 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .. import Consumer, ConsumerConfig, Producer, Supervisor, connect
+from .. import Consumer, ConsumerConfig, Maintenance, Producer, Supervisor, connect
 from ..config import DEFAULT_SUBSCRIPTION, ProducerConfig, SubscriptionConfig, TopicConfig
 from ..errors import ConfigError, FDQError, InvalidHeader, LeaseLost, MessageTooLarge, TopicNotFound
 from ..settlement import Action, Settlement
@@ -95,6 +95,7 @@ class BrokerOptions:
     web_write_token: str | None = None   # --web-write-token: actions from the dashboard with it
     metrics_database: str = "leader"     # --metrics-database: leader | always | never (fdq.metrics)
     metrics_leader_timeout_s: float = 10.0   # --metrics-leader-timeout (fdq.metrics.LEADER_TIMEOUT_S)
+    maintenance: bool = True         # --no-maintenance: take no part in the topics' retention (fdq.Maintenance)
 
 
 class ChannelStats:
@@ -130,7 +131,8 @@ class Channel:
 
     async def open(self):
         b = self.broker
-        cfg = ConsumerConfig(ack_wait_s=b.options.limits.msg_timeout_ms / 1000, max_deliver=MAX_DELIVER)
+        cfg = ConsumerConfig(ack_wait_s=b.options.limits.msg_timeout_ms / 1000, max_deliver=MAX_DELIVER,
+                             maintenance=False)     # the broker's fdq.Maintenance does it
         kwargs = dict(subscription=self.name, config=cfg, create=False, batch_size=100)
         if self.extend:
             kwargs.update(extend_support=True, desired_tag=self.tag)
@@ -901,6 +903,7 @@ class Broker:
         self.auth = None
         self._channel_locks = {}
         self.paused = set()          # (topic, channel) paused on this broker
+        self.maintenance = None      # fdq.Maintenance, from start()
         self.tcp_port = None
         self.log_limiter = LogLimiter(log)
         lim = self.options.limits
@@ -932,6 +935,8 @@ class Broker:
     async def start(self, host: str = "127.0.0.1", port: int = 4150) -> int:
         self.server = await asyncio.start_server(self._accept, host, port, limit=1 << 20)
         self.tcp_port = self.server.sockets[0].getsockname()[1]
+        if self.options.maintenance and self.maintenance is None:     # every topic's retention, TTL
+            self.maintenance = Maintenance(self.db)
         return self.tcp_port
 
     async def _accept(self, reader, writer):
@@ -1060,6 +1065,8 @@ class Broker:
         for ch in list(self.channels.values()):
             await ch.close()
         self.channels.clear()
+        if self.maintenance is not None:
+            await self.run(self.maintenance.close)
         self.executor.shutdown(wait=True)
 
 

@@ -192,7 +192,8 @@ def trim(state, topic, before, as_json):
     messages are untouched."""
     sup = state.supervisor
     config = sup.config(topic)
-    if before is None and config.retention_s is None and config.retention_bytes is None:
+    if before is None and config.retention_s is None and config.retention_bytes is None \
+            and config.retention_messages is None:
         render.note(f"topic {topic!r} has no retention: give --before to trim its log")
     resumable(state, f"trim of {topic!r}")
     with render.progress(f"trimming {topic}") as advance:

@@ -98,6 +98,8 @@ def _duration_default(name):
               help="TCP port registered with nsqlookupd.  [default: the bound TCP port]")
 @click.option("--broadcast-http-port", type=click.IntRange(1, 65535), default=None,
               help="HTTP port registered with nsqlookupd.  [default: the bound HTTP port]")
+@click.option("--maintenance/--no-maintenance", default=_BROKER["maintenance"],
+              help="Take part in every topic's retention and TTL sweeps (one process per topic at a time).")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
               default=_BROKER["log_level"], help="Log level (stderr).")
 @pass_state

@@ -97,6 +97,8 @@ def _whole_body(sup, topic: str, path: str | None) -> bytes:
               help="Shard key (messages of one key keep their order).")
 @click.option("--delay", type=Seconds(), default=None, metavar="DURATION", callback=envelope_callback,
               help="Deliver after this long: 30 (seconds), 1m30s, 500ms, 2h.")
+@click.option("--ttl", "ttl_s", type=Seconds(), default=None, metavar="DURATION", callback=envelope_callback,
+              help="Never deliver it after this long, e.g. 30s [default: the topic's ttl_s].")
 @click.option("--header", "-H", "headers", type=Header(), multiple=True, callback=headers_callback,
               help="A header name=value (extend topics); the value is JSON if it parses, "
                    "else a string. Repeatable.")
@@ -109,7 +111,7 @@ def _whole_body(sup, topic: str, path: str | None) -> bytes:
 @click.option("--eof", is_flag=True, help="Push stdin, read to its end, as one message, exactly.")
 @json_option
 @pass_state
-def push(state, topic, data, shard_key, delay, headers, msg_id, keep_empty, path, eof, as_json):
+def push(state, topic, data, shard_key, delay, ttl_s, headers, msg_id, keep_empty, path, eof, as_json):
     """Push DATA (or stdin lines) to TOPIC; print the ids.
 
     TOPIC is created if missing.
@@ -136,7 +138,7 @@ def push(state, topic, data, shard_key, delay, headers, msg_id, keep_empty, path
         body = None
     if body is not None:
         r = Producer(state.db).push(topic, body, shard_key=shard_key, msg_id=msg_id, delay=delay,
-                          headers=headers)
+                          headers=headers, ttl=ttl_s)
         if r.duplicate:
             render.note(f"msg-id {msg_id!r} was pushed before: not stored again")
         show(rows.push_row(r))
@@ -160,7 +162,7 @@ def push(state, topic, data, shard_key, delay, headers, msg_id, keep_empty, path
                 if not body and not keep_empty:
                     skipped += 1
                     continue
-                line = Envelope(body, shard_key, delay, None, headers)
+                line = Envelope(body, shard_key, delay, None, headers, ttl_s)
                 fed += 1
             reading = False
             yield line

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from ..config import UPDATABLE_TOPIC_FIELDS, TopicConfig
+from ..config import TTL_ACTIONS, UPDATABLE_TOPIC_FIELDS, TopicConfig
 from . import admin, render, rows
 from .app import cli, confirm, json_option, pass_state, topic_argument
 from .params import CLEARED, TOPIC, Duration, Int, OrNone, Seconds, Shards, format_option, topic_config_callback
@@ -90,21 +90,29 @@ def _show_topic(state, name, as_json):
 @click.option("--max-backlog", type=Int(), default=None, metavar="N", callback=topic_config_callback,
               help="Refuse pushes beyond this backlog per subscription.")
 @click.option("--retention-s", type=Seconds(), default=None, metavar="DURATION", callback=topic_config_callback,
-              help="Keep the \"all\" log this long, e.g. 7d (applied by fdq trim).")
+              help="Keep the \"all\" log this long, e.g. 7d (applied by its consumers and fdq trim).")
 @click.option("--retention-bytes", type=Int(), default=None, metavar="N", callback=topic_config_callback,
-              help="Keep at most this many bytes of the \"all\" log, the newest (applied by fdq trim).")
+              help="Keep at most this many bytes of the \"all\" log, the newest (applied by its consumers "
+                   "and fdq trim).")
+@click.option("--retention-messages", type=Int(), default=None, metavar="N", callback=topic_config_callback,
+              help="Keep at most this many entries of the \"all\" log, the newest.")
+@click.option("--ttl-s", type=Seconds(), default=None, metavar="DURATION", callback=topic_config_callback,
+              help="Never deliver a message after this long, unless pushed with its own --ttl.")
+@click.option("--ttl-action", type=click.Choice(TTL_ACTIONS), default=None, callback=topic_config_callback,
+              help="What becomes of an expired message: drop it (counted) or dead-letter it [default: drop].")
 @click.option("--dedupe-window-s", type=Seconds(), default=None, metavar="DURATION", callback=topic_config_callback,
               help=f"Remember msg-ids this long, e.g. 10m [default: {TopicConfig().dedupe_window_s:g}s].")
 @json_option
 @pass_state
-def topics_create(state, name, shards, extend, max_backlog, retention_s, retention_bytes, dedupe_window_s,
-                  as_json):
+def topics_create(state, name, shards, extend, max_backlog, retention_s, retention_bytes, retention_messages,
+                  ttl_s, ttl_action, dedupe_window_s, as_json):
     """Create topic NAME (nothing changes if it already exists).
 
     Change its retention and limits later with fdq topics update."""
     sup = state.supervisor
     existed = any(n == name for n, _c in sup.topics())
     options = {"max_backlog": max_backlog, "retention_s": retention_s, "retention_bytes": retention_bytes,
+               "retention_messages": retention_messages, "ttl_s": ttl_s, "ttl_action": ttl_action,
                "dedupe_window_s": dedupe_window_s}
     config = sup.create_topic(name, shards=shards, extend=extend,
                               **{k: v for k, v in options.items() if v is not None})
@@ -161,6 +169,12 @@ class TopicUpdateCommand(click.Command):
               callback=topic_config_callback, help="Keep the \"all\" log this long, e.g. 7d.")
 @click.option("--retention-bytes", type=OrNone(Int()), default=None, metavar="N|none",
               callback=topic_config_callback, help="Keep at most this many bytes of the \"all\" log.")
+@click.option("--retention-messages", type=OrNone(Int()), default=None, metavar="N|none",
+              callback=topic_config_callback, help="Keep at most this many entries of the \"all\" log.")
+@click.option("--ttl-s", type=OrNone(Seconds()), default=None, metavar="DURATION|none",
+              callback=topic_config_callback, help="Never deliver a message after this long (its own --ttl first).")
+@click.option("--ttl-action", type=click.Choice(TTL_ACTIONS), default=None, callback=topic_config_callback,
+              help="What becomes of an expired message: drop (counted) or dead_letter.")
 @click.option("--max-message-bytes", type=Int(), default=None, metavar="N", callback=topic_config_callback,
               help="The largest body a push accepts.")
 @json_option
@@ -169,7 +183,7 @@ def topics_update(state, name, as_json, **changes):
     """Change topic NAME's retention and limits (none clears one).
 
     E.g. for a topic a push created with the defaults: pushes apply the limits
-    from then on, fdq trim the retention at its next run."""
+    from then on, its consumers the retention (fdq trim at once)."""
     changes = {k: (None if v is CLEARED else v) for k, v in changes.items() if v is not None}
     if not changes:
         raise click.UsageError("nothing to update: give one of "

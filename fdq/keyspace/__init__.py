@@ -5,6 +5,7 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     meta/format                                           layout version
     meta/leaders/<name>                                   a database-wide role's holder (ops/leaders)
     meta/leaders/<name>/beat                              its holder's beat counter (atomic add)
+    meta/leaders/maintenance/<topic>[/beat]               the role of a topic's maintainer (fdq.maintainer)
     config/topics/<topic>                                 topic config (read by every push)
     config/topics/<topic>/consumers/<sub>/<id>            consumer record
     config/topics/<topic>/heartbeats/<sub>/<id>/hb        heartbeat counter (atomic add): apart from
@@ -37,6 +38,7 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     topic/<topic>/dedupe/<msg_id>, dedupe_by_version/<p>/<vs> user msg_id dedupe window
     topic/<topic>/replays/<window>/<run>[/"hb"]           a replay's progress and heartbeat (while it runs)
     topic/<topic>/replays/<id>/"done"                     a finished replay (its window, count, when)
+    topic/<topic>/maintenance                             its maintainer's last pass (ops.retention)
 
 ``<vs>`` is a tuple-layer Versionstamp: the commit's 10-byte stamp plus the message's
 index in its transaction, so keys sort by commit order and are gap-free for readers
@@ -191,6 +193,10 @@ class TopicSpace:
         self.dedupe = self.space["dedupe"]
         self.dedupe_by_version = self.space["dedupe_by_version"]
         self.replays = self.space["replays"]
+        self.maintenance_key = self.space.pack(("maintenance",))
+        # the topic's maintainer holds this role (fdq.ops.leaders); delete_topic clears it
+        self.maintenance_role = f"maintenance/{name}"
+        self.maintenance_role_keys = (ks.leader_key(self.maintenance_role), ks.leader_beat_key(self.maintenance_role))
         self._shards = {}
         self._stat_keys = {}
         self.log_prefixes = {}

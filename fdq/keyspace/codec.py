@@ -43,7 +43,7 @@ CHUNK_WRITE_BYTES = 2_000_000
 # What routing one message to every subscription may write in one transaction (play
 # routes a message pushed while paused alone if need be): under 10 MB with room for keys.
 ROUTE_BYTES = 9_000_000
-_DEFAULTS = (None, None, None, None, b"", 0, 0, None, None)
+_DEFAULTS = (None, None, None, None, b"", 0, 0, None, None, None)
 _NFIELDS = len(_DEFAULTS)
 _local = threading.local()
 # msgpack >= 1.0 (setup.cfg) decodes as this module wants by default (raw=False,
@@ -101,12 +101,13 @@ class Record:
     nchunks: int = 0
     replay_of: str | None = None
     due: int | None = None      # topic clock ms a delayed message is due at
+    expires: int | None = None  # topic clock ms from which it is never delivered (a TTL)
     home: int | None = None     # unkeyed: the shard its push chose (stored in shard_key's slot)
 
     def encode(self) -> bytes:
         slot = self.shard_key if self.shard_key is not None else self.home
         fields = [self.ts_ms, slot, self.msg_id, self.headers, self.body, self.attempts, self.nchunks,
-                  self.replay_of, self.due]
+                  self.replay_of, self.due, self.expires]
         while len(fields) > 1 and fields[-1] == _DEFAULTS[len(fields) - 1]:
             fields.pop()
         return packer()(fields)
@@ -143,10 +144,10 @@ _NONE = type(None)
 _in = frozenset.__contains__
 _KEY_TYPES, _STR_TYPES, _MAP_TYPES = (str, int, _NONE), (str, _NONE), (dict, _NONE)
 # The types each record field may have (``Record.decode`` checks them): ts_ms,
-# shard_key | home, msg_id, headers, body, attempts, nchunks, replay_of, due.
+# shard_key | home, msg_id, headers, body, attempts, nchunks, replay_of, due, expires.
 _SLOT_TYPES = (frozenset({int}), frozenset({str, int, _NONE}), frozenset({str, _NONE}), frozenset({dict, _NONE}),
                frozenset({bytes}), frozenset({int}), frozenset({int}), frozenset({str, _NONE}),
-               frozenset({int, _NONE}))
+               frozenset({int, _NONE}), frozenset({int, _NONE}))
 
 
 def decode_columns(raws) -> tuple:

@@ -89,7 +89,7 @@ class _Batch:
         self.ks, self.now_ms, self.time_index = ks, now_ms, time_index
         self.minute = now_ms // 60000 * 60000
         self.rv = None
-        self.clock, self.due_base = {}, {}  # topic -> its clock's reading, due base: read once, when needed
+        self.clock, self.due_base = {}, {}  # topic -> its clock's reading, due base (delays, TTLs): read once
         self.batch_ids = {}
         self.counters = defaultdict(int)
         self.tags = set()     # each tag's key once per transaction
@@ -155,7 +155,8 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
         # unkeyed: its home, kept in its record (the shard key's slot) for every later copy
         n = shard_for(key, config.shards) if key is not None else home_for(spread, uv, config.shards)
         if plan.routing and env.msg_id is None and not env.delay and not env.headers \
-                and 0 < len(body) <= CHUNK_BYTES and isinstance(env, Envelope):
+                and 0 < len(body) <= CHUNK_BYTES and isinstance(env, Envelope) \
+                and env.ttl_s is None and plan.config.ttl_s is None:
             # The common message (what _push_full does for it, with the keys' prefixes
             # prepared once per transaction): its record into the log and into every
             # subscription's ready queue of shard n.
@@ -239,22 +240,22 @@ def _push_full(tr, b: _Batch, plan, topic: str, env, uv: int, n: int) -> tuple:
         headers = dict(env.headers) if env.headers else None
     due = None
     if env.delay:
-        base = b.due_base.get(topic)
-        if base is None:
-            base = b.due_base[topic] = due_base(tr, ts.clock_key, ts.clock_version_key)
-        due = base + int(env.delay * 1000)
+        due = _due_base(tr, b, ts) + int(env.delay * 1000)
     elif due_at is not None:
         clock = b.clock.get(topic)
         if clock is None:
             clock = b.clock[topic] = read_clock(tr, ts.clock_key)
         due = due_at if due_at > clock else None     # (a replayed message already due: ready at once)
+    expires = _expires(tr, b, ts, env, config)
     inline, chunks = split_body(env.body)
     key = env.shard_key
     home = n if key is None else None
-    record = Record(b.now_ms, key, env.msg_id, headers, inline, 0, len(chunks), replay_of, due, home).encode()
+    record = Record(b.now_ms, key, env.msg_id, headers, inline, 0, len(chunks), replay_of, due,
+                    expires, home).encode()
     if len(record) > RECORD_BYTES:      # the body fits a value, not with its headers and keys
         inline, chunks = split_body(env.body, force=True)
-        record = Record(b.now_ms, key, env.msg_id, headers, inline, 0, len(chunks), replay_of, due, home).encode()
+        record = Record(b.now_ms, key, env.msg_id, headers, inline, 0, len(chunks), replay_of, due,
+                        expires, home).encode()
     if not config.routing and len(config.subs) * (len(record) + len(env.body)) > ROUTE_BYTES:
         # play routes it alone, to every subscription, in one transaction: refuse what
         # could never be routed (it would block the play, and every message behind it)
@@ -305,6 +306,25 @@ def _note_tag(tr, ts: TopicSpace, tag: str):
     key = ts.tag_key(tag)
     if tr.snapshot[key] == None:  # noqa: E711
         tr[key] = b""
+
+
+def _expires(tr, b: _Batch, ts: TopicSpace, env, config: TopicConfig) -> int | None:
+    """When a message's TTL ends (topic clock ms; None: it has none): its own ``ttl_s``
+    or the topic's (a replay's copy: the topic's), from ``clock.due_base`` as a delay
+    (the clock never runs ahead of real time and this base never behind it, so a TTL
+    never ends early)."""
+    ttl = env.ttl_s if isinstance(env, Envelope) and env.ttl_s is not None else config.ttl_s
+    if ttl is None:
+        return None
+    return _due_base(tr, b, ts) + int(ttl * 1000)
+
+
+def _due_base(tr, b: _Batch, ts: TopicSpace) -> int:
+    """``clock.due_base`` of ``ts``'s topic, read once per transaction."""
+    base = b.due_base.get(ts.name)
+    if base is None:
+        base = b.due_base[ts.name] = due_base(tr, ts.clock_key, ts.clock_version_key)
+    return base
 
 
 class _PushPlan:

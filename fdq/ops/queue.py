@@ -298,6 +298,8 @@ def _deliverable(tr, ts: TopicSpace, shard: ShardSpace, kv, vs, max_deliver: int
     except CorruptValue as e:
         _dead_letter_undecodable(tr, ts, shard, kv.key, vs, kv.value, e, consumer_id)
         return None
+    if rec.expires is not None and expire_ended(tr, ts, shard, kv, vs, rec, consumer_id):
+        return None
     if rec.attempts < max_deliver:
         return rec
     tr.add_read_conflict_key(kv.key)
@@ -305,6 +307,28 @@ def _deliverable(tr, ts: TopicSpace, shard: ShardSpace, kv, vs, max_deliver: int
     _dead_letter(tr, ts, shard, vs, bytes(kv.value),
                  f"max_deliver ({max_deliver}) reached before delivery {rec.attempts + 1}", consumer_id)
     return None
+
+
+def expire_ended(tr, ts: TopicSpace, shard: ShardSpace, kv, vs, rec: Record, consumer_id: str | None) -> bool:
+    """Whether ready row ``kv``'s TTL ended (``Record.expires`` reached by the topic's
+    clock); if so it is removed here, in the transaction that would have delivered it
+    (or the maintenance's sweep, ``retention.expire_ready_chunk``):
+    dropped (its chunks too) or dead-lettered, by the topic's ``ttl_action``, and
+    counted ``expired``."""
+    now = read_clock(tr, ts.clock_key)
+    if now < rec.expires:
+        return False
+    tr.add_read_conflict_key(kv.key)
+    tr.clear(kv.key)
+    config = load_config(tr.snapshot[ts.config_key])
+    if config is not None and config.ttl_action == "dead_letter":
+        reason = f"ttl expired {(now - rec.expires) / 1000:.1f}s before delivery {rec.attempts + 1}"
+        _dead_letter(tr, ts, shard, vs, bytes(kv.value), reason, consumer_id)
+        _add(tr, {shard.stat("expired"): 1})
+    else:
+        _clear_chunks(tr, shard, vs, rec)
+        _add(tr, {shard.stat("done"): 1, shard.stat("expired"): 1})
+    return True
 
 
 def _read_head(tr, ts: TopicSpace, shard: ShardSpace, limit: int, max_deliver: int, consumer_id: str):

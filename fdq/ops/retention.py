@@ -1,9 +1,9 @@
-"""Retention: trimming the "all" log by age and by size, its time index, and expiring
-push markers and dedupe ids past their windows.
+"""Retention: trimming the "all" log by age, size and count, its time index, expiring
+push markers and dedupe ids past their windows, and sweeping messages whose TTL ended.
 
-Nothing expires by itself: ``Supervisor.trim`` runs these in chunks, each transaction at
-batch priority (FoundationDB's ratekeeper throttles it first: maintenance yields to pushes
-and consumers). The log's size is
+``fdq.maintainer`` runs these in chunks continuously (the topic's consumers, one at a
+time), ``Supervisor.trim`` on demand; each transaction at batch priority (FoundationDB's
+ratekeeper throttles it first: maintenance yields to pushes and consumers). The log's size is
 kept exactly in the ``log_bytes`` counter (push adds each entry's ``ops.log.entry_bytes``,
 a trim subtracts what it deletes in the same transaction), so a trim killed mid-way
 leaves it exact. No trim deletes a message not routed yet (``first_pending``: pushed
@@ -12,9 +12,13 @@ while paused, its log entry its only copy) nor any after it.
 from __future__ import annotations
 
 from ..engine import transactional
-from ..keyspace import INDEX_PARTS, TopicSpace, Versionstamp, counter, stamp_of_value, version_of
-from ..keyspace.codec import Record, decode_dedupe
+from ..errors import CorruptValue
+from ..keyspace import (INDEX_PARTS, ShardSpace, StoredVersionstamp, TopicSpace, Versionstamp, counter, position_of,
+                        stamp_of_value, version_of)
+from ..keyspace.codec import Record, decode_dedupe, pack
+from .topics import load_config
 from .log import buckets_in, chunks_bytes, entry_bytes
+from .queue import expire_ended
 from .stats import topic_counter
 
 # The time index holds an entry per minute of pushes; a trim by age drops those of
@@ -98,12 +102,14 @@ class _Runs:
 
 
 def _note_trimmed(tr, ts: TopicSpace, deleted: int, freed: int):
-    """Subtract ``freed`` from ``log_bytes`` and count the entries deleted (``trimmed``).
+    """Subtract ``freed`` from ``log_bytes`` and count the entries deleted (``trimmed``)
+    and their bytes (``trimmed_bytes``).
     ``trimmed`` is written by every trim that deletes and read with a conflict by trim by
     size: two trims are serialized, so the size one never acts on a ``log_bytes`` that
     another trim lowered since it read it (it would delete more than needed)."""
     if freed:
         tr.add(ts.stat("log_bytes"), counter(-freed))
+        tr.add(ts.stat("trimmed_bytes"), counter(freed))
     if deleted:
         tr.add(ts.stat("trimmed"), counter(deleted))
 
@@ -121,24 +127,31 @@ def _entry_bytes(tr, ts: TopicSpace, bucket: int, vs, value_bytes: int, nchunks:
 
 
 @transactional
-def trim_oldest_chunk(tr, ts: TopicSpace, entries: list, max_bytes: int) -> tuple:
+def trim_oldest_chunk(tr, ts: TopicSpace, entries: list, max_bytes: int | None,
+                      max_messages: int | None = None) -> tuple:
     """Delete the oldest of ``entries`` [(bucket, vs)] (the log's oldest, in log order:
     each bucket's are consecutive in it) while the log is over ``max_bytes`` by its
-    ``log_bytes`` counter, never one not yet routed nor any after it. -> (deleted, bytes
-    freed, done). An entry already gone (a concurrent trim) is skipped. The counter is
-    read by snapshot (concurrent pushes do not abort a trim), ``trimmed`` with a conflict
-    (a concurrent trim does); the bytes freed are subtracted from it here. Each bucket's
-    deleted entries go as one run (``_Runs``). At batch priority."""
+    ``log_bytes`` counter or over ``max_messages`` entries (``inserted - trimmed``; None:
+    no such limit), never one not yet routed nor any after it. -> (deleted, bytes freed,
+    done). An entry already gone (a concurrent trim) is skipped. ``log_bytes`` and
+    ``inserted`` are read by snapshot (concurrent pushes do not abort a trim),
+    ``trimmed`` with a conflict (a concurrent trim does); the bytes freed are subtracted
+    from the counter here. Each bucket's deleted entries go as one run (``_Runs``). At
+    batch priority."""
     tr.options.set_priority_batch()
     tr.add_read_conflict_key(ts.stat("trimmed"))    # any other trim's commit (``_note_trimmed``)
     size = topic_counter(tr.snapshot, ts, "log_bytes")
+    count = (topic_counter(tr.snapshot, ts, "inserted") - topic_counter(tr.snapshot, ts, "trimmed")
+             if max_messages is not None else 0)
     pending = first_pending(tr, ts)
     raws = [tr.snapshot[ts.log_key(b, vs)] for b, vs in entries]    # (futures on FDB)
     deleted = freed = 0
     done = False
     runs = {}
     for (bucket, vs), raw in zip(entries, raws):
-        if size - freed <= max_bytes or (pending is not None and vs >= pending):
+        over = ((max_bytes is not None and size - freed > max_bytes)
+                or (max_messages is not None and count - deleted > max_messages))
+        if not over or (pending is not None and vs >= pending):
             done = True
             break
         if raw == None:  # noqa: E711 - deleted meanwhile
@@ -259,4 +272,37 @@ def _expire(tr, index_part, older_than_version: int, limit: int, expire) -> int:
             n += 1
         if n >= limit:
             return n
+    return n
+
+
+@transactional
+def record_maintenance_pass(tr, ts: TopicSpace, holder: str, removed: int, behind: bool) -> bool:
+    """Note a maintainer's pass (``fdq.maintainer``): its holder, the read version it
+    ended at (its age in ``stats``), what it removed (log entries, expired messages) and whether it stopped
+    with more to do. Not on a deleted topic (returns False)."""
+    if load_config(tr.snapshot[ts.config_key]) is None:
+        return False
+    tr[ts.maintenance_key] = pack({"holder": holder, "version": tr.get_read_version().wait(),
+                                   "removed": removed, "behind": behind})
+    return True
+
+
+
+@transactional
+def expire_ready_chunk(tr, ts: TopicSpace, shard: ShardSpace, limit: int) -> int:
+    """Remove the messages whose TTL ended among the first ``limit`` of ``shard``'s ready
+    queue (``queue.expire_ended``: dropped or dead-lettered, as a take would), so the
+    queues of a subscription nobody consumes shrink too. Read by snapshot, a conflict on
+    each row removed (a take of it retries, or this does). Returns how many."""
+    tr.options.set_priority_batch()
+    n = 0
+    r = shard.ready_range
+    for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit):
+        try:
+            rec = Record.decode(kv.value)
+        except CorruptValue:        # a take dead-letters it
+            continue
+        if rec.expires is not None and expire_ended(tr, ts, shard, kv, StoredVersionstamp(position_of(kv.key)),
+                                                    rec, None):
+            n += 1
     return n

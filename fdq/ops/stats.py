@@ -5,10 +5,11 @@ Per topic (``topic/<t>/all/stats``): ``inserted`` (pushed into the "all" log), `
 (routed to the subscriptions' queues; lags ``inserted`` while paused).
 Per shard of a subscription (``.../shards/<tag>/<n>/stats``): ``routed`` (messages put
 in this shard's queue; consumers watch it), ``done`` (removed for good: acked,
-dead-lettered, consumed at most once or exactly once), ``emitted`` (deliveries,
+dead-lettered, consumed at most once or exactly once, dropped by TTL), ``emitted`` (deliveries,
 redeliveries included), ``in_flight`` (leased now), ``delayed`` (waiting to be due),
 ``dead`` (sent to the DLQ), ``requeued`` (redeliveries queued), ``filtered`` (dropped by
-the subscription's filter: counted in ``done`` too). Backlog = routed - done.
+the subscription's filter: counted in ``done`` too), ``expired`` (its TTL ended before a
+delivery: dropped or dead-lettered, by the topic's ``ttl_action``). Backlog = routed - done.
 """
 from __future__ import annotations
 
@@ -17,13 +18,14 @@ from collections import defaultdict
 from .dlq import dlq_size
 from ..engine import transactional
 from ..errors import TopicNotFound
-from ..keyspace import TopicSpace, decode_counter
-from ..keyspace.codec import Record
+from ..keyspace import VERSIONS_PER_S, TopicSpace, decode_counter
+from ..keyspace.codec import Record, decode_leader, unpack
 from .clock import heartbeat_age, read_clock
 from .membership import read_members, read_owners
 from .topics import load_config
 
-SHARD_COUNTERS = ("routed", "done", "emitted", "in_flight", "delayed", "dead", "acked", "requeued", "filtered")
+SHARD_COUNTERS = ("routed", "done", "emitted", "in_flight", "delayed", "dead", "acked", "requeued", "filtered",
+                  "expired")
 
 
 def topic_counter(reader, ts: TopicSpace, name: str) -> int:
@@ -114,6 +116,7 @@ def topic_stats(tr, ts: TopicSpace, now_ms: int) -> dict:
             "catching_up": sub in config.catchup, "paused": sub in config.paused_subs,
             "backlog": total("backlog"), "in_flight": total("in_flight"), "delayed": total("delayed"),
             "emitted": total("emitted"), "acked": total("acked"), "filtered": total("filtered"),
+            "expired": total("expired"),
             "dlq": dlq_size(snap, ts, sub),
             "oldest_ready_ms": oldest,
             "lag_ms": (now_ms - oldest) if oldest is not None else 0,
@@ -124,7 +127,25 @@ def topic_stats(tr, ts: TopicSpace, now_ms: int) -> dict:
                        for (tag, n), c in sorted(shards.items())],
             "tags": per_tag(shards, owners, members),
         }
-    return {"topic": ts.name, "config": config.as_dict(), "counters": topic, "subscriptions": subs}
+    return {"topic": ts.name, "config": config.as_dict(), "counters": topic, "subscriptions": subs,
+            "maintenance": maintenance_stats(snap, ts, rv, sums)}
+
+
+def maintenance_stats(snap, ts: TopicSpace, rv: int, sums) -> dict:
+    """The topic's maintenance (``fdq.maintainer``): the ``holder`` of its role (None:
+    none; its ``beat`` counter), its last pass (``last_pass_age_s`` by database versions,
+    for display; what it ``removed``: log entries, expired messages; ``behind``: its sweep goes on) and
+    the log entries and bytes trimmed in all (by it and by ``trim``)."""
+    record_key, beat_key = ts.maintenance_role_keys
+    holder = (decode_leader(snap[record_key]) or {}).get("holder")
+    raw = snap[ts.maintenance_key]
+    last = unpack(bytes(raw)) if raw != None else {}    # noqa: E711
+    version = last.get("version")
+    return {"holder": holder, "beat": decode_counter(snap[beat_key]),
+            "last_pass_by": last.get("holder"),
+            "last_pass_age_s": max(0.0, (rv - version) / VERSIONS_PER_S) if isinstance(version, int) else None,
+            "last_pass_removed": last.get("removed"), "behind": last.get("behind"),
+            "trimmed": sums["trimmed"], "trimmed_bytes": sums["trimmed_bytes"]}
 
 
 def _counter_or_none(raw):

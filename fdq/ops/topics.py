@@ -130,3 +130,5 @@ def delete_topic(tr, ts: TopicSpace):
     del tr[ts.config_key]
     r = ts.space.range()
     tr.clear_range(r.start, r.stop)
+    for key in ts.maintenance_role_keys:     # its maintainer's role (meta/leaders)
+        del tr[key]

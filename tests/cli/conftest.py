@@ -66,6 +66,7 @@ def state_of(db, sup) -> dict:
     snapshot = {"topics": [(n, c.as_dict()) for n, c in sup.topics()]}
     for name, _c in sup.topics():
         st = sup.stats(name)
+        st["maintenance"].pop("last_pass_age_s")    # versions pass
         for s in st["subscriptions"].values():
             s.pop("lag_ms")        # wall-clock dependent
             for c in s["consumers"]:

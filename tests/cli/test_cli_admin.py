@@ -14,7 +14,10 @@ from fdq.cli import render
 
 def without_clock(stats: dict) -> dict:
     """``Supervisor.stats`` without what changes with time alone: lag, a live consumer's
-    heartbeats, their age and the zombie mark computed from it."""
+    heartbeats, their age and the zombie mark computed from it; the maintenance role's
+    beat and its last pass's age."""
+    for k in ("beat", "last_pass_age_s"):
+        stats["maintenance"].pop(k)
     for s in stats["subscriptions"].values():
         s.pop("lag_ms")
         for c in s["consumers"]:

@@ -19,6 +19,28 @@ def test_trim_of_a_topic_with_retention_bytes_only_does_not_say_it_has_no_retent
     assert "has no retention: give --before" in run("trim", "unlimited").stderr
 
 
+def test_retention_messages_keeps_the_newest_entries(run, db, sup):
+    run("topics", "create", "counted", "--retention-messages", 3)
+    fdq.Producer(db).push_many("counted", [fdq.Envelope(b"m%d" % i) for i in range(5)])
+    r = run("trim", "counted", "--json")
+    assert "no retention" not in r.stderr, r.stderr
+    assert json.loads(r.stdout)["deleted"] == 2
+    run("topics", "update", "counted", "--retention-messages", 1)
+    assert run.json("trim", "counted")["deleted"] == 2
+    assert [m["body"] for m in sup.peek("counted", states=("ready",))] == [b"m%d" % i for i in range(5)]  # queues kept
+
+
+def test_push_ttl_and_the_topic_ttl_options(run, db, sup):
+    run("topics", "create", "t", "--shards", 1, "--ttl-s", "2m", "--ttl-action", "dead_letter")
+    assert (sup.config("t").ttl_s, sup.config("t").ttl_action) == (120.0, "dead_letter")
+    run("push", "t", "x", "--ttl", "30s")
+    [m] = sup.peek("t", states=("ready",))
+    run("topics", "update", "t", "--ttl-s", "none", "--ttl-action", "drop")
+    assert (sup.config("t").ttl_s, sup.config("t").ttl_action) == (None, "drop")
+    assert "ttl must be seconds above 0" in run("push", "t", "x", "--ttl", "0", code=2).stderr
+    assert m["body"] == b"x"
+
+
 def test_a_topic_a_push_created_gets_retention_by_topics_update(run, db, sup):
     """``fdq push`` creates a missing topic with the defaults (no retention): an operator
     must be able to give it retention afterwards, or its log grows for good."""
@@ -26,7 +48,8 @@ def test_a_topic_a_push_created_gets_retention_by_topics_update(run, db, sup):
     assert run.json("trim", "auto")["deleted"] == 0           # no retention: nothing to trim
     row = run.json("topics", "update", "auto", "--retention-bytes", 1, "--max-backlog", 1000)
     assert row == {"topic": "auto", "max_backlog": 1000, "dedupe_window_s": 120.0, "retention_s": None,
-                   "retention_bytes": 1, "max_message_bytes": 1 << 20}
+                   "retention_bytes": 1, "retention_messages": None, "ttl_s": None, "ttl_action": "drop",
+                   "max_message_bytes": 1 << 20}
     assert sup.config("auto").retention_bytes == 1
     assert run.json("trim", "auto")["deleted"] == 20
     assert sup.stats("auto")["counters"]["log_bytes"] == 0

@@ -29,6 +29,7 @@ def test_create_and_list(run, sup):
     orders, plain = rows
     assert orders == {"name": "orders", "shards": 4, "hash": "blake2b-64", "extend": True, "max_backlog": 1000,
                       "dedupe_window_s": 120.0, "retention_s": 3600.0, "retention_bytes": None,
+                      "retention_messages": None, "ttl_s": None, "ttl_action": "drop",
                       "max_message_bytes": 1 << 20, "paused": False, "resharding_to": None,
                       "subscriptions": ["default"], "inserted": 0, "pending": 0, "backlog": 0}
     st = sup.stats("plain")

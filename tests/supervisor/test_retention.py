@@ -9,7 +9,8 @@ import pytest
 
 import fdq
 from fdq.ops.retention import expire_markers_chunk
-from fdq import supervisor as sv
+from fdq.ops import retention as sv
+from fdq.config import CHUNK
 from fdq.engine import sqlite as engine_sqlite
 from fdq.keyspace import Keyspace
 from fdq.ops.topics import update_topic_config
@@ -266,7 +267,7 @@ def test_a_size_trim_never_acts_on_a_size_another_trim_lowered_meanwhile(db):
     deleted, _freed, _done = sv.trim_oldest_chunk(tr, ts, oldest, budget)   # not committed yet
     assert deleted > 0
     # Meanwhile a trim by age empties bucket 1: the log now fits without deleting anything.
-    n, _f, _last, _d = sv.trim_bucket_chunk(db, ts, 1, 2 ** 62, sv.CHUNK)
+    n, _f, _last, _d = sv.trim_bucket_chunk(db, ts, 1, 2 ** 62, CHUNK)
     assert n == 20 and log_bytes(db, ts) <= budget
     with pytest.raises(engine_errors()) as e:
         tr.commit().wait()
