@@ -91,7 +91,7 @@ class Page:
     def js(self, script: str, *args):
         return self.d.execute_script(script, *args)
 
-    def wait(self, cond, timeout: float = 30, what: str = "the page to show it"):
+    def wait(self, cond, timeout: float = 60, what: str = "the page to show it"):
         from selenium.common.exceptions import StaleElementReferenceException
 
         def safe():
@@ -199,7 +199,7 @@ def test_the_page_loads_with_no_console_errors(page, db):
     assert page.text('#topics-table tr[data-topic="audit"] [data-field=backlog]') == "0"
     page.shot("topics")
     page.click('#topics-table tr[data-topic="orders"] a')
-    page.wait(lambda: page.chart("backlog").get("default") == 5, 30, "the backlog chart at 5")
+    page.wait(lambda: page.chart("backlog").get("default") == 5, 60, "the backlog chart at 5")
     assert len(page.owners()) == 4
     assert page.console_problems() == []
 
@@ -207,10 +207,10 @@ def test_the_page_loads_with_no_console_errors(page, db):
 def test_a_push_shows_up_in_the_live_backlog_chart(page, db):
     fdq.Supervisor(db).create_topic("orders", shards=4)
     page.open("#/topic/orders")
-    page.wait(lambda: page.chart("backlog") == {"default": 0}, 30, "the backlog chart at 0")
+    page.wait(lambda: page.chart("backlog") == {"default": 0}, 60, "the backlog chart at 0")
     page.js("window.notReloaded = true")
     fdq.Producer(db).push_many("orders", [fdq.Envelope(b"x%d" % i, shard_key=f"k{i}") for i in range(7)])
-    page.wait(lambda: page.chart("backlog").get("default") == 7, 30, "the pushes in the backlog chart")
+    page.wait(lambda: page.chart("backlog").get("default") == 7, 60, "the pushes in the backlog chart")
     assert page.js("return window.notReloaded") is True, "the page reloaded"
     assert page.text('#subs-table tr[data-sub="default"] [data-field=backlog]') == "7"
     page.wait(lambda: (page.chart("rates").get("inserted/s") or 0) > 0 or
@@ -241,7 +241,7 @@ def test_a_killed_consumer_shows_as_a_zombie_and_its_shards_move_to_the_survivor
     page.wait(lambda: page.owners() == ["worker-b"] * 8 and page.consumer_state("worker-a") is None, 60,
               "every shard owned by worker-b, worker-a gone")
     # the list of changes comes from the sampler, a sample behind the live figures at most
-    page.wait(lambda: "worker-a → worker-b" in page.text("#events"), 30, "the takeover in the list of changes")
+    page.wait(lambda: "worker-a → worker-b" in page.text("#events"), 60, "the takeover in the list of changes")
     assert "worker-a is a zombie" in page.text("#events")
     page.shot("shards-taken-over")
     assert page.console_problems() == []
@@ -258,11 +258,11 @@ def test_pausing_from_the_page_stops_deliveries_and_play_resumes_them(page, db, 
     page.click("#pause-topic")
     page.confirm()
     page.toast("ok", "paused topic 'orders'")
-    page.wait(lambda: page.text("#topic-paused") == "paused", 30, "the topic shown paused")
+    page.wait(lambda: page.text("#topic-paused") == "paused", 60, "the topic shown paused")
     assert sup.config("orders").paused
     for i in range(3):
         p.push("orders", f"during-{i}".encode())
-    page.wait(lambda: page.text('[data-setting="pending (paused)"] dd') == "3", 30, "3 pushes pending")
+    page.wait(lambda: page.text('[data-setting="pending (paused)"] dd') == "3", 60, "3 pushes pending")
     # The consumer goes on running (its heartbeats move) and is handed nothing.
     beats = lambda: sup.stats("orders")["subscriptions"]["default"]["consumers"][0]["heartbeats"]  # noqa: E731
     first = beats()
@@ -300,7 +300,7 @@ def test_a_dead_letter_redriven_from_the_page_is_delivered_again(page, db, sup, 
     wait_for(lambda: "ack poison-1" in read_lines(worker.out), 60, what="the redriven message handled")
     got = [line for line in read_lines(worker.out) if line.startswith("got poison-1")]
     assert len(got) == 2 and got[0].split()[3] == got[1].split()[3], got     # the same message, twice
-    page.wait(lambda: page.text("#dlq-table tbody") == "No dead letters.", 30, "the dead-letter queue empty")
+    page.wait(lambda: page.text("#dlq-table tbody") == "No dead letters.", 60, "the dead-letter queue empty")
 
 
 def test_actions_from_the_page_are_refused_without_the_token_and_rebalance_takes_a_shard_count(page, db, sup):
@@ -317,7 +317,7 @@ def test_actions_from_the_page_are_refused_without_the_token_and_rebalance_takes
     page.wait(lambda: page.text("#confirm-text").startswith("Change orders to 6 shards"), 10, "the question")
     page.confirm()
     page.toast("ok", "rebalanced topic 'orders' to 6 shards")
-    page.wait(lambda: len(page.owners()) == 6, 30, "six shards drawn")
+    page.wait(lambda: len(page.owners()) == 6, 60, "six shards drawn")
     assert sup.config("orders").shards == 6
     page.js("document.querySelector('#rebalance-shards').value = '0'")
     page.click("#rebalance")
