@@ -202,8 +202,10 @@ def _unescape_tsv(field: str) -> str:
 
 
 def _steady(rows):
-    """Rows less what moves between two runs (heartbeats, a dead letter's age)."""
-    return [{k: v for k, v in r.items() if not k.startswith("heartbeat") and k != "dead_age_s"} for r in rows]
+    """Rows less what moves between two runs (heartbeats and the zombie flag judged from
+    their age, a dead letter's age)."""
+    return [{k: v for k, v in r.items() if not k.startswith("heartbeat") and k not in ("zombie", "dead_age_s")}
+            for r in rows]
 
 
 def test_tsv_and_json_parse_back_to_the_rows(run, busy_topic):
