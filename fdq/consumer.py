@@ -548,11 +548,14 @@ class Consumer:
                 rnd.mark = lease_id + attempt.number.to_bytes(4, "big")
                 queue.mark_take(tr, self._ts, self.subscription, self.id, rnd.mark)
             rnd.took = left < limit
-            read_only = not rnd.took and not rows
+            # The first attempt sets its watches itself (one transaction per round); a
+            # retry, whose first attempt may have met a push to a watched shard, leaves
+            # them to ``_arm`` (a push then costs no second retry).
+            here = attempt.number == 1 or (not rnd.took and not rows)
             for part in rnd.parts:
                 if part.watch_key is None:
                     continue
-                if read_only:           # the watches cannot abort it
+                if here:
                     part.watch = tr.watch(part.watch_key)
                 else:                   # the counter as this transaction saw it (snapshot: no conflict)
                     part.seen = _raw(tr.snapshot[part.watch_key])
