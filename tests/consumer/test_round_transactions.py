@@ -93,3 +93,29 @@ def test_a_push_during_the_lease_transaction_is_not_missed(db, monkeypatch):
         assert [m.body for m in c.fetch(10, timeout=WAIT_S)] == [b"after"]
     finally:
         c.close()
+
+
+def test_a_push_during_an_exactly_once_handler_neither_reruns_it_nor_is_missed(db):
+    """The taking transaction of exactly-once delivery runs the handler: a watch in it
+    would make every push meanwhile abort it and run the handler again. The drained
+    shard is watched after the commit instead, comparing its counter with what the
+    transaction saw: the push is delivered (by that check, not the sweep), once."""
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    p = fdq.Producer(db)
+    runs = []
+
+    def handler(tr, m):
+        runs.append(m.body)
+        if m.body == b"first":
+            p.push("t", b"during")      # its own transaction, committed while this one runs
+
+    c = fdq.tail(db, "t", handler, transactional=True, config=QUIET)
+    try:
+        wait_for(lambda: c.owned_shards, 10, what="the shard owned")
+        p.push("t", b"first")
+        wait_for(lambda: b"during" in runs, WAIT_S, what="the message pushed during the handler delivered")
+        p.push("t", b"after")
+        wait_for(lambda: b"after" in runs, WAIT_S, what="a later push delivered")
+    finally:
+        c.shutdown()
+    assert runs == [b"first", b"during", b"after"]
