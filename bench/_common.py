@@ -49,11 +49,13 @@ def timed(step, n: int, seconds: float):
 # -- transaction counting (per process) ------------------------------------------------
 
 COMMITS = [0]
+READ_ONLY_COMMITS = [0]
 
 
 def count_commits():
     """Count the embedded engine's commits that wrote something in this process
-    (``COMMITS[0]``): the engine's transactions per message."""
+    (``COMMITS[0]``): the engine's transactions per message; and those that did not
+    (``READ_ONLY_COMMITS[0]``: a consumer's watches, checks)."""
     from fdq.engine import sqlite as engine_sqlite
     original = engine_sqlite.Transaction.commit
     if getattr(original, "_counted", False):
@@ -62,6 +64,8 @@ def count_commits():
     def commit(self):
         if self._writes or self._clears or self._vs_keys:
             COMMITS[0] += 1
+        else:
+            READ_ONLY_COMMITS[0] += 1
         return original(self)
     commit._counted = True
     engine_sqlite.Transaction.commit = commit

@@ -104,8 +104,9 @@ class ShardTake:
     out, visited next round). ``drained``: fewer than asked, no selection in the way: not
     visited again until its watch fires. A drained shard's ``watch_key`` (its ``routed``
     counter; None if it has a watch already, or is out of watches) gets a ``watch``: set
-    in the lease transaction if that took nothing, else after its commit by ``_arm``,
-    which compares the counter with ``seen``, the value the lease transaction read."""
+    in the lease transaction's first attempt (or any that took nothing), else after its
+    commit by ``_arm``, which compares the counter with ``seen``, the value the lease
+    transaction read."""
 
     __slots__ = ("shard_id", "taken", "drained", "watch_key", "seen", "watch")
 
@@ -491,11 +492,13 @@ class Consumer:
         (its fence read raised before any write) and ownership re-read.
 
         Watches: a watch counts as a read of the shard's ``routed`` counter, which every
-        push to the shard changes: in a transaction that writes, it would make pushes
-        abort it. So watches are set in this transaction only when it took nothing (it
-        commits read-only); otherwise ``_arm`` sets them after the commit, in a read-only
-        transaction, and a shard whose counter moved between the two read versions (a
-        push this transaction did not see) is visited again.
+        push to the shard changes: a push committed meanwhile makes this transaction
+        conflict, and its retry takes that message too. The first attempt sets its
+        watches itself (one transaction per round; a push lands in the few hundred
+        microseconds of a round only now and then); a retry leaves them to ``_arm``
+        after the commit, in a read-only transaction, and a shard whose counter moved
+        between the two read versions (a push this transaction did not see) is visited
+        again: a busy shard costs at most one conflict per round, not a retry loop.
 
         ``settlements`` [Settlement] (the previous round's, see
         ``TailConsumer._process_at_least_once``) commit first in the same transaction: one
@@ -558,11 +561,14 @@ class Consumer:
                 rnd.mark = lease_id + attempt.number.to_bytes(4, "big")
                 queue.mark_take(tr, self._ts, self.subscription, self.id, rnd.mark)
             rnd.took = left < limit
-            read_only = not rnd.took and not rows
+            # The first attempt sets its watches itself (one transaction per round); a
+            # retry, whose first attempt may have met a push to a watched shard, leaves
+            # them to ``_arm`` (a push then costs no second retry).
+            here = attempt.number == 1 or (not rnd.took and not rows)
             for part in rnd.parts:
                 if part.watch_key is None:
                     continue
-                if read_only:           # the watches cannot abort it
+                if here:
                     part.watch = tr.watch(part.watch_key)
                 else:                   # the counter as this transaction saw it (snapshot: no conflict)
                     part.seen = _raw(tr.snapshot[part.watch_key])

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from . import hooks
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig
-from .consumer import AT_LEAST_ONCE, AT_MOST_ONCE, EXACTLY_ONCE, Consumer
+from .consumer import AT_LEAST_ONCE, AT_MOST_ONCE, EXACTLY_ONCE, Consumer, ShardTake, _raw
 from .engine import Again, Done, after_interrupt, error_types, transact
 from .errors import ConfigError, EngineError, LeaseLost
 from .message import _to_message
@@ -42,12 +42,13 @@ WORKER_JOIN_S = 30.0
 class _OnceAttempt:
     """The attempt of ``TailConsumer._process_exactly_once``'s transaction under way: what
     it took, the message whose handler runs (None between them; ``message``: as the
-    handler got it), its watch."""
+    handler got it), whether it ``drained`` the shard and its ``watch`` (a ``ShardTake``:
+    a drained shard is watched, not visited again until the watch fires)."""
 
-    __slots__ = ("taken", "current", "message", "watch", "in_batch")
+    __slots__ = ("taken", "current", "message", "watch", "in_batch", "drained")
 
     def __init__(self):
-        self.taken, self.current, self.message, self.watch = [], None, None, None
+        self.taken, self.current, self.message, self.watch, self.drained = [], None, None, None, False
         self.in_batch = False   # a batch handler runs (``handler(tr, messages)``)
 
 
@@ -158,10 +159,7 @@ class TailConsumer(Consumer):
         try:
             if self.mode == EXACTLY_ONCE:
                 (shard_id, epoch), = shards
-                n = self._process_exactly_once(shard_id, epoch)
-                if n:
-                    self._mark(shard_id)
-                return n
+                return self._process_exactly_once(shard_id, epoch)
             if self.mode == AT_MOST_ONCE:
                 return self._process_at_most_once(shards)
             return self._process_at_least_once(shards)
@@ -309,7 +307,7 @@ class TailConsumer(Consumer):
         run = _OnceAttempt()
 
         def body(tr, _attempt) -> int:
-            run.taken, run.current, run.watch, run.in_batch = [], None, None, False
+            run.taken, run.current, run.watch, run.in_batch, run.drained = [], None, None, False, False
             run.taken = queue.take_batch(tr, self._ts, shard, self.id, epoch, limit, finish=True,
                                          max_deliver=self.config.max_deliver, sel=self._sel)
             if self.batch and run.taken:
@@ -332,9 +330,17 @@ class TailConsumer(Consumer):
                 if m._settled is TERM:
                     queue.dead_letter_taken(tr, self._ts, t, f"terminated: {m._reason}", self.id)
             run.current = None
-            key = self._watch_key(shard_id) if not run.taken and not run.taken.more else None
-            run.watch = tr.watch(key) if key is not None else None
-            return len(run.taken) or int(run.taken.more)    # (more: dead letters moved, not drained)
+            taken = run.taken
+            run.drained = not taken.more and (not taken or (self._sel is None and len(taken) < limit))
+            key = self._watch_key(shard_id) if run.drained else None
+            if key is not None:
+                run.watch = ShardTake(shard_id)
+                run.watch.watch_key, run.watch.drained = key, True
+                if taken:   # a watch would conflict with every push meanwhile (and run the handlers again)
+                    run.watch.seen = _raw(tr.snapshot[key])
+                else:       # read-only: the watch cannot abort it
+                    run.watch.watch = tr.watch(key)
+            return len(taken) or int(taken.more)    # (more: dead letters moved, not drained)
 
         def on_error(e, attempt):
             nonlocal limit, failed
@@ -375,11 +381,19 @@ class TailConsumer(Consumer):
         if isinstance(n, _HeadFailure):
             if n.taken is not None:
                 self._fail_head(shard, epoch, n.taken, n.reason, dead=n.dead)
+            self._mark(shard_id)
             return 1
-        self._keep_watch(shard_id, run.watch)
+        watched = run.drained
+        if run.watch is not None:
+            # Drained after taking: watched by ``_arm`` (no visit again only to set it).
+            self._arm([run.watch])
+            self._keep_watch(shard_id, run.watch.watch)
+            watched = run.watch.drained
         if failed is not None:      # its attempt, not run again (once per attempt)
             self._fail_head(shard, epoch, *failed)
-            return n + 1
+            n += 1
+        if n and (failed is not None or not watched):
+            self._mark(shard_id)
         return n
 
     def _run_batch_in(self, tr, run):

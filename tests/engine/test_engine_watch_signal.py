@@ -344,3 +344,32 @@ def test_a_watch_in_another_process_is_woken_by_this_ones_commit(embedded, monke
         _set(embedded.db, k, b"v%d" % i)
         assert collect(proc) == {"fired": True, "value": (b"v%d" % i).hex()}, i
     assert keep is None or not keep.is_ready()
+
+
+def test_a_watch_set_by_a_writing_transaction_costs_the_thread_no_check(embedded, monkeypatch):
+    """A watch is a read: a transaction that writes and commits had no commit meanwhile
+    write the watched key, so the watch's baseline holds at its commit version, and the
+    watch is registered as of that version (a consumer's lease round sets its watches
+    so). Registered as of the read version, the transaction's own commit (no signal,
+    no watched key written) made the thread check it again: a wake per round."""
+    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    if not _signal_works(embedded.db):
+        pytest.skip("no inotify here")
+    keep = _watch(embedded.db, embedded.k(b"keep"))
+    mgr = embedded.db._watches
+    k = embedded.k(b"watched")
+    for i in range(3):
+        _settled(mgr)
+        checked = mgr.checked_version
+        tr = embedded.db.create_transaction()
+        f = tr.watch(k)
+        tr[embedded.k(b"elsewhere")] = b"%d" % i
+        tr.commit().wait()
+        with mgr.cond:
+            assert not mgr.kick, i
+        time.sleep(0.2)     # a wake, had there been one, would have checked by now
+        with mgr.cond:
+            assert mgr.checked_version == checked and not mgr.kick, i
+        _set(embedded.db, k, b"v%d" % i)    # and it fires on a change
+        assert wait_ready(f, FIRE_BOUND_S), i
+    assert not keep.is_ready()

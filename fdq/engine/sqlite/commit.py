@@ -192,7 +192,10 @@ class _Commit:
     def _register_watch(self, key, baseline, f):
         if f.is_ready():
             return
-        self.db._watch_manager().register(key, baseline, f, self._rv)
+        # After a writing commit the baseline holds at its version: a watch is a read,
+        # so a commit meanwhile that wrote the key made this one conflict (no check needed).
+        v = self._committed_version
+        self.db._watch_manager().register(key, baseline, f, v if v is not None and v > 0 else self._rv)
 
     def _apply(self, store, rv, has_reads, jump) -> int:
         w = store.writer

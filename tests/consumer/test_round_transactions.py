@@ -1,0 +1,121 @@
+"""What a lease round costs and that its watches miss no push.
+
+A round that takes messages and drains its shard sets the shard's watch in its own
+transaction: one transaction per round, none more to arm the watch. A push committed
+while that transaction runs makes it conflict (a watch counts as a read of the shard's
+``routed`` counter), so the pushed message is taken by the retry or wakes the consumer:
+never left to the sweep. The sweep here is a minute away: only a watch delivers in time."""
+from __future__ import annotations
+
+import threading
+
+import fdq
+from fdq.ops import queue
+
+from fdqtest import wait_for
+
+# Heartbeats, lease checks and sweeps far apart: the fetching thread's transactions are
+# the round's own.
+QUIET = fdq.ConsumerConfig(heartbeat_interval_s=5.0, zombie_timeout_s=30.0, poll_interval_s=60.0,
+                           lease_check_interval_s=5.0)
+WAIT_S = 10.0     # far below the 60 s sweep
+
+
+class CountingDatabase:
+    """``db`` itself, counting the transactions each thread creates through it."""
+
+    def __init__(self, db):
+        self._db = db
+        self.by_thread = {}
+
+    def create_transaction(self):
+        me = threading.get_ident()
+        self.by_thread[me] = self.by_thread.get(me, 0) + 1
+        return self._db.create_transaction()
+
+    def mine(self) -> int:
+        return self.by_thread.get(threading.get_ident(), 0)
+
+    def __getattr__(self, name):
+        return getattr(self._db, name)
+
+
+def _drained_consumer(db):
+    """A pull consumer owning the topic's one shard, which it has drained and watches."""
+    c = fdq.Consumer(db, "t", config=QUIET)
+    wait_for(lambda: c.owned_shards, 10, what="the shard owned")
+    assert c.fetch(10, timeout=0.2) == []       # drained: the shard is watched now
+    return c
+
+
+def test_a_round_that_drains_its_shard_watches_it_in_the_same_transaction(db):
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    counting = CountingDatabase(db)
+    c = _drained_consumer(counting)
+    p = fdq.Producer(db)
+    try:
+        p.push_many("t", [fdq.Envelope(b"%d" % i) for i in range(3)])
+        before = counting.mine()
+        got = c.fetch(10, timeout=WAIT_S)     # waits for the watch (a round without work costs none)
+        assert [m.body for m in got] == [b"0", b"1", b"2"]
+        assert counting.mine() - before == 1, "a round that leased and drained its shard took more than one transaction"
+        c.ack_many(got)
+        p.push("t", b"next")        # the watch that round set wakes the next fetch
+        assert [m.body for m in c.fetch(10, timeout=WAIT_S)] == [b"next"]
+    finally:
+        c.close()
+
+
+def test_a_push_during_the_lease_transaction_is_not_missed(db, monkeypatch):
+    """The push commits after the round's read version and before its commit: the round
+    conflicts and runs again, and the message is delivered, and so is a push after it."""
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    c = _drained_consumer(db)
+    p = fdq.Producer(db)
+    lease_batch = queue.lease_batch
+    raced = []
+
+    def racing_lease_batch(tr, *args, **kwargs):
+        taken = lease_batch(tr, *args, **kwargs)
+        if not raced:
+            raced.append(True)
+            p.push("t", b"during")      # its own transaction, committed at once
+        return taken
+    monkeypatch.setattr(queue, "lease_batch", racing_lease_batch)
+    try:
+        p.push("t", b"first")
+        got = []
+        wait_for(lambda: got.extend(c.fetch(10, timeout=0.5)) or {m.body for m in got} >= {b"first", b"during"},
+                 WAIT_S, what="both messages delivered")
+        assert sorted(m.body for m in got) == [b"during", b"first"]
+        c.ack_many(got)
+        p.push("t", b"after")
+        assert [m.body for m in c.fetch(10, timeout=WAIT_S)] == [b"after"]
+    finally:
+        c.close()
+
+
+def test_a_push_during_an_exactly_once_handler_neither_reruns_it_nor_is_missed(db):
+    """The taking transaction of exactly-once delivery runs the handler: a watch in it
+    would make every push meanwhile abort it and run the handler again. The drained
+    shard is watched after the commit instead, comparing its counter with what the
+    transaction saw: the push is delivered (by that check, not the sweep), once."""
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    p = fdq.Producer(db)
+    runs = []
+
+    def handler(tr, m):
+        runs.append(m.body)
+        if m.body == b"first":
+            p.push("t", b"during")      # its own transaction, committed while this one runs
+
+    c = fdq.tail(db, "t", handler, transactional=True, config=QUIET)
+    try:
+        wait_for(lambda: c.owned_shards, 10, what="the shard owned")
+        p.push("t", b"first")
+        wait_for(lambda: b"during" in runs, WAIT_S, what="the message pushed during the handler delivered")
+        p.push("t", b"after")
+        wait_for(lambda: b"after" in runs, WAIT_S, what="a later push delivered")
+    finally:
+        c.shutdown()
+    assert runs == [b"first", b"during", b"after"]
