@@ -8,6 +8,8 @@ import re
 import pytest
 
 import fdq
+from fdq.keyspace import Keyspace
+from fdq.keyspace.codec import pack
 
 from fdqtest import wait_for
 
@@ -33,7 +35,9 @@ def test_a_fetch_lease_below_the_minimum_is_refused(db):
 
 
 def test_the_stall_alarm_of_the_shortest_heartbeat_shows_how_long(db):
-    """With a 10 ms heartbeat the alarm (past 3 heartbeats: 30 ms) read "for 0.0s"."""
+    """With a 10 ms heartbeat the alarm (past 3 heartbeats: 30 ms) read "for 0.0s". The
+    stall: the only shard's record names an owner that is no member (no live consumer
+    owns it, so neither is on standby) and nothing re-assigns it."""
     fdq.Supervisor(db).create_topic("t", shards=1)
     cfg = fdq.ConsumerConfig(heartbeat_interval_s=0.01, zombie_timeout_s=30.0, lease_check_interval_s=0.01,
                              poll_interval_s=0.05)
@@ -41,8 +45,11 @@ def test_the_stall_alarm_of_the_shortest_heartbeat_shows_how_long(db):
     a = fdq.Consumer(db, "t", config=cfg, consumer_id="a", on_error=errors["a"].append)
     b = fdq.Consumer(db, "t", config=cfg, consumer_id="b", on_error=errors["b"].append)
     try:
+        tr = db.create_transaction()
+        tr[Keyspace().topic("t").shard_records["default"].pack(("", 0))] = pack(["ghost", 99])
+        tr.commit().wait()
         stalls = lambda: [e for es in errors.values() for e in es if isinstance(e, fdq.ConsumerStalled)]  # noqa: E731
-        stall = wait_for(stalls, timeout=20, what="the stall alarm of the consumer owning no shard")[0]
+        stall = wait_for(stalls, timeout=20, what="the stall alarm of a consumer owning no shard")[0]
         shown = re.search(r" for (\d+\.\d+)s \(over 3 heartbeats\)$", str(stall))
         assert shown and float(shown[1]) >= 0.03, str(stall)
     finally:

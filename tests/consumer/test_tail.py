@@ -102,7 +102,8 @@ def test_a_consumer_out_of_watches_polls_instead_of_spinning(db_url):
     counting = CountingDatabase(db)
     got = []
     c = fdq.tail(counting, "t", lambda m: got.append(m.body),
-                 config=fdq.ConsumerConfig(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.5))
+                 config=fdq.ConsumerConfig(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=0.5,
+                                           maintenance=False))     # (its passes are not rounds)
     try:
         deadline = time.monotonic() + 10
         while len(c.owned_shards) < 8:
@@ -117,9 +118,11 @@ def test_a_consumer_out_of_watches_polls_instead_of_spinning(db_url):
         idle = counting.transactions - before
     finally:
         c.shutdown()
-    # Heartbeats (~10) and a sweep every 0.5 s (~4 rounds, each a transaction or two);
-    # a consumer re-arming a failing watch makes thousands.
-    assert idle < 100, f"{idle} transactions in 2 s idle"
+    # Heartbeats (~10, ~7 transactions each: membership, config, ownership), lease checks
+    # every 0.25 s and a sweep every 0.5 s (~4 rounds, each a transaction or two): ~80 here,
+    # more when a retry meets a busy machine; a consumer re-arming a failing watch makes
+    # thousands.
+    assert idle < 250, f"{idle} transactions in 2 s idle"
 
 
 @pytest.mark.parametrize("kwargs, names", [

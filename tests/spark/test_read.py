@@ -11,6 +11,7 @@ import fdq
 import fdq.spark as fs
 from fdq import log
 from fdq.config import TopicConfig
+from fdq.ops.retention import trim_oldest_chunk
 from fdq.keyspace import Keyspace
 from fdq.ops.topics import create_topic
 
@@ -259,7 +260,6 @@ def test_a_large_body_trimmed_while_its_batch_is_read_is_left_out(tmp_path):
     assert log.decode_entries(db, ts, keys, raws)["body"] == [big, b"small"]
     # The retention trim of the large message lands between the scan and the chunk read.
     big_vs = log.Versionstamp.from_bytes(keys[0][-12:])
-    from fdq.supervisor import trim_oldest_chunk
     nchunks = log.Record.decode(raws[0]).nchunks
     assert nchunks > 1
     assert trim_oldest_chunk(db, ts, [(bucket, big_vs)], 0)[0] == 1
