@@ -1,6 +1,6 @@
 """The README's Python examples run as written (its ``python`` blocks, each in a process
 of its own on a fresh embedded database through ``FDQ_URL``). The Spark ones (the
-README's and spark/README.md's) run in tests/spark/test_readme_examples.py; the command
+README's and spark/README.md's) run in tests/spark/test_spark_readme_examples.py; the command
 line ones in tests/cli/test_cli_readme.py. Blocks that install or run the whole suite
 (``pip install``, ``make test``) are not run here."""
 from __future__ import annotations
