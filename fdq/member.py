@@ -86,9 +86,10 @@ class Member:
     def join(self, timeout: float):
         """Wait for the loop (and the maintenance) to end (after the consumer's ``_stop``
         is set)."""
+        deadline = _monotonic() + timeout       # one bound for both: they stop together
         for t in (self.thread, self.maintenance):
             if t is not None:
-                t.join(timeout=timeout)
+                t.join(timeout=max(0.0, deadline - _monotonic()))
 
     def _maintain(self):
         """Tick the topic's maintenance (a thread of its own: a pass never holds up a
