@@ -150,9 +150,9 @@ class PushCall:
         self.end(None if error is not None else [future.result()], error)
 
 
-def begin_push(topic: str, envelopes: list) -> PushCall | None:
-    """Run the hooks' ``push_begin`` on ``envelopes`` (a list they may change in place);
-    None if no hook is registered."""
+def _begin(method: str, *args):
+    """Run every hook's ``method`` (``push_begin`` / ``handle_begin``): ``(hooks, their
+    states)``, or None if none is registered or every one skipped."""
     if not _loaded:
         _load_defaults()
     hooks = _hooks
@@ -161,14 +161,24 @@ def begin_push(topic: str, envelopes: list) -> PushCall | None:
     states = []
     for hook in hooks:
         try:
-            states.append(hook.push_begin(topic, envelopes))
+            states.append(getattr(hook, method)(*args))
         except Exception as e:
-            _failed(hook, "push_begin", e)
+            _failed(hook, method, e)
             states.append(None)
     if states.count(SKIP) == len(states):
         return None
+    return hooks, states
+
+
+def begin_push(topic: str, envelopes: list) -> PushCall | None:
+    """Run the hooks' ``push_begin`` on ``envelopes`` (a list they may change in place);
+    None if no hook is registered."""
+    begun = _begin("push_begin", topic, envelopes)
+    if begun is None:
+        return None
     call = PushCall()
-    call.topic, call.envelopes, call.hooks, call.states = topic, envelopes, hooks, states
+    call.topic, call.envelopes = topic, envelopes
+    call.hooks, call.states = begun
     call.t0 = perf_counter()
     return call
 
@@ -194,20 +204,10 @@ class HandleCall:
 
 def begin_handle(message) -> HandleCall | None:
     """Run the hooks' ``handle_begin`` for ``message``; None if no hook is registered."""
-    if not _loaded:
-        _load_defaults()
-    hooks = _hooks
-    if not hooks:
+    begun = _begin("handle_begin", message)
+    if begun is None:
         return None
-    states = []
-    for hook in hooks:
-        try:
-            states.append(hook.handle_begin(message))
-        except Exception as e:
-            _failed(hook, "handle_begin", e)
-            states.append(None)
-    if states.count(SKIP) == len(states):
-        return None
+    hooks, states = begun
     call = HandleCall()
     call.message, call.hooks, call.states = message, hooks, states
     call.t0 = perf_counter()
