@@ -1,4 +1,4 @@
-"""The key layout: the only code that knows where FDQ keeps what (design §2).
+"""The key layout: the only code that knows where FDQ keeps what (docs/design.md §2).
 
 Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
 
