@@ -36,8 +36,9 @@ def test_quick_run_reports_fdqs_figures_and_skips_absent_peers(tmp_path):
     report = json.loads(out.stdout)
     rows = {r["system"]: r for r in report["rows"]}
     assert list(rows) == ["FDQ at-least-once", "FDQ exactly-once"]
-    figures = ["p50_ms", "p99_ms", "consumer_cpu_ms_per_msg", "consume_per_s"]
-    for name, want in (("FDQ at-least-once", figures + ["push_1_per_s", "push_batched_per_s"]),
+    figures = ["p50_ms", "p99_ms", "consumer_cpu_ms_per_msg", "consume_per_s", "consume_cpu_us"]
+    push = ["push_1_per_s", "push_batched_per_s", "push_1_cpu_us", "push_batched_cpu_us"]
+    for name, want in (("FDQ at-least-once", figures + push),
                        ("FDQ exactly-once", figures)):
         for key in want:
             assert isinstance(rows[name][key], float) and math.isfinite(rows[name][key]) and rows[name][key] > 0, \
