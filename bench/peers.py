@@ -11,7 +11,8 @@ Run::
     python -m bench.peers --systems fdq   # a subset: sqlite,redis,nats,fdq
 
 The workload: 100-byte bodies; every server this script starts binds 127.0.0.1 on a free
-port, keeps its files in a temporary directory and is killed by PID at the end.
+port, keeps its files in a temporary directory and is killed by PID at the end of the run
+(on an error too).
 
 * latency: a producer process sending one message at a time at 1,000 msgs/s (each send
   waits for its durable ack), a consumer process acking what it receives; push-to-receive
@@ -21,7 +22,9 @@ port, keeps its files in a temporary directory and is killed by PID at the end.
   with hiredis); NATS: JetStream publish awaiting its ack / a push consumer (nats-py,
   auto-ack); FDQ: ``bench.queue_bench``'s latency case (``push`` / ``fdq.tail`` at the
   default ``ConsumerConfig``, 16 shards, 64 keys); raw SQLite: its reference case (a
-  consumer polling every 1 ms).
+  consumer polling every 1 ms). Three rounds of 2.5 s per system, alternating between the
+  systems so that each meets the machine's load of every part of the run: the median of
+  the rounds (each round's p50/p99 in ``--json``); ``--quick``: one round of 1 s.
 * push, one per call: N messages, each call returning on its durable ack (Redis XADD,
   JetStream publish awaiting its PubAck, FDQ ``push``: queue_bench's ``push_single``).
 * push, batched: a Redis pipeline of 100 XADDs, 100 JetStream async publishes
@@ -48,6 +51,7 @@ import multiprocessing as mp
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -210,6 +214,7 @@ def _redis_producer(port, rate, seconds):
 def _redis_consumer(port, n, seconds, ready, out):
     import redis
     r = redis.Redis(port=port)
+    r.delete("lat")     # a fresh stream each round
     r.xgroup_create("lat", "g", id="$", mkstream=True)
     lat = []
     ready.set()
@@ -246,10 +251,13 @@ def _nats_producer(port, rate, seconds):
 
 def _nats_consumer(port, n, seconds, ready, out):
     import nats
+    import nats.js.errors
 
     async def run():
         nc = await nats.connect(f"nats://127.0.0.1:{port}")
         js = nc.jetstream()
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await js.delete_stream("LAT")       # a fresh stream and consumer each round
         await js.add_stream(_nats_stream_config("lat"))
         lat, done = [], asyncio.Event()
 
@@ -324,16 +332,15 @@ def redis_consume(r, pid, total, seconds):
     return consumed(got, el, cpu["s"])
 
 
-def bench_redis(workdir, sizes, seconds):
+def redis_throughput(pid, port, sizes, seconds):
     import redis
-    with redis_server(workdir) as (proc, port):
-        lat = latency_pair(_redis_consumer, _redis_producer, port, proc.pid, sizes["latency_s"])
-        r = redis.Redis(port=port)
-        push = redis_push_single(r, proc.pid, sizes["single"], seconds)
-        batched = redis_pipeline(r, proc.pid, "pb", sizes["batches"], seconds)
-        consume = redis_consume(r, proc.pid, sizes["consume"], seconds * 4)
+    r = redis.Redis(port=port)
+    try:
+        return (redis_push_single(r, pid, sizes["single"], seconds),
+                redis_pipeline(r, pid, "pb", sizes["batches"], seconds),
+                redis_consume(r, pid, sizes["consume"], seconds * 4))
+    finally:
         r.close()
-    return lat, push, batched, consume
 
 
 # -- throughput: NATS JetStream ------------------------------------------------------------
@@ -386,10 +393,10 @@ async def nats_consume(js, pid, total, seconds):
     return consumed(got, el, cpu["s"])
 
 
-def bench_nats(workdir, sizes, seconds):
+def nats_throughput(pid, port, sizes, seconds):
     import nats
 
-    async def throughput(pid, port):
+    async def run():
         nc = await nats.connect(f"nats://127.0.0.1:{port}")
         js = nc.jetstream()
         for name in ("p1", "pb", "cons"):
@@ -400,27 +407,67 @@ def bench_nats(workdir, sizes, seconds):
                     await nats_consume(js, pid, sizes["consume"], seconds * 4))
         finally:
             await nc.close()
-    with nats_server(workdir) as (proc, port):
-        lat = latency_pair(_nats_consumer, _nats_producer, port, proc.pid, sizes["latency_s"])
-        push, batched, consume = asyncio.run(throughput(proc.pid, port))
-    return lat, push, batched, consume
+    return asyncio.run(run())
 
 
 # -- the run -----------------------------------------------------------------------------
 
-def peer_row(system, lat, push, batched, consume):
-    return {"system": system, "push_1_per_s": push["msgs_per_s"], "push_1_p50_ms": push["p50_ms"],
-            "push_batched_per_s": batched["msgs_per_s"], "consume_per_s": consume["msgs_per_s"],
-            "push_1_cpu_us": push["cpu_us_per_msg"], "push_batched_cpu_us": batched["cpu_us_per_msg"],
-            "consume_cpu_us": consume["cpu_us_per_msg"],
-            "p50_ms": lat["p50_ms"], "p99_ms": lat["p99_ms"],
-            "consumer_cpu_ms_per_msg": lat["consumer_cpu_ms_per_msg"],
-            "server_cpu_ms_per_msg": lat.get("server_cpu_ms_per_msg"), "delivered": lat["delivered"],
-            "pushed": lat["pushed"]}
+PEERS = {   # system: (label, server, latency consumer, latency producer, throughput)
+    "redis": ("Redis Streams", redis_server, _redis_consumer, _redis_producer, redis_throughput),
+    "nats": ("NATS JetStream", nats_server, _nats_consumer, _nats_producer, nats_throughput),
+}
+LATENCY_KEYS = ("p50_ms", "p99_ms", "consumer_cpu_ms_per_msg", "server_cpu_ms_per_msg")
+
+
+def latency_cases(systems, servers, base, seconds):
+    """(row label, run(round) -> latency figures) for every system, in the order they alternate."""
+    cases = []
+    if "sqlite" in systems:
+        cases.append(("raw SQLite, 1 ms poll",
+                      lambda i: bench_latency_raw(os.path.join(base, f"rawpoll{i}.db"), RATE, seconds)))
+    for name, (proc, port) in servers.items():
+        label, _server, consumer, producer, _throughput = PEERS[name]
+        cases.append((label, lambda i, c=consumer, p=producer, port=port, pid=proc.pid:
+                      latency_pair(c, p, port, pid, seconds)))
+    if "fdq" in systems:
+        for mode in ("at_least_once", "exactly_once"):
+            cases.append((f"FDQ {mode.replace('_', '-')}", lambda i, mode=mode:
+                          bench_latency(f"sqlite://{base}/lat_{mode}{i}.db", RATE, seconds, mode)))
+    return cases
+
+
+def median_of(runs):
+    """The rounds' median of each latency figure, the messages summed, each round's p50/p99."""
+    row = {k: statistics.median(r[k] for r in runs) for k in LATENCY_KEYS if k in runs[0]}
+    row.update(delivered=sum(r["delivered"] for r in runs), pushed=sum(r["pushed"] for r in runs),
+               rounds_p50_p99=[(round(r["p50_ms"], 3), round(r["p99_ms"], 3)) for r in runs])
+    return row
+
+
+def fdq_throughput(base, sizes, seconds):
+    """queue_bench's cases: push, push_many of 100, consume in both modes (one process each)."""
+    push = bench_push_single(f"sqlite://{base}/push.db", sizes["single"], seconds)
+    many = bench_push_many(f"sqlite://{base}/push_many.db", sizes["batches"], seconds)
+    rows = {}
+    for mode in ("at_least_once", "exactly_once"):
+        c = bench_consume(f"sqlite://{base}/consume_{mode}.db", mode, sizes["consume"], 1, seconds * 15)
+        rows[f"FDQ {mode.replace('_', '-')}"] = {"consume_per_s": c["msgs_per_s"],
+                                                 "consume_cpu_us": 1e6 / c["msgs_per_cpu_s"]}
+    # The producer's figures do not depend on the consumer's mode: on the at-least-once row.
+    rows["FDQ at-least-once"].update(
+        push_1_per_s=push["msgs_per_s"], push_1_p50_ms=push["p50_ms"], push_1_cpu_us=1e6 / push["msgs_per_cpu_s"],
+        push_batched_per_s=many["msgs_per_s"], push_batched_cpu_us=1e6 / many["msgs_per_cpu_s"])
+    return rows
+
+
+def throughput_row(push, batched, consume):
+    return {"push_1_per_s": push["msgs_per_s"], "push_1_p50_ms": push["p50_ms"], "push_1_cpu_us": push["cpu_us_per_msg"],
+            "push_batched_per_s": batched["msgs_per_s"], "push_batched_cpu_us": batched["cpu_us_per_msg"],
+            "consume_per_s": consume["msgs_per_s"], "consume_cpu_us": consume["cpu_us_per_msg"]}
 
 
 def main(argv=None):
-    ap = parser(__doc__.split("\n")[0], quick="smaller counts and 1 s latency runs")
+    ap = parser(__doc__.split("\n")[0], quick="smaller counts, one latency round of 1 s")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="a subset of " + ",".join(SYSTEMS))
     args = ap.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
@@ -429,45 +476,43 @@ def main(argv=None):
         ap.error(f"unknown systems {sorted(unknown)}: choose from {','.join(SYSTEMS)}")
     q = args.quick
     seconds = 1.0 if q else 4.0
-    sizes = {"latency_s": 1.0 if q else 6.0, "single": 1000 if q else 20000, "batches": 20 if q else 1000,
+    rounds = 1 if q else 3
+    sizes = {"latency_s": 1.0 if q else 2.5, "single": 1000 if q else 20000, "batches": 20 if q else 1000,
              "consume": 3000 if q else 20000}
     load_before = os.getloadavg()
     skipped = {s: why for s in systems if (why := missing(s))}
     for s, why in skipped.items():
         print(f"skipped {s}: {why}", file=sys.stderr, flush=True)
-    rows = []
+    results = {}
     base = tempfile.mkdtemp(prefix="fdq-peers-", dir=args.dir)
     try:
-        if "sqlite" in systems:
-            progress("raw SQLite polling every 1 ms: latency")
-            lat = bench_latency_raw(os.path.join(base, "rawpoll.db"), RATE, sizes["latency_s"])
-            rows.append({"system": "raw SQLite, 1 ms poll", **{k: lat[k] for k in (
-                "p50_ms", "p99_ms", "consumer_cpu_ms_per_msg", "delivered", "pushed")}})
-        for name, label, bench in (("redis", "Redis Streams", bench_redis), ("nats", "NATS JetStream", bench_nats)):
-            if name in systems and name not in skipped:
-                progress(f"{label}: latency, push, push batched, consume")
-                workdir = os.path.join(base, name)
-                os.mkdir(workdir)
-                rows.append(peer_row(label, *bench(workdir, sizes, seconds)))
+        with contextlib.ExitStack() as stack:
+            servers = {}
+            for name in PEERS:
+                if name in systems and name not in skipped:
+                    workdir = os.path.join(base, name)
+                    os.mkdir(workdir)
+                    servers[name] = stack.enter_context(PEERS[name][1](workdir))
+            # Latency rounds alternate between the systems, so that each meets the machine's
+            # load of every part of the run.
+            cases = latency_cases(systems, servers, base, sizes["latency_s"])
+            runs = {label: [] for label, _run in cases}
+            for i in range(rounds):
+                for label, run in cases:
+                    progress(f"latency round {i + 1} of {rounds}: {label}")
+                    runs[label].append(run(i))
+            results = {label: median_of(rs) for label, rs in runs.items()}
+            for name, (proc, port) in servers.items():
+                label = PEERS[name][0]
+                progress(f"{label}: push, push batched, consume")
+                results[label].update(throughput_row(*PEERS[name][4](proc.pid, port, sizes, seconds)))
         if "fdq" in systems:
-            url = lambda name: f"sqlite://{base}/{name}.db"   # noqa: E731 - one database per case
-            progress("FDQ: latency, push, push_many, consume")
-            for mode in ("at_least_once", "exactly_once"):
-                lat = bench_latency(url(f"lat_{mode}"), RATE, sizes["latency_s"], mode)
-                consume = bench_consume(url(f"consume_{mode}"), mode, sizes["consume"], 1, seconds * 15)
-                row = {"system": f"FDQ {mode.replace('_', '-')}", "consume_per_s": consume["msgs_per_s"],
-                       "consume_cpu_us": 1e6 / consume["msgs_per_cpu_s"],
-                       **{k: lat[k] for k in ("p50_ms", "p99_ms", "consumer_cpu_ms_per_msg", "delivered",
-                                              "pushed")}}
-                if mode == "at_least_once":    # the producer's figures do not depend on the mode
-                    push = bench_push_single(url("push"), sizes["single"], seconds)
-                    many = bench_push_many(url("push_many"), sizes["batches"], seconds)
-                    row.update(push_1_per_s=push["msgs_per_s"], push_1_p50_ms=push["p50_ms"],
-                               push_batched_per_s=many["msgs_per_s"], push_1_cpu_us=1e6 / push["msgs_per_cpu_s"],
-                               push_batched_cpu_us=1e6 / many["msgs_per_cpu_s"])
-                rows.append(row)
+            progress("FDQ: push, push_many, consume")
+            for label, row in fdq_throughput(base, sizes, seconds).items():
+                results[label].update(row)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+    rows = [{"system": label, **r} for label, r in results.items()]
     for r in rows:
         progress(", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
     durability = {s: DURABILITY[s] for s in systems if s not in skipped}
@@ -479,9 +524,11 @@ def main(argv=None):
             "push_batched_cpu_us", "consume_cpu_us", "p50_ms", "p99_ms", "consumer_cpu_ms_per_msg",
             "server_cpu_ms_per_msg", "delivered"]
     output(args, "FDQ and its peers", rows, cols, text_columns=("system",),
-           extra={"load_avg": load, "rate": RATE, "durability": durability, "skipped": skipped})
+           extra={"load_avg": load, "rate": RATE, "latency_rounds": rounds, "latency_round_s": sizes["latency_s"],
+                  "durability": durability, "skipped": skipped})
     if not args.json:
-        print(f"\n{RATE:,} msgs/s offered in the latency case; load average before "
+        print(f"\n{RATE:,} msgs/s offered in the latency case, the median of {rounds} round(s) of "
+              f"{sizes['latency_s']} s alternating between the systems; load average before "
               f"{'/'.join(f'{x:.2f}' for x in load_before)}, after {'/'.join(f'{x:.2f}' for x in load['after'])}.")
         for s, d in durability.items():
             print(f"* {s}: {d}")
