@@ -58,6 +58,8 @@ import tempfile
 import time
 from time import perf_counter
 
+# redis and nats are imported where they are used: optional (the 'bench' extra), a peer
+# without its package is skipped.
 from bench._common import output, parser, pct, progress, timed
 from bench.queue_bench import (BODY, bench_consume, bench_latency, bench_latency_raw, bench_push_many,
                                bench_push_single)
@@ -69,7 +71,8 @@ SYSTEMS = ("sqlite", "redis", "nats", "fdq")
 DURABILITY = {
     "sqlite": "WAL, synchronous=NORMAL (fsync at checkpoints), one row per transaction",
     "redis": "appendonly yes, appendfsync everysec: the AOF is written before the reply, fsync once a second",
-    "nats": "JetStream file storage, 1 replica, workqueue retention, default sync_interval (fsync every 2 min)",
+    "nats": "JetStream file storage, 1 replica, workqueue retention, default sync_interval (writes left to the "
+            "OS's buffers, fsync every 2 min)",
     "fdq": "sqlite:// embedded engine, default config: WAL, synchronous=NORMAL (a commit is in the OS when "
            "the call returns, fsync at checkpoints)",
 }
