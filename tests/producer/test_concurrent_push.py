@@ -103,7 +103,7 @@ def test_aio_pushes_resolve_after_their_commit_with_a_bad_one_failing_alone(db):
             assert ids == sorted(ids)
     good = [r for t, out in enumerate(got) if t % 64 for r in out]
     assert fdq.Supervisor(db).stats("t")["counters"]["inserted"] == len(good)
-    assert _commits(good) < len(good) // 4
+    assert _commits(good) < len(good)       # they did share commits (a batch with a bad one splits)
 
 
 def test_aio_pushes_from_two_loops_in_one_commit_resolve_each_on_its_own_loop(db):
