@@ -467,10 +467,12 @@ class Producer:
             for it in batch:
                 if it.result is None and it.error is None:
                     it.error = err
-        _deliver_async(batch)
-        for it in batch:
-            if it.done is not None:
-                it.done.release()
+        try:
+            _deliver_async(batch)
+        finally:    # (whatever a future's callback does, no caller waits for good)
+            for it in batch:
+                if it.done is not None:
+                    it.done.release()
         if interrupted is not None:
             raise interrupted
 
