@@ -366,10 +366,15 @@ async def tail(db, topic: str, handler, acking: bool | None = None, transactiona
     return AsyncTail(consumer, handler, acking is not False, poll_s)
 
 
-async def push(producer, topic: str, body: bytes, **kwargs):
-    """``await`` a push: :meth:`fdq.Producer.push_async` (group commit with the
-    producer's other pending pushes) without blocking the loop. Returns the PushResult."""
-    return await asyncio.wrap_future(producer.push_async(topic, body, **kwargs))
+async def push(producer, topic: str, body: bytes, *, shard_key: str | None = None, msg_id: str | None = None,
+               delay: float | None = None, headers=None, ttl: float | None = None):
+    """``await`` a push (:meth:`fdq.Producer.push`'s arguments) without blocking the
+    loop: queued with the producer's other pending pushes (group commit, committed by its
+    flusher thread), resolved on this loop after its commit. Returns the PushResult.
+    Cancelling the awaiting task does not recall the push (it may still be stored)."""
+    loop = asyncio.get_running_loop()
+    return await producer._push_async(loop.create_future(), loop, topic, body, shard_key, msg_id, delay,
+                                      headers, ttl)
 
 
 __all__ = ["tail", "push", "AsyncTail", "Consumer"]

@@ -104,4 +104,12 @@ def _plain_result(mid: str, topic: str, shard: int) -> PushResult:
     return r
 
 
+def _plain_envelope(body: bytes) -> Envelope:
+    """``Envelope(body)`` for a ``bytes`` body, without the frozen dataclass's ``__init__``
+    and the checks of fields it does not have (``Producer.push`` of one plain message)."""
+    e = _new(Envelope)
+    e.__dict__.update(body=body, shard_key=None, delay=None, msg_id=None, headers=None, ttl_s=None)
+    return e
+
+
 __all__ = ["Envelope", "PushResult", "MAX_DELAY_S", "MAX_SHARD_KEY_BYTES"]

@@ -13,6 +13,7 @@ import threading
 import time
 import weakref
 from _thread import allocate_lock as _allocate_lock
+from _thread import get_ident
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future as _ConcurrentFuture
 from concurrent.futures import InvalidStateError
@@ -21,7 +22,7 @@ from fdb.tuple import Versionstamp
 
 from .config import ProducerConfig, check_name
 from .engine import Again, Done, after_interrupt, transact
-from .envelope import Envelope, PushResult, _plain_result
+from .envelope import Envelope, PushResult, _plain_envelope, _plain_result
 from .errors import (ConfigError, EngineError, FDQError, InvalidMessage, MessageTooLarge, TopicHeld,
                      is_maybe_committed)
 from .headers import trace_id
@@ -51,18 +52,84 @@ def check_messages(call: str, envelopes) -> Iterable:
     return envelopes
 
 
+def _envelope(body, shard_key, delay, msg_id, headers, ttl) -> Envelope:
+    """The ``Envelope`` of a ``push``: a plain one (bytes, no option: the common case of
+    one push per request) made without the dataclass's checks (~3 µs of a push's Python)."""
+    if type(body) is bytes and shard_key is None and delay is None and msg_id is None and headers is None \
+            and ttl is None:
+        return _plain_envelope(body)
+    return Envelope(body, shard_key, delay, msg_id, headers, ttl)
+
+
 class _Item:
-    """One queued push. ``done`` is a lock held until the push is committed or failed:
-    a waiting caller blocks on acquiring it (cheaper than an Event: no Condition, no
-    waiter lock per wait, one wake-up per message)."""
+    """One queued push. A caller of ``push`` waits on ``done``, a lock held until the
+    push is committed or failed (cheaper than an Event: no Condition, no waiter lock per
+    wait, one wake-up per message). An asynchronous push has no lock but a ``future``:
+    a ``concurrent.futures.Future`` (``push_async``), or with ``loop`` an asyncio future
+    of that loop (``fdq.aio.push``: resolved on it, ``_resolve_on_loop``); ``call``: the
+    hooks' (``fdq.hooks.PushCall``) of an ``fdq.aio.push``, ended by the committing
+    thread."""
 
-    __slots__ = ("topic", "env", "result", "error", "future", "done")
+    __slots__ = ("topic", "env", "result", "error", "future", "done", "loop", "call")
 
-    def __init__(self, topic: str, env: Envelope, future: _ConcurrentFuture | None = None):
-        self.topic, self.env, self.future = topic, env, future
+    def __init__(self, topic: str, env: Envelope, future=None, loop=None, call=None):
+        self.topic, self.env, self.future, self.loop, self.call = topic, env, future, loop, call
         self.result = self.error = None
-        self.done = _allocate_lock()
-        self.done.acquire()
+        if future is None:
+            self.done = _allocate_lock()
+            self.done.acquire()
+        else:
+            self.done = None
+
+
+def _resolve_on_loop(items: list):
+    """On an event loop: resolve the asyncio futures of ``items`` (``fdq.aio.push``
+    calls of one commit, all of this loop). A future its task cancelled is left: the
+    push is stored all the same (as a cancelled ``push_async`` future)."""
+    for it in items:
+        future = it.future
+        if future.done():
+            continue
+        if it.error is not None:
+            future.set_exception(it.error)
+        else:
+            future.set_result(it.result)
+
+
+def _deliver_async(batch: list):
+    """Deliver the outcome (``result`` / ``error``) of the asynchronous pushes of
+    ``batch``: a ``push_async`` future is set here (its done callbacks run here), an
+    ``fdq.aio.push`` future on its loop, by one ``call_soon_threadsafe`` per loop (not
+    one per push: each is a write to the loop's self-pipe and a wake-up)."""
+    loops = None
+    for it in batch:
+        future = it.future
+        if future is None:
+            continue
+        if it.loop is None:
+            try:
+                if it.error is not None:
+                    future.set_exception(it.error)
+                else:
+                    future.set_result(it.result)
+            except InvalidStateError:
+                pass    # cancelled by its owner: the push is stored all the same
+            continue
+        if it.call is not None:     # (the hooks' end: in this thread, as push_async's)
+            it.call.end(None if it.error is not None else [it.result], it.error)
+        if loops is None:
+            loops = {}
+        mine = loops.get(it.loop)
+        if mine is None:
+            loops[it.loop] = [it]
+        else:
+            mine.append(it)
+    if loops:
+        for loop, items in loops.items():
+            try:
+                loop.call_soon_threadsafe(_resolve_on_loop, items)
+            except RuntimeError:
+                pass    # the loop is closed: nobody awaits these
 
 
 class _GroupCommit:
@@ -86,13 +153,13 @@ class _GroupCommit:
         self._callers = 0        # callers inside submit: queued, or released and not yet returned
         self._async_pending = 0  # asynchronous pushes queued or being committed
         self._idle = threading.Condition(self._lock)
-        self._local = threading.local()     # .flushing: this thread is committing a batch
+        self._committer = None   # the id of the thread committing a batch (one leads at a time)
         self._committing = []    # the batches being committed (a forked child fails their futures)
         _LIVE_GROUPS.add(self)
 
     def submit(self, item: _Item):
         """Queue ``item`` and return once it is committed (or failed)."""
-        if getattr(self._local, "flushing", False):
+        if self._committer == get_ident():
             # Called by the thread committing a batch: from a push_async future's done
             # callback (run where the result is set). It would wait for itself while
             # nobody else may lead: commit this push now, alone.
@@ -128,7 +195,7 @@ class _GroupCommit:
         (and those queued meanwhile); False if ``timeout`` passed first. From the
         thread committing a batch (a ``push_async`` future's done callback) it would
         wait for itself: a ``ConfigError`` says so instead."""
-        if getattr(self._local, "flushing", False):
+        if self._committer == get_ident():
             raise ConfigError("Producer.flush() called from a push_async callback: the callback runs in the "
                               "thread committing the pushes it would wait for; flush from another thread")
         with self._idle:
@@ -181,10 +248,10 @@ class _GroupCommit:
                 t0 = time.perf_counter()
                 self._committing.append(batch)
                 try:
-                    self._local.flushing = True
+                    self._committer = get_ident()
                     self._flush(batch)
                 finally:
-                    self._local.flushing = False
+                    self._committer = None
                     self._committing.remove(batch)
                     done = sum(it.future is not None for it in batch)
                     if done:
@@ -227,15 +294,12 @@ class _GroupCommit:
         self._flusher = None
         self._flusher_go = threading.Event()
         self._callers = self._async_pending = 0
-        self._local = threading.local()
+        self._committer = None
         err = EngineError(1021, "this push was queued before the process forked: the parent process "
                                 "commits it, not this one (it may have committed)")
         for it in queued:
-            if it.future is not None:
-                try:
-                    it.future.set_exception(err)
-                except InvalidStateError:
-                    pass
+            it.error = err
+        _deliver_async(queued)
 
     def _handoff(self):
         with self._lock:
@@ -310,7 +374,7 @@ class Producer:
         ``ttl``: seconds (or a timedelta) after which it is never delivered (default the
         topic's ``ttl_s``; ``TopicConfig.ttl_action`` says what becomes of it)."""
         topic = check_name(topic)
-        env = Envelope(body, shard_key, delay, msg_id, headers, ttl)
+        env = _envelope(body, shard_key, delay, msg_id, headers, ttl)
         call = None
         if hooks.active:
             envs = [env]
@@ -331,18 +395,29 @@ class Producer:
         ``PushResult``, resolved after the commit. Pending pushes share transactions
         (committed by one background thread per producer). Cancelling the future does
         not recall the push."""
+        return self._push_async(_ConcurrentFuture(), None, topic, body, shard_key, msg_id, delay, headers, ttl)
+
+    def _push_async(self, future, loop, topic: str, body: bytes, shard_key: str | None = None,
+                    msg_id: str | None = None, delay: float | None = None, headers: Mapping | None = None,
+                    ttl: float | None = None):
+        """Queue a push whose outcome goes to ``future``: a ``concurrent.futures.Future``
+        (``loop`` None), or an asyncio future of ``loop`` (``fdq.aio.push``), resolved on
+        it after the commit. Returns ``future``."""
         topic = check_name(topic)
-        env = Envelope(body, shard_key, delay, msg_id, headers, ttl)
+        env = _envelope(body, shard_key, delay, msg_id, headers, ttl)
         call = None
         if hooks.active:
             envs = [env]
             call = hooks.begin_push(topic, envs)
             env = envs[0]
-        item = _Item(topic, env, future=_ConcurrentFuture())
-        if call is not None:    # (before the commit can resolve it: run in the committing thread)
-            item.future.add_done_callback(call.end_future)
+        if loop is None:
+            item = _Item(topic, env, future)
+            if call is not None:    # (before the commit can resolve it: run in the committing thread)
+                future.add_done_callback(call.end_future)
+        else:
+            item = _Item(topic, env, future, loop, call)
         self._group.submit_async(item)
-        return item.future
+        return future
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every ``push_async`` made so far is committed (or failed); False
@@ -392,17 +467,12 @@ class Producer:
             for it in batch:
                 if it.result is None and it.error is None:
                     it.error = err
-        for it in batch:
-            future = it.future
-            if future is not None:
-                try:
-                    if it.error is not None:
-                        future.set_exception(it.error)
-                    else:
-                        future.set_result(it.result)
-                except InvalidStateError:
-                    pass    # cancelled by its owner: the push is stored all the same
-            it.done.release()
+        try:
+            _deliver_async(batch)
+        finally:    # (whatever a future's callback does, no caller waits for good)
+            for it in batch:
+                if it.done is not None:
+                    it.done.release()
         if interrupted is not None:
             raise interrupted
 

@@ -53,6 +53,27 @@ def test_each_way_to_push_runs_the_hooks_in_the_callers_thread(db, recorder):
     assert isinstance(calls[5]["error"], MessageTooLarge) and calls[5]["results"] is None
 
 
+def test_an_aio_push_runs_the_hooks_begun_in_the_loops_thread_ended_with_its_outcome(db, recorder):
+    """``fdq.aio.push``: push_begin in the awaiting task's thread, push_end once per
+    push with its result or its error (resolved on the loop only after)."""
+    import asyncio
+    import fdq.aio
+    fdq.Supervisor(db).create_topic("t", shards=2, max_message_bytes=1000)
+    p = fdq.Producer(db)
+    me = threading.current_thread()
+
+    async def main():
+        good = await asyncio.gather(*(fdq.aio.push(p, "t", b"m%d" % i) for i in range(3)))
+        with pytest.raises(MessageTooLarge):
+            await fdq.aio.push(p, "t", b"x" * 2000)
+        return good
+    good = asyncio.run(main())
+    calls = recorder.calls
+    assert [c["state"] for c in calls] == [("t", 1, me)] * 4
+    assert sorted(c["results"][0].id for c in calls[:3]) == sorted(r.id for r in good)
+    assert isinstance(calls[3]["error"], MessageTooLarge) and calls[3]["results"] is None
+
+
 def test_a_hook_may_replace_the_envelopes_pushed(db):
     class Stamp(hooks.Hook):
         def push_begin(self, topic, envelopes):
