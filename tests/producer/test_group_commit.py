@@ -127,7 +127,7 @@ def test_an_interrupt_of_the_committing_thread_is_not_raised_in_the_other_caller
     import signal
     import sqlite3
     fdq.Supervisor(db).create_topic("t", shards=1)
-    p = fdq.Producer(db, config=fdq.ProducerConfig(linger_ms=300))
+    p = fdq.Producer(db, config=fdq.ProducerConfig(linger_ms=1000))
     blocker = sqlite3.connect(str(db_path), isolation_level=None, timeout=0)
     other = []
 
@@ -139,12 +139,15 @@ def test_an_interrupt_of_the_committing_thread_is_not_raised_in_the_other_caller
     th = threading.Thread(target=push_other, daemon=True)
 
     def interrupt(_sig, _frame):
+        if not p._group._committing:    # still lingering: interrupt its commit, not this
+            signal.setitimer(signal.ITIMER_REAL, 0.05)
+            return
         raise _Interrupt()
 
-    def start_other(_sig, _frame):    # while the leader lingers: the other push joins it
+    def start_other(_sig, _frame):    # while the leader lingers (1 s): the other push joins it
         th.start()
         signal.signal(signal.SIGALRM, interrupt)
-        signal.setitimer(signal.ITIMER_REAL, 0.6)   # then interrupt the leader's commit
+        signal.setitimer(signal.ITIMER_REAL, 0.05)  # then interrupt the leader's commit
     old = signal.signal(signal.SIGALRM, start_other)
     try:
         blocker.execute("BEGIN IMMEDIATE")          # another writer holds the database
