@@ -22,9 +22,12 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     topic/<topic>/clock_version                           read version of its last advance (display)
     topic/<topic>/all/log/<bucket>/<vs>                   the "all" log (bucket = shard n)
     topic/<topic>/all/time/<minute_ms>/<vs>               sparse time -> position index
-    topic/<topic>/all/stats/<name>/<part>                 inserted, routed, emitted, acked, ...: summed parts
+    topic/<topic>/all/stats/push/<part>                   inserted, routed, inserted_bytes, log_bytes: one
+                                                          packed counter (PUSH_COUNTERS), summed parts
+    topic/<topic>/all/stats/<name>/<part>                 emitted, acked, trimmed, ...: summed parts
     topic/<topic>/all/chunks/<vs>/<i>                     body chunks of large messages
-    topic/<topic>/all/pending/<vs>                        pushed while paused, not yet routed
+    topic/<topic>/all/pending/<bucket>/<vs>               pushed while paused, not yet routed (bucket:
+                                                          its log bucket; play merges the buckets)
     topic/<topic>/subs/<sub>/shards/<tag>/<n>/ready/<vs>             ready queue
     topic/<topic>/subs/<sub>/shards/<tag>/<n>/delayed/<due>/<vs>     due = topic clock ms
     topic/<topic>/subs/<sub>/shards/<tag>/<n>/leased/<vs>/<lease_id> a leased batch (or part):
@@ -60,6 +63,13 @@ from .stamps import (STAMP_BYTES, VERSIONS_PER_S, VS_CODE, StoredVersionstamp, m
 # (the stamps' names are re-exported: callers import them from fdq.keyspace)
 # A topic's counters are split over this many keys by shard number (TopicSpace.stat).
 STAT_PARTS = 16
+# The topic counters a push adds (and play's routed, trim's log_bytes) share one key per
+# part, ``all/stats/push/<part>``, and one atomic add: a little-endian integer of a signed
+# 64-bit slot each, in this order (``counters`` builds the operand, ``decode_counters``
+# reads it back). FDB's add carries over the whole value, so each slot stays exact as long
+# as it fits 64 bits; a push writes one mutation for all four.
+PUSH_COUNTERS = ("inserted", "routed", "inserted_bytes", "log_bytes")
+PUSH_STAT = "push"
 # The by-version indexes of push markers and dedupe ids are split over this many ranges,
 # by a hash of what they index (TopicSpace.marker_index, dedupe_index): no single append
 # point every push (or every push with a msg_id) writes.
@@ -67,7 +77,8 @@ INDEX_PARTS = 16
 # replays/<id>/REPLAY_DONE: a finished replay's record (config.check_replay_id refuses the name).
 REPLAY_DONE = "done"
 
-__all__ = ["Keyspace", "TopicSpace", "ShardSpace", "STAT_PARTS", "INDEX_PARTS", "REPLAY_DONE", "index_part", "Versionstamp", "vs_key", "vs_key_parts",
+__all__ = ["Keyspace", "TopicSpace", "ShardSpace", "STAT_PARTS", "PUSH_COUNTERS", "PUSH_STAT", "counters", "push_counters",
+           "decode_counters", "INDEX_PARTS", "REPLAY_DONE", "index_part", "Versionstamp", "vs_key", "vs_key_parts",
            "vs_from_bytes", "counter", "decode_counter", "ensure_format", "message_id", "parse_message_id",
            "StoredVersionstamp", "STAMP_BYTES", "VERSIONS_PER_S", "position_of", "stamp_of_value", "stamped_value",
            "version_of"]
@@ -86,6 +97,42 @@ def decode_counter(raw) -> int:
         return 0
     b = bytes(raw)
     return int.from_bytes(b[:8].ljust(8, b"\x00"), "little", signed=True) if b else 0
+
+
+_SLOT_BITS = 64
+_SLOT_MASK = (1 << _SLOT_BITS) - 1
+_SLOT_SIGN = 1 << (_SLOT_BITS - 1)
+
+
+def counters(amounts) -> bytes:
+    """The ``tr.add`` operand adding ``amounts[i]`` to slot ``i`` of a packed counter
+    (``PUSH_COUNTERS``): one little-endian integer, 8 bytes a slot (two's complement, so
+    a negative amount borrows from the next slot, which ``decode_counters`` undoes)."""
+    width = 8 * len(amounts)
+    v = 0
+    for i, a in enumerate(amounts):
+        v += a << (_SLOT_BITS * i)
+    return (v % (1 << (8 * width))).to_bytes(width, "little")
+
+
+def push_counters(inserted: int = 0, routed: int = 0, inserted_bytes: int = 0, log_bytes: int = 0) -> bytes:
+    """The operand adding these to the packed push counters (``PUSH_COUNTERS``, in that order)."""
+    return counters((inserted, routed, inserted_bytes, log_bytes))
+
+
+def decode_counters(raw, k: int) -> list:
+    """The ``k`` slots of a packed counter (absent: zeros), each a signed 64-bit value."""
+    if raw is None or raw == None:  # noqa: E711 - FDB's absent Value equals None
+        return [0] * k
+    v = int.from_bytes(bytes(raw)[:8 * k], "little")
+    out = []
+    for _ in range(k):
+        slot = v & _SLOT_MASK
+        if slot & _SLOT_SIGN:
+            slot -= 1 << _SLOT_BITS
+        out.append(slot)
+        v = (v - slot) >> _SLOT_BITS
+    return out
 
 
 _CHUNK_INDEXES = [fdbtuple.pack((i,)) for i in range(256)]
@@ -225,6 +272,11 @@ class TopicSpace:
             key = self._stat_keys[(name, part)] = self.stats.pack((name, part))
         return key
 
+    def push_stat(self, n: int = 0) -> bytes:
+        """The part of the packed push counters (``PUSH_COUNTERS``) that shard number
+        ``n``'s writers add to (as ``stat``)."""
+        return self.stat(PUSH_STAT, n)
+
     def marker_index(self, part: int) -> Subspace:
         """Part ``part`` of the push markers' by-version index (``index_part`` of a txid)."""
         return self.marks_by_version[part]
@@ -312,13 +364,16 @@ class TopicSpace:
         """The time index's entry of ``minute_ms`` at this transaction's message ``uv``."""
         return vs_key(self.time_index.pack((minute_ms,)), uv)
 
-    def pending_key(self, vs: Versionstamp) -> bytes:
-        """Message ``vs``'s entry in the pending list (pushed while paused)."""
-        return self.pending.pack((vs,))
+    def pending_key(self, bucket: int, vs: Versionstamp) -> bytes:
+        """Message ``vs``'s entry in the pending list (pushed while paused), in its log
+        bucket's part: as the log, one append point per bucket, merged by versionstamp
+        (``ops.log.merged_heads``)."""
+        return self.pending.pack((bucket, vs))
 
-    def pending_vs_key(self, uv: int) -> bytes:
-        """The stamped key of this transaction's message ``uv`` pushed while paused."""
-        return vs_key(self.pending.key(), uv)
+    def pending_vs_key(self, bucket: int, uv: int) -> bytes:
+        """The stamped key of this transaction's message ``uv`` (log bucket ``bucket``)
+        pushed while paused."""
+        return vs_key(self.pending.pack((bucket,)), uv)
 
     def tag_key(self, tag: str) -> bytes:
         return self.tags.pack((tag,))

@@ -201,7 +201,7 @@ def get(tr, ts: TopicSpace, vs: Versionstamp) -> dict:
                 rec.body = b"".join(kv.value for kv in snap.get_range(r.start, r.stop))
             log = (b, rec if rec is not None else Record(0, body=bytes(raw)), rec is None)
             break
-    pending = snap[ts.pending_key(vs)] != None  # noqa: E711
+    pending = log is not None and snap[ts.pending_key(log[0], vs)] != None  # noqa: E711
     if log is not None and not log[2]:
         # where a copy can be: its shard under the shard count (both, while resharding)
         counts = {config.shards, config.resharding_to or config.shards}
