@@ -43,6 +43,23 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     topic/<topic>/replays/<id>/"done"                     a finished replay (its window, count, when)
     topic/<topic>/maintenance                             its maintainer's last pass (ops.retention)
 
+No key or append point every push writes (issue 26.1), and what each split costs the
+ordering guarantees (nothing):
+
+* the topic counters: parts summed on read (``STAT_PARTS``); the four a push adds packed
+  in one key and one atomic add (``PUSH_COUNTERS``). Atomic adds commute: a sum of parts
+  is the same number a single key held, and a snapshot read of the parts is one version's
+  sum, so ``stats``, the backlog check and trim by size see exactly what they saw.
+* the marker and dedupe indexes (``INDEX_PARTS``, by a hash of the txid / msg_id): each
+  part is in version order, and expiry only needs "older than a version", per part.
+* pending entries (``pending/<bucket>``, the message's log bucket): play reads every
+  bucket's head at one read version and merges them by versionstamp up to the smallest
+  last key read of a bucket with more (``ops.log.merged_heads``, as the log reader does).
+  A stamp is the commit order, and anything committed after that read version has a
+  larger one, so each chunk routes exactly the oldest pending messages: the same order,
+  gap-free, as one list gave. Trim's ``first_pending`` reads each bucket's head with a
+  conflict (a push starting a bucket, or a play, conflicts as before).
+
 ``<vs>`` is a tuple-layer Versionstamp: the commit's 10-byte stamp plus the message's
 index in its transaction, so keys sort by commit order and are gap-free for readers
 (:mod:`.stamps`). Values are encoded by :mod:`.codec`.
