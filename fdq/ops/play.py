@@ -71,7 +71,7 @@ def play_chunk(tr, ts: TopicSpace, limit: int, hold: int | None = None) -> tuple
     r = ts.pending.range()
     moved = written = 0
     last = {}       # bucket -> the last key this chunk routed there
-    entries, more = merged_heads(tr, ts.pending, limit)
+    entries, unread = merged_heads(tr, ts.pending, limit)
     full = False
     for vs, bucket, key, value in entries:
         raw = tr.snapshot[ts.log_key(decode_pending(value), vs)]
@@ -94,7 +94,7 @@ def play_chunk(tr, ts: TopicSpace, limit: int, hold: int | None = None) -> tuple
         begin = ts.pending[bucket].range().start
         tr.add_read_conflict_range(begin, key + b"\x00")
         tr.clear_range(begin, key + b"\x00")
-    if more or full:
+    if unread or full:
         return moved, False, hold
     if not last and config.routing and config.held_at is None:
         return 0, True, None                # running, nothing pending: no hold, no write
