@@ -25,7 +25,7 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     topic/<topic>/all/stats/push/<part>                   inserted, routed, inserted_bytes, log_bytes: one
                                                           packed counter (PUSH_COUNTERS), summed parts
     topic/<topic>/all/stats/<name>/<part>                 emitted, acked, trimmed, ...: summed parts
-    topic/<topic>/all/chunks/<vs>/<i>                     body chunks of large messages
+    topic/<topic>/all/chunks/<part>/<vs>/<i>              body chunks of large messages (part: chunk_part)
     topic/<topic>/all/pending/<bucket>/<vs>               pushed while paused, not yet routed (bucket:
                                                           its log bucket; play merges the buckets)
     topic/<topic>/subs/<sub>/shards/<tag>/<n>/ready/<vs>             ready queue
@@ -33,7 +33,7 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     topic/<topic>/subs/<sub>/shards/<tag>/<n>/leased/<vs>/<lease_id> a leased batch (or part):
                                                           vs = its first message's
     topic/<topic>/subs/<sub>/shards/<tag>/<n>/stats/<name>           per-shard counters
-    topic/<topic>/subs/<sub>/chunks/<vs>/<i>              body chunks of queued messages
+    topic/<topic>/subs/<sub>/chunks/<part>/<vs>/<i>       body chunks of queued messages (part: chunk_part)
     topic/<topic>/subs/<sub>/dlq/<vs>                     dead letters, with the reason
     topic/<topic>/subs/<sub>/stats/<name>                 per-subscription counters
     topic/<topic>/tags/<tag>                              dispatch tags seen (blind set by push)
@@ -52,6 +52,9 @@ ordering guarantees (nothing):
   sum, so ``stats``, the backlog check and trim by size see exactly what they saw.
 * the marker and dedupe indexes (``INDEX_PARTS``, by a hash of the txid / msg_id): each
   part is in version order, and expiry only needs "older than a version", per part.
+* body chunks (``chunks/<part>``, ``chunk_part``: by the message's shard key, or its
+  home shard, which every copy of its record keeps): a message's chunks are found from
+  its record and stamp, never by scanning in order, so the split costs no order.
 * pending entries (``pending/<bucket>``, the message's log bucket): play reads every
   bucket's head at one read version and merges them by versionstamp up to the smallest
   last key read of a bucket with more (``ops.log.merged_heads``, as the log reader does).
@@ -94,7 +97,7 @@ INDEX_PARTS = 16
 # replays/<id>/REPLAY_DONE: a finished replay's record (config.check_replay_id refuses the name).
 REPLAY_DONE = "done"
 
-__all__ = ["Keyspace", "TopicSpace", "ShardSpace", "STAT_PARTS", "PUSH_COUNTERS", "PUSH_STAT", "counters", "push_counters",
+__all__ = ["Keyspace", "TopicSpace", "ShardSpace", "STAT_PARTS", "chunk_part", "PUSH_COUNTERS", "PUSH_STAT", "counters", "push_counters",
            "decode_counters", "INDEX_PARTS", "REPLAY_DONE", "index_part", "Versionstamp", "vs_key", "vs_key_parts",
            "vs_from_bytes", "counter", "decode_counter", "ensure_format", "message_id", "parse_message_id",
            "StoredVersionstamp", "STAMP_BYTES", "VERSIONS_PER_S", "position_of", "stamp_of_value", "stamped_value",
@@ -164,6 +167,17 @@ def index_part(data: bytes) -> int:
     return zlib.crc32(data) % INDEX_PARTS
 
 
+def chunk_part(record) -> int:
+    """The part (of ``INDEX_PARTS``) where the body chunks of the message of ``record``
+    (a ``codec.Record``) are kept, in the log and in every subscription: by its shard
+    key (``index_part``) or, unkeyed, its home shard. Both are in every copy of its
+    record (a reshard, a requeue or a dead letter keeps them), so whoever holds the
+    record finds the chunks; messages spread over the parts as over the log's buckets."""
+    if record.shard_key is not None:
+        return index_part(record.shard_key.encode())
+    return (record.home or 0) % INDEX_PARTS
+
+
 class ShardSpace:
     """The keys of one shard ``(tag, n)`` of one subscription."""
 
@@ -205,17 +219,22 @@ class ShardSpace:
         """The stamped key (``vs_key``) of this transaction's message ``uv``, due at ``due``."""
         return vs_key(self.delayed.pack((due,)), uv)
 
-    def chunk_vs_key(self, uv: int, i: int) -> bytes:
-        """The stamped key of chunk ``i`` of this transaction's message ``uv``."""
-        return vs_key(self.chunks.key(), uv, _chunk_index(i))
+    def chunk_vs_key(self, uv: int, i: int, record) -> bytes:
+        """The stamped key of chunk ``i`` of this transaction's message ``uv`` (its ``record``)."""
+        return vs_key(self.chunks.pack((chunk_part(record),)), uv, _chunk_index(i))
 
-    def chunk_key(self, vs: Versionstamp, i: int) -> bytes:
+    def chunk_key(self, vs: Versionstamp, i: int, record) -> bytes:
         """Chunk ``i`` of the body of the queued message ``vs`` (the subscription's chunks)."""
-        return self.chunks.pack((vs, i))
+        return self.chunks.pack((chunk_part(record), vs, i))
 
-    def chunks_range(self, vs: Versionstamp):
-        """The body chunks of the queued message ``vs``."""
-        return self.chunks[vs].range()
+    def chunks_range(self, vs: Versionstamp, record):
+        """The body chunks of the queued message ``vs`` (its ``record``: ``chunk_part``)."""
+        return self.chunks[chunk_part(record)][vs].range()
+
+    def any_chunks_ranges(self, vs: Versionstamp) -> list:
+        """Where chunks of the queued message ``vs`` can be, in every part (for a record
+        that does not decode)."""
+        return [self.chunks[p][vs].range() for p in range(INDEX_PARTS)]
 
     def stat(self, name: str) -> bytes:
         key = self._stat_keys.get(name)
@@ -320,9 +339,14 @@ class TopicSpace:
         """The message of a dead letter's key."""
         return self.subs[sub]["dlq"].unpack(key)[0]
 
-    def sub_chunks_range(self, sub: str, vs: Versionstamp):
-        """The body chunks of message ``vs`` queued (or dead-lettered) in ``sub``."""
-        return self.subs[sub]["chunks"][vs].range()
+    def sub_chunks_range(self, sub: str, vs: Versionstamp, record):
+        """The body chunks of message ``vs`` (its ``record``) queued (or dead-lettered) in ``sub``."""
+        return self.subs[sub]["chunks"][chunk_part(record)][vs].range()
+
+    def sub_any_chunks_ranges(self, sub: str, vs: Versionstamp) -> list:
+        """Where chunks of message ``vs`` of ``sub`` can be, in every part (for a record
+        that does not decode)."""
+        return [self.subs[sub]["chunks"][p][vs].range() for p in range(INDEX_PARTS)]
 
     def take_marker_key(self, sub: str, cid: str) -> bytes:
         """Consumer ``cid``'s at-most-once take marker (``fdq.ops.queue.mark_take``): in the
@@ -361,21 +385,22 @@ class TopicSpace:
         """Where the time index's entries of ``minute_ms`` begin (entries: + a stamp)."""
         return self.time_index.pack((minute_ms,))
 
-    def chunk_key(self, vs: Versionstamp, i: int) -> bytes:
-        """Chunk ``i`` of the body of the log entry ``vs``."""
-        return self.all_chunks.pack((vs, i))
+    def chunk_key(self, vs: Versionstamp, i: int, record) -> bytes:
+        """Chunk ``i`` of the body of the log entry ``vs`` (its ``record``: ``chunk_part``)."""
+        return self.all_chunks.pack((chunk_part(record), vs, i))
 
-    def chunks_range(self, vs: Versionstamp):
-        """The body chunks of the log entry ``vs``."""
-        return self.all_chunks[vs].range()
+    def chunks_range(self, vs: Versionstamp, record):
+        """The body chunks of the log entry ``vs`` (its ``record``)."""
+        return self.all_chunks[chunk_part(record)][vs].range()
 
-    def chunk_vs_key(self, uv: int, i: int) -> bytes:
-        """The stamped key of chunk ``i`` of this transaction's message ``uv``."""
-        return vs_key(self.all_chunks.key(), uv, _chunk_index(i))
+    def chunk_vs_key(self, uv: int, i: int, record) -> bytes:
+        """The stamped key of chunk ``i`` of this transaction's message ``uv`` (its ``record``)."""
+        return vs_key(self.all_chunks.pack((chunk_part(record),)), uv, _chunk_index(i))
 
-    def chunk_keys_bytes(self, nchunks: int) -> int:
-        """The bytes of the keys of a log entry's ``nchunks`` body chunks."""
-        return nchunks * (len(self.all_chunks.key()) + STAMP_BYTES) + sum(map(len, map(_chunk_index, range(nchunks))))
+    def chunk_keys_bytes(self, nchunks: int, record) -> int:
+        """The bytes of the keys of a log entry's ``nchunks`` body chunks (its ``record``)."""
+        head = len(self.all_chunks.pack((chunk_part(record),)))
+        return nchunks * (head + STAMP_BYTES) + sum(map(len, map(_chunk_index, range(nchunks))))
 
     def time_index_vs_key(self, minute_ms: int, uv: int) -> bytes:
         """The time index's entry of ``minute_ms`` at this transaction's message ``uv``."""

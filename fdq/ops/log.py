@@ -18,14 +18,16 @@ from ..keyspace.stamps import FIRST_VS
 
 SLACK_MS = 60_000   # producers' clocks may disagree: start a time window this much earlier
 
-def entry_bytes(ts: TopicSpace, bucket: int, record_len: int, nchunks: int = 0, chunk_bytes: int = 0) -> int:
+def entry_bytes(ts: TopicSpace, bucket: int, record_len: int, nchunks: int = 0, chunk_bytes: int = 0,
+                record=None) -> int:
     """A log entry's size as the topic's ``log_bytes`` counter counts it (what
     ``retention_bytes`` bounds): the bytes of its key and record, and of its body chunks'
-    keys and values (``chunk_bytes``: the chunks' values together). The time index and
-    pending keys are not counted. Push adds it, trim subtracts it when it deletes."""
+    keys and values (``chunk_bytes``: the chunks' values together; ``record``: the
+    entry's Record, which says where they are). The time index and pending keys are not
+    counted. Push adds it, trim subtracts it when it deletes."""
     n = len(ts.log_prefix(bucket)) + STAMP_BYTES + record_len
     if nchunks:
-        n += ts.chunk_keys_bytes(nchunks) + chunk_bytes
+        n += ts.chunk_keys_bytes(nchunks, record) + chunk_bytes
     return n
 
 
@@ -68,7 +70,7 @@ def read_heads(tr, ts: TopicSpace, buckets, cursors: dict, per_bucket: int) -> t
 def chunked_body(tr, ts: TopicSpace, vs, record: Record, strict: bool) -> bytes | None:
     """The body of the log entry ``vs`` from its chunks (``strict``: None unless all
     ``record.nchunks`` of them are there: a trim may have deleted them)."""
-    r = ts.chunks_range(vs)
+    r = ts.chunks_range(vs, record)
     chunks = [kv.value for kv in tr.snapshot.get_range(r.start, r.stop)]
     if strict and len(chunks) != record.nchunks:
         return None

@@ -59,7 +59,7 @@ def _record(raw) -> Record | None:
 def _body(snap, ts: TopicSpace, sub: str, vs, rec: Record) -> bytes:
     if not rec.nchunks:
         return rec.body
-    r = ts.sub_chunks_range(sub, vs)
+    r = ts.sub_chunks_range(sub, vs, rec)
     return b"".join(kv.value for kv in snap.get_range(r.start, r.stop))
 
 
@@ -197,7 +197,7 @@ def get(tr, ts: TopicSpace, vs: Versionstamp) -> dict:
         if raw != None:  # noqa: E711
             rec = _record(raw)
             if rec is not None and rec.nchunks:
-                r = ts.chunks_range(vs)
+                r = ts.chunks_range(vs, rec)
                 rec.body = b"".join(kv.value for kv in snap.get_range(r.start, r.stop))
             log = (b, rec if rec is not None else Record(0, body=bytes(raw)), rec is None)
             break

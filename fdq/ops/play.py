@@ -33,7 +33,7 @@ def route_existing(tr, ts: TopicSpace, config: TopicConfig, vs, raw: bytes, cloc
     tag, n = target(rec, config.shards)
     chunks = []
     if rec.nchunks:
-        r = ts.chunks_range(vs)
+        r = ts.chunks_range(vs, rec)
         chunks = [kv.value for kv in tr.snapshot.get_range(r.start, r.stop)]
     for sub in config.subs:
         shard = ts.shard(sub, tag, n)
@@ -43,7 +43,7 @@ def route_existing(tr, ts: TopicSpace, config: TopicConfig, vs, raw: bytes, cloc
         else:
             tr[shard.ready_key(vs)] = raw
         for i, c in enumerate(chunks):
-            tr[shard.chunk_key(vs, i)] = c
+            tr[shard.chunk_key(vs, i, rec)] = c
         tr.add(shard.stat("routed"), counter(1))
     tr.add(ts.push_stat(n), push_counters(routed=1))
     return len(config.subs) * (len(raw) + sum(map(len, chunks)))

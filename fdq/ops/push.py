@@ -261,12 +261,12 @@ def _push_full(tr, b: _Batch, plan, topic: str, env, uv: int, n: int) -> tuple:
     inline, chunks = split_body(env.body)
     key = env.shard_key
     home = n if key is None else None
-    record = Record(b.now_ms, key, env.msg_id, headers, inline, 0, len(chunks), replay_of, due,
-                    expires, home).encode()
+    rec = Record(b.now_ms, key, env.msg_id, headers, inline, 0, len(chunks), replay_of, due, expires, home)
+    record = rec.encode()
     if len(record) > RECORD_BYTES:      # the body fits a value, not with its headers and keys
         inline, chunks = split_body(env.body, force=True)
-        record = Record(b.now_ms, key, env.msg_id, headers, inline, 0, len(chunks), replay_of, due,
-                        expires, home).encode()
+        rec = Record(b.now_ms, key, env.msg_id, headers, inline, 0, len(chunks), replay_of, due, expires, home)
+        record = rec.encode()
     if not config.routing and len(config.subs) * (len(record) + len(env.body)) > ROUTE_BYTES:
         # play routes it alone, to every subscription, in one transaction: refuse what
         # could never be routed (it would block the play, and every message behind it)
@@ -276,11 +276,11 @@ def _push_full(tr, b: _Batch, plan, topic: str, env, uv: int, n: int) -> tuple:
     counters = b.counters
     tr.set_versionstamped_key(vs_key(ts.log_prefix(n), uv), record)
     for i, chunk in enumerate(chunks):
-        tr.set_versionstamped_key(ts.chunk_vs_key(uv, i), chunk)
+        tr.set_versionstamped_key(ts.chunk_vs_key(uv, i, rec), chunk)
     sums = b.pushed[topic]
     sums[0] += 1
     sums[2] += len(env.body)
-    sums[3] += entry_bytes(ts, n, len(record), len(chunks), len(env.body) if chunks else 0)
+    sums[3] += entry_bytes(ts, n, len(record), len(chunks), len(env.body) if chunks else 0, rec)
     if b.time_index.get(topic) != b.minute:
         b.time_index[topic] = b.minute   # a lost entry only makes a replay scan longer
         tr.set_versionstamped_key(ts.time_index_vs_key(b.minute, uv), b"")
@@ -289,7 +289,7 @@ def _push_full(tr, b: _Batch, plan, topic: str, env, uv: int, n: int) -> tuple:
         b.tags.add((topic, tag))
         _note_tag(tr, ts, tag)
     if config.routing:
-        route_message(tr, ts, config, tag, n, uv, record, chunks, due, counters)
+        route_message(tr, ts, config, tag, n, uv, record, chunks, due, counters, rec)
         sums[1] += 1
     else:
         tr.set_versionstamped_key(ts.pending_vs_key(n, uv), encode_pending(n))
@@ -385,10 +385,11 @@ def _push_plan(ts: TopicSpace, config: TopicConfig) -> _PushPlan:
 
 
 def route_message(tr, ts: TopicSpace, config: TopicConfig, tag: str, n: int, uv: int,
-                  record: bytes, chunks: list, due: int | None, counters):
-    """Write one message (user version ``uv`` of this transaction's versionstamp) into
-    every subscription's shard queue: ready, or delayed until the topic's clock reaches
-    ``due`` (ms, ``clock.read_clock``). (The topic's ``routed``: the caller's.)"""
+                  record: bytes, chunks: list, due: int | None, counters, rec: Record | None = None):
+    """Write one message (user version ``uv`` of this transaction's versionstamp; its
+    ``record`` encoded, and as ``rec`` when it has ``chunks``) into every subscription's
+    shard queue: ready, or delayed until the topic's clock reaches ``due`` (ms,
+    ``clock.read_clock``). (The topic's ``routed``: the caller's.)"""
     for sub in config.subs:
         shard = ts.shard(sub, tag, n)
         if due is None:
@@ -397,7 +398,7 @@ def route_message(tr, ts: TopicSpace, config: TopicConfig, tag: str, n: int, uv:
             tr.set_versionstamped_key(shard.delayed_vs_key(due, uv), record)
             counters[shard.stat("delayed")] += 1
         for i, chunk in enumerate(chunks):
-            tr.set_versionstamped_key(shard.chunk_vs_key(uv, i), chunk)
+            tr.set_versionstamped_key(shard.chunk_vs_key(uv, i, rec), chunk)
         counters[shard.stat("routed")] += 1   # consumers watch this key
 
 

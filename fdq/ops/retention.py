@@ -71,7 +71,7 @@ def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: in
             last = vs
             continue
         runs.add(kv.key)
-        freed += _entry_bytes(tr, ts, bucket, vs, len(kv.value), rec.nchunks)
+        freed += _entry_bytes(tr, ts, bucket, vs, len(kv.value), rec)
         deleted += 1
         last = vs
     runs.end()
@@ -114,16 +114,17 @@ def _note_trimmed(tr, ts: TopicSpace, deleted: int, freed: int):
         tr.add(ts.stat("trimmed"), counter(deleted))
 
 
-def _entry_bytes(tr, ts: TopicSpace, bucket: int, vs, value_bytes: int, nchunks: int) -> int:
-    """Delete the body chunks of log entry ``vs`` (its key goes with its run, ``_Runs``)
-    and return the entry's bytes (``ops.log.entry_bytes``)."""
+def _entry_bytes(tr, ts: TopicSpace, bucket: int, vs, value_bytes: int, rec: Record) -> int:
+    """Delete the body chunks of log entry ``vs`` (its record ``rec``; its key goes with
+    its run, ``_Runs``) and return the entry's bytes (``ops.log.entry_bytes``)."""
     size = 0
+    nchunks = rec.nchunks
     if nchunks:
-        last = tr.snapshot[ts.chunk_key(vs, nchunks - 1)]
+        last = tr.snapshot[ts.chunk_key(vs, nchunks - 1, rec)]
         size = chunks_bytes(len(last) if last != None else 0, nchunks)   # noqa: E711
-        cr = ts.chunks_range(vs)
+        cr = ts.chunks_range(vs, rec)
         tr.clear_range(cr.start, cr.stop)
-    return entry_bytes(ts, bucket, value_bytes, nchunks, size)
+    return entry_bytes(ts, bucket, value_bytes, nchunks, size, rec)
 
 
 @transactional
@@ -157,7 +158,7 @@ def trim_oldest_chunk(tr, ts: TopicSpace, entries: list, max_bytes: int | None,
         if raw == None:  # noqa: E711 - deleted meanwhile
             continue
         runs.setdefault(bucket, _Runs(tr)).add(ts.log_key(bucket, vs))
-        freed += _entry_bytes(tr, ts, bucket, vs, len(raw), Record.decode(raw).nchunks)
+        freed += _entry_bytes(tr, ts, bucket, vs, len(raw), Record.decode(raw))
         deleted += 1
     for run in runs.values():
         run.end()

@@ -35,8 +35,6 @@ pytestmark = pytest.mark.xdist_group("hotspots")
 # Findings on today's code (issue 26.1, the push side's layout: keyspace and ops/push,
 # another partition's files), each with the family that breaks the rule.
 FINDINGS = {
-    "append_partitions[push_large]": "a large body's chunks are appended under one prefix per topic "
-                                     "(topic/<t>/all/chunks/<vs> and subs/<s>/chunks/<vs>): one tail each",
     "mutations_per_message[push_many]": "2.19 per message in batches of 100 random keys over 16 shards, against "
                                         "a budget of 2.1 no layout can meet: each of the 16 shards' routed counter "
                                         "(the key its consumers watch) is one add per shard touched, 0.16 per "

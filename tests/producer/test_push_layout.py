@@ -5,12 +5,15 @@ exactly ``Record.encode()``, for every subscription, keyed and unkeyed, and the 
 must add up."""
 from __future__ import annotations
 
+import os
+import time
+
 import fdb.tuple
 import pytest
 from fdb.tuple import Versionstamp
 
 import fdq
-from fdq.keyspace import INDEX_PARTS, PUSH_COUNTERS, counters, decode_counters, index_part
+from fdq.keyspace import INDEX_PARTS, PUSH_COUNTERS, chunk_part, counters, decode_counters, index_part
 from fdq.keyspace import decode_counter, Keyspace, vs_key, vs_key_parts
 from fdq.keyspace.codec import Record
 
@@ -105,3 +108,44 @@ def test_packed_counters_keep_each_slot_exact_through_adds_and_negative_amounts(
     got = decode_counters(tr[key], 4)
     tr.cancel()
     assert got == [sum(col) for col in zip(*amounts)]
+
+
+def test_large_bodies_chunks_are_spread_over_parts_found_from_their_record(db):
+    """A large body's chunks are appended under a part (``keyspace.chunk_part``: by its
+    shard key, or its home shard) in the log and in every subscription, not under one
+    prefix per topic: 10 bodies use at least 4 parts. Whoever holds the record finds
+    them: the bodies come back whole from both subscriptions, and acks and a trim leave
+    no chunk behind."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("o", shards=4)
+    sup.create_subscription("o", "second")
+    p = fdq.Producer(db)
+    bodies = {}
+    for i in range(10):
+        body = os.urandom(150_000 + i)
+        bodies[p.push("o", body, shard_key=f"big{i}" if i % 3 else None).id] = body
+    ts = Keyspace().topic("o")
+    chunk_areas = (ts.all_chunks, ts.subs["default"]["chunks"], ts.subs["second"]["chunks"])
+    parts = set()
+    for _k, raw in scan(db, ts.log.key()):
+        rec = Record.decode(raw)
+        assert rec.nchunks
+        parts.add(chunk_part(rec))
+    for area in chunk_areas:
+        assert {area.unpack(k)[0] for k, _v in scan(db, area.key())} == parts
+    assert len(parts) >= 4
+    for sub in ("default", "second"):
+        c = fdq.Consumer(db, "o", subscription=sub, consumer_id=f"c-{sub}")
+        try:
+            got = {}
+            deadline = time.monotonic() + 30
+            while len(got) < len(bodies) and time.monotonic() < deadline:
+                ms = c.fetch(10, timeout=0.5)
+                got.update((m.id, m.body) for m in ms)
+                c.ack_many(ms)
+        finally:
+            c.close()
+        assert got == bodies
+    sup.trim("o", before_ms=int(time.time() * 1000) + 600_000)
+    for area in chunk_areas:
+        assert scan(db, area.key()) == []
