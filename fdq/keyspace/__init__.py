@@ -309,8 +309,9 @@ class TopicSpace:
         return key
 
     def push_stat(self, n: int = 0) -> bytes:
-        """The part of the packed push counters (``PUSH_COUNTERS``) that shard number
-        ``n``'s writers add to (as ``stat``)."""
+        """Part ``n % STAT_PARTS`` of the packed push counters (``PUSH_COUNTERS``): a push
+        transaction adds to the part of its txid (``index_part``), play to its message's
+        shard's, trim to part 0; readers sum them all."""
         return self.stat(PUSH_STAT, n)
 
     def marker_index(self, part: int) -> Subspace:
