@@ -97,8 +97,8 @@ INDEX_PARTS = 16
 # replays/<id>/REPLAY_DONE: a finished replay's record (config.check_replay_id refuses the name).
 REPLAY_DONE = "done"
 
-__all__ = ["Keyspace", "TopicSpace", "ShardSpace", "STAT_PARTS", "chunk_part", "PUSH_COUNTERS", "PUSH_STAT", "counters", "push_counters",
-           "decode_counters", "INDEX_PARTS", "REPLAY_DONE", "index_part", "Versionstamp", "vs_key", "vs_key_parts",
+__all__ = ["Keyspace", "TopicSpace", "ShardSpace", "STAT_PARTS", "chunk_part", "PUSH_COUNTERS", "PUSH_STAT",
+           "counters", "push_counters", "decode_counters", "INDEX_PARTS", "REPLAY_DONE", "index_part", "Versionstamp", "vs_key", "vs_key_parts",
            "vs_from_bytes", "counter", "decode_counter", "ensure_format", "message_id", "parse_message_id",
            "StoredVersionstamp", "STAMP_BYTES", "VERSIONS_PER_S", "position_of", "stamp_of_value", "stamped_value",
            "version_of"]
