@@ -53,9 +53,11 @@ def _empty_real_cluster():
     an empty FDQ layout (run the pass with one worker: -n 0)."""
     if fdqtest.ON_FDB and not fdqtest.STANDIN:
         from fdq.keyspace import Keyspace
+        from fdq.ops.topics import bump_metadata_version
         db = fdq.connect(f"fdb://{fdqtest.FDB_CLUSTER_FILE}", check_format=False)
         tr, r = db.create_transaction(), Keyspace().root.range()
         tr.clear_range(r.start, r.stop)
+        bump_metadata_version(tr)        # the configs cached behind it are gone too
         tr.commit().wait()
     yield
 

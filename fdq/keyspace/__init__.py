@@ -1,8 +1,9 @@
-"""The key layout: the only code that knows where FDQ keeps what (design §2).
+"""The key layout: the only code that knows where FDQ keeps what (docs/design.md §2).
 
 Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
 
     meta/format                                           layout version
+    \xff/metadataVersion (outside the root)              bumped with every topic config change
     meta/leaders/<name>                                   a database-wide role's holder (ops/leaders)
     meta/leaders/<name>/beat                              its holder's beat counter (atomic add)
     meta/leaders/maintenance/<topic>[/beat]               the role of a topic's maintainer (fdq.maintainer)
@@ -94,11 +95,15 @@ PUSH_STAT = "push"
 # by a hash of what they index (TopicSpace.marker_index, dedupe_index): no single append
 # point every push (or every push with a msg_id) writes.
 INDEX_PARTS = 16
+# FoundationDB's metadata version: every change of a topic's config bumps it in the same
+# transaction (ops.topics), so readers may cache configs behind it (ops.topics.cached_topic_config).
+METADATA_VERSION_KEY = b"\xff/metadataVersion"
 # replays/<id>/REPLAY_DONE: a finished replay's record (config.check_replay_id refuses the name).
 REPLAY_DONE = "done"
 
 __all__ = ["Keyspace", "TopicSpace", "ShardSpace", "STAT_PARTS", "chunk_part", "PUSH_COUNTERS", "PUSH_STAT",
-           "counters", "push_counters", "decode_counters", "INDEX_PARTS", "REPLAY_DONE", "index_part", "Versionstamp", "vs_key", "vs_key_parts",
+           "counters", "push_counters", "decode_counters", "INDEX_PARTS", "REPLAY_DONE", "METADATA_VERSION_KEY",
+           "index_part", "Versionstamp", "vs_key", "vs_key_parts",
            "vs_from_bytes", "counter", "decode_counter", "ensure_format", "message_id", "parse_message_id",
            "StoredVersionstamp", "STAMP_BYTES", "VERSIONS_PER_S", "position_of", "stamp_of_value", "stamped_value",
            "version_of"]

@@ -429,7 +429,7 @@ def unpack(raw):
 
 
 def shard_of(shard_key: str, shards: int) -> int:
-    """blake2b-64 of the UTF-8 shard key, mod the shard count (design §3)."""
+    """blake2b-64 of the UTF-8 shard key, mod the shard count (docs/design.md §3)."""
     digest = hashlib.blake2b(shard_key.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "big") % shards
 

@@ -32,7 +32,7 @@ from ..keyspace.codec import (CHUNK_BYTES, CHUNK_WRITE_BYTES, RECORD_BYTES, ROUT
                               decode_marker, encode_dedupe, encode_marker, encode_pending, packer, split_body)
 from .clock import due_base, read_clock
 from .stats import push_counters as push_counters_of, shard_counters
-from .topics import check_hold, load_config, write_new_topic_config
+from .topics import cached_topic_config, check_hold, write_new_topic_config
 from .log import entry_bytes
 from .routing import home_for, shard_for
 
@@ -402,23 +402,8 @@ def route_message(tr, ts: TopicSpace, config: TopicConfig, tag: str, n: int, uv:
         counters[shard.stat("routed")] += 1   # consumers watch this key
 
 
-_config_cache = {}
-
-
-def _decode_config(raw) -> TopicConfig | None:
-    if raw == None:  # noqa: E711
-        return None
-    raw = bytes(raw)
-    config = _config_cache.get(raw)
-    if config is None:
-        if len(_config_cache) > 1024:
-            _config_cache.clear()
-        config = _config_cache[raw] = load_config(raw)
-    return config
-
-
 def _config_for_push(tr, ks, ts, auto_create) -> TopicConfig:
-    config = _decode_config(tr[ts.config_key])
+    config = cached_topic_config(tr, ts)
     if config is None:
         if not auto_create:
             raise TopicNotFound(f"topic {ts.name!r} does not exist")

@@ -1,6 +1,6 @@
 """Where a message goes: one rule for every place that puts a message in a shard.
 
-A keyed message's shard is ``blake2b-64(shard key) mod shards`` (design §3). An unkeyed
+A keyed message's shard is ``blake2b-64(shard key) mod shards`` (docs/design.md §3). An unkeyed
 message's is its *home* mod ``shards``: the shard its push chose, kept in its record
 (``Record.home``). Push picks homes in runs of ``STICKY_RUN`` messages on one shard from a
 random start (Kafka's sticky partitioner, KIP-480): even over time, and a batch touches a

@@ -1,19 +1,30 @@
 """Topics: the transactional functions that read, create, change and delete the
-``config/topics/<topic>`` key every push reads, and a play's hold on pushes."""
+``config/topics/<topic>`` key every push reads, and a play's hold on pushes.
+
+Every change of a topic's config bumps FoundationDB's ``\\xff/metadataVersion`` in its
+transaction (:func:`write_topic_config`, :func:`delete_topic`): a reader that finds it
+unchanged uses the config it read with it (:func:`cached_topic_config`). On a cluster that
+saves every push a storage read of the one key all of a topic's pushes read (the metadata
+version comes with the read version); its non-snapshot read still conflicts with any
+config change, as the config key's read did."""
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 from ..config import SubscriptionConfig, TopicConfig, check_name
 from ..engine import transactional
 from ..errors import TopicExists, TopicHeld, TopicNotFound
 from ..keyspace.format import ensure_format
-from ..keyspace import Keyspace, TopicSpace, stamped_value
+from ..keyspace import METADATA_VERSION_KEY, Keyspace, TopicSpace, stamped_value
 from ..keyspace.codec import encode_subscription, pack, unpack
 
 HOLD_VERSIONS = 1_000_000   # a play's hold on pushes (play_chunk) lapses after ~1 s of versions
 HOLD_WAIT_S = 0.002         # a push the hold refused (TopicHeld) tries again after this
 _LAST = [None, None]     # (raw, TopicConfig) last decoded: consumers decode it per shard visit
+_CACHED = weakref.WeakKeyDictionary()   # database -> {config key: (metadata version, TopicConfig or None)}
+_BUMPED = weakref.WeakSet()             # transactions that bumped the metadata version (reading it there: 1036)
+_ZERO_STAMP = b"\x00" * 14
 
 
 def load_config(raw) -> TopicConfig | None:
@@ -36,6 +47,34 @@ def read_topic_config(tr, ts: TopicSpace, *, snapshot: bool = False) -> TopicCon
     if config is None:
         raise TopicNotFound(f"topic {ts.name!r} does not exist")
     return config
+
+
+def cached_topic_config(tr, ts: TopicSpace) -> TopicConfig | None:
+    """The topic's config (None: no such topic), as a non-snapshot read of its key would
+    give it, from this process's cache while the database's metadata version is the one
+    it was read with. The metadata version's read is the conflict: a config change
+    committed after this transaction's read version makes it retry."""
+    if tr in _BUMPED:      # this transaction changed a config: read it (and its own writes)
+        return load_config(tr[ts.config_key])
+    mv = tr[METADATA_VERSION_KEY]
+    if mv == None:  # noqa: E711 - never bumped: no config was ever written through FDQ
+        return load_config(tr[ts.config_key])
+    mv = bytes(mv)
+    per_db = _CACHED.get(tr.db)
+    if per_db is None:
+        per_db = _CACHED.setdefault(tr.db, {})
+    hit = per_db.get(ts.config_key)
+    if hit is not None and hit[0] == mv:
+        return hit[1]
+    config = load_config(tr.snapshot[ts.config_key])
+    per_db[ts.config_key] = (mv, config)
+    return config
+
+
+def bump_metadata_version(tr):
+    """Mark a config change: readers' caches (:func:`cached_topic_config`) read again."""
+    tr.set_versionstamped_value(METADATA_VERSION_KEY, _ZERO_STAMP)
+    _BUMPED.add(tr)
 
 
 def held(rv: int, held_at: int) -> bool:
@@ -98,6 +137,7 @@ def stamp_subscription_start(tr, ts: TopicSpace, sub: str):
 @transactional
 def write_topic_config(tr, ts: TopicSpace, config: TopicConfig):
     tr[ts.config_key] = pack(config.as_dict())
+    bump_metadata_version(tr)
 
 
 @transactional
@@ -124,10 +164,11 @@ def list_topics(tr, ks: Keyspace) -> list:
 def delete_topic(tr, ts: TopicSpace):
     """Delete a topic: its config, consumers, subscription records, queues, log and
     counters (range clears: one small transaction whatever it holds). Pushes in flight
-    read the config key: they retry and find no topic."""
+    read the config (the metadata version): they retry and find no topic."""
     r = ts.config_space.range()
     tr.clear_range(r.start, r.stop)
     del tr[ts.config_key]
+    bump_metadata_version(tr)
     r = ts.space.range()
     tr.clear_range(r.start, r.stop)
     for key in ts.maintenance_role_keys:     # its maintainer's role (meta/leaders)

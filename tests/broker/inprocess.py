@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from fdq.broker.server import Conn
+from fdq.broker.conn import Conn
 
 
 class Writer:

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from fdq.broker import protocol as p
-from fdq.broker.server import MAX_PENDING_PUBLISHES as MAX_PENDING
+from fdq.broker.conn import MAX_PENDING_PUBLISHES as MAX_PENDING
 from fdqtest import ON_FDB
 
 BODY = 256 * 1024
