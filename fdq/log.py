@@ -176,8 +176,8 @@ def decode_entries(db, ts: TopicSpace, keys, raws, start_ms=None, end_ms=None, s
     if shard_keys is not None:
         keep = [i for i in (range(n) if keep is None else keep) if sks[i] in shard_keys]
     if keep is not None:
-        tss, sks, mids, hds, bodies, reps, keys = (
-            [col[i] for i in keep] for col in (tss, sks, mids, hds, bodies, reps, keys))
+        tss, sks, mids, hds, bodies, reps, keys, raws = (
+            [col[i] for i in keep] for col in (tss, sks, mids, hds, bodies, reps, keys, raws))
         if nchunks is not None:
             nchunks = [nchunks[i] for i in keep]
     if nchunks is not None and any(nchunks):
@@ -185,7 +185,7 @@ def decode_entries(db, ts: TopicSpace, keys, raws, start_ms=None, end_ms=None, s
         for i, nc in enumerate(nchunks):
             if nc:
                 vs = Versionstamp.from_bytes(position_of(keys[i]))
-                bodies[i] = body_of(db, ts, vs, Record(tss[i], nchunks=nc), strict=True)
+                bodies[i] = body_of(db, ts, vs, Record.decode(raws[i]), strict=True)   # (its chunks' part)
         if None in bodies:   # trimmed since its record was read: it is gone, not empty
             keep = [i for i, b in enumerate(bodies) if b is not None]
             tss, sks, mids, hds, bodies, reps, keys = (

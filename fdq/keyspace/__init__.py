@@ -23,15 +23,18 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     topic/<topic>/clock_version                           read version of its last advance (display)
     topic/<topic>/all/log/<bucket>/<vs>                   the "all" log (bucket = shard n)
     topic/<topic>/all/time/<minute_ms>/<vs>               sparse time -> position index
-    topic/<topic>/all/stats/<name>/<part>                 inserted, routed, emitted, acked, ...: summed parts
-    topic/<topic>/all/chunks/<vs>/<i>                     body chunks of large messages
-    topic/<topic>/all/pending/<vs>                        pushed while paused, not yet routed
+    topic/<topic>/all/stats/push/<part>                   inserted, routed, inserted_bytes, log_bytes: one
+                                                          packed counter (PUSH_COUNTERS), summed parts
+    topic/<topic>/all/stats/<name>/<part>                 emitted, acked, trimmed, ...: summed parts
+    topic/<topic>/all/chunks/<part>/<vs>/<i>              body chunks of large messages (part: chunk_part)
+    topic/<topic>/all/pending/<bucket>/<vs>               pushed while paused, not yet routed (bucket:
+                                                          its log bucket; play merges the buckets)
     topic/<topic>/subs/<sub>/shards/<tag>/<n>/ready/<vs>             ready queue
     topic/<topic>/subs/<sub>/shards/<tag>/<n>/delayed/<due>/<vs>     due = topic clock ms
     topic/<topic>/subs/<sub>/shards/<tag>/<n>/leased/<vs>/<lease_id> a leased batch (or part):
                                                           vs = its first message's
     topic/<topic>/subs/<sub>/shards/<tag>/<n>/stats/<name>           per-shard counters
-    topic/<topic>/subs/<sub>/chunks/<vs>/<i>              body chunks of queued messages
+    topic/<topic>/subs/<sub>/chunks/<part>/<vs>/<i>       body chunks of queued messages (part: chunk_part)
     topic/<topic>/subs/<sub>/dlq/<vs>                     dead letters, with the reason
     topic/<topic>/subs/<sub>/stats/<name>                 per-subscription counters
     topic/<topic>/tags/<tag>                              dispatch tags seen (blind set by push)
@@ -40,6 +43,26 @@ Everything lives under a root subspace (default ``("fdq",)``), tuple-encoded::
     topic/<topic>/replays/<window>/<run>[/"hb"]           a replay's progress and heartbeat (while it runs)
     topic/<topic>/replays/<id>/"done"                     a finished replay (its window, count, when)
     topic/<topic>/maintenance                             its maintainer's last pass (ops.retention)
+
+No key or append point every push writes (issue 26.1), and what each split costs the
+ordering guarantees (nothing):
+
+* the topic counters: parts summed on read (``STAT_PARTS``); the four a push adds packed
+  in one key and one atomic add (``PUSH_COUNTERS``). Atomic adds commute: a sum of parts
+  is the same number a single key held, and a snapshot read of the parts is one version's
+  sum, so ``stats``, the backlog check and trim by size see exactly what they saw.
+* the marker and dedupe indexes (``INDEX_PARTS``, by a hash of the txid / msg_id): each
+  part is in version order, and expiry only needs "older than a version", per part.
+* body chunks (``chunks/<part>``, ``chunk_part``: by the message's shard key, or its
+  home shard, which every copy of its record keeps): a message's chunks are found from
+  its record and stamp, never by scanning in order, so the split costs no order.
+* pending entries (``pending/<bucket>``, the message's log bucket): play reads every
+  bucket's head at one read version and merges them by versionstamp up to the smallest
+  last key read of a bucket with more (``ops.log.merged_heads``, as the log reader does).
+  A stamp is the commit order, and anything committed after that read version has a
+  larger one, so each chunk routes exactly the oldest pending messages: the same order,
+  gap-free, as one list gave. Trim's ``first_pending`` reads each bucket's head with a
+  conflict (a push starting a bucket, or a play, conflicts as before).
 
 ``<vs>`` is a tuple-layer Versionstamp: the commit's 10-byte stamp plus the message's
 index in its transaction, so keys sort by commit order and are gap-free for readers
@@ -61,6 +84,13 @@ from .stamps import (STAMP_BYTES, VERSIONS_PER_S, VS_CODE, StoredVersionstamp, m
 # (the stamps' names are re-exported: callers import them from fdq.keyspace)
 # A topic's counters are split over this many keys by shard number (TopicSpace.stat).
 STAT_PARTS = 16
+# The topic counters a push adds (and play's routed, trim's log_bytes) share one key per
+# part, ``all/stats/push/<part>``, and one atomic add: a little-endian integer of a signed
+# 64-bit slot each, in this order (``counters`` builds the operand, ``decode_counters``
+# reads it back). FDB's add carries over the whole value, so each slot stays exact as long
+# as it fits 64 bits; a push writes one mutation for all four.
+PUSH_COUNTERS = ("inserted", "routed", "inserted_bytes", "log_bytes")
+PUSH_STAT = "push"
 # The by-version indexes of push markers and dedupe ids are split over this many ranges,
 # by a hash of what they index (TopicSpace.marker_index, dedupe_index): no single append
 # point every push (or every push with a msg_id) writes.
@@ -71,7 +101,9 @@ METADATA_VERSION_KEY = b"\xff/metadataVersion"
 # replays/<id>/REPLAY_DONE: a finished replay's record (config.check_replay_id refuses the name).
 REPLAY_DONE = "done"
 
-__all__ = ["Keyspace", "TopicSpace", "ShardSpace", "STAT_PARTS", "INDEX_PARTS", "REPLAY_DONE", "METADATA_VERSION_KEY", "index_part", "Versionstamp", "vs_key", "vs_key_parts",
+__all__ = ["Keyspace", "TopicSpace", "ShardSpace", "STAT_PARTS", "chunk_part", "PUSH_COUNTERS", "PUSH_STAT",
+           "counters", "push_counters", "decode_counters", "INDEX_PARTS", "REPLAY_DONE", "METADATA_VERSION_KEY",
+           "index_part", "Versionstamp", "vs_key", "vs_key_parts",
            "vs_from_bytes", "counter", "decode_counter", "ensure_format", "message_id", "parse_message_id",
            "StoredVersionstamp", "STAMP_BYTES", "VERSIONS_PER_S", "position_of", "stamp_of_value", "stamped_value",
            "version_of"]
@@ -92,6 +124,42 @@ def decode_counter(raw) -> int:
     return int.from_bytes(b[:8].ljust(8, b"\x00"), "little", signed=True) if b else 0
 
 
+_SLOT_BITS = 64
+_SLOT_MASK = (1 << _SLOT_BITS) - 1
+_SLOT_SIGN = 1 << (_SLOT_BITS - 1)
+
+
+def counters(amounts) -> bytes:
+    """The ``tr.add`` operand adding ``amounts[i]`` to slot ``i`` of a packed counter
+    (``PUSH_COUNTERS``): one little-endian integer, 8 bytes a slot (two's complement, so
+    a negative amount borrows from the next slot, which ``decode_counters`` undoes)."""
+    width = 8 * len(amounts)
+    v = 0
+    for i, a in enumerate(amounts):
+        v += a << (_SLOT_BITS * i)
+    return (v % (1 << (8 * width))).to_bytes(width, "little")
+
+
+def push_counters(inserted: int = 0, routed: int = 0, inserted_bytes: int = 0, log_bytes: int = 0) -> bytes:
+    """The operand adding these to the packed push counters (``PUSH_COUNTERS``, in that order)."""
+    return counters((inserted, routed, inserted_bytes, log_bytes))
+
+
+def decode_counters(raw, k: int) -> list:
+    """The ``k`` slots of a packed counter (absent: zeros), each a signed 64-bit value."""
+    if raw is None or raw == None:  # noqa: E711 - FDB's absent Value equals None
+        return [0] * k
+    v = int.from_bytes(bytes(raw)[:8 * k], "little")
+    out = []
+    for _ in range(k):
+        slot = v & _SLOT_MASK
+        if slot & _SLOT_SIGN:
+            slot -= 1 << _SLOT_BITS
+        out.append(slot)
+        v = (v - slot) >> _SLOT_BITS
+    return out
+
+
 _CHUNK_INDEXES = [fdbtuple.pack((i,)) for i in range(256)]
 
 
@@ -102,6 +170,17 @@ def _chunk_index(i: int) -> bytes:
 def index_part(data: bytes) -> int:
     """The part (of ``INDEX_PARTS``) of a by-version index that ``data``'s entry goes to."""
     return zlib.crc32(data) % INDEX_PARTS
+
+
+def chunk_part(record) -> int:
+    """The part (of ``INDEX_PARTS``) where the body chunks of the message of ``record``
+    (a ``codec.Record``) are kept, in the log and in every subscription: by its shard
+    key (``index_part``) or, unkeyed, its home shard. Both are in every copy of its
+    record (a reshard, a requeue or a dead letter keeps them), so whoever holds the
+    record finds the chunks; messages spread over the parts as over the log's buckets."""
+    if record.shard_key is not None:
+        return index_part(record.shard_key.encode())
+    return (record.home or 0) % INDEX_PARTS
 
 
 class ShardSpace:
@@ -145,17 +224,22 @@ class ShardSpace:
         """The stamped key (``vs_key``) of this transaction's message ``uv``, due at ``due``."""
         return vs_key(self.delayed.pack((due,)), uv)
 
-    def chunk_vs_key(self, uv: int, i: int) -> bytes:
-        """The stamped key of chunk ``i`` of this transaction's message ``uv``."""
-        return vs_key(self.chunks.key(), uv, _chunk_index(i))
+    def chunk_vs_key(self, uv: int, i: int, record) -> bytes:
+        """The stamped key of chunk ``i`` of this transaction's message ``uv`` (its ``record``)."""
+        return vs_key(self.chunks.pack((chunk_part(record),)), uv, _chunk_index(i))
 
-    def chunk_key(self, vs: Versionstamp, i: int) -> bytes:
+    def chunk_key(self, vs: Versionstamp, i: int, record) -> bytes:
         """Chunk ``i`` of the body of the queued message ``vs`` (the subscription's chunks)."""
-        return self.chunks.pack((vs, i))
+        return self.chunks.pack((chunk_part(record), vs, i))
 
-    def chunks_range(self, vs: Versionstamp):
-        """The body chunks of the queued message ``vs``."""
-        return self.chunks[vs].range()
+    def chunks_range(self, vs: Versionstamp, record):
+        """The body chunks of the queued message ``vs`` (its ``record``: ``chunk_part``)."""
+        return self.chunks[chunk_part(record)][vs].range()
+
+    def any_chunks_ranges(self, vs: Versionstamp) -> list:
+        """Where chunks of the queued message ``vs`` can be, in every part (for a record
+        that does not decode)."""
+        return [self.chunks[p][vs].range() for p in range(INDEX_PARTS)]
 
     def stat(self, name: str) -> bytes:
         key = self._stat_keys.get(name)
@@ -229,6 +313,12 @@ class TopicSpace:
             key = self._stat_keys[(name, part)] = self.stats.pack((name, part))
         return key
 
+    def push_stat(self, n: int = 0) -> bytes:
+        """Part ``n % STAT_PARTS`` of the packed push counters (``PUSH_COUNTERS``): a push
+        transaction adds to the part of its txid (``index_part``), play to its message's
+        shard's, trim to part 0; readers sum them all."""
+        return self.stat(PUSH_STAT, n)
+
     def marker_index(self, part: int) -> Subspace:
         """Part ``part`` of the push markers' by-version index (``index_part`` of a txid)."""
         return self.marks_by_version[part]
@@ -255,9 +345,14 @@ class TopicSpace:
         """The message of a dead letter's key."""
         return self.subs[sub]["dlq"].unpack(key)[0]
 
-    def sub_chunks_range(self, sub: str, vs: Versionstamp):
-        """The body chunks of message ``vs`` queued (or dead-lettered) in ``sub``."""
-        return self.subs[sub]["chunks"][vs].range()
+    def sub_chunks_range(self, sub: str, vs: Versionstamp, record):
+        """The body chunks of message ``vs`` (its ``record``) queued (or dead-lettered) in ``sub``."""
+        return self.subs[sub]["chunks"][chunk_part(record)][vs].range()
+
+    def sub_any_chunks_ranges(self, sub: str, vs: Versionstamp) -> list:
+        """Where chunks of message ``vs`` of ``sub`` can be, in every part (for a record
+        that does not decode)."""
+        return [self.subs[sub]["chunks"][p][vs].range() for p in range(INDEX_PARTS)]
 
     def take_marker_key(self, sub: str, cid: str) -> bytes:
         """Consumer ``cid``'s at-most-once take marker (``fdq.ops.queue.mark_take``): in the
@@ -296,33 +391,37 @@ class TopicSpace:
         """Where the time index's entries of ``minute_ms`` begin (entries: + a stamp)."""
         return self.time_index.pack((minute_ms,))
 
-    def chunk_key(self, vs: Versionstamp, i: int) -> bytes:
-        """Chunk ``i`` of the body of the log entry ``vs``."""
-        return self.all_chunks.pack((vs, i))
+    def chunk_key(self, vs: Versionstamp, i: int, record) -> bytes:
+        """Chunk ``i`` of the body of the log entry ``vs`` (its ``record``: ``chunk_part``)."""
+        return self.all_chunks.pack((chunk_part(record), vs, i))
 
-    def chunks_range(self, vs: Versionstamp):
-        """The body chunks of the log entry ``vs``."""
-        return self.all_chunks[vs].range()
+    def chunks_range(self, vs: Versionstamp, record):
+        """The body chunks of the log entry ``vs`` (its ``record``)."""
+        return self.all_chunks[chunk_part(record)][vs].range()
 
-    def chunk_vs_key(self, uv: int, i: int) -> bytes:
-        """The stamped key of chunk ``i`` of this transaction's message ``uv``."""
-        return vs_key(self.all_chunks.key(), uv, _chunk_index(i))
+    def chunk_vs_key(self, uv: int, i: int, record) -> bytes:
+        """The stamped key of chunk ``i`` of this transaction's message ``uv`` (its ``record``)."""
+        return vs_key(self.all_chunks.pack((chunk_part(record),)), uv, _chunk_index(i))
 
-    def chunk_keys_bytes(self, nchunks: int) -> int:
-        """The bytes of the keys of a log entry's ``nchunks`` body chunks."""
-        return nchunks * (len(self.all_chunks.key()) + STAMP_BYTES) + sum(map(len, map(_chunk_index, range(nchunks))))
+    def chunk_keys_bytes(self, nchunks: int, record) -> int:
+        """The bytes of the keys of a log entry's ``nchunks`` body chunks (its ``record``)."""
+        head = len(self.all_chunks.pack((chunk_part(record),)))
+        return nchunks * (head + STAMP_BYTES) + sum(map(len, map(_chunk_index, range(nchunks))))
 
     def time_index_vs_key(self, minute_ms: int, uv: int) -> bytes:
         """The time index's entry of ``minute_ms`` at this transaction's message ``uv``."""
         return vs_key(self.time_index.pack((minute_ms,)), uv)
 
-    def pending_key(self, vs: Versionstamp) -> bytes:
-        """Message ``vs``'s entry in the pending list (pushed while paused)."""
-        return self.pending.pack((vs,))
+    def pending_key(self, bucket: int, vs: Versionstamp) -> bytes:
+        """Message ``vs``'s entry in the pending list (pushed while paused), in its log
+        bucket's part: as the log, one append point per bucket, merged by versionstamp
+        (``ops.log.merged_heads``)."""
+        return self.pending.pack((bucket, vs))
 
-    def pending_vs_key(self, uv: int) -> bytes:
-        """The stamped key of this transaction's message ``uv`` pushed while paused."""
-        return vs_key(self.pending.key(), uv)
+    def pending_vs_key(self, bucket: int, uv: int) -> bytes:
+        """The stamped key of this transaction's message ``uv`` (log bucket ``bucket``)
+        pushed while paused."""
+        return vs_key(self.pending.pack((bucket,)), uv)
 
     def tag_key(self, tag: str) -> bytes:
         return self.tags.pack((tag,))

@@ -106,8 +106,9 @@ def purge_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
 
 
 def _clear_sub_chunks(tr, shard, vs, raw):
-    if Record.decode(raw).nchunks:
-        r = shard.chunks_range(vs)
+    rec = Record.decode(raw)
+    if rec.nchunks:
+        r = shard.chunks_range(vs, rec)
         tr.clear_range(r.start, r.stop)
 
 
@@ -130,9 +131,9 @@ def _copy(tr, ts: TopicSpace, topic_config: TopicConfig, sub: str, vs, raw, rout
         tr[shard.ready_key(vs)] = bytes(raw)
     written = len(raw)
     if rec.nchunks:
-        r = ts.chunks_range(vs)
+        r = ts.chunks_range(vs, rec)
         for i, kv in enumerate(tr.snapshot.get_range(r.start, r.stop)):
-            tr[shard.chunk_key(vs, i)] = kv.value
+            tr[shard.chunk_key(vs, i, rec)] = kv.value
             written += len(kv.value)
     routed[shard.stat("routed")] = routed.get(shard.stat("routed"), 0) + 1
     return written

@@ -84,7 +84,7 @@ def dead_entry(tr, ts: TopicSpace, sub: str, key: bytes, value, now: tuple) -> t
         return vs, Record(0, body=raw), reason, cid, key, True, age
     rec = Record.decode(raw)
     if rec.nchunks:     # the chunks stay in the subscription's chunk area (queue._dead_letter)
-        c = ts.sub_chunks_range(sub, vs)
+        c = ts.sub_chunks_range(sub, vs, rec)
         rec.body = b"".join(c.value for c in tr.snapshot.get_range(c.start, c.stop))
     return vs, rec, reason, cid, key, False, age
 
@@ -194,8 +194,7 @@ def dlq_purge_ids(tr, ts: TopicSpace, sub: str, vss: list, older_than_s: float |
         value = tr[key]
         if value == None or not _older(_undecodable(value), now, older_than_s):  # noqa: E711
             continue
-        if _chunked(value):
-            c = ts.sub_chunks_range(sub, vs)
+        for c in _chunk_ranges(ts, sub, vs, value):
             tr.clear_range(c.start, c.stop)
         del tr[key]
         n += 1
@@ -215,8 +214,7 @@ def dlq_purge_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
     for kv in tr.get_range(r.start, r.stop, limit=limit):
         last = kv.key
         n += 1
-        if _chunked(kv.value):
-            c = ts.sub_chunks_range(sub, ts.dlq_vs(sub, kv.key))
+        for c in _chunk_ranges(ts, sub, ts.dlq_vs(sub, kv.key), kv.value):
             tr.clear_range(c.start, c.stop)
     if last is not None:
         tr.clear_range(r.start, last + b"\x00")
@@ -224,15 +222,18 @@ def dlq_purge_chunk(tr, ts: TopicSpace, sub: str, limit: int) -> int:
     return n
 
 
-def _chunked(value) -> bool:
-    """Whether a dead letter may have body chunks beside it (a raw one: it may)."""
+def _chunk_ranges(ts: TopicSpace, sub: str, vs, value) -> list:
+    """Where the body chunks a dead letter ``vs`` (its ``value``) may keep beside it are:
+    none, its record's (``keyspace.chunk_part``), or, a raw one, every part."""
     raw, _reason, _cid, undecodable = _undecodable(value)[:4]
     if undecodable:
-        return True
+        return ts.sub_any_chunks_ranges(sub, vs)
     try:
-        return has_chunks(raw)
+        if not has_chunks(raw):
+            return []
+        return [ts.sub_chunks_range(sub, vs, Record.decode(raw))]
     except CorruptValue:
-        return True
+        return ts.sub_any_chunks_ranges(sub, vs)
 
 
 def dlq_size(reader, ts: TopicSpace, sub: str) -> int:

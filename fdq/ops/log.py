@@ -18,14 +18,16 @@ from ..keyspace.stamps import FIRST_VS
 
 SLACK_MS = 60_000   # producers' clocks may disagree: start a time window this much earlier
 
-def entry_bytes(ts: TopicSpace, bucket: int, record_len: int, nchunks: int = 0, chunk_bytes: int = 0) -> int:
+def entry_bytes(ts: TopicSpace, bucket: int, record_len: int, nchunks: int = 0, chunk_bytes: int = 0,
+                record=None) -> int:
     """A log entry's size as the topic's ``log_bytes`` counter counts it (what
     ``retention_bytes`` bounds): the bytes of its key and record, and of its body chunks'
-    keys and values (``chunk_bytes``: the chunks' values together). The time index and
-    pending keys are not counted. Push adds it, trim subtracts it when it deletes."""
+    keys and values (``chunk_bytes``: the chunks' values together; ``record``: the
+    entry's Record, which says where they are). The time index and pending keys are not
+    counted. Push adds it, trim subtracts it when it deletes."""
     n = len(ts.log_prefix(bucket)) + STAMP_BYTES + record_len
     if nchunks:
-        n += ts.chunk_keys_bytes(nchunks) + chunk_bytes
+        n += ts.chunk_keys_bytes(nchunks, record) + chunk_bytes
     return n
 
 
@@ -68,7 +70,7 @@ def read_heads(tr, ts: TopicSpace, buckets, cursors: dict, per_bucket: int) -> t
 def chunked_body(tr, ts: TopicSpace, vs, record: Record, strict: bool) -> bytes | None:
     """The body of the log entry ``vs`` from its chunks (``strict``: None unless all
     ``record.nchunks`` of them are there: a trim may have deleted them)."""
-    r = ts.chunks_range(vs)
+    r = ts.chunks_range(vs, record)
     chunks = [kv.value for kv in tr.snapshot.get_range(r.start, r.stop)]
     if strict and len(chunks) != record.nchunks:
         return None
@@ -84,15 +86,49 @@ def log_buckets(tr, ts: TopicSpace) -> list:
 
 def buckets_in(tr, ts: TopicSpace) -> list:
     """``log_buckets`` in the caller's transaction (snapshot reads)."""
-    r = ts.log.range()
+    return buckets_of(tr.snapshot, ts.log)
+
+
+def buckets_of(reader, space) -> list:
+    """The buckets of a bucketed area ``space`` (``space/<bucket>/<vs>``: the log, the
+    pending list) that hold entries, one bounded read per bucket (by ``reader``: a
+    non-snapshot one holds a conflict on every gap, and every bucket's first entry)."""
+    r = space.range()
     begin, out = r.start, []
     while True:
-        rows = list(tr.snapshot.get_range(begin, r.stop, limit=1))
+        rows = list(reader.get_range(begin, r.stop, limit=1))
         if not rows:
             return out
-        b = ts.log.unpack(rows[0].key)[0]
+        b = space.unpack(rows[0].key)[0]
         out.append(b)
-        begin = ts.log[b].range().stop
+        begin = space[b].range().stop
+
+
+def merged_heads(tr, space, limit: int) -> tuple:
+    """The first ``limit`` entries of a bucketed area ``space`` (``space/<bucket>/<vs>``)
+    in versionstamp order (commit order) across its buckets, read at this transaction's
+    one read version (snapshot): [(vs, bucket, key, value)], and whether more entries
+    follow them. As ``fdq.log.read_chunk``: an entry is taken only up to the smallest
+    last key read of a bucket that has more (another bucket may hold an earlier one);
+    anything committed after the read version has a later stamp, so the merged order is
+    gap-free."""
+    buckets = buckets_of(tr.snapshot, space)
+    per_bucket = max(16, limit // max(1, len(buckets)) * 2)
+    heads, bound, more = [], None, False
+    for b in buckets:
+        r = space[b].range()
+        rows = list(tr.snapshot.get_range(r.start, r.stop, limit=per_bucket))
+        if len(rows) == per_bucket:
+            last = space.unpack(rows[-1].key)[1]
+            bound = last if bound is None or last < bound else bound
+            more = True
+        heads.append([(space.unpack(kv.key)[1], b, kv.key, kv.value) for kv in rows])
+    out = []
+    for entry in heapq.merge(*heads, key=lambda e: e[0]):
+        if len(out) >= limit or (bound is not None and entry[0] > bound):
+            return out, True
+        out.append(entry)
+    return out, more
 
 
 def bucket_range(ts: TopicSpace, bucket: int) -> tuple:

@@ -59,7 +59,7 @@ def _record(raw) -> Record | None:
 def _body(snap, ts: TopicSpace, sub: str, vs, rec: Record) -> bytes:
     if not rec.nchunks:
         return rec.body
-    r = ts.sub_chunks_range(sub, vs)
+    r = ts.sub_chunks_range(sub, vs, rec)
     return b"".join(kv.value for kv in snap.get_range(r.start, r.stop))
 
 
@@ -197,11 +197,11 @@ def get(tr, ts: TopicSpace, vs: Versionstamp) -> dict:
         if raw != None:  # noqa: E711
             rec = _record(raw)
             if rec is not None and rec.nchunks:
-                r = ts.chunks_range(vs)
+                r = ts.chunks_range(vs, rec)
                 rec.body = b"".join(kv.value for kv in snap.get_range(r.start, r.stop))
             log = (b, rec if rec is not None else Record(0, body=bytes(raw)), rec is None)
             break
-    pending = snap[ts.pending_key(vs)] != None  # noqa: E711
+    pending = log is not None and snap[ts.pending_key(log[0], vs)] != None  # noqa: E711
     if log is not None and not log[2]:
         # where a copy can be: its shard under the shard count (both, while resharding)
         counts = {config.shards, config.resharding_to or config.shards}

@@ -2,8 +2,10 @@
 subscriptions' queues, in push order, then resuming the topic.
 
 A push to a topic that is not routing writes its message to the "all" log and a
-*pending* entry (``topic/<t>/all/pending/<vs>``, its log bucket); ``play_chunk`` routes
-the oldest pending entries, a chunk per transaction, and resumes the topic in the
+*pending* entry (``topic/<t>/all/pending/<bucket>/<vs>``, in its log bucket's part: no
+single append point); ``play_chunk`` routes the oldest pending entries, a chunk per
+transaction, merged across the buckets by versionstamp at its one read version as the
+log reader merges the log (``ops.log.merged_heads``), and resumes the topic in the
 transaction that finds none left (holding pushes for a moment first, so a steady push
 stream cannot starve that transaction).
 """
@@ -13,9 +15,10 @@ import dataclasses
 
 from ..config import TopicConfig
 from ..engine import transactional
-from ..keyspace import TopicSpace, counter
+from ..keyspace import TopicSpace, counter, push_counters
 from ..keyspace.codec import CHUNK_BYTES, Record, decode_pending
 from .clock import read_clock
+from .log import merged_heads
 from .push import fits
 from .routing import target
 from .topics import held, read_topic_config, write_topic_config
@@ -30,7 +33,7 @@ def route_existing(tr, ts: TopicSpace, config: TopicConfig, vs, raw: bytes, cloc
     tag, n = target(rec, config.shards)
     chunks = []
     if rec.nchunks:
-        r = ts.chunks_range(vs)
+        r = ts.chunks_range(vs, rec)
         chunks = [kv.value for kv in tr.snapshot.get_range(r.start, r.stop)]
     for sub in config.subs:
         shard = ts.shard(sub, tag, n)
@@ -40,9 +43,9 @@ def route_existing(tr, ts: TopicSpace, config: TopicConfig, vs, raw: bytes, cloc
         else:
             tr[shard.ready_key(vs)] = raw
         for i, c in enumerate(chunks):
-            tr[shard.chunk_key(vs, i)] = c
+            tr[shard.chunk_key(vs, i, rec)] = c
         tr.add(shard.stat("routed"), counter(1))
-    tr.add(ts.stat("routed", n), counter(1))
+    tr.add(ts.push_stat(n), push_counters(routed=1))
     return len(config.subs) * (len(raw) + sum(map(len, chunks)))
 
 
@@ -67,11 +70,11 @@ def play_chunk(tr, ts: TopicSpace, limit: int, hold: int | None = None) -> tuple
     clock = read_clock(tr, ts.clock_key)
     r = ts.pending.range()
     moved = written = 0
-    last = None
+    last = {}       # bucket -> the last key this chunk routed there
+    entries, unread = merged_heads(tr, ts.pending, limit)
     full = False
-    for kv in tr.snapshot.get_range(r.start, r.stop, limit=limit):
-        vs = ts.pending.unpack(kv.key)[0]
-        raw = tr.snapshot[ts.log_key(decode_pending(kv.value), vs)]
+    for vs, bucket, key, value in entries:
+        raw = tr.snapshot[ts.log_key(decode_pending(value), vs)]
         if raw != None:  # noqa: E711 - trimmed meanwhile: nothing to route
             # Over the budget with this message (its copies, chunks at most CHUNK_BYTES
             # each): the next chunk routes it. A push accepted it alone under ROUTE_BYTES,
@@ -81,17 +84,19 @@ def play_chunk(tr, ts: TopicSpace, limit: int, hold: int | None = None) -> tuple
                 full = True
                 break
             written += route_existing(tr, ts, config, vs, bytes(raw), clock)
-        last = kv.key
+        last[bucket] = key
         moved += 1
-    if last is not None:
+    for bucket, key in last.items():
         # what it routed conflicts with another play routing it (whichever way this
         # chunk ends); later pushes do not. Before the clears: as FDB's RYW, a read
-        # conflict skips keys the transaction already cleared.
-        tr.add_read_conflict_range(r.start, last + b"\x00")
-        tr.clear_range(r.start, last + b"\x00")
-    if moved == limit or full:
+        # conflict skips keys the transaction already cleared. (Merged in stamp order,
+        # what it routed of each bucket is that bucket's head.)
+        begin = ts.pending[bucket].range().start
+        tr.add_read_conflict_range(begin, key + b"\x00")
+        tr.clear_range(begin, key + b"\x00")
+    if unread or full:
         return moved, False, hold
-    if last is None and config.routing and config.held_at is None:
+    if not last and config.routing and config.held_at is None:
         return 0, True, None                # running, nothing pending: no hold, no write
     rv = tr.get_read_version().wait()
     if config.held_at is None and hold is not None:

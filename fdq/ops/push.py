@@ -26,12 +26,12 @@ from ..envelope import Envelope
 from ..errors import BacklogFull, InvalidHeader, MessageTooLarge, TopicNotFound
 from ..headers import PROPAGATION, dispatch_tag
 from ..keyspace.format import ensure_format
-from ..keyspace import (VERSIONS_PER_S, Keyspace, TopicSpace, counter, index_part, message_id,
+from ..keyspace import (VERSIONS_PER_S, Keyspace, TopicSpace, counter, index_part, message_id, push_counters,
                         vs_key, vs_key_parts)
 from ..keyspace.codec import (CHUNK_BYTES, CHUNK_WRITE_BYTES, RECORD_BYTES, ROUTE_BYTES, Record, decode_dedupe,
                               decode_marker, encode_dedupe, encode_marker, encode_pending, packer, split_body)
 from .clock import due_base, read_clock
-from .stats import shard_counters, topic_counter
+from .stats import push_counters as push_counters_of, shard_counters
 from .topics import cached_topic_config, check_hold, write_new_topic_config
 from .log import entry_bytes
 from .routing import home_for, shard_for
@@ -83,7 +83,7 @@ class _Batch:
     """What one push transaction keeps across its messages (the full path's state)."""
 
     __slots__ = ("ks", "now_ms", "minute", "time_index", "rv", "clock", "due_base", "batch_ids", "counters",
-                 "tags")
+                 "pushed", "tags")
 
     def __init__(self, ks: Keyspace, now_ms: int, time_index: dict):
         self.ks, self.now_ms, self.time_index = ks, now_ms, time_index
@@ -92,6 +92,9 @@ class _Batch:
         self.clock, self.due_base = {}, {}  # topic -> its clock's reading, due base (delays, TTLs): read once
         self.batch_ids = {}
         self.counters = defaultdict(int)
+        # topic -> its push counters' amounts (PUSH_COUNTERS: inserted, routed,
+        # inserted_bytes, log_bytes), added as one packed operand
+        self.pushed = defaultdict(lambda: [0, 0, 0, 0])
         self.tags = set()     # each tag's key once per transaction
 
 
@@ -179,14 +182,22 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             results.append((topic, uv, n, None))
             continue
         results.append(_push_full(tr, b, plan, topic, env, uv, n))
-    counters = b.counters
+    counters, pushed = b.counters, b.pushed
     for (plan, n), (count, record_bytes, body_bytes) in plain.items():
         for key in plan.counter_keys(n):
             counters[key] += count
-        counters[plan.ts.stat("log_bytes", n)] += record_bytes + count * plan.log_key_bytes(n)
-        counters[plan.ts.stat("inserted_bytes", n)] += body_bytes
+        sums = pushed[plan.ts.name]
+        sums[0] += count
+        sums[1] += count
+        sums[2] += body_bytes
+        sums[3] += record_bytes + count * plan.log_key_bytes(n)
     for key, amount in counters.items():
         tr.add(key, counter(amount))
+    # the topic's push counters: one part per transaction (by its txid, as its marker's
+    # index), one packed add for the four
+    part = index_part(txid)
+    for topic, sums in pushed.items():
+        tr.add(ks.topic(topic).push_stat(part), push_counters(*sums))
     written = None
     for topic, config in configs.items():
         if config.max_backlog is not None:
@@ -250,12 +261,12 @@ def _push_full(tr, b: _Batch, plan, topic: str, env, uv: int, n: int) -> tuple:
     inline, chunks = split_body(env.body)
     key = env.shard_key
     home = n if key is None else None
-    record = Record(b.now_ms, key, env.msg_id, headers, inline, 0, len(chunks), replay_of, due,
-                    expires, home).encode()
+    rec = Record(b.now_ms, key, env.msg_id, headers, inline, 0, len(chunks), replay_of, due, expires, home)
+    record = rec.encode()
     if len(record) > RECORD_BYTES:      # the body fits a value, not with its headers and keys
         inline, chunks = split_body(env.body, force=True)
-        record = Record(b.now_ms, key, env.msg_id, headers, inline, 0, len(chunks), replay_of, due,
-                        expires, home).encode()
+        rec = Record(b.now_ms, key, env.msg_id, headers, inline, 0, len(chunks), replay_of, due, expires, home)
+        record = rec.encode()
     if not config.routing and len(config.subs) * (len(record) + len(env.body)) > ROUTE_BYTES:
         # play routes it alone, to every subscription, in one transaction: refuse what
         # could never be routed (it would block the play, and every message behind it)
@@ -265,22 +276,23 @@ def _push_full(tr, b: _Batch, plan, topic: str, env, uv: int, n: int) -> tuple:
     counters = b.counters
     tr.set_versionstamped_key(vs_key(ts.log_prefix(n), uv), record)
     for i, chunk in enumerate(chunks):
-        tr.set_versionstamped_key(ts.chunk_vs_key(uv, i), chunk)
-    counters[ts.stat("log_bytes", n)] += entry_bytes(ts, n, len(record), len(chunks),
-                                                     len(env.body) if chunks else 0)
-    counters[ts.stat("inserted_bytes", n)] += len(env.body)
+        tr.set_versionstamped_key(ts.chunk_vs_key(uv, i, rec), chunk)
+    sums = b.pushed[topic]
+    sums[0] += 1
+    sums[2] += len(env.body)
+    sums[3] += entry_bytes(ts, n, len(record), len(chunks), len(env.body) if chunks else 0, rec)
     if b.time_index.get(topic) != b.minute:
         b.time_index[topic] = b.minute   # a lost entry only makes a replay scan longer
         tr.set_versionstamped_key(ts.time_index_vs_key(b.minute, uv), b"")
-    counters[ts.stat("inserted", n)] += 1
     tag = dispatch_tag(headers)
     if tag and (topic, tag) not in b.tags:
         b.tags.add((topic, tag))
         _note_tag(tr, ts, tag)
     if config.routing:
-        route_message(tr, ts, config, tag, n, uv, record, chunks, due, counters)
+        route_message(tr, ts, config, tag, n, uv, record, chunks, due, counters, rec)
+        sums[1] += 1
     else:
-        tr.set_versionstamped_key(ts.pending_vs_key(uv), encode_pending(n))
+        tr.set_versionstamped_key(ts.pending_vs_key(n, uv), encode_pending(n))
     return topic, uv, n, None
 
 
@@ -331,7 +343,7 @@ class _PushPlan:
     """What a plain message (no msg_id, delay, headers or chunks) of one topic under one
     config writes, per shard: the stamped keys' prefixes (``vs_key_parts``: key = head +
     user version + offset) of its log row and of every subscription's ready row, and
-    the counters it adds 1 to, and its log key's bytes (the log_bytes counter). Built once
+    the shard counters it adds 1 to, and its log key's bytes (the log_bytes counter). Built once
     per topic, config and producer process."""
 
     __slots__ = ("ts", "config", "routing", "_shards")
@@ -346,7 +358,7 @@ class _PushPlan:
             ts = self.ts
             shards = [ts.shard(sub, "", n) for sub in self.config.subs]
             targets = [vs_key_parts(ts.log_prefix(n))] + [vs_key_parts(s.ready_prefix) for s in shards]
-            keys = [ts.stat("inserted", n), ts.stat("routed", n)] + [s.stat("routed") for s in shards]
+            keys = [s.stat("routed") for s in shards]
             got = self._shards[n] = (targets, keys, entry_bytes(ts, n, 0))
         return got
 
@@ -373,10 +385,11 @@ def _push_plan(ts: TopicSpace, config: TopicConfig) -> _PushPlan:
 
 
 def route_message(tr, ts: TopicSpace, config: TopicConfig, tag: str, n: int, uv: int,
-                  record: bytes, chunks: list, due: int | None, counters):
-    """Write one message (user version ``uv`` of this transaction's versionstamp) into
-    every subscription's shard queue: ready, or delayed until the topic's clock reaches
-    ``due`` (ms, ``clock.read_clock``)."""
+                  record: bytes, chunks: list, due: int | None, counters, rec: Record | None = None):
+    """Write one message (user version ``uv`` of this transaction's versionstamp; its
+    ``record`` encoded, and as ``rec`` when it has ``chunks``) into every subscription's
+    shard queue: ready, or delayed until the topic's clock reaches ``due`` (ms,
+    ``clock.read_clock``). (The topic's ``routed``: the caller's.)"""
     for sub in config.subs:
         shard = ts.shard(sub, tag, n)
         if due is None:
@@ -385,9 +398,8 @@ def route_message(tr, ts: TopicSpace, config: TopicConfig, tag: str, n: int, uv:
             tr.set_versionstamped_key(shard.delayed_vs_key(due, uv), record)
             counters[shard.stat("delayed")] += 1
         for i, chunk in enumerate(chunks):
-            tr.set_versionstamped_key(shard.chunk_vs_key(uv, i), chunk)
+            tr.set_versionstamped_key(shard.chunk_vs_key(uv, i, rec), chunk)
         counters[shard.stat("routed")] += 1   # consumers watch this key
-    counters[ts.stat("routed", n)] += 1
 
 
 def _config_for_push(tr, ks, ts, auto_create) -> TopicConfig:
@@ -406,7 +418,8 @@ def _check_backlog(tr, ts, config):
     """Snapshot reads of the shard counters: pushes never conflict over the backlog, so
     concurrent producers may overshoot max_backlog by their in-flight batches. What is
     not routed yet (pushed while paused or resharding) counts for every subscription."""
-    pending = topic_counter(tr.snapshot, ts, "inserted") - topic_counter(tr.snapshot, ts, "routed")
+    sums = push_counters_of(tr.snapshot, ts)
+    pending = sums["inserted"] - sums["routed"]
     for sub in config.subs:
         backlog = pending + sum(c["backlog"] for c in shard_counters(tr.snapshot, ts, sub, config).values())
         if backlog > config.max_backlog:

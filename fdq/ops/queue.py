@@ -64,13 +64,13 @@ class Taken:
 def _body(reader, shard: ShardSpace, vs, record: Record) -> bytes:
     if not record.nchunks:
         return record.body
-    r = shard.chunks_range(vs)
+    r = shard.chunks_range(vs, record)
     return b"".join(kv.value for kv in reader.get_range(r.start, r.stop))
 
 
 def _clear_chunks(tr, shard: ShardSpace, vs, record: Record):
     if record.nchunks:
-        r = shard.chunks_range(vs)
+        r = shard.chunks_range(vs, record)
         tr.clear_range(r.start, r.stop)
 
 
@@ -499,7 +499,7 @@ def dead_letter_taken(tr, ts: TopicSpace, taken: Taken, reason: str, consumer_id
     shard, rec = taken.shard, Record.decode(taken.raw)
     rec.attempts += 1
     for i in range(rec.nchunks):
-        tr[shard.chunk_key(taken.vs, i)] = taken.body[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES]
+        tr[shard.chunk_key(taken.vs, i, rec)] = taken.body[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES]
     if len(reason) > MAX_REASON_CHARS:
         reason = reason[:MAX_REASON_CHARS - 1] + "…"
     tr[ts.dlq_key(shard.sub, taken.vs)] = _dead_value(tr, shard, rec.encode(), reason, consumer_id)
@@ -536,10 +536,11 @@ def _clear_entry_chunks(tr, shard: ShardSpace, vs, raw):
     try:
         if not has_chunks(raw):
             return
+        ranges = [shard.chunks_range(vs, Record.decode(raw))]
     except CorruptValue:
-        pass
-    r = shard.chunks_range(vs)
-    tr.clear_range(r.start, r.stop)
+        ranges = shard.any_chunks_ranges(vs)
+    for r in ranges:
+        tr.clear_range(r.start, r.stop)
 
 
 def _put_record(tr, key: bytes, lr: LeaseRecord, gone: set):

@@ -14,12 +14,12 @@ from __future__ import annotations
 from ..engine import transactional
 from ..errors import CorruptValue
 from ..keyspace import (INDEX_PARTS, ShardSpace, StoredVersionstamp, TopicSpace, Versionstamp, counter, position_of,
-                        stamp_of_value, version_of)
+                        push_counters, stamp_of_value, version_of)
 from ..keyspace.codec import Record, decode_dedupe, pack
 from .topics import load_config
 from .log import buckets_in, chunks_bytes, entry_bytes
 from .queue import expire_ended
-from .stats import topic_counter
+from .stats import push_counters as push_counters_of, topic_counter
 
 # The time index holds an entry per minute of pushes; a trim by age drops those of
 # minutes that end this long before its cutoff (a window start reads the index back
@@ -71,7 +71,7 @@ def trim_bucket_chunk(tr, ts: TopicSpace, bucket: int, before_ms: int, limit: in
             last = vs
             continue
         runs.add(kv.key)
-        freed += _entry_bytes(tr, ts, bucket, vs, len(kv.value), rec.nchunks)
+        freed += _entry_bytes(tr, ts, bucket, vs, len(kv.value), rec)
         deleted += 1
         last = vs
     runs.end()
@@ -108,22 +108,23 @@ def _note_trimmed(tr, ts: TopicSpace, deleted: int, freed: int):
     size: two trims are serialized, so the size one never acts on a ``log_bytes`` that
     another trim lowered since it read it (it would delete more than needed)."""
     if freed:
-        tr.add(ts.stat("log_bytes"), counter(-freed))
+        tr.add(ts.push_stat(), push_counters(log_bytes=-freed))
         tr.add(ts.stat("trimmed_bytes"), counter(freed))
     if deleted:
         tr.add(ts.stat("trimmed"), counter(deleted))
 
 
-def _entry_bytes(tr, ts: TopicSpace, bucket: int, vs, value_bytes: int, nchunks: int) -> int:
-    """Delete the body chunks of log entry ``vs`` (its key goes with its run, ``_Runs``)
-    and return the entry's bytes (``ops.log.entry_bytes``)."""
+def _entry_bytes(tr, ts: TopicSpace, bucket: int, vs, value_bytes: int, rec: Record) -> int:
+    """Delete the body chunks of log entry ``vs`` (its record ``rec``; its key goes with
+    its run, ``_Runs``) and return the entry's bytes (``ops.log.entry_bytes``)."""
     size = 0
+    nchunks = rec.nchunks
     if nchunks:
-        last = tr.snapshot[ts.chunk_key(vs, nchunks - 1)]
+        last = tr.snapshot[ts.chunk_key(vs, nchunks - 1, rec)]
         size = chunks_bytes(len(last) if last != None else 0, nchunks)   # noqa: E711
-        cr = ts.chunks_range(vs)
+        cr = ts.chunks_range(vs, rec)
         tr.clear_range(cr.start, cr.stop)
-    return entry_bytes(ts, bucket, value_bytes, nchunks, size)
+    return entry_bytes(ts, bucket, value_bytes, nchunks, size, rec)
 
 
 @transactional
@@ -140,9 +141,9 @@ def trim_oldest_chunk(tr, ts: TopicSpace, entries: list, max_bytes: int | None,
     batch priority."""
     tr.options.set_priority_batch()
     tr.add_read_conflict_key(ts.stat("trimmed"))    # any other trim's commit (``_note_trimmed``)
-    size = topic_counter(tr.snapshot, ts, "log_bytes")
-    count = (topic_counter(tr.snapshot, ts, "inserted") - topic_counter(tr.snapshot, ts, "trimmed")
-             if max_messages is not None else 0)
+    sums = push_counters_of(tr.snapshot, ts)
+    size = sums["log_bytes"]
+    count = sums["inserted"] - topic_counter(tr.snapshot, ts, "trimmed") if max_messages is not None else 0
     pending = first_pending(tr, ts)
     raws = [tr.snapshot[ts.log_key(b, vs)] for b, vs in entries]    # (futures on FDB)
     deleted = freed = 0
@@ -157,7 +158,7 @@ def trim_oldest_chunk(tr, ts: TopicSpace, entries: list, max_bytes: int | None,
         if raw == None:  # noqa: E711 - deleted meanwhile
             continue
         runs.setdefault(bucket, _Runs(tr)).add(ts.log_key(bucket, vs))
-        freed += _entry_bytes(tr, ts, bucket, vs, len(raw), Record.decode(raw).nchunks)
+        freed += _entry_bytes(tr, ts, bucket, vs, len(raw), Record.decode(raw))
         deleted += 1
     for run in runs.values():
         run.end()
@@ -203,11 +204,17 @@ def trim_index_chunk(tr, ts: TopicSpace, limit: int) -> tuple:
 def first_pending(tr, ts: TopicSpace):
     """The oldest message pushed while paused or resharding and not routed yet (its log
     entry is its only copy: retention must keep it and every later one), or None. Not a
-    snapshot: a play routing it, or a push adding the first one, conflicts."""
+    snapshot: a play routing it, or a push adding the first one of a bucket (its
+    pending part: the head of each is read), conflicts."""
     r = ts.pending.range()
-    for kv in tr.get_range(r.start, r.stop, limit=1):
-        return ts.pending.unpack(kv.key)[0]
-    return None
+    begin, first = r.start, None
+    while True:     # one read per bucket: its head (its oldest), then on past the bucket
+        rows = list(tr.get_range(begin, r.stop, limit=1))
+        if not rows:
+            return first
+        bucket, vs = ts.pending.unpack(rows[0].key)
+        first = vs if first is None or vs < first else first
+        begin = ts.pending[bucket].range().stop
 
 
 @transactional

@@ -2,7 +2,9 @@
 reads, never a scan of a backlog.
 
 Per topic (``topic/<t>/all/stats``): ``inserted`` (pushed into the "all" log), ``routed``
-(routed to the subscriptions' queues; lags ``inserted`` while paused).
+(routed to the subscriptions' queues; lags ``inserted`` while paused), ``inserted_bytes``
+and ``log_bytes``: the four a push adds, packed in one key per part
+(``keyspace.PUSH_COUNTERS``), unpacked here.
 Per shard of a subscription (``.../shards/<tag>/<n>/stats``): ``routed`` (messages put
 in this shard's queue; consumers watch it), ``done`` (removed for good: acked,
 dead-lettered, consumed at most once or exactly once, dropped by TTL), ``emitted`` (deliveries,
@@ -18,7 +20,7 @@ from collections import defaultdict
 from .dlq import dlq_size
 from ..engine import transactional
 from ..errors import TopicNotFound
-from ..keyspace import VERSIONS_PER_S, TopicSpace, decode_counter
+from ..keyspace import PUSH_COUNTERS, PUSH_STAT, VERSIONS_PER_S, TopicSpace, decode_counter, decode_counters
 from ..keyspace.codec import Record, decode_leader, unpack
 from .clock import heartbeat_age, read_clock
 from .membership import read_members, read_owners
@@ -29,9 +31,22 @@ SHARD_COUNTERS = ("routed", "done", "emitted", "in_flight", "delayed", "dead", "
 
 
 def topic_counter(reader, ts: TopicSpace, name: str) -> int:
-    """Topic counter ``name``: the sum of its parts (``TopicSpace.stat``)."""
+    """Topic counter ``name``: the sum of its parts (``TopicSpace.stat``; a push counter:
+    its slot of the packed parts)."""
+    if name in PUSH_COUNTERS:
+        return push_counters(reader, ts)[name]
     r = ts.stat_range(name)
     return sum(decode_counter(kv.value) for kv in reader.get_range(r.start, r.stop))
+
+
+def push_counters(reader, ts: TopicSpace) -> dict:
+    """{name: sum of its parts} of the packed push counters (``PUSH_COUNTERS``)."""
+    sums = [0] * len(PUSH_COUNTERS)
+    r = ts.stat_range(PUSH_STAT)
+    for kv in reader.get_range(r.start, r.stop):
+        for i, v in enumerate(decode_counters(kv.value, len(PUSH_COUNTERS))):
+            sums[i] += v
+    return dict(zip(PUSH_COUNTERS, sums))
 
 
 def topic_counters(reader, ts: TopicSpace) -> dict:
@@ -40,7 +55,12 @@ def topic_counters(reader, ts: TopicSpace) -> dict:
     sums = defaultdict(int)
     r = ts.stats.range()
     for kv in reader.get_range(r.start, r.stop):
-        sums[ts.stats.unpack(kv.key)[0]] += decode_counter(kv.value)
+        name = ts.stats.unpack(kv.key)[0]
+        if name == PUSH_STAT:
+            for slot, v in zip(PUSH_COUNTERS, decode_counters(kv.value, len(PUSH_COUNTERS))):
+                sums[slot] += v
+        else:
+            sums[name] += decode_counter(kv.value)
     return sums
 
 

@@ -17,7 +17,8 @@ from fdq import supervisor as sv
 from fdq.keyspace import Keyspace
 from fdq.ops.topics import update_topic_config
 
-from fdqtest import advance_clock, engine_errors, fetch_ids, read_lines, read_version, sub_stats, wait_for
+from fdq.ops.play import play_chunk
+from fdqtest import advance_clock, engine_errors, fetch_ids, read_lines, read_version, scan, sub_stats, wait_for
 from ophelpers import (check_order, consume, consume_recorded, drain_bodies, fan_out_topic, fetch_acked, push_keys,
                        ready_ids, Recorder, reshard_steps, SUPERVISED)
 
@@ -312,3 +313,35 @@ def test_play_killed_midway_and_rerun(procs, db):
     counts = rec.committed(db)
     assert len(counts) == 8000 and set(counts.values()) == {1}
     check_order(pushed, rec.seen(db))
+
+
+def test_play_merges_the_pending_buckets_gap_free_in_push_order(db):
+    """Messages pushed while paused are kept per log bucket (no single append point a
+    paused topic's pushes share); play merges the buckets by versionstamp at its one
+    read version, so every chunk routes the oldest pending messages and never one
+    before an older one is routed: after each chunk (40 messages, more than it reads of
+    each bucket, buckets of uneven lengths), what is routed is a prefix of the push order."""
+    s = fdq.Supervisor(db)
+    s.create_topic("t", shards=8)
+    s.create_subscription("t", "default")
+    p = fdq.Producer(db)
+    s.pause("t")
+    # a run in one bucket longer than a chunk reads of each bucket (16), then all of them
+    keys = ["hot"] * 30 + [f"k{i % 11}" for i in range(60)]
+    ids = [p.push("t", b"m%d" % i, shard_key=k).id for i, k in enumerate(keys)]
+    ts = Keyspace().topic("t")
+
+    def pending():
+        return [ts.pending.unpack(k) for k, _v in scan(db, ts.pending.key())]
+    assert len({b for b, _vs in pending()}) >= 4
+    order = sorted(ids)
+    hold, done, chunks = None, False, 0
+    while not done:
+        chunks += 1
+        assert chunks < 100
+        _n, done, hold = play_chunk(db, ts, 40, hold)
+        left = {vs.to_bytes().hex() for _b, vs in pending()}
+        routed = [i for i in order if i not in left]
+        assert routed == order[:len(routed)], f"chunk {chunks} routed past an older pending message"
+    assert pending() == [] and s.stats("t")["counters"]["routed"] == len(ids)
+    assert sorted(fetch_ids(db, "t", "default")) == order
