@@ -57,10 +57,12 @@ PER_MESSAGE = 0.25              # an append family appended by this share of a p
                                 # transactions (or messages) is per-message
 # Mutations per message in the phase's own transactions: the plan's targets for pushes
 # (plan23_26 2.2), and for consuming 1.5 (1.05-1.1 today: one more per message fails).
-# push_many's 2.1 is below what any layout can write for its workload (100 random keys over
-# 16 shards): 2 rows a message, plus the routed counter of each shard touched (the key its
-# consumers watch: 0.16), plus a topic counter and the marker: 2.19 (a finding, not loosened).
-MUTATION_BUDGETS = {"push": 8.0, "push_many": 2.1, "push_msg_id": 10.0, "consume": 1.5}
+# push_many's floor for its workload (100 random keys over 16 shards) is 2.16: 2 rows a
+# message plus the routed counter of each shard touched (the key its consumers watch:
+# 0.16); its budget, 2.2, leaves room for the batch's counter add, marker and marker index
+# (0.03) and nothing per message (the counters split by shard, before they were packed,
+# wrote 2.82; the plan's 2.1 was below the floor).
+MUTATION_BUDGETS = {"push": 8.0, "push_many": 2.2, "push_msg_id": 10.0, "consume": 1.5}
 PUSH_PHASES = ("push", "push_msg_id", "push_many")
 # The key-share rule is about transactions of one message each: a push_many of 100
 # random keys touches every counter part (a part per shard) by design, at 1/100 of the

@@ -32,15 +32,8 @@ from fdq.keyspace import Keyspace  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("hotspots")
 
-# Findings on today's code (issue 26.1, the push side's layout: keyspace and ops/push,
-# another partition's files), each with the family that breaks the rule.
-FINDINGS = {
-    "mutations_per_message[push_many]": "2.19 per message in batches of 100 random keys over 16 shards, against "
-                                        "a budget of 2.1 no layout can meet: each of the 16 shards' routed counter "
-                                        "(the key its consumers watch) is one add per shard touched, 0.16 per "
-                                        "message on top of the 2 rows (log, ready); the rest is 1 packed topic "
-                                        "counter, the marker and its index (0.03)",
-}
+# Findings: rule -> why today's code breaks it (each runs as xfail(strict=True)); none now.
+FINDINGS = {}
 RULES = (["key_share[push]", "key_share[push_msg_id]", "key_share[consume]"]
          + [f"append_partitions[{p}]" for p in ("push", "push_msg_id", "push_many", "push_large", "push_paused",
                                                 "play", "consume")]
