@@ -492,13 +492,13 @@ class Consumer:
         (its fence read raised before any write) and ownership re-read.
 
         Watches: a watch counts as a read of the shard's ``routed`` counter, which every
-        push to the shard changes: a push committed meanwhile makes this transaction
-        conflict, and its retry takes that message too. The first attempt sets its
-        watches itself (one transaction per round; a push lands in the few hundred
-        microseconds of a round only now and then); a retry leaves them to ``_arm``
-        after the commit, in a read-only transaction, and a shard whose counter moved
-        between the two read versions (a push this transaction did not see) is visited
-        again: a busy shard costs at most one conflict per round, not a retry loop.
+        push to the shard changes: in a transaction that writes, a push committed
+        meanwhile would make it conflict and wait the engine's retry backoff. So only
+        a round that writes nothing sets its watches itself; one that leased or
+        settled reads the counter by snapshot and leaves them to ``_arm`` after the
+        commit, in a read-only transaction: a shard whose counter moved between the
+        two read versions (a push this transaction did not see) is visited again.
+        Pushes never abort a lease round.
 
         ``settlements`` [Settlement] (the previous round's, see
         ``TailConsumer._process_at_least_once``) commit first in the same transaction: one
@@ -561,10 +561,14 @@ class Consumer:
                 rnd.mark = lease_id + attempt.number.to_bytes(4, "big")
                 queue.mark_take(tr, self._ts, self.subscription, self.id, rnd.mark)
             rnd.took = left < limit
-            # The first attempt sets its watches itself (one transaction per round); a
-            # retry, whose first attempt may have met a push to a watched shard, leaves
-            # them to ``_arm`` (a push then costs no second retry).
-            here = attempt.number == 1 or (not rnd.took and not rows)
+            # A watch is a read of ``routed`` (FDB's too: a conflict range), which every
+            # push to the shard changes: in a transaction that writes, a push meanwhile
+            # aborts it (~3% of rounds at 1,000 msgs/s), and the retry waits the
+            # engine's backoff (up to 10 ms: the p99). Only a read-only round (it took
+            # nothing and settles nothing: it cannot conflict) sets them itself; one
+            # that writes leaves them to ``_arm``, which compares the counter with
+            # what this one saw.
+            here = not rnd.took and not rows
             for part in rnd.parts:
                 if part.watch_key is None:
                     continue
