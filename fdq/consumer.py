@@ -45,7 +45,7 @@ AT_MOST_ONCE, AT_LEAST_ONCE, EXACTLY_ONCE = "at_most_once", "at_least_once", "ex
 # (leases expire, peers time the consumer out as a zombie).
 _GOODBYE_MS = 10_000
 # At most this many shards are visited by one lease transaction (the rest wait for the
-# next round): a round's reads are sequential, and on a cluster (~1 ms a read) a round over
+# next round): its range reads are sequential, and on a cluster (~1 ms a read) a round over
 # thousands of shards (a topic with many dispatch tags) would outlive the 5-second rule
 # and be retried for ever.
 LEASE_ROUND_SHARDS = 256
@@ -534,6 +534,8 @@ class Consumer:
             if rows:
                 rnd.settle_lost = queue.settle(tr, self._ts, rows, max_deliver)
             left = limit
+            # Every visited shard's fence, the config and the clock: issued at once (26.3).
+            reads = queue.round_reads(tr, self._ts, [spaces[s] for s, _e in shards[:LEASE_ROUND_SHARDS]])
             for i, (shard_id, epoch) in enumerate(shards):
                 part = ShardTake(shard_id)
                 if left <= 0 or i >= LEASE_ROUND_SHARDS:
@@ -542,10 +544,11 @@ class Consumer:
                 try:
                     if none:
                         taken = queue.take_batch(tr, self._ts, spaces[shard_id], self.id, epoch, left,
-                                                 max_deliver=max_deliver, sel=self._sel)
+                                                 max_deliver=max_deliver, sel=self._sel, reads=reads)
                     else:
                         taken = queue.lease_batch(tr, self._ts, spaces[shard_id], self.id, epoch, left,
-                                                  lease_id, ack_wait_ms, max_deliver=max_deliver, sel=self._sel)
+                                                  lease_id, ack_wait_ms, max_deliver=max_deliver, sel=self._sel,
+                                                  reads=reads)
                 except LeaseLost:
                     rnd.lost = True
                     continue
