@@ -49,6 +49,8 @@ _GOODBYE_MS = 10_000
 # thousands of shards (a topic with many dispatch tags) would outlive the 5-second rule
 # and be retried for ever.
 LEASE_ROUND_SHARDS = 256
+# A lease round issues the fence reads of this many shards at once (``queue.round_reads``).
+FENCE_WINDOW = 4
 # Without on_error, an error identical to one logged less than this long ago is not
 # logged again (``Consumer._report``).
 REPORT_EVERY_S = 10.0
@@ -534,13 +536,18 @@ class Consumer:
             if rows:
                 rnd.settle_lost = queue.settle(tr, self._ts, rows, max_deliver)
             left = limit
-            # Every visited shard's fence, the config and the clock: issued at once (26.3).
-            reads = queue.round_reads(tr, self._ts, [spaces[s] for s, _e in shards[:LEASE_ROUND_SHARDS]])
+            reads = None
             for i, (shard_id, epoch) in enumerate(shards):
                 part = ShardTake(shard_id)
                 if left <= 0 or i >= LEASE_ROUND_SHARDS:
                     rnd.parts.append(part)      # not reached: visited next round
                     continue
+                if reads is None or spaces[shard_id] not in reads.records:
+                    # The fences of the next shards, the config and the clock: issued at
+                    # once (26.3), a window at a time: a round that a backlog fills at its
+                    # first shard reads few fences it does not use.
+                    window = [spaces[s] for s, _e in shards[i:min(i + FENCE_WINDOW, LEASE_ROUND_SHARDS)]]
+                    reads = queue.round_reads(tr, self._ts, window, reads)
                 try:
                     if none:
                         taken = queue.take_batch(tr, self._ts, spaces[shard_id], self.id, epoch, left,

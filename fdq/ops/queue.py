@@ -376,14 +376,18 @@ class RoundReads(NamedTuple):
     now: int            # the topic's clock
 
 
-def round_reads(tr, ts: TopicSpace, shards) -> RoundReads:
+def round_reads(tr, ts: TopicSpace, shards, prior: RoundReads | None = None) -> RoundReads:
     """The reads each of ``shards`` [ShardSpace] of one round needs before its queues,
     issued at once: every shard record (the owner-epoch fence, non-snapshot) as a future
     before any is waited for, so on FDB they travel together (a round over k shards was
     ~2k+2 round trips one after another), then the topic config (non-snapshot: a pause
     or reshard meanwhile conflicts) and its clock (snapshot), once per round, not once
-    per shard. On the embedded engine a read is ready when issued: nothing is added."""
+    per shard. ``prior``: this round's earlier reads: only the records are read (the
+    caller's next shards). On the embedded engine a read is ready when issued: nothing
+    is added."""
     records = {shard: tr[shard.record] for shard in shards}
+    if prior is not None:
+        return prior._replace(records=records)
     config = tr[ts.config_key]
     clock = tr.snapshot[ts.clock_key]
     return RoundReads(records, load_config(config), decode_counter(clock))
