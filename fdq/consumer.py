@@ -45,10 +45,12 @@ AT_MOST_ONCE, AT_LEAST_ONCE, EXACTLY_ONCE = "at_most_once", "at_least_once", "ex
 # (leases expire, peers time the consumer out as a zombie).
 _GOODBYE_MS = 10_000
 # At most this many shards are visited by one lease transaction (the rest wait for the
-# next round): a round's reads are sequential, and on a cluster (~1 ms a read) a round over
+# next round): its range reads are sequential, and on a cluster (~1 ms a read) a round over
 # thousands of shards (a topic with many dispatch tags) would outlive the 5-second rule
 # and be retried for ever.
 LEASE_ROUND_SHARDS = 256
+# A lease round issues the fence reads of this many shards at once (``queue.round_reads``).
+FENCE_WINDOW = 4
 # Without on_error, an error identical to one logged less than this long ago is not
 # logged again (``Consumer._report``).
 REPORT_EVERY_S = 10.0
@@ -492,13 +494,13 @@ class Consumer:
         (its fence read raised before any write) and ownership re-read.
 
         Watches: a watch counts as a read of the shard's ``routed`` counter, which every
-        push to the shard changes: a push committed meanwhile makes this transaction
-        conflict, and its retry takes that message too. The first attempt sets its
-        watches itself (one transaction per round; a push lands in the few hundred
-        microseconds of a round only now and then); a retry leaves them to ``_arm``
-        after the commit, in a read-only transaction, and a shard whose counter moved
-        between the two read versions (a push this transaction did not see) is visited
-        again: a busy shard costs at most one conflict per round, not a retry loop.
+        push to the shard changes: in a transaction that writes, a push committed
+        meanwhile would make it conflict and wait the engine's retry backoff. So only
+        a round that writes nothing sets its watches itself; one that leased or
+        settled reads the counter by snapshot and leaves them to ``_arm`` after the
+        commit, in a read-only transaction: a shard whose counter moved between the
+        two read versions (a push this transaction did not see) is visited again.
+        Pushes never abort a lease round.
 
         ``settlements`` [Settlement] (the previous round's, see
         ``TailConsumer._process_at_least_once``) commit first in the same transaction: one
@@ -534,18 +536,26 @@ class Consumer:
             if rows:
                 rnd.settle_lost = queue.settle(tr, self._ts, rows, max_deliver)
             left = limit
+            reads = None
             for i, (shard_id, epoch) in enumerate(shards):
                 part = ShardTake(shard_id)
                 if left <= 0 or i >= LEASE_ROUND_SHARDS:
                     rnd.parts.append(part)      # not reached: visited next round
                     continue
+                if reads is None or spaces[shard_id] not in reads.records:
+                    # The fences of the next shards, the config and the clock: issued at
+                    # once (26.3), a window at a time: a round that a backlog fills at its
+                    # first shard reads few fences it does not use.
+                    window = [spaces[s] for s, _e in shards[i:min(i + FENCE_WINDOW, LEASE_ROUND_SHARDS)]]
+                    reads = queue.round_reads(tr, self._ts, window, reads)
                 try:
                     if none:
                         taken = queue.take_batch(tr, self._ts, spaces[shard_id], self.id, epoch, left,
-                                                 max_deliver=max_deliver, sel=self._sel)
+                                                 max_deliver=max_deliver, sel=self._sel, reads=reads)
                     else:
                         taken = queue.lease_batch(tr, self._ts, spaces[shard_id], self.id, epoch, left,
-                                                  lease_id, ack_wait_ms, max_deliver=max_deliver, sel=self._sel)
+                                                  lease_id, ack_wait_ms, max_deliver=max_deliver, sel=self._sel,
+                                                  reads=reads)
                 except LeaseLost:
                     rnd.lost = True
                     continue
@@ -561,10 +571,14 @@ class Consumer:
                 rnd.mark = lease_id + attempt.number.to_bytes(4, "big")
                 queue.mark_take(tr, self._ts, self.subscription, self.id, rnd.mark)
             rnd.took = left < limit
-            # The first attempt sets its watches itself (one transaction per round); a
-            # retry, whose first attempt may have met a push to a watched shard, leaves
-            # them to ``_arm`` (a push then costs no second retry).
-            here = attempt.number == 1 or (not rnd.took and not rows)
+            # A watch is a read of ``routed`` (FDB's too: a conflict range), which every
+            # push to the shard changes: in a transaction that writes, a push meanwhile
+            # aborts it (~3% of rounds at 1,000 msgs/s), and the retry waits the
+            # engine's backoff (up to 10 ms: the p99). Only a read-only round (it took
+            # nothing and settles nothing: it cannot conflict) sets them itself; one
+            # that writes leaves them to ``_arm``, which compares the counter with
+            # what this one saw.
+            here = not rnd.took and not rows
             for part in rnd.parts:
                 if part.watch_key is None:
                     continue

@@ -282,7 +282,12 @@ def declare_zombie(tr, ts: TopicSpace, sub: str, consumer_id: str, observed_hb: 
 def ensure_owner(tr, ts: TopicSpace, sub: str, shard_id, consumer_id: str, epoch: int):
     """The fence: a non-snapshot read of the shard record, so a transaction of a
     consumer that lost the shard conflicts or fails here."""
-    raw = tr[ts.shard(sub, *shard_id).record]
+    check_owner(tr[ts.shard(sub, *shard_id).record], ts, sub, shard_id, consumer_id, epoch)
+
+
+def check_owner(raw, ts: TopicSpace, sub: str, shard_id, consumer_id: str, epoch: int):
+    """``ensure_owner`` on the shard record's read ``raw`` (a future issued earlier in
+    the same transaction, non-snapshot: ``queue.round_reads``)."""
     if raw == None:  # noqa: E711
         raise LeaseLost(f"shard {shard_id} of {ts.name}/{sub} has no owner record")
     owner, current = unpack(raw)
@@ -293,4 +298,4 @@ def ensure_owner(tr, ts: TopicSpace, sub: str, shard_id, consumer_id: str, epoch
 
 __all__ = ["shard_ids", "read_tags", "ownership_pools", "read_members", "read_owners", "plan_assignment",
            "assign_shards", "assign_new_tags", "join", "read_owned", "read_owned_watched", "replaced", "leave", "heartbeat",
-           "declare_zombie", "ensure_owner"]
+           "declare_zombie", "ensure_owner", "check_owner"]

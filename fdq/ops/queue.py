@@ -41,7 +41,7 @@ from ..keyspace.codec import (CHUNK_BYTES, LEASE_ENTRY_OVERHEAD, LEASE_RECORD_BY
 from ..settlement import ACK, NAK, RELEASE, TERM, TOUCH, Action
 from .topics import load_config
 from .clock import due_base, read_clock
-from .membership import ensure_owner
+from .membership import check_owner, ensure_owner
 from .routing import target
 
 ONE, MINUS_ONE = counter(1), counter(-1)
@@ -81,13 +81,15 @@ def _add(tr, counters: dict):
 
 
 @transactional
-def promote_due(tr, shard: ShardSpace, limit: int, promoted: dict | None = None) -> int | None:
+def promote_due(tr, shard: ShardSpace, limit: int, promoted: dict | None = None, now: int | None = None) -> int | None:
     """Move delayed messages that are due (due <= the topic's clock, see
-    ``clock.read_clock``) to the head of the ready queue. Returns the next due
+    ``clock.read_clock``; ``now``: the clock as the caller read it in this transaction)
+    to the head of the ready queue. Returns the next due
     time still waiting, if any; ``promoted`` collects {12-byte stamp: delayed key}.
     A message whose ready key holds it already (a reset's copy of a message nak'd with
     a delay meanwhile) is one message: the delayed copy is dropped, counted done."""
-    now = read_clock(tr, shard.clock_key)
+    if now is None:
+        now = read_clock(tr, shard.clock_key)
     r = shard.delayed_range
     due_now = []
     waiting = None
@@ -115,11 +117,12 @@ def promote_due(tr, shard: ShardSpace, limit: int, promoted: dict | None = None)
     return waiting
 
 
-def _consumable(tr, ts: TopicSpace, sub: str | None = None) -> bool:
+def _consumable(tr, ts: TopicSpace, sub: str | None = None, config=None) -> bool:
     """Paused or resharding topics deliver nothing, nor a paused subscription or one still
     catching up. A non-snapshot read: a pause that commits meanwhile makes this
-    transaction conflict."""
-    config = load_config(tr[ts.config_key])
+    transaction conflict. ``config``: the config as ``round_reads`` read it here."""
+    if config is None:
+        config = load_config(tr[ts.config_key])
     return (config is not None and config.routing and sub not in config.catchup
             and sub not in config.paused_subs)
 
@@ -274,9 +277,9 @@ def _select_ready(tr, ts: TopicSpace, shard: ShardSpace, limit: int, sel: Select
 
 
 def _read_ready(tr, ts: TopicSpace, shard: ShardSpace, limit: int, sel: Selection | None, max_deliver: int,
-                consumer_id: str):
+                consumer_id: str, now: int | None = None):
     promoted = {}
-    promote_due(tr, shard, limit, promoted)
+    promote_due(tr, shard, limit, promoted, now)
     if sel is not None:
         out = _select_ready(tr, ts, shard, limit, sel, max_deliver, consumer_id)
     else:
@@ -365,16 +368,55 @@ def _read_head(tr, ts: TopicSpace, shard: ShardSpace, limit: int, max_deliver: i
     return out
 
 
+class RoundReads(NamedTuple):
+    """What every shard of a round reads first (``round_reads``)."""
+
+    records: dict       # shard -> its record's read (a future), for the fence
+    config: object      # the topic config (decoded), None if the topic is gone
+    now: int            # the topic's clock
+
+
+def round_reads(tr, ts: TopicSpace, shards, prior: RoundReads | None = None) -> RoundReads:
+    """The reads each of ``shards`` [ShardSpace] of one round needs before its queues,
+    issued at once: every shard record (the owner-epoch fence, non-snapshot) as a future
+    before any is waited for, so on FDB they travel together (a round over k shards was
+    ~2k+2 round trips one after another), then the topic config (non-snapshot: a pause
+    or reshard meanwhile conflicts) and its clock (snapshot), once per round, not once
+    per shard. ``prior``: this round's earlier reads: only the records are read (the
+    caller's next shards). On the embedded engine a read is ready when issued: nothing
+    is added."""
+    records = {shard: tr[shard.record] for shard in shards}
+    if prior is not None:
+        return prior._replace(records=records)
+    config = tr[ts.config_key]
+    clock = tr.snapshot[ts.clock_key]
+    return RoundReads(records, load_config(config), decode_counter(clock))
+
+
+def _fence(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, reads: RoundReads | None):
+    """A taking transaction's first step on ``shard``: the owner-epoch fence (raises
+    ``LeaseLost``), then whether the topic delivers (None if not), else the topic's
+    clock."""
+    if reads is None:
+        reads = round_reads(tr, ts, (shard,))
+    check_owner(reads.records[shard], ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
+    if not _consumable(tr, ts, shard.sub, reads.config):
+        return None
+    return reads.now
+
+
 @transactional
 def take_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, limit: int,
-               *, max_deliver: int, finish: bool = True, sel: Selection | None = None) -> list:
+               *, max_deliver: int, finish: bool = True, sel: Selection | None = None,
+               reads: RoundReads | None = None) -> list:
     """Remove up to ``limit`` ready messages (at-most-once and exactly-once delivery).
     ``finish``: count them done (exactly-once counts in the caller's transaction). A
-    message whose failed attempts reached ``max_deliver`` is dead-lettered instead."""
-    ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
-    if not _consumable(tr, ts, shard.sub):
+    message whose failed attempts reached ``max_deliver`` is dead-lettered instead.
+    ``reads``: the round's ``round_reads`` (else read here)."""
+    now = _fence(tr, ts, shard, consumer_id, epoch, reads)
+    if now is None:
         return Batch()
-    taken = _read_ready(tr, ts, shard, limit, sel, max_deliver, consumer_id)
+    taken = _read_ready(tr, ts, shard, limit, sel, max_deliver, consumer_id, now)
     if taken and sel is None:
         # The head of the queue, first to last key: ``_read_ready`` read it all and holds
         # a read conflict on it, so one range clear removes exactly what it took.
@@ -419,16 +461,18 @@ def batch_leased(tr, shard: ShardSpace, keys, lease_id: bytes) -> bool:
 
 @transactional
 def lease_batch(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, limit: int,
-                lease_id: bytes, ack_wait_ms: int, *, max_deliver: int, sel: Selection | None = None) -> list:
+                lease_id: bytes, ack_wait_ms: int, *, max_deliver: int, sel: Selection | None = None,
+                reads: RoundReads | None = None) -> list:
     """Lease up to ``limit`` ready messages (at-least-once): they move into one lease
     record (several if their records exceed ``LEASE_RECORD_BYTES``) under ``lease_id``,
     with the consumer and its ack wait; each delivery counts ``attempts + 1``. A message
     delivered ``max_deliver`` times already is dead-lettered instead: never delivered
-    past it, whatever put it back."""
-    ensure_owner(tr, ts, shard.sub, (shard.tag, shard.n), consumer_id, epoch)
-    if not _consumable(tr, ts, shard.sub):
+    past it, whatever put it back. ``reads``: the round's ``round_reads`` (else read
+    here)."""
+    now = _fence(tr, ts, shard, consumer_id, epoch, reads)
+    if now is None:
         return Batch()
-    taken = _read_ready(tr, ts, shard, limit, sel, max_deliver, consumer_id)
+    taken = _read_ready(tr, ts, shard, limit, sel, max_deliver, consumer_id, now)
     if not taken:
         return taken
     if sel is None:
@@ -787,7 +831,7 @@ def fail_in_place(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch
     return Fate.RETRY
 
 
-__all__ = ["Taken", "Batch", "Selection", "SettleRow", "Expiry", "Fate", "MAX_REASON_CHARS", "SCAN_LIMIT",
+__all__ = ["Taken", "Batch", "Selection", "SettleRow", "RoundReads", "round_reads", "Expiry", "Fate", "MAX_REASON_CHARS", "SCAN_LIMIT",
            "promote_due", "read_leases", "in_shard", "take_batch", "mark_take", "take_committed", "batch_leased",
            "lease_batch", "dead_letter_taken", "settle", "scan_leases", "scan_shards_leases", "expire_leases",
            "fail_in_place"]

@@ -1,10 +1,11 @@
 """What a lease round costs and that its watches miss no push.
 
-A round that takes messages and drains its shard sets the shard's watch in its own
-transaction: one transaction per round, none more to arm the watch. A push committed
-while that transaction runs makes it conflict (a watch counts as a read of the shard's
-``routed`` counter), so the pushed message is taken by the retry or wakes the consumer:
-never left to the sweep. The sweep here is a minute away: only a watch delivers in time."""
+A round that takes messages commits once; a shard it drained is watched after that
+commit, in a read-only transaction that compares the shard's ``routed`` counter with
+what the round saw (a watch in the leasing transaction would count as a read of that
+counter: every push meanwhile would abort the round, which then waits the engine's
+retry backoff). A push committed while the round runs never aborts it and is never
+left to the sweep. The sweep here is a minute away: only a watch delivers in time."""
 from __future__ import annotations
 
 import threading
@@ -48,7 +49,7 @@ def _drained_consumer(db):
     return c
 
 
-def test_a_round_that_drains_its_shard_watches_it_in_the_same_transaction(db):
+def test_a_round_that_drains_its_shard_commits_once_and_arms_its_watch_read_only(db):
     fdq.Supervisor(db).create_topic("t", shards=1)
     counting = CountingDatabase(db)
     c = _drained_consumer(counting)
@@ -58,7 +59,7 @@ def test_a_round_that_drains_its_shard_watches_it_in_the_same_transaction(db):
         before = counting.mine()
         got = c.fetch(10, timeout=WAIT_S)     # waits for the watch (a round without work costs none)
         assert [m.body for m in got] == [b"0", b"1", b"2"]
-        assert counting.mine() - before == 1, "a round that leased and drained its shard took more than one transaction"
+        assert counting.mine() - before == 2, "a round that leased and drained its shard: its commit and its arm"
         c.ack_many(got)
         p.push("t", b"next")        # the watch that round set wakes the next fetch
         assert [m.body for m in c.fetch(10, timeout=WAIT_S)] == [b"next"]
@@ -66,17 +67,19 @@ def test_a_round_that_drains_its_shard_watches_it_in_the_same_transaction(db):
         c.close()
 
 
-def test_a_push_during_the_lease_transaction_is_not_missed(db, monkeypatch):
+def test_a_push_during_the_lease_transaction_neither_aborts_it_nor_is_missed(db, monkeypatch):
     """The push commits after the round's read version and before its commit: the round
-    conflicts and runs again, and the message is delivered, and so is a push after it."""
+    commits at its first attempt (no conflict, no retry backoff), and the push is
+    delivered by the next round (the arm saw the counter move), and so is a push after it."""
     fdq.Supervisor(db).create_topic("t", shards=1)
     c = _drained_consumer(db)
     p = fdq.Producer(db)
     lease_batch = queue.lease_batch
-    raced = []
+    raced, calls = [], []
 
     def racing_lease_batch(tr, *args, **kwargs):
         taken = lease_batch(tr, *args, **kwargs)
+        calls.append([m.body for m in taken])
         if not raced:
             raced.append(True)
             p.push("t", b"during")      # its own transaction, committed at once
@@ -88,6 +91,7 @@ def test_a_push_during_the_lease_transaction_is_not_missed(db, monkeypatch):
         wait_for(lambda: got.extend(c.fetch(10, timeout=0.5)) or {m.body for m in got} >= {b"first", b"during"},
                  WAIT_S, what="both messages delivered")
         assert sorted(m.body for m in got) == [b"during", b"first"]
+        assert calls[:2] == [[b"first"], [b"during"]], "the push aborted the leasing round (it ran again)"
         c.ack_many(got)
         p.push("t", b"after")
         assert [m.body for m in c.fetch(10, timeout=WAIT_S)] == [b"after"]
