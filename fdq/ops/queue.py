@@ -39,7 +39,7 @@ from ..errors import CorruptValue
 from ..keyspace.codec import (CHUNK_BYTES, LEASE_ENTRY_OVERHEAD, LEASE_RECORD_BYTES, LeaseRecord, Record,
                               decode_leases, encode_dead, encode_leases, has_chunks, lease_entries_hint)
 from ..settlement import ACK, NAK, RELEASE, TERM, TOUCH, Action
-from .topics import load_config
+from .topics import cached_topic_config, load_config
 from .clock import due_base, read_clock
 from .membership import check_owner, ensure_owner
 from .routing import target
@@ -122,7 +122,7 @@ def _consumable(tr, ts: TopicSpace, sub: str | None = None, config=None) -> bool
     catching up. A non-snapshot read: a pause that commits meanwhile makes this
     transaction conflict. ``config``: the config as ``round_reads`` read it here."""
     if config is None:
-        config = load_config(tr[ts.config_key])
+        config = cached_topic_config(tr, ts)
     return (config is not None and config.routing and sub not in config.catchup
             and sub not in config.paused_subs)
 
@@ -380,17 +380,16 @@ def round_reads(tr, ts: TopicSpace, shards, prior: RoundReads | None = None) -> 
     """The reads each of ``shards`` [ShardSpace] of one round needs before its queues,
     issued at once: every shard record (the owner-epoch fence, non-snapshot) as a future
     before any is waited for, so on FDB they travel together (a round over k shards was
-    ~2k+2 round trips one after another), then the topic config (non-snapshot: a pause
-    or reshard meanwhile conflicts) and its clock (snapshot), once per round, not once
-    per shard. ``prior``: this round's earlier reads: only the records are read (the
+    ~2k+2 round trips one after another), then the topic config (cached behind the
+    metadata version, read non-snapshot: a pause or reshard meanwhile conflicts) and its
+    clock (snapshot), once per round, not once per shard. ``prior``: this round's earlier reads: only the records are read (the
     caller's next shards). On the embedded engine a read is ready when issued: nothing
     is added."""
     records = {shard: tr[shard.record] for shard in shards}
     if prior is not None:
         return prior._replace(records=records)
-    config = tr[ts.config_key]
     clock = tr.snapshot[ts.clock_key]
-    return RoundReads(records, load_config(config), decode_counter(clock))
+    return RoundReads(records, cached_topic_config(tr, ts), decode_counter(clock))
 
 
 def _fence(tr, ts: TopicSpace, shard: ShardSpace, consumer_id: str, epoch: int, reads: RoundReads | None):
@@ -557,7 +556,7 @@ def _requeue(tr, ts: TopicSpace, shard: ShardSpace, vs, record_raw: bytes, delay
     and delayed areas already (and removes the shard when the count shrinks). The topic
     config is read non-snapshot, so a reshard that begins or ends meanwhile makes this
     transaction conflict."""
-    config = load_config(tr[ts.config_key])
+    config = cached_topic_config(tr, ts)
     if config is not None and config.resharding_to is not None:
         _tag, n = target(Record.decode(record_raw), config.resharding_to)
         if n != shard.n:
