@@ -211,6 +211,7 @@ class Consumer:
         self._dirty = set()          # shards that may have work (new, signalled, swept)
         self._last_sweep = 0.0
         self._closed = False
+        self._close_lock = threading.RLock()     # one close at a time (``close``)
         self._fetching = []          # idents of the threads inside fetch(), under _fetch_done
         self._fetch_done = threading.Condition()
         self._member = Member(self)  # heartbeats, peers, lease expiry: threads of its own
@@ -861,7 +862,12 @@ class Consumer:
 
     def close(self):
         """Leave the subscription: shards go to the other consumers now; leases this
-        consumer still holds are returned to their queues at once."""
+        consumer still holds are returned to their queues at once. A close under way in
+        another thread is waited for: it returns once the consumer has left."""
+        with self._close_lock:
+            self._close()
+
+    def _close(self):
         if self._closed:
             return
         with self._fetch_done:
