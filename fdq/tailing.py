@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 
 from . import hooks
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig
@@ -105,7 +105,12 @@ class TailConsumer(Consumer):
             while not self._stop.is_set():
                 shards = self._next_shards()
                 if self._pool is not None and len(shards) > 1:
-                    done = sum(self._pool.map(self._visit_group, _by_shard_number(shards)))
+                    try:
+                        done = sum(self._pool.map(self._visit_group, _by_shard_number(shards)))
+                    except (CancelledError, RuntimeError):
+                        if not self._stop.is_set():
+                            raise
+                        break       # a close that stopped waiting shut the pool: visits not begun
                 elif self.mode != EXACTLY_ONCE:
                     done = self._visit(shards) if shards else 0    # one transaction for them all
                 else:
