@@ -187,7 +187,7 @@ class TailConsumer(Consumer):
         try:
             if self.batch and msgs:
                 try:
-                    self.handler(list(msgs))
+                    self._call_batch(list(msgs))
                 except Exception as e:  # at most once: the messages are gone either way
                     self._report(e, msgs[0])
             for m in (msgs if not self.batch else ()):
@@ -293,6 +293,23 @@ class TailConsumer(Consumer):
                 self._fetching.remove(me)
                 self._fetch_done.notify_all()
 
+    def _call_batch(self, msgs: list, tr=None):
+        """The batch handler on ``msgs`` (exactly once: with ``tr``), inside the hooks'
+        ``handle_batch_begin``/``_end`` (tracing: one span linked to each message's)."""
+        call = hooks.begin_handle_batch(msgs) if hooks.active else None
+        error = None
+        try:
+            if tr is None:
+                self.handler(msgs)
+            else:
+                self.handler(tr, msgs)
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            if call is not None:
+                call.end(error)
+
     def _handle_batch(self, msgs, pending):
         """At least once, ``batch=True``: the handler gets the round's messages as one
         list; return → the unsettled ones acked, raise → nak'd with the error (each an
@@ -309,7 +326,7 @@ class TailConsumer(Consumer):
             self._mark_handed(m)
             m._deferred = pending
         try:
-            self.handler(list(msgs))
+            self._call_batch(list(msgs))
             for m in msgs:
                 if m._settled is None:
                     m.ack()
@@ -439,7 +456,7 @@ class TailConsumer(Consumer):
             m._in_tr = True
         run.in_batch = True
         try:
-            self.handler(tr, msgs)
+            self._call_batch(msgs, tr)
         finally:
             for m in msgs:
                 m._in_tr = False
