@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 
+from . import hooks
 from .config import (DEFAULT_SUBSCRIPTION, ConsumerConfig, SubscriptionConfig, TopicConfig, check_name,
                      effective_consumer_config)
 from .engine import Done, after_interrupt, error_types, run_within, transact
@@ -709,7 +710,10 @@ class Consumer:
             raise ConfigError(f"timeout must be a number of seconds, not {timeout!r:.80}")
         if ack_wait_s is not None:
             ConsumerConfig(ack_wait_s=ack_wait_s)   # validates
-        return self._fetch_tracked(max_messages, timeout, ack_wait_s, handed=True)
+        msgs = self._fetch_tracked(max_messages, timeout, ack_wait_s, handed=True)
+        if msgs and hooks.active:
+            hooks.received(msgs)    # tracing: a receive span linked to each message's
+        return msgs
 
     def _fetch_tracked(self, max_messages: int, timeout: float, ack_wait_s: float | None, handed: bool) -> list:
         """``_fetch``, known to ``close()`` (``_await_fetches``). ``handed``: as
@@ -746,6 +750,8 @@ class Consumer:
         while not self._closed:
             wait = 1.0 if timeout is None else min(1.0, max(0.0, last + timeout - _monotonic()))
             msgs = self._fetch_tracked(batch, wait, None, handed=False)
+            if msgs and hooks.active:
+                hooks.received(msgs)
             if not msgs:
                 if timeout is not None and _monotonic() - last >= timeout:
                     return

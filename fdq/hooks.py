@@ -24,6 +24,10 @@ A hook is an object with any of these methods (:class:`Hook` has them all, doing
         the same around a batch handler's call (``tail(batch=True)``: one call on a
         round's messages); ``outcome`` is ``"error"`` (it raised) or ``"ok"``
 
+    receive(messages)
+        in the thread of a pull consumer's ``fetch()`` (or ``messages()``'s lease) that
+        leased ``messages`` (one call, nothing to finish)
+
 A hook whose ``*_begin`` returns :data:`SKIP` has nothing to finish: its ``*_end`` is not
 called for that push or handler call (the tracing hook without a tracer provider); when
 every hook skips, the call costs nothing more (no clock read, no call object).
@@ -76,6 +80,9 @@ class Hook:
 
     def handle_batch_begin(self, messages: list):
         return None
+
+    def receive(self, messages: list):
+        pass
 
     def handle_batch_end(self, state, messages: list, outcome: str, error, seconds: float):
         pass
@@ -261,5 +268,19 @@ def begin_handle_batch(messages: list) -> HandleBatchCall | None:
     return call
 
 
-__all__ = ["Hook", "SKIP", "register", "unregister", "registered", "begin_push", "begin_handle",
+def received(messages: list) -> None:
+    """Run the hooks' ``receive`` for ``messages`` a pull consumer leased."""
+    if not _loaded:
+        _load_defaults()
+    for hook in _hooks:
+        fn = getattr(hook, "receive", None)
+        if fn is None:
+            continue
+        try:
+            fn(messages)
+        except Exception as e:
+            _failed(hook, "receive", e)
+
+
+__all__ = ["Hook", "SKIP", "received", "register", "unregister", "registered", "begin_push", "begin_handle",
            "begin_handle_batch"]

@@ -16,6 +16,9 @@ provider; where it is not importable nothing is imported, no header written, not
   on the span and its status ERROR. Exactly-once: one span per attempt of the
   transaction. A batch handler (``tail(batch=True)``) runs in one such span linked to
   the context of each message of its batch (``messaging.batch.message_count``).
+* A pull consumer's ``fetch()`` (and each lease of ``messages()``) that leased messages
+  records a CLIENT span ``receive <topic>``, child of the caller's current span, linked
+  to each message's context (what the application then does is its own to trace).
 
 Without an SDK (no tracer provider set) nothing records: the hook returns at once,
 writing no header (unless the caller's context carries a valid span: then that context
@@ -143,6 +146,22 @@ class OpenTelemetryHook(hooks.Hook):
 
     def handle_batch_end(self, state, messages: list, outcome: str, error, seconds: float):
         self.handle_end(state, None, outcome, error, seconds)
+
+
+    def receive(self, messages: list):
+        if not self._records() or not messages:
+            return
+        first = messages[0]
+        links = [Link(sent) for sent in map(_sent_context, messages) if sent is not None]
+        attributes = {"messaging.system": SYSTEM, "messaging.destination.name": first.topic,
+                      "messaging.operation.type": "receive", "messaging.operation.name": "receive",
+                      "messaging.consumer.group.name": first.subscription,
+                      "messaging.destination.subscription.name": first.subscription,
+                      "messaging.batch.message_count": len(messages)}
+        if len(messages) == 1:
+            attributes["messaging.message.id"] = first.id
+        self._tracer.start_span(f"receive {first.topic}", kind=SpanKind.CLIENT, links=links or None,
+                                attributes=attributes).end()
 
 
 def _sent_context(message):

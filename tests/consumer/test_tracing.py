@@ -165,6 +165,29 @@ def test_a_batch_handler_runs_in_one_span_linked_to_each_messages_send(db, trace
         assert first.attributes["fdq.outcome"] == "ok"
 
 
+@pytest.mark.parametrize("how", ["fetch", "messages"])
+def test_a_pull_consumers_lease_records_a_receive_span_linked_to_each_message(db, traced, how):
+    fdq.Supervisor(db).create_topic("orders", shards=1)
+    p = fdq.Producer(db)
+    for i in range(2):
+        with traced.tracer.start_as_current_span(f"request {i}"):
+            p.push("orders", b"o%d" % i)
+    sends = {s.context.span_id for s in traced.spans("send orders")}
+    with fdq.Consumer(db, "orders", config=FAST) as c, traced.tracer.start_as_current_span("poll") as poll:
+        if how == "fetch":
+            got = wait_for(lambda: c.fetch(10, timeout=0.5), 30, what="a fetch")
+        else:
+            got = [next(iter(c.messages(timeout=10)))]
+        for m in got:
+            m.ack()
+    receive, = traced.spans("receive orders")
+    assert receive.kind is SpanKind.CLIENT
+    assert receive.parent.span_id == poll.get_span_context().span_id
+    assert receive.attributes["messaging.operation.type"] == "receive"
+    assert receive.attributes["messaging.batch.message_count"] == 2
+    assert {link.context.span_id for link in receive.links} == sends
+
+
 def test_a_handler_span_is_current_while_it_runs(db, traced):
     """What the handler traces (its own spans, its pushes) belongs to its process span."""
     fdq.Supervisor(db).create_topic("in", shards=1)
