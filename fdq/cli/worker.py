@@ -140,8 +140,11 @@ def worker(state, handler, topic, subscription, concurrency, mode, exactly_once,
     --drain-timeout; one still running then is cut off, the process exiting, and
     its message redelivered as a failed attempt), the messages no handler began go back at once without
     counting an attempt, and the worker leaves the subscription: exit 0 on SIGTERM,
-    130 on Ctrl-C. A second signal stops at once. A module that cannot be imported,
-    or a name that is not a callable: one line, exit 1.
+    130 on Ctrl-C. A second signal stops at once: running handlers are not waited
+    for (their messages go back as failed attempts), the rest go back uncounted,
+    and the worker leaves before the process exits (143 on SIGTERM, 130 on
+    Ctrl-C). A module that cannot be imported, or a name that is not a callable:
+    one line, exit 1.
     """
     if exactly_once:
         if mode not in (None, "exactly-once"):
