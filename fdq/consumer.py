@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 
+from . import hooks
 from .config import (DEFAULT_SUBSCRIPTION, ConsumerConfig, SubscriptionConfig, TopicConfig, check_name,
                      effective_consumer_config)
 from .engine import Done, after_interrupt, error_types, run_within, transact
@@ -213,6 +214,7 @@ class Consumer:
         self._dirty = set()          # shards that may have work (new, signalled, swept)
         self._last_sweep = 0.0
         self._closed = False
+        self._close_lock = threading.RLock()     # one close at a time (``close``)
         self._fetching = []          # idents of the threads inside fetch(), under _fetch_done
         self._fetch_done = threading.Condition()
         self._member = Member(self)  # heartbeats, peers, lease expiry: threads of its own
@@ -722,7 +724,10 @@ class Consumer:
             raise ConfigError(f"timeout must be a number of seconds, not {timeout!r:.80}")
         if ack_wait_s is not None:
             ConsumerConfig(ack_wait_s=ack_wait_s)   # validates
-        return self._fetch_tracked(max_messages, timeout, ack_wait_s, handed=True)
+        msgs = self._fetch_tracked(max_messages, timeout, ack_wait_s, handed=True)
+        if msgs and hooks.active:
+            hooks.received(msgs)    # tracing: a receive span linked to each message's
+        return msgs
 
     def _fetch_tracked(self, max_messages: int, timeout: float, ack_wait_s: float | None, handed: bool) -> list:
         """``_fetch``, known to ``close()`` (``_await_fetches``). ``handed``: as
@@ -759,6 +764,8 @@ class Consumer:
         while not self._closed:
             wait = 1.0 if timeout is None else min(1.0, max(0.0, last + timeout - _monotonic()))
             msgs = self._fetch_tracked(batch, wait, None, handed=False)
+            if msgs and hooks.active:
+                hooks.received(msgs)
             if not msgs:
                 if timeout is not None and _monotonic() - last >= timeout:
                     return
@@ -875,7 +882,12 @@ class Consumer:
 
     def close(self):
         """Leave the subscription: shards go to the other consumers now; leases this
-        consumer still holds are returned to their queues at once."""
+        consumer still holds are returned to their queues at once. A close under way in
+        another thread is waited for: it returns once the consumer has left."""
+        with self._close_lock:
+            self._close()
+
+    def _close(self):
         if self._closed:
             return
         with self._fetch_done:

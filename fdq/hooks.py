@@ -19,6 +19,15 @@ A hook is an object with any of these methods (:class:`Hook` has them all, doing
         (``"ack"``, ``"nak"``, ``"term"``) or ``"ok"`` (nothing to settle: at-most-once,
         exactly-once)
 
+    handle_batch_begin(messages) -> state
+    handle_batch_end(state, messages, outcome, error, seconds)
+        the same around a batch handler's call (``tail(batch=True)``: one call on a
+        round's messages); ``outcome`` is ``"error"`` (it raised) or ``"ok"``
+
+    receive(messages)
+        in the thread of a pull consumer's ``fetch()`` (or ``messages()``'s lease) that
+        leased ``messages`` (one call, nothing to finish)
+
 A hook whose ``*_begin`` returns :data:`SKIP` has nothing to finish: its ``*_end`` is not
 called for that push or handler call (the tracing hook without a tracer provider); when
 every hook skips, the call costs nothing more (no clock read, no call object).
@@ -67,6 +76,15 @@ class Hook:
         return None
 
     def handle_end(self, state, message, outcome: str, error, seconds: float):
+        pass
+
+    def handle_batch_begin(self, messages: list):
+        return None
+
+    def receive(self, messages: list):
+        pass
+
+    def handle_batch_end(self, state, messages: list, outcome: str, error, seconds: float):
         pass
 
 
@@ -160,8 +178,12 @@ def _begin(method: str, *args):
         return None
     states = []
     for hook in hooks:
+        fn = getattr(hook, method, None)
+        if fn is None:      # a hook without this method (written before it existed): skips
+            states.append(SKIP)
+            continue
         try:
-            states.append(getattr(hook, method)(*args))
+            states.append(fn(*args))
         except Exception as e:
             _failed(hook, method, e)
             states.append(None)
@@ -214,4 +236,51 @@ def begin_handle(message) -> HandleCall | None:
     return call
 
 
-__all__ = ["Hook", "SKIP", "register", "unregister", "registered", "begin_push", "begin_handle"]
+class HandleBatchCall:
+    """One batch handler call between ``handle_batch_begin`` and ``handle_batch_end``
+    (:func:`begin_handle_batch`)."""
+
+    __slots__ = ("messages", "hooks", "states", "t0")
+
+    def end(self, error=None):
+        """Tell the hooks how the batch handler ended (in the thread that began it)."""
+        seconds = perf_counter() - self.t0
+        outcome = "error" if error is not None else "ok"
+        for hook, state in zip(reversed(self.hooks), reversed(self.states)):
+            if state is SKIP:
+                continue
+            try:
+                hook.handle_batch_end(state, self.messages, outcome, error, seconds)
+            except Exception as e:
+                _failed(hook, "handle_batch_end", e)
+
+
+def begin_handle_batch(messages: list) -> HandleBatchCall | None:
+    """Run the hooks' ``handle_batch_begin`` for ``messages`` (a batch handler's list);
+    None if no hook is registered (or a hook without the method: it skips)."""
+    begun = _begin("handle_batch_begin", messages)
+    if begun is None:
+        return None
+    hooks, states = begun
+    call = HandleBatchCall()
+    call.messages, call.hooks, call.states = messages, hooks, states
+    call.t0 = perf_counter()
+    return call
+
+
+def received(messages: list) -> None:
+    """Run the hooks' ``receive`` for ``messages`` a pull consumer leased."""
+    if not _loaded:
+        _load_defaults()
+    for hook in _hooks:
+        fn = getattr(hook, "receive", None)
+        if fn is None:
+            continue
+        try:
+            fn(messages)
+        except Exception as e:
+            _failed(hook, "receive", e)
+
+
+__all__ = ["Hook", "SKIP", "received", "register", "unregister", "registered", "begin_push", "begin_handle",
+           "begin_handle_batch"]

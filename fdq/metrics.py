@@ -34,6 +34,9 @@ subscription and consumer:
 ``fdq_subscription_standby_consumers``                  gauge    live ones owning no shard (all owned)
 ``fdq_consumer_heartbeat_age_seconds{consumer}``        gauge    (``consumer_labels=False``: left out)
 ``fdq_consumer_owned_shards{consumer}``                 gauge    (same)
+``fdq_consumer_up{consumer}``                           gauge    1 live, 0 zombie (heartbeat older than its
+                                                                 timeout); no series before its first
+                                                                 heartbeat age is known (same)
 ======================================================  =======  ==========================================
 
 Those database-wide families must be exported once, not once per process: with
@@ -355,6 +358,8 @@ def _database_families(topics: list, consumer_labels: bool) -> list:
         family(GaugeMetricFamily, "fdq_consumer_heartbeat_age_seconds",
                "Seconds since the consumer's last heartbeat (as of the last read)", cl)
         family(GaugeMetricFamily, "fdq_consumer_owned_shards", "Shards the consumer owns", cl)
+        family(GaugeMetricFamily, "fdq_consumer_up",
+               "1 if the consumer is live, 0 if a zombie (its heartbeat older than its timeout)", cl)
     for st in topics:
         t, c, cfg = st["topic"], st["counters"], st["config"]
         fam["fdq_topic_inserted_messages"].add_metric([t], c["inserted"])
@@ -389,6 +394,8 @@ def _database_families(topics: list, consumer_labels: bool) -> list:
                     if con["heartbeat_age_s"] is not None:
                         fam["fdq_consumer_heartbeat_age_seconds"].add_metric(lc, con["heartbeat_age_s"])
                     fam["fdq_consumer_owned_shards"].add_metric(lc, len(con["tag_shards"]))
+                    if con["zombie"] is not None:
+                        fam["fdq_consumer_up"].add_metric(lc, 0 if con["zombie"] else 1)
             for state, n in states.items():
                 fam["fdq_subscription_consumers"].add_metric(ls + [state], n)
             fam["fdq_subscription_standby_consumers"].add_metric(ls, s["standby"])

@@ -19,7 +19,8 @@ name would be shadowed by it for ``fdq.tail.X`` lookups such as ``mock.patch``'s
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 
 from . import hooks
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig
@@ -30,6 +31,8 @@ from .message import _to_message
 from .ops import queue
 from .settlement import TERM
 
+_monotonic = time.monotonic
+
 # How long a tail worker with nothing to do keeps its last batch's settlements for the
 # next round's lease transaction before committing them on their own.
 ACK_LINGER_S = 0.005
@@ -37,6 +40,8 @@ ACK_LINGER_S = 0.005
 # How long a closing tail waits for its worker's round (at least the ack wait): a handler
 # still running after it keeps its message, which the close hands back as an attempt.
 WORKER_JOIN_S = 30.0
+# How often a closing tail looks whether a later close cut its wait short.
+CLOSE_POLL_S = 0.05
 
 
 class _OnceAttempt:
@@ -77,6 +82,8 @@ class TailConsumer(Consumer):
         self._carried = []      # the last batch's settlements, committed by the next round
         self._in_round = threading.local()  # .active: this thread runs a round (and handlers)
         self._close_in_worker = False       # shutdown() came from a handler: the worker closes
+        self._close_by = float("inf")       # when the closes under way stop waiting for the worker
+        self._close_by_lock = threading.Lock()
         super().__init__(db, topic, **kwargs)
         if self.sub_config.ack_policy == "none" and self.mode == AT_LEAST_ONCE:
             if explicit_acking:
@@ -98,7 +105,12 @@ class TailConsumer(Consumer):
             while not self._stop.is_set():
                 shards = self._next_shards()
                 if self._pool is not None and len(shards) > 1:
-                    done = sum(self._pool.map(self._visit_group, _by_shard_number(shards)))
+                    try:
+                        done = sum(self._pool.map(self._visit_group, _by_shard_number(shards)))
+                    except (CancelledError, RuntimeError):
+                        if not self._stop.is_set():
+                            raise
+                        break       # a close that stopped waiting shut the pool: visits not begun
                 elif self.mode != EXACTLY_ONCE:
                     done = self._visit(shards) if shards else 0    # one transaction for them all
                 else:
@@ -175,7 +187,7 @@ class TailConsumer(Consumer):
         try:
             if self.batch and msgs:
                 try:
-                    self.handler(list(msgs))
+                    self._call_batch(list(msgs))
                 except Exception as e:  # at most once: the messages are gone either way
                     self._report(e, msgs[0])
             for m in (msgs if not self.batch else ()):
@@ -212,11 +224,14 @@ class TailConsumer(Consumer):
         carried, self._carried = self._carried, []
         defer = self._pool is None
         try:
-            msgs = self._lease_many(shards, self.batch_size, settlements=carried, defer_arm=defer)
+            msgs = self._lease_round(shards, carried, defer)
         except BaseException:
             after_interrupt()
             self._carried = carried + self._carried    # not committed: settle them later
             raise
+        if msgs is None:    # closed meanwhile: nothing leased
+            self._carried = carried + self._carried
+            return 0
         pending = self._begin_round(msgs)
         try:
             if self.batch:
@@ -261,6 +276,40 @@ class TailConsumer(Consumer):
             self._report(e)
         return len(msgs)
 
+    def _lease_round(self, shards, carried, defer) -> list | None:
+        """``_lease_many`` for a round, known to ``close()`` as a fetch is
+        (``Consumer._fetch_tracked``): a close that stops waiting for this thread (a
+        second signal's ``close(0)``) still waits for a lease under way, so it returns
+        those leases too, and none begins once the consumer closes (None)."""
+        me = threading.get_ident()
+        with self._fetch_done:
+            if self._closed:
+                return None
+            self._fetching.append(me)
+        try:
+            return self._lease_many(shards, self.batch_size, settlements=carried, defer_arm=defer)
+        finally:
+            with self._fetch_done:
+                self._fetching.remove(me)
+                self._fetch_done.notify_all()
+
+    def _call_batch(self, msgs: list, tr=None):
+        """The batch handler on ``msgs`` (exactly once: with ``tr``), inside the hooks'
+        ``handle_batch_begin``/``_end`` (tracing: one span linked to each message's)."""
+        call = hooks.begin_handle_batch(msgs) if hooks.active else None
+        error = None
+        try:
+            if tr is None:
+                self.handler(msgs)
+            else:
+                self.handler(tr, msgs)
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            if call is not None:
+                call.end(error)
+
     def _handle_batch(self, msgs, pending):
         """At least once, ``batch=True``: the handler gets the round's messages as one
         list; return → the unsettled ones acked, raise → nak'd with the error (each an
@@ -277,7 +326,7 @@ class TailConsumer(Consumer):
             self._mark_handed(m)
             m._deferred = pending
         try:
-            self.handler(list(msgs))
+            self._call_batch(list(msgs))
             for m in msgs:
                 if m._settled is None:
                     m.ack()
@@ -407,7 +456,7 @@ class TailConsumer(Consumer):
             m._in_tr = True
         run.in_batch = True
         try:
-            self.handler(tr, msgs)
+            self._call_batch(msgs, tr)
         finally:
             for m in msgs:
                 m._in_tr = False
@@ -428,25 +477,45 @@ class TailConsumer(Consumer):
         handler still running then keeps its message, which the close hands back as an
         attempt (nak). Called by a handler (``shutdown()`` from inside a round: the
         worker or a pool thread, which cannot wait for itself), it returns at once; the
-        worker finishes the round and then closes the consumer."""
-        if self._closed:
+        worker finishes the round and then closes the consumer.
+
+        Closes in several threads (a drain, then a second signal's ``close(0)``) are one
+        close: its wait for the handlers ends at the earliest of their deadlines, and
+        each returns once the consumer has left (its leases back), whichever thread
+        did the leaving."""
+        if getattr(self._in_round, "active", False):
+            if not self._closed:
+                self._stop.set()
+                self._wake.set()
+                self._close_in_worker = True
             return
         self._stop.set()
         self._wake.set()
-        if getattr(self._in_round, "active", False):
-            self._close_in_worker = True
+        if self._closed:            # left, or leaving in another thread: wait for that
+            super().close()
             return
         self._finish_close(timeout)
 
     def _finish_close(self, timeout: float | None = None):
         if threading.current_thread() is not self._worker:
-            self._worker.join(timeout=max(WORKER_JOIN_S, self.config.ack_wait_s) if timeout is None else timeout)
+            self._await_worker(max(WORKER_JOIN_S, self.config.ack_wait_s) if timeout is None else timeout)
         if self._pool is not None:
             # a handler still running past the wait is not waited for (its worker thread
             # is then still in the pool's map): the pool's idle threads end, its own later
             done = threading.current_thread() is self._worker or not self._worker.is_alive()
             self._pool.shutdown(wait=done, cancel_futures=True)
         super().close()
+
+    def _await_worker(self, timeout: float):
+        """Wait for the worker thread to end, until the earliest deadline of the closes
+        under way (a later ``close(0)`` cuts an earlier one's wait short)."""
+        with self._close_by_lock:
+            self._close_by = min(self._close_by, _monotonic() + max(0.0, timeout))
+        while self._worker.is_alive():
+            left = self._close_by - _monotonic()
+            if left <= 0:
+                return
+            self._worker.join(min(left, CLOSE_POLL_S))
 
     @property
     def running(self) -> bool:

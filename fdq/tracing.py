@@ -14,7 +14,11 @@ provider; where it is not importable nothing is imported, no header written, not
   ``process <topic>``, current while it runs (spans the handler starts are its children),
   linked to the context the message carries; a handler that raises leaves the exception
   on the span and its status ERROR. Exactly-once: one span per attempt of the
-  transaction.
+  transaction. A batch handler (``tail(batch=True)``) runs in one such span linked to
+  the context of each message of its batch (``messaging.batch.message_count``).
+* A pull consumer's ``fetch()`` (and each lease of ``messages()``) that leased messages
+  records a CLIENT span ``receive <topic>``, child of the caller's current span, linked
+  to each message's context (what the application then does is its own to trace).
 
 Without an SDK (no tracer provider set) nothing records: the hook returns at once,
 writing no header (unless the caller's context carries a valid span: then that context
@@ -99,11 +103,8 @@ class OpenTelemetryHook(hooks.Hook):
     def handle_begin(self, message):
         if not self._records():
             return hooks.SKIP
-        links = None
-        if message.headers and "traceparent" in message.headers:
-            sent = trace.get_current_span(propagate.extract(message.headers)).get_span_context()
-            if sent.is_valid:
-                links = [Link(sent)]
+        sent = _sent_context(message)
+        links = [Link(sent)] if sent is not None else None
         attributes = {"messaging.system": SYSTEM, "messaging.destination.name": message.topic,
                       "messaging.operation.type": "process", "messaging.operation.name": "process",
                       "messaging.consumer.group.name": message.subscription,
@@ -127,6 +128,48 @@ class OpenTelemetryHook(hooks.Hook):
         if error is not None:
             _failed(span, error)
         span.end()
+
+
+    def handle_batch_begin(self, messages: list):
+        if not self._records() or not messages:
+            return hooks.SKIP
+        first = messages[0]
+        links = [Link(sent) for sent in map(_sent_context, messages) if sent is not None]
+        attributes = {"messaging.system": SYSTEM, "messaging.destination.name": first.topic,
+                      "messaging.operation.type": "process", "messaging.operation.name": "process",
+                      "messaging.consumer.group.name": first.subscription,
+                      "messaging.destination.subscription.name": first.subscription,
+                      "messaging.batch.message_count": len(messages)}
+        span = self._tracer.start_span(f"process {first.topic}", kind=SpanKind.CONSUMER, links=links or None,
+                                       attributes=attributes)
+        return span, otel_context.attach(trace.set_span_in_context(span))
+
+    def handle_batch_end(self, state, messages: list, outcome: str, error, seconds: float):
+        self.handle_end(state, None, outcome, error, seconds)
+
+
+    def receive(self, messages: list):
+        if not self._records() or not messages:
+            return
+        first = messages[0]
+        links = [Link(sent) for sent in map(_sent_context, messages) if sent is not None]
+        attributes = {"messaging.system": SYSTEM, "messaging.destination.name": first.topic,
+                      "messaging.operation.type": "receive", "messaging.operation.name": "receive",
+                      "messaging.consumer.group.name": first.subscription,
+                      "messaging.destination.subscription.name": first.subscription,
+                      "messaging.batch.message_count": len(messages)}
+        if len(messages) == 1:
+            attributes["messaging.message.id"] = first.id
+        self._tracer.start_span(f"receive {first.topic}", kind=SpanKind.CLIENT, links=links or None,
+                                attributes=attributes).end()
+
+
+def _sent_context(message):
+    """The span context a message carries (its ``traceparent``), or None."""
+    if not message.headers or "traceparent" not in message.headers:
+        return None
+    sent = trace.get_current_span(propagate.extract(message.headers)).get_span_context()
+    return sent if sent.is_valid else None
 
 
 def _failed(span, error: BaseException):

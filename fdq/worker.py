@@ -15,7 +15,15 @@ batch is leased; the handlers running finish (up to ``drain_timeout_s``) and the
 messages are settled as usual; the messages of their batches no handler began go back at
 once, no attempt counted; then the consumer leaves the subscription. A handler still
 running after the drain timeout keeps its message, which goes back as a failed attempt
-(nak). An exception while draining (a second Ctrl-C) ends the drain at once.
+(nak). An exception while draining (a second Ctrl-C), or ``abort`` set (``fdq worker``'s
+second signal), ends the drain at once: the handlers running are not waited for (their
+messages nak'd: failed attempts), the rest released, and the consumer leaves, all before
+``run_worker`` returns (within ``AT_ONCE_S``; a database out of reach that long: the
+leases come back when their ack wait runs out, as a killed worker's do).
+
+The drain runs in a thread of its own while the calling thread waits in short ticks:
+a signal or an exception there lands in that wait, never inside the drain's database
+calls (a close cut in the middle kept leases held until their ack wait ran out).
 """
 from __future__ import annotations
 
@@ -35,6 +43,9 @@ from .tailing import tail
 MODES = {"at-least-once": AT_LEAST_ONCE, "at-most-once": AT_MOST_ONCE, "exactly-once": EXACTLY_ONCE}
 # How often a waiting worker looks at its stop event and its consumer.
 TICK_S = 0.2
+# How long leaving at once (leases back, membership left) may take before ``abort``
+# returns anyway: the database out of reach; the leases then expire as a killed worker's.
+AT_ONCE_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +135,7 @@ class Worker:
         self._loop = None       # the event loop of a coroutine handler, in its own thread
         self._loop_thread = None
         self._cut_off = False   # a coroutine handler was left running (its loop stopped under it)
+        self._aborting = threading.Event()  # abort(): a drain under way stops waiting
 
     @property
     def consumer(self):
@@ -188,35 +200,53 @@ class Worker:
 
     def stop(self, drain_timeout_s: float | None = None) -> bool:
         """Drain and leave (see the module); True if every handler returned within
-        ``drain_timeout_s`` (None: the consumer's ack wait, as the subscription makes it)."""
+        ``drain_timeout_s`` (None: the consumer's ack wait, as the subscription makes it).
+        ``abort()`` from another thread cuts the wait short."""
         if self._tail is None:
             return True
         ack_wait_s = self.consumer.config.ack_wait_s      # the subscription's, if it sets one
         timeout = ack_wait_s if drain_timeout_s is None else max(0.0, drain_timeout_s)
         if not self.is_async:
-            self._tail.close(timeout)
+            self._tail.close(timeout)       # (a later close(0): abort)
             return not self._tail.running
         fut = asyncio.run_coroutine_threadsafe(self._tail.shutdown(), self._loop)
+        deadline = time.monotonic() + timeout
         try:
-            fut.result(timeout)
-            return True
-        except concurrent.futures.TimeoutError:
+            while True:
+                try:
+                    fut.result(max(0.0, min(TICK_S, deadline - time.monotonic())))
+                    return True
+                except concurrent.futures.TimeoutError:
+                    if self._aborting.is_set() or time.monotonic() >= deadline:
+                        break
             self._cut_off = True
             self._tail.consumer.close()     # its leases back (started: nak), membership left
             return False
         finally:
             self._stop_loop()
 
-    def abort(self):
-        """Leave at once: no handler waited for (theirs nak'd), unstarted messages released."""
+    def abort(self, timeout: float | None = AT_ONCE_S) -> bool:
+        """Leave at once: no handler waited for (theirs nak'd), unstarted messages
+        released, the membership left; a drain under way (``stop`` in another thread)
+        stops waiting, and this returns once the consumer has left, whichever thread
+        did it, or after ``timeout`` seconds (None: no bound), returning whether it left."""
+        self._aborting.set()
         if self._tail is None:
-            return
+            return True
+        leaving = threading.Thread(target=self._leave_now, name="fdq-worker-abort", daemon=True)
+        leaving.start()
+        leaving.join(timeout)
+        return not leaving.is_alive()
+
+    def _leave_now(self):
         if not self.is_async:
             self._tail.close(0)
             return
         self._cut_off = not self._tail._task.done()
-        self._tail.consumer.close()
-        self._stop_loop()
+        try:
+            self._tail.consumer.close()
+        finally:
+            self._stop_loop()
 
     def _stop_loop(self):
         if self._loop is not None and self._loop.is_running():
@@ -235,42 +265,66 @@ class Worker:
 def run_worker(db, handler, *, topic: str | None = None, subscription: str | None = None,
                mode: str | None = None, concurrency: int | None = None, drain_timeout_s: float | None = None,
                stop: threading.Event | None = None, config: ConsumerConfig | None = None, batch_size: int = 100,
-               consumer_id: str | None = None, on_error=None, batch: bool | None = None, started=None) -> Worker:
+               consumer_id: str | None = None, on_error=None, batch: bool | None = None, started=None,
+               abort: threading.Event | None = None, draining=None) -> Worker:
     """Run ``handler`` over ``topic``'s ``subscription`` (defaults: ``@handler``'s; the
     subscription ``default``; at-least-once) until ``stop`` is set or an exception
     (KeyboardInterrupt) arrives while it waits, then drain (the module's docstring) and
     return the stopped :class:`Worker` (``running``: a handler outlived the drain); the
-    exception is raised again after the drain. An exception once stopping (``stop``
-    set: a second signal) leaves at once. ``concurrency``: handlers at once (shards
-    of one number never at once: a key's order holds). ``started(worker)`` is called once
-    consuming. A topic or subscription deleted under it ends it (raised). ``batch``: the
-    handler takes each round's messages as a list (``fdq.tail``'s ``batch=True``)."""
+    exception is raised again after the drain. An exception once stopping (a second
+    Ctrl-C), or ``abort`` set, leaves at once (``Worker.abort``). ``concurrency``:
+    handlers at once (shards of one number never at once: a key's order holds).
+    ``started(worker)`` is called once consuming, ``draining(worker)`` once the drain
+    begins (both in the calling thread). A topic or subscription deleted under it ends
+    it (raised). ``batch``: the handler takes each round's messages as a list
+    (``fdq.tail``'s ``batch=True``).
+
+    ``stop`` and ``abort`` are only read here (``is_set``, every ``TICK_S``), never
+    waited on: a signal handler may set them (``Event.set`` in a handler that
+    interrupted a wait on the same event would deadlock on its lock)."""
     w = Worker(db, handler, topic=topic, subscription=subscription, mode=mode, concurrency=concurrency,
                config=config, batch_size=batch_size, consumer_id=consumer_id, on_error=on_error, batch=batch)
     w.start()
-    stopping = False
     try:
         if started is not None:
             started(w)
         while not (stop is not None and stop.is_set()):
             w.check()
-            if stop is None:
-                time.sleep(TICK_S)
-            else:
-                stop.wait(TICK_S)
-        stopping = True
-        w.stop(drain_timeout_s)
+            time.sleep(TICK_S)
     except BaseException:
-        if stopping or (stop is not None and stop.is_set()):
-            w.abort()       # a second request (a signal) while stopping: leave at once
-            raise
-        try:                # the first: drain, then raise it
-            w.stop(drain_timeout_s)
-        except BaseException:
-            w.abort()
-            raise
+        _drain(w, drain_timeout_s, abort, draining)     # the first request: drain, then raise it
         raise
+    _drain(w, drain_timeout_s, abort, draining)
     return w
 
 
-__all__ = ["run_worker", "handler", "Worker", "HandlerDefaults", "defaults_of", "MODES"]
+def _drain(w: Worker, drain_timeout_s, abort, draining):
+    """``w.stop(drain_timeout_s)`` in a thread of its own, this one waiting in ticks (what
+    the drain raised is raised here); an exception here (a second Ctrl-C) or ``abort``
+    set leaves at once."""
+    failed = []
+
+    def run():
+        try:
+            w.stop(drain_timeout_s)
+        except BaseException as e:
+            failed.append(e)
+
+    drain = threading.Thread(target=run, name="fdq-worker-drain", daemon=True)
+    try:
+        if draining is not None:
+            draining(w)
+        drain.start()
+        while drain.is_alive():
+            if abort is not None and abort.is_set():
+                w.abort()
+                return
+            drain.join(TICK_S)
+    except BaseException:
+        w.abort()
+        raise
+    if failed:
+        raise failed[0]
+
+
+__all__ = ["run_worker", "handler", "Worker", "HandlerDefaults", "defaults_of", "MODES", "AT_ONCE_S"]

@@ -1,14 +1,19 @@
-"""Supervision: ``fdq pause``, ``play``, ``rebalance``, ``replay``, ``trim`` and the
+"""Supervision: ``fdq pause``, ``play``, ``rebalance``, ``replay``, ``trim``, ``maintain`` and the
 dead letters (``fdq dlq list|redrive|purge``)."""
 from __future__ import annotations
 
+import signal
+import threading
+import time
+
 import click
 
-from .. import ConfigError, Supervisor
+from .. import ConfigError, Maintenance, Supervisor
 from ..config import check_replay_id, default_replay_id
 from ..times import as_datetime, iso_ms
 from . import render, rows
-from .app import cli, confirm, json_option, pass_state, resumable, subscription_option, topic_argument
+from .app import (cli, confirm, exit_interrupted, json_option, pass_state, resumable, subscription_option,
+                  topic_argument)
 from .params import Duration, Int, Shards, Since, Time, format_option
 
 @cli.command()
@@ -195,12 +200,78 @@ def trim(state, topic, before, as_json):
     if before is None and config.retention_s is None and config.retention_bytes is None \
             and config.retention_messages is None:
         render.note(f"topic {topic!r} has no retention: give --before to trim its log")
+    holder, age = _live_maintainer(sup, topic)
+    if holder is not None:
+        # Not deferred: each step is one transaction deleting what it reads (a step of
+        # the maintainer's on the same entries conflicts and retries: nothing counted
+        # twice), and --before may ask for more than the retention the holder applies.
+        render.note(f"note: {holder} maintains topic {topic!r} (its last pass {age:.0f}s ago): "
+                    "this trim runs beside it, which is safe")
     resumable(state, f"trim of {topic!r}")
     with render.progress(f"trimming {topic}") as advance:
         n = sup.trim(topic, before_ms=as_datetime(before), progress=advance)
     render.note(f"deleted {n:,} log entries of topic {topic!r}")
     if as_json:
         render.emit_json({"topic": topic, "deleted": n})
+
+
+def _live_maintainer(sup, topic: str) -> tuple:
+    """(holder, seconds since its last pass) of ``topic``'s maintenance role if it looks
+    live: a holder recorded and a pass of it within ``MAINT_LIVE_S`` (passes come every
+    1 to 30 s); else (None, None)."""
+    m = sup.stats(topic)["maintenance"]
+    age = m["last_pass_age_s"]
+    if m["holder"] is None or m["last_pass_by"] != m["holder"] or age is None or age > MAINT_LIVE_S:
+        return None, None
+    return m["holder"], age
+
+
+# A maintenance pass at most this long ago: its holder is live (passes back off to 30 s,
+# a holder killed is taken over after its 10 s lease).
+MAINT_LIVE_S = 45.0
+
+
+@cli.command()
+@click.argument("topics", nargs=-1, metavar="[TOPIC]...")
+@pass_state
+def maintain(state, topics):
+    """Run retention and TTL sweeps in the foreground until SIGTERM or Ctrl-C.
+
+    For TOPICs (default: every topic, also those created later): the
+    maintenance every consumer and broker takes part in, for where none runs.
+    One process per topic does the work at a time (a role in the database):
+    this one takes a topic over when its holder stops or stands still 10s,
+    and defers to a live one. Progress: fdq stats TOPIC. SIGTERM: exit 0;
+    Ctrl-C: 130; either gives up the topics it held at once."""
+    for t in topics:
+        state.supervisor.config(t)      # TopicNotFound: named, exit 1
+    stop, first = threading.Event(), []
+
+    def on_signal(signum, _frame):      # flags only (see fdq worker's _Signals)
+        if not first:
+            first.append(signum)
+        stop.set()
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, on_signal)
+    state.interrupted = lambda: "maintenance stopped"
+    try:
+        m = Maintenance(state.db, topics=list(topics) or None)
+        render.note(f"fdq maintain: {m.name} on {', '.join(topics) if topics else 'every topic'} "
+                    "(SIGTERM or Ctrl-C: stop)")
+        try:
+            while not stop.is_set():
+                time.sleep(0.2)
+        finally:
+            m.close()
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+    if first and first[0] == signal.SIGINT:
+        exit_interrupted(state.interrupted)
+    render.note("fdq maintain: stopped")
 
 
 # -- dead letters ---------------------------------------------------------------------

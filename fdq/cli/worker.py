@@ -54,32 +54,32 @@ def load_handler(module: str, attr: str, paths=()):
     return obj
 
 
-# How long a second signal's leaving (leases back, membership left) may take before the
-# process ends anyway.
-AT_ONCE_S = 10.0
-
-
 class _Signals:
     """SIGTERM and SIGINT while the worker runs: the first sets ``stop`` (SIGINT also the
     CLI's interrupt flag, so the command ends with exit 130 and its one line); a second
-    one ends the process (``at_once(code)``), wherever the main thread is: an exception
-    raised there could be swallowed (a finalizer) or land inside a transaction."""
+    one sets ``abort`` (``run_worker`` leaves at once: leases back, membership left) and
+    the process then ends with that signal's code. The handler only sets flags: it may
+    interrupt the main thread anywhere (a write to stderr, a lock held), so it writes
+    nothing, waits for nothing and raises nothing (``run_worker`` polls the events)."""
 
-    def __init__(self, stop: threading.Event, at_once):
-        self.stop, self.first, self.at_once = stop, None, at_once
+    def __init__(self, stop: threading.Event, abort: threading.Event):
+        self.stop, self.abort = stop, abort
+        self.first = self.second = None
         self._previous = {}
 
     def _on_signal(self, signum, _frame):
-        if self.stop.is_set():
-            self.at_once(app.EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signal.SIGTERM)
+        if self.first is not None:
+            if self.second is None:
+                self.second = signum
+            self.abort.set()
+            return
         self.first = signum
         if signum == signal.SIGINT:
             app._interrupt.set()
         self.stop.set()
-        try:
-            render.note(f"fdq: worker: {signal.Signals(signum).name}: draining (send it again to stop at once)")
-        except RuntimeError:    # the signal came while this thread wrote to stderr (reentrant write)
-            pass
+
+    def code(self, signum) -> int:
+        return app.EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signal.SIGTERM
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -140,8 +140,11 @@ def worker(state, handler, topic, subscription, concurrency, mode, exactly_once,
     --drain-timeout; one still running then is cut off, the process exiting, and
     its message redelivered as a failed attempt), the messages no handler began go back at once without
     counting an attempt, and the worker leaves the subscription: exit 0 on SIGTERM,
-    130 on Ctrl-C. A second signal stops at once. A module that cannot be imported,
-    or a name that is not a callable: one line, exit 1.
+    130 on Ctrl-C. A second signal stops at once: running handlers are not waited
+    for (their messages go back as failed attempts), the rest go back uncounted,
+    and the worker leaves before the process exits (143 on SIGTERM, 130 on
+    Ctrl-C). A module that cannot be imported, or a name that is not a callable:
+    one line, exit 1.
     """
     if exactly_once:
         if mode not in (None, "exactly-once"):
@@ -152,7 +155,6 @@ def worker(state, handler, topic, subscription, concurrency, mode, exactly_once,
     if not logging.getLogger().handlers:    # handler failures (tracebacks), warnings: on stderr
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    stop = threading.Event()
     made = []
 
     def started(w):
@@ -163,20 +165,20 @@ def worker(state, handler, topic, subscription, concurrency, mode, exactly_once,
 
     state.interrupted = lambda: f"worker stopped after {made[0].handled if made else 0:,} deliveries handled"
 
-    def at_once(code):
-        """A second signal: leave (in a thread, at most ``AT_ONCE_S``: the main thread
-        may hold what leaving needs), then end the process."""
-        if made:
-            leaving = threading.Thread(target=made[0].abort, name="fdq-worker-abort", daemon=True)
-            leaving.start()
-            leaving.join(AT_ONCE_S)
-        _exit_now(code, f"fdq: interrupted: {state.interrupted()}; stopped at once, running handlers' "
-                        "messages go back as failed attempts")
+    stop, abort = threading.Event(), threading.Event()
+    with _Signals(stop, abort) as signals:
+        def draining(_w):
+            if signals.first is not None:
+                render.note(f"fdq: worker: {signal.Signals(signals.first).name}: draining "
+                            "(send it again to stop at once)")
 
-    with _Signals(stop, at_once) as signals:
         w = fdq_worker.run_worker(state.db, fn, topic=topic, subscription=subscription, mode=mode,
                                   concurrency=concurrency, drain_timeout_s=drain_timeout, stop=stop,
-                                  batch=batch, started=started)
+                                  batch=batch, started=started, abort=abort, draining=draining)
+    if signals.second is not None:
+        _exit_now(signals.code(signals.second),
+                  f"fdq: interrupted: {state.interrupted()}; stopped at once, running handlers' "
+                  "messages go back as failed attempts")
     if w.running:
         late = "fdq: warning: handlers still running after the drain timeout: their messages go back as failed attempts"
         if signals.first == signal.SIGINT:

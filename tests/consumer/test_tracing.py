@@ -120,6 +120,74 @@ def test_a_failing_handler_leaves_its_exception_and_error_status_on_the_span(db,
     assert process.attributes["fdq.outcome"] == "error"
 
 
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_batch_handler_runs_in_one_span_linked_to_each_messages_send(db, traced, mode):
+    """tail(batch=True): one ``process`` span per handler call, linked to the send span
+    of every message of its batch (three requests: three traces), current while it runs;
+    a batch handler that raises leaves its error on the span."""
+    fdq.Supervisor(db).create_topic("orders", shards=1)
+    p = fdq.Producer(db)
+    for i in range(3):
+        with traced.tracer.start_as_current_span(f"request {i}"):
+            p.push("orders", b"o%d" % i)
+    sends = {s.context.span_id: s for s in traced.spans("send orders")}
+    assert len(sends) == 3 and len({s.context.trace_id for s in sends.values()}) == 3
+    batches, gate = [], threading.Event()
+
+    def handle(msgs):
+        batches.append([m.body for m in msgs])
+        with traced.tracer.start_as_current_span("inside"):
+            pass
+        if not gate.is_set():
+            gate.set()
+            if mode == "at-least-once":
+                raise ValueError("the first batch fails")
+
+    c = fdq.tail(db, "orders", (lambda tr, msgs: handle(msgs)) if mode == "exactly-once" else handle,
+                 batch=True, config=fast(max_deliver=3), on_error=lambda e: None, **MODES[mode])
+    try:
+        wait_for(lambda: len(batches) >= (2 if mode == "at-least-once" else 1)
+                 and len(traced.spans("process orders")) >= len(batches), 30, what="the batch spans")
+    finally:
+        c.shutdown()
+    process = traced.spans("process orders")
+    first = process[0]
+    assert first.kind is SpanKind.CONSUMER
+    assert len(batches[0]) == first.attributes["messaging.batch.message_count"] == 3
+    assert {link.context.span_id for link in first.links} == set(sends)
+    assert {link.context.trace_id for link in first.links} == {s.context.trace_id for s in sends.values()}
+    inside = traced.spans("inside")[0]
+    assert inside.parent.span_id == first.context.span_id
+    if mode == "at-least-once":
+        assert first.status.status_code is StatusCode.ERROR and first.attributes["fdq.outcome"] == "error"
+        assert process[1].status.status_code is StatusCode.UNSET and len(process[1].links) == 3
+    else:
+        assert first.attributes["fdq.outcome"] == "ok"
+
+
+@pytest.mark.parametrize("how", ["fetch", "messages"])
+def test_a_pull_consumers_lease_records_a_receive_span_linked_to_each_message(db, traced, how):
+    fdq.Supervisor(db).create_topic("orders", shards=1)
+    p = fdq.Producer(db)
+    for i in range(2):
+        with traced.tracer.start_as_current_span(f"request {i}"):
+            p.push("orders", b"o%d" % i)
+    sends = {s.context.span_id for s in traced.spans("send orders")}
+    with fdq.Consumer(db, "orders", config=FAST) as c, traced.tracer.start_as_current_span("poll") as poll:
+        if how == "fetch":
+            got = wait_for(lambda: c.fetch(10, timeout=0.5), 30, what="a fetch")
+        else:
+            got = [next(iter(c.messages(timeout=10)))]
+        for m in got:
+            m.ack()
+    receive, = traced.spans("receive orders")
+    assert receive.kind is SpanKind.CLIENT
+    assert receive.parent.span_id == poll.get_span_context().span_id
+    assert receive.attributes["messaging.operation.type"] == "receive"
+    assert receive.attributes["messaging.batch.message_count"] == 2
+    assert {link.context.span_id for link in receive.links} == sends
+
+
 def test_a_handler_span_is_current_while_it_runs(db, traced):
     """What the handler traces (its own spans, its pushes) belongs to its process span."""
     fdq.Supervisor(db).create_topic("in", shards=1)

@@ -103,6 +103,7 @@ def test_scraped_backlog_lag_in_flight_redeliveries_and_dead_letters_equal_stats
         assert value(samples, "fdq_subscription_consumers", **lab, state="zombie") == 0
         assert value(samples, "fdq_consumer_owned_shards", **lab, consumer=c.id) == 2
         assert value(samples, "fdq_consumer_heartbeat_age_seconds", **lab, consumer=c.id) is not None
+        assert value(samples, "fdq_consumer_up", **lab, consumer=c.id) == 1
         assert value(samples, "fdq_scrape_errors_total") == 0
     collector.close()
     assert "fdq_metrics_leader" not in names(scrape(registry))     # unregistered
@@ -133,6 +134,39 @@ def test_consumers_beyond_the_shard_count_are_standby(db, registry):
     assert value(samples, "fdq_subscription_standby_consumers", **lab) == 1
     owned = sorted(value(samples, "fdq_consumer_owned_shards", **lab, consumer=c.id) for c in (a, b))
     assert owned == [0, 1]
+
+
+ZOMBIE = """
+import sys, time, fdq
+c = fdq.Consumer(fdq.connect(sys.argv[1]), "t", consumer_id="doomed",
+                 config=fdq.ConsumerConfig(heartbeat_interval_s=0.2, zombie_timeout_s=1.0))
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_consumer_up_is_1_for_a_live_consumer_and_0_for_a_killed_one(db, url, registry, tmp_path):
+    """Consumer liveness: ``fdq_consumer_up`` per consumer, as stats' zombie mark (a
+    consumer killed with no peer left to declare it stays registered: 0, not 1)."""
+    sup = fdq.Supervisor(db)
+    sup.create_topic("t", shards=2)
+    script = tmp_path / "consumer.py"
+    script.write_text(ZOMBIE)
+    p = subprocess.Popen([sys.executable, str(script), url], stdout=subprocess.PIPE)
+    try:
+        assert p.stdout.readline() == b"ready\n"
+        fdq.metrics.register(db, registry, cache_s=0)
+        lab = {"topic": "t", "subscription": "default", "consumer": "doomed"}
+        wait_for(lambda: value(scrape(registry), "fdq_consumer_up", **lab) == 1, 30, "doomed up")
+        p.kill()
+        p.wait(30)
+        wait_for(lambda: value(scrape(registry), "fdq_consumer_up", **lab) == 0, 30, "doomed down")
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
+    samples = scrape(registry)
+    assert value(samples, "fdq_subscription_consumers", topic="t", subscription="default", state="zombie") == 1
 
 
 def test_a_scrape_within_the_cache_time_reads_the_database_once(db, registry):
