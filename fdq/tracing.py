@@ -129,39 +129,38 @@ class OpenTelemetryHook(hooks.Hook):
             _failed(span, error)
         span.end()
 
-
     def handle_batch_begin(self, messages: list):
         if not self._records() or not messages:
             return hooks.SKIP
-        first = messages[0]
-        links = [Link(sent) for sent in map(_sent_context, messages) if sent is not None]
-        attributes = {"messaging.system": SYSTEM, "messaging.destination.name": first.topic,
-                      "messaging.operation.type": "process", "messaging.operation.name": "process",
-                      "messaging.consumer.group.name": first.subscription,
-                      "messaging.destination.subscription.name": first.subscription,
-                      "messaging.batch.message_count": len(messages)}
-        span = self._tracer.start_span(f"process {first.topic}", kind=SpanKind.CONSUMER, links=links or None,
+        links, attributes = _batch_span(messages, "process")
+        span = self._tracer.start_span(f"process {messages[0].topic}", kind=SpanKind.CONSUMER, links=links,
                                        attributes=attributes)
         return span, otel_context.attach(trace.set_span_in_context(span))
 
     def handle_batch_end(self, state, messages: list, outcome: str, error, seconds: float):
         self.handle_end(state, None, outcome, error, seconds)
 
-
     def receive(self, messages: list):
         if not self._records() or not messages:
             return
-        first = messages[0]
-        links = [Link(sent) for sent in map(_sent_context, messages) if sent is not None]
-        attributes = {"messaging.system": SYSTEM, "messaging.destination.name": first.topic,
-                      "messaging.operation.type": "receive", "messaging.operation.name": "receive",
-                      "messaging.consumer.group.name": first.subscription,
-                      "messaging.destination.subscription.name": first.subscription,
-                      "messaging.batch.message_count": len(messages)}
+        links, attributes = _batch_span(messages, "receive")
         if len(messages) == 1:
-            attributes["messaging.message.id"] = first.id
-        self._tracer.start_span(f"receive {first.topic}", kind=SpanKind.CLIENT, links=links or None,
+            attributes["messaging.message.id"] = messages[0].id
+        self._tracer.start_span(f"receive {messages[0].topic}", kind=SpanKind.CLIENT, links=links,
                                 attributes=attributes).end()
+
+
+def _batch_span(messages: list, operation: str) -> tuple:
+    """The links (to each message's sender, None if none has one) and attributes of a
+    span over ``messages`` (of one topic and subscription)."""
+    first = messages[0]
+    links = [Link(sent) for sent in map(_sent_context, messages) if sent is not None]
+    attributes = {"messaging.system": SYSTEM, "messaging.destination.name": first.topic,
+                  "messaging.operation.type": operation, "messaging.operation.name": operation,
+                  "messaging.consumer.group.name": first.subscription,
+                  "messaging.destination.subscription.name": first.subscription,
+                  "messaging.batch.message_count": len(messages)}
+    return links or None, attributes
 
 
 def _sent_context(message):
