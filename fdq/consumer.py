@@ -733,13 +733,19 @@ class Consumer:
         """``_fetch``, known to ``close()`` (``_await_fetches``). ``handed``: as
         ``_lease_many``'s (False: the caller marks each message as it hands it over,
         ``_mark_handed``; those it never did are released at ``close()``)."""
+        return self._tracked([], self._fetch, max_messages, timeout, ack_wait_s, handed)
+
+    def _tracked(self, if_closed, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` (a lease), known to ``close()`` (``_await_fetches``):
+        a close waits for it, so it returns those leases too; none begins once the
+        consumer is closed (``if_closed`` is returned)."""
         me = threading.get_ident()
         with self._fetch_done:
             if self._closed:
-                return []
+                return if_closed
             self._fetching.append(me)
         try:
-            return self._fetch(max_messages, timeout, ack_wait_s, handed)
+            return fn(*args, **kwargs)
         finally:
             with self._fetch_done:
                 self._fetching.remove(me)

@@ -278,20 +278,11 @@ class TailConsumer(Consumer):
 
     def _lease_round(self, shards, carried, defer) -> list | None:
         """``_lease_many`` for a round, known to ``close()`` as a fetch is
-        (``Consumer._fetch_tracked``): a close that stops waiting for this thread (a
-        second signal's ``close(0)``) still waits for a lease under way, so it returns
-        those leases too, and none begins once the consumer closes (None)."""
-        me = threading.get_ident()
-        with self._fetch_done:
-            if self._closed:
-                return None
-            self._fetching.append(me)
-        try:
-            return self._lease_many(shards, self.batch_size, settlements=carried, defer_arm=defer)
-        finally:
-            with self._fetch_done:
-                self._fetching.remove(me)
-                self._fetch_done.notify_all()
+        (``Consumer._tracked``): a close that stops waiting for this thread (a second
+        signal's ``close(0)``) still waits for a lease under way, so it returns those
+        leases too, and none begins once the consumer closes (None)."""
+        return self._tracked(None, self._lease_many, shards, self.batch_size, settlements=carried,
+                             defer_arm=defer)
 
     def _call_batch(self, msgs: list, tr=None):
         """The batch handler on ``msgs`` (exactly once: with ``tr``), inside the hooks'

@@ -119,8 +119,9 @@ def promote_due(tr, shard: ShardSpace, limit: int, promoted: dict | None = None,
 
 def _consumable(tr, ts: TopicSpace, sub: str | None = None, config=None) -> bool:
     """Paused or resharding topics deliver nothing, nor a paused subscription or one still
-    catching up. A non-snapshot read: a pause that commits meanwhile makes this
-    transaction conflict. ``config``: the config as ``round_reads`` read it here."""
+    catching up. The config's read (the metadata version's, non-snapshot): a pause that
+    commits meanwhile makes this transaction conflict. ``config``: the config as
+    ``round_reads`` read it here."""
     if config is None:
         config = cached_topic_config(tr, ts)
     return (config is not None and config.routing and sub not in config.catchup
@@ -382,9 +383,9 @@ def round_reads(tr, ts: TopicSpace, shards, prior: RoundReads | None = None) -> 
     before any is waited for, so on FDB they travel together (a round over k shards was
     ~2k+2 round trips one after another), then the topic config (cached behind the
     metadata version, read non-snapshot: a pause or reshard meanwhile conflicts) and its
-    clock (snapshot), once per round, not once per shard. ``prior``: this round's earlier reads: only the records are read (the
-    caller's next shards). On the embedded engine a read is ready when issued: nothing
-    is added."""
+    clock (snapshot), once per round, not once per shard. ``prior``: this round's earlier
+    reads: only the records are read (the caller's next shards). On the embedded engine
+    a read is ready when issued: nothing is added."""
     records = {shard: tr[shard.record] for shard in shards}
     if prior is not None:
         return prior._replace(records=records)
