@@ -29,12 +29,18 @@ def due_base(tr, clock_key: bytes, version_key: bytes) -> int:
     a second, so this is never behind the clock's next advances: a delay ends late,
     never early (a version jump since the last advance makes it longer, never shorter).
     Snapshot reads."""
-    current = read_clock(tr, clock_key)
     advanced = tr.snapshot[version_key]
-    if advanced == None:  # noqa: E711 - never advanced: no consumer has run yet
-        return current
-    behind = tr.get_read_version().wait() - decode_counter(advanced)
-    return current + max(0, behind) * 1000 // VERSIONS_PER_S
+    return base_at(read_clock(tr, clock_key),
+                   None if advanced == None else decode_counter(advanced),  # noqa: E711
+                   tr.get_read_version().wait())
+
+
+def base_at(clock: int, clock_version: int | None, read_version: int) -> int:
+    """``due_base`` from what it reads: the clock, the read version of its last advance
+    (None: never advanced, no consumer has run yet) and the read version now."""
+    if clock_version is None:
+        return clock
+    return clock + max(0, read_version - clock_version) * 1000 // VERSIONS_PER_S
 
 
 @transactional
@@ -77,4 +83,4 @@ def heartbeat_age(hb_clock, hb_version, clock: int, clock_version, read_version:
     return round(max(0, clock - hb_clock) / 1000 + max(0, read_version - since) / VERSIONS_PER_S, 3)
 
 
-__all__ = ["read_clock", "due_base", "advance_clock", "heartbeat_age"]
+__all__ = ["read_clock", "due_base", "base_at", "advance_clock", "heartbeat_age"]

@@ -21,6 +21,7 @@ from ..engine import transactional
 from ..errors import CorruptValue, TopicNotFound
 from ..keyspace import TopicSpace, Versionstamp, vs_from_bytes
 from ..keyspace.codec import LeaseRecord, Record, decode_leases
+from .clock import base_at
 from .dlq import dead_entry, read_now
 from .log import buckets_in, position_for_time
 from .membership import read_tags
@@ -102,7 +103,7 @@ def _in_flight(snap, ts, sub, tag, n, vs, raw, lr: LeaseRecord | None, now) -> d
 
 
 def _delayed(snap, ts, sub, tag, n, due, vs, raw, now) -> dict:
-    return _entry(snap, ts, sub, "delayed", tag, n, vs, raw, due_ms=due, due_in_s=(due - now[0]) / 1000)
+    return _entry(snap, ts, sub, "delayed", tag, n, vs, raw, due_ms=due, due_in_s=(due - base_at(*now)) / 1000)
 
 
 def _dead(tr, ts, sub, key, value, now) -> dict:
@@ -144,8 +145,8 @@ def peek(tr, ts: TopicSpace, sub: str, states, limit: int, from_ms: int | None =
     by id, the ``limit`` delayed due soonest), inserted at ``from_ms`` or later if given
     (from the log position of the time index's entry before it: ``position_for_time``):
     dicts of ``_entry``'s keys plus, for a delayed one ``due_ms`` (database clock) and
-    ``due_in_s``; leased: ``leased_by``, ``ack_wait_s`` (attempts counting this
-    delivery); dead: ``reason``, ``consumer``, ``dead_age_s``. Snapshot reads only."""
+    ``due_in_s`` (counted from ``clock.due_base``, as due times are); leased: ``leased_by``,
+    ``ack_wait_s`` (attempts counting this delivery); dead: ``reason``, ``consumer``, ``dead_age_s``. Snapshot reads only."""
     snap = tr.snapshot
     config = _config(snap, ts)
     now = read_now(tr, ts)
