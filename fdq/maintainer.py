@@ -134,8 +134,8 @@ class Maintainer:
             seen = read_leader(self.db, *self._role())
             if seen.holder is not None and not self.watch.stale(seen, now):
                 return
-            read_topic_config(self.db, self.ts, snapshot=True)   # TopicNotFound: no role for it
-            if not take_leader(self.db, *self._role(), self.me, self.lease_s, seen):
+            if not take_leader(self.db, *self._role(), self.me, self.lease_s, seen, requires=self.ts.config_key):
+                read_topic_config(self.db, self.ts, snapshot=True)   # TopicNotFound: no role for it
                 return
             log.info("%s maintains topic %s (the role was %s)", self.me, self.ts.name,
                      f"held by {seen.holder}, its beat still for {self.lease_s}s" if seen.holder else "free")

@@ -44,10 +44,16 @@ def read_leader(tr, ks: Keyspace, role: str) -> Seen:
 
 
 @transactional
-def take_leader(tr, ks: Keyspace, role: str, me: str, timeout_s: float, seen: Seen) -> bool:
+def take_leader(tr, ks: Keyspace, role: str, me: str, timeout_s: float, seen: Seen,
+                requires: bytes | None = None) -> bool:
     """Make ``me`` the holder of ``role`` (advertising ``timeout_s``) if its holder and
     beat are still as ``seen`` (read with a conflict: of two candidates, one wins).
+    ``requires``: the key the role lives with (a topic's config, for its maintainer),
+    read with a conflict: while it is absent the role is not taken, and a delete of it
+    racing the take retries the take (whose write the delete would not have cleared).
     Returns whether ``me`` holds it now."""
+    if requires is not None and tr[requires] == None:  # noqa: E711
+        return False
     now = _read(tr, ks, role)
     if now.holder == me:
         return True

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 import fdq
 from fdq.keyspace import Keyspace
+from fdq.ops.leaders import read_leader, take_leader
 
-from fdqtest import wait_for
+from fdqtest import engine_errors, wait_for
 
 ARGS = ("--mode", "alo", "--hb", 0.2, "--zombie", 1.5)
 
@@ -103,6 +106,25 @@ def test_deleting_a_topic_clears_its_maintenance_role(db, sup, dump):
     keys = dump()
     assert not any(k in keys for k in ts.maintenance_role_keys)
     assert not [k for k in keys if k.startswith(ts.space.key())]
+
+
+def test_a_take_of_the_maintenance_role_racing_the_topic_delete_retries_and_leaves_no_role(db, sup, dump):
+    """A maintainer's take reads the topic's config with a conflict: a delete committed
+    between its read and its commit fails it (1020), and its retry finds no topic, so
+    the delete's clearing of the role is never undone by a take it did not see."""
+    sup.create_topic("t")
+    ks = Keyspace()
+    ts = ks.topic("t")
+    tr = db.create_transaction()
+    seen = read_leader(tr, ks, ts.maintenance_role)
+    assert take_leader(tr, ks, ts.maintenance_role, "m", 5.0, seen, requires=ts.config_key)
+    sup.delete_topic("t")
+    with pytest.raises(engine_errors()) as e:
+        tr.commit().wait()
+    assert e.value.code == 1020
+    assert not take_leader(db, ks, ts.maintenance_role, "m", 5.0, seen, requires=ts.config_key)
+    keys = dump()
+    assert not any(k in keys for k in ts.maintenance_role_keys)
 
 
 def test_fdq_maintenance_maintains_every_topic_one_process_at_a_time(db, sup):
