@@ -124,8 +124,8 @@ class _Item:
     asynchronous push has no waiter but a ``future``:
     a ``concurrent.futures.Future`` (``push_async``), or with ``loop`` an asyncio future
     of that loop (``fdq.aio.push``: resolved on it, ``_resolve_on_loop``); ``call``: the
-    hooks' (``fdq.hooks.PushCall``) of an ``fdq.aio.push``, ended by the committing
-    thread."""
+    hooks' (``fdq.hooks.PushCall``) of an ``fdq.aio.push``, ended on its loop with the
+    future."""
 
     __slots__ = ("topic", "env", "result", "error", "future", "done", "loop", "call")
 
@@ -137,16 +137,31 @@ class _Item:
 
 def _resolve_on_loop(items: list):
     """On an event loop: resolve the asyncio futures of ``items`` (``fdq.aio.push``
-    calls of one commit, all of this loop). A future its task cancelled is left: the
-    push is stored all the same (as a cancelled ``push_async`` future)."""
+    calls of one commit, all of this loop) and end their hooks' calls. A future its
+    task cancelled is left: the push is stored all the same (as a cancelled
+    ``push_async`` future), and its call ends as one (no results, no error: counted
+    ``cancelled`` by ``fdq.metrics``). Ended here, where a cancel and the outcome are
+    ordered (the loop's thread); the committing thread could not tell."""
     for it in items:
         future = it.future
         if future.done():
+            if it.call is not None:
+                it.call.end(None, None)
             continue
         if it.error is not None:
             future.set_exception(it.error)
         else:
             future.set_result(it.result)
+        if it.call is not None:
+            it.call.end(None if it.error is not None else [it.result], it.error)
+
+
+def _end_calls(items: list):
+    """End the hooks' calls of ``items`` (``fdq.aio.push``) with their outcome, in this
+    thread: their loop is closed (nobody awaits them)."""
+    for it in items:
+        if it.call is not None:
+            it.call.end(None if it.error is not None else [it.result], it.error)
 
 
 def _deliver_async(batch: list):
@@ -168,8 +183,6 @@ def _deliver_async(batch: list):
             except InvalidStateError:
                 pass    # cancelled by its owner: the push is stored all the same
             continue
-        if it.call is not None:     # (the hooks' end: in this thread, as push_async's)
-            it.call.end(None if it.error is not None else [it.result], it.error)
         if loops is None:
             loops = {}
         mine = loops.get(it.loop)
@@ -182,7 +195,7 @@ def _deliver_async(batch: list):
             try:
                 loop.call_soon_threadsafe(_resolve_on_loop, items)
             except RuntimeError:
-                pass    # the loop is closed: nobody awaits these
+                _end_calls(items)   # the loop is closed: nobody awaits these
 
 
 class _GroupCommit:
