@@ -94,6 +94,48 @@ def test_a_leader_interrupted_while_lingering_does_not_strand_later_pushes(db):
     assert got, "push() after an interrupted leader never returned"
 
 
+def test_a_push_after_one_interrupted_while_waiting_returns_only_after_its_own_commit(db):
+    """A push interrupted while it waits for another thread's commit (a signal handler's
+    exception) is committed later all the same, and that commit wakes its thread after
+    it left. The thread's next push, waiting for another commit, must not take that
+    wake-up for its own (a caller waits on its thread's reused waiter: it returned at
+    once, with no result)."""
+    import signal
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    p = fdq.Producer(db, config=fdq.ProducerConfig(linger_ms=1500))
+
+    def leader(body):
+        """A thread leading the next commit (lingering), once it leads."""
+        th = threading.Thread(target=p.push, args=("t", body), daemon=True)
+        th.start()
+        wait_for(lambda: p._group._leading, 10)
+        return th
+
+    def interrupt(_sig, _frame):
+        raise _Interrupt()
+    first = leader(b"first leader")
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        try:
+            p.push("t", b"interrupted")     # waits for the leader's commit
+        except _Interrupt:
+            pass
+        else:
+            raise AssertionError("the alarm did not interrupt the waiting push")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    first.join(30)      # its commit took the interrupted push: woke this thread's waiter
+    assert not first.is_alive()
+    second = leader(b"second leader")
+    r = p.push("t", b"after")   # waits for the second leader's commit
+    assert r is not None
+    assert read(db, Keyspace().topic("t").log_key(r.shard, parse_message_id(r.id))) is not None
+    second.join(30)
+    assert fdq.Supervisor(db).stats("t")["counters"]["inserted"] == 4
+
+
 def test_push_async_futures_left_pending_at_a_normal_exit_are_committed(db, url):
     # push_async hands back futures; a process that exits normally without waiting for
     # them must not drop its queued pushes (the flusher thread is a daemon: it was
