@@ -216,7 +216,6 @@ class _GroupCommit:
         self._flusher = None
         self._flusher_go = threading.Event()
         self._commit_s = 0.0
-        self._callers = 0        # callers inside submit: queued, or released and not yet returned
         self._async_pending = 0  # asynchronous pushes queued or being committed
         self._idle = threading.Condition(self._lock)
         self._committer = None   # the id of the thread committing a batch (one leads at a time)
@@ -233,18 +232,14 @@ class _GroupCommit:
             return
         with self._lock:
             self._queue.append(item)
-            self._callers += 1
             lead = not self._leading
             if lead:
                 self._leading = True
-        try:
-            if not lead:
-                _wait(item)
-                return
-            self._lead(rounds=1)
-        finally:
-            with self._lock:
-                self._callers -= 1
+        if not lead:
+            _wait(item)
+            return
+        item.done = None    # (first in the batch it commits: nobody to wake)
+        self._lead(rounds=1)
 
     def submit_async(self, item: _Item):
         """Queue ``item`` without waiting; its ``future`` resolves after the commit."""
@@ -296,15 +291,15 @@ class _GroupCommit:
     def _lead(self, rounds: int | None):
         """Commit queued pushes, ``rounds`` times (None: until the queue stays empty),
         then hand what is left to the flusher."""
-        last = 0
+        released = 0    # callers the last commit released (they push again)
         n = 0
         try:
             while rounds is None or n < rounds:
                 n += 1
                 if self._linger_s:
                     time.sleep(self._linger_s)
-                elif last and len(self._queue) < min(self._callers, self._max_batch):
-                    self._gather()
+                elif released and len(self._queue) < min(released, self._max_batch):
+                    self._gather(min(released, self._max_batch))
                 with self._lock:
                     batch = self._queue[:self._max_batch]
                     del self._queue[:self._max_batch]
@@ -319,14 +314,14 @@ class _GroupCommit:
                 finally:
                     self._committer = None
                     self._committing.remove(batch)
-                    done = sum(it.future is not None for it in batch)
-                    if done:
+                    n_async = sum(it.future is not None for it in batch)
+                    if n_async:
                         with self._lock:
-                            self._async_pending -= done
+                            self._async_pending -= n_async
                             if not self._async_pending:
                                 self._idle.notify_all()
                 self._commit_s = time.perf_counter() - t0
-                last = len(batch)
+                released = len(batch) - n_async
         except BaseException:
             after_interrupt()
             # Interrupted (a signal handler's exception while lingering, say): the
@@ -335,14 +330,13 @@ class _GroupCommit:
             raise
         self._handoff()
 
-    def _gather(self):
-        """Give the callers the last commit released (waiting for the GIL meanwhile) the
-        time to push again before the next commit takes the queue: until every caller
-        inside ``submit`` has queued, for at most a fifth of the last commit's time (and
-        1 ms). Else the callers split into groups that alternate, each commit carrying
-        one group."""
+    def _gather(self, callers: int):
+        """Give the ``callers`` the last commit released (waiting for the GIL meanwhile)
+        the time to push again before the next commit takes the queue: until as many are
+        queued, for at most a fifth of the last commit's time (and 1 ms). Else the
+        callers split into groups that alternate, each commit carrying one group."""
         deadline = time.perf_counter() + min(0.001, self._commit_s / 5)
-        while len(self._queue) < min(self._callers, self._max_batch) and time.perf_counter() < deadline:
+        while len(self._queue) < callers and time.perf_counter() < deadline:
             time.sleep(0)
 
     def _reset_in_child(self):
@@ -359,7 +353,7 @@ class _GroupCommit:
         self._leading = False
         self._flusher = None
         self._flusher_go = threading.Event()
-        self._callers = self._async_pending = 0
+        self._async_pending = 0
         self._committer = None
         err = EngineError(1021, "this push was queued before the process forked: the parent process "
                                 "commits it, not this one (it may have committed)")
@@ -378,7 +372,8 @@ class _GroupCommit:
 _LIVE_GROUPS = weakref.WeakSet()
 FLUSHER_IDLE_S = 2.0    # a producer's flusher thread ends after this long without work
 _LIVE_PRODUCERS = weakref.WeakSet()
-EXIT_FLUSH_S = 60.0     # at interpreter exit, how long pending push_async calls may take
+EXIT_FLUSH_S = 60.0
+CHECKED_NAMES = 1024    # topic names a Producer remembers as checked     # at interpreter exit, how long pending push_async calls may take
 
 
 def _after_fork_in_child():
@@ -427,6 +422,7 @@ class Producer:
         self._session = os.urandom(8)
         self._seq = 0
         self._seq_lock = threading.Lock()
+        self._names = set()     # topic names checked (``_check_topic``)
         self._group = _GroupCommit(self._flush, self.config.max_batch, self.config.linger_ms / 1000)
         _LIVE_PRODUCERS.add(self)
         # atexit runs handlers last-registered first: registered again here, the exit flush
@@ -441,7 +437,8 @@ class Producer:
         signal handler's exception) may still commit its push, as a cancelled future.
         ``ttl``: seconds (or a timedelta) after which it is never delivered (default the
         topic's ``ttl_s``; ``TopicConfig.ttl_action`` says what becomes of it)."""
-        topic = check_name(topic)
+        if type(topic) is not str or topic not in self._names:
+            topic = self._check_topic(topic)
         env = _envelope(body, shard_key, delay, msg_id, headers, ttl)
         call = None
         if hooks.active:
@@ -455,6 +452,14 @@ class Producer:
         if item.error is not None:
             raise item.error
         return item.result
+
+    def _check_topic(self, topic) -> str:
+        """``check_name(topic)``, remembered (up to ``CHECKED_NAMES`` names): a push of one
+        message checks its topic's name once, not per call."""
+        topic = check_name(topic)
+        if type(topic) is str and len(self._names) < CHECKED_NAMES:
+            self._names.add(topic)
+        return topic
 
     def push_async(self, topic: str, body: bytes, *, shard_key: str | None = None,
                    msg_id: str | None = None, delay: float | None = None,
@@ -471,7 +476,8 @@ class Producer:
         """Queue a push whose outcome goes to ``future``: a ``concurrent.futures.Future``
         (``loop`` None), or an asyncio future of ``loop`` (``fdq.aio.push``), resolved on
         it after the commit. Returns ``future``."""
-        topic = check_name(topic)
+        if type(topic) is not str or topic not in self._names:
+            topic = self._check_topic(topic)
         env = _envelope(body, shard_key, delay, msg_id, headers, ttl)
         call = None
         if hooks.active:
