@@ -228,6 +228,7 @@ class _GroupCommit:
             # Called by the thread committing a batch: from a push_async future's done
             # callback (run where the result is set). It would wait for itself while
             # nobody else may lead: commit this push now, alone.
+            item.done = None
             self._flush([item])
             return
         with self._lock:
