@@ -61,6 +61,9 @@ def _envelope(body, shard_key, delay, msg_id, headers, ttl) -> Envelope:
     return Envelope(body, shard_key, delay, msg_id, headers, ttl)
 
 
+_EVENTFD = hasattr(os, "eventfd")
+
+
 class _Waiter:
     """A thread's wait for the commit of its ``push`` (one per thread, reused): an
     eventfd the committing thread writes. Written with the GIL released, so the woken
@@ -70,25 +73,28 @@ class _Waiter:
 
     __slots__ = ("fd",)
 
-    def __init__(self):
-        self.fd = os.eventfd(0, os.EFD_CLOEXEC)
+    def __init__(self, fd: int):
+        self.fd = fd
 
-    def __del__(self):
-        os.close(self.fd)
+    def __del__(self, _close=os.close):
+        _close(self.fd)
 
 
 _waiters = threading.local()    # the calling thread's _Waiter (``_waiter``)
 
 
 def _waiter():
-    """The calling thread's ``_Waiter``; without eventfd (not Linux), a lock held until the
-    push is committed, one per push."""
+    """The calling thread's ``_Waiter``; without one (not Linux, or no file descriptor
+    left for it), a lock held until the push is committed, one per push."""
     if _EVENTFD:
         try:
             return _waiters.w
         except AttributeError:
-            w = _waiters.w = _Waiter()
-            return w
+            try:
+                w = _waiters.w = _Waiter(os.eventfd(0, os.EFD_CLOEXEC))
+                return w
+            except OSError:     # (EMFILE: a push still works, as it did with locks)
+                pass
     lock = _allocate_lock()
     lock.acquire()
     return lock
@@ -98,7 +104,7 @@ def _wait(item):
     """Return once ``item`` is committed or failed (its ``done`` written). A write left by
     an earlier push of this thread whose wait was interrupted is read and waited past."""
     done = item.done
-    if not _EVENTFD:
+    if type(done) is not _Waiter:
         done.acquire()
         return
     fd = done.fd
@@ -109,13 +115,10 @@ def _wait(item):
 
 
 def _wake(done):
-    if _EVENTFD:
+    if type(done) is _Waiter:
         os.eventfd_write(done.fd, 1)
     else:
         done.release()
-
-
-_EVENTFD = hasattr(os, "eventfd")
 
 
 class _Item:
