@@ -42,7 +42,8 @@ Cases (100-byte bodies, fresh database per case, each bounded in count and secon
   (the reference), 64 threads calling ``push``, 256 asyncio tasks awaiting
   ``fdq.aio.push``; each runs for the same seconds. Per case msgs/s, ``of_push_many`` (its
   rate over the reference's in the same run; ``of_push_many_cpu``: the same per CPU second
-  of the process), p50/p99 of a call, msgs per commit and transactions per message. Not in the default set (``--cases concurrency``).
+  of the process), p50/p99 of a call, msgs per commit, transactions and the process's
+  context switches per message. Not in the default set (``--cases concurrency``).
 * ``failover``: two consumer processes under a steady stream; one is killed with SIGKILL;
   seconds until the survivor owns every shard (zombie timeout 1.5 s, heartbeat 0.25 s),
   and until the backlog is drained, the dead consumer's leases included (ack wait 2 s).
@@ -57,6 +58,7 @@ import itertools
 import multiprocessing as mp
 import os
 import random
+import resource
 import shutil
 import signal
 import sqlite3
@@ -161,9 +163,16 @@ CONC_THREADS = 64
 CONC_TASKS = 256
 
 
-def _conc_result(lat, n, el, cpu, tx):
+def _conc_switches() -> int:
+    """The process's context switches so far (its threads', voluntary and not)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_nvcsw + r.ru_nivcsw
+
+
+def _conc_result(lat, n, el, cpu, tx, switches):
     return {"msgs_per_s": n / el, "msgs_per_cpu_s": n / cpu, "p50_ms": pct(lat, .5) * 1e3,
-            "p99_ms": pct(lat, .99) * 1e3, "msgs_per_commit": n / max(tx, 1), "tx_per_msg": tx / n}
+            "p99_ms": pct(lat, .99) * 1e3, "msgs_per_commit": n / max(tx, 1), "tx_per_msg": tx / n,
+            "switches_per_msg": switches / n}
 
 
 def bench_conc_push_many(url, seconds):
@@ -173,9 +182,9 @@ def bench_conc_push_many(url, seconds):
     p = fdq.Producer(db)
     envs = [fdq.Envelope(BODY) for _ in range(100)]
     p.push_many("t", envs[:1])
-    c0 = COMMITS[0]
+    c0, s0 = COMMITS[0], _conc_switches()
     lat, el, cpu = timed(lambda: p.push_many("t", envs), 1_000_000, seconds)
-    return _conc_result(lat, len(lat) * 100, el, cpu, COMMITS[0] - c0)
+    return _conc_result(lat, len(lat) * 100, el, cpu, COMMITS[0] - c0, _conc_switches() - s0)
 
 
 def bench_conc_threads(url, seconds, threads=CONC_THREADS):
@@ -201,15 +210,16 @@ def bench_conc_threads(url, seconds, threads=CONC_THREADS):
     ts = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(threads)]
     for t in ts:
         t.start()
-    c0, cpu0 = COMMITS[0], time.process_time()
+    c0, cpu0, s0 = COMMITS[0], time.process_time(), _conc_switches()
     t0 = perf_counter()
     stop[0] = t0 + seconds
     start.wait(60)
     for t in ts:
         t.join(seconds + 60)
     el = perf_counter() - t0
+    cpu, switches = time.process_time() - cpu0, _conc_switches() - s0
     all_lat = [x for lst in lat for x in lst]
-    return _conc_result(all_lat, len(all_lat), el, time.process_time() - cpu0, COMMITS[0] - c0)
+    return _conc_result(all_lat, len(all_lat), el, cpu, COMMITS[0] - c0, switches)
 
 
 def bench_conc_aio(url, seconds, tasks=CONC_TASKS):
@@ -234,11 +244,11 @@ def bench_conc_aio(url, seconds, tasks=CONC_TASKS):
     async def run():
         deadline = perf_counter() + seconds
         await asyncio.wait_for(asyncio.gather(*(work(deadline) for _ in range(tasks))), seconds + 60)
-    c0, cpu0 = COMMITS[0], time.process_time()
+    c0, cpu0, s0 = COMMITS[0], time.process_time(), _conc_switches()
     t0 = perf_counter()
     asyncio.run(run())
     el = perf_counter() - t0
-    return _conc_result(lat, len(lat), el, time.process_time() - cpu0, COMMITS[0] - c0)
+    return _conc_result(lat, len(lat), el, time.process_time() - cpu0, COMMITS[0] - c0, _conc_switches() - s0)
 
 
 def _raw_db(path):

@@ -371,7 +371,9 @@ async def push(producer, topic: str, body: bytes, *, shard_key: str | None = Non
     """``await`` a push (:meth:`fdq.Producer.push`'s arguments) without blocking the
     loop: queued with the producer's other pending pushes (group commit, committed by its
     flusher thread), resolved on this loop after its commit. Returns the PushResult.
-    Cancelling the awaiting task does not recall the push (it may still be stored)."""
+    Cancelling the awaiting task does not recall the push (it may still be stored); the
+    push counts as cancelled (``fdq.hooks``' push_end gets no results and no error, as
+    for a cancelled ``push_async`` future), not as pushed."""
     loop = asyncio.get_running_loop()
     return await producer._push_async(loop.create_future(), loop, topic, body, shard_key, msg_id, delay,
                                       headers, ttl)

@@ -94,6 +94,99 @@ def test_a_leader_interrupted_while_lingering_does_not_strand_later_pushes(db):
     assert got, "push() after an interrupted leader never returned"
 
 
+def test_a_push_after_one_interrupted_while_waiting_returns_only_after_its_own_commit(db):
+    """A push interrupted while it waits for another thread's commit (a signal handler's
+    exception) is committed later all the same, and that commit wakes its thread after
+    it left. The thread's next push, waiting for another commit, must not take that
+    wake-up for its own (a caller waits on its thread's reused waiter: it returned at
+    once, with no result)."""
+    import signal
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    p = fdq.Producer(db, config=fdq.ProducerConfig(linger_ms=1500))
+
+    def leader(body):
+        """A thread leading the next commit (lingering), once it leads."""
+        th = threading.Thread(target=p.push, args=("t", body), daemon=True)
+        th.start()
+        wait_for(lambda: p._group._leading, 10)
+        return th
+
+    def interrupt(_sig, _frame):
+        raise _Interrupt()
+    first = leader(b"first leader")
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        try:
+            p.push("t", b"interrupted")     # waits for the leader's commit
+        except _Interrupt:
+            pass
+        else:
+            raise AssertionError("the alarm did not interrupt the waiting push")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    first.join(30)      # its commit took the interrupted push: woke this thread's waiter
+    assert not first.is_alive()
+    second = leader(b"second leader")
+    r = p.push("t", b"after")   # waits for the second leader's commit
+    assert r is not None
+    assert read(db, Keyspace().topic("t").log_key(r.shard, parse_message_id(r.id))) is not None
+    second.join(30)
+    assert fdq.Supervisor(db).stats("t")["counters"]["inserted"] == 4
+
+
+_PUSH_WITHOUT_FDS = """
+import os, resource, sys, threading, time
+import fdq
+db = fdq.connect(sys.argv[1])
+fdq.Supervisor(db).create_topic("t", shards=1)
+p = fdq.Producer(db, config=fdq.ProducerConfig(linger_ms=1000))
+leader = threading.Thread(target=p.push, args=("t", b"leader"))
+leader.start()      # leads the next commit (lingering 1 s)
+deadline = time.monotonic() + 10
+while not p._group._leading and time.monotonic() < deadline:
+    time.sleep(0.001)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+fillers = []
+try:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 256), hard))
+    while True:
+        fillers.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+got = []
+
+def follower():
+    try:
+        got.append(p.push("t", b"no fd left"))
+    except Exception as e:
+        got.append(e)
+t = threading.Thread(target=follower)
+t.start()       # its first push: no file descriptor left for its waiter
+while len(p._group._queue) < 2 and not got and time.monotonic() < deadline:
+    time.sleep(0.001)
+for fd in fillers:
+    os.close(fd)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+t.join(30)
+leader.join(30)
+print(repr(got[0]) if got else "no result")
+"""
+
+
+def test_a_push_works_with_no_file_descriptor_left_for_its_threads_waiter(url):
+    """A caller's thread waits on a file descriptor of its own (an eventfd): one a thread
+    cannot get (the process at its descriptor limit: many threads, many sockets) waits
+    on a lock instead; the push must not fail for it."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _PUSH_WITHOUT_FDS, url], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("PushResult("), out.stdout + out.stderr
+
+
 def test_push_async_futures_left_pending_at_a_normal_exit_are_committed(db, url):
     # push_async hands back futures; a process that exits normally without waiting for
     # them must not drop its queued pushes (the flusher thread is a daemon: it was

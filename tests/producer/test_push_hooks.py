@@ -74,6 +74,58 @@ def test_an_aio_push_runs_the_hooks_begun_in_the_loops_thread_ended_with_its_out
     assert isinstance(calls[3]["error"], MessageTooLarge) and calls[3]["results"] is None
 
 
+def test_a_cancelled_aio_push_ends_its_hooks_call_as_cancelled_as_a_cancelled_push_async(db, recorder):
+    """A task awaiting ``fdq.aio.push`` is cancelled before the commit: its push_end gets
+    neither results nor an error (what a ``push_async`` future cancelled first gets:
+    ``fdq.metrics`` counts it ``cancelled``, not ``ok``); the push is stored all the
+    same. The other push of that commit ends with its result."""
+    import asyncio
+    import fdq.aio
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    p = fdq.Producer(db, config=fdq.ProducerConfig(linger_ms=300))    # both in one commit
+
+    async def main():
+        doomed = asyncio.ensure_future(fdq.aio.push(p, "t", b"cancelled"))
+        kept = asyncio.ensure_future(fdq.aio.push(p, "t", b"kept"))
+        await asyncio.sleep(0)      # (queued when their tasks first run)
+        doomed.cancel()
+        r = await asyncio.wait_for(kept, 30)
+        with pytest.raises(asyncio.CancelledError):
+            await doomed
+        return r
+    kept = asyncio.run(main())
+    assert p.flush(timeout=30)
+    ends = sorted(((c["results"] is None, c["error"] is None) for c in recorder.calls), reverse=True)
+    assert ends == [(True, True), (False, True)]
+    assert [c["results"] for c in recorder.calls if c["results"] is not None] == [[kept]]
+    assert fdq.Supervisor(db).stats("t")["counters"]["inserted"] == 2
+
+
+def test_a_cancelled_aio_push_counts_as_cancelled_in_the_process_metrics(db):
+    import asyncio
+    import fdq.aio
+    import fdq.metrics
+    from prometheus_client import CollectorRegistry
+    registry = CollectorRegistry()
+    collector = fdq.metrics.register(db, registry, database_metrics=False)
+    try:
+        p = fdq.Producer(db, config=fdq.ProducerConfig(linger_ms=300))
+
+        async def main():
+            doomed = asyncio.ensure_future(fdq.aio.push(p, "t", b"cancelled"))
+            kept = asyncio.ensure_future(fdq.aio.push(p, "t", b"kept"))
+            await asyncio.sleep(0)
+            doomed.cancel()
+            await asyncio.wait_for(kept, 30)
+        asyncio.run(main())
+        assert p.flush(timeout=30)
+        counted = {s.labels["outcome"]: s.value for f in registry.collect() for s in f.samples
+                   if s.name == "fdq_pushed_messages_total" and s.labels.get("topic") == "t"}
+        assert counted == {"ok": 1, "cancelled": 1}
+    finally:
+        collector.close()
+
+
 def test_a_hook_may_replace_the_envelopes_pushed(db):
     class Stamp(hooks.Hook):
         def push_begin(self, topic, envelopes):
