@@ -62,6 +62,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -77,7 +78,7 @@ import urllib.request
 from collections import Counter
 
 from bench import nsqd as nsqd_ref
-from bench._common import machine, output, pct
+from bench._common import fmt, machine, output, pct
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASE_LIMIT_S = 20.0
@@ -471,18 +472,21 @@ def py_spy() -> str | None:
 
 
 class Profile:
-    """py-spy recording process ``pid`` (its running threads, 200 Hz) until ``summary()``."""
+    """py-spy recording process ``pid`` until ``summary()``: 200 times a second, the
+    thread holding the GIL (a Python broker is bound by it long before it has two cores)."""
 
     def __init__(self, pid, tmp):
         self.out = os.path.join(tmp, "py-spy.txt")
+        self.err = open(os.path.join(tmp, "py-spy.err"), "w+")
         self.proc = subprocess.Popen([py_spy(), "record", "--pid", str(pid), "--rate", "200", "--format", "raw",
-                                      "--output", self.out, "--threads", "--nonblocking"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, bufsize=0)
-        # it says "Sampling process ..." once attached
-        if not select.select([self.proc.stderr], [], [], CASE_LIMIT_S)[0]:
+                                      "--output", self.out, "--threads", "--gil"],
+                                     stdout=subprocess.PIPE, stderr=self.err, bufsize=0)
+        # it says "py-spy> Sampling process ..." once attached
+        ready = select.select([self.proc.stdout], [], [], CASE_LIMIT_S)[0] and self.proc.stdout.readline()
+        if not ready or not ready.startswith(b"py-spy> Sampling"):
             self.stop()
-            raise RuntimeError("py-spy did not attach")
-        self.proc.stderr.readline()
+            self.err.seek(0)
+            raise RuntimeError(f"py-spy did not attach to {pid}: {self.err.read()[:300]}")
 
     def stop(self):
         if self.proc.poll() is None:
@@ -492,11 +496,12 @@ class Profile:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(30)
-        self.proc.stderr.close()
+        self.proc.stdout.close()
+        self.err.close()
 
     def summary(self, top=12) -> dict:
-        """Shares of the samples: by thread, by function on top of the stack (self), by
-        function anywhere in the stack (inclusive)."""
+        """Shares of the samples: by thread (a pool's threads together), by function on top
+        of the stack (self), by FDQ's functions anywhere in the stack (inclusive)."""
         self.stop()
         threads, own, incl = Counter(), Counter(), Counter()
         total = 0
@@ -508,14 +513,14 @@ class Profile:
                 count = int(count)
                 frames = stack.split(";")
                 thread = next((fr for fr in frames if fr.startswith("thread (")), "?")
-                funcs = [_function(fr) for fr in frames if not fr.startswith(("thread (", "process "))]
+                funcs = [fr for fr in frames if not fr.startswith(("thread (", "process "))]
                 total += count
-                threads[thread] += count
+                threads[re.sub(r"^thread \(\d+\): |_\d+$", "", thread)] += count
                 if funcs:
-                    own[funcs[-1]] += count
-                for fn in set(funcs):
+                    own[_function(funcs[-1])] += count
+                for fn in {_function(fr) for fr in funcs if "/fdq/" in fr or " (fdq/" in fr}:
                     incl[fn] += count
-        share = lambda c: [(k, round(v / total, 3)) for k, v in c.most_common(top)]  # noqa: E731
+        share = lambda c: [(k, round(v / max(total, 1), 3)) for k, v in c.most_common(top)]  # noqa: E731
         return {"samples": total, "threads": share(threads), "self": share(own), "inclusive": share(incl)}
 
 
@@ -678,7 +683,7 @@ def _rounds(counts, rounds, per_round, call, cpu, limit_s=600):
 
 # -- the run -------------------------------------------------------------------------------
 
-def run_case(name, fn, make_server, parent, profile=False):
+def run_case(fn, make_server, parent, profile=False):
     """``fn(server)`` on a fresh server in a fresh directory; the server (and py-spy) stopped
     by PID however it ends."""
     with tempfile.TemporaryDirectory(dir=parent) as tmp:
@@ -769,6 +774,8 @@ def main():
     unknown = set(want) - set(SERVER_CASES + FDQ_ALONE + ("channels",))
     if unknown:
         ap.error(f"unknown cases: {', '.join(sorted(unknown))}")
+    if args.profile and args.profile not in SERVER_CASES:
+        ap.error(f"--profile takes a server case: {', '.join(SERVER_CASES)}")
     started = datetime.datetime.now(datetime.timezone.utc)
     load0 = os.getloadavg()
     skipped = {}
@@ -794,18 +801,20 @@ def main():
     fns = server_cases(k, args.size)
     chosen = [c for c in want if c in SERVER_CASES]
     runs = {}
-    profile = None
     for rnd in range(repeat if chosen else 0):
         for i, case in enumerate(chosen):
             order = list(makers) if (rnd + i) % 2 == 0 else list(makers)[::-1]
             for server in order:
-                spy = server == "fdq" and rnd == 0 and args.profile == case and "profile" not in skipped
                 print(f"... {case} {server} (round {rnd + 1}/{repeat})", file=sys.stderr, flush=True)
-                r = run_case(case, fns[case], makers[server], args.dir, spy)
-                if "profile" in r:
-                    profile = {"case": case, **r.pop("profile")}
+                r = run_case(fns[case], makers[server], args.dir)
                 runs.setdefault((server, case), []).append(r)
                 print(f"    {r}", file=sys.stderr, flush=True)
+    profile = None
+    if args.profile and "profile" not in skipped and "fdq" in makers:
+        # a run of its own: sampling slows the broker, the figures above are without it
+        print(f"... {args.profile} fdq under py-spy", file=sys.stderr, flush=True)
+        r = run_case(fns[args.profile], makers["fdq"], args.dir, profile=True)
+        profile = {"case": args.profile, **r.pop("profile"), "figures": _brief(r)}
     medians = {key: median_of(rs) for key, rs in runs.items()}
     rows = comparison_rows(medians, chosen)
 
@@ -834,8 +843,9 @@ def main():
                           "fdq_alone": alone, "profile": profile, "channels": chan}, indent=1, default=str))
         return
     md = args.markdown
-    print(f"{'' if not md else '_'}{meta['date']}; load {meta['load']}; {meta['nsqd'] or 'no nsqd'} with "
-          f"--mem-queue-size=0; FDQ {meta['fdq']}; {args.size}-byte bodies; median of {repeat}; "
+    ref = f"{meta['nsqd']} with --mem-queue-size=0" if meta["nsqd"] else "nsqd not run"
+    print(f"{'' if not md else '_'}{meta['date']}; load {meta['load']}; {ref}; "
+          f"FDQ {meta['fdq']}; {args.size}-byte bodies; median of {repeat}; "
           f"{meta['client']}{'' if not md else '_'}\n")
     for what, why in skipped.items():
         print(f"{what} skipped: {why}\n")
@@ -853,16 +863,21 @@ def main():
         _print_channels(chan, args.size)
 
 
+def _brief(r: dict) -> str:
+    return ", ".join(f"{k} {fmt(v)}" for k, v in r.items() if k in ("msgs_per_s", "p50_ms", "p99_ms", "server_cpu"))
+
+
 def _commit(root) -> str:
     r = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return r.stdout.strip() or "?"
 
 
 def _print_profile(profile):
-    print(f"\npy-spy on FDQ's broker, case {profile['case']}: {profile['samples']} samples of running threads "
-          f"(200 Hz); shares of the samples")
-    for part in ("threads", "self", "inclusive"):
-        print(f"  {part}:")
+    print(f"\npy-spy on FDQ's broker, case {profile['case']} (a run of its own: {profile['figures']}): "
+          f"{profile['samples']} samples of the thread holding the GIL (200 Hz); shares of the samples")
+    for part, what in (("threads", "by thread"), ("self", "on top of the stack"),
+                       ("inclusive", "FDQ's functions anywhere in the stack")):
+        print(f"  {what}:")
         for name, share in profile[part]:
             print(f"    {share:6.1%}  {name}")
 
