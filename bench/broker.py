@@ -783,6 +783,8 @@ def main():
     for name in args.servers.split(","):
         if name == "fdq":
             makers["fdq"] = lambda tmp: FdqBroker(tmp, os.path.abspath(args.fdq_root))
+        elif name == "nsqd" and not set(want) & set(SERVER_CASES):
+            continue                    # no server case: no nsqd to find or build
         elif name == "nsqd":
             binary, what = nsqd_ref.find(args.nsqd)
             if binary:
