@@ -216,11 +216,15 @@ def cpu_s(pid: int) -> float:
 
 
 class CpuWindow:
-    """The server's CPU in cores from now to ``cores()``."""
+    """The server's CPU in cores from now (a case's timed part begins) to ``cores()``; a
+    server to be profiled (``run_case``) gets its py-spy here, so the profile covers the
+    timed part."""
 
-    def __init__(self, pid):
-        self.pid = pid
-        self.c0, self.t0 = cpu_s(pid), time.perf_counter()
+    def __init__(self, srv):
+        self.pid = srv.pid
+        if getattr(srv, "profile_in", None) and srv.spy is None:
+            srv.spy = Profile(srv.pid, srv.profile_in)
+        self.c0, self.t0 = cpu_s(self.pid), time.perf_counter()
 
     def cores(self) -> float:
         return (cpu_s(self.pid) - self.c0) / (time.perf_counter() - self.t0)
@@ -232,7 +236,7 @@ def pub_one_at_a_time(srv, n, seconds, body):
     c = Client(srv.port)
     frame = pub_frame(b"bench", body)
     lat = []
-    cpu = CpuWindow(srv.pid)
+    cpu = CpuWindow(srv)
     t0 = time.perf_counter()
     deadline = t0 + seconds
     for _ in range(n):
@@ -281,7 +285,7 @@ def pub_processes(srv, k, n, seconds, body):
             if not select.select([pr.stdout], [], [], max(0.0, deadline - time.monotonic()))[0] \
                     or pr.stdout.readline() != b"ready\n":
                 raise RuntimeError("a client process did not connect")
-        cpu = CpuWindow(srv.pid)
+        cpu = CpuWindow(srv)
         for pr in procs:
             pr.stdin.write(b"go\n")
             pr.stdin.flush()
@@ -305,7 +309,7 @@ def pub_processes(srv, k, n, seconds, body):
 def pipelined(srv, n, frame, per_frame, window, seconds):
     c = Client(srv.port)
     sent = done = 0
-    cpu = CpuWindow(srv.pid)
+    cpu = CpuWindow(srv)
     t0 = time.perf_counter()
     total = n // per_frame
     while done < total and time.perf_counter() - t0 < seconds:
@@ -332,11 +336,24 @@ def fill(port, n, body, topic=b"bench"):
         raise RuntimeError(f"fill: {len(got)} of {n // 100} MPUBs answered")
 
 
-def consume(srv, n, seconds, rdy=200, topic="bench"):
+def channel_with(port, n, body, topic=b"bench"):
+    """The channel 'default' of ``topic`` created (SUB), then ``n`` messages published."""
+    c = Client(port)
+    c.sock.sendall(b"SUB " + topic + b" default\n")
+    c.frames(1)
+    fill(port, n, body, topic)
+    c.close()
+
+
+def consume(srv, n, seconds, body=None, rdy=200, topic="bench"):
+    """Subscribe (RDY 0), publish ``n`` ``body``s (if given) into the channel, then time
+    receiving ``n`` with RDY ``rdy``, FIN each."""
     c = Client(srv.port, {"heartbeat_interval": 5000, "msg_timeout": 60000})
     c.sock.sendall(f"SUB {topic} default\n".encode())
     c.frames(1)
-    cpu = CpuWindow(srv.pid)
+    if body is not None:
+        fill(srv.port, n, body, topic.encode())
+    cpu = CpuWindow(srv)
     c.sock.sendall(f"RDY {rdy}\n".encode())
     got = 0
     t0 = time.perf_counter()
@@ -375,7 +392,7 @@ def latency(srv, rate, seconds, size, buffering=None):
                 break
         pc.frames(n, time.monotonic() + CASE_LIMIT_S)
         pc.close()
-    cpu = CpuWindow(srv.pid)
+    cpu = CpuWindow(srv)
     t = threading.Thread(target=publish, daemon=True)
     t.start()
     try:
@@ -436,7 +453,7 @@ loop.start()
 
 
 def pynsq(mode, srv, n, size):
-    cpu = CpuWindow(srv.pid)
+    cpu = CpuWindow(srv)
     r = subprocess.run([sys.executable, "-c", PYNSQ, mode, str(srv.port), str(n), str(size)], capture_output=True,
                        text=True, timeout=120, cwd=ROOT)
     if r.returncode != 0 or not r.stdout.strip():
@@ -453,13 +470,13 @@ def server_cases(k, size):
         "pub1": lambda srv: pub_one_at_a_time(srv, 100_000, s, body),
         "pub8": lambda srv: pub_processes(srv, 8, 100_000, s, body),
         "mpub100": lambda srv: pipelined(srv, int(600_000 * k), mpub_frame(b"bench", [body] * 100), 100, 4, s),
-        "consume": lambda srv: (fill(srv.port, n_consume, body), consume(srv, n_consume, CASE_LIMIT_S))[1],
+        "consume": lambda srv: consume(srv, n_consume, CASE_LIMIT_S, body),
         "latency": lambda srv: latency(srv, 1000, 5.0 if k == 1 else 1.5, size, UNBUFFERED),
         "pubwin": lambda srv: pipelined(srv, int(100_000 * k), pub_frame(b"bench", body), 1, 200, s),
         "latency_buffered": lambda srv: latency(srv, 1000, 5.0 if k == 1 else 1.5, size),
         "pynsq_pub": lambda srv: pynsq("pub", srv, int(5000 * k), size),
         "pynsq_mpub": lambda srv: pynsq("mpub", srv, int(50000 * k), size),
-        "pynsq_consume": lambda srv: (fill(srv.port, int(30000 * k) // 100 * 100, body),
+        "pynsq_consume": lambda srv: (channel_with(srv.port, int(30000 * k) // 100 * 100, body),
                                       pynsq("consume", srv, int(30000 * k) // 100 * 100, size))[1],
     }
 
@@ -473,13 +490,14 @@ def py_spy() -> str | None:
 
 class Profile:
     """py-spy recording process ``pid`` until ``summary()``: 200 times a second, the
-    thread holding the GIL (a Python broker is bound by it long before it has two cores)."""
+    thread holding the GIL (a Python broker is bound by it long before it has two cores),
+    without pausing the broker to read its stacks."""
 
     def __init__(self, pid, tmp):
         self.out = os.path.join(tmp, "py-spy.txt")
         self.err = open(os.path.join(tmp, "py-spy.err"), "w+")
         self.proc = subprocess.Popen([py_spy(), "record", "--pid", str(pid), "--rate", "200", "--format", "raw",
-                                      "--output", self.out, "--threads", "--gil"],
+                                      "--output", self.out, "--threads", "--gil", "--nonblocking"],
                                      stdout=subprocess.PIPE, stderr=self.err, bufsize=0)
         # it says "py-spy> Sampling process ..." once attached
         ready = select.select([self.proc.stdout], [], [], CASE_LIMIT_S)[0] and self.proc.stdout.readline()
@@ -684,20 +702,20 @@ def _rounds(counts, rounds, per_round, call, cpu, limit_s=600):
 # -- the run -------------------------------------------------------------------------------
 
 def run_case(fn, make_server, parent, profile=False):
-    """``fn(server)`` on a fresh server in a fresh directory; the server (and py-spy) stopped
-    by PID however it ends."""
+    """``fn(server)`` on a fresh server in a fresh directory (``profile``: py-spy on it over
+    the case's timed part, its summary in the result); the server and py-spy stopped by PID
+    however it ends."""
     with tempfile.TemporaryDirectory(dir=parent) as tmp:
         srv = make_server(tmp)
-        spy = None
+        srv.profile_in, srv.spy = (tmp if profile else None), None
         try:
-            spy = Profile(srv.pid, tmp) if profile else None
             r = fn(srv)
-            if spy:
-                r["profile"] = spy.summary()
+            if srv.spy:
+                r["profile"] = srv.spy.summary()
             return r
         finally:
-            if spy:
-                spy.stop()
+            if srv.spy:
+                srv.spy.stop()
             srv.stop()
 
 
