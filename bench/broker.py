@@ -22,7 +22,8 @@ Each server case runs on a fresh server and data directory, FDQ and nsqd alterna
 by case, ``--repeat`` rounds (3; the median is printed); every case is bounded in count
 and time, and its servers and client processes are stopped by PID when it ends or fails.
 Bodies are ``--size`` bytes (200). The server's CPU (cores, from /proc/PID/stat over the
-timed part) is printed beside each figure, and ``fdq_over_nsqd`` with issue 23's target.
+timed part) is printed beside each figure, and ``fdq_over_nsqd`` (the median of the rounds'
+ratios, each of two runs next to each other in time) with issue 23's target.
 
 Server cases (the first five are the default and carry the targets):
 
@@ -728,9 +729,12 @@ def median_of(runs: list) -> dict:
     return out
 
 
-def comparison_rows(medians: dict, cases) -> list:
-    """One row per (case, figure): nsqd, fdq, fdq_over_nsqd, the issue's target and whether
-    FDQ meets it, and each server's CPU beside throughput figures."""
+def comparison_rows(runs: dict, cases) -> list:
+    """One row per (case, figure): nsqd's and FDQ's medians, fdq_over_nsqd (the median of
+    each round's ratio: the two runs of a round are next to each other in time, so a
+    machine's load drift cancels), the issue's target and whether FDQ meets it, and each
+    server's CPU beside throughput figures."""
+    medians = {key: median_of(rs) for key, rs in runs.items()}
     rows = []
     for case in cases:
         fdq, ref = medians.get(("fdq", case)), medians.get(("nsqd", case))
@@ -745,8 +749,10 @@ def comparison_rows(medians: dict, cases) -> list:
                 row["nsqd"] = ref[fig]
             if fdq is not None:
                 row["fdq"] = fdq[fig]
-            if ref is not None and fdq is not None and ref[fig]:
-                row["fdq_over_nsqd"] = fdq[fig] / ref[fig]
+            pairs = zip(runs.get(("fdq", case), ()), runs.get(("nsqd", case), ()))
+            ratios = [f[fig] / n[fig] for f, n in pairs if n[fig]]
+            if ratios:
+                row["fdq_over_nsqd"] = statistics.median(ratios)
             if fig == "msgs_per_s":
                 for who, r in (("nsqd", ref), ("fdq", fdq)):
                     if r is not None:
@@ -835,8 +841,7 @@ def main():
         print(f"... {args.profile} fdq under py-spy", file=sys.stderr, flush=True)
         r = run_case(fns[args.profile], makers["fdq"], args.dir, profile=True)
         profile = {"case": args.profile, **r.pop("profile"), "figures": _brief(r)}
-    medians = {key: median_of(rs) for key, rs in runs.items()}
-    rows = comparison_rows(medians, chosen)
+    rows = comparison_rows(runs, chosen)
 
     alone = {}
     if "client" in want:
