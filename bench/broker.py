@@ -43,9 +43,10 @@ Server cases (the first five are the default and carry the targets):
 
 FDQ alone:
 
-* ``client`` (``client_pub1``, ``client_mpub100``, ``client_consume``): the raw client
-  against a null server (answers OK at once / streams message frames by RDY): what the
-  client can do, so the figures above are not client-bound.
+* ``client`` (``client_pub1``, ``client_pub8``, ``client_mpub100``, ``client_consume``):
+  the raw client against a null server in a process of its own (answers OK at once /
+  streams message frames by RDY): what the client can do, so a figure above that reaches
+  it is client-bound (nsqd's PUB cases are, on a 2-core machine).
 * ``direct``: FDQ's Python API in process, no broker: push_many(100) and fetch(200) +
   ack_many, the ceiling.
 * ``channels`` (only when named): PUB round trip against the number of idle channels of
@@ -551,18 +552,20 @@ def _function(frame: str) -> str:
 
 # -- FDQ alone: the client against a null server, FDQ's API in process --------------------
 
-def null_server(mode, size):
-    """A server on a free port that answers OK to everything with a body (PUB, MPUB,
-    IDENTIFY) and SUB, and (``mode`` 'consume') streams message frames as RDY allows."""
+def serve_null(mode, size):
+    """A null NSQ server (run by ``NullServer`` in a process of its own, so it does not
+    share the client's GIL) on a free loopback port, printed: it answers OK to everything
+    with a body (PUB, MPUB, IDENTIFY) and SUB, and (``mode`` 'consume') streams message
+    frames as RDY allows; a thread per connection; until its stdin closes."""
+    size = int(size)
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
-    srv.listen(4)
+    srv.listen(16)
     ok = _FRAME.pack(6, FRAME_RESPONSE) + b"OK"
     data = struct.pack(">qH", time.time_ns(), 1) + b"0123456789abcdef" + b"y" * size
     msg = _FRAME.pack(4 + len(data), FRAME_MESSAGE) + data
 
-    def serve():
-        conn, _ = srv.accept()
+    def serve(conn):
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         buf = bytearray()
         rdy = inflight = 0
@@ -601,21 +604,57 @@ def null_server(mode, size):
                 inflight = rdy
             if out:
                 conn.sendall(b"".join(out))
-    threading.Thread(target=serve, daemon=True).start()
 
-    class Null:
-        port = srv.getsockname()[1]
-        pid = os.getpid()
-    return Null
+    def accept():
+        while True:
+            conn, _ = srv.accept()
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+    threading.Thread(target=accept, daemon=True).start()
+    print(srv.getsockname()[1], flush=True)
+    sys.stdin.read()
+
+
+class NullServer:
+    """``serve_null`` in a process of its own; ``port``, ``pid``, ``stop()`` by PID."""
+
+    def __init__(self, mode, size):
+        self.proc = subprocess.Popen([sys.executable, "-c", "import sys; from bench.broker import serve_null; "
+                                      "serve_null(*sys.argv[1:])", mode, str(size)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, cwd=ROOT)
+        self.pid = self.proc.pid
+        line = select.select([self.proc.stdout], [], [], CASE_LIMIT_S)[0] and self.proc.stdout.readline()
+        if not line:
+            self.stop()
+            raise RuntimeError("the null server did not start")
+        self.port = int(line)
+
+    def stop(self):
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc.stdout.close()
+
+
+def on_null(mode, size, fn):
+    srv = NullServer(mode, size)
+    try:
+        return fn(srv)
+    finally:
+        srv.stop()
 
 
 def client_cases(size):
+    """The raw client alone (server_cpu: the null server's)."""
     body = b"x" * size
     return {
-        "client_pub1": lambda: pub_one_at_a_time(null_server("pub", size), 20000, 5.0, body),
-        "client_mpub100": lambda: pipelined(null_server("pub", size), 500_000, mpub_frame(b"bench", [body] * 100),
-                                            100, 4, 5.0),
-        "client_consume": lambda: consume(null_server("consume", size), 300_000, 5.0),
+        "client_pub1": lambda: on_null("pub", size, lambda srv: pub_one_at_a_time(srv, 100_000, 3.0, body)),
+        "client_pub8": lambda: on_null("pub", size, lambda srv: pub_processes(srv, 8, 100_000, 3.0, body)),
+        "client_mpub100": lambda: on_null("pub", size, lambda srv: pipelined(
+            srv, 2_000_000, mpub_frame(b"bench", [body] * 100), 100, 4, 3.0)),
+        "client_consume": lambda: on_null("consume", size, lambda srv: consume(srv, 300_000, 3.0)),
     }
 
 
@@ -881,7 +920,8 @@ def main():
     if alone:
         print()
         output(args, "FDQ alone", [{"case": n, **r} for n, r in alone.items()],
-               ["case", "msgs", "msgs_per_s", "p50_ms", "p99_ms", "push_many100_per_s", "fetch200_ack_per_s"])
+               ["case", "msgs", "msgs_per_s", "p50_ms", "p99_ms", "server_cpu", "push_many100_per_s",
+                "fetch200_ack_per_s"])
     if profile:
         _print_profile(profile)
     if chan:
