@@ -490,6 +490,9 @@ def py_spy() -> str | None:
                                            if os.access(p, os.X_OK)), None)
 
 
+RATE = 200        # py-spy's samples a second
+
+
 class Profile:
     """py-spy recording process ``pid`` until ``summary()``: 200 times a second, the
     thread holding the GIL (a Python broker is bound by it long before it has two cores),
@@ -498,7 +501,7 @@ class Profile:
     def __init__(self, pid, tmp):
         self.out = os.path.join(tmp, "py-spy.txt")
         self.err = open(os.path.join(tmp, "py-spy.err"), "w+")
-        self.proc = subprocess.Popen([py_spy(), "record", "--pid", str(pid), "--rate", "200", "--format", "raw",
+        self.proc = subprocess.Popen([py_spy(), "record", "--pid", str(pid), "--rate", str(RATE), "--format", "raw",
                                       "--output", self.out, "--threads", "--gil", "--nonblocking"],
                                      stdout=subprocess.PIPE, stderr=self.err, bufsize=0)
         # it says "py-spy> Sampling process ..." once attached
@@ -507,6 +510,7 @@ class Profile:
             self.stop()
             self.err.seek(0)
             raise RuntimeError(f"py-spy did not attach to {pid}: {self.err.read()[:300]}")
+        self.t0 = time.perf_counter()
 
     def stop(self):
         if self.proc.poll() is None:
@@ -522,6 +526,7 @@ class Profile:
     def summary(self, top=12) -> dict:
         """Shares of the samples: by thread (a pool's threads together), by function on top
         of the stack (self), by FDQ's functions anywhere in the stack (inclusive)."""
+        seconds = time.perf_counter() - self.t0
         self.stop()
         threads, own, incl = Counter(), Counter(), Counter()
         total = 0
@@ -541,7 +546,8 @@ class Profile:
                 for fn in {_function(fr) for fr in funcs if "/fdq/" in fr or " (fdq/" in fr}:
                     incl[fn] += count
         share = lambda c: [(k, round(v / max(total, 1), 3)) for k, v in c.most_common(top)]  # noqa: E731
-        return {"samples": total, "threads": share(threads), "self": share(own), "inclusive": share(incl)}
+        return {"samples": total, "gil_held": total / (RATE * seconds), "threads": share(threads),
+                "self": share(own), "inclusive": share(incl)}
 
 
 def _function(frame: str) -> str:
@@ -939,7 +945,9 @@ def _commit(root) -> str:
 
 def _print_profile(profile):
     print(f"\npy-spy on FDQ's broker, case {profile['case']} (a run of its own: {profile['figures']}): "
-          f"{profile['samples']} samples of the thread holding the GIL (200 Hz); shares of the samples")
+          f"{profile['samples']} samples of the thread holding the GIL at {RATE} Hz: held at "
+          f"{profile['gil_held']:.0%} of the ticks (py-spy may miss ticks on a loaded machine); shares of the "
+          f"samples")
     for part, what in (("threads", "by thread"), ("self", "on top of the stack"),
                        ("inclusive", "FDQ's functions anywhere in the stack")):
         print(f"  {what}:")
