@@ -4,7 +4,7 @@ nsqd 1.3.0 in the same run, both driven by one raw-socket NSQ client (this modul
 
 Run::
 
-    python -m bench.broker             # the issue's cases, median of 3, about 3-4 minutes
+    python -m bench.broker             # the issue's cases, median of 3, about 2-3 minutes
     python -m bench.broker --quick     # shorter cases, one round
     python -m bench.broker --markdown  # markdown for bench/RESULTS.md
     python -m bench.broker --json
@@ -915,7 +915,7 @@ def main():
     md = args.markdown
     ref = f"{meta['nsqd']} with --mem-queue-size=0" if meta["nsqd"] else "nsqd not run"
     print(f"{'' if not md else '_'}{meta['date']}; load {meta['load']}; {ref}; "
-          f"FDQ {meta['fdq']}; {args.size}-byte bodies; median of {repeat}; "
+          f"FDQ {meta['fdq']}; {args.size}-byte bodies; {f'median of {repeat}; ' if rows else ''}"
           f"{meta['client']}{'' if not md else '_'}\n")
     for what, why in skipped.items():
         print(f"{what} skipped: {why}\n")
