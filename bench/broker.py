@@ -232,7 +232,7 @@ class CpuWindow:
         return (cpu_s(self.pid) - self.c0) / (time.perf_counter() - self.t0)
 
 
-# -- the server cases: fn(srv, scale) -> figures -------------------------------------------
+# -- the server cases: fn(srv) -> figures ---------------------------------------------------
 
 def pub_one_at_a_time(srv, n, seconds, body):
     c = Client(srv.port)
