@@ -830,7 +830,7 @@ def main():
                                                  "~/.cache/fdq-bench/nsqd, PATH, else built there: bench/nsqd.py)")
     ap.add_argument("--fdq-root", default=ROOT, help="the checkout whose broker runs (its .venv if any)")
     ap.add_argument("--profile", default=None, metavar="CASE",
-                    help="py-spy (if installed) on FDQ's broker during CASE's first round: its top frames")
+                    help="one more run of CASE with py-spy (if installed) on FDQ's broker: its top frames")
     ap.add_argument("--channels", default="1,10,100", help="channels: the channel counts")
     ap.add_argument("--rounds", type=int, default=15, help="channels: rounds of --per-round PUBs per count")
     ap.add_argument("--per-round", type=int, default=40)
@@ -925,7 +925,7 @@ def main():
                text_columns=("case", "figure", "target", "met"))
     if alone:
         print()
-        output(args, "FDQ alone", [{"case": n, **r} for n, r in alone.items()],
+        output(args, "The client alone (null server), FDQ's API in process", [{"case": n, **r} for n, r in alone.items()],
                ["case", "msgs", "msgs_per_s", "p50_ms", "p99_ms", "server_cpu", "push_many100_per_s",
                 "fetch200_ack_per_s"])
     if profile:
