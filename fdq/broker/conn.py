@@ -133,13 +133,15 @@ class Conn:
     def _write_messages(self, data: bytes):
         """Buffer message frames as nsqd's output buffer (IDENTIFY ``output_buffer_size``
         / ``output_buffer_timeout``): sent once the buffer is full, when the client can
-        take no more (RDY reached), or when the timeout fires, whichever comes first."""
+        take no more (RDY reached), or when the timeout fires, whichever comes first.
+        As nsqd, ``output_buffer_timeout`` -1 (0 here) only turns the timer off: the
+        buffer still fills; unbuffered is ``output_buffer_size`` -1 (a 1-byte buffer)."""
         self._obuf.append(data)
         self._olen += len(data)
         ident = self.ident
-        if self._olen >= ident.output_buffer_size or ident.output_buffer_timeout_ms <= 0 or self.capacity <= 0:
+        if self._olen >= ident.output_buffer_size or self.capacity <= 0:
             self._flush()
-        elif self._flush_timer is None:
+        elif self._flush_timer is None and ident.output_buffer_timeout_ms > 0:
             self._flush_timer = asyncio.get_running_loop().call_later(
                 ident.output_buffer_timeout_ms / 1000, self._flush)
 
