@@ -15,6 +15,7 @@ import termios
 import time
 from typing import TYPE_CHECKING
 
+from .. import aio
 from ..errors import FDQError, InvalidHeader, MessageTooLarge
 from . import compress, protocol as p
 from .auth import AuthFailed
@@ -565,26 +566,33 @@ class Conn:
 
     # -- publishing ------------------------------------------------------------------
 
-    def _publish(self, topic: str, fn, code: str, verb: str, size: int):
-        fut = self._run_publish(fn, size)
+    def _publish(self, topic: str, fut, code: str, verb: str, size: int, count: int = 1):
+        """Answer publish ``fut`` (its ``count`` messages, ``size`` bytes) in command
+        order, OK once it is committed; its failure is fatal."""
+        self._track_publish(fut, size)
 
         async def result():
             try:
-                r = await fut
+                await fut
             except (MessageTooLarge, InvalidHeader) as e:
                 raise fatal("E_BAD_MESSAGE", f"{verb} failed {e}") from None
             except FDQError as e:
                 raise fatal(code, f"{verb} failed {e}") from None
-            self.broker.published += r
-            self.published[topic] = self.published.get(topic, 0) + r
+            self.broker.published += count
+            self.published[topic] = self.published.get(topic, 0) + count
             return p.response()
         self._out.put_nowait(result())
 
-    def _run_publish(self, fn, size: int):
-        """Run a publish in the executor, counted as pending until it is done."""
+    def _push(self, topic: str, body: bytes, **kwargs):
+        """A push queued with every other connection's (``fdq.aio.push``: the producer's
+        group commit, one commit for all that is queued, resolved on this loop): a task,
+        so this connection reads on while it commits."""
+        return asyncio.get_running_loop().create_task(aio.push(self.broker.producer, topic, body, **kwargs))
+
+    def _track_publish(self, fut, size: int):
+        """Count publish ``fut`` as pending until it is done."""
         self._pending_publishes += 1
         self._pending_bytes += size
-        fut = asyncio.get_running_loop().run_in_executor(self.broker.executor, fn)
 
         def done(_f):
             self._pending_publishes -= 1
@@ -592,7 +600,6 @@ class Conn:
             if not self._publishes_full():
                 self._publish_room.set()
         fut.add_done_callback(done)
-        return fut
 
     def _publishes_full(self) -> bool:
         return self._pending_publishes >= MAX_PENDING_PUBLISHES or self._pending_bytes >= MAX_PENDING_PUBLISH_BYTES
@@ -601,23 +608,23 @@ class Conn:
         topic = cmd.params[0].decode()
         await self._check_auth(topic, None, "publish", "PUB")
         body = cmd.body
-        self._publish(topic, lambda: (self.broker.producer.push(topic, body), 1)[1], "E_PUB_FAILED", "PUB",
-                      len(body))
+        self._publish(topic, self._push(topic, body), "E_PUB_FAILED", "PUB", len(body))
 
     async def cmd_dpub(self, cmd):
         topic = cmd.params[0].decode()
         ms = p.parse_int(cmd.params[1], "DPUB could not parse timeout")    # the parser checked its range
         await self._check_auth(topic, None, "publish", "DPUB")
         body = cmd.body
-        self._publish(topic, lambda: (self.broker.producer.push(topic, body, delay=ms / 1000), 1)[1],
-                      "E_DPUB_FAILED", "DPUB", len(body))
+        self._publish(topic, self._push(topic, body, delay=ms / 1000), "E_DPUB_FAILED", "DPUB", len(body))
 
     async def cmd_mpub(self, cmd):
         topic = cmd.params[0].decode()
         await self._check_auth(topic, None, "publish", "MPUB")
         bodies = cmd.bodies
-        self._publish(topic, lambda: len(self.broker.producer.push_many(topic, bodies)), "E_MPUB_FAILED", "MPUB",
-                      sum(map(len, bodies)))
+        # one transaction, all or none (push_many), in the executor
+        b = self.broker
+        fut = asyncio.get_running_loop().run_in_executor(b.executor, b.producer.push_many, topic, bodies)
+        self._publish(topic, fut, "E_MPUB_FAILED", "MPUB", sum(map(len, bodies)), len(bodies))
 
     async def cmd_pub_ext(self, cmd):
         topic = cmd.params[0].decode()
@@ -626,7 +633,8 @@ class Conn:
         if not await b.is_extend(topic):
             raise nonfatal("E_EXT_NOT_SUPPORT", f"PUB_EXT topic {topic!r} has no extend support")
         headers, body = cmd.ext, cmd.body
-        fut = self._run_publish(lambda: b.producer.push(topic, body, headers=headers or None), len(body))
+        fut = self._push(topic, body, headers=headers or None)
+        self._track_publish(fut, len(body))
 
         async def result():
             try:
