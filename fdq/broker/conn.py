@@ -15,6 +15,7 @@ import termios
 import time
 from typing import TYPE_CHECKING
 
+from .. import aio
 from ..errors import FDQError, InvalidHeader, MessageTooLarge
 from . import compress, protocol as p
 from .auth import AuthFailed
@@ -77,6 +78,10 @@ class Conn:
         self._olen = 0
         self._flush_timer = None
         self._last_hb = time.monotonic()      # the first heartbeat one interval after connecting
+        self._last_read = self._last_hb       # when the reading loop last began to wait for the client
+        self._in_read = False                 # the reading loop awaits the client
+        self._missed_heartbeats = False       # ... and waited past two heartbeat intervals: ended
+        self._reader_task = None
         self._upgrading = False    # TLS handshake under way: nothing may be written
         self._drainer = None       # a task waiting for the client to read its backlog down
         self._blocked_since = None     # since when (monotonic) the client has taken nothing of it
@@ -133,13 +138,15 @@ class Conn:
     def _write_messages(self, data: bytes):
         """Buffer message frames as nsqd's output buffer (IDENTIFY ``output_buffer_size``
         / ``output_buffer_timeout``): sent once the buffer is full, when the client can
-        take no more (RDY reached), or when the timeout fires, whichever comes first."""
+        take no more (RDY reached), or when the timeout fires, whichever comes first.
+        As nsqd, ``output_buffer_timeout`` -1 (0 here) only turns the timer off: the
+        buffer still fills; unbuffered is ``output_buffer_size`` -1 (a 1-byte buffer)."""
         self._obuf.append(data)
         self._olen += len(data)
         ident = self.ident
-        if self._olen >= ident.output_buffer_size or ident.output_buffer_timeout_ms <= 0 or self.capacity <= 0:
+        if self._olen >= ident.output_buffer_size or self.capacity <= 0:
             self._flush()
-        elif self._flush_timer is None:
+        elif self._flush_timer is None and ident.output_buffer_timeout_ms > 0:
             self._flush_timer = asyncio.get_running_loop().call_later(
                 ident.output_buffer_timeout_ms / 1000, self._flush)
 
@@ -264,18 +271,29 @@ class Conn:
 
     async def run(self):
         responder = asyncio.get_running_loop().create_task(self._responder())
+        self._reader_task = asyncio.current_task()
         heartbeat = asyncio.get_running_loop().create_task(self._heartbeats())
         try:
             while not self.closed:
-                hb = self.ident.heartbeat_interval_ms
-                timeout = 2 * hb / 1000 if hb > 0 else None
+                # (no asyncio.wait_for per read: a task and a timer per read cost the
+                # loop ~10% of its time under one-at-a-time PUBs; ``_heartbeats`` ends
+                # a read that waits past two heartbeat intervals)
+                self._last_read = time.monotonic()
+                self._in_read = True
                 try:
-                    data = await asyncio.wait_for(self.reader.read(65536), timeout)
-                except asyncio.TimeoutError:
+                    data = await self.reader.read(65536)
+                except asyncio.CancelledError:
+                    if not self._missed_heartbeats:
+                        raise
+                    uncancel = getattr(self._reader_task, "uncancel", None)     # (3.11+)
+                    if uncancel is not None:
+                        uncancel()
                     log.info("client %s missed two heartbeats: closing", self.remote)
                     break
                 except (ConnectionError, ssl.SSLError, OSError):
                     break
+                finally:
+                    self._in_read = False
                 if not data or self.closed:     # closed meanwhile (a fatal error): read no more
                     break
                 if self._codec is not None:
@@ -368,6 +386,11 @@ class Conn:
                     log.info("client %s read nothing for %.0f s: closing", self.remote, now - self._blocked_since)
                     self.writer.transport.abort()
                     return
+            if hb > 0 and self._in_read and now - self._last_read > 2 * hb:
+                # nothing from the client for two heartbeat intervals (nsqd's read deadline)
+                self._missed_heartbeats = True
+                self._reader_task.cancel()
+                return
             if hb > 0 and now - self._last_hb >= hb and not self._upgrading:
                 self._last_hb = now
                 self._write(p.response(p.HEARTBEAT))
@@ -563,26 +586,33 @@ class Conn:
 
     # -- publishing ------------------------------------------------------------------
 
-    def _publish(self, topic: str, fn, code: str, verb: str, size: int):
-        fut = self._run_publish(fn, size)
+    def _publish(self, topic: str, fut, code: str, verb: str, size: int, count: int = 1):
+        """Answer publish ``fut`` (its ``count`` messages, ``size`` bytes) in command
+        order, OK once it is committed; its failure is fatal."""
+        self._track_publish(fut, size)
 
         async def result():
             try:
-                r = await fut
+                await fut
             except (MessageTooLarge, InvalidHeader) as e:
                 raise fatal("E_BAD_MESSAGE", f"{verb} failed {e}") from None
             except FDQError as e:
                 raise fatal(code, f"{verb} failed {e}") from None
-            self.broker.published += r
-            self.published[topic] = self.published.get(topic, 0) + r
+            self.broker.published += count
+            self.published[topic] = self.published.get(topic, 0) + count
             return p.response()
         self._out.put_nowait(result())
 
-    def _run_publish(self, fn, size: int):
-        """Run a publish in the executor, counted as pending until it is done."""
+    def _push(self, topic: str, body: bytes, **kwargs):
+        """A push queued with every other connection's (``fdq.aio.push``: the producer's
+        group commit, one commit for all that is queued, resolved on this loop): a task,
+        so this connection reads on while it commits."""
+        return asyncio.get_running_loop().create_task(aio.push(self.broker.producer, topic, body, **kwargs))
+
+    def _track_publish(self, fut, size: int):
+        """Count publish ``fut`` as pending until it is done."""
         self._pending_publishes += 1
         self._pending_bytes += size
-        fut = asyncio.get_running_loop().run_in_executor(self.broker.executor, fn)
 
         def done(_f):
             self._pending_publishes -= 1
@@ -590,7 +620,6 @@ class Conn:
             if not self._publishes_full():
                 self._publish_room.set()
         fut.add_done_callback(done)
-        return fut
 
     def _publishes_full(self) -> bool:
         return self._pending_publishes >= MAX_PENDING_PUBLISHES or self._pending_bytes >= MAX_PENDING_PUBLISH_BYTES
@@ -599,23 +628,23 @@ class Conn:
         topic = cmd.params[0].decode()
         await self._check_auth(topic, None, "publish", "PUB")
         body = cmd.body
-        self._publish(topic, lambda: (self.broker.producer.push(topic, body), 1)[1], "E_PUB_FAILED", "PUB",
-                      len(body))
+        self._publish(topic, self._push(topic, body), "E_PUB_FAILED", "PUB", len(body))
 
     async def cmd_dpub(self, cmd):
         topic = cmd.params[0].decode()
         ms = p.parse_int(cmd.params[1], "DPUB could not parse timeout")    # the parser checked its range
         await self._check_auth(topic, None, "publish", "DPUB")
         body = cmd.body
-        self._publish(topic, lambda: (self.broker.producer.push(topic, body, delay=ms / 1000), 1)[1],
-                      "E_DPUB_FAILED", "DPUB", len(body))
+        self._publish(topic, self._push(topic, body, delay=ms / 1000), "E_DPUB_FAILED", "DPUB", len(body))
 
     async def cmd_mpub(self, cmd):
         topic = cmd.params[0].decode()
         await self._check_auth(topic, None, "publish", "MPUB")
         bodies = cmd.bodies
-        self._publish(topic, lambda: len(self.broker.producer.push_many(topic, bodies)), "E_MPUB_FAILED", "MPUB",
-                      sum(map(len, bodies)))
+        # one transaction, all or none (push_many), in the executor
+        b = self.broker
+        fut = asyncio.get_running_loop().run_in_executor(b.executor, b.producer.push_many, topic, bodies)
+        self._publish(topic, fut, "E_MPUB_FAILED", "MPUB", sum(map(len, bodies)), len(bodies))
 
     async def cmd_pub_ext(self, cmd):
         topic = cmd.params[0].decode()
@@ -624,7 +653,8 @@ class Conn:
         if not await b.is_extend(topic):
             raise nonfatal("E_EXT_NOT_SUPPORT", f"PUB_EXT topic {topic!r} has no extend support")
         headers, body = cmd.ext, cmd.body
-        fut = self._run_publish(lambda: b.producer.push(topic, body, headers=headers or None), len(body))
+        fut = self._push(topic, body, headers=headers or None)
+        self._track_publish(fut, len(body))
 
         async def result():
             try:

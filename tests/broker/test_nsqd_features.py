@@ -211,6 +211,21 @@ def test_output_buffer_flushes_early(shared_broker, topic, rdy, ident):
     assert el < 15, el
 
 
+def test_output_buffer_timeout_off_still_buffers(shared_broker):
+    # As nsqd: output_buffer_timeout -1 alone turns the flush timer off; the 16 KiB buffer
+    # still holds a small message until it fills or the client reaches its RDY
+    c, _ = consumer(shared_broker, "ob5", rdy=10, output_buffer_timeout=-1, heartbeat_interval=30000)
+    time.sleep(0.3)                   # the SUB's first (empty) fetch is under way
+    RawClient(shared_broker.tcp).pub("ob5", b"m" * 100)
+    with pytest.raises(TimeoutError):
+        c.message(timeout=1.5)
+    c.send(b"RDY 1\n")                # one in flight, RDY 1: it can take no more: flushed
+    _ts, _a, mid, body, _ = c.message(timeout=30)
+    assert body == b"m" * 100
+    c.send(b"FIN " + mid + b"\n")
+    c.close()
+
+
 # -- TOUCH cap, REQ / DPUB timeouts ----------------------------------------------------
 
 def test_touch_capped_at_max_msg_timeout(broker_factory):
