@@ -177,7 +177,7 @@ class Supervisor:
                                 break
                     if n >= shards:
                         fold_shard_counters(self.db, ts, sub, tag, n, shards)
-        config = reshard_finish(self.db, ts)
+        config = reshard_finish(self.db, ts, shards)
         if not config.paused:
             self.play(name)
         # as stored now (the play above ended resharding_to)

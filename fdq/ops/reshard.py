@@ -100,7 +100,12 @@ def reshard_chunk(tr, ts: TopicSpace, sub: str, tag: str, old_n: int, area: str,
     or ``CHUNK_WRITE_BYTES`` of them after the key ``after``. Keys keep their
     versionstamp, so each new shard's queue stays in push order per shard key. Returns
     ``(entries read, last key read, done)``: entries that stay put are skipped by the
-    next chunk's ``after``, so a long run of them cannot loop forever."""
+    next chunk's ``after``, so a long run of them cannot loop forever.
+
+    Only while the topic reshards to ``new_shards`` (``_moving_to``): a run overtaken
+    by another moves nothing."""
+    if not _moving_to(tr, ts, new_shards):
+        return ReshardChunk(0, None, True, 0, {})
     src = ts.shard(sub, tag, old_n)
     space = getattr(src, area)
     r = space.range()
@@ -174,8 +179,9 @@ def fold_shard_counters(tr, ts: TopicSpace, sub: str, tag: str, old_n: int, new_
     removes (its queues already moved), into shard ``old_n % new_shards``: the
     subscription's stats sum its shards' counters, so its emitted, acked, done... must
     not vanish with the shard (backlog = routed - done stays as it was). Safe to
-    re-run: a folded shard's counters are 0. Returns what it moved."""
-    if old_n < new_shards:
+    re-run: a folded shard's counters are 0. Returns what it moved. Only while the
+    topic reshards to ``new_shards`` (``_moving_to``)."""
+    if old_n < new_shards or not _moving_to(tr, ts, new_shards):
         return {}
     src, dst = ts.shard(sub, tag, old_n), ts.shard(sub, tag, old_n % new_shards)
     values = {name: decode_counter(tr[src.stat(name)]) for name in SHARD_COUNTERS + ("filtered",)}
@@ -186,13 +192,36 @@ def fold_shard_counters(tr, ts: TopicSpace, sub: str, tag: str, old_n: int, new_
     return moved
 
 
+def _moving_to(tr, ts: TopicSpace, shards: int) -> bool:
+    """Whether the topic's queues are being moved to ``shards`` shards (its config read
+    with a conflict); False if another run finished that reshard meanwhile (nothing left
+    to move). Raises ConfigError if another run changed the count meanwhile: moving on
+    by this one would put messages in shards their keys no longer map to (delivered
+    out of their key's order) or in shards that are gone (never delivered)."""
+    config = read_topic_config(tr, ts)
+    if config.resharding_to == shards and resharding(config):
+        return True
+    if config.shards == shards and not resharding(config):
+        return False
+    raise _overtaken(ts, config, shards)
+
+
+def _overtaken(ts: TopicSpace, config: TopicConfig, shards: int) -> ConfigError:
+    return ConfigError(f"topic {ts.name!r} is no longer being resharded to {shards} shards: another rebalance "
+                       f"changed the count meanwhile (it has {config.shards} shards, resharding to "
+                       f"{config.resharding_to}); this run stopped")
+
+
 @transactional
-def reshard_finish(tr, ts: TopicSpace) -> TopicConfig:
+def reshard_finish(tr, ts: TopicSpace, shards: int | None = None) -> TopicConfig:
     """Adopt the new shard count. A playing topic keeps ``resharding_to`` (now equal
     to ``shards``) until ``play_chunk`` has routed what was pushed meanwhile, so pushes
     keep going to the pending area after the older ones; a paused one routes nothing
-    until its play anyway."""
+    until its play anyway. ``shards``: the count the caller moved the queues for; a
+    reshard to another (begun by another run meanwhile) is not finished (ConfigError)."""
     config = read_topic_config(tr, ts)
+    if shards is not None and config.resharding_to not in (None, shards):
+        raise _overtaken(ts, config, shards)
     if not resharding(config):
         if config.paused and config.resharding_to is not None:    # paused while draining:
             config = dataclasses.replace(config, resharding_to=None)  # its play routes them
