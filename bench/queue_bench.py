@@ -37,6 +37,10 @@ Cases (100-byte bodies, fresh database per case, each bounded in count and secon
   ``--quick``. The reference in the same run: raw ``sqlite3``, a producer process
   inserting one row per transaction, a consumer process polling every 1 ms (``SELECT``
   what is new, ``DELETE`` it): ``of_raw_p50`` is FDQ's p50 over its.
+  Then each mode at 5,000 msgs/s offered (pushes from 5 producer threads; 4 s, 2 s with
+  ``--quick``): ``pushed_per_s`` (what the producer reached) and ``delivered_per_s``
+  (first to last delivery) say whether the consumer kept up. A consumer or producer process that dies fails the case at once (its others
+  killed), not after the timeouts.
 * ``concurrency`` (issue 23.3): a web service pushing one message per request. In one
   process, one after the other on fresh databases: ``push_many`` of 100 from one thread
   (the reference), 64 threads calling ``push``, 256 asyncio tasks awaiting
@@ -57,6 +61,7 @@ import asyncio
 import itertools
 import multiprocessing as mp
 import os
+import queue
 import random
 import resource
 import shutil
@@ -489,18 +494,30 @@ def bench_pull(url, total, threads, seconds):
 
 # -- end-to-end latency ---------------------------------------------------------------
 
-def _latency_producer(url, rate, seconds):
+def _latency_producer(url, rate, seconds, out):
+    """``rate`` single pushes a second, paced: from one thread per 1,000/s (one thread's
+    blocking pushes reach ~3,000/s here; threads share commits), each its share of the
+    schedule."""
     db = fdq.connect(url)
     p = fdq.Producer(db)
     interval = 1.0 / rate
-    t0 = time.monotonic()
     n = int(rate * seconds)
-    for i in range(n):
-        target = t0 + i * interval
-        now = time.monotonic()
-        if target > now:
-            time.sleep(target - now)
-        p.push("lat", time.monotonic_ns().to_bytes(8, "big") + BODY, shard_key=f"k{i % 64}")
+    threads = max(1, -(-rate // 1000))
+    t0 = time.monotonic()
+
+    def run(first):
+        for i in range(first, n, threads):
+            target = t0 + i * interval
+            now = time.monotonic()
+            if target > now:
+                time.sleep(target - now)
+            p.push("lat", time.monotonic_ns().to_bytes(8, "big") + BODY, shard_key=f"k{i % 64}")
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    out.put(n / (time.monotonic() - t0))     # the rate it reached
 
 
 def _count_retries() -> list:
@@ -524,8 +541,12 @@ def _latency_consumer(url, n, seconds, ready, out, mode):
     lat = []
     done = threading.Event()
 
+    span = []   # the first and last delivery's time
+
     def record(m):
-        lat.append((time.monotonic_ns() - int.from_bytes(m.body[:8], "big")) / 1e6)
+        now = time.monotonic_ns()
+        lat.append((now - int.from_bytes(m.body[:8], "big")) / 1e6)
+        span[1:] = [now]
         if len(lat) >= n:
             done.set()
     if mode == "exactly_once":
@@ -540,25 +561,64 @@ def _latency_consumer(url, n, seconds, ready, out, mode):
     cpu = time.process_time() - cpu0
     commits, read_only, retried = COMMITS[0] - c0, READ_ONLY_COMMITS[0] - r0, retries[0] - e0
     c.shutdown()
-    out.put((lat, cpu, commits, read_only, retried))
+    rate = (len(lat) - 1) / ((span[-1] - span[0]) / 1e9) if len(span) == 2 and span[1] > span[0] else 0.0
+    out.put((lat, cpu, commits, read_only, retried, rate))
+
+
+def _await(what: str, ready, procs: list, timeout: float):
+    """Wait up to ``timeout`` s for ``ready`` (an Event: wait; a Queue: its item),
+    failing as soon as one of ``procs`` exits without it (a consumer that died at
+    start made the caller wait out every timeout, ~3 min) -> the item or None."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if hasattr(ready, "get"):
+            try:
+                return ready.get(timeout=0.2)
+            except queue.Empty:
+                pass
+        elif ready.wait(0.2):
+            return None
+        dead = [p for p in procs if p.exitcode not in (None, 0)]
+        if dead:
+            raise RuntimeError(f"{what}: {dead[0].name} exited with code {dead[0].exitcode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not done in {timeout:.0f} s")
+
+
+def _reap(procs: list, failed: bool):
+    """The case's processes: joined (they end on their own once the result is in), or,
+    after an error, killed at once."""
+    for p in procs:
+        if not failed:
+            p.join(30)
+        if p.is_alive():
+            p.kill()
+        p.join(10)
 
 
 def bench_latency(url, rate, seconds, mode="at_least_once"):
     fdq.Supervisor(fdq.connect(url)).create_topic("lat", shards=SHARDS)
     ctx = mp.get_context("spawn")
-    q, ready = ctx.Queue(), ctx.Event()
+    q, pq, ready = ctx.Queue(), ctx.Queue(), ctx.Event()
     n = int(rate * seconds)
-    cons = ctx.Process(target=_latency_consumer, args=(url, n, seconds + 60, ready, q, mode))
-    cons.start()
-    ready.wait(60)
-    prod = ctx.Process(target=_latency_producer, args=(url, rate, seconds))
-    prod.start()
-    lat, cpu, commits, read_only, retried = q.get(timeout=seconds + 120)
-    prod.join(30)
-    cons.join(30)
+    cons = ctx.Process(target=_latency_consumer, args=(url, n, seconds + 60, ready, q, mode), name="consumer")
+    prod = ctx.Process(target=_latency_producer, args=(url, rate, seconds, pq), name="producer")
+    procs = [cons]
+    try:
+        cons.start()
+        _await("latency consumer start", ready, procs, 60)
+        prod.start()
+        procs.append(prod)
+        lat, cpu, commits, read_only, retried, rate_in = _await("latency run", q, procs, seconds + 120)
+        pushed_per_s = _await("latency producer", pq, procs, 30)
+    except BaseException:
+        _reap(procs, True)
+        raise
+    _reap(procs, False)
     k = max(len(lat), 1)
     return {"p50_ms": pct(lat, .5), "p99_ms": pct(lat, .99), "max_ms": max(lat) if lat else float("nan"),
-            "delivered": len(lat), "pushed": n, "consumer_cpu_ms_per_msg": cpu * 1000 / k,
+            "delivered": len(lat), "pushed": n, "pushed_per_s": pushed_per_s, "delivered_per_s": rate_in,
+            "consumer_cpu_ms_per_msg": cpu * 1000 / k,
             "tx_per_msg": commits / k, "read_only_tx_per_msg": read_only / k, "retries_per_msg": retried / k}
 
 
@@ -603,14 +663,19 @@ def bench_latency_raw(path, rate, seconds):
     ctx = mp.get_context("spawn")
     q, ready = ctx.Queue(), ctx.Event()
     n = int(rate * seconds)
-    cons = ctx.Process(target=_raw_poll_consumer, args=(path, n, seconds + 60, ready, q))
-    cons.start()
-    ready.wait(60)
-    prod = ctx.Process(target=_raw_poll_producer, args=(path, rate, seconds))
-    prod.start()
-    lat, cpu = q.get(timeout=seconds + 120)
-    prod.join(30)
-    cons.join(30)
+    cons = ctx.Process(target=_raw_poll_consumer, args=(path, n, seconds + 60, ready, q), name="consumer")
+    prod = ctx.Process(target=_raw_poll_producer, args=(path, rate, seconds), name="producer")
+    procs = [cons]
+    try:
+        cons.start()
+        _await("raw latency consumer start", ready, procs, 60)
+        prod.start()
+        procs.append(prod)
+        lat, cpu = _await("raw latency run", q, procs, seconds + 120)
+    except BaseException:
+        _reap(procs, True)
+        raise
+    _reap(procs, False)
     return {"p50_ms": pct(lat, .5), "p99_ms": pct(lat, .99), "max_ms": max(lat) if lat else float("nan"),
             "delivered": len(lat), "pushed": n, "consumer_cpu_ms_per_msg": cpu * 1000 / max(len(lat), 1)}
 
@@ -737,6 +802,10 @@ def main(argv=None):
                     r["of_raw_p50"] = r["p50_ms"] / raw["p50_ms"]
                     row(f"end-to-end at 1,000 msgs/s, {mode.replace('_', '-')}, default config" + run, r,
                         "p50 ≤ 2× raw, p99 ≤ 10 ms, CPU ≤ 0.25 ms/msg")
+            for mode in ("at_least_once", "exactly_once"):
+                # the consumer keeps up at 5x the rate (issue 23.1): delivered_per_s ~5,000
+                row(f"end-to-end at 5,000 msgs/s offered, {mode.replace('_', '-')}, default config",
+                    bench_latency(url(), 5000, 2 if q else 4, mode), "keeps up, p99 ≤ 20 ms")
         if "concurrency" in cases:
             ref = bench_conc_push_many(url(), secs)
             row("concurrency: push_many of 100, 1 thread (reference)", ref)
@@ -767,7 +836,7 @@ def main(argv=None):
     if raw8 and threads:
         threads["of_raw"] = threads["msgs_per_s"] / raw8["msgs_per_s"]
         threads["of_raw_cpu"] = threads["msgs_per_cpu_s"] / raw8["msgs_per_cpu_s"]
-    cols = ["case", "msgs_per_s", "msgs_per_cpu_s", "p50_ms", "p99_ms", "consumer_cpu_ms_per_msg", "tx_per_msg",
+    cols = ["case", "msgs_per_s", "msgs_per_cpu_s", "p50_ms", "p99_ms", "pushed_per_s", "delivered_per_s", "consumer_cpu_ms_per_msg", "tx_per_msg",
             "read_only_tx_per_msg", "retries_per_msg", "msgs_per_commit", "of_push_many", "of_push_many_cpu",
             "of_raw_p50",
             "of_raw", "of_raw_cpu", "takeover_s", "drained_s", "delivered", "target"]

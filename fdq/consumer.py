@@ -95,36 +95,23 @@ def check_messages_args(batch, timeout):
         raise ConfigError(f"timeout must be None or a number of seconds >= 0, not {timeout!r:.80}")
 
 
-def _raw(value):
-    """A read's value as bytes, or None if absent."""
-    return bytes(value) if value.present() else None
-
-
 class ShardTake:
     """One shard's part of a lease round (``Consumer._lease_many``).
 
     ``taken``: what the round took from it ([Taken]; None: the round's limit left it
     out, visited next round). ``drained``: fewer than asked, no selection in the way: not
     visited again until its watch fires. A drained shard's ``watch_key`` (its ``routed``
-    counter; None if it has a watch already, or is out of watches) gets a ``watch``: set
-    in the lease transaction's first attempt (or any that took nothing), else after its
-    commit by ``_arm``, which compares the counter with ``seen``, the value the lease
-    transaction read."""
+    counter; None if it has a watch already, or is out of watches) gets a ``watch``, set
+    in the lease transaction."""
 
-    __slots__ = ("shard_id", "taken", "drained", "watch_key", "seen", "watch")
+    __slots__ = ("shard_id", "taken", "drained", "watch_key", "watch")
 
     def __init__(self, shard_id):
         self.shard_id = shard_id
         self.taken = None
         self.drained = False
         self.watch_key = None
-        self.seen = None
         self.watch = None
-
-    @property
-    def armed(self) -> bool:
-        """No watch left to set (``_arm``)."""
-        return self.watch_key is None or self.watch is not None
 
 
 class LeaseRound:
@@ -201,7 +188,6 @@ class Consumer:
         self._watches = {}           # (tag, n) -> watch future on the shard's "routed" counter
         self._assign_watch = None    # watch on the subscription's assignment counter (``_refresh_owned``)
         self._unwatched = set()      # shards whose watch hit the watch limit: polled for now
-        self._unarmed = []           # a round's watches still to set (``_lease_many(defer_arm=True)``)
         # ((tag, n), 12-byte vs) -> [lease_id, touches, since, ack_wait_s, record key, handed
         # (``_lease_many``)]; bytes, not the Versionstamp: its hash is Python code, two per
         # message on the hot path
@@ -484,7 +470,7 @@ class Consumer:
             return self._lease_prefix + self._lease_seq.to_bytes(8, "big")
 
     def _lease_many(self, shards, limit: int, ack_wait_s: float | None = None, take: bool = False,
-                    settlements: list = (), defer_arm: bool = False, handed: bool = False) -> list:
+                    settlements: list = (), handed: bool = False) -> list:
         """Lease (or, with ack policy "none", take) up to ``limit`` messages from
         ``shards`` [(shard_id, epoch)], in that order, in ONE transaction: a transaction
         per shard made the worker's round cost a commit per dirty shard, which bounded
@@ -495,24 +481,17 @@ class Consumer:
         did not reach, is visited again next round. A shard no longer ours is skipped
         (its fence read raised before any write) and ownership re-read.
 
-        Watches: a watch counts as a read of the shard's ``routed`` counter, which every
-        push to the shard changes: in a transaction that writes, a push committed
-        meanwhile would make it conflict and wait the engine's retry backoff. So only
-        a round that writes nothing sets its watches itself; one that leased or
-        settled reads the counter by snapshot and leaves them to ``_arm`` after the
-        commit, in a read-only transaction: a shard whose counter moved between the
-        two read versions (a push this transaction did not see) is visited again.
-        Pushes never abort a lease round.
+        Watches: set in this transaction, on the shard's ``routed`` counter, which every
+        push to the shard adds to without a write conflict range (``push.add_routed``):
+        a push committed meanwhile does not abort the round (a watch is a read with a
+        conflict range), and fires the watch (its value differs from the baseline this
+        transaction read). One transaction per round (watches used to be set after the
+        commit in a read-only one).
 
         ``settlements`` [Settlement] (the previous round's, see
         ``TailConsumer._process_at_least_once``) commit first in the same transaction: one
         commit per round. A lease lost among them is reported (``on_error``), not raised:
         this round's messages are leased and handed over.
-
-        ``defer_arm``: leave ``_arm``'s transaction to the caller (``_arm_pending``, after
-        the handlers ran and before the next round or an idle wait), so the round's
-        messages reach the handler without waiting for it; a push it detects is then
-        found by the next round just the same.
 
         ``handed``: the messages go to the application as they are (``fetch``): each is
         an attempt, and one left unsettled at ``close()`` is nak'd; otherwise (a tail's
@@ -573,21 +552,9 @@ class Consumer:
                 rnd.mark = lease_id + attempt.number.to_bytes(4, "big")
                 queue.mark_take(tr, self._ts, self.subscription, self.id, rnd.mark)
             rnd.took = left < limit
-            # A watch is a read of ``routed`` (FDB's too: a conflict range), which every
-            # push to the shard changes: in a transaction that writes, a push meanwhile
-            # aborts it (~3% of rounds at 1,000 msgs/s), and the retry waits the
-            # engine's backoff (up to 10 ms: the p99). Only a read-only round (it took
-            # nothing and settles nothing: it cannot conflict) sets them itself; one
-            # that writes leaves them to ``_arm``, which compares the counter with
-            # what this one saw.
-            here = not rnd.took and not rows
             for part in rnd.parts:
-                if part.watch_key is None:
-                    continue
-                if here:
+                if part.watch_key is not None:
                     part.watch = tr.watch(part.watch_key)
-                else:                   # the counter as this transaction saw it (snapshot: no conflict)
-                    part.seen = _raw(tr.snapshot[part.watch_key])
             return rnd
 
         def committed(rnd: LeaseRound) -> bool:
@@ -615,17 +582,12 @@ class Consumer:
             if error is not None:
                 self._report(error)
         self._rr_after = next((t.shard_id for t in reversed(rnd.parts) if t.taken is not None), self._rr_after)
-        if not defer_arm:
-            self._arm(rnd.parts)
         out = []
         now = _monotonic()
         for part in rnd.parts:
-            if part.armed:
-                self._keep_watch(part.shard_id, part.watch)
-                if not part.drained:
-                    self._mark(part.shard_id)
-            else:       # the watch is left to ``_arm_pending``
-                self._unarmed.append(part)
+            self._keep_watch(part.shard_id, part.watch)
+            if not part.drained:
+                self._mark(part.shard_id)
             taken = part.taken
             if not taken:
                 continue
@@ -638,45 +600,6 @@ class Consumer:
         if rnd.lost:
             self._refresh_owned()
         return out
-
-    def _arm(self, parts: list):
-        """``_lease_many``'s watches for a transaction that took messages: set in a
-        read-only transaction; a shard whose ``routed`` counter differs from what the
-        leasing transaction saw got a push it did not see: it is marked not drained.
-        If this fails, every such shard is visited again (no watch): one attempt, not
-        retried (a failed one costs those shards a visit)."""
-        pending = [t for t in parts if not t.armed]
-        if not pending:
-            return
-
-        def body(tr, _attempt):
-            return [(t, tr.watch(t.watch_key), _raw(tr.snapshot[t.watch_key])) for t in pending]
-
-        def give_up(e, _attempt):
-            return Done(None) if isinstance(e, error_types()) else None
-
-        armed = transact(self.db, body, on_error=give_up)
-        if armed is None:
-            for t in pending:
-                t.watch_key = None
-                t.drained = False
-            return
-        for t, watch, now in armed:
-            t.watch = watch
-            t.drained = now == t.seen
-
-    def _arm_pending(self):
-        """Set the watches a ``_lease_many(defer_arm=True)`` round left (see ``_arm``)."""
-        if not self._unarmed:
-            return
-        pending, self._unarmed = self._unarmed, []
-        with self._owned_lock:      # a shard lost meanwhile needs no watch
-            pending = [t for t in pending if t.shard_id in self._owned]
-        self._arm(pending)
-        for part in pending:
-            self._keep_watch(part.shard_id, part.watch)
-            if not part.drained:
-                self._mark(part.shard_id)
 
     def _watch_key(self, shard_id):
         w = self._watches.get(shard_id)

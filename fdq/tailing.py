@@ -24,7 +24,7 @@ from concurrent.futures import CancelledError, ThreadPoolExecutor
 
 from . import hooks
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig
-from .consumer import AT_LEAST_ONCE, AT_MOST_ONCE, EXACTLY_ONCE, Consumer, ShardTake, _raw
+from .consumer import AT_LEAST_ONCE, AT_MOST_ONCE, EXACTLY_ONCE, Consumer
 from .engine import Again, Done, after_interrupt, error_types, transact
 from .errors import ConfigError, EngineError, LeaseLost
 from .message import _to_message
@@ -47,8 +47,8 @@ CLOSE_POLL_S = 0.05
 class _OnceAttempt:
     """The attempt of ``TailConsumer._process_exactly_once``'s transaction under way: what
     it took, the message whose handler runs (None between them; ``message``: as the
-    handler got it), whether it ``drained`` the shard and its ``watch`` (a ``ShardTake``:
-    a drained shard is watched, not visited again until the watch fires)."""
+    handler got it), whether it ``drained`` the shard and its ``watch`` (a drained shard
+    is watched, not visited again until the watch fires)."""
 
     __slots__ = ("taken", "current", "message", "watch", "in_batch", "drained")
 
@@ -182,31 +182,26 @@ class TailConsumer(Consumer):
     def _process_at_most_once(self, shards) -> int:
         # After commit_unknown_result: if the take's attempt marker is there, our commit
         # took the batch: hand it over (else it would be lost unhandled), shards moved or not.
-        defer = self._pool is None
-        msgs = self._lease_many(shards, self.batch_size, take=True, defer_arm=defer)
-        try:
-            if self.batch and msgs:
-                try:
-                    self._call_batch(list(msgs))
-                except Exception as e:  # at most once: the messages are gone either way
-                    self._report(e, msgs[0])
-            for m in (msgs if not self.batch else ()):
-                call = hooks.begin_handle(m) if hooks.active else None
-                error = None
-                try:
-                    self.handler(m)
-                except Exception as e:  # at most once: the message is gone either way
-                    error = e
-                    self._report(e, m)
-                except BaseException as e:
-                    error = e
-                    raise
-                finally:
-                    if call is not None:
-                        call.end(error)
-        finally:
-            if defer:
-                self._arm_pending()
+        msgs = self._lease_many(shards, self.batch_size, take=True)
+        if self.batch and msgs:
+            try:
+                self._call_batch(list(msgs))
+            except Exception as e:  # at most once: the messages are gone either way
+                self._report(e, msgs[0])
+        for m in (msgs if not self.batch else ()):
+            call = hooks.begin_handle(m) if hooks.active else None
+            error = None
+            try:
+                self.handler(m)
+            except Exception as e:  # at most once: the message is gone either way
+                error = e
+                self._report(e, m)
+            except BaseException as e:
+                error = e
+                raise
+            finally:
+                if call is not None:
+                    call.end(error)
         return len(msgs)
 
     def _process_at_least_once(self, shards) -> int:
@@ -222,9 +217,8 @@ class TailConsumer(Consumer):
         commit at once. A round that runs past half its ack wait is kept leased
         (``_Round``); ``shutdown()`` gives back what no handler got yet."""
         carried, self._carried = self._carried, []
-        defer = self._pool is None
         try:
-            msgs = self._lease_round(shards, carried, defer)
+            msgs = self._lease_round(shards, carried)
         except BaseException:
             after_interrupt()
             self._carried = carried + self._carried    # not committed: settle them later
@@ -265,8 +259,6 @@ class TailConsumer(Consumer):
                 m._deferred = None
         finally:
             pending = self._end_round(pending)
-            if defer:
-                self._arm_pending()
         if self._pool is None and not self._stop.is_set():
             self._carried = pending
             return len(msgs)
@@ -276,13 +268,12 @@ class TailConsumer(Consumer):
             self._report(e)
         return len(msgs)
 
-    def _lease_round(self, shards, carried, defer) -> list | None:
+    def _lease_round(self, shards, carried) -> list | None:
         """``_lease_many`` for a round, known to ``close()`` as a fetch is
         (``Consumer._tracked``): a close that stops waiting for this thread (a second
         signal's ``close(0)``) still waits for a lease under way, so it returns those
         leases too, and none begins once the consumer closes (None)."""
-        return self._tracked(None, self._lease_many, shards, self.batch_size, settlements=carried,
-                             defer_arm=defer)
+        return self._tracked(None, self._lease_many, shards, self.batch_size, settlements=carried)
 
     def _call_batch(self, msgs: list, tr=None):
         """The batch handler on ``msgs`` (exactly once: with ``tr``), inside the hooks'
@@ -373,13 +364,9 @@ class TailConsumer(Consumer):
             taken = run.taken
             run.drained = not taken.more and (not taken or (self._sel is None and len(taken) < limit))
             key = self._watch_key(shard_id) if run.drained else None
-            if key is not None:
-                run.watch = ShardTake(shard_id)
-                run.watch.watch_key, run.watch.drained = key, True
-                if taken:   # a watch would conflict with every push meanwhile (and run the handlers again)
-                    run.watch.seen = _raw(tr.snapshot[key])
-                else:       # read-only: the watch cannot abort it
-                    run.watch.watch = tr.watch(key)
+            # A push meanwhile neither aborts this transaction (it adds to ``routed``
+            # without a write conflict range) nor runs the handlers again; it fires the watch.
+            run.watch = tr.watch(key) if key is not None else None
             return len(taken) or int(taken.more)    # (more: dead letters moved, not drained)
 
         def on_error(e, attempt):
@@ -424,11 +411,7 @@ class TailConsumer(Consumer):
             self._mark(shard_id)
             return 1
         watched = run.drained
-        if run.watch is not None:
-            # Drained after taking: watched by ``_arm`` (no visit again only to set it).
-            self._arm([run.watch])
-            self._keep_watch(shard_id, run.watch.watch)
-            watched = run.watch.drained
+        self._keep_watch(shard_id, run.watch)
         if failed is not None:      # its attempt, not run again (once per attempt)
             self._fail_head(shard, epoch, *failed)
             n += 1

@@ -103,7 +103,7 @@ def _consumer_proc(url, n, seconds, ready, out, switch_interval):
         return r
     _c.Consumer._idle = _idle
     for cls, name in ((Member, "check_leases"), (Member, "tick_clock"), (Member, "observe_peers"),
-                      (_c.Consumer, "_refresh_owned"), (Member, "observe_subscriptions"), (_c.Consumer, "_arm"),
+                      (_c.Consumer, "_refresh_owned"), (Member, "observe_subscriptions"),
                       (_c.Consumer, "settle")):
         fn = getattr(cls, name)
         def mk(fn, name):

@@ -78,8 +78,7 @@ def _rounds(c, owned, keys, p, k, rounds, stmts=None):
         t = time.thread_time_ns()
         if stmts is not None:
             stmts.on = True
-        out = c._lease_many(shards, 100, settlements=carried, defer_arm=True)
-        c._arm_pending()
+        out = c._lease_many(shards, 100, settlements=carried)
         if stmts is not None:
             stmts.on = False
         cpu += time.thread_time_ns() - t

@@ -83,7 +83,7 @@ class _Batch:
     """What one push transaction keeps across its messages (the full path's state)."""
 
     __slots__ = ("ks", "now_ms", "minute", "time_index", "rv", "clock", "due_base", "batch_ids", "counters",
-                 "pushed", "tags")
+                 "routed", "pushed", "tags")
 
     def __init__(self, ks: Keyspace, now_ms: int, time_index: dict):
         self.ks, self.now_ms, self.time_index = ks, now_ms, time_index
@@ -92,6 +92,7 @@ class _Batch:
         self.clock, self.due_base = {}, {}  # topic -> its clock's reading, due base (delays, TTLs): read once
         self.batch_ids = {}
         self.counters = defaultdict(int)
+        self.routed = defaultdict(int)      # the shards' routed counters (``add_routed``)
         # topic -> its push counters' amounts (PUSH_COUNTERS: inserted, routed,
         # inserted_bytes, log_bytes), added as one packed operand
         self.pushed = defaultdict(lambda: [0, 0, 0, 0])
@@ -182,10 +183,10 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
             results.append((topic, uv, n, None))
             continue
         results.append(_push_full(tr, b, plan, topic, env, uv, n))
-    counters, pushed = b.counters, b.pushed
+    counters, routed, pushed = b.counters, b.routed, b.pushed
     for (plan, n), (count, record_bytes, body_bytes) in plain.items():
         for key in plan.counter_keys(n):
-            counters[key] += count
+            routed[key] += count
         sums = pushed[plan.ts.name]
         sums[0] += count
         sums[1] += count
@@ -193,6 +194,8 @@ def push_batch(tr, ks: Keyspace, items: list, txid: bytes, spread: int, auto_cre
         sums[3] += record_bytes + count * plan.log_key_bytes(n)
     for key, amount in counters.items():
         tr.add(key, counter(amount))
+    for key, amount in routed.items():
+        add_routed(tr, key, amount)
     # the topic's push counters: one part per transaction (by its txid, as its marker's
     # index), one packed add for the four
     part = index_part(txid)
@@ -289,7 +292,7 @@ def _push_full(tr, b: _Batch, plan, topic: str, env, uv: int, n: int) -> tuple:
         b.tags.add((topic, tag))
         _note_tag(tr, ts, tag)
     if config.routing:
-        route_message(tr, ts, config, tag, n, uv, record, chunks, due, counters, rec)
+        route_message(tr, ts, config, tag, n, uv, record, chunks, due, counters, rec, b.routed)
         sums[1] += 1
     else:
         tr.set_versionstamped_key(ts.pending_vs_key(n, uv), encode_pending(n))
@@ -384,12 +387,29 @@ def _push_plan(ts: TopicSpace, config: TopicConfig) -> _PushPlan:
     return plan
 
 
+def add_routed(tr, key: bytes, amount: int):
+    """A push's add to a shard's ``routed`` counter, with no write conflict range: it
+    wakes the shard's watchers (the watch fires on the value) but conflicts with no
+    reader. The counter's readers need no conflict with a push (bench/RESULTS.md):
+    consumers watch it (a lease round watching it in its own transaction conflicted with
+    every push meanwhile), the stats and the backlog check read it by snapshot, and the
+    only non-snapshot reader, ``reshard.fold_shard_counters``, runs while resharding,
+    when pushes route to the pending area, not to shards."""
+    tr.options.set_next_write_no_write_conflict_range()
+    tr.add(key, counter(amount))
+
+
 def route_message(tr, ts: TopicSpace, config: TopicConfig, tag: str, n: int, uv: int,
-                  record: bytes, chunks: list, due: int | None, counters, rec: Record | None = None):
+                  record: bytes, chunks: list, due: int | None, counters, rec: Record | None = None,
+                  routed: dict | None = None):
     """Write one message (user version ``uv`` of this transaction's versionstamp; its
     ``record`` encoded, and as ``rec`` when it has ``chunks``) into every subscription's
     shard queue: ready, or delayed until the topic's clock reaches ``due`` (ms,
-    ``clock.read_clock``). (The topic's ``routed``: the caller's.)"""
+    ``clock.read_clock``). ``routed``: where the shards' routed counts go (the caller
+    adds them with ``add_routed``), else ``counters``. (The topic's ``routed``: the
+    caller's.)"""
+    if routed is None:
+        routed = counters
     for sub in config.subs:
         shard = ts.shard(sub, tag, n)
         if due is None:
@@ -399,7 +419,7 @@ def route_message(tr, ts: TopicSpace, config: TopicConfig, tag: str, n: int, uv:
             counters[shard.stat("delayed")] += 1
         for i, chunk in enumerate(chunks):
             tr.set_versionstamped_key(shard.chunk_vs_key(uv, i, rec), chunk)
-        counters[shard.stat("routed")] += 1   # consumers watch this key
+        routed[shard.stat("routed")] += 1   # consumers watch this key
 
 
 def _config_for_push(tr, ks, ts, auto_create) -> TopicConfig:

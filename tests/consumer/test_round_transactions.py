@@ -1,11 +1,12 @@
 """What a lease round costs and that its watches miss no push.
 
-A round that takes messages commits once; a shard it drained is watched after that
-commit, in a read-only transaction that compares the shard's ``routed`` counter with
-what the round saw (a watch in the leasing transaction would count as a read of that
-counter: every push meanwhile would abort the round, which then waits the engine's
-retry backoff). A push committed while the round runs never aborts it and is never
-left to the sweep. The sweep here is a minute away: only a watch delivers in time."""
+A round that takes messages commits once, and is its only transaction: a shard it
+drained is watched in it, on the shard's ``routed`` counter, which a push adds to
+without a write conflict range (a watch is a read with a conflict range: a push
+meanwhile would otherwise abort the round, which then waits the engine's retry
+backoff, or run an exactly-once handler again). A push committed while the round runs
+never aborts it and is never left to the sweep. The sweep here is a minute away: only a
+watch delivers in time."""
 from __future__ import annotations
 
 import threading
@@ -49,7 +50,7 @@ def _drained_consumer(db):
     return c
 
 
-def test_a_round_that_drains_its_shard_commits_once_and_arms_its_watch_read_only(db):
+def test_a_round_that_drains_its_shard_is_one_transaction_and_sets_its_watch(db):
     fdq.Supervisor(db).create_topic("t", shards=1)
     counting = CountingDatabase(db)
     c = _drained_consumer(counting)
@@ -59,7 +60,7 @@ def test_a_round_that_drains_its_shard_commits_once_and_arms_its_watch_read_only
         before = counting.mine()
         got = c.fetch(10, timeout=WAIT_S)     # waits for the watch (a round without work costs none)
         assert [m.body for m in got] == [b"0", b"1", b"2"]
-        assert counting.mine() - before == 2, "a round that leased and drained its shard: its commit and its arm"
+        assert counting.mine() - before == 1, "a round that leased and drained its shard: one transaction"
         c.ack_many(got)
         p.push("t", b"next")        # the watch that round set wakes the next fetch
         assert [m.body for m in c.fetch(10, timeout=WAIT_S)] == [b"next"]
@@ -70,7 +71,7 @@ def test_a_round_that_drains_its_shard_commits_once_and_arms_its_watch_read_only
 def test_a_push_during_the_lease_transaction_neither_aborts_it_nor_is_missed(db, monkeypatch):
     """The push commits after the round's read version and before its commit: the round
     commits at its first attempt (no conflict, no retry backoff), and the push is
-    delivered by the next round (the arm saw the counter move), and so is a push after it."""
+    delivered by the next round (the round's watch fired), and so is a push after it."""
     fdq.Supervisor(db).create_topic("t", shards=1)
     c = _drained_consumer(db)
     p = fdq.Producer(db)
@@ -100,10 +101,9 @@ def test_a_push_during_the_lease_transaction_neither_aborts_it_nor_is_missed(db,
 
 
 def test_a_push_during_an_exactly_once_handler_neither_reruns_it_nor_is_missed(db):
-    """The taking transaction of exactly-once delivery runs the handler: a watch in it
-    would make every push meanwhile abort it and run the handler again. The drained
-    shard is watched after the commit instead, comparing its counter with what the
-    transaction saw: the push is delivered (by that check, not the sweep), once."""
+    """The taking transaction of exactly-once delivery runs the handler and watches
+    the drained shard: a push meanwhile neither aborts it (the handler would run again)
+    nor is missed: it is delivered (by the watch, not the sweep), once."""
     fdq.Supervisor(db).create_topic("t", shards=1)
     p = fdq.Producer(db)
     runs = []

@@ -186,8 +186,9 @@ def test_a_watch_whose_snapshot_missed_a_checked_commit_fires(embedded, monkeypa
 
 @pytest.mark.parametrize("where", ["other database", "this database", "other process"])
 def test_a_watch_registered_without_a_check_fires_on_the_next_commit(embedded, monkeypatch, where):
-    """The registration asked for no check (the thread's last check is no newer than
-    the watch's snapshot): the next commit that changes the key fires it by its signal,
+    """The registration asked for no check (the key's value in the thread's last check
+    is the watch's baseline; the first watch of a key asks for one, the thread has no
+    value for it yet): the next commit that changes the key fires it by its signal,
     whether it comes from another Database, another process, or this Database (whose
     own commits no longer kick the thread while the signal works)."""
     monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
@@ -201,7 +202,7 @@ def test_a_watch_registered_without_a_check_fires_on_the_next_commit(embedded, m
         _settled(mgr)
         f = _watch(embedded.db, k)
         with mgr.cond:
-            assert not mgr.kick     # no check asked for: the path under test
+            assert not mgr.kick or not i    # no check asked for: the path under test
         value = b"v%d" % i
         if where == "other process":
             collect(spawn("set", embedded.url, key=k.hex(), value=value.hex()))
@@ -346,18 +347,71 @@ def test_a_watch_in_another_process_is_woken_by_this_ones_commit(embedded, monke
     assert keep is None or not keep.is_ready()
 
 
+# A write without a write conflict range from another process (a push's add to the
+# ``routed`` counter a consumer watches).
+_CONFLICT_FREE_SET = """
+import sys, fdq
+db = fdq.connect(sys.argv[1], check_format=False)
+tr = db.create_transaction()
+tr.options.set_next_write_no_write_conflict_range()
+tr[bytes.fromhex(sys.argv[2])] = bytes.fromhex(sys.argv[3])
+tr.commit().wait()
+"""
+
+
+@pytest.mark.slow
+def test_a_watch_set_by_a_writing_transaction_fires_for_a_conflict_free_write_it_missed(embedded, monkeypatch):
+    """Another process writes the watched key without a write conflict range after the
+    transaction's read version, and the watch thread checks that commit (its signal
+    consumed); the transaction, which writes, commits (no conflict) and its watch is
+    registered as of its commit version with the older baseline. It must fire: no
+    signal is still to come for that write (a consumer's lease round watching the
+    ``routed`` counter a push adds to so)."""
+    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    if not _signal_works(embedded.db):
+        pytest.skip("no inotify here")
+    keep = _watch(embedded.db, embedded.k(b"keep"))
+    mgr = embedded.db._watches
+    k = embedded.k(b"counter")
+    first = _watch(embedded.db, k)      # the thread knows the key's value, as a consumer's
+    _set(embedded.db, k, b"v")
+    assert wait_ready(first, FIRE_BOUND_S)
+    for i in range(3):
+        _settled(mgr)
+        tr = embedded.db.create_transaction()
+        f = tr.watch(k)
+        tr[embedded.k(b"lease")] = b"%d" % i
+        subprocess.run([sys.executable, "-c", _CONFLICT_FREE_SET, embedded.url, k.hex(), (b"p%d" % i).hex()],
+                       check=True, timeout=60)
+        deadline = time.monotonic() + FIRE_BOUND_S     # the thread checks that commit
+        while time.monotonic() < deadline:
+            with mgr.cond:
+                if mgr.sleeping and not mgr.kick and not mgr.checking \
+                        and mgr.checked_version is not None and mgr.checked_version > tr._rv:
+                    break
+            time.sleep(0.001)
+        else:
+            raise AssertionError("the watch thread did not check the commit")
+        tr.commit().wait()      # no conflict: the write took no conflict range
+        assert wait_ready(f, FIRE_BOUND_S), i
+    assert not keep.is_ready()
+
+
 def test_a_watch_set_by_a_writing_transaction_costs_the_thread_no_check(embedded, monkeypatch):
-    """A watch is a read: a transaction that writes and commits had no commit meanwhile
-    write the watched key, so the watch's baseline holds at its commit version, and the
-    watch is registered as of that version (a consumer's lease round sets its watches
-    so). Registered as of the read version, the transaction's own commit (no signal,
-    no watched key written) made the thread check it again: a wake per round."""
+    """A consumer's lease round sets its watches in its writing transaction: a key the
+    thread checked lately whose value there is the watch's baseline costs no check (the
+    first watch of a key does: the thread has no value for it yet). Registered as of
+    the transaction's read version, its own commit (no signal, no watched key written)
+    made the thread check it again: a wake per round."""
     monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
     if not _signal_works(embedded.db):
         pytest.skip("no inotify here")
     keep = _watch(embedded.db, embedded.k(b"keep"))
     mgr = embedded.db._watches
     k = embedded.k(b"watched")
+    first = _watch(embedded.db, k)     # the thread's first value for the key
+    _set(embedded.db, k, b"first")
+    assert wait_ready(first, FIRE_BOUND_S)
     for i in range(3):
         _settled(mgr)
         checked = mgr.checked_version

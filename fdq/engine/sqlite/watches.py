@@ -13,6 +13,7 @@ import select
 import sqlite3
 import struct
 import threading
+import time
 import weakref
 from typing import TYPE_CHECKING
 
@@ -160,8 +161,10 @@ class _WatchManager:
         self.lingering = False  # the thread waits on ``cond`` with no watch (not on signals)
         self.checking = False   # a check has taken its keys and not yet recorded its version
         self.checked_version = None  # the last commit in the last recorded check's snapshot
-        self.unverified = None  # lowest read version of the watches registered during a check
-        self.unsignaled = None  # the last own commit that sent no signal (``notify_commit``)
+        self.last = {}          # key -> its value in the last recorded check (signals only)
+        self.recent = {}        # key -> when its last watch ended: still checked (``WATCH_LINGER_S``)
+        self.verify = []        # (key, baseline) of the watches registered during a check
+        self.dirty = None       # the last own unsignalled commit that wrote a key of ``last``
         with _registry_lock:
             key = _local_key(self.path)
             managers = _local_managers.get(key)
@@ -170,42 +173,51 @@ class _WatchManager:
             managers.add(self)
 
     def register(self, key: bytes, baseline, future: Future, read_version: int | None = None):
-        """``read_version``: that of the snapshot ``baseline`` was read from, if any.
+        """``read_version``: that of the snapshot ``baseline`` was read from, if any
+        (not relied on: see below).
 
         A new watch must be compared with its key's value after every commit the
         baseline did not see. Those with a commit signal still to come (or queued) wake
         the thread, whose next check takes its keys after this registration: no kick is
         needed for them. The others are those the thread's checks already consumed: a
-        consumed signal is followed by a read that sees its commit, so they are all at
-        most ``checked_version``, and the registration asks for a check (a kick) unless
-        ``checked_version <= read_version`` (the baseline saw them all). While a check
-        is under way (``checking``: it took its keys before this watch and may consume
-        signals of commits the baseline missed) the same test is made when it records
-        its version (``unverified``). A thread lingering with no watch waits on
-        ``cond``, not on signals, and leaves them queued: it is woken (no check asked
-        for) to sleep on them again. Always a check: when the thread polls without
-        signals, before its first check, or without a read version (a baseline from the
-        transaction's own writes alone). The kick a consumer's re-armed watch used to
-        cost (a pipe write, then a check taking the GIL from its worker, ~0.1 ms per
-        lease round) found nothing in the common case."""
+        consumed signal is followed by a read that sees its commit. So the registration
+        compares the baseline with the key's value in the last recorded check (``last``:
+        the thread keeps checking a key for ``WATCH_LINGER_S`` after its last watch
+        ended, as a consumer re-watches the same keys): equal, every commit that changed
+        the key since is still to be signalled and no check is asked for; different, or
+        a key the last check did not read, a check is asked for (a kick). By value, not
+        by version: a watch set in a writing transaction is registered as of its commit
+        version, which a write meanwhile made without a write conflict range
+        (``set_next_write_no_write_conflict_range``: a push's add to the ``routed``
+        counter consumers watch) does not conflict with. While a check is under way
+        (``checking``: it took its keys before this watch and may consume signals of
+        commits the baseline missed) the same comparison is made with that check's values
+        when it records them (``verify``). An own commit that sent no signal and wrote a
+        key of ``last`` (``notify_commit``: ``dirty``) makes ``last`` stale until a
+        check newer than it. A thread lingering with no watch waits on ``cond``, not on
+        signals, and leaves them queued: it is woken (no check asked for) to sleep on
+        them again. Always a check: when the thread polls without signals or before its
+        first check. The kick a consumer's re-armed watch used to cost (a pipe write,
+        then a check taking the GIL from its worker, ~0.1 ms per lease round) found
+        nothing in the common case."""
         with self.cond:
             self.watches.setdefault(key, []).append((baseline, future))
             self.count += 1
             future._on_cancel = functools.partial(self._cancelled, key)
             if self.thread is None:
                 self.checking = self.lingering = False
-                self.checked_version = self.unverified = None
+                self.checked_version = self.dirty = None
+                self.last, self.recent, self.verify = {}, {}, []
                 self.thread = threading.Thread(target=self._run, name="fdq-watches", daemon=True)
                 self.thread.start()
-            elif read_version is None or self.poke_w is None or self.checked_version is None:
+            elif self.poke_w is None or self.checked_version is None:
                 pass
-            elif self.unsignaled is not None and self.unsignaled > read_version:
-                pass    # a commit of this process the baseline missed sent no signal
             elif self.checking:
-                if self.unverified is None or read_version < self.unverified:
-                    self.unverified = read_version
+                self.verify.append((key, baseline))
                 return
-            elif self.checked_version <= read_version:
+            elif self.dirty is not None and self.dirty > self.checked_version:
+                pass    # an own commit after the last check wrote a key of it and sent no signal
+            elif key in self.last and self.last[key] == baseline:
                 if self.lingering:
                     self.cond.notify()
                 return
@@ -229,8 +241,9 @@ class _WatchManager:
         Polling (or before the thread sleeps on signals): a kick saves the poll
         interval. Signalled: the signal wakes the thread (a kick as well was a second
         check). Not signalled (no other process watches): the thread is kicked only if
-        ``tr`` wrote one of its keys, and the version is kept for ``register``: a watch
-        whose baseline missed this commit is checked (no signal is to come for it)."""
+        ``tr`` wrote one of its watched keys, and if it wrote a key of the last check
+        (``last``) the version is kept for ``register`` (``dirty``): a watch whose
+        baseline missed this commit is checked (no signal is to come for it)."""
         if signalled and self.poke_w is not None:
             return
         with self.cond:
@@ -238,8 +251,8 @@ class _WatchManager:
                 if self.count:
                     self._kick()
                 return
-            if self.unsignaled is None or version > self.unsignaled:
-                self.unsignaled = version
+            if self.last and (self.dirty is None or version > self.dirty) and tr._writes_any(self.last):
+                self.dirty = version
             if self.count and tr._writes_any(self.watches):
                 self._kick()
 
@@ -320,6 +333,13 @@ class _WatchManager:
                     self.sleeping = False
                     kicked, self.kick = self.kick, False
                     keys = list(self.watches)
+                    if self.recent:     # keys watched lately: their values for ``register``
+                        expired = time.monotonic() - WATCH_LINGER_S
+                        for key, since in list(self.recent.items()):
+                            if since < expired or key in self.watches:
+                                del self.recent[key]
+                            else:
+                                keys.append(key)
                     self.checking = signal is not None
                 if signal is None:  # polling: most polls find no commit
                     dv = conn.execute("PRAGMA data_version").fetchone()[0]
@@ -346,14 +366,18 @@ class _WatchManager:
                         version = row[0]
                     current.update(zip(chunk, row[1:]))
                 fired = []
+                ended = time.monotonic()
                 with self.cond:
                     if self.checking:
                         self.checked_version = version
                         self.checking = False
-                        if self.unverified is not None:     # see register
-                            if version is None or version > self.unverified:
+                        self.last = current
+                        if self.verify:     # see register
+                            stale = version is None or (self.dirty is not None and self.dirty > version)
+                            if stale or any(key not in current or current[key] != baseline
+                                            for key, baseline in self.verify):
                                 self.kick = True
-                            self.unverified = None
+                            self.verify = []
                     watches = self.watches
                     for key in keys:
                         lst = watches.get(key)
@@ -369,6 +393,7 @@ class _WatchManager:
                             self.watches[key] = keep
                         else:
                             del self.watches[key]
+                            self.recent[key] = ended
                 for f in fired:
                     f._resolve(None)
         except sqlite3.Error as e:
