@@ -16,8 +16,7 @@ import msgpack
 
 from ...errors import EngineError, is_retryable
 from ..futures import Future, VersionstampFuture
-from .mutations import (_ADD_UPSERT, _ATOMIC_OPS, _ATOMIC_UPSERT, _CLEAR, _SET, _apply_ops, _merge_ranges,
-                        _overlaps)
+from .mutations import _ATOMIC_OPS, _CLEAR, _SET, _apply_ops, _merge_ranges, _overlaps
 from .store import (CHECKPOINT_BYTES, CHECKPOINT_EVERY, MVCC_WINDOW_VERSIONS, RECOVERY_JUMP_VERSIONS, _LAST_VERSION,
                     _clock, _flock, _sleep, _version_at, sqlite_error)
 from .watches import _managers_of
@@ -25,26 +24,41 @@ from .watches import _managers_of
 # States in which every use of a transaction fails with one error until reset().
 _CLOSED_STATE_ERRORS = {"cancelled": 1025, "timed_out": 1031}
 
+def _chunks(n: int):
+    """``(start, size)`` pieces of n rows for multi-row statements: whole chunks of 64,
+    then of 8, then one of the rest (1..7), so a connection caches at most 9 texts of a
+    statement and a commit of n rows runs ~n/64 + 8 statements, not n."""
+    i = 0
+    for size in (64, 8):
+        while n - i >= size:
+            yield i, size
+            i += size
+    if i < n:
+        yield i, n - i
+
+
 def _upsert(w, rows: list):
     """Write ``rows`` [(key, value)] in order (a later row of a key replaces an earlier
-    one), in multi-row statements where they fill one."""
-    i, n = 0, len(rows)
-    for size in _UPSERT_SIZES:
-        if n - i >= size:
-            sql = _UPSERT_ROWS[size]
-            while n - i >= size:
-                w.execute(sql, list(chain.from_iterable(rows[i:i + size])))
-                i += size
-    if i < n:
-        w.executemany(_UPSERT, rows[i:] if i else rows)
+    one) in multi-row statements (``_chunks``)."""
+    if len(rows) == 1:
+        w.execute(_UPSERT_ROWS[1], rows[0])
+        return
+    for i, size in _chunks(len(rows)):
+        w.execute(_UPSERT_ROWS[size], list(chain.from_iterable(rows[i:i + size])))
 
 
-_UPSERT = "INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)"
-# Rows per multi-row upsert (_upsert): one statement of n rows costs less than n runs of
-# _UPSERT; two sizes keep the connection's statement cache small.
-_UPSERT_SIZES = (64, 8)
-_UPSERT_ROWS = {n: "INSERT OR REPLACE INTO kv (key, value) VALUES " + ", ".join(["(?, ?)"] * n)
-                for n in _UPSERT_SIZES}
+def _stored_values(w, keys: list) -> dict:
+    """The stored values of ``keys`` (absent keys left out), read inside the commit's
+    write transaction: the base values of its atomic ops."""
+    values = {}
+    for i, size in _chunks(len(keys)):
+        values.update(w.execute(_SELECT_KEYS[size], keys[i:i + size]))
+    return values
+
+
+_SIZES = (64, *range(1, 9))
+_UPSERT_ROWS = {n: "INSERT OR REPLACE INTO kv (key, value) VALUES " + ", ".join(["(?, ?)"] * n) for n in _SIZES}
+_SELECT_KEYS = {n: "SELECT key, value FROM kv WHERE key IN (" + ", ".join(["?"] * n) + ")" for n in _SIZES}
 
 
 _local = threading.local()
@@ -80,7 +94,8 @@ class _Commit:
         return Future.ready(None)
 
     def _commit(self):
-        self._check_use()
+        if self._state != "open" or self._deferred is not None or self._timeout_ms:
+            self._check_use()
         self._state = "committing"
         read_only = not self._writes and not self._clears and not self._vs_keys and not self._write_ranges
         if read_only:
@@ -97,7 +112,8 @@ class _Commit:
                 raise EngineError(2101, f"Transaction exceeds byte limit ({self._size_limit:,} bytes; "
                                         f"this one is ~{size:,})")
             db = self.db
-            if db._fault():
+            faults = db._fault_p
+            if faults and db._fault():
                 # 1021 here: a commit_unknown_result that did not apply (the other
                 # kind, after a real commit, is below): on FDB it may be either.
                 raise EngineError(db._rng.choice((1020, 1020, 1007, 1037, 1021, 1021)))
@@ -106,8 +122,9 @@ class _Commit:
             if has_reads and self._rv is None:
                 self._ensure_snapshot()
             rv = self._rv
-            self._release()
-            jump = db._fault(0.05)
+            if self._conn is not None:
+                self._release()
+            jump = faults and db._fault(0.05)
             until = self._created + self._timeout_ms / 1000 if self._timeout_ms else None
             lock = store.write_lock
             if until is None:
@@ -117,7 +134,10 @@ class _Commit:
             try:
                 store.begin_immediate(until)
                 try:
-                    _flock(store.writer_fd, fcntl.LOCK_EX, until)
+                    if until is None:
+                        fcntl.flock(store.writer_fd, fcntl.LOCK_EX)
+                    else:
+                        _flock(store.writer_fd, fcntl.LOCK_EX, until)
                 except BaseException:
                     store.writer.execute("ROLLBACK")
                     raise
@@ -150,7 +170,7 @@ class _Commit:
         signalled = store.signal_commit()
         for mgr in _managers_of(store):
             mgr.notify_commit(self, version, signalled)
-        if db._fault():
+        if faults and db._fault():
             # After a real commit: the caller cannot know. As FDB, a failed commit
             # for this transaction's futures: no stamp (2020), the watches fail with
             # the error, no committed version. With a timeout set, it may as well be
@@ -241,20 +261,14 @@ class _Commit:
                 self._check_conflicts(w, rv, version)
         for b, e in self._clears:
             w.execute("DELETE FROM kv WHERE key >= ? AND key < ?", (b, e))
-        sets, dels, atomics, adds = [], [], [], []
-        may_clear = []
+        sets, dels, atomics = [], [], []
         for key, (kind, data) in self._writes.items():
             if kind == _SET:
                 sets.append((key, data))
             elif kind == _CLEAR:
                 dels.append((key,))
             elif kind == _ATOMIC_OPS:
-                if len(data) == 1 and data[0][0] == "add":
-                    adds.append((key, data[0][1]))
-                    continue
-                atomics.append((key, _packb(data)))
-                if any(op == "compare_and_clear" for op, _ in data):
-                    may_clear.append((key,))
+                atomics.append(key)
             else:  # versionstamped value, then any atomic ops on it
                 body, off, ops = data
                 v = body[:off] + stamp + body[off + 10:]
@@ -264,19 +278,24 @@ class _Commit:
                     dels.append((key,))
                 else:
                     sets.append((key, v))
+        if atomics:
+            # Atomic ops on their stored values, read in one statement under the write
+            # lock (no other commit between the read and the write): the results join
+            # the sets' multi-row upsert, not a statement (and a call back into Python)
+            # per key.
+            stored = _stored_values(w, atomics)
+            writes = self._writes
+            for key in atomics:
+                v = _apply_ops(stored.get(key), writes[key][1])
+                if v is None:
+                    dels.append((key,))
+                else:
+                    sets.append((key, v))
         sets.extend(vs_sets)
         if dels:
             w.executemany("DELETE FROM kv WHERE key = ?", dels)
-        if len(sets) == 1:
-            w.execute(_UPSERT, sets[0])
-        elif sets:
+        if sets:
             _upsert(w, sets)
-        if adds:
-            w.executemany(_ADD_UPSERT, adds)
-        if atomics:
-            w.executemany(_ATOMIC_UPSERT, atomics)
-            if may_clear:
-                w.executemany("DELETE FROM kv WHERE key = ? AND typeof(value) = 'integer'", may_clear)
         store.commits_since_prune += 1
         if store.commits_since_prune >= 256:
             store.commits_since_prune = 0
