@@ -119,7 +119,6 @@ class Transaction(_Commit, _Reads, _ReadView):
 
     def __init__(self, db: Database):
         self.db = db
-        self._tr = self
         self._conn = None
         self._reset_options()
         self._reset_state()
@@ -164,6 +163,14 @@ class Transaction(_Commit, _Reads, _ReadView):
             # Snapshot reads see own writes while this is >= 0 (enables minus disables,
             # from the database's default), as FDB's snapshotRywEnabled > 0.
             self._snapshot_ryw = defaults.get("snapshot_ryw", 0)
+
+    @property
+    def _tr(self) -> "Transaction":
+        """The transaction the read views (``_ReadView``) read in: itself. A property,
+        not an attribute: ``self._tr = self`` was a reference cycle, so every transaction
+        waited for the cyclic GC to be freed (its read snapshot released, its pending
+        watches failed), and the GC ran every few dozen transactions to free them."""
+        return self
 
     @property
     def options(self) -> _TransactionOptions:
