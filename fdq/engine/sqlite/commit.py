@@ -16,7 +16,7 @@ import msgpack
 
 from ...errors import EngineError, is_retryable
 from ..futures import Future, VersionstampFuture
-from .mutations import _ATOMIC_OPS, _CLEAR, _SET, _apply_ops, _merge_ranges, _overlaps
+from .mutations import _ATOMIC_OPS, _ATOMIC_UPSERT, _CLEAR, _SET, _add_upsert, _apply_ops, _merge_ranges, _overlaps
 from .store import (CHECKPOINT_BYTES, CHECKPOINT_EVERY, MVCC_WINDOW_VERSIONS, RECOVERY_JUMP_VERSIONS, _LAST_VERSION,
                     _clock, _flock, _sleep, _version_at, sqlite_error)
 from .watches import _managers_of
@@ -37,28 +37,22 @@ def _chunks(n: int):
         yield i, n - i
 
 
-def _upsert(w, rows: list):
-    """Write ``rows`` [(key, value)] in order (a later row of a key replaces an earlier
-    one) in multi-row statements (``_chunks``)."""
+def _write_rows(w, statements: dict, rows: list):
+    """Write ``rows`` [(key, value)] in order with ``statements`` (rows per statement ->
+    its text) in multi-row statements (``_chunks``): one statement of n rows costs less
+    than n steps of one (``executemany``)."""
     if len(rows) == 1:
-        w.execute(_UPSERT_ROWS[1], rows[0])
+        w.execute(statements[1], rows[0])
         return
     for i, size in _chunks(len(rows)):
-        w.execute(_UPSERT_ROWS[size], list(chain.from_iterable(rows[i:i + size])))
-
-
-def _stored_values(w, keys: list) -> dict:
-    """The stored values of ``keys`` (absent keys left out), read inside the commit's
-    write transaction: the base values of its atomic ops."""
-    values = {}
-    for i, size in _chunks(len(keys)):
-        values.update(w.execute(_SELECT_KEYS[size], keys[i:i + size]))
-    return values
+        w.execute(statements[size], list(chain.from_iterable(rows[i:i + size])))
 
 
 _SIZES = (64, *range(1, 9))
+# A later row of a key replaces an earlier one.
 _UPSERT_ROWS = {n: "INSERT OR REPLACE INTO kv (key, value) VALUES " + ", ".join(["(?, ?)"] * n) for n in _SIZES}
-_SELECT_KEYS = {n: "SELECT key, value FROM kv WHERE key IN (" + ", ".join(["?"] * n) + ")" for n in _SIZES}
+# Keys are unique in a write map: no key twice in one statement.
+_ADD_ROWS = {n: _add_upsert(n) for n in _SIZES}
 
 
 _local = threading.local()
@@ -261,14 +255,20 @@ class _Commit:
                 self._check_conflicts(w, rv, version)
         for b, e in self._clears:
             w.execute("DELETE FROM kv WHERE key >= ? AND key < ?", (b, e))
-        sets, dels, atomics = [], [], []
+        sets, dels, atomics, adds = [], [], [], []
+        may_clear = []
         for key, (kind, data) in self._writes.items():
             if kind == _SET:
                 sets.append((key, data))
             elif kind == _CLEAR:
                 dels.append((key,))
             elif kind == _ATOMIC_OPS:
-                atomics.append(key)
+                if len(data) == 1 and data[0][0] == "add":
+                    adds.append((key, data[0][1]))
+                    continue
+                atomics.append((key, _packb(data)))
+                if any(op == "compare_and_clear" for op, _ in data):
+                    may_clear.append((key,))
             else:  # versionstamped value, then any atomic ops on it
                 body, off, ops = data
                 v = body[:off] + stamp + body[off + 10:]
@@ -278,24 +278,17 @@ class _Commit:
                     dels.append((key,))
                 else:
                     sets.append((key, v))
-        if atomics:
-            # Atomic ops on their stored values, read in one statement under the write
-            # lock (no other commit between the read and the write): the results join
-            # the sets' multi-row upsert, not a statement (and a call back into Python)
-            # per key.
-            stored = _stored_values(w, atomics)
-            writes = self._writes
-            for key in atomics:
-                v = _apply_ops(stored.get(key), writes[key][1])
-                if v is None:
-                    dels.append((key,))
-                else:
-                    sets.append((key, v))
         sets.extend(vs_sets)
         if dels:
             w.executemany("DELETE FROM kv WHERE key = ?", dels)
         if sets:
-            _upsert(w, sets)
+            _write_rows(w, _UPSERT_ROWS, sets)
+        if adds:
+            _write_rows(w, _ADD_ROWS, adds)
+        if atomics:
+            w.executemany(_ATOMIC_UPSERT, atomics)
+            if may_clear:
+                w.executemany("DELETE FROM kv WHERE key = ? AND typeof(value) = 'integer'", may_clear)
         store.commits_since_prune += 1
         if store.commits_since_prune >= 256:
             store.commits_since_prune = 0

@@ -1,11 +1,13 @@
 """How the embedded engine holds a transaction's mutations: the kinds of entry in its
 write map, FoundationDB's atomic operations on bytes (``Atomic.h``; docs/fdb-semantics.md
-§3), and range sets (sorted, non-overlapping ``[begin, end)`` lists) for clears and conflict
-ranges.
+§3), also as the SQL functions a commit applies them with, and range sets (sorted,
+non-overlapping ``[begin, end)`` lists) for clears and conflict ranges.
 """
 from __future__ import annotations
 
 import bisect
+
+import msgpack
 
 from ..types import VALUE_SIZE_LIMIT
 
@@ -85,6 +87,26 @@ _ATOMIC = {
     "append_if_fits": _op_append,
     "compare_and_clear": _op_compare_and_clear,
 }
+
+
+def _sql_atomic(base, packed_ops):
+    """SQL function: apply a transaction's atomic ops to the stored value at commit
+    (one upsert statement for every atomic key). A cleared result is the INTEGER 0, which
+    no stored value can be (values are BLOBs), and is deleted right after."""
+    r = _apply_ops(base, msgpack.unpackb(packed_ops))
+    return 0 if r is None else r
+
+
+_ATOMIC_UPSERT = ("INSERT INTO kv (key, value) VALUES (?1, fdq_atomic(NULL, ?2)) "
+                  "ON CONFLICT(key) DO UPDATE SET value = fdq_atomic(value, ?2)")
+
+
+# Keys whose only atomic op is an add (counters: the common case), n rows in one
+# statement: no ops to pack, and an absent key takes the operand as it is
+# (_op_add(None, p) is p).
+def _add_upsert(n: int) -> str:
+    return ("INSERT INTO kv (key, value) VALUES " + ", ".join(["(?, ?)"] * n)
+            + " ON CONFLICT(key) DO UPDATE SET value = fdq_add(value, excluded.value)")
 
 
 def _apply_ops(base, ops):

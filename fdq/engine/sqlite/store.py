@@ -15,6 +15,7 @@ import time
 import weakref
 
 from ...errors import DatabaseCorrupt, EngineError
+from .mutations import _op_add, _sql_atomic
 
 # The engine's own clock: captured at import, so a process that skews ``time.time`` or
 # patches ``time.monotonic`` (clock-skew tests) does not move database versions.
@@ -161,6 +162,8 @@ class _Store:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
                                timeout=timeout)
         conn.execute(f"PRAGMA synchronous={self.synchronous}")
+        conn.create_function("fdq_atomic", 2, _sql_atomic, deterministic=True)
+        conn.create_function("fdq_add", 2, _op_add, deterministic=True)
         return conn
 
     # The pools of read connections and of clock file descriptors: lists popped and
