@@ -55,6 +55,9 @@ _UPSERT_ROWS = {n: "INSERT OR REPLACE INTO kv (key, value) VALUES " + ", ".join(
 _ADD_ROWS = {n: _add_upsert(n) for n in _SIZES}
 
 
+# The future of every commit that succeeded: a ready future is immutable.
+_COMMITTED = Future.ready(None)
+
 _local = threading.local()
 
 
@@ -85,7 +88,7 @@ class _Commit:
             self._commit()
         except EngineError as e:
             return Future.ready(None, e)
-        return Future.ready(None)
+        return _COMMITTED
 
     def _commit(self):
         if self._state != "open" or self._deferred is not None or self._timeout_ms:
