@@ -468,6 +468,26 @@ class Transaction(_Commit, _Reads, _ReadView):
         self._mutations += 1
 
     def set_versionstamped_value(self, key, value):
+        if type(key) is bytes and type(value) is bytes and self._state == "open" \
+                and not self._next_write_no_conflict and len(key) <= KEY_SIZE_LIMIT and key < b"\xff" \
+                and 4 <= len(value) <= VALUE_SIZE_LIMIT:
+            # The common case inline (a push stamps one value per message): a legal user
+            # key, the placeholder inside the value; the same effects as the path below.
+            n = len(value)
+            offset = _U32.unpack_from(value, n - 4)[0]
+            if offset + 14 <= n:
+                writes = self._writes
+                if key not in writes:
+                    self._sorted_keys = None
+                writes[key] = (_VSVALUE, (value[:-4], offset, []))
+                r = (key, key + b"\x00")
+                self._unreadable.append(r)
+                self._vs_value_keys.add(key)
+                self._vs_values += 1
+                self._write_ranges.append(r)
+                self._mutation_bytes += len(key) + n + ENTRY_OVERHEAD_BYTES
+                self._mutations += 1
+                return
         self._check_writable()
         key, value = key_bytes(key), value_bytes(value)
         offset = self._placeholder_offset(value, "value")
