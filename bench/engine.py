@@ -19,7 +19,9 @@ through raw ``sqlite3`` doing the same work with the same file settings (WAL,
 Cases:
 
 * ``single``: one ``tr.set`` (tuple-packed key, 100-byte value) + commit per
-  transaction: transactions/s, p50/p99 commit latency (µs, set + commit).
+  transaction: transactions/s, p50/p99 commit latency (µs, set + commit), and what a
+  commit costs beyond SQLite's work: SQL statements per commit (raw: 3) and Python calls
+  per transaction (``engine_commit_cost``).
 * ``batch``: 1,000 sets per transaction: rows/s.
 * ``range``: a full ``get_range`` over ~200k rows (serializable, and ``tr.snapshot``):
   rows/s.
@@ -244,6 +246,34 @@ def raw_single(conn, keys, values, n_max, s_max, wal: WalPeak | None = None):
     return _single(commit_one, n_max, s_max, wal)
 
 
+def engine_commit_cost(db, keys, values, n: int = 200) -> dict:
+    """What one ``set`` + commit costs the engine beyond SQLite's work: SQL statements its
+    writer connection runs per commit (``set_trace_callback``), and Python function calls
+    per transaction (``sys.setprofile``: calls of Python functions and of C builtins)."""
+    writer = db._get_store().writer
+    statements = []
+    writer.set_trace_callback(statements.append)
+    try:
+        engine_single(db, keys, values, n, 60)
+    finally:
+        writer.set_trace_callback(None)
+    calls = [0]
+
+    def count(_frame, event, _arg):
+        if event == "call" or event == "c_call":
+            calls[0] += 1
+    create = db.create_transaction
+    sys.setprofile(count)
+    try:
+        for i in range(n):
+            tr = create()
+            tr.set(keys[n + i], values[n + i])
+            tr.commit().wait()
+    finally:
+        sys.setprofile(None)
+    return {"statements_per_commit": len(statements) / n, "python_calls_per_tx": calls[0] / n}
+
+
 def _single_figures(n, elapsed, lat, cpu, **extra) -> dict:
     lat.sort()
     return dict(ops=n, seconds=elapsed, tx_per_s=n / elapsed, tx_per_cpu_s=n / cpu, p50_us=pct(lat, .50) * 1e6,
@@ -263,8 +293,9 @@ def case_single(root, plan):
         n, el, lat, cpu = engine_single(db, keys, values, plan["single_n"], plan["single_s"], wal_e)
         wal_e.sample()
         eng_wal = c.wal(c.engine_path)
+        cost = engine_commit_cost(db, *(make_keys("cost", 400), make_values(400)))
         eng = _single_figures(n, el, lat, cpu, wal_bytes=eng_wal, wal_peak_bytes=wal_e.peak, tx_per_op=1.0,
-                              db_bytes=os.path.getsize(c.engine_path))
+                              db_bytes=os.path.getsize(c.engine_path), **cost)
         del db
         progress(f"single  engine: {n:,} tx in {el:.2f} s = {n / el:,.0f} tx/s, "
                  f"p50 {eng['p50_us']:.0f} µs, p99 {eng['p99_us']:.0f} µs")
@@ -713,6 +744,11 @@ def table_rows(res: dict):
                      f"{e['p50_us'] / r['p50_us']:.2f}", "", "", "", ""))
         rows.append(("  commit latency p99 (µs)", _fmt(e["p99_us"]), _fmt(r["p99_us"]),
                      f"{e['p99_us'] / r['p99_us']:.2f}", "", "", "", ""))
+        if "statements_per_commit" in e:
+            rows.append(("  SQL statements per commit", f"{e['statements_per_commit']:.1f}", "3", "", "", "", "",
+                         ""))
+            rows.append(("  Python calls per tx (functions + builtins)", f"{e['python_calls_per_tx']:.0f}", "",
+                         "", "", "", "", ""))
     b = res.get("batch")
     if b:
         e, r = b["engine"], b["raw"]

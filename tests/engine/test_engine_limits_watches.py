@@ -2,6 +2,7 @@
 processes, and the outstanding-watch limit (docs/fdb-semantics.md §6, §8)."""
 from __future__ import annotations
 
+import gc
 import struct
 import time
 
@@ -121,6 +122,22 @@ def test_watch_fires_on_own_write_and_fails_with_its_transaction(eng):
     tr.commit().wait()
     f.cancel()
     assert wait_ready(f, 5) and code_of(f.wait) == 1101
+
+
+def test_dropping_an_uncommitted_transaction_fails_its_watch_at_once(eng):
+    # As FDB: a transaction destroyed before its commit cancels its pending watch
+    # (1025) when its last reference goes, not at a later pass of the cyclic GC (the
+    # embedded engine's transaction referred to itself, and waited for one).
+    k = eng.k(b"w")
+    tr = eng.db.create_transaction()
+    tr[k].wait()
+    f = tr.watch(k)
+    gc.disable()
+    try:
+        del tr
+        assert wait_ready(f, 5) and code_of(f.wait) == 1025
+    finally:
+        gc.enable()
 
 
 def test_too_many_watches(eng):

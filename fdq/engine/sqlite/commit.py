@@ -16,8 +16,7 @@ import msgpack
 
 from ...errors import EngineError, is_retryable
 from ..futures import Future, VersionstampFuture
-from .mutations import (_ADD_UPSERT, _ATOMIC_OPS, _ATOMIC_UPSERT, _CLEAR, _SET, _apply_ops, _merge_ranges,
-                        _overlaps)
+from .mutations import _ATOMIC_OPS, _ATOMIC_UPSERT, _CLEAR, _SET, _add_upsert, _apply_ops, _merge_ranges, _overlaps
 from .store import (CHECKPOINT_BYTES, CHECKPOINT_EVERY, MVCC_WINDOW_VERSIONS, RECOVERY_JUMP_VERSIONS, _LAST_VERSION,
                     _clock, _flock, _sleep, _version_at, sqlite_error)
 from .watches import _managers_of
@@ -25,27 +24,39 @@ from .watches import _managers_of
 # States in which every use of a transaction fails with one error until reset().
 _CLOSED_STATE_ERRORS = {"cancelled": 1025, "timed_out": 1031}
 
-def _upsert(w, rows: list):
-    """Write ``rows`` [(key, value)] in order (a later row of a key replaces an earlier
-    one), in multi-row statements where they fill one."""
-    i, n = 0, len(rows)
-    for size in _UPSERT_SIZES:
-        if n - i >= size:
-            sql = _UPSERT_ROWS[size]
-            while n - i >= size:
-                w.execute(sql, list(chain.from_iterable(rows[i:i + size])))
-                i += size
+def _chunks(n: int):
+    """``(start, size)`` pieces of n rows for multi-row statements: whole chunks of 64,
+    then of 8, then one of the rest (1..7), so a connection caches at most 9 texts of a
+    statement and a commit of n rows runs ~n/64 + 8 statements, not n."""
+    i = 0
+    for size in (64, 8):
+        while n - i >= size:
+            yield i, size
+            i += size
     if i < n:
-        w.executemany(_UPSERT, rows[i:] if i else rows)
+        yield i, n - i
 
 
-_UPSERT = "INSERT OR REPLACE INTO kv (key, value) VALUES (?, ?)"
-# Rows per multi-row upsert (_upsert): one statement of n rows costs less than n runs of
-# _UPSERT; two sizes keep the connection's statement cache small.
-_UPSERT_SIZES = (64, 8)
-_UPSERT_ROWS = {n: "INSERT OR REPLACE INTO kv (key, value) VALUES " + ", ".join(["(?, ?)"] * n)
-                for n in _UPSERT_SIZES}
+def _write_rows(w, statements: dict, rows: list):
+    """Write ``rows`` [(key, value)] in order with ``statements`` (rows per statement ->
+    its text) in multi-row statements (``_chunks``): one statement of n rows costs less
+    than n steps of one (``executemany``)."""
+    if len(rows) == 1:
+        w.execute(statements[1], rows[0])
+        return
+    for i, size in _chunks(len(rows)):
+        w.execute(statements[size], list(chain.from_iterable(rows[i:i + size])))
 
+
+_SIZES = (64, *range(1, 9))
+# A later row of a key replaces an earlier one.
+_UPSERT_ROWS = {n: "INSERT OR REPLACE INTO kv (key, value) VALUES " + ", ".join(["(?, ?)"] * n) for n in _SIZES}
+# Keys are unique in a write map: no key twice in one statement.
+_ADD_ROWS = {n: _add_upsert(n) for n in _SIZES}
+
+
+# The future of every commit that succeeded: a ready future is immutable.
+_COMMITTED = Future.ready(None)
 
 _local = threading.local()
 
@@ -77,10 +88,11 @@ class _Commit:
             self._commit()
         except EngineError as e:
             return Future.ready(None, e)
-        return Future.ready(None)
+        return _COMMITTED
 
     def _commit(self):
-        self._check_use()
+        if self._state != "open" or self._deferred is not None or self._timeout_ms:
+            self._check_use()
         self._state = "committing"
         read_only = not self._writes and not self._clears and not self._vs_keys and not self._write_ranges
         if read_only:
@@ -97,7 +109,8 @@ class _Commit:
                 raise EngineError(2101, f"Transaction exceeds byte limit ({self._size_limit:,} bytes; "
                                         f"this one is ~{size:,})")
             db = self.db
-            if db._fault():
+            faults = db._fault_p
+            if faults and db._fault():
                 # 1021 here: a commit_unknown_result that did not apply (the other
                 # kind, after a real commit, is below): on FDB it may be either.
                 raise EngineError(db._rng.choice((1020, 1020, 1007, 1037, 1021, 1021)))
@@ -106,8 +119,9 @@ class _Commit:
             if has_reads and self._rv is None:
                 self._ensure_snapshot()
             rv = self._rv
-            self._release()
-            jump = db._fault(0.05)
+            if self._conn is not None:
+                self._release()
+            jump = faults and db._fault(0.05)
             until = self._created + self._timeout_ms / 1000 if self._timeout_ms else None
             lock = store.write_lock
             if until is None:
@@ -117,7 +131,10 @@ class _Commit:
             try:
                 store.begin_immediate(until)
                 try:
-                    _flock(store.writer_fd, fcntl.LOCK_EX, until)
+                    if until is None:
+                        fcntl.flock(store.writer_fd, fcntl.LOCK_EX)
+                    else:
+                        _flock(store.writer_fd, fcntl.LOCK_EX, until)
                 except BaseException:
                     store.writer.execute("ROLLBACK")
                     raise
@@ -150,7 +167,7 @@ class _Commit:
         signalled = store.signal_commit()
         for mgr in _managers_of(store):
             mgr.notify_commit(self, version, signalled)
-        if db._fault():
+        if faults and db._fault():
             # After a real commit: the caller cannot know. As FDB, a failed commit
             # for this transaction's futures: no stamp (2020), the watches fail with
             # the error, no committed version. With a timeout set, it may as well be
@@ -267,12 +284,10 @@ class _Commit:
         sets.extend(vs_sets)
         if dels:
             w.executemany("DELETE FROM kv WHERE key = ?", dels)
-        if len(sets) == 1:
-            w.execute(_UPSERT, sets[0])
-        elif sets:
-            _upsert(w, sets)
+        if sets:
+            _write_rows(w, _UPSERT_ROWS, sets)
         if adds:
-            w.executemany(_ADD_UPSERT, adds)
+            _write_rows(w, _ADD_ROWS, adds)
         if atomics:
             w.executemany(_ATOMIC_UPSERT, atomics)
             if may_clear:

@@ -162,10 +162,10 @@ class Database:
 
     def _get_store(self) -> _Store:
         store = self._store
-        if store is None or store.pid != os.getpid():
+        if store is None or store.forked:
             with self._init_lock:
                 store = self._store
-                if store is None or store.pid != os.getpid():
+                if store is None or store.forked:
                     if store is not None:  # forked: never use or close the parent's
                         _leaked_after_fork.append(store)
                         self._watches = None

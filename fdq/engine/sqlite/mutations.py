@@ -101,10 +101,12 @@ _ATOMIC_UPSERT = ("INSERT INTO kv (key, value) VALUES (?1, fdq_atomic(NULL, ?2))
                   "ON CONFLICT(key) DO UPDATE SET value = fdq_atomic(value, ?2)")
 
 
-# A key's only atomic op is an add (counters: the common case): no ops to pack, and
-# an absent key takes the operand as it is (_op_add(None, p) is p).
-_ADD_UPSERT = ("INSERT INTO kv (key, value) VALUES (?1, ?2) "
-               "ON CONFLICT(key) DO UPDATE SET value = fdq_add(value, ?2)")
+# Keys whose only atomic op is an add (counters: the common case), n rows in one
+# statement: no ops to pack, and an absent key takes the operand as it is
+# (_op_add(None, p) is p).
+def _add_upsert(n: int) -> str:
+    return ("INSERT INTO kv (key, value) VALUES " + ", ".join(["(?, ?)"] * n)
+            + " ON CONFLICT(key) DO UPDATE SET value = fdq_add(value, excluded.value)")
 
 
 def _apply_ops(base, ops):

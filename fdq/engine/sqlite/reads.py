@@ -6,7 +6,6 @@ selectors, and the read conflicts reads record (docs/fdb-semantics.md §1, §4, 
 from __future__ import annotations
 
 import bisect
-import os
 import sqlite3
 from itertools import islice, starmap
 
@@ -309,7 +308,7 @@ class _Reads:
         if conn is not None:
             self._conn = None
             store = self.db._store
-            if store is not None and store.pid == os.getpid():
+            if store is not None and not store.forked:
                 store.release_reader(conn)
 
     def _ensure_snapshot(self):

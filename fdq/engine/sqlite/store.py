@@ -53,6 +53,7 @@ def _close_inherited_locks():
     that would release the parent's lock) drops the child's share. No lock is taken:
     another thread of the parent may have held one at the fork."""
     for store in list(_stores):
+        store.forked = True
         fds = [store.writer_fd] + list(store.fd_pool)
         store.writer_fd = -1
         store.fd_pool = []
@@ -77,6 +78,7 @@ _WATCHERS_SUFFIX = "-fdqwatch"
 # struct flock as Linux lays it out on 64-bit (short, short, off_t, off_t, pid_t): the
 # F_GETLK probe; elsewhere commits always signal.
 _FLOCK = struct.Struct("hhqqi4x") if sys.platform.startswith("linux") and struct.calcsize("P") == 8 else None
+_PROBE = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0) if _FLOCK is not None else None
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0o2000000)
 
 _LAST_VERSION = "SELECT version, clock FROM txlog ORDER BY version DESC LIMIT 1"
@@ -122,8 +124,10 @@ class _Store:
         self.path = path
         self.synchronous = synchronous
         self.pid = os.getpid()
+        # Set in a forked child (``_close_inherited_locks``): the parent's store, never
+        # used there. A flag, not a ``getpid()`` on every use: that is a system call.
+        self.forked = False
         self.write_lock = threading.Lock()
-        self.pool_lock = threading.Lock()
         self.pool = []
         # Opened with the normal busy timeout (opening can meet a transient lock when many
         # processes start at once), then 0: begin_immediate does its own waiting.
@@ -162,11 +166,14 @@ class _Store:
         conn.create_function("fdq_add", 2, _op_add, deterministic=True)
         return conn
 
+    # The pools of read connections and of clock file descriptors: lists popped and
+    # appended without a lock (each a single operation under the GIL).
+
     def acquire_reader(self) -> sqlite3.Connection:
-        with self.pool_lock:
-            if self.pool:
-                return self.pool.pop()
-        return self._open()
+        try:
+            return self.pool.pop()
+        except IndexError:
+            return self._open()
 
     def release_reader(self, conn: sqlite3.Connection):
         try:
@@ -174,21 +181,24 @@ class _Store:
         except sqlite3.Error:
             conn.close()
             return
-        with self.pool_lock:
-            if len(self.pool) < 16:
-                self.pool.append(conn)
-                return
+        if len(self.pool) < 16:
+            self.pool.append(conn)
+            return
         conn.close()
 
     def begin_snapshot(self, conn: sqlite3.Connection, until: float | None = None):
         """Open a read snapshot on ``conn``; -> (last commit version, its clock, now).
         ``until``: the transaction's timeout (``_flock``)."""
-        with self.pool_lock:
-            fd = self.fd_pool.pop() if self.fd_pool else None
-        if fd is None:
+        fd_pool = self.fd_pool
+        try:
+            fd = fd_pool.pop()
+        except IndexError:
             fd = os.open(self.clock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            _flock(fd, fcntl.LOCK_SH, until)
+            if until is None:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            else:
+                _flock(fd, fcntl.LOCK_SH, until)
             try:
                 now = _clock()
                 conn.execute("BEGIN")
@@ -196,8 +206,7 @@ class _Store:
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
-            with self.pool_lock:
-                self.fd_pool.append(fd)
+            fd_pool.append(fd)
         return version, clock, now
 
     # Fault injection's recoveries (version jumps): the last one's version, 8 bytes at
@@ -245,8 +254,8 @@ class _Store:
             if self.watchers_fd is None:
                 self.watchers_fd = os.open(_side_file(self.path, _WATCHERS_SUFFIX), os.O_RDWR | os.O_CREAT | _CLOEXEC,
                                            0o644)
-            got = fcntl.fcntl(self.watchers_fd, fcntl.F_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
-            return _FLOCK.unpack(got)[0] != fcntl.F_UNLCK
+            got = fcntl.fcntl(self.watchers_fd, fcntl.F_GETLK, _PROBE)
+            return _FLOCK.unpack_from(got)[0] != fcntl.F_UNLCK
         except (OSError, struct.error):
             return True
 

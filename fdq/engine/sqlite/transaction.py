@@ -5,6 +5,7 @@ its commit. Its reads are :mod:`.reads`, its commit and retry :mod:`.commit`.
 from __future__ import annotations
 
 import struct
+from itertools import chain
 from typing import TYPE_CHECKING
 
 from ...errors import EngineError
@@ -24,6 +25,32 @@ ENTRY_OVERHEAD_BYTES = 24  # FDB adds a few dozen bytes of struct overhead per e
 _U32 = struct.Struct("<I")
 _METADATA_VERSION_KEY = b"\xff/metadataVersion"
 _METADATA_VERSION_VALUE = b"\x00" * 14    # the only value it takes: a placeholder at offset 0
+
+# The scalar state of a fresh attempt (``Transaction._reset_state``), set in one update.
+_FRESH_STATE = {
+    "_rv": None,
+    "_rv_clock": None,
+    "_sorted_keys": None,
+    "_unreadable_n": 0,      # how many of _vs_keys _unreadable covers (built on a read)
+    # Versionstamped values: their keys are unreadable until commit even if written again
+    # later (their [k, k+\x00) ranges are in _unreadable).
+    "_vs_values": 0,
+    "_mutation_bytes": 0,
+    "_mutations": 0,
+    "_deferred": None,
+    "_vs_future": None,
+    "_vs_result": None,      # (stamp, error) once the commit has ended
+    "_committed_version": None,
+    "_state": "open",        # open | committing | committed | cancelled
+    "_size_limit": TRANSACTION_SIZE_LIMIT,
+    "_ryw_disabled": False,
+    "_read_any": False,      # a read was made (read_your_writes_disable is refused after)
+    "_snapshot_ryw": 0,      # see _reset_state
+    "_system_keys": False,   # keys >= \xff readable (read or access_system_keys)
+    "_write_system_keys": False,     # ... and writable (access_system_keys only)
+    "_next_write_no_conflict": False,
+    "_bypass_unreadable": False,
+}
 
 
 class _TransactionOptions:
@@ -92,7 +119,6 @@ class Transaction(_Commit, _Reads, _ReadView):
 
     def __init__(self, db: Database):
         self.db = db
-        self._tr = self
         self._conn = None
         self._reset_options()
         self._reset_state()
@@ -101,21 +127,24 @@ class Transaction(_Commit, _Reads, _ReadView):
         """The options that survive on_error, back to the database's defaults (as FDB's
         reset(), which clears every option)."""
         defaults = self.db._defaults
-        self._timeout_ms = defaults.get("timeout_ms", 0)
-        self._retry_limit = defaults.get("retry_limit", -1)
-        self._max_retry_delay_ms = defaults.get("max_retry_delay_ms", 1000)
+        if defaults:
+            self._timeout_ms = defaults.get("timeout_ms", 0)
+            self._retry_limit = defaults.get("retry_limit", -1)
+            self._max_retry_delay_ms = defaults.get("max_retry_delay_ms", 1000)
+        else:
+            self._timeout_ms, self._retry_limit, self._max_retry_delay_ms = 0, -1, 1000
         self._created = _clock()
         self._retries = 0
         self._backoff = 0.01
 
     def _reset_state(self):
+        if self._conn is not None:
+            self._release()
+        d = self.__dict__
+        d.update(_FRESH_STATE)
         self._attempt = object()  # identifies this attempt: ranges must not outlive it
-        self._release()
-        self._rv = None
-        self._rv_clock = None
         self._db_values = {}     # key -> value read from this attempt's snapshot
         self._writes = {}
-        self._sorted_keys = None
         self._clears = []        # merged [begin, end) cleared ranges
         self._clear_begins = []
         self._read_ranges = []
@@ -125,30 +154,23 @@ class Transaction(_Commit, _Reads, _ReadView):
         self._vs_keys = []
         self._clear_log = []     # every clear / clear_range in order (only read for _vs_keys)
         self._unreadable = []    # [begin, end) unreadable until commit (versionstamped keys)
-        self._unreadable_n = 0   # how many of _vs_keys _unreadable covers (built on a read)
         self._unreadable_by_head = {}   # the same ranges by the prefix every key in them has
-        # Keys of versionstamped values: unreadable until commit even if written again
-        # later (their [k, k+\x00) ranges are in _unreadable).
-        self._vs_values = 0
-        self._vs_value_keys = set()     # their keys, for point reads (one lookup, not a scan)
-        self._mutation_bytes = 0
-        self._mutations = 0
-        self._deferred = None
+        self._vs_value_keys = set()     # keys of versionstamped values, for point reads
         self._pending_watches = []
-        self._vs_future = None
-        self._vs_result = None   # (stamp, error) once the commit has ended
-        self._committed_version = None
-        self._state = "open"    # open | committing | committed | cancelled
-        self._size_limit = self.db._defaults.get("size_limit", TRANSACTION_SIZE_LIMIT)
-        self._ryw_disabled = False
-        self._read_any = False   # a read was made (read_your_writes_disable is refused after)
-        # Snapshot reads see own writes while this is >= 0 (enables minus disables,
-        # from the database's default), as FDB's snapshotRywEnabled > 0.
-        self._snapshot_ryw = self.db._defaults.get("snapshot_ryw", 0)
-        self._system_keys = False        # keys >= \xff readable (read or access_system_keys)
-        self._write_system_keys = False  # ... and writable (access_system_keys only)
-        self._next_write_no_conflict = False
-        self._bypass_unreadable = False
+        defaults = self.db._defaults
+        if defaults:
+            self._size_limit = defaults.get("size_limit", TRANSACTION_SIZE_LIMIT)
+            # Snapshot reads see own writes while this is >= 0 (enables minus disables,
+            # from the database's default), as FDB's snapshotRywEnabled > 0.
+            self._snapshot_ryw = defaults.get("snapshot_ryw", 0)
+
+    @property
+    def _tr(self) -> "Transaction":
+        """The transaction the read views (``_ReadView``) read in: itself. A property,
+        not an attribute: ``self._tr = self`` was a reference cycle, so every transaction
+        waited for the cyclic GC to be freed (its read snapshot released, its pending
+        watches failed), and the GC ran every few dozen transactions to free them."""
+        return self
 
     @property
     def options(self) -> _TransactionOptions:
@@ -160,8 +182,10 @@ class Transaction(_Commit, _Reads, _ReadView):
 
     def __del__(self):
         try:
-            self._release()
-            if getattr(self, "_pending_watches", None):
+            d = self.__dict__     # may be half set up (an __init__ that raised)
+            if d.get("_conn") is not None:
+                self._release()
+            if d.get("_pending_watches"):
                 for _key_, _base, f in self._take_pending():
                     f._resolve(None, EngineError(1025))
         except Exception:
@@ -444,6 +468,26 @@ class Transaction(_Commit, _Reads, _ReadView):
         self._mutations += 1
 
     def set_versionstamped_value(self, key, value):
+        if type(key) is bytes and type(value) is bytes and self._state == "open" \
+                and not self._next_write_no_conflict and len(key) <= KEY_SIZE_LIMIT and key < b"\xff" \
+                and 4 <= len(value) <= VALUE_SIZE_LIMIT:
+            # The common case inline (a push stamps one value per message): a legal user
+            # key, the placeholder inside the value; the same effects as the path below.
+            n = len(value)
+            offset = _U32.unpack_from(value, n - 4)[0]
+            if offset + 14 <= n:
+                writes = self._writes
+                if key not in writes:
+                    self._sorted_keys = None
+                writes[key] = (_VSVALUE, (value[:-4], offset, []))
+                r = (key, key + b"\x00")
+                self._unreadable.append(r)
+                self._vs_value_keys.add(key)
+                self._vs_values += 1
+                self._write_ranges.append(r)
+                self._mutation_bytes += len(key) + n + ENTRY_OVERHEAD_BYTES
+                self._mutations += 1
+                return
         self._check_writable()
         key, value = key_bytes(key), value_bytes(value)
         offset = self._placeholder_offset(value, "value")
@@ -502,9 +546,9 @@ class Transaction(_Commit, _Reads, _ReadView):
         return Future.ready(self._approximate_size())
 
     def _approximate_size(self) -> int:
-        conflicts = sum(len(b) + len(e) + ENTRY_OVERHEAD_BYTES for b, e in self._read_ranges)
-        conflicts += sum(len(b) + len(e) + ENTRY_OVERHEAD_BYTES for b, e in self._write_ranges)
-        return self._mutation_bytes + conflicts
+        reads, writes = self._read_ranges, self._write_ranges
+        return (self._mutation_bytes + sum(map(len, chain.from_iterable(reads)))
+                + sum(map(len, chain.from_iterable(writes))) + ENTRY_OVERHEAD_BYTES * (len(reads) + len(writes)))
 
     # -- watches -------------------------------------------------------------------
 
