@@ -390,7 +390,7 @@ def _push_plan(ts: TopicSpace, config: TopicConfig) -> _PushPlan:
 def add_routed(tr, key: bytes, amount: int):
     """A push's add to a shard's ``routed`` counter, with no write conflict range: it
     wakes the shard's watchers (the watch fires on the value) but conflicts with no
-    reader. The counter's readers need no conflict with a push (bench/RESULTS.md):
+    reader. The counter's readers need no conflict with a push (docs/design.md §5):
     consumers watch it (a lease round watching it in its own transaction conflicted with
     every push meanwhile), the stats and the backlog check read it by snapshot, and the
     only non-snapshot reader, ``reshard.fold_shard_counters``, runs while resharding,
