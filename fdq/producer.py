@@ -376,8 +376,8 @@ class _GroupCommit:
 _LIVE_GROUPS = weakref.WeakSet()
 FLUSHER_IDLE_S = 2.0    # a producer's flusher thread ends after this long without work
 _LIVE_PRODUCERS = weakref.WeakSet()
-EXIT_FLUSH_S = 60.0
-CHECKED_NAMES = 1024    # topic names a Producer remembers as checked     # at interpreter exit, how long pending push_async calls may take
+EXIT_FLUSH_S = 60.0     # at interpreter exit, how long pending push_async calls may take
+CHECKED_NAMES = 1024    # topic names a Producer remembers as checked
 
 
 def _after_fork_in_child():
