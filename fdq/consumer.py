@@ -15,6 +15,7 @@ A round leases from every owned shard that may have work in ONE transaction
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -55,6 +56,9 @@ FENCE_WINDOW = 4
 # Without on_error, an error identical to one logged less than this long ago is not
 # logged again (``Consumer._report``).
 REPORT_EVERY_S = 10.0
+# ``settle_soon``'s default: how long settlements wait for a fetch's lease transaction to
+# carry them before they commit alone.
+SETTLE_LINGER_S = 0.005
 
 
 def _ms_until(deadline: float) -> int:
@@ -83,6 +87,30 @@ def _note_maybe_lost(maybe_lost: list, e, lost):
     lost (see ``Consumer._settled``)."""
     if is_maybe_committed(e) and lost is not None:
         maybe_lost.append({_row_id(r) for r in lost})
+
+
+def _resolve_soon(soon: list, error):
+    """The futures of ``settle_soon`` batches [(items, Future)] committed together:
+    each fails with the part of a LeaseLost naming its own messages, or with any other
+    ``error``; otherwise it is done."""
+    if not soon:
+        return
+    lost = set(error.ids) if isinstance(error, LeaseLost) else None
+    for items, fut in soon:
+        if fut.done():      # resolved when they committed; the lease round failed after
+            continue
+        if error is None:
+            fut.set_result(None)
+        elif lost is None:
+            fut.set_exception(error if isinstance(error, Exception)
+                              else FDQError(f"settlements not committed: interrupted ({type(error).__name__})"))
+        else:
+            ids = [s.message.id for s in items if s.message.id in lost]
+            if ids:
+                fut.set_exception(LeaseLost(f"lease lost (expired and redelivered, or settled elsewhere): "
+                                            f"{', '.join(ids)}", ids))
+            else:
+                fut.set_result(None)
 
 
 def check_messages_args(batch, timeout):
@@ -194,6 +222,13 @@ class Consumer:
         self._leases = {}
         self._leases_lock = threading.Lock()
         self._settle_group = _SettleGroup(self.settle)
+        # settle_soon: [([Settlement], Future)] for the next lease transaction, when they
+        # commit alone at the latest (None: nothing waits), the thread doing that
+        self._soon = []
+        self._soon_cond = threading.Condition()
+        self._soon_deadline = None
+        self._soon_stopped = False
+        self._linger = None
         self._rounds = {}            # id -> _Round in hand (kept leased by the membership thread)
         self._lease_prefix, self._lease_seq = os.urandom(8), 0
         self._rr_after = None        # the last shard the last round reached: the next starts after it
@@ -470,7 +505,7 @@ class Consumer:
             return self._lease_prefix + self._lease_seq.to_bytes(8, "big")
 
     def _lease_many(self, shards, limit: int, ack_wait_s: float | None = None, take: bool = False,
-                    settlements: list = (), handed: bool = False) -> list:
+                    settlements: list = (), handed: bool = False, settled=None) -> list:
         """Lease (or, with ack policy "none", take) up to ``limit`` messages from
         ``shards`` [(shard_id, epoch)], in that order, in ONE transaction: a transaction
         per shard made the worker's round cost a commit per dirty shard, which bounded
@@ -490,8 +525,9 @@ class Consumer:
 
         ``settlements`` [Settlement] (the previous round's, see
         ``TailConsumer._process_at_least_once``) commit first in the same transaction: one
-        commit per round. A lease lost among them is reported (``on_error``), not raised:
-        this round's messages are leased and handed over.
+        commit per round. A lease lost among them is not raised (this round's messages
+        are leased and handed over): ``settled(LeaseLost or None)`` is called once they
+        committed; without ``settled`` a lost lease is reported (``on_error``).
 
         ``handed``: the messages go to the application as they are (``fetch``): each is
         an attempt, and one left unsettled at ``close()`` is nak'd; otherwise (a tail's
@@ -500,8 +536,10 @@ class Consumer:
             if settlements:
                 try:
                     self.settle(list(settlements))
-                except LeaseLost as e:      # committed: report, as below
-                    self._report(e)
+                except LeaseLost as e:      # committed: as below
+                    self._settle_outcome(settled, e)
+                else:
+                    self._settle_outcome(settled, None)
             return []
         rows = _settle_rows(settlements) if settlements else None
         none = take or self.sub_config.ack_policy == "none"    # delivered = done: nothing to lease
@@ -578,9 +616,7 @@ class Consumer:
 
         rnd = transact(self.db, body, on_error=on_error)
         if rows:
-            error = self._settled(list(settlements), rnd.settle_lost, maybe_lost)
-            if error is not None:
-                self._report(error)
+            self._settle_outcome(settled, self._settled(list(settlements), rnd.settle_lost, maybe_lost))
         self._rr_after = next((t.shard_id for t in reversed(rnd.parts) if t.taken is not None), self._rr_after)
         out = []
         now = _monotonic()
@@ -600,6 +636,14 @@ class Consumer:
         if rnd.lost:
             self._refresh_owned()
         return out
+
+    def _settle_outcome(self, settled, error):
+        """``_lease_many``'s carried settlements committed: ``settled(error)``, or
+        ``error`` (a LeaseLost) reported."""
+        if settled is not None:
+            settled(error)
+        elif error is not None:
+            self._report(error)
 
     def _watch_key(self, shard_id):
         w = self._watches.get(shard_id)
@@ -637,6 +681,8 @@ class Consumer:
         """Lease up to ``max_messages`` messages, waiting up to ``timeout`` seconds for
         the first. Settle each with ack/nak/term; unsettled ones are redelivered after
         ``ack_wait_s`` (this fetch's lease length; default the consumer config's).
+
+        Settlements queued with ``settle_soon`` commit in its lease transactions.
 
         ``close()`` from another thread ends a waiting fetch at once (``[]``) and waits
         for one in the middle of a lease, so it returns that lease too; a fetch after
@@ -727,12 +773,16 @@ class Consumer:
             if self._stop.is_set():         # closing: lease nothing more
                 return []
             shards = self._next_shards()
+            soon = self._take_soon() if shards else []     # no lease to carry them: they linger
             try:
-                out = self._lease_many(shards, max_messages, ack_wait_s, handed=handed)
-            except BaseException:
+                out = self._lease_many(shards, max_messages, ack_wait_s, handed=handed,
+                                       settlements=[s for items, _f in soon for s in items],
+                                       settled=lambda e, soon=soon: _resolve_soon(soon, e))
+            except BaseException as e:
                 after_interrupt()
                 for s, _e in shards:
                     self._mark(s)
+                _resolve_soon(soon, e)
                 raise
             left = deadline - _monotonic()
             if out or left <= 0 or self._stop.is_set():
@@ -742,19 +792,9 @@ class Consumer:
     def settle(self, items):
         """Commit settlements [:class:`~fdq.Settlement`] in one transaction. Raises
         LeaseLost naming the messages whose lease moved on (they will be redelivered)."""
-        items = list(items)
+        items = self._checked(items)
         if not items:
             return
-        for s in items:
-            if not isinstance(s, Settlement) or not isinstance(s.action, Action):
-                raise ConfigError(f"settle takes fdq.Settlement(message, fdq.Action.X, ...) items, "
-                                  f"not {s!r:.80}")
-            taken = getattr(s.message, "_taken", None)
-            if taken is None or taken.lease_id is None:     # as Message._settle (it was a TypeError)
-                raise FDQError(f"message {getattr(s.message, 'id', s.message)} is not leased: "
-                               f"{s.action.value} needs at-least-once delivery")
-            if s.action is NAK:
-                _check_delay(s.delay_s)
         rows = _settle_rows(items)
         maybe_lost = []     # lost sets of attempts that may have committed
 
@@ -766,6 +806,86 @@ class Consumer:
         error = self._settled(items, lost, maybe_lost)
         if error is not None:
             raise error
+
+    @staticmethod
+    def _checked(items) -> list:
+        """``items`` as a list of Settlement of leased messages, or ConfigError/FDQError."""
+        items = list(items)
+        for s in items:
+            if not isinstance(s, Settlement) or not isinstance(s.action, Action):
+                raise ConfigError(f"settle takes fdq.Settlement(message, fdq.Action.X, ...) items, "
+                                  f"not {s!r:.80}")
+            taken = getattr(s.message, "_taken", None)
+            if taken is None or taken.lease_id is None:     # as Message._settle (it was a TypeError)
+                raise FDQError(f"message {getattr(s.message, 'id', s.message)} is not leased: "
+                               f"{s.action.value} needs at-least-once delivery")
+            if s.action is NAK:
+                _check_delay(s.delay_s)
+        return items
+
+    def settle_soon(self, items, linger_s: float = SETTLE_LINGER_S) -> concurrent.futures.Future:
+        """Commit settlements [:class:`~fdq.Settlement`] in the next lease transaction of
+        a ``fetch`` on this consumer (one commit for both; a fetch waiting for messages
+        carries them when its next lease runs), or alone once ``linger_s`` seconds passed
+        without one. Returns at once a ``concurrent.futures.Future``: its result is None
+        once they committed; its exception is what ``settle`` would have raised (LeaseLost
+        naming those of ``items`` whose lease moved on, or the error that stopped the
+        commit). For a server that fetches in a loop and settles what it delivered: one
+        commit per round instead of two. After ``close()`` the future fails (the
+        consumer's leases were returned)."""
+        items = self._checked(items)
+        if isinstance(linger_s, bool) or not isinstance(linger_s, (int, float)) or not 0 <= linger_s <= 60:
+            raise ConfigError(f"linger_s must be a number of seconds from 0 to 60, not {linger_s!r:.80}")
+        fut = concurrent.futures.Future()
+        if not items:
+            fut.set_result(None)
+            return fut
+        with self._soon_cond:
+            if self._soon_stopped:
+                fut.set_exception(FDQError(f"consumer {self.id} is closed: its leases were returned, "
+                                           f"settle before close()"))
+                return fut
+            self._soon.append((items, fut))
+            deadline = _monotonic() + linger_s
+            if self._soon_deadline is None or deadline < self._soon_deadline:
+                self._soon_deadline = deadline
+                self._soon_cond.notify()
+            if self._linger is None:
+                self._linger = threading.Thread(target=self._commit_lingering, daemon=True,
+                                                name=f"fdq-settle-soon-{self.id}")
+                self._linger.start()
+        return fut
+
+    def _take_soon(self) -> list:
+        """The ``settle_soon`` settlements waiting, taken for a commit: [(items, Future)]."""
+        if not self._soon:
+            return []
+        with self._soon_cond:
+            soon, self._soon, self._soon_deadline = self._soon, [], None
+        return soon
+
+    def _commit_lingering(self):
+        """``settle_soon``'s thread: commits what no lease transaction carried within
+        its linger; at ``close()``, what is left."""
+        while True:
+            with self._soon_cond:
+                while not self._soon_stopped:
+                    left = None if self._soon_deadline is None else self._soon_deadline - _monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    self._soon_cond.wait(left)
+                stopping = self._soon_stopped
+                soon, self._soon, self._soon_deadline = self._soon, [], None
+            if soon:
+                items = [s for its, _f in soon for s in its]
+                try:
+                    self.settle(items)
+                except Exception as e:
+                    _resolve_soon(soon, e)
+                else:
+                    _resolve_soon(soon, None)
+            if stopping:
+                return
 
     def _settled(self, items: list, lost: list, maybe_lost: list):
         """After the commit of settlements ``items``: forget their leases, visit their
@@ -826,6 +946,7 @@ class Consumer:
         self._member.join(timeout=10)
         deadline = _monotonic() + _GOODBYE_MS / 1000
         self._await_fetches(deadline)
+        self._settle_soon_now(deadline)
         self._settle_rounds(deadline)
         self._return_leases(deadline)
         for w in [*self._watches.values(), self._assign_watch]:
@@ -845,6 +966,16 @@ class Consumer:
         with self._fetch_done:
             self._fetch_done.wait_for(lambda: all(t == me for t in self._fetching),
                                       max(0.0, deadline - _monotonic()))
+
+    def _settle_soon_now(self, deadline):
+        """Commit what waits for ``settle_soon``'s linger now (its thread does, then
+        ends), so ``_return_leases`` does not return what was settled."""
+        with self._soon_cond:
+            self._soon_stopped = True
+            self._soon_cond.notify()
+            thread = self._linger
+        if thread is not None:
+            thread.join(max(0.0, deadline - _monotonic()))
 
     def _settle_rounds(self, deadline):
         """Commit what the rounds still in hand recorded (a handler still running when a

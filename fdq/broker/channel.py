@@ -22,6 +22,10 @@ log = logging.getLogger("fdq.broker")
 
 MAX_DELIVER = 0xFFFF           # NSQ never dead-letters: attempts is a uint16
 FETCH_WAIT_S = 0.5
+# FIN/REQ wait this long for the pump's next fetch to carry them in its lease transaction
+# (one commit for both) before they commit alone: a FIN on an idle channel is acked
+# within it.
+SETTLE_LINGER_S = 0.005
 
 
 class ChannelStats:
@@ -50,7 +54,8 @@ class Channel:
         self.wake = asyncio.Event()
         self._rr = 0
         self._settles = []
-        self._flushing = None
+        self._handing = False
+        self._pending = set()          # settle_soon futures not known done
         self._task = None
         self.closed = False
 
@@ -165,36 +170,61 @@ class Channel:
             for m in rest:           # nobody can take it now: back to the queue at once, no attempt counted
                 self.settle(None, m, "release")
 
-    # -- settlements, committed in batches -----------------------------------------
+    # -- settlements, carried by the pump's next fetch --------------------------------
 
     def settle(self, conn, m, action, arg=None, nsq_id: bytes = b""):
+        """Settle ``m`` (FIN: "ack", REQ: "nak" with ``arg`` seconds of delay, TOUCH,
+        "release": never delivered). Those of one turn of the loop are handed together to
+        ``Consumer.settle_soon``: the pump's next fetch commits them in its lease
+        transaction, or they commit alone after SETTLE_LINGER_S (a TOUCH at once). A
+        lease lost at commit answers ``conn`` E_FIN_FAILED / E_REQ_FAILED /
+        E_TOUCH_FAILED."""
         self._settles.append((conn, m, action, arg, nsq_id))
-        if self._flushing is None:
-            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+        if not self._handing:
+            self._handing = True
+            asyncio.get_running_loop().call_soon(self._hand)
+
+    def _hand(self):
+        self._handing = False
+        batch, self._settles = self._settles, []
+        if not batch:
+            return
+        items = [Settlement(m, Action(a), x) for _c, m, a, x, _i in batch]
+        linger = 0 if any(a == "touch" for _c, _m, a, _x, _i in batch) else SETTLE_LINGER_S
+        try:
+            fut = self.consumer.settle_soon(items, linger)
+        except FDQError as e:
+            self._failed(batch, str(e))
+            return
+        self._pending = {f for f in self._pending if not f.done()}
+        self._pending.add(fut)
+        loop = asyncio.get_running_loop()
+
+        def done(f):        # in the thread that committed them
+            e = f.exception()
+            if e is not None:
+                loop.call_soon_threadsafe(self._settled, batch, e)
+        fut.add_done_callback(done)
+
+    def _settled(self, batch, e):
+        if isinstance(e, LeaseLost):
+            lost = set(e.ids)
+            self._failed([t for t in batch if t[1].id in lost], "lease lost")
+        else:
+            self._failed(batch, str(e))
+
+    @staticmethod
+    def _failed(batch, why):
+        for conn, _m, action, _x, nsq_id in batch:
+            if conn is not None:
+                code = {"ack": "E_FIN_FAILED", "nak": "E_REQ_FAILED", "touch": "E_TOUCH_FAILED"}[action]
+                verb = {"ack": "FIN", "nak": "REQ", "touch": "TOUCH"}[action]
+                conn.send_error(nonfatal(code, f"{verb} {nsq_id.decode()} failed {why}"))
 
     async def flush(self):
-        while self._flushing is not None:
-            await asyncio.shield(self._flushing)
-
-    async def _flush(self):
-        try:
-            while self._settles:
-                batch, self._settles = self._settles, []
-                items = [Settlement(m, Action(a), x) for _c, m, a, x, _i in batch]
-                failed, why = [], ""
-                try:
-                    await self.broker.run(self.consumer.settle, items)
-                except LeaseLost as e:
-                    why = "lease lost"
-                    lost = set(e.ids)
-                    failed = [t for t in batch if t[1].id in lost]
-                except FDQError as e:
-                    why = str(e)
-                    failed = batch
-                for conn, _m, action, _x, nsq_id in failed:
-                    if conn is not None:
-                        code = {"ack": "E_FIN_FAILED", "nak": "E_REQ_FAILED", "touch": "E_TOUCH_FAILED"}[action]
-                        verb = {"ack": "FIN", "nak": "REQ", "touch": "TOUCH"}[action]
-                        conn.send_error(nonfatal(code, f"{verb} {nsq_id.decode()} failed {why}"))
-        finally:
-            self._flushing = None
+        """Wait until the settlements handed so far committed (or failed)."""
+        self._hand()
+        pending = [asyncio.wrap_future(f) for f in self._pending if not f.done()]
+        self._pending = set()
+        if pending:
+            await asyncio.wait(pending)
