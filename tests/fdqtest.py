@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -217,6 +218,44 @@ def threads_in(*names) -> list:
 
 
 # -- helpers of several test files ------------------------------------------------
+
+class CountingDatabase:
+    """``db`` itself, counting the transactions created through it: in all
+    (``transactions``) and by the creating thread (``mine()``: the calling thread's)."""
+
+    def __init__(self, db):
+        self._db = db
+        self.transactions = 0
+        self.by_thread = {}
+
+    def create_transaction(self):
+        me = threading.get_ident()
+        self.transactions += 1
+        self.by_thread[me] = self.by_thread.get(me, 0) + 1
+        return self._db.create_transaction()
+
+    def mine(self) -> int:
+        return self.by_thread.get(threading.get_ident(), 0)
+
+    def __getattr__(self, name):
+        return getattr(self._db, name)
+
+
+# Heartbeats, lease checks and sweeps far apart: a fetching thread's transactions are its
+# rounds' own (``drained_consumer``).
+QUIET = fdq.ConsumerConfig(heartbeat_interval_s=5.0, zombie_timeout_s=30.0, poll_interval_s=60.0,
+                           lease_check_interval_s=5.0)
+QUIET_WAIT_S = 10.0     # far below QUIET's 60 s sweep
+
+
+def drained_consumer(db, topic: str = "t"):
+    """A pull consumer (``QUIET``) owning ``topic``'s one shard, which it has drained and
+    watches."""
+    c = fdq.Consumer(db, topic, config=QUIET)
+    wait_for(lambda: c.owned_shards, 10, what="the shard owned")
+    assert c.fetch(10, timeout=0.2) == []       # drained: the shard is watched now
+    return c
+
 
 def fetch_until(c, cond, timeout=30):
     """Fetch repeatedly (bounded) until ``cond(all fetched so far)``; returns them."""

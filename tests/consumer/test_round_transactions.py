@@ -9,51 +9,16 @@ never aborts it and is never left to the sweep. The sweep here is a minute away:
 watch delivers in time."""
 from __future__ import annotations
 
-import threading
 
 import fdq
 from fdq.ops import queue
 
-from fdqtest import wait_for
-
-# Heartbeats, lease checks and sweeps far apart: the fetching thread's transactions are
-# the round's own.
-QUIET = fdq.ConsumerConfig(heartbeat_interval_s=5.0, zombie_timeout_s=30.0, poll_interval_s=60.0,
-                           lease_check_interval_s=5.0)
-WAIT_S = 10.0     # far below the 60 s sweep
-
-
-class CountingDatabase:
-    """``db`` itself, counting the transactions each thread creates through it."""
-
-    def __init__(self, db):
-        self._db = db
-        self.by_thread = {}
-
-    def create_transaction(self):
-        me = threading.get_ident()
-        self.by_thread[me] = self.by_thread.get(me, 0) + 1
-        return self._db.create_transaction()
-
-    def mine(self) -> int:
-        return self.by_thread.get(threading.get_ident(), 0)
-
-    def __getattr__(self, name):
-        return getattr(self._db, name)
-
-
-def _drained_consumer(db):
-    """A pull consumer owning the topic's one shard, which it has drained and watches."""
-    c = fdq.Consumer(db, "t", config=QUIET)
-    wait_for(lambda: c.owned_shards, 10, what="the shard owned")
-    assert c.fetch(10, timeout=0.2) == []       # drained: the shard is watched now
-    return c
-
+from fdqtest import QUIET, QUIET_WAIT_S as WAIT_S, CountingDatabase, drained_consumer, wait_for
 
 def test_a_round_that_drains_its_shard_is_one_transaction_and_sets_its_watch(db):
     fdq.Supervisor(db).create_topic("t", shards=1)
     counting = CountingDatabase(db)
-    c = _drained_consumer(counting)
+    c = drained_consumer(counting)
     p = fdq.Producer(db)
     try:
         p.push_many("t", [fdq.Envelope(b"%d" % i) for i in range(3)])
@@ -73,7 +38,7 @@ def test_a_push_during_the_lease_transaction_neither_aborts_it_nor_is_missed(db,
     commits at its first attempt (no conflict, no retry backoff), and the push is
     delivered by the next round (the round's watch fired), and so is a push after it."""
     fdq.Supervisor(db).create_topic("t", shards=1)
-    c = _drained_consumer(db)
+    c = drained_consumer(db)
     p = fdq.Producer(db)
     lease_batch = queue.lease_batch
     raced, calls = [], []

@@ -11,8 +11,7 @@ import pytest
 import fdq
 from fdq import Action, Settlement
 
-from fdqtest import sub_stats, wait_for
-from test_round_transactions import QUIET, WAIT_S, CountingDatabase, _drained_consumer
+from fdqtest import QUIET, QUIET_WAIT_S as WAIT_S, CountingDatabase, drained_consumer, sub_stats, wait_for
 
 
 def test_settlements_waiting_are_committed_by_the_next_fetch_in_its_lease_transaction(db):
@@ -21,7 +20,7 @@ def test_settlements_waiting_are_committed_by_the_next_fetch_in_its_lease_transa
     one transaction, with a linger far longer than the test (no commit of their own)."""
     fdq.Supervisor(db).create_topic("t", shards=1)
     counting = CountingDatabase(db)
-    c = _drained_consumer(counting)
+    c = drained_consumer(counting)
     p = fdq.Producer(db)
     try:
         p.push_many("t", [fdq.Envelope(b"%d" % i) for i in range(3)])

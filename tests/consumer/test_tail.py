@@ -14,7 +14,7 @@ import pytest
 
 import fdq
 
-from fdqtest import fast, sub_stats, wait_for
+from fdqtest import CountingDatabase, fast, sub_stats, wait_for
 
 
 SLOW_SWEEP = fdq.ConsumerConfig(heartbeat_interval_s=0.2, zombie_timeout_s=1.5, poll_interval_s=60.0,
@@ -74,22 +74,6 @@ def test_quiet_shard_messages_arrive_without_the_sweep(db, acking):
             wait_for(b)
     finally:
         c.shutdown()
-
-
-class CountingDatabase:
-    """``db`` itself, counting the transactions created through it (what a consumer
-    spinning on a failed watch would show)."""
-
-    def __init__(self, db):
-        self._db = db
-        self.transactions = 0
-
-    def create_transaction(self):
-        self.transactions += 1
-        return self._db.create_transaction()
-
-    def __getattr__(self, name):
-        return getattr(self._db, name)
 
 
 def test_a_consumer_out_of_watches_polls_instead_of_spinning(db_url):
