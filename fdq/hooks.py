@@ -7,7 +7,7 @@ A hook is an object with any of these methods (:class:`Hook` has them all, doing
         change in place (an ``Envelope`` with more headers, say: what is pushed)
     push_end(state, topic, envelopes, results, error, seconds)
         when the push's outcome is known (``push_async``: in the thread that committed
-        it): ``results`` the PushResults (``push_stream``: of the messages this
+        it; ``fdq.aio.push``: on its event loop, ordered with a cancel): ``results`` the PushResults (``push_stream``: of the messages this
         transaction took, maybe fewer) or None, ``error`` the exception or None (both
         None: a ``push_async`` future cancelled first; the push may still be stored),
         ``seconds`` since ``push_begin``
