@@ -1,6 +1,7 @@
 """What the benchmarks share: one percentile rule, the timed loop, the engine's commit
-counter, the consumers' quick config, the common options, the machine line, and the
-table output (rich for people, markdown for RESULTS.md, JSON for scripts).
+counter, the consumers' quick config, the common options, the machine line, the
+table output (rich for people, markdown for RESULTS.md, JSON for scripts), and the
+servers' processes (a free loopback port, a process's CPU, stopping one by PID).
 
 Run the benchmarks as modules from the repository root (``python -m bench.queue_bench``)."""
 from __future__ import annotations
@@ -10,7 +11,9 @@ import json
 import os
 import platform
 import shutil
+import socket
 import sqlite3
+import subprocess
 import sys
 import time
 from time import perf_counter
@@ -123,3 +126,29 @@ def output(args, title: str, rows: list, columns: list, *, text_columns=("case",
     for r in rows:
         t.add_row(*[fmt(r.get(c)) if c in r else "" for c in used])
     Console(width=max(160, shutil.get_terminal_size().columns)).print(t)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) of process ``pid`` so far, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 30.0, *, stop=None):
+    """End ``proc`` (a server this run started): ``stop(proc)`` (default: SIGTERM), then
+    SIGKILL if it has not exited within ``timeout``; reaped either way."""
+    if proc.poll() is None:
+        (stop or subprocess.Popen.terminate)(proc)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)

@@ -80,7 +80,7 @@ import urllib.request
 from collections import Counter
 
 from bench import nsqd as nsqd_ref
-from bench._common import fmt, machine, output, pct
+from bench._common import fmt, machine, output, pct, process_cpu_s, stop_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASE_LIMIT_S = 20.0
@@ -199,22 +199,9 @@ class FdqBroker:
         self.http = parts["http"]
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+        stop_process(self.proc)
         self.proc.stdout.close()
         self.log.close()
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads), from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class CpuWindow:
@@ -226,10 +213,10 @@ class CpuWindow:
         self.pid = srv.pid
         if getattr(srv, "profile_in", None) and srv.spy is None:
             srv.spy = Profile(srv.pid, srv.profile_in)
-        self.c0, self.t0 = cpu_s(self.pid), time.perf_counter()
+        self.c0, self.t0 = process_cpu_s(self.pid), time.perf_counter()
 
     def cores(self) -> float:
-        return (cpu_s(self.pid) - self.c0) / (time.perf_counter() - self.t0)
+        return (process_cpu_s(self.pid) - self.c0) / (time.perf_counter() - self.t0)
 
 
 # -- the server cases: fn(srv) -> figures ---------------------------------------------------
@@ -513,13 +500,7 @@ class Profile:
         self.t0 = time.perf_counter()
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+        stop_process(self.proc, stop=lambda p: p.send_signal(signal.SIGINT))
         self.proc.stdout.close()
         self.err.close()
 
@@ -709,7 +690,7 @@ def channels(counts, rounds, per_round, size, root=ROOT):
                 got = b""
                 while len(got) < 10:
                     got += s.recv(10 - len(got))
-            broker = _rounds(counts, rounds, per_round, pub, lambda: cpu_s(b.pid))
+            broker = _rounds(counts, rounds, per_round, pub, lambda: process_cpu_s(b.pid))
             s.close()
         finally:
             b.stop()

@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
+
+from bench._common import free_port, stop_process
 
 # (owner/name, commit, import path): nsqd v1.3.0 and what it needs beyond Debian's packages.
 SOURCES = (
@@ -177,12 +178,6 @@ def _run(cmd, **kw) -> str:
     return r.stdout
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Nsqd:
     """nsqd on loopback (TCP and HTTP on free ports) with a fresh ``--data-path`` in
     ``tmp``, every message through its disk queue (``--mem-queue-size=0``, the closest to
@@ -214,13 +209,7 @@ class Nsqd:
             time.sleep(0.05)
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(15)
+        stop_process(self.proc, 15)
         self.log.close()
 
 

@@ -60,7 +60,7 @@ from time import perf_counter
 
 # redis and nats are imported where they are used: optional (the 'bench' extra), a peer
 # without its package is skipped.
-from bench._common import output, parser, pct, progress, timed
+from bench._common import free_port, output, parser, pct, process_cpu_s, progress, timed
 from bench.queue_bench import (BODY, bench_consume, bench_latency, bench_latency_raw, bench_push_many,
                                bench_push_single)
 
@@ -79,19 +79,6 @@ DURABILITY = {
 
 
 # -- servers -----------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of process ``pid`` so far, from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
 
 @contextlib.contextmanager
 def server(argv, port, workdir, start_s=15.0):
