@@ -585,6 +585,24 @@ def _await(what: str, ready, procs: list, timeout: float):
             raise TimeoutError(f"{what}: not done in {timeout:.0f} s")
 
 
+def _pair(what: str, cons, prod, ready, outs: list) -> list:
+    """Start consumer process ``cons``, then, once it set ``ready``, producer ``prod``;
+    -> the item of each of ``outs`` [(what it is, queue, timeout s)] in turn (``_await``:
+    failing at once if a process dies). Both reaped; killed on error."""
+    procs = [cons]
+    try:
+        cons.start()
+        _await(f"{what}: consumer start", ready, procs, 60)
+        prod.start()
+        procs.append(prod)
+        got = [_await(f"{what}: {name}", q, procs, timeout) for name, q, timeout in outs]
+    except BaseException:
+        _reap(procs, True)
+        raise
+    _reap(procs, False)
+    return got
+
+
 def _reap(procs: list, failed: bool):
     """The case's processes: joined (they end on their own once the result is in), or,
     after an error, killed at once."""
@@ -603,18 +621,8 @@ def bench_latency(url, rate, seconds, mode="at_least_once"):
     n = int(rate * seconds)
     cons = ctx.Process(target=_latency_consumer, args=(url, n, seconds + 60, ready, q, mode), name="consumer")
     prod = ctx.Process(target=_latency_producer, args=(url, rate, seconds, pq), name="producer")
-    procs = [cons]
-    try:
-        cons.start()
-        _await("latency consumer start", ready, procs, 60)
-        prod.start()
-        procs.append(prod)
-        lat, cpu, commits, read_only, retried, rate_in = _await("latency run", q, procs, seconds + 120)
-        pushed_per_s = _await("latency producer", pq, procs, 30)
-    except BaseException:
-        _reap(procs, True)
-        raise
-    _reap(procs, False)
+    (lat, cpu, commits, read_only, retried, rate_in), pushed_per_s = _pair(
+        "latency", cons, prod, ready, [("consumer's result", q, seconds + 120), ("producer's rate", pq, 30)])
     k = max(len(lat), 1)
     return {"p50_ms": pct(lat, .5), "p99_ms": pct(lat, .99), "max_ms": max(lat) if lat else float("nan"),
             "delivered": len(lat), "pushed": n, "pushed_per_s": pushed_per_s, "delivered_per_s": rate_in,
@@ -665,17 +673,7 @@ def bench_latency_raw(path, rate, seconds):
     n = int(rate * seconds)
     cons = ctx.Process(target=_raw_poll_consumer, args=(path, n, seconds + 60, ready, q), name="consumer")
     prod = ctx.Process(target=_raw_poll_producer, args=(path, rate, seconds), name="producer")
-    procs = [cons]
-    try:
-        cons.start()
-        _await("raw latency consumer start", ready, procs, 60)
-        prod.start()
-        procs.append(prod)
-        lat, cpu = _await("raw latency run", q, procs, seconds + 120)
-    except BaseException:
-        _reap(procs, True)
-        raise
-    _reap(procs, False)
+    (lat, cpu), = _pair("raw latency", cons, prod, ready, [("consumer's result", q, seconds + 120)])
     return {"p50_ms": pct(lat, .5), "p99_ms": pct(lat, .99), "max_ms": max(lat) if lat else float("nan"),
             "delivered": len(lat), "pushed": n, "consumer_cpu_ms_per_msg": cpu * 1000 / max(len(lat), 1)}
 
