@@ -140,15 +140,17 @@ def test_the_signal_reports_a_watched_file_gone(tmp_path):
         s.close()
 
 
-def _settled(mgr):
-    """Until the watch thread sleeps on the signal with nothing left to check."""
+def _settled(mgr, after: int = -1):
+    """Until the watch thread sleeps on the signal with nothing left to check, its last
+    check newer than version ``after`` (a commit it has checked)."""
     deadline = time.monotonic() + FIRE_BOUND_S
     while time.monotonic() < deadline:
         with mgr.cond:
-            if mgr.sleeping and not mgr.kick and not mgr.checking and mgr.checked_version is not None:
+            if mgr.sleeping and not mgr.kick and not mgr.checking and mgr.checked_version is not None \
+                    and mgr.checked_version > after:
                 return
         time.sleep(0.001)
-    raise AssertionError("the watch thread did not settle")
+    raise AssertionError("the watch thread did not settle" + (f" after version {after}" if after >= 0 else ""))
 
 
 @pytest.mark.slow
@@ -169,15 +171,7 @@ def test_a_watch_whose_snapshot_missed_a_checked_commit_fires(embedded, monkeypa
         tr = embedded.db.create_transaction()
         tr[k]       # opens the snapshot: the baseline
         collect(spawn("set", embedded.url, key=k.hex(), value=(b"v%d" % i).hex()))
-        deadline = time.monotonic() + FIRE_BOUND_S     # the thread checks that commit
-        while time.monotonic() < deadline:
-            with mgr.cond:
-                if mgr.sleeping and not mgr.kick and not mgr.checking \
-                        and mgr.checked_version is not None and mgr.checked_version > tr._rv:
-                    break
-            time.sleep(0.001)
-        else:
-            raise AssertionError("the watch thread did not check the commit")
+        _settled(mgr, after=tr._rv)     # the thread checks that commit
         f = tr.watch(k)
         tr.commit().wait()
         assert wait_ready(f, FIRE_BOUND_S), i
@@ -383,15 +377,7 @@ def test_a_watch_set_by_a_writing_transaction_fires_for_a_conflict_free_write_it
         tr[embedded.k(b"lease")] = b"%d" % i
         subprocess.run([sys.executable, "-c", _CONFLICT_FREE_SET, embedded.url, k.hex(), (b"p%d" % i).hex()],
                        check=True, timeout=60)
-        deadline = time.monotonic() + FIRE_BOUND_S     # the thread checks that commit
-        while time.monotonic() < deadline:
-            with mgr.cond:
-                if mgr.sleeping and not mgr.kick and not mgr.checking \
-                        and mgr.checked_version is not None and mgr.checked_version > tr._rv:
-                    break
-            time.sleep(0.001)
-        else:
-            raise AssertionError("the watch thread did not check the commit")
+        _settled(mgr, after=tr._rv)     # the thread checks that commit
         tr.commit().wait()      # no conflict: the write took no conflict range
         assert wait_ready(f, FIRE_BOUND_S), i
     assert not keep.is_ready()
