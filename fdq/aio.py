@@ -263,6 +263,8 @@ class Consumer:
                     if timeout is not None and loop.time() - last >= timeout:
                         return
                     continue
+                if hooks.active:
+                    hooks.received(msgs)    # tracing: a receive span linked to each message's
                 b.begin(c, msgs)
                 for m in msgs:
                     c._mark_handed(m)

@@ -25,8 +25,9 @@ A hook is an object with any of these methods (:class:`Hook` has them all, doing
         round's messages); ``outcome`` is ``"error"`` (it raised) or ``"ok"``
 
     receive(messages)
-        in the thread of a pull consumer's ``fetch()`` (or ``messages()``'s lease) that
-        leased ``messages`` (one call, nothing to finish)
+        in the thread of a pull consumer's ``fetch()`` (or ``messages()``'s lease;
+        ``fdq.aio.Consumer.messages()``: on its event loop) that leased ``messages``
+        (one call, nothing to finish)
 
 A hook whose ``*_begin`` returns :data:`SKIP` has nothing to finish: its ``*_end`` is not
 called for that push or handler call (the tracing hook without a tracer provider); when

@@ -165,7 +165,15 @@ def test_a_batch_handler_runs_in_one_span_linked_to_each_messages_send(db, trace
         assert first.attributes["fdq.outcome"] == "ok"
 
 
-@pytest.mark.parametrize("how", ["fetch", "messages"])
+async def _first_of_aio_messages(db, tracer):
+    async with await fdq.aio.Consumer.open(db, "orders", config=FAST) as c:
+        with tracer.start_as_current_span("poll") as poll:
+            async for m in c.messages(timeout=10):
+                m.ack()
+                return poll
+
+
+@pytest.mark.parametrize("how", ["fetch", "messages", "fdq.aio messages"])
 def test_a_pull_consumers_lease_records_a_receive_span_linked_to_each_message(db, traced, how):
     fdq.Supervisor(db).create_topic("orders", shards=1)
     p = fdq.Producer(db)
@@ -173,13 +181,16 @@ def test_a_pull_consumers_lease_records_a_receive_span_linked_to_each_message(db
         with traced.tracer.start_as_current_span(f"request {i}"):
             p.push("orders", b"o%d" % i)
     sends = {s.context.span_id for s in traced.spans("send orders")}
-    with fdq.Consumer(db, "orders", config=FAST) as c, traced.tracer.start_as_current_span("poll") as poll:
-        if how == "fetch":
-            got = wait_for(lambda: c.fetch(10, timeout=0.5), 30, what="a fetch")
-        else:
-            got = [next(iter(c.messages(timeout=10)))]
-        for m in got:
-            m.ack()
+    if how == "fdq.aio messages":
+        poll = asyncio.run(_first_of_aio_messages(db, traced.tracer))
+    else:
+        with fdq.Consumer(db, "orders", config=FAST) as c, traced.tracer.start_as_current_span("poll") as poll:
+            if how == "fetch":
+                got = wait_for(lambda: c.fetch(10, timeout=0.5), 30, what="a fetch")
+            else:
+                got = [next(iter(c.messages(timeout=10)))]
+            for m in got:
+                m.ack()
     receive, = traced.spans("receive orders")
     assert receive.kind is SpanKind.CLIENT
     assert receive.parent.span_id == poll.get_span_context().span_id
