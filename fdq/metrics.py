@@ -67,6 +67,11 @@ With ``process_metrics=True`` (the default) the collector also registers a hook
                                                                           ``term``, ``ok`` (nothing to settle: at
                                                                           most once, exactly once), ``error`` (it
                                                                           raised)
+``fdq_batch_handler_duration_seconds{topic,subscription,``     histogram  one per batch handler call
+``outcome}``                                                              (``batch=True``): ``ok`` (it returned),
+                                                                          ``error`` (it raised)
+``fdq_batch_handled_messages_total{topic,subscription,``       counter    the messages of those calls, by their
+``outcome}``                                                              call's outcome
 =============================================================  =========  ==========================================
 
 ``process_metrics=False`` leaves them out (and registers no hook: a push then costs what
@@ -278,15 +283,24 @@ class ProcessMetrics(hooks.Hook):
             "fdq_handled_messages", "Handler calls of this process's tails, by outcome "
             "(ack, nak, term, ok: nothing to settle, error: it raised)",
             ["topic", "subscription", "outcome"], registry=None)
+        self.batch_seconds = Histogram(
+            "fdq_batch_handler_duration_seconds", "Seconds a tail's batch handler call took, by outcome",
+            ["topic", "subscription", "outcome"], buckets=HANDLER_BUCKETS, registry=None)
+        self.batch_handled = Counter(
+            "fdq_batch_handled_messages", "Messages given to batch handler calls of this process's tails, "
+            "by the call's outcome (ok: it returned, error: it raised)",
+            ["topic", "subscription", "outcome"], registry=None)
         self._push = {}         # topic: its histogram's child
         self._pushed = {}       # (topic, outcome): counter child
         self._handle = {}       # (topic, subscription, outcome): (histogram child, counter child)
+        self._batch = {}        # the same, of batch handler calls
 
     def __repr__(self):
         return "fdq.metrics.ProcessMetrics()"
 
     def collect(self):
-        for metric in (self.push_seconds, self.pushed, self.handler_seconds, self.handled):
+        for metric in (self.push_seconds, self.pushed, self.handler_seconds, self.handled, self.batch_seconds,
+                       self.batch_handled):
             yield from metric.collect()
 
     def _count(self, topic: str, outcome: str, n: int):
@@ -318,6 +332,14 @@ class ProcessMetrics(hooks.Hook):
             children = self._handle[key] = (self.handler_seconds.labels(*key), self.handled.labels(*key))
         children[0].observe(seconds)
         children[1].inc()
+
+    def handle_batch_end(self, state, messages: list, outcome: str, error, seconds: float):
+        key = (messages[0].topic, messages[0].subscription, outcome)
+        children = self._batch.get(key)
+        if children is None:
+            children = self._batch[key] = (self.batch_seconds.labels(*key), self.batch_handled.labels(*key))
+        children[0].observe(seconds)
+        children[1].inc(len(messages))
 
 
 def _database_families(topics: list, consumer_labels: bool) -> list:

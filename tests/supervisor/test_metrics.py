@@ -464,11 +464,46 @@ def test_handled_messages_by_outcome_in_fdq_aio_tail(db, registry):
     check_histograms(samples, "t", tally)
 
 
+def test_batch_handler_calls_and_their_messages_by_outcome(db, registry):
+    """A batch handler call is one observation of its own histogram; its messages are
+    counted by the call's outcome (ok: returned, error: raised, then redelivered)."""
+    fdq.Supervisor(db).create_topic("b", shards=1)
+    p = fdq.Producer(db)
+    p.push_many("b", [b"m%d" % i for i in range(6)])
+    fdq.metrics.register(db, registry)
+    calls, lock = [], threading.Lock()
+
+    def handler(msgs):
+        with lock:
+            failing = not calls
+            calls.append(("error" if failing else "ok", len(msgs)))
+        if failing:
+            raise ValueError("the first call fails")
+
+    def handled(outcome):
+        with lock:
+            return sum(n for o, n in calls if o == outcome)
+
+    t = fdq.tail(db, "b", handler, batch=True, config=FAST, on_error=lambda e: None)
+    try:
+        wait_for(lambda: handled("ok") >= 6, timeout=60, what="every message handled by a call that returned")
+    finally:
+        t.shutdown()
+    lab = {"topic": "b", "subscription": "default"}
+    samples = scrape(registry)
+    for outcome in ("ok", "error"):
+        n_calls = sum(1 for o, _n in calls if o == outcome)
+        assert value(samples, "fdq_batch_handler_duration_seconds_count", **lab, outcome=outcome) == n_calls
+        assert value(samples, "fdq_batch_handled_messages_total", **lab, outcome=outcome) == handled(outcome)
+    assert handled("error") >= 1
+    assert not any(n.startswith("fdq_handled_messages") for n in names(samples))   # not per-message calls
+
+
 def test_process_metrics_false_registers_no_hook_and_exports_no_push_or_handler_family(db, registry):
     fdq.metrics.register(db, registry, process_metrics=False)
     fdq.Producer(db).push("t", b"x")
     assert not any(isinstance(h, fdq.metrics.ProcessMetrics) for h in fdq.hooks.registered())
-    assert not any(n.startswith(("fdq_push_", "fdq_pushed_", "fdq_handle")) for n in names(scrape(registry)))
+    assert not any(n.startswith(("fdq_push_", "fdq_pushed_", "fdq_handle", "fdq_batch_")) for n in names(scrape(registry)))
 
 
 def test_closing_the_collector_unregisters_its_hook(db, registry):
