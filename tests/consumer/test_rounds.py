@@ -27,13 +27,13 @@ def test_a_batch_longer_than_the_ack_wait_is_not_redelivered(db, touching, max_c
 
     def handler(m):
         seen.append((m.body, m.attempts))
-        if touching:            # 1.8 s of work on each, its lease extended as it goes
-            for _ in range(3):
-                time.sleep(0.6)
+        if touching:            # 2 s of work on each, its lease extended every 0.5 s
+            for _ in range(4):
+                time.sleep(0.5)
                 m.in_progress()
         else:                   # each within the ack wait, the batch 2.4 s
             time.sleep(0.6)
-    ack_wait = 1.2 if touching else 1.5
+    ack_wait = 1.5
     c = fdq.tail(db, "t", handler, batch_size=4, on_error=errors.append,
                  config=fast(ack_wait_s=ack_wait, max_concurrency=max_concurrency))
     try:
