@@ -368,27 +368,17 @@ async def tail(db, topic: str, handler, acking: bool | None = None, transactiona
     return AsyncTail(consumer, handler, acking is not False, poll_s)
 
 
-def push_soon(producer, topic: str, body: bytes, *, shard_key: str | None = None, msg_id: str | None = None,
-              delay: float | None = None, headers=None, ttl: float | None = None) -> asyncio.Future:
-    """Queue a push now (:meth:`fdq.Producer.push`'s arguments) with the producer's
-    other pending pushes (group commit, committed by its flusher thread) and return a
-    future of this loop resolved with its PushResult after the commit: many pushes in
-    flight from one task, no task each. Bad arguments raise at once, as
-    ``push_async``'s. Cancelling the future does not recall the push (it may still be
-    stored); it counts as cancelled (``fdq.hooks``' push_end gets no results and no
-    error, as for a cancelled ``push_async`` future), not as pushed."""
-    loop = asyncio.get_running_loop()
-    return producer._push_async(loop.create_future(), loop, topic, body, shard_key, msg_id, delay, headers, ttl)
-
-
 async def push(producer, topic: str, body: bytes, *, shard_key: str | None = None, msg_id: str | None = None,
                delay: float | None = None, headers=None, ttl: float | None = None):
     """``await`` a push (:meth:`fdq.Producer.push`'s arguments) without blocking the
-    loop (:func:`push_soon`, awaited). Returns the PushResult. Cancelling the awaiting
-    task does not recall the push (it may still be stored); the push counts as
-    cancelled."""
-    return await push_soon(producer, topic, body, shard_key=shard_key, msg_id=msg_id, delay=delay,
-                           headers=headers, ttl=ttl)
+    loop: queued with the producer's other pending pushes (group commit, committed by its
+    flusher thread), resolved on this loop after its commit. Returns the PushResult.
+    Cancelling the awaiting task does not recall the push (it may still be stored); the
+    push counts as cancelled (``fdq.hooks``' push_end gets no results and no error, as
+    for a cancelled ``push_async`` future), not as pushed."""
+    loop = asyncio.get_running_loop()
+    return await producer._push_async(loop.create_future(), loop, topic, body, shard_key, msg_id, delay,
+                                      headers, ttl)
 
 
-__all__ = ["tail", "push", "push_soon", "AsyncTail", "Consumer"]
+__all__ = ["tail", "push", "AsyncTail", "Consumer"]

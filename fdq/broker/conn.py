@@ -603,18 +603,11 @@ class Conn:
             return p.response()
         self._out.put_nowait(result())
 
-    def _push(self, topic: str, body: bytes, **kwargs) -> asyncio.Future:
-        """A push queued with every other connection's (``fdq.aio.push_soon``: the
-        producer's group commit, one commit for all that is queued, resolved on this
-        loop), so this connection reads on while it commits; refused at once (bad
-        arguments), a future with that error, answered in command order as a failed
-        commit is."""
-        try:
-            return aio.push_soon(self.broker.producer, topic, body, **kwargs)
-        except FDQError as e:
-            fut = asyncio.get_running_loop().create_future()
-            fut.set_exception(e)
-            return fut
+    def _push(self, topic: str, body: bytes, **kwargs):
+        """A push queued with every other connection's (``fdq.aio.push``: the producer's
+        group commit, one commit for all that is queued, resolved on this loop): a task,
+        so this connection reads on while it commits."""
+        return asyncio.get_running_loop().create_task(aio.push(self.broker.producer, topic, body, **kwargs))
 
     def _track_publish(self, fut, size: int):
         """Count publish ``fut`` as pending until it is done."""

@@ -180,11 +180,9 @@ def test_an_unexpected_failure_ends_the_connection_with_e_internal_and_one_log_l
     if where == "IDENTIFY":
         monkeypatch.setattr(p, "negotiate", lambda data, limits: 1 / 0)
     else:
-        def push_soon(*_a, **_k):                       # a push whose commit fails unexpectedly
-            fut = asyncio.get_running_loop().create_future()
-            fut.set_exception(ZeroDivisionError("division by zero"))
-            return fut
-        monkeypatch.setattr(fdq.aio, "push_soon", push_soon)    # the broker's PUB: fdq.aio.push_soon
+        async def push(*_a, **_k):
+            return 1 / 0
+        monkeypatch.setattr(fdq.aio, "push", push)      # the broker's PUB: fdq.aio.push
     caplog.set_level(logging.INFO, logger="fdq.broker")
     for _ in range(3):
         out, conn = loop.run_until_complete(run_conn(broker, p.MAGIC_V2 + data))

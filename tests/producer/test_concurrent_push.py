@@ -1,6 +1,5 @@
 """Many callers pushing one message each at once (a web service: threads calling
-``push``, asyncio tasks awaiting ``fdq.aio.push``, one task with many
-``fdq.aio.push_soon`` in flight) share commits. Each call returns only
+``push``, asyncio tasks awaiting ``fdq.aio.push``) share commits. Each call returns only
 after its own commit; a bad message fails its own caller only; an error of a commit
 reaches every caller of it; aio callers on several loops are each resolved on their own
 loop; a cancelled aio push is stored all the same and strands nobody."""
@@ -105,32 +104,6 @@ def test_aio_pushes_resolve_after_their_commit_with_a_bad_one_failing_alone(db):
     good = [r for t, out in enumerate(got) if t % 64 for r in out]
     assert fdq.Supervisor(db).stats("t")["counters"]["inserted"] == len(good)
     assert _commits(good) < len(good)       # they did share commits (a batch with a bad one splits)
-
-
-def test_aio_push_soon_queues_many_pushes_from_one_task_in_order(db):
-    """``fdq.aio.push_soon`` queues a push and returns its future at once: one task puts
-    many in flight, they share commits, each future resolves after its own commit, and
-    one key's messages are stored in the order they were queued. A bad name raises at
-    once and queues nothing."""
-    fdq.Supervisor(db).create_topic("t", shards=4)
-    p = fdq.Producer(db)
-
-    async def main():
-        with pytest.raises(fdq.errors.InvalidName):
-            fdq.aio.push_soon(p, "no spaces here", b"x")
-        futs = [fdq.aio.push_soon(p, "t", b"%d" % i, shard_key="k") for i in range(300)]
-        assert not any(f.done() for f in futs[-10:])     # queued, not committed inline
-        out = []
-        for f in futs:
-            r = await asyncio.wait_for(f, 60)
-            out.append(r if _stored(db, r) else AssertionError(f"{r.id} not stored when its future resolved"))
-        return out
-    got = asyncio.run(main())
-    assert all(isinstance(r, fdq.PushResult) for r in got), got
-    ids = [parse_message_id(r.id) for r in got]
-    assert ids == sorted(ids)
-    assert _commits(got) < len(got)
-    assert fdq.Supervisor(db).stats("t")["counters"]["inserted"] == 300
 
 
 def test_aio_pushes_from_two_loops_in_one_commit_resolve_each_on_its_own_loop(db):
