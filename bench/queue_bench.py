@@ -589,9 +589,10 @@ def _pair(what: str, cons, prod, ready, outs: list) -> list:
     """Start consumer process ``cons``, then, once it set ``ready``, producer ``prod``;
     -> the item of each of ``outs`` [(what it is, queue, timeout s)] in turn (``_await``:
     failing at once if a process dies). Both reaped; killed on error."""
-    procs = [cons]
+    procs = []
     try:
         cons.start()
+        procs.append(cons)
         _await(f"{what}: consumer start", ready, procs, 60)
         prod.start()
         procs.append(prod)
