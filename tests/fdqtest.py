@@ -90,15 +90,22 @@ def wait_for(cond, timeout: float = 60.0, what: str = "condition", interval: flo
         time.sleep(interval)
 
 
+def readable(fd, timeout: float) -> bool:
+    """Whether ``fd`` (a descriptor or a file) has something to read, or its end, within
+    ``timeout`` seconds. Through epoll: ``select.select`` refuses descriptors past 1023,
+    which a test worker that has run many tests can be given."""
+    import selectors
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        return bool(sel.select(max(0.0, timeout)))
+
+
 def readline_within(proc, timeout: float = 60.0, what: str = "a line"):
     """The next line of ``proc.stdout`` (a pipe), failing the test if none comes within
     ``timeout`` seconds (a child stuck before it prints must not hang the run). Returns
     what ``readline()`` returns (empty at end of output)."""
-    import selectors
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            raise AssertionError(f"timed out after {timeout}s waiting for {what} from pid {proc.pid}")
+    if not readable(proc.stdout, timeout):
+        raise AssertionError(f"timed out after {timeout}s waiting for {what} from pid {proc.pid}")
     return proc.stdout.readline()
 
 

@@ -9,7 +9,6 @@ import json
 import os
 import pty
 import re
-import select
 import struct
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import pytest
 
 import fdq
 from fdq.cli.rows import FREE_TEXT_COLUMNS
-from fdqtest import FAST, FAST_STEADY, wait_for
+from fdqtest import FAST, FAST_STEADY, readable, wait_for
 
 FDQ = Path(sys.executable).parent / "fdq"
 BOX = re.compile(r"[┃━│╇┏┓┗┛─┡┩]")
@@ -88,8 +87,8 @@ def in_terminal(url, argv, columns=80, timeout=60) -> str:
     out, deadline = b"", time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
-            if not select.select([master], [], [], 0.5)[0]:
-                if proc.poll() is not None and not select.select([master], [], [], 0.1)[0]:
+            if not readable(master, 0.5):
+                if proc.poll() is not None and not readable(master, 0.1):
                     break
                 continue
             try:

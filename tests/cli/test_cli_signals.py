@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import select
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import time
 from pathlib import Path
 
 import fdq
-from fdqtest import wait_for
+from fdqtest import readable, wait_for
 
 FDQ = Path(sys.executable).parent / "fdq"
 
@@ -53,8 +52,7 @@ def _read_lines(p, n: int, timeout: float) -> list:
     fd, buf = p.stdout.fileno(), b""
     deadline = time.monotonic() + timeout
     while buf.count(b"\n") < n:
-        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
+        if not readable(fd, deadline - time.monotonic()):
             raise AssertionError(f"{len(buf.splitlines())} of {n} lines from pid {p.pid} within {timeout} s")
         chunk = os.read(fd, 1 << 16)
         assert chunk, f"pid {p.pid} closed its stdout after {buf!r}"
