@@ -1,8 +1,10 @@
 """``fdq.connect``: bad URLs give ConnectError naming the URL and the cause; a database
-of a newer layout is refused with FormatError."""
+of a newer layout is refused with FormatError; a connection dropped leaves no open
+descriptor behind."""
 from __future__ import annotations
 
 import ctypes.util
+import gc
 import os
 import sqlite3
 import subprocess
@@ -15,7 +17,7 @@ import pytest
 import fdq
 from fdq.keyspace import Keyspace
 from fdq.keyspace.format import FORMAT_VERSION, ensure_format
-from fdqtest import ON_FDB
+from fdqtest import ON_FDB, wait_for
 
 FDQ = Path(sys.executable).parent / "fdq"
 
@@ -216,3 +218,21 @@ def test_default_url(tmp_path, monkeypatch):
     assert db.path == os.path.join(str(tmp_path / "home"), "fdq.db")
     monkeypatch.setenv("FDQ_URL", f"sqlite://{tmp_path / 'env.db'}")
     assert fdq.connect().path == str(tmp_path / "env.db")
+
+
+def test_connecting_again_and_again_leaves_no_descriptor_behind(url):
+    """A service may connect per request: what each connection opened (the embedded
+    engine's version clock descriptors, its watcher probe) goes with it or is shared,
+    so this process's descriptors stay bounded."""
+    def open_fds() -> int:
+        gc.collect()
+        return len(os.listdir("/proc/self/fd"))
+    fdq.Supervisor(fdq.connect(url)).create_topic("t")
+    before = open_fds()
+    for _ in range(40):
+        db = fdq.connect(url)
+        fdq.Producer(db).push("t", b"x")
+        with fdq.Consumer(db, "t") as c:
+            c.fetch(1, timeout=0.01)
+        del db, c
+    wait_for(lambda: open_fds() <= before + 8, 30, what=f"this process's descriptors back near {before}")

@@ -6,6 +6,7 @@ Each test makes the poll that would otherwise find the change far slower than th
 bound, so it fails if the path under test does not work."""
 from __future__ import annotations
 
+import gc
 import os
 import sqlite3
 import subprocess
@@ -339,6 +340,27 @@ def test_a_watch_in_another_process_is_woken_by_this_ones_commit(embedded, monke
         _set(embedded.db, k, b"v%d" % i)
         assert collect(proc) == {"fired": True, "value": (b"v%d" % i).hex()}, i
     assert keep is None or not keep.is_ready()
+
+
+def test_connections_coming_and_going_beside_a_watch_keep_its_process_signalled(embedded, monkeypatch):
+    """A process's watch thread announces itself to other processes' commits by a POSIX
+    lock on the database's watcher file, which closing any descriptor the process has of
+    that file drops. Connections opened and dropped beside it (each probing that file,
+    their descriptors closed as they go) must leave it held: another process's commit
+    still wakes the watch by signal, not by the (slow) poll."""
+    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    if not _signal_works(embedded.db):
+        pytest.skip("no inotify here")
+    k = embedded.k(b"theirs")
+    f = _watch(embedded.db, k)
+    _settled(embedded.db._watches)      # its thread holds the lock
+    for i in range(5):
+        other = fdq.connect(embedded.url, check_format=False)
+        _set(other, embedded.k(b"beside"), b"%d" % i)
+        del other
+        gc.collect()
+    collect(spawn("set", embedded.url, key=k.hex(), value=b"x".hex()))
+    assert wait_ready(f, FIRE_BOUND_S)
 
 
 # A write without a write conflict range from another process (a push's add to the

@@ -46,12 +46,22 @@ _stores = weakref.WeakSet()     # every _Store of this process (``_close_inherit
 
 
 def _close_inherited_locks():
-    """In a forked child: close the parent's version clock lock descriptors. A flock
+    """In a forked child: close the parent's version clock lock descriptors (and its
+    watcher files', ``open_watch_file``: the child starts its own). A flock
     lock belongs to the open file, which the child's copies keep open: had the parent
     been killed while holding it (mid-commit), it stayed held for as long as the child
     lived, and every process of the database waited on it. Closing (never unlocking:
     that would release the parent's lock) drops the child's share. No lock is taken:
     another thread of the parent may have held one at the fork."""
+    global _watch_files_lock
+    _watch_files_lock = threading.Lock()    # (another thread of the parent may have held it)
+    for fd, _users, _lockers in _watch_files.values():
+        try:
+            os.close(fd)        # (the child holds none of the parent's POSIX locks)
+        except OSError:
+            pass
+    _watch_files.clear()
+    _released_later.clear()
     for store in list(_stores):
         store.forked = True
         fds = [store.writer_fd] + list(store.fd_pool)
@@ -68,12 +78,98 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_close_inherited_locks)
 
 
+def _release_store_fds(pid: int, writer_fd: int, fd_pool: list, watch_key):
+    """A collected store's descriptors: its clock descriptors closed, its use of the
+    watcher file given back, in the process that opened them (a forked child closed
+    its copies at the fork)."""
+    if os.getpid() != pid:
+        return
+    for fd in [writer_fd, *fd_pool]:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fd_pool.clear()
+    if watch_key is not None:
+        release_watch_file(watch_key)
+
+
+_watch_files = {}       # _local_key -> [descriptor, users, lockers] (``open_watch_file``)
+_watch_files_lock = threading.Lock()
+_released_later = []    # (key, lock) given back while the registry was busy (``release_watch_file``)
+
+
+def open_watch_file(path: str, key, lock: bool = False):
+    """This process's descriptor of ``path``'s watcher file, one more use of it (the
+    stores' probe, ``others_watch``; ``lock``: a watch thread, holding the shared read
+    lock that announces it); None if it cannot be opened (or locked). One descriptor per
+    file and process, closed once nothing uses it: closing any descriptor of the file
+    drops every POSIX lock of the process on it."""
+    with _watch_files_lock:
+        _release_pending()
+        entry = _watch_files.get(key)
+        if entry is None:
+            try:
+                fd = os.open(_side_file(path, _WATCHERS_SUFFIX), os.O_RDWR | os.O_CREAT | _CLOEXEC, 0o644)
+            except OSError:
+                return None
+            entry = _watch_files[key] = [fd, 0, 0]
+        if lock and not entry[2]:
+            try:
+                fcntl.lockf(entry[0], fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                if not entry[1]:
+                    del _watch_files[key]
+                    os.close(entry[0])
+                return None
+        entry[1] += 1
+        entry[2] += lock
+        return entry[0]
+
+
+def release_watch_file(key, lock: bool = False):
+    """Give back a use of ``open_watch_file``. A store's finalizer may run it inside the
+    registry's critical section (the cyclic GC runs anywhere): then it is queued and
+    done by the next call."""
+    if not _watch_files_lock.acquire(blocking=False):
+        _released_later.append((key, lock))
+        return
+    try:
+        _release_pending()
+        _release(key, lock)
+    finally:
+        _watch_files_lock.release()
+
+
+def _release_pending():
+    while _released_later:
+        _release(*_released_later.pop())
+
+
+def _release(key, lock: bool):
+    entry = _watch_files.get(key)
+    if entry is None:
+        return
+    entry[1] -= 1
+    if lock:
+        entry[2] -= 1
+        if not entry[2] and entry[1]:
+            try:
+                fcntl.lockf(entry[0], fcntl.LOCK_UN)
+            except OSError:
+                pass
+    if not entry[1]:
+        del _watch_files[key]
+        os.close(entry[0])
+
+
 # Which processes sleep on the commit signal: each holds a POSIX read lock on
-# "<database>-fdqwatch" while a watch thread of it does (``watches._hold_watcher_lock``),
+# "<database>-fdqwatch" while a watch thread of it does (``open_watch_file``),
 # so a commit signals only when another process watches (``_Store.others_watch``). POSIX
 # record locks belong to the process and all of its locks on a file go when it closes
-# any descriptor of that file: one descriptor per process and file, counted, and the
-# probe's own descriptor is never closed. A process killed loses its lock with it.
+# any descriptor of that file: one descriptor per process and file, counted
+# (``open_watch_file``), shared by the probe and the lock. A process killed loses its
+# lock with it.
 _WATCHERS_SUFFIX = "-fdqwatch"
 # struct flock as Linux lays it out on 64-bit (short, short, off_t, off_t, pid_t): the
 # F_GETLK probe; elsewhere commits always signal.
@@ -154,9 +250,15 @@ class _Store:
         self.clock_path = _side_file(path, "-fdqclock")
         self.writer_fd = os.open(self.clock_path, os.O_RDWR | os.O_CREAT, 0o644)
         self.fd_pool = []
-        self.watchers_fd = None     # the probe's descriptor (``others_watch``); never closed
         self.local_key = _local_key(path)   # this process's watch managers of the file
+        # the probe's descriptor (``others_watch``), shared with this process's other users
+        self.watchers_fd = open_watch_file(path, self.local_key) if _FLOCK is not None else None
         _stores.add(self)
+        # Its descriptors go with it (a process that connects to a database again and
+        # again must not keep every store's); flock locks belong to each descriptor, so
+        # closing one leaves the others' locks alone.
+        weakref.finalize(self, _release_store_fds, self.pid, self.writer_fd, self.fd_pool,
+                         self.local_key if self.watchers_fd is not None else None).atexit = False
 
     def _open(self, timeout: float = LOCK_WAIT_S) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False,
@@ -245,15 +347,12 @@ class _Store:
         return True
 
     def others_watch(self) -> bool:
-        """Whether another process holds its watcher lock (``_hold_watcher_lock``): a
+        """Whether another process holds its watcher lock (``open_watch_file``): a
         POSIX record lock, which F_GETLK reports only when another process holds it.
         True when that cannot be told."""
-        if _FLOCK is None:
+        if self.watchers_fd is None:
             return True
         try:
-            if self.watchers_fd is None:
-                self.watchers_fd = os.open(_side_file(self.path, _WATCHERS_SUFFIX), os.O_RDWR | os.O_CREAT | _CLOEXEC,
-                                           0o644)
             got = fcntl.fcntl(self.watchers_fd, fcntl.F_GETLK, _PROBE)
             return _FLOCK.unpack_from(got)[0] != fcntl.F_UNLCK
         except (OSError, struct.error):

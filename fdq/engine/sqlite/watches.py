@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import functools
 import os
 import select
@@ -18,7 +17,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 from ..futures import Future
-from .store import _CLOEXEC, _WATCHERS_SUFFIX, _local_key, _side_file, sqlite_error
+from .store import _CLOEXEC, _local_key, _side_file, open_watch_file, release_watch_file, sqlite_error
 
 if TYPE_CHECKING:
     from .database import Database
@@ -38,38 +37,7 @@ _WATCH_CHECK = "SELECT (SELECT max(version) FROM txlog),"
 _WATCH_VALUE = "(SELECT value FROM kv WHERE key = ?)"
 
 _registry_lock = threading.Lock()
-_held = {}          # _local_key -> [descriptor, holders]
 _local_managers = {}    # _local_key -> WeakSet of this process's _WatchManager
-
-
-def _hold_watcher_lock(path: str) -> bool:
-    key = _local_key(path)
-    with _registry_lock:
-        held = _held.get(key)
-        if held is None:
-            try:
-                fd = os.open(_side_file(path, _WATCHERS_SUFFIX), os.O_RDWR | os.O_CREAT | _CLOEXEC, 0o644)
-            except OSError:
-                return False
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except OSError:
-                os.close(fd)
-                return False
-            held = _held[key] = [fd, 0]
-        held[1] += 1
-        return True
-
-
-def _release_watcher_lock(path: str):
-    key = _local_key(path)
-    with _registry_lock:
-        held = _held.get(key)
-        if held is not None:
-            held[1] -= 1
-            if not held[1]:
-                del _held[key]
-                os.close(held[0])
 
 
 def _managers_of(store) -> list:
@@ -165,11 +133,11 @@ class _WatchManager:
         self.recent = {}        # key -> when its last watch ended: still checked (``WATCH_LINGER_S``)
         self.verify = []        # (key, baseline) of the watches registered during a check
         self.dirty = None       # the last own unsignalled commit that wrote a key of ``last``
+        self.local_key = _local_key(self.path)
         with _registry_lock:
-            key = _local_key(self.path)
-            managers = _local_managers.get(key)
+            managers = _local_managers.get(self.local_key)
             if managers is None:
-                managers = _local_managers[key] = weakref.WeakSet()
+                managers = _local_managers[self.local_key] = weakref.WeakSet()
             managers.add(self)
 
     def register(self, key: bytes, baseline, future: Future, read_version: int | None = None):
@@ -289,7 +257,7 @@ class _WatchManager:
         # Held while this thread lives: other processes' commits signal while it does.
         # Taken after the signal is open and before the first check, so a commit that
         # found no lock is visible to that check.
-        locked = signal is not None and _hold_watcher_lock(self.path)
+        locked = signal is not None and open_watch_file(self.path, self.local_key, lock=True) is not None
         if signal is not None and not locked:
             signal.close()      # no one would signal it: poll
             signal = None
@@ -415,7 +383,7 @@ class _WatchManager:
             if signal is not None:
                 signal.close()
             if locked:
-                _release_watcher_lock(self.path)
+                release_watch_file(self.local_key, lock=True)
             conn.close()
 
     def _detach(self, poke_w, keep_thread=False):
