@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 
-from ..errors import FDQError, TopicNotFound
+from ..errors import TopicNotFound
 from .rows import consumer_state
 
 log = logging.getLogger("fdq.web")
@@ -64,8 +64,9 @@ class History:
             began = time.monotonic()
             try:
                 self.sample_all()
-            except FDQError as e:        # the database away for a moment: try again next round
-                log.warning("sampling stats failed: %s", e)
+            except Exception as e:      # the database away for a moment, or any other failure of
+                # one round (an engine's own error type, say): the charts go on with the next
+                log.warning("sampling stats failed: %s: %s", type(e).__name__, e)
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - began)))
 
     def sample_all(self):

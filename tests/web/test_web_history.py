@@ -3,6 +3,7 @@ samples (joins, zombies, leaves, shards moving), from ``Supervisor.stats``-shape
 from __future__ import annotations
 
 from fdq.web.history import History
+from fdqtest import wait_for
 
 
 def stats(inserted, acked, owners, consumers=(), backlog=0):
@@ -66,3 +67,25 @@ def test_a_topic_gone_from_the_list_is_forgotten():
     sup.names = ["u"]
     h.sample_all()
     assert h.samples("t") == [] and len(h.samples("u")) == 2
+
+
+def test_the_sampler_goes_on_after_a_round_fails_with_any_error():
+    """One round failing (a database error of the engine's own type, not an FDQError)
+    must not end the sampler thread: the charts would stop for good."""
+    class Sup:
+        calls = 0
+
+        def topics(self):
+            return [("t", None)]
+
+        def stats(self, name):
+            self.calls += 1
+            if self.calls == 1:
+                raise RuntimeError("an engine error of its own type")
+            return stats(1, 0, [None])
+    h = History(Sup(), interval_s=0.05, keep_s=60.0)
+    h.start()
+    try:
+        wait_for(lambda: len(h.samples("t")) >= 2, 30, what="samples after the failed round")
+    finally:
+        h.close()
