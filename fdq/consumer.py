@@ -550,49 +550,27 @@ class Consumer:
         max_deliver = self.config.max_deliver
         maybe_lost = []     # lost sets of settle attempts that may have committed
 
+        if none:
+            def one(tr, space, epoch, left, reads):
+                return queue.take_batch(tr, self._ts, space, self.id, epoch, left,
+                                        max_deliver=max_deliver, sel=self._sel, reads=reads)
+        else:
+            def one(tr, space, epoch, left, reads):
+                return queue.lease_batch(tr, self._ts, space, self.id, epoch, left, lease_id, ack_wait_ms,
+                                         max_deliver=max_deliver, sel=self._sel, reads=reads)
+
         def body(tr, attempt) -> LeaseRound:
             rnd = LeaseRound()
             if rows:
                 rnd.settle_lost = queue.settle(tr, self._ts, rows, max_deliver)
-            left = limit
-            reads = None
-            for i, (shard_id, epoch) in enumerate(shards):
-                part = ShardTake(shard_id)
-                if left <= 0 or i >= LEASE_ROUND_SHARDS:
-                    rnd.parts.append(part)      # not reached: visited next round
-                    continue
-                if reads is None or spaces[shard_id] not in reads.records:
-                    # The fences of the next shards, the config and the clock: issued at
-                    # once (26.3), a window at a time: a round that a backlog fills at its
-                    # first shard reads few fences it does not use.
-                    window = [spaces[s] for s, _e in shards[i:min(i + FENCE_WINDOW, LEASE_ROUND_SHARDS)]]
-                    reads = queue.round_reads(tr, self._ts, window, reads)
-                try:
-                    if none:
-                        taken = queue.take_batch(tr, self._ts, spaces[shard_id], self.id, epoch, left,
-                                                 max_deliver=max_deliver, sel=self._sel, reads=reads)
-                    else:
-                        taken = queue.lease_batch(tr, self._ts, spaces[shard_id], self.id, epoch, left,
-                                                  lease_id, ack_wait_ms, max_deliver=max_deliver, sel=self._sel,
-                                                  reads=reads)
-                except LeaseLost:
-                    rnd.lost = True
-                    continue
-                part.taken = taken
-                part.drained = not taken.more and (not taken or (self._sel is None and len(taken) < left))
-                if part.drained:
-                    part.watch_key = self._watch_key(shard_id)
-                rnd.parts.append(part)
-                left -= len(taken)
+            left = self._round_parts(tr, rnd, shards, spaces, limit, one)
             if none and left < limit:
                 # what this attempt took is ours if it committed: recorded, so a check after
                 # commit_unknown_result can tell even once the shards moved (one mark per attempt)
                 rnd.mark = lease_id + attempt.number.to_bytes(4, "big")
                 queue.mark_take(tr, self._ts, self.subscription, self.id, rnd.mark)
             rnd.took = left < limit
-            for part in rnd.parts:
-                if part.watch_key is not None:
-                    part.watch = tr.watch(part.watch_key)
+            self._watch_drained(tr, rnd)
             return rnd
 
         def committed(rnd: LeaseRound) -> bool:
@@ -617,13 +595,10 @@ class Consumer:
         rnd = transact(self.db, body, on_error=on_error)
         if rows:
             self._settle_outcome(settled, self._settled(list(settlements), rnd.settle_lost, maybe_lost))
-        self._rr_after = next((t.shard_id for t in reversed(rnd.parts) if t.taken is not None), self._rr_after)
+        self._round_committed(rnd)
         out = []
         now = _monotonic()
         for part in rnd.parts:
-            self._keep_watch(part.shard_id, part.watch)
-            if not part.drained:
-                self._mark(part.shard_id)
             taken = part.taken
             if not taken:
                 continue
@@ -633,9 +608,58 @@ class Consumer:
                         self._leases[(part.shard_id, t.vs.to_bytes())] = [lease_id, 0, now, ack_wait_s, t.lease_key,
                                                                           handed]
             out += [_to_message(t, self.topic, self.subscription, self) for t in taken]
+        return out
+
+    def _round_parts(self, tr, rnd: LeaseRound, shards, spaces: dict, limit: int, one) -> int:
+        """The shards' part of a round's transaction: ``one(tr, space, epoch, left, reads)``
+        takes or leases up to ``left`` messages from each of ``shards`` [(shard_id,
+        epoch)] in turn (``rnd.parts``, in that order) until ``limit`` are taken or
+        ``LEASE_ROUND_SHARDS`` are visited; returns how many of ``limit`` are left. A
+        shard no longer ours (its fence raised ``LeaseLost`` before any write) is left out
+        (``rnd.lost``). The fences of the next shards, the config and the clock are read
+        at once (26.3), a window at a time: a round that a backlog fills at its first
+        shard reads few fences it does not use."""
+        left = limit
+        reads = None
+        for i, (shard_id, epoch) in enumerate(shards):
+            part = ShardTake(shard_id)
+            if left <= 0 or i >= LEASE_ROUND_SHARDS:
+                rnd.parts.append(part)      # not reached: visited next round
+                continue
+            if reads is None or spaces[shard_id] not in reads.records:
+                window = [spaces[s] for s, _e in shards[i:min(i + FENCE_WINDOW, LEASE_ROUND_SHARDS)]]
+                reads = queue.round_reads(tr, self._ts, window, reads)
+            try:
+                taken = one(tr, spaces[shard_id], epoch, left, reads)
+            except LeaseLost:
+                rnd.lost = True
+                continue
+            part.taken = taken
+            part.drained = not taken.more and (not taken or (self._sel is None and len(taken) < left))
+            if part.drained:
+                part.watch_key = self._watch_key(shard_id)
+            rnd.parts.append(part)
+            left -= len(taken)
+        return left
+
+    @staticmethod
+    def _watch_drained(tr, rnd: LeaseRound):
+        """Watch the round's drained shards in its own transaction (``_lease_many``)."""
+        for part in rnd.parts:
+            if part.watch_key is not None:
+                part.watch = tr.watch(part.watch_key)
+
+    def _round_committed(self, rnd: LeaseRound):
+        """After a round's commit: its watches kept, the shards it did not drain visited
+        again next round, the next round started after the last shard this one reached,
+        and ownership re-read if a shard was no longer ours."""
+        self._rr_after = next((t.shard_id for t in reversed(rnd.parts) if t.taken is not None), self._rr_after)
+        for part in rnd.parts:
+            self._keep_watch(part.shard_id, part.watch)
+            if not part.drained:
+                self._mark(part.shard_id)
         if rnd.lost:
             self._refresh_owned()
-        return out
 
     def _settle_outcome(self, settled, error):
         """``_lease_many``'s carried settlements committed: ``settled(error)``, or

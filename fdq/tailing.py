@@ -24,7 +24,7 @@ from concurrent.futures import CancelledError, ThreadPoolExecutor
 
 from . import hooks
 from .config import DEFAULT_SUBSCRIPTION, ConsumerConfig
-from .consumer import AT_LEAST_ONCE, AT_MOST_ONCE, EXACTLY_ONCE, Consumer
+from .consumer import AT_LEAST_ONCE, AT_MOST_ONCE, EXACTLY_ONCE, Consumer, LeaseRound
 from .engine import Again, Done, after_interrupt, error_types, transact
 from .errors import ConfigError, EngineError, LeaseLost
 from .message import _to_message
@@ -45,15 +45,15 @@ CLOSE_POLL_S = 0.05
 
 
 class _OnceAttempt:
-    """The attempt of ``TailConsumer._process_exactly_once``'s transaction under way: what
-    it took, the message whose handler runs (None between them; ``message``: as the
-    handler got it), whether it ``drained`` the shard and its ``watch`` (a drained shard
-    is watched, not visited again until the watch fires)."""
+    """The attempt of ``TailConsumer._process_exactly_once``'s transaction under way: its
+    ``round`` (``LeaseRound``: what it took from each shard, the watches of those it
+    drained), what it took in handling order (``taken``), the message whose handler runs
+    (None between them; ``message``: as the handler got it)."""
 
-    __slots__ = ("taken", "current", "message", "watch", "in_batch", "drained")
+    __slots__ = ("round", "taken", "current", "message", "in_batch")
 
     def __init__(self):
-        self.taken, self.current, self.message, self.watch, self.drained = [], None, None, None, False
+        self.round, self.taken, self.current, self.message = None, [], None, None
         self.in_batch = False   # a batch handler runs (``handler(tr, messages)``)
 
 
@@ -106,15 +106,13 @@ class TailConsumer(Consumer):
                 shards = self._next_shards()
                 if self._pool is not None and len(shards) > 1:
                     try:
-                        done = sum(self._pool.map(self._visit_group, _by_shard_number(shards)))
+                        done = sum(self._pool.map(self._visit, _by_shard_number(shards)))
                     except (CancelledError, RuntimeError):
                         if not self._stop.is_set():
                             raise
                         break       # a close that stopped waiting shut the pool: visits not begun
-                elif self.mode != EXACTLY_ONCE:
-                    done = self._visit(shards) if shards else 0    # one transaction for them all
                 else:
-                    done = sum(self._visit([s]) for s in shards)
+                    done = self._visit(shards) if shards else 0    # one transaction for them all
                 if not done and self._carried:
                     # Nothing to do now: wait a moment for a watch, whose round commits
                     # the acks with its lease, else commit them on their own.
@@ -127,13 +125,6 @@ class TailConsumer(Consumer):
             self._flush_carried()
             if self._close_in_worker:
                 self._finish_close()
-
-    def _visit_group(self, group) -> int:
-        """Visit shards of one shard number (``_by_shard_number``) in this thread, one
-        after the other: a key's messages of several dispatch tags never run at once."""
-        if self.mode != EXACTLY_ONCE:
-            return self._visit(group)       # one transaction for them all
-        return sum(self._visit([s]) for s in group)
 
     def _has_dirty(self) -> bool:
         with self._owned_lock:
@@ -150,9 +141,9 @@ class TailConsumer(Consumer):
             self._report(e)
 
     def _visit(self, shards) -> int:
-        """Process shards [(shard_id, epoch)] (several only in one transaction: not
-        exactly-once). A shard that filled its batch (or failed) is visited again next
-        round; one it drained waits for its watch or the next sweep."""
+        """Process shards [(shard_id, epoch)] in one transaction. A shard that filled its
+        batch (or failed) is visited again next round; one it drained waits for its watch
+        or the next sweep."""
         self._in_round.active = True
         try:
             return self._process(shards)
@@ -170,8 +161,7 @@ class TailConsumer(Consumer):
             return 0
         try:
             if self.mode == EXACTLY_ONCE:
-                (shard_id, epoch), = shards
-                return self._process_exactly_once(shard_id, epoch)
+                return self._process_exactly_once(shards)
             if self.mode == AT_MOST_ONCE:
                 return self._process_at_most_once(shards)
             return self._process_at_least_once(shards)
@@ -321,9 +311,11 @@ class TailConsumer(Consumer):
             for m in msgs:
                 m._deferred = None
 
-    def _process_exactly_once(self, shard_id, epoch) -> int:
-        """Take a batch and run the handler on each message inside the taking
-        transaction; returns how many messages it settled (0: none there).
+    def _process_exactly_once(self, shards) -> int:
+        """Take a batch from ``shards`` [(shard_id, epoch)] in ONE transaction (up to
+        ``batch_size`` in all, shard after shard: ``Consumer._round_parts``, as a lease
+        round) and run the handler on each message inside it; returns how many messages
+        it settled (0: none there). A shard drained is watched in the same transaction.
 
         Too slow or too big to commit (1007, 2101): the batch is halved and run again;
         one message alone that cannot commit fails in place (``_fail_head``: an attempt
@@ -332,18 +324,24 @@ class TailConsumer(Consumer):
         transaction was discarded); its attempt is counted then, without running it
         again (it ran i + 1 times per attempt, and those before it as often, when it was
         retried until it came first)."""
-        shard = self._ts.shard(self.subscription, *shard_id)
+        spaces = {s: self._ts.shard(self.subscription, *s) for s, _e in shards}
+        owners = {spaces[s]: (s, e) for s, e in shards}    # a taken message's shard id and epoch
         limit = self.batch_size
         failed = None       # (taken, reason): a message whose handler raised behind the ones retried
         run = _OnceAttempt()
+        max_deliver = self.config.max_deliver
+
+        def one(tr, space, epoch, left, reads):
+            return queue.take_batch(tr, self._ts, space, self.id, epoch, left, finish=True,
+                                    max_deliver=max_deliver, sel=self._sel, reads=reads)
 
         def body(tr, _attempt) -> int:
-            run.taken, run.current, run.watch, run.in_batch, run.drained = [], None, None, False, False
-            run.taken = queue.take_batch(tr, self._ts, shard, self.id, epoch, limit, finish=True,
-                                         max_deliver=self.config.max_deliver, sel=self._sel)
-            if self.batch and run.taken:
+            run.taken, run.current, run.in_batch, run.round = [], None, False, LeaseRound()
+            self._round_parts(tr, run.round, shards, spaces, limit, one)
+            taken = run.taken = [t for part in run.round.parts if part.taken for t in part.taken]
+            if self.batch and taken:
                 self._run_batch_in(tr, run)
-            for t in (run.taken if not self.batch else ()):
+            for t in (taken if not self.batch else ()):
                 run.current = t
                 m = run.message = _to_message(t, self.topic, self.subscription, self)
                 m._in_tr = True
@@ -361,13 +359,11 @@ class TailConsumer(Consumer):
                 if m._settled is TERM:
                     queue.dead_letter_taken(tr, self._ts, t, f"terminated: {m._reason}", self.id)
             run.current = None
-            taken = run.taken
-            run.drained = not taken.more and (not taken or (self._sel is None and len(taken) < limit))
-            key = self._watch_key(shard_id) if run.drained else None
             # A push meanwhile neither aborts this transaction (it adds to ``routed``
             # without a write conflict range) nor runs the handlers again; it fires the watch.
-            run.watch = tr.watch(key) if key is not None else None
-            return len(taken) or int(taken.more)    # (more: dead letters moved, not drained)
+            self._watch_drained(tr, run.round)
+            # (more: dead letters moved, not drained)
+            return len(taken) or int(any(part.taken is not None and part.taken.more for part in run.round.parts))
 
         def on_error(e, attempt):
             nonlocal limit, failed
@@ -407,16 +403,17 @@ class TailConsumer(Consumer):
         n = transact(self.db, body, on_error=on_error)
         if isinstance(n, _HeadFailure):
             if n.taken is not None:
-                self._fail_head(shard, epoch, n.taken, n.reason, dead=n.dead)
-            self._mark(shard_id)
+                self._fail_head(owners[n.taken.shard][1], n.taken, n.reason, dead=n.dead)
+            for shard_id, _e in shards:
+                self._mark(shard_id)
             return 1
-        watched = run.drained
-        self._keep_watch(shard_id, run.watch)
+        self._round_committed(run.round)
         if failed is not None:      # its attempt, not run again (once per attempt)
-            self._fail_head(shard, epoch, *failed)
-            n += 1
-        if n and (failed is not None or not watched):
+            taken, reason = failed
+            shard_id, epoch = owners[taken.shard]
+            self._fail_head(epoch, taken, reason)
             self._mark(shard_id)
+            n += 1
         return n
 
     def _run_batch_in(self, tr, run):
@@ -439,9 +436,9 @@ class TailConsumer(Consumer):
             if m._settled is TERM:
                 queue.dead_letter_taken(tr, self._ts, t, f"terminated: {m._reason}", self.id)
 
-    def _fail_head(self, shard, epoch, taken, reason, dead=False):
+    def _fail_head(self, epoch, taken, reason, dead=False):
         max_deliver = 1 if dead else self.config.max_deliver
-        queue.fail_in_place(self.db, self._ts, shard, self.id, epoch, taken.vs, max_deliver, reason,
+        queue.fail_in_place(self.db, self._ts, taken.shard, self.id, epoch, taken.vs, max_deliver, reason,
                                taken.record.attempts, taken.delayed_key)
 
     def close(self, timeout: float | None = None):

@@ -7,12 +7,14 @@ once, with the handler's writes; the others are processed; counters add up; a re
 brings it back intact."""
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
 
 import fdq
 from fdq.keyspace.codec import CHUNK_BYTES
+from fdq.ops.routing import shard_for
 
 from fdqtest import FAST, fast, FAST_STEADY, scan, sub_stats, wait_for, with_faults
 
@@ -87,12 +89,14 @@ def test_term_then_raise_counts_an_attempt_instead(db):
     assert calls == [1, 2] and _sub(db)["dlq"] == 0
 
 
-def _run_poison_batch(db, bodies) -> list:
-    """Push ``bodies`` on one key and run an exactly-once tail (batches of 10, max_deliver
-    3) whose handler fails on ``poison`` and writes ``qt/ok/<body>`` for the others, until
-    the queue is empty. Returns the handler's calls: [(body, attempts)]."""
-    fdq.Supervisor(db).create_topic("t", shards=1)
-    fdq.Producer(db).push_many("t", [fdq.Envelope(b, shard_key="k") for b in bodies])
+def _run_poison_batch(db, bodies, keys=None, shards=1) -> list:
+    """Push ``bodies`` (on one key, else on ``keys``, one per body, of a topic of
+    ``shards``) and run an exactly-once tail (batches of 10, max_deliver 3) whose handler
+    fails on ``poison`` and writes ``qt/ok/<body>`` for the others, until the queue is
+    empty. Returns the handler's calls: [(body, attempts)]."""
+    fdq.Supervisor(db).create_topic("t", shards=shards)
+    keys = keys or ["k"] * len(bodies)
+    fdq.Producer(db).push_many("t", [fdq.Envelope(b, shard_key=k) for b, k in zip(bodies, keys)])
     calls = []
 
     def handler(tr, m):
@@ -188,6 +192,24 @@ def test_exactly_once_failing_message_inside_a_batch_runs_once_per_attempt(db):
         assert [x for x, _a in calls if x == b] == [b, b], calls
     for b in (b"ok3", b"ok4"):
         assert [x for x, _a in calls if x == b] == [b], calls
+    [dead] = fdq.Supervisor(db).dlq_list("t")
+    assert (dead["body"], dead["attempts"]) == (b"poison", 3)
+    tr = db.create_transaction()
+    wrote = sorted(kv.key for kv in tr.snapshot.get_range(b"qt/ok/", b"qt/ok0"))
+    tr.cancel()
+    assert wrote == sorted(b"qt/ok/" + b for b in bodies if b != b"poison")
+
+
+def test_exactly_once_failing_message_on_a_later_shard_of_the_round_fails_on_its_shard(db):
+    """A round takes from several shards in one transaction: a handler failing on a
+    message of its second shard counts the attempt on that message, in its own shard
+    (max_deliver of them, then the DLQ); every other message of both shards is handled
+    and written once, those behind it included."""
+    ka, kb = (next(k for k in (f"k{i}" for i in itertools.count()) if shard_for(k, 2) == n) for n in (0, 1))
+    bodies = [b"a0", b"a1", b"b0", b"poison", b"b1"]
+    calls = _run_poison_batch(db, bodies, keys=[ka, ka, kb, kb, kb], shards=2)
+    assert [a for b, a in calls if b == b"poison"] == [1, 2, 3], calls
+    assert all(1 <= sum(1 for x, _a in calls if x == b) <= 2 for b in bodies if b != b"poison"), calls
     [dead] = fdq.Supervisor(db).dlq_list("t")
     assert (dead["body"], dead["attempts"]) == (b"poison", 3)
     tr = db.create_transaction()
