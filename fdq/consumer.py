@@ -467,10 +467,10 @@ class Consumer:
 
     # -- leasing ---------------------------------------------------------------------
 
-    def _mark(self, shard_id):
-        """Shard ``shard_id`` may have work: visit it on the next round."""
+    def _mark(self, *shard_ids):
+        """Shards ``shard_ids`` may have work: visit them on the next round."""
         with self._owned_lock:
-            self._dirty.add(shard_id)
+            self._dirty.update(shard_ids)
         self._wake.set()
 
     def _next_shards(self):
@@ -655,9 +655,11 @@ class Consumer:
         and ownership re-read if a shard was no longer ours."""
         self._rr_after = next((t.shard_id for t in reversed(rnd.parts) if t.taken is not None), self._rr_after)
         for part in rnd.parts:
-            self._keep_watch(part.shard_id, part.watch)
-            if not part.drained:
-                self._mark(part.shard_id)
+            if part.watch is not None:
+                self._keep_watch(part.shard_id, part.watch)
+        again = [part.shard_id for part in rnd.parts if not part.drained]
+        if again:
+            self._mark(*again)
         if rnd.lost:
             self._refresh_owned()
 
@@ -804,8 +806,7 @@ class Consumer:
                                        settled=lambda e, soon=soon: _resolve_soon(soon, e))
             except BaseException as e:
                 after_interrupt()
-                for s, _e in shards:
-                    self._mark(s)
+                self._mark(*(s for s, _e in shards))
                 _resolve_soon(soon, e)
                 raise
             left = deadline - _monotonic()

@@ -149,8 +149,7 @@ class TailConsumer(Consumer):
             return self._process(shards)
         except Exception as e:
             self._report(e)
-            for shard_id, _e in shards:
-                self._mark(shard_id)
+            self._mark(*(shard_id for shard_id, _e in shards))
             self._stop.wait(0.05)
             return 0
         finally:
@@ -404,8 +403,7 @@ class TailConsumer(Consumer):
         if isinstance(n, _HeadFailure):
             if n.taken is not None:
                 self._fail_head(owners[n.taken.shard][1], n.taken, n.reason, dead=n.dead)
-            for shard_id, _e in shards:
-                self._mark(shard_id)
+            self._mark(*(shard_id for shard_id, _e in shards))
             return 1
         self._round_committed(run.round)
         if failed is not None:      # its attempt, not run again (once per attempt)
