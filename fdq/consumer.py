@@ -124,34 +124,36 @@ def check_messages_args(batch, timeout):
 
 
 class ShardTake:
-    """One shard's part of a lease round (``Consumer._lease_many``).
+    """One shard's part of a round (``Consumer._round_parts``).
 
-    ``taken``: what the round took from it ([Taken]; None: the round's limit left it
-    out, visited next round). ``drained``: fewer than asked, no selection in the way: not
-    visited again until its watch fires. A drained shard's ``watch_key`` (its ``routed``
-    counter; None if it has a watch already, or is out of watches) gets a ``watch``, set
-    in the lease transaction."""
+    ``taken``: what the round took from it ([Taken]). ``drained``: fewer than asked, no
+    selection in the way: not visited again until its watch fires. A drained shard's
+    ``watch_key`` (its ``routed`` counter; None if it has a watch already, or is out of
+    watches) gets a ``watch``, set in the round's transaction."""
 
     __slots__ = ("shard_id", "taken", "drained", "watch_key", "watch")
 
-    def __init__(self, shard_id):
+    def __init__(self, shard_id, taken):
         self.shard_id = shard_id
-        self.taken = None
+        self.taken = taken
         self.drained = False
         self.watch_key = None
         self.watch = None
 
 
 class LeaseRound:
-    """What one attempt of ``Consumer._lease_many``'s transaction did: its ``parts``
-    [ShardTake] in visiting order (a shard no longer ours left out: ``lost``), whether it
-    ``took`` anything, its take ``mark`` (at most once: ``queue.mark_take``) and the
-    carried settlements whose lease it found lost (``settle_lost``)."""
+    """What one attempt of a round's transaction did (``Consumer._lease_many``, and the
+    exactly-once ``TailConsumer._process_exactly_once``): its ``parts`` [ShardTake] in
+    visiting order (a shard no longer ours left out: ``lost``; those the limit did not
+    reach: ``unreached``, their ids), whether it ``took`` anything, its take ``mark`` (at
+    most once: ``queue.mark_take``) and the carried settlements whose lease it found lost
+    (``settle_lost``)."""
 
-    __slots__ = ("parts", "lost", "took", "mark", "settle_lost")
+    __slots__ = ("parts", "unreached", "lost", "took", "mark", "settle_lost")
 
     def __init__(self):
         self.parts = []
+        self.unreached = []
         self.lost = False
         self.took = False
         self.mark = None
@@ -546,24 +548,23 @@ class Consumer:
         lease_id = self._next_lease_id()
         ack_wait_s = self.config.ack_wait_s if ack_wait_s is None else ack_wait_s
         ack_wait_ms = int(ack_wait_s * 1000)
-        spaces = {s: self._ts.shard(self.subscription, *s) for s, _e in shards}
         max_deliver = self.config.max_deliver
         maybe_lost = []     # lost sets of settle attempts that may have committed
 
         if none:
-            def one(tr, space, epoch, left, reads):
-                return queue.take_batch(tr, self._ts, space, self.id, epoch, left,
+            def one(tr, shard, epoch, left, reads):
+                return queue.take_batch(tr, self._ts, shard, self.id, epoch, left,
                                         max_deliver=max_deliver, sel=self._sel, reads=reads)
         else:
-            def one(tr, space, epoch, left, reads):
-                return queue.lease_batch(tr, self._ts, space, self.id, epoch, left, lease_id, ack_wait_ms,
+            def one(tr, shard, epoch, left, reads):
+                return queue.lease_batch(tr, self._ts, shard, self.id, epoch, left, lease_id, ack_wait_ms,
                                          max_deliver=max_deliver, sel=self._sel, reads=reads)
 
         def body(tr, attempt) -> LeaseRound:
             rnd = LeaseRound()
             if rows:
                 rnd.settle_lost = queue.settle(tr, self._ts, rows, max_deliver)
-            left = self._round_parts(tr, rnd, shards, spaces, limit, one)
+            left = self._round_parts(tr, rnd, shards, limit, one)
             if none and left < limit:
                 # what this attempt took is ours if it committed: recorded, so a check after
                 # commit_unknown_result can tell even once the shards moved (one mark per attempt)
@@ -576,7 +577,7 @@ class Consumer:
         def committed(rnd: LeaseRound) -> bool:
             if none:
                 return queue.take_committed(self.db, self._ts, self.subscription, self.id, rnd.mark)
-            return all(queue.batch_leased(self.db, spaces[t.shard_id], {m.lease_key for m in t.taken}, lease_id)
+            return all(queue.batch_leased(self.db, t.taken[0].shard, {m.lease_key for m in t.taken}, lease_id)
                        for t in rnd.parts if t.taken)
 
         def on_error(e, attempt):
@@ -610,31 +611,35 @@ class Consumer:
             out += [_to_message(t, self.topic, self.subscription, self) for t in taken]
         return out
 
-    def _round_parts(self, tr, rnd: LeaseRound, shards, spaces: dict, limit: int, one) -> int:
-        """The shards' part of a round's transaction: ``one(tr, space, epoch, left, reads)``
+    def _round_parts(self, tr, rnd: LeaseRound, shards, limit: int, one) -> int:
+        """The shards' part of a round's transaction: ``one(tr, shard, epoch, left, reads)``
         takes or leases up to ``left`` messages from each of ``shards`` [(shard_id,
         epoch)] in turn (``rnd.parts``, in that order) until ``limit`` are taken or
-        ``LEASE_ROUND_SHARDS`` are visited; returns how many of ``limit`` are left. A
-        shard no longer ours (its fence raised ``LeaseLost`` before any write) is left out
-        (``rnd.lost``). The fences of the next shards, the config and the clock are read
-        at once (26.3), a window at a time: a round that a backlog fills at its first
-        shard reads few fences it does not use."""
+        ``LEASE_ROUND_SHARDS`` are visited (the rest: ``rnd.unreached``); returns how many
+        of ``limit`` are left. A shard no longer ours (its fence raised ``LeaseLost``
+        before any write) is left out (``rnd.lost``). The fences of the next shards, the
+        config and the clock are read at once (26.3), a window at a time: a round that a
+        backlog fills at its first shard reads few fences it does not use."""
         left = limit
         reads = None
+        sub, space = self.subscription, self._ts.shard
         for i, (shard_id, epoch) in enumerate(shards):
-            part = ShardTake(shard_id)
             if left <= 0 or i >= LEASE_ROUND_SHARDS:
-                rnd.parts.append(part)      # not reached: visited next round
-                continue
-            if reads is None or spaces[shard_id] not in reads.records:
-                window = [spaces[s] for s, _e in shards[i:min(i + FENCE_WINDOW, LEASE_ROUND_SHARDS)]]
+                rnd.unreached = [s for s, _e in shards[i:]]     # visited next round
+                break
+            shard = space(sub, *shard_id)
+            if reads is None or shard not in reads.records:
+                # The first shard's fence alone (a backlog fills the round there), then
+                # FENCE_WINDOW at a time.
+                ahead = 1 if reads is None else FENCE_WINDOW
+                window = [space(sub, *s) for s, _e in shards[i:min(i + ahead, LEASE_ROUND_SHARDS)]]
                 reads = queue.round_reads(tr, self._ts, window, reads)
             try:
-                taken = one(tr, spaces[shard_id], epoch, left, reads)
+                taken = one(tr, shard, epoch, left, reads)
             except LeaseLost:
                 rnd.lost = True
                 continue
-            part.taken = taken
+            part = ShardTake(shard_id, taken)
             part.drained = not taken.more and (not taken or (self._sel is None and len(taken) < left))
             if part.drained:
                 part.watch_key = self._watch_key(shard_id)
@@ -653,11 +658,12 @@ class Consumer:
         """After a round's commit: its watches kept, the shards it did not drain visited
         again next round, the next round started after the last shard this one reached,
         and ownership re-read if a shard was no longer ours."""
-        self._rr_after = next((t.shard_id for t in reversed(rnd.parts) if t.taken is not None), self._rr_after)
+        if rnd.parts:
+            self._rr_after = rnd.parts[-1].shard_id
         for part in rnd.parts:
             if part.watch is not None:
                 self._keep_watch(part.shard_id, part.watch)
-        again = [part.shard_id for part in rnd.parts if not part.drained]
+        again = [part.shard_id for part in rnd.parts if not part.drained] + rnd.unreached
         if again:
             self._mark(*again)
         if rnd.lost:

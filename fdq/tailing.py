@@ -323,20 +323,18 @@ class TailConsumer(Consumer):
         transaction was discarded); its attempt is counted then, without running it
         again (it ran i + 1 times per attempt, and those before it as often, when it was
         retried until it came first)."""
-        spaces = {s: self._ts.shard(self.subscription, *s) for s, _e in shards}
-        owners = {spaces[s]: (s, e) for s, e in shards}    # a taken message's shard id and epoch
         limit = self.batch_size
         failed = None       # (taken, reason): a message whose handler raised behind the ones retried
         run = _OnceAttempt()
         max_deliver = self.config.max_deliver
 
-        def one(tr, space, epoch, left, reads):
-            return queue.take_batch(tr, self._ts, space, self.id, epoch, left, finish=True,
+        def one(tr, shard, epoch, left, reads):
+            return queue.take_batch(tr, self._ts, shard, self.id, epoch, left, finish=True,
                                     max_deliver=max_deliver, sel=self._sel, reads=reads)
 
         def body(tr, _attempt) -> int:
             run.taken, run.current, run.in_batch, run.round = [], None, False, LeaseRound()
-            self._round_parts(tr, run.round, shards, spaces, limit, one)
+            self._round_parts(tr, run.round, shards, limit, one)
             taken = run.taken = [t for part in run.round.parts if part.taken for t in part.taken]
             if self.batch and taken:
                 self._run_batch_in(tr, run)
@@ -362,7 +360,7 @@ class TailConsumer(Consumer):
             # without a write conflict range) nor runs the handlers again; it fires the watch.
             self._watch_drained(tr, run.round)
             # (more: dead letters moved, not drained)
-            return len(taken) or int(any(part.taken is not None and part.taken.more for part in run.round.parts))
+            return len(taken) or int(any(part.taken.more for part in run.round.parts))
 
         def on_error(e, attempt):
             nonlocal limit, failed
@@ -402,15 +400,14 @@ class TailConsumer(Consumer):
         n = transact(self.db, body, on_error=on_error)
         if isinstance(n, _HeadFailure):
             if n.taken is not None:
-                self._fail_head(owners[n.taken.shard][1], n.taken, n.reason, dead=n.dead)
+                self._fail_head(dict(shards), n.taken, n.reason, dead=n.dead)
             self._mark(*(shard_id for shard_id, _e in shards))
             return 1
         self._round_committed(run.round)
         if failed is not None:      # its attempt, not run again (once per attempt)
             taken, reason = failed
-            shard_id, epoch = owners[taken.shard]
-            self._fail_head(epoch, taken, reason)
-            self._mark(shard_id)
+            self._fail_head(dict(shards), taken, reason)
+            self._mark((taken.shard.tag, taken.shard.n))
             n += 1
         return n
 
@@ -434,10 +431,13 @@ class TailConsumer(Consumer):
             if m._settled is TERM:
                 queue.dead_letter_taken(tr, self._ts, t, f"terminated: {m._reason}", self.id)
 
-    def _fail_head(self, epoch, taken, reason, dead=False):
+    def _fail_head(self, epochs: dict, taken, reason, dead=False):
+        """Count an attempt on ``taken`` where it lies, in its shard (fenced by its epoch
+        in ``epochs`` {shard_id: epoch}): ``queue.fail_in_place``."""
         max_deliver = 1 if dead else self.config.max_deliver
-        queue.fail_in_place(self.db, self._ts, taken.shard, self.id, epoch, taken.vs, max_deliver, reason,
-                               taken.record.attempts, taken.delayed_key)
+        shard = taken.shard
+        queue.fail_in_place(self.db, self._ts, shard, self.id, epochs[(shard.tag, shard.n)], taken.vs, max_deliver,
+                            reason, taken.record.attempts, taken.delayed_key)
 
     def close(self, timeout: float | None = None):
         """Stop consuming and leave: the handlers running finish their messages (settled
