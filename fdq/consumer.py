@@ -9,7 +9,8 @@ own (:mod:`fdq.member`); ``tail`` (:mod:`fdq.tailing`) runs a handler over one i
 background, and ``fdq.aio`` on an event loop.
 
 A round leases from every owned shard that may have work in ONE transaction
-(``_lease_many``), settlements carried along; shards drained are watched (their
+(``_lease_many``; exactly-once takes, handlers included, the same way:
+``_round_parts``), settlements carried along; shards drained are watched (their
 ``routed`` counter) instead of polled.
 """
 from __future__ import annotations
