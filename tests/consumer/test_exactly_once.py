@@ -113,6 +113,17 @@ def _run_poison_batch(db, bodies, keys=None, shards=1) -> list:
     return calls
 
 
+def _assert_poison_dead_and_the_rest_written(db, bodies):
+    """After ``_run_poison_batch``: ``poison`` dead-lettered after its 3 attempts, and
+    what the handler wrote for every other body committed."""
+    [dead] = fdq.Supervisor(db).dlq_list("t")
+    assert (dead["body"], dead["attempts"]) == (b"poison", 3)
+    tr = db.create_transaction()
+    wrote = sorted(kv.key for kv in tr.snapshot.get_range(b"qt/ok/", b"qt/ok0"))
+    tr.cancel()
+    assert wrote == sorted(b"qt/ok/" + b for b in bodies if b != b"poison")
+
+
 def test_exactly_once_failing_head_runs_the_handler_once_per_attempt(db):
     """Exactly-once: a handler failing on a message retries it alone (the messages
     before it commit without it). One that is already first in its batch was run again
@@ -192,12 +203,7 @@ def test_exactly_once_failing_message_inside_a_batch_runs_once_per_attempt(db):
         assert [x for x, _a in calls if x == b] == [b, b], calls
     for b in (b"ok3", b"ok4"):
         assert [x for x, _a in calls if x == b] == [b], calls
-    [dead] = fdq.Supervisor(db).dlq_list("t")
-    assert (dead["body"], dead["attempts"]) == (b"poison", 3)
-    tr = db.create_transaction()
-    wrote = sorted(kv.key for kv in tr.snapshot.get_range(b"qt/ok/", b"qt/ok0"))
-    tr.cancel()
-    assert wrote == sorted(b"qt/ok/" + b for b in bodies if b != b"poison")
+    _assert_poison_dead_and_the_rest_written(db, bodies)
 
 
 def test_exactly_once_failing_message_on_a_later_shard_of_the_round_fails_on_its_shard(db):
@@ -210,12 +216,7 @@ def test_exactly_once_failing_message_on_a_later_shard_of_the_round_fails_on_its
     calls = _run_poison_batch(db, bodies, keys=[ka, ka, kb, kb, kb], shards=2)
     assert [a for b, a in calls if b == b"poison"] == [1, 2, 3], calls
     assert all(1 <= sum(1 for x, _a in calls if x == b) <= 2 for b in bodies if b != b"poison"), calls
-    [dead] = fdq.Supervisor(db).dlq_list("t")
-    assert (dead["body"], dead["attempts"]) == (b"poison", 3)
-    tr = db.create_transaction()
-    wrote = sorted(kv.key for kv in tr.snapshot.get_range(b"qt/ok/", b"qt/ok0"))
-    tr.cancel()
-    assert wrote == sorted(b"qt/ok/" + b for b in bodies if b != b"poison")
+    _assert_poison_dead_and_the_rest_written(db, bodies)
 
 
 def test_exactly_once_term_after_the_handler_returned_raises(db):
