@@ -210,8 +210,10 @@ def test_ack_policy_none_delivers_at_most_once(db):
 
 def test_a_consumer_beyond_the_shard_count_is_on_standby_not_stalled(db, sup):
     """With more consumers than shards, one owns none: that is standby (it takes a shard
-    when one frees), shown in stats, and no ``ConsumerStalled`` alarm (it was reported
-    as a stall after 3 heartbeats)."""
+    when one frees), shown in stats, and no ``ConsumerStalled`` alarm for owning no
+    shard (it was reported as a stall after 3 heartbeats). A heartbeat that a loaded
+    host delays past 3 intervals is a stall of another kind, reported as such: not
+    what this pins."""
     sup.create_topic("t", shards=1)
     errors = {"a": [], "b": []}
     a = fdq.Consumer(db, "t", config=SUBS_FAST, consumer_id="a", on_error=errors["a"].append)
@@ -225,7 +227,8 @@ def test_a_consumer_beyond_the_shard_count_is_on_standby_not_stalled(db, sup):
                  what="5 heartbeats of the idle consumer (past the 3 of the stall alarm)")
         assert idle.owned_shards == [] and row(idle.id)["standby"] and not row(busy.id)["standby"]
         assert sup.stats("t")["subscriptions"]["default"]["standby"] == 1
-        assert not [e for es in errors.values() for e in es if isinstance(e, fdq.ConsumerStalled)], errors
+        assert not [e for es in errors.values() for e in es
+                    if isinstance(e, fdq.ConsumerStalled) and "owns no shard" in str(e)], errors
         busy.close()
         wait_for(lambda: idle.owned_shards, timeout=10, what="the standby consumer to take the freed shard")
         assert sup.stats("t")["subscriptions"]["default"]["standby"] == 0
