@@ -12,7 +12,9 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -174,10 +176,15 @@ class Page:
 def web(db_url):
     """``fdq web`` (write token ``TOKEN``, sampling every 300 ms) on this test's database."""
     proc, base = start_web(db_url, "--write-token", TOKEN, "--sample-interval", "300ms")
+    said = []       # its log, read as it comes: a pipe left full would block its writes, and its exit
+    threading.Thread(target=lambda: said.extend(proc.stderr), daemon=True).start()
     yield base
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(30)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"fdq web did not stop within 30 s of SIGTERM; it logged {len(said)} lines, "
+                             f"the last: {said[-10:]}") from None
     finally:
         kill_all([proc])
 
