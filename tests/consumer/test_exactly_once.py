@@ -7,16 +7,14 @@ once, with the handler's writes; the others are processed; counters add up; a re
 brings it back intact."""
 from __future__ import annotations
 
-import itertools
 import os
 
 import pytest
 
 import fdq
 from fdq.keyspace.codec import CHUNK_BYTES
-from fdq.ops.routing import shard_for
 
-from fdqtest import FAST, fast, FAST_STEADY, scan, sub_stats, wait_for, with_faults
+from fdqtest import FAST, fast, FAST_STEADY, scan, sub_stats, key_on_shard, wait_for, with_faults
 
 
 BIG = bytes(range(256)) * ((2 * CHUNK_BYTES + 1234) // 256 + 1)     # three chunks
@@ -211,7 +209,7 @@ def test_exactly_once_failing_message_on_a_later_shard_of_the_round_fails_on_its
     message of its second shard counts the attempt on that message, in its own shard
     (max_deliver of them, then the DLQ); every other message of both shards is handled
     and written once, those behind it included."""
-    ka, kb = (next(k for k in (f"k{i}" for i in itertools.count()) if shard_for(k, 2) == n) for n in (0, 1))
+    ka, kb = key_on_shard(0, 2), key_on_shard(1, 2)
     bodies = [b"a0", b"a1", b"b0", b"poison", b"b1"]
     calls = _run_poison_batch(db, bodies, keys=[ka, ka, kb, kb, kb], shards=2)
     assert [a for b, a in calls if b == b"poison"] == [1, 2, 3], calls

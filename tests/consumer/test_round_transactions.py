@@ -9,14 +9,12 @@ never aborts it and is never left to the sweep. The sweep here is a minute away:
 watch delivers in time."""
 from __future__ import annotations
 
-import itertools
 import threading
 
 import fdq
 from fdq.ops import queue
-from fdq.ops.routing import shard_for
 
-from fdqtest import QUIET, QUIET_WAIT_S as WAIT_S, CountingDatabase, drained_consumer, wait_for
+from fdqtest import QUIET, QUIET_WAIT_S as WAIT_S, CountingDatabase, drained_consumer, key_on_shard, wait_for
 
 
 def test_a_round_that_drains_its_shard_is_one_transaction_and_sets_its_watch(db):
@@ -100,7 +98,7 @@ def test_an_exactly_once_round_over_several_shards_is_one_transaction(db):
     in its first round, one transaction, each once (a transaction per shard cost a commit
     per ~4 messages at 5,000 msgs/s over 16 shards)."""
     fdq.Supervisor(db).create_topic("t", shards=4)
-    keys = [next(k for k in (f"k{i}" for i in itertools.count()) if shard_for(k, 4) == n) for n in range(4)]
+    keys = [key_on_shard(n, 4) for n in range(4)]
     bodies = [b"%d" % i for i in range(12)]
     fdq.Producer(db).push_many("t", [fdq.Envelope(b, shard_key=keys[i % 4]) for i, b in enumerate(bodies)])
     counting = CountingDatabase(db)
