@@ -12,9 +12,8 @@ import fdq
 from fdq.ops import membership
 from fdq.keyspace import Keyspace, decode_counter
 from fdq.keyspace.codec import pack
-from fdq.keyspace.codec import shard_of
 
-from fdqtest import engine_errors, readline_within, wait_for
+from fdqtest import engine_errors, key_on_shard, readline_within, wait_for
 
 
 _TAGGED_STREAM = """
@@ -84,7 +83,7 @@ def test_a_consumer_leaving_with_a_config_from_before_a_reshard_leaves_no_shard_
         owners = membership.read_owners(db, ts, "default")
         assert sorted(owners) == [("", n) for n in range(8)]
         assert {o for o, _e in owners.values()} == {"a"}, owners
-        keys = [next(f"k{i}" for i in range(1000) if shard_of(f"k{i}", 8) == n) for n in range(8)]
+        keys = [key_on_shard(n, 8) for n in range(8)]
         fdq.Producer(db).push_many("t", [fdq.Envelope(k.encode(), shard_key=k) for k in keys])
         got = []
         deadline = time.monotonic() + 20
@@ -110,7 +109,7 @@ def test_a_survivor_consumes_a_leaving_peers_shards_before_its_next_heartbeat(db
     b = fdq.Consumer(db, "t", consumer_id="b", config=slow)
     try:
         wait_for(lambda: len(a.owned_shards) == 2, timeout=10, what="a to see b's join")
-        keys = [next(f"k{i}" for i in range(1000) if shard_of(f"k{i}", 4) == n) for n in range(4)]
+        keys = [key_on_shard(n, 4) for n in range(4)]
         fdq.Producer(db).push_many("t", [fdq.Envelope(k.encode(), shard_key=k) for k in keys])
         got = [m for m in a.fetch(4, timeout=1)]
         assert len(got) == 2, [m.body for m in got]

@@ -7,9 +7,8 @@ from __future__ import annotations
 import time
 
 import fdq
-from fdq.keyspace.codec import shard_of
 
-from fdqtest import drain, sub_stats
+from fdqtest import drain, key_on_shard, sub_stats
 
 
 BIG = 80_000
@@ -47,7 +46,7 @@ def test_play_replay_redrive_catch_up_and_reshard_of_large_messages(db):
     assert fdq.Producer(db).replay("t", start) == N
     assert sorted(_drain(db)) == want
 
-    key = next(f"k{i}" for i in range(100) if shard_of(f"k{i}", 2) == 1)
+    key = key_on_shard(1, 2)
     _fill(db, key)
     sup.rebalance("t", shards=2)
     assert sup.config("t").resharding_to is None and sup.config("t").shards == 2

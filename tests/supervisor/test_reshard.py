@@ -13,7 +13,7 @@ from fdq import supervisor as supmod, supervisor as sv
 from fdq.keyspace import Keyspace
 from fdq.keyspace.codec import shard_of
 
-from fdqtest import sub_stats, wait_for
+from fdqtest import key_on_shard, sub_stats, wait_for
 from ophelpers import (check_order, consume, consume_recorded, fetch_acked, push_keys, ready_ids, Recorder,
                        reshard_steps, SUPERVISED)
 
@@ -22,7 +22,7 @@ from ophelpers import (check_order, consume, consume_recorded, fetch_acked, push
 def test_nak_during_reshard_is_not_stranded_in_a_removed_shard(db, delay):
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=2)
-    key = next(f"k{i}" for i in range(100) if shard_of(f"k{i}", 2) == 1)
+    key = key_on_shard(1, 2)
     [pushed] = fdq.Producer(db).push_many("t", [fdq.Envelope(b"x", shard_key=key)])
     c = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
     got = []
@@ -158,7 +158,7 @@ def test_dlq_redrive_during_reshard_is_not_stranded(db):
     fewer shards that shard is gone and the message was never delivered again."""
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=2)
-    key = next(f"k{i}" for i in range(100) if shard_of(f"k{i}", 2) == 1)
+    key = key_on_shard(1, 2)
     pushed = fdq.Producer(db).push("t", b"x", shard_key=key).id
     c = fdq.Consumer(db, "t", config=fdq.ConsumerConfig(ack_wait_s=600))
     try:

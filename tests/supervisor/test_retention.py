@@ -16,7 +16,7 @@ from fdq.keyspace import Keyspace
 from fdq.ops.topics import update_topic_config
 from fdq.log import iter_window, log_buckets
 
-from fdqtest import database_url, engine_errors, log_bytes, scan, with_faults
+from fdqtest import database_url, engine_errors, key_on_shard, log_bytes, scan, with_faults
 from ophelpers import consume
 
 
@@ -251,12 +251,11 @@ def test_a_size_trim_never_acts_on_a_size_another_trim_lowered_meanwhile(db):
     """Trim by size reads ``log_bytes`` by snapshot (pushes must not abort it): a trim by
     age committing between that read and its commit would make it delete more than
     needed. The two conflict (the ``trimmed`` counter): it retries with the new size."""
-    from fdq.keyspace.codec import shard_of
     sup = fdq.Supervisor(db)
     sup.create_topic("t", shards=2)
     ts = Keyspace().topic("t")
-    ka = next(f"a{i}" for i in range(100) if shard_of(f"a{i}", 2) == 0)
-    kb = next(f"b{i}" for i in range(100) if shard_of(f"b{i}", 2) == 1)
+    ka = key_on_shard(0, 2)
+    kb = key_on_shard(1, 2)
     p = fdq.Producer(db)
     p.push_many("t", [fdq.Envelope(b"A" * 100, shard_key=ka) for _ in range(20)])     # older, bucket 0
     p.push_many("t", [fdq.Envelope(b"B" * 100, shard_key=kb) for _ in range(20)])     # bucket 1
