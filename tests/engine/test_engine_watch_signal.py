@@ -260,12 +260,13 @@ def test_a_watch_registered_during_a_check_that_consumed_its_commit_fires(embedd
 
 def test_a_watch_registered_while_the_thread_lingers_fires_on_the_next_commit(embedded, monkeypatch):
     """With no watch left the thread waits (lingers) on its condition, not on signals;
-    a registration that needs no check must still wake it to sleep on them again."""
+    a registration that needs no check must still wake it to sleep on them again. The
+    writes come from another process: the thread's check fires the watch, then finds no
+    watch left (a commit of this process fires it without waking the thread)."""
     monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
     monkeypatch.setattr(watches, "WATCH_LINGER_S", SLOW_POLL_S)
     if not _signal_works(embedded.db):
         pytest.skip("no inotify here")
-    other = fdq.connect(embedded.url, check_format=False)
     mgr = embedded.db._watch_manager()
     k = embedded.k(b"linger")
     for i in range(3):
@@ -273,7 +274,7 @@ def test_a_watch_registered_while_the_thread_lingers_fires_on_the_next_commit(em
         if i:
             with mgr.cond:
                 assert not mgr.kick     # registered while lingering: no check asked for
-        _set(other, k, b"v%d" % i)
+        collect(spawn("set", embedded.url, key=k.hex(), value=(b"v%d" % i).hex()))
         assert wait_ready(f, FIRE_BOUND_S), i
         deadline = time.monotonic() + FIRE_BOUND_S
         while time.monotonic() < deadline:      # the thread lingers, no watch left
@@ -302,6 +303,61 @@ def test_a_watch_whose_snapshot_missed_an_unsignalled_own_commit_fires(embedded,
         _set(writer, k, b"v%d" % i)     # no signal, no kick: the key is not watched yet
         f = tr.watch(k)
         tr.commit().wait()
+        assert wait_ready(f, FIRE_BOUND_S), i
+    assert not keep.is_ready()
+
+
+def test_a_commit_of_this_process_fires_the_watches_of_its_keys_before_it_returns(embedded, monkeypatch):
+    """A commit fires this process's watches on the keys it wrote itself, in the
+    committing thread: no wake-up of the watch thread and no check between a push and
+    the consumer of the same process. Watches on other keys stay."""
+    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    if not _signal_works(embedded.db):
+        pytest.skip("no inotify here")
+    keep = _watch(embedded.db, embedded.k(b"keep"))
+    mgr = embedded.db._watches
+    k = embedded.k(b"pushed")
+    tr = embedded.db.create_transaction()
+    tr.add(k, (1).to_bytes(8, "little"))
+    tr.commit().wait()
+    for i in range(3):
+        f = _watch(embedded.db, k)
+        _settled(mgr)                   # the check its registration may have asked for
+        checked = mgr.checked_version
+        tr = embedded.db.create_transaction()
+        tr.options.set_next_write_no_write_conflict_range()      # as a push adds to ``routed``
+        tr.add(k, (1).to_bytes(8, "little"))
+        tr.commit().wait()
+        assert f.is_ready(), i
+        f.wait()
+        with mgr.cond:
+            assert mgr.checked_version == checked and not mgr.kick, i
+    assert not keep.is_ready()
+
+
+def test_a_watch_set_in_a_writing_transaction_fires_for_an_own_write_it_did_not_conflict_with(embedded,
+                                                                                                monkeypatch):
+    """A transaction reads a key for its watch; a commit of this process adds to the key
+    without a write conflict range (a push's ``routed``), so the watching transaction,
+    which writes elsewhere, commits after it. Its baseline missed that add, which fired
+    no watch (none was registered yet): the registration must ask for a check, judged by
+    the baseline's read version, not the later commit version."""
+    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    if not _signal_works(embedded.db):
+        pytest.skip("no inotify here")
+    keep = _watch(embedded.db, embedded.k(b"keep"))
+    mgr = embedded.db._watches
+    k = embedded.k(b"routed")
+    for i in range(3):
+        _settled(mgr)
+        tr = embedded.db.create_transaction()
+        f = tr.watch(k)                     # the baseline, at tr's read version
+        tr[embedded.k(b"lease")] = b"%d" % i
+        add = embedded.db.create_transaction()
+        add.options.set_next_write_no_write_conflict_range()
+        add.add(k, (1).to_bytes(8, "little"))
+        add.commit().wait()
+        tr.commit().wait()                  # no conflict: the add wrote no conflict range
         assert wait_ready(f, FIRE_BOUND_S), i
     assert not keep.is_ready()
 

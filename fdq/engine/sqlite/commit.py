@@ -195,24 +195,31 @@ class _Commit:
             for key, base, f in self._take_pending():
                 f._resolve(None, err)
 
-    def _writes_any(self, keys) -> bool:
-        """Whether this transaction's mutations may have changed one of ``keys``."""
-        if self._vs_keys or len(keys) > 256:
-            return True
+    def _written_among(self, keys, version: int) -> list:
+        """The keys of ``keys`` (a dict or set) this transaction, committed at
+        ``version``, wrote or cleared: its versionstamped keys as they were stored."""
         writes = self._writes
-        clears = self._clears
-        for k in keys:
-            if k in writes or (clears and self._in_clears(k)):
-                return True
-        return False
+        if self._clears:
+            found = [k for k in keys if k in writes or self._in_clears(k)]
+        elif len(writes) < len(keys):
+            found = [k for k in writes if k in keys]
+        else:
+            found = [k for k in keys if k in writes]
+        if self._vs_keys:
+            stamp = version.to_bytes(8, "big") + b"\x00\x00"
+            for key, offset, *_ in self._vs_keys:
+                k = key[:offset] + stamp + key[offset + 10:-4]
+                if k in keys and k not in found:
+                    found.append(k)
+        return found
 
     def _register_watch(self, key, baseline, f):
         if f.is_ready():
             return
-        # After a writing commit the baseline holds at its version: a watch is a read,
-        # so a commit meanwhile that wrote the key made this one conflict (no check needed).
-        v = self._committed_version
-        self.db._watch_manager().register(key, baseline, f, v if v is not None and v > 0 else self._rv)
+        # The baseline was read at the read version, even in a writing transaction: a
+        # write meanwhile without a write conflict range (a push's add to ``routed``)
+        # did not conflict with the watch's read, so the commit version does not cover it.
+        self.db._watch_manager().register(key, baseline, f, self._rv)
 
     def _apply(self, store, rv, has_reads, jump) -> int:
         w = store.writer

@@ -132,7 +132,7 @@ class _WatchManager:
         self.last = {}          # key -> its value in the last recorded check (signals only)
         self.recent = {}        # key -> when its last watch ended: still checked (``WATCH_LINGER_S``)
         self.verify = []        # (key, baseline) of the watches registered during a check
-        self.dirty = None       # the last own unsignalled commit that wrote a key of ``last``
+        self.own = {}           # key of ``last`` -> the last own unsignalled commit that wrote it
         self.local_key = _local_key(self.path)
         with _registry_lock:
             managers = _local_managers.get(self.local_key)
@@ -141,8 +141,8 @@ class _WatchManager:
             managers.add(self)
 
     def register(self, key: bytes, baseline, future: Future, read_version: int | None = None):
-        """``read_version``: that of the snapshot ``baseline`` was read from, if any
-        (not relied on: see below).
+        """``read_version``: that of the snapshot ``baseline`` was read from (the
+        watching transaction's read version, never its commit version: see below).
 
         A new watch must be compared with its key's value after every commit the
         baseline did not see. Those with a commit signal still to come (or queued) wake
@@ -160,9 +160,11 @@ class _WatchManager:
         counter consumers watch) does not conflict with. While a check is under way
         (``checking``: it took its keys before this watch and may consume signals of
         commits the baseline missed) the same comparison is made with that check's values
-        when it records them (``verify``). An own commit that sent no signal and wrote a
-        key of ``last`` (``notify_commit``: ``dirty``) makes ``last`` stale until a
-        check newer than it. A thread lingering with no watch waits on ``cond``, not on
+        when it records them (``verify``). An own commit that sent no signal fired the
+        watches of the keys it wrote itself (``notify_commit``) and left ``last`` stale for
+        those of them it holds (``own``: key -> that commit's version, until a check newer
+        than it): a baseline read at or after that version is taken as the key's value in
+        ``last``, an older one asks for a check. A thread lingering with no watch waits on ``cond``, not on
         signals, and leaves them queued: it is woken (no check asked for) to sleep on
         them again. Always a check: when the thread polls without signals or before its
         first check. The kick a consumer's re-armed watch used to cost (a pipe write,
@@ -174,8 +176,8 @@ class _WatchManager:
             future._on_cancel = functools.partial(self._cancelled, key)
             if self.thread is None:
                 self.checking = self.lingering = False
-                self.checked_version = self.dirty = None
-                self.last, self.recent, self.verify = {}, {}, []
+                self.checked_version = None
+                self.last, self.recent, self.verify, self.own = {}, {}, [], {}
                 self.thread = threading.Thread(target=self._run, name="fdq-watches", daemon=True)
                 self.thread.start()
             elif self.poke_w is None or self.checked_version is None:
@@ -183,8 +185,19 @@ class _WatchManager:
             elif self.checking:
                 self.verify.append((key, baseline))
                 return
-            elif self.dirty is not None and self.dirty > self.checked_version:
-                pass    # an own commit after the last check wrote a key of it and sent no signal
+            elif key in self.own:
+                # Own commits since the last check wrote it and sent no signal (they fired
+                # its watches themselves): a baseline read at or after the last of them
+                # is its value now, as far as the signals tell (one still to come wakes
+                # the thread, which compares); an older one may have missed it.
+                if read_version is None or read_version < self.own[key]:
+                    self._kick()
+                    return
+                del self.own[key]
+                self.last[key] = baseline
+                if self.lingering:
+                    self.cond.notify()
+                return
             elif key in self.last and self.last[key] == baseline:
                 if self.lingering:
                     self.cond.notify()
@@ -205,24 +218,34 @@ class _WatchManager:
                     return
 
     def notify_commit(self, tr: "Transaction", version: int, signalled: bool):
-        """Commit ``version`` of ``tr``, a transaction of this process, is visible.
-        Polling (or before the thread sleeps on signals): a kick saves the poll
-        interval. Signalled: the signal wakes the thread (a kick as well was a second
-        check). Not signalled (no other process watches): the thread is kicked only if
-        ``tr`` wrote one of its watched keys, and if it wrote a key of the last check
-        (``last``) the version is kept for ``register`` (``dirty``): a watch whose
-        baseline missed this commit is checked (no signal is to come for it)."""
-        if signalled and self.poke_w is not None:
-            return
+        """Commit ``version`` of ``tr``, a transaction of this process, is visible. The
+        watches of this process on keys ``tr`` wrote fire here, in the committing thread:
+        a wake-up of the watch thread and a check less between a push and the consumer of
+        the same process (an NSQ broker's PUB and its channel), and a fire where the value
+        did not change is allowed (docs/fdb-semantics.md §8). The thread is woken (a kick)
+        only where it still has to look: when it polls without commit signals (the poll
+        interval saved) or, with signals, never for an own commit (a signalled one wakes
+        it anyway; an unsignalled one changed none of its remaining keys). An unsignalled
+        commit that wrote a key of the last check (``last``) is kept for ``register``
+        (``dirty``): a watch whose baseline missed this commit is checked, as no signal
+        is to come for it."""
+        fired = []
         with self.cond:
+            if self.count:
+                ended = time.monotonic()
+                for key in tr._written_among(self.watches, version):
+                    lst = self.watches.pop(key)
+                    self.count -= len(lst)
+                    self.recent[key] = ended
+                    fired += [f for _b, f in lst]
             if self.poke_w is None:
                 if self.count:
                     self._kick()
-                return
-            if self.last and (self.dirty is None or version > self.dirty) and tr._writes_any(self.last):
-                self.dirty = version
-            if self.count and tr._writes_any(self.watches):
-                self._kick()
+            elif not signalled and self.last:
+                for key in tr._written_among(self.last, version):
+                    self.own[key] = version
+        for f in fired:
+            f._resolve(None)
 
     def _kick(self):   # under self.cond
         self.kick = True
@@ -341,11 +364,14 @@ class _WatchManager:
                         self.checking = False
                         self.last = current
                         if self.verify:     # see register
-                            stale = version is None or (self.dirty is not None and self.dirty > version)
-                            if stale or any(key not in current or current[key] != baseline
-                                            for key, baseline in self.verify):
+                            own = self.own
+                            if version is None or any(key not in current or current[key] != baseline
+                                                      or own.get(key, -1) > version
+                                                      for key, baseline in self.verify):
                                 self.kick = True
                             self.verify = []
+                        if self.own:
+                            self.own = {k: v for k, v in self.own.items() if version is None or v > version}
                     watches = self.watches
                     for key in keys:
                         lst = watches.get(key)
