@@ -8,6 +8,7 @@ Chromium, its driver or Selenium, every test here skips, saying which is missing
 test`` installs Chromium where it can: see the Makefile's ``browser`` step)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -36,9 +37,7 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 
 
 def _missing() -> str | None:
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("selenium") is None:
         return "selenium is not installed (pip install -e '.[test]')"
     for path, package in ((CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver")):
         if not os.access(path, os.X_OK):
