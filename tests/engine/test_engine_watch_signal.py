@@ -362,6 +362,58 @@ def test_a_watch_set_in_a_writing_transaction_fires_for_an_own_write_it_did_not_
     assert not keep.is_ready()
 
 
+def _many_watched(embedded, n=300):
+    """``n`` keys (over 256: a commit's clear ranges are not searched for them, a search
+    per key and commit), set, each watched; the thread settled on them."""
+    keys = [embedded.k(b"many/%03d" % i) for i in range(n)]
+    tr = embedded.db.create_transaction()
+    for k in keys:
+        tr[k] = b"v"
+    tr.commit().wait()
+    fs = [_watch(embedded.db, k) for k in keys]
+    _settled(embedded.db._watches)
+    return keys, fs
+
+
+def test_an_own_clear_range_over_many_watched_keys_fires_the_cleared_ones(embedded, monkeypatch):
+    """A commit whose clear ranges were not searched for the watched keys asks the
+    thread to check them all: the cleared ones fire, the others stay."""
+    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    if not _signal_works(embedded.db):
+        pytest.skip("no inotify here")
+    keys, fs = _many_watched(embedded)
+    tr = embedded.db.create_transaction()
+    tr.clear_range(keys[5], keys[8])    # keys 5, 6 and 7
+    tr.commit().wait()
+    for i in (5, 6, 7):
+        assert wait_ready(fs[i], FIRE_BOUND_S), i
+    assert not any(fs[i].is_ready() for i in range(len(keys)) if i not in (5, 6, 7))
+
+
+def test_a_watch_whose_baseline_missed_an_own_clear_over_many_checked_keys_fires(embedded, monkeypatch):
+    """After an own unsignalled commit whose clear ranges were not searched for the keys
+    of the thread's last check, any new watch is checked: its baseline may be older than
+    the clear, and no signal is to come for it. Here the key was last written by an own
+    commit the baseline did see, which alone would let the registration skip the check."""
+    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    if not _signal_works(embedded.db):
+        pytest.skip("no inotify here")
+    keys, fs = _many_watched(embedded)
+    tr = embedded.db.create_transaction()
+    for k in keys:
+        tr[k] = b"w"
+    tr.commit().wait()                  # fires every watch, in this thread
+    assert all(f.is_ready() for f in fs)
+    late = embedded.db.create_transaction()
+    late[keys[7]]                       # the late watch's baseline: b"w", before the clear
+    tr = embedded.db.create_transaction()
+    tr.clear_range(keys[5], keys[8])
+    tr.commit().wait()
+    f = late.watch(keys[7])
+    late.commit().wait()
+    assert wait_ready(f, FIRE_BOUND_S)
+
+
 def test_an_own_commit_of_unwatched_keys_does_not_wake_the_thread(embedded, monkeypatch):
     monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
     if not _signal_works(embedded.db):

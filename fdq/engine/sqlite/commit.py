@@ -195,23 +195,32 @@ class _Commit:
             for key, base, f in self._take_pending():
                 f._resolve(None, err)
 
-    def _written_among(self, keys, version: int) -> list:
-        """The keys of ``keys`` (a dict or set) this transaction, committed at
-        ``version``, wrote or cleared: its versionstamped keys as they were stored."""
+    def _written_among(self, keys, version: int) -> tuple:
+        """-> (the keys of ``keys``, a dict or set, this transaction wrote or cleared,
+        committed at ``version``; complete). Its versionstamped keys count as stored; a
+        key holding this commit's stamp where it wrote more stamped keys than ``keys``
+        has is counted without looking closer (a watch may fire spuriously). Not
+        complete: clear ranges against over 256 keys (a search each) were not looked at."""
         writes = self._writes
-        if self._clears:
-            found = [k for k in keys if k in writes or self._in_clears(k)]
-        elif len(writes) < len(keys):
+        if len(writes) < len(keys):
             found = [k for k in writes if k in keys]
         else:
             found = [k for k in keys if k in writes]
-        if self._vs_keys:
+        complete = True
+        if self._clears:
+            if len(keys) > 256:
+                complete = False
+            else:
+                found += [k for k in keys if k not in writes and self._in_clears(k)]
+        vs = self._vs_keys
+        if vs:
             stamp = version.to_bytes(8, "big") + b"\x00\x00"
-            for key, offset, *_ in self._vs_keys:
-                k = key[:offset] + stamp + key[offset + 10:-4]
-                if k in keys and k not in found:
-                    found.append(k)
-        return found
+            if len(vs) <= len(keys):
+                stored = [key[:offset] + stamp + key[offset + 10:-4] for key, offset, *_ in vs]
+                found += [k for k in stored if k in keys and k not in found]
+            else:
+                found += [k for k in keys if stamp in k and k not in found]
+        return found, complete
 
     def _register_watch(self, key, baseline, f):
         if f.is_ready():

@@ -133,6 +133,7 @@ class _WatchManager:
         self.recent = {}        # key -> when its last watch ended: still checked (``WATCH_LINGER_S``)
         self.verify = []        # (key, baseline) of the watches registered during a check
         self.own = {}           # key of ``last`` -> the last own unsignalled commit that wrote it
+        self.dirty = None       # the last own unsignalled commit that may have written any key of ``last``
         self.local_key = _local_key(self.path)
         with _registry_lock:
             managers = _local_managers.get(self.local_key)
@@ -153,30 +154,31 @@ class _WatchManager:
         the thread keeps checking a key for ``WATCH_LINGER_S`` after its last watch
         ended, as a consumer re-watches the same keys): equal, every commit that changed
         the key since is still to be signalled and no check is asked for; different, or
-        a key the last check did not read, a check is asked for (a kick). By value, not
-        by version: a watch set in a writing transaction is registered as of its commit
-        version, which a write meanwhile made without a write conflict range
-        (``set_next_write_no_write_conflict_range``: a push's add to the ``routed``
-        counter consumers watch) does not conflict with. While a check is under way
-        (``checking``: it took its keys before this watch and may consume signals of
+        a key the last check did not read, a check is asked for (a kick). By value: the
+        baseline may be older than the last check (a lease round reads it at its start,
+        and a push's add to the ``routed`` counter consumers watch, made with
+        ``set_next_write_no_write_conflict_range``, does not conflict with it), and its
+        value tells whether a commit in between changed the key. While a check is under
+        way (``checking``: it took its keys before this watch and may consume signals of
         commits the baseline missed) the same comparison is made with that check's values
         when it records them (``verify``). An own commit that sent no signal fired the
         watches of the keys it wrote itself (``notify_commit``) and left ``last`` stale for
         those of them it holds (``own``: key -> that commit's version, until a check newer
         than it): a baseline read at or after that version is taken as the key's value in
-        ``last``, an older one asks for a check. A thread lingering with no watch waits on ``cond``, not on
-        signals, and leaves them queued: it is woken (no check asked for) to sleep on
-        them again. Always a check: when the thread polls without signals or before its
-        first check. The kick a consumer's re-armed watch used to cost (a pipe write,
-        then a check taking the GIL from its worker, ~0.1 ms per lease round) found
-        nothing in the common case."""
+        ``last``, an older one asks for a check, as does any watch while an own commit
+        that may have written any key of ``last`` is newer than the last check (``dirty``).
+        A thread lingering with no watch waits on ``cond``, not on signals, and leaves them
+        queued: it is woken (no check asked for) to sleep on them again. Always a check:
+        when the thread polls without signals or before its first check. The kick a
+        consumer's re-armed watch used to cost (a pipe write, then a check taking the GIL
+        from its worker, ~0.1 ms per lease round) found nothing in the common case."""
         with self.cond:
             self.watches.setdefault(key, []).append((baseline, future))
             self.count += 1
             future._on_cancel = functools.partial(self._cancelled, key)
             if self.thread is None:
                 self.checking = self.lingering = False
-                self.checked_version = None
+                self.checked_version = self.dirty = None
                 self.last, self.recent, self.verify, self.own = {}, {}, [], {}
                 self.thread = threading.Thread(target=self._run, name="fdq-watches", daemon=True)
                 self.thread.start()
@@ -185,6 +187,8 @@ class _WatchManager:
             elif self.checking:
                 self.verify.append((key, baseline))
                 return
+            elif self.dirty is not None:
+                pass    # an own commit after the last check may have written it, unsignalled
             elif key in self.own:
                 # Own commits since the last check wrote it and sent no signal (they fired
                 # its watches themselves): a baseline read at or after the last of them
@@ -221,28 +225,32 @@ class _WatchManager:
         """Commit ``version`` of ``tr``, a transaction of this process, is visible. The
         watches of this process on keys ``tr`` wrote fire here, in the committing thread:
         a wake-up of the watch thread and a check less between a push and the consumer of
-        the same process (an NSQ broker's PUB and its channel), and a fire where the value
-        did not change is allowed (docs/fdb-semantics.md §8). The thread is woken (a kick)
-        only where it still has to look: when it polls without commit signals (the poll
-        interval saved) or, with signals, never for an own commit (a signalled one wakes
-        it anyway; an unsignalled one changed none of its remaining keys). An unsignalled
-        commit that wrote a key of the last check (``last``) is kept for ``register``
-        (``dirty``): a watch whose baseline missed this commit is checked, as no signal
-        is to come for it."""
+        the same process (an NSQ broker's PUB and its channel); a fire where the value did
+        not change is allowed (docs/fdb-semantics.md §8). The other watched keys did not
+        change: no kick (a signalled commit wakes the thread anyway), unless ``tr`` cleared
+        ranges that were not searched for them (``_written_among``: over 256 keys), when
+        the thread checks them all. An unsignalled commit leaves ``last`` stale for the
+        keys of it that ``tr`` wrote (``own``, or every key: ``dirty``): ``register``
+        then judges a new watch by its baseline's read version, or asks for a check, as
+        no signal is to come for that commit."""
         fired = []
         with self.cond:
             if self.count:
+                written, complete = tr._written_among(self.watches, version)
                 ended = time.monotonic()
-                for key in tr._written_among(self.watches, version):
-                    lst = self.watches.pop(key)
-                    self.count -= len(lst)
-                    self.recent[key] = ended
-                    fired += [f for _b, f in lst]
-            if self.poke_w is None:
-                if self.count:
+                for key in written:
+                    lst = self.watches.pop(key, None)
+                    if lst:
+                        self.count -= len(lst)
+                        self.recent[key] = ended
+                        fired += [f for _b, f in lst]
+                if not complete and self.count:
                     self._kick()
-            elif not signalled and self.last:
-                for key in tr._written_among(self.last, version):
+            if not signalled and self.last and self.poke_w is not None:
+                written, complete = tr._written_among(self.last, version)
+                if not complete:
+                    self.dirty = version
+                for key in written:
                     self.own[key] = version
         for f in fired:
             f._resolve(None)
@@ -365,13 +373,16 @@ class _WatchManager:
                         self.last = current
                         if self.verify:     # see register
                             own = self.own
-                            if version is None or any(key not in current or current[key] != baseline
-                                                      or own.get(key, -1) > version
-                                                      for key, baseline in self.verify):
+                            stale = version is None or (self.dirty is not None and self.dirty > version)
+                            if stale or any(key not in current or current[key] != baseline
+                                            or own.get(key, -1) > version for key, baseline in self.verify):
                                 self.kick = True
                             self.verify = []
-                        if self.own:
-                            self.own = {k: v for k, v in self.own.items() if version is None or v > version}
+                        if version is not None:
+                            if self.own:
+                                self.own = {k: v for k, v in self.own.items() if v > version}
+                            if self.dirty is not None and self.dirty <= version:
+                                self.dirty = None
                     watches = self.watches
                     for key in keys:
                         lst = watches.get(key)
