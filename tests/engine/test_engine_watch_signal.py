@@ -33,6 +33,15 @@ def embedded(eng):
     return eng
 
 
+@pytest.fixture
+def signals(embedded, monkeypatch):
+    """The commit signal works here, and the fallback poll is too slow to be what fired a
+    watch within FIRE_BOUND_S: the path under test did."""
+    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
+    if not _signal_works(embedded.db):
+        pytest.skip("no inotify here")
+
+
 def _watch(db, key):
     tr = db.create_transaction()
     f = tr.watch(key)
@@ -55,10 +64,8 @@ def _signal_works(db) -> bool:
     return True
 
 
-def test_a_commit_of_another_database_object_wakes_a_watch_by_signal(embedded, monkeypatch):
-    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
-    if not _signal_works(embedded.db):
-        pytest.skip("no inotify here")
+@pytest.mark.usefixtures("signals")
+def test_a_commit_of_another_database_object_wakes_a_watch_by_signal(embedded):
     other = fdq.connect(embedded.url, check_format=False)   # own store: no in-process kick
     k = embedded.k(b"sig")
     f = _watch(embedded.db, k)
@@ -74,10 +81,8 @@ def test_a_commit_of_another_database_object_wakes_a_watch_by_signal(embedded, m
 
 
 @pytest.mark.slow
-def test_a_commit_in_another_process_wakes_a_watch_by_signal(embedded, monkeypatch):
-    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
-    if not _signal_works(embedded.db):
-        pytest.skip("no inotify here")
+@pytest.mark.usefixtures("signals")
+def test_a_commit_in_another_process_wakes_a_watch_by_signal(embedded):
     k = embedded.k(b"xsig")
     for i in range(3):      # and again: the thread sleeps on the signal between them
         f = _watch(embedded.db, k)
@@ -155,15 +160,13 @@ def _settled(mgr, after: int = -1):
 
 
 @pytest.mark.slow
-def test_a_watch_whose_snapshot_missed_a_checked_commit_fires(embedded, monkeypatch):
+@pytest.mark.usefixtures("signals")
+def test_a_watch_whose_snapshot_missed_a_checked_commit_fires(embedded):
     """A transaction reads a key; another process commits a change to it, which the
     sleeping watch thread checks (the key not yet watched: that commit's signal is
     consumed); then the watch is registered with the stale baseline and no signal is
     still to come. The registration must make the thread check it (the thread's last
     check is newer than the watch's snapshot)."""
-    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
-    if not _signal_works(embedded.db):
-        pytest.skip("no inotify here")
     keep = _watch(embedded.db, embedded.k(b"keep"))    # keeps the thread and its checks
     mgr = embedded.db._watches
     k = embedded.k(b"stale")
@@ -180,15 +183,13 @@ def test_a_watch_whose_snapshot_missed_a_checked_commit_fires(embedded, monkeypa
 
 
 @pytest.mark.parametrize("where", ["other database", "this database", "other process"])
-def test_a_watch_registered_without_a_check_fires_on_the_next_commit(embedded, monkeypatch, where):
+@pytest.mark.usefixtures("signals")
+def test_a_watch_registered_without_a_check_fires_on_the_next_commit(embedded, where):
     """The registration asked for no check (the key's value in the thread's last check
     is the watch's baseline; the first watch of a key asks for one, the thread has no
     value for it yet): the next commit that changes the key fires it by its signal,
     whether it comes from another Database, another process, or this Database (whose
     own commits no longer kick the thread while the signal works)."""
-    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
-    if not _signal_works(embedded.db):
-        pytest.skip("no inotify here")
     other = fdq.connect(embedded.url, check_format=False)
     keep = _watch(embedded.db, embedded.k(b"keep"))
     mgr = embedded.db._watches
@@ -224,14 +225,12 @@ class _GatedConnection(sqlite3.Connection):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("signals")
 def test_a_watch_registered_during_a_check_that_consumed_its_commit_fires(embedded, monkeypatch):
     """A transaction reads a key; another process commits a change to it; the watch
     thread wakes on that commit's signal and is held inside its check (keys taken, the
     signal consumed); the watch is registered then. The check's end must ask for
     another check: no signal is still to come for that commit."""
-    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
-    if not _signal_works(embedded.db):
-        pytest.skip("no inotify here")
     real_connect = sqlite3.connect
     monkeypatch.setattr(sqlite3, "connect",
                         lambda *a, **kw: real_connect(*a, factory=_GatedConnection, **kw))
@@ -258,15 +257,13 @@ def test_a_watch_registered_during_a_check_that_consumed_its_commit_fires(embedd
     assert not keep.is_ready()
 
 
+@pytest.mark.usefixtures("signals")
 def test_a_watch_registered_while_the_thread_lingers_fires_on_the_next_commit(embedded, monkeypatch):
     """With no watch left the thread waits (lingers) on its condition, not on signals;
     a registration that needs no check must still wake it to sleep on them again. The
     writes come from another process: the thread's check fires the watch, then finds no
     watch left (a commit of this process fires it without waking the thread)."""
-    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
     monkeypatch.setattr(watches, "WATCH_LINGER_S", SLOW_POLL_S)
-    if not _signal_works(embedded.db):
-        pytest.skip("no inotify here")
     mgr = embedded.db._watch_manager()
     k = embedded.k(b"linger")
     for i in range(3):
@@ -286,13 +283,11 @@ def test_a_watch_registered_while_the_thread_lingers_fires_on_the_next_commit(em
             raise AssertionError("the watch thread did not linger")
 
 
-def test_a_watch_whose_snapshot_missed_an_unsignalled_own_commit_fires(embedded, monkeypatch):
+@pytest.mark.usefixtures("signals")
+def test_a_watch_whose_snapshot_missed_an_unsignalled_own_commit_fires(embedded):
     """A commit of this process sends no signal when no other process watches, and
-    kicks the thread only if it wrote a watched key. A watch whose baseline missed
-    such a commit (the key not yet watched then) must still be checked."""
-    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
-    if not _signal_works(embedded.db):
-        pytest.skip("no inotify here")
+    fires only the watches of the keys it wrote. A watch whose baseline missed such a
+    commit (the key not yet watched then) must still be checked."""
     keep = _watch(embedded.db, embedded.k(b"keep"))
     mgr = embedded.db._watches
     k = embedded.k(b"own")
@@ -307,13 +302,11 @@ def test_a_watch_whose_snapshot_missed_an_unsignalled_own_commit_fires(embedded,
     assert not keep.is_ready()
 
 
-def test_a_commit_of_this_process_fires_the_watches_of_its_keys_before_it_returns(embedded, monkeypatch):
+@pytest.mark.usefixtures("signals")
+def test_a_commit_of_this_process_fires_the_watches_of_its_keys_before_it_returns(embedded):
     """A commit fires this process's watches on the keys it wrote itself, in the
     committing thread: no wake-up of the watch thread and no check between a push and
     the consumer of the same process. Watches on other keys stay."""
-    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
-    if not _signal_works(embedded.db):
-        pytest.skip("no inotify here")
     keep = _watch(embedded.db, embedded.k(b"keep"))
     mgr = embedded.db._watches
     k = embedded.k(b"pushed")
@@ -335,16 +328,13 @@ def test_a_commit_of_this_process_fires_the_watches_of_its_keys_before_it_return
     assert not keep.is_ready()
 
 
-def test_a_watch_set_in_a_writing_transaction_fires_for_an_own_write_it_did_not_conflict_with(embedded,
-                                                                                                monkeypatch):
+@pytest.mark.usefixtures("signals")
+def test_a_watch_set_by_a_writing_transaction_fires_for_an_own_conflict_free_write_it_missed(embedded):
     """A transaction reads a key for its watch; a commit of this process adds to the key
     without a write conflict range (a push's ``routed``), so the watching transaction,
     which writes elsewhere, commits after it. Its baseline missed that add, which fired
     no watch (none was registered yet): the registration must ask for a check, judged by
     the baseline's read version, not the later commit version."""
-    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
-    if not _signal_works(embedded.db):
-        pytest.skip("no inotify here")
     keep = _watch(embedded.db, embedded.k(b"keep"))
     mgr = embedded.db._watches
     k = embedded.k(b"routed")
@@ -375,12 +365,10 @@ def _many_watched(embedded, n=300):
     return keys, fs
 
 
-def test_an_own_clear_range_over_many_watched_keys_fires_the_cleared_ones(embedded, monkeypatch):
+@pytest.mark.usefixtures("signals")
+def test_an_own_clear_range_over_many_watched_keys_fires_the_cleared_ones(embedded):
     """A commit whose clear ranges were not searched for the watched keys asks the
     thread to check them all: the cleared ones fire, the others stay."""
-    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
-    if not _signal_works(embedded.db):
-        pytest.skip("no inotify here")
     keys, fs = _many_watched(embedded)
     tr = embedded.db.create_transaction()
     tr.clear_range(keys[5], keys[8])    # keys 5, 6 and 7
@@ -390,14 +378,12 @@ def test_an_own_clear_range_over_many_watched_keys_fires_the_cleared_ones(embedd
     assert not any(fs[i].is_ready() for i in range(len(keys)) if i not in (5, 6, 7))
 
 
-def test_a_watch_whose_baseline_missed_an_own_clear_over_many_checked_keys_fires(embedded, monkeypatch):
+@pytest.mark.usefixtures("signals")
+def test_a_watch_whose_baseline_missed_an_own_clear_over_many_checked_keys_fires(embedded):
     """After an own unsignalled commit whose clear ranges were not searched for the keys
     of the thread's last check, any new watch is checked: its baseline may be older than
     the clear, and no signal is to come for it. Here the key was last written by an own
     commit the baseline did see, which alone would let the registration skip the check."""
-    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
-    if not _signal_works(embedded.db):
-        pytest.skip("no inotify here")
     keys, fs = _many_watched(embedded)
     tr = embedded.db.create_transaction()
     for k in keys:
@@ -414,10 +400,8 @@ def test_a_watch_whose_baseline_missed_an_own_clear_over_many_checked_keys_fires
     assert wait_ready(f, FIRE_BOUND_S)
 
 
-def test_an_own_commit_of_unwatched_keys_does_not_wake_the_thread(embedded, monkeypatch):
-    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
-    if not _signal_works(embedded.db):
-        pytest.skip("no inotify here")
+@pytest.mark.usefixtures("signals")
+def test_an_own_commit_of_unwatched_keys_does_not_wake_the_thread(embedded):
     keep = _watch(embedded.db, embedded.k(b"keep"))
     mgr = embedded.db._watches
     _settled(mgr)
@@ -450,15 +434,13 @@ def test_a_watch_in_another_process_is_woken_by_this_ones_commit(embedded, monke
     assert keep is None or not keep.is_ready()
 
 
-def test_connections_coming_and_going_beside_a_watch_keep_its_process_signalled(embedded, monkeypatch):
+@pytest.mark.usefixtures("signals")
+def test_connections_coming_and_going_beside_a_watch_keep_its_process_signalled(embedded):
     """A process's watch thread announces itself to other processes' commits by a POSIX
     lock on the database's watcher file, which closing any descriptor the process has of
     that file drops. Connections opened and dropped beside it (each probing that file,
     their descriptors closed as they go) must leave it held: another process's commit
     still wakes the watch by signal, not by the (slow) poll."""
-    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
-    if not _signal_works(embedded.db):
-        pytest.skip("no inotify here")
     k = embedded.k(b"theirs")
     f = _watch(embedded.db, k)
     _settled(embedded.db._watches)      # its thread holds the lock
@@ -484,16 +466,14 @@ tr.commit().wait()
 
 
 @pytest.mark.slow
-def test_a_watch_set_by_a_writing_transaction_fires_for_a_conflict_free_write_it_missed(embedded, monkeypatch):
+@pytest.mark.usefixtures("signals")
+def test_a_watch_set_by_a_writing_transaction_fires_for_a_conflict_free_write_it_missed(embedded):
     """Another process writes the watched key without a write conflict range after the
     transaction's read version, and the watch thread checks that commit (its signal
     consumed); the transaction, which writes, commits (no conflict) and its watch is
-    registered as of its commit version with the older baseline. It must fire: no
+    registered, after that check, with the older baseline. It must fire: no
     signal is still to come for that write (a consumer's lease round watching the
     ``routed`` counter a push adds to so)."""
-    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
-    if not _signal_works(embedded.db):
-        pytest.skip("no inotify here")
     keep = _watch(embedded.db, embedded.k(b"keep"))
     mgr = embedded.db._watches
     k = embedded.k(b"counter")
@@ -513,15 +493,13 @@ def test_a_watch_set_by_a_writing_transaction_fires_for_a_conflict_free_write_it
     assert not keep.is_ready()
 
 
-def test_a_watch_set_by_a_writing_transaction_costs_the_thread_no_check(embedded, monkeypatch):
+@pytest.mark.usefixtures("signals")
+def test_a_watch_set_by_a_writing_transaction_costs_the_thread_no_check(embedded):
     """A consumer's lease round sets its watches in its writing transaction: a key the
     thread checked lately whose value there is the watch's baseline costs no check (the
-    first watch of a key does: the thread has no value for it yet). Registered as of
-    the transaction's read version, its own commit (no signal, no watched key written)
-    made the thread check it again: a wake per round."""
-    monkeypatch.setattr(watches, "WATCH_FALLBACK_POLL_S", SLOW_POLL_S)
-    if not _signal_works(embedded.db):
-        pytest.skip("no inotify here")
+    first watch of a key does: the thread has no value for it yet). Its own commit (no
+    signal, no watched key written) must not make the thread check it again: that was a
+    wake per round."""
     keep = _watch(embedded.db, embedded.k(b"keep"))
     mgr = embedded.db._watches
     k = embedded.k(b"watched")
