@@ -49,7 +49,8 @@ import fdq  # noqa: E402
 from workers.common import read_lines  # noqa: E402,F401 - the worker logs' reader, for the tests too
 from fdq.ops import clock  # noqa: E402
 from fdq.keyspace import Keyspace  # noqa: E402
-from fdq.keyspace.codec import Record, shard_of  # noqa: E402
+from fdq.keyspace.codec import Record  # noqa: E402
+from fdq.ops.routing import shard_for  # noqa: E402
 
 embedded_only = pytest.mark.skipif(ON_FDB, reason="about the embedded engine itself (sqlite:// only)")
 
@@ -78,8 +79,8 @@ def database_url(path, **options) -> str:
 
 
 def key_on_shard(n: int, shards: int) -> str:
-    """A shard key that routes to shard ``n`` of ``shards``."""
-    return next(k for k in (f"k{i}" for i in range(100_000)) if shard_of(k, shards) == n)
+    """A shard key that routes to shard ``n`` of ``shards`` (asked of the routing function)."""
+    return next(k for k in (f"k{i}" for i in range(100_000)) if shard_for(k, shards) == n)
 
 
 def wait_for(cond, timeout: float = 60.0, what: str = "condition", interval: float = 0.05):

@@ -14,7 +14,7 @@ import pytest
 import fdq
 from fdq.keyspace.codec import CHUNK_BYTES
 
-from fdqtest import FAST, fast, FAST_STEADY, scan, sub_stats, key_on_shard, wait_for, with_faults
+from fdqtest import FAST, fast, FAST_STEADY, key_on_shard, scan, sub_stats, wait_for, with_faults
 
 
 BIG = bytes(range(256)) * ((2 * CHUNK_BYTES + 1234) // 256 + 1)     # three chunks
