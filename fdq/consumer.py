@@ -183,6 +183,7 @@ class Consumer:
         self.db = db
         self.topic = check_name(topic)
         self.subscription = check_name(subscription, "subscription")
+        hooks.load_defaults()   # now, not in the first handler call's latency
         self.config = config or ConsumerConfig()
         if not isinstance(self.config, ConsumerConfig):
             raise ConfigError(f"config must be a fdq.ConsumerConfig, not {type(self.config).__name__}")

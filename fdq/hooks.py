@@ -40,8 +40,9 @@ raises is logged (once per hook and method) and otherwise ignored: it never fail
 or a handler.
 
 With nothing registered a push or a handler call costs one module attribute test
-(``active``). The first push or handler call loads the defaults: :mod:`fdq.tracing`
-when ``opentelemetry-api`` is importable (nothing is imported otherwise).
+(``active``). Making a :class:`fdq.Producer` or a consumer loads the defaults
+(:func:`load_defaults`): :mod:`fdq.tracing` when ``opentelemetry-api`` is importable
+(nothing is imported otherwise).
 """
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def register(hook) -> None:
     """Run ``hook`` around pushes and handlers of this process from now on (after the
     hooks registered before it; registered twice: once)."""
     global _hooks, active
-    _load_defaults()
+    load_defaults()
     with _lock:
         if hook not in _hooks:
             _hooks = _hooks + (hook,)
@@ -103,7 +104,7 @@ def register(hook) -> None:
 def unregister(hook) -> None:
     """Stop running ``hook`` (not registered: nothing happens)."""
     global _hooks, active
-    _load_defaults()
+    load_defaults()
     with _lock:
         _hooks = tuple(h for h in _hooks if h is not hook)
         active = bool(_hooks)
@@ -111,13 +112,15 @@ def unregister(hook) -> None:
 
 def registered() -> tuple:
     """The hooks registered now, in the order they run."""
-    _load_defaults()
+    load_defaults()
     return _hooks
 
 
-def _load_defaults():
+def load_defaults():
     """Once per process: register the default hooks whose package is importable
-    (:mod:`fdq.tracing` with ``opentelemetry-api``)."""
+    (:mod:`fdq.tracing` with ``opentelemetry-api``). A :class:`fdq.Producer` and a
+    consumer call it when they are made: the import (~15 ms with ``opentelemetry-api``)
+    is then not part of the first push's or handler call's latency."""
     global _loaded, _hooks, active
     if _loaded:
         return
@@ -173,7 +176,7 @@ def _begin(method: str, *args):
     """Run every hook's ``method`` (``push_begin`` / ``handle_begin``): ``(hooks, their
     states)``, or None if none is registered or every one skipped."""
     if not _loaded:
-        _load_defaults()
+        load_defaults()
     hooks = _hooks
     if not hooks:
         return None
@@ -272,7 +275,7 @@ def begin_handle_batch(messages: list) -> HandleBatchCall | None:
 def received(messages: list) -> None:
     """Run the hooks' ``receive`` for ``messages`` a pull consumer leased."""
     if not _loaded:
-        _load_defaults()
+        load_defaults()
     for hook in _hooks:
         fn = getattr(hook, "receive", None)
         if fn is None:
@@ -283,5 +286,5 @@ def received(messages: list) -> None:
             _failed(hook, "receive", e)
 
 
-__all__ = ["Hook", "SKIP", "received", "register", "unregister", "registered", "begin_push", "begin_handle",
-           "begin_handle_batch"]
+__all__ = ["Hook", "SKIP", "load_defaults", "received", "register", "unregister", "registered", "begin_push",
+           "begin_handle", "begin_handle_batch"]

@@ -428,6 +428,7 @@ class Producer:
         self._seq_lock = threading.Lock()
         self._names = set()     # topic names checked (``_check_topic``)
         self._group = _GroupCommit(self._flush, self.config.max_batch, self.config.linger_ms / 1000)
+        hooks.load_defaults()   # now, not in the first push's latency
         _LIVE_PRODUCERS.add(self)
         # atexit runs handlers last-registered first: registered again here, the exit flush
         # runs before the handler of FoundationDB's binding (registered when fdb.impl was

@@ -1,6 +1,6 @@
 """OpenTelemetry trace context propagation (needs ``opentelemetry-api``: ``fdq-queue[otel]``).
 
-Loaded by :mod:`fdq.hooks` at the first push or handler call of a process where
+Loaded by :mod:`fdq.hooks` when a process makes its first producer or consumer, where
 ``opentelemetry`` is importable, and registered there as a hook with the global tracer
 provider; where it is not importable nothing is imported, no header written, nothing run.
 

@@ -331,7 +331,7 @@ from fdqtest import log_records
 db = fdq.connect(sys.argv[1])
 fdq.Supervisor(db).create_topic("t", shards=1)
 p = fdq.Producer(db)
-p.push("t", b"before")      # loads the default hook: no provider yet
+p.push("t", b"before")      # the default hook (loaded by Producer) has no provider yet
 exporter = InMemorySpanExporter()
 provider = TracerProvider()
 provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -355,6 +355,26 @@ def test_without_opentelemetry_nothing_is_imported_and_records_are_unchanged(db_
     assert out["headers"] == [None, {"a": 1}]
     assert out["handled"] == [{}, {"a": 1}]
     assert out["plain_record_is_the_plain_encoding"]
+
+
+MADE = """
+import sys
+import fdq
+db = fdq.connect(sys.argv[1])
+fdq.Supervisor(db).create_topic("t", shards=1)
+before = "fdq.tracing" in sys.modules
+made = fdq.Producer(db) if sys.argv[2] == "producer" else fdq.Consumer(db, "t")
+print(before, "fdq.tracing" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("what", ["producer", "consumer"])
+def test_making_a_producer_or_consumer_loads_the_default_hook_before_any_push_or_handler(db_url, what):
+    """The import (~15 ms) is not part of the first push's or handler call's latency."""
+    r = subprocess.run([sys.executable, "-c", MADE, db_url, what], capture_output=True, text=True, timeout=120,
+                       env=_env())
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "True"]
 
 
 SCRIPT = """
