@@ -13,7 +13,7 @@ import time
 import fdq
 from fdq.errors import LeaseLost
 
-from fdqtest import database_url, fast, fetch_until, read, sub_stats, wait_for, with_faults
+from fdqtest import database_url, fast, fetch_until, read, sub_stats, threads_in, wait_for, with_faults
 
 
 def test_acks_under_commit_unknown_result_are_exact(tmp_path):
@@ -164,6 +164,38 @@ def test_tail_acks_ride_the_next_lease_and_are_flushed_when_idle(db):
     assert not [e for e in errors if not isinstance(e, fdq.ConsumerStalled)], errors
     st = fdq.Supervisor(db).stats("t")
     assert st["counters"]["acked"] == 95
+
+
+def test_a_tail_keeps_its_acks_for_the_next_lease_after_a_round_a_push_marked(db, monkeypatch):
+    """A push while a round runs marks its shard and wakes the worker; the next round
+    takes that shard. The wake goes with it: the worker, with nothing left to do, then
+    waits its ack linger for the next message, whose lease commits the acks. A wake left
+    set ended that wait at once and the acks committed alone, a writing commit more (at
+    one message per round: 1-13% of the rounds)."""
+    monkeypatch.setattr(fdq.tailing, "ACK_LINGER_S", 60.0)     # what decides it is the wake
+    fdq.Supervisor(db).create_topic("t", shards=1)
+    p = fdq.Producer(db)
+    handled = []
+
+    def handler(m):
+        handled.append(m.body)
+        if m.body == b"1":
+            p.push("t", b"2")       # during round 1: marks the shard (its watch fires)
+
+    c = fdq.tail(db, "t", handler, config=fast(ack_wait_s=60, poll_interval_s=60))
+    try:
+        p.push("t", b"1")
+        wait_for(lambda: handled == [b"1", b"2"] and threads_in("_work_loop", "_idle"), 30,
+                 what="both handled, the worker waiting")
+        counters = fdq.Supervisor(db).stats("t")["counters"]
+        assert counters["acked"] == 1, "the acks of round 2 committed alone, not with a next lease"
+        p.push("t", b"3")
+        wait_for(lambda: fdq.Supervisor(db).stats("t")["counters"]["acked"] == 2, 30,
+                 what="the ack of 2 committed with the lease of 3")
+        assert handled == [b"1", b"2", b"3"]
+    finally:
+        c.shutdown()
+    assert fdq.Supervisor(db).stats("t")["counters"]["acked"] == 3
 
 
 def test_tail_carried_settlements_under_fault_injection_are_exact(db, url):
