@@ -789,8 +789,8 @@ def main(argv=None):
                 row(f"pull: fetch 100, ack() each, {threads} thread{'s' if threads > 1 else ''}",
                     bench_pull(url(), 2000 if q else 8000, threads, secs))
         if "latency" in cases:
-            # Three runs in a full run: the figure is bimodal (see bench/RESULTS.md), and
-            # one run would show either mode as if it were the rule.
+            # Three runs in a full run: a run's p99 rests on its slowest 1% (a few dozen
+            # messages), and one run would show a lucky or an unlucky one as the rule.
             runs = 1 if q else 3
             for i in range(runs):
                 run = f", run {i + 1} of {runs}" if runs > 1 else ""

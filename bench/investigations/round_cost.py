@@ -4,16 +4,17 @@ At 1,000 msgs/s a ``tail`` consumer mostly runs rounds of one to a few messages,
 its own shard (unkeyed or many-keyed pushes spread over the shards). This measures such a
 round as the at-least-once worker runs it (``TailConsumer._process_at_least_once``
 without the handler): the previous round's acks carried into the lease transaction, one
-message leased from each of ``k`` shards, then the read-only transaction that arms the
-drained shards' watches. Before each round (not timed) one ``push_many`` puts one message
+message leased from each of ``k`` shards, the drained shards' watches set in that
+transaction. Before each round (not timed) one ``push_many`` puts one message
 on each of those ``k`` shards. Thread CPU time per round and per message, and SQL
 statements per round (``set_trace_callback`` on the engine's connections, this thread
 only; a second pass, so tracing does not bias the timing).
 
     python -m bench.investigations.round_cost [--shards 1,2,4,8,16] [--rounds 600] [--json]
 
-What it shows (bench/RESULTS.md): a fixed cost per round plus a cost per shard visited,
-both mostly Python in the engine and the delivery code, not SQLite.
+What it showed when last run (2026-11-28; the figures are in bench/RESULTS.md's git
+history): a fixed cost per round plus a cost per shard visited, both mostly Python in
+the engine and the delivery code, not SQLite.
 """
 from __future__ import annotations
 
