@@ -365,6 +365,8 @@ fdq.Supervisor(db).create_topic("t", shards=1)
 before = "fdq.tracing" in sys.modules
 made = fdq.Producer(db) if sys.argv[2] == "producer" else fdq.Consumer(db, "t")
 print(before, "fdq.tracing" in sys.modules)
+if sys.argv[2] == "consumer":
+    made.close()
 """
 
 

@@ -362,10 +362,10 @@ class _Store:
         """Run a PASSIVE checkpoint soon, in this store's checkpoint thread. Not in the
         committing thread: a checkpoint copies WAL pages and fsyncs the database file,
         7-45 ms on this VM, which made it the p99 of a push and of end-to-end latency
-        when it ran inside the commit of whichever transaction crossed the threshold.
-        The thread runs on its own connection without
-        the version clock lock or ``write_lock``: readers and writers of every process
-        go on meanwhile (the GIL is released inside SQLite)."""
+        when it ran inside the commit of whichever transaction crossed the threshold. The
+        thread runs on its own connection without the version clock lock or
+        ``write_lock``: readers and writers of every process go on meanwhile (the GIL is
+        released inside SQLite)."""
         with self.ckpt_cond:
             self.ckpt_due = True
             if self.ckpt_thread is None:
